@@ -1,0 +1,58 @@
+"""The scheduler <-> runner contract: what to compute this step, and what came out. Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.request import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Sent the first step the runner sees a request (again, after a preemption): sampling state to set up."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute KV for ``token_ids`` at positions start_position...
+
+    ``block_ids`` is the request's whole block table (slot = block_id * block_size + offset).
+    ``sample`` is True when this chunk ends at the request's last known token, so a new token is sampled.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Sampled tokens for the scheduled requests whose ``sample`` flag was set, by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Per request: {token_id: logprob} for the sampled token plus the top-n, when logprobs were asked for.
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)

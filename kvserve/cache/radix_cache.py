@@ -1,0 +1,273 @@
+"""A radix tree over full KV blocks: the prefix cache.
+
+Each node holds a run of consecutive full blocks (their chained hashes, token ids and block ids); a child
+is keyed by the hash of its first block. Because hashes are chained, a key names the whole prefix up to
+and including its block, and a hit is confirmed on the token ids, never on the hash alone.
+
+    root ── [sys prompt: b0 b1 b2] ──┬── [turn A: b3 b4]
+                                     └── [turn B: b7] ── [b8 b9]
+
+``lock_ref`` counts the requests using a node or any node below it (locking walks to the root), so a
+node's count is always >= the sum of its children's. Only leaves with ``lock_ref == 0`` are evicted,
+least recently used first, block by block from their tail; a parent that becomes an unlocked leaf is
+next in line. The tree owns the blocks it holds (``BlockPool.cached``); running requests add references.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvserve.cache.block_pool import BlockPool
+from kvserve.request import BlockHash
+
+
+class RadixNode:
+    __slots__ = ("node_id", "parent", "children", "block_hashes", "token_ids", "block_ids", "lock_ref",
+                 "last_access", "depth")
+
+    def __init__(self, node_id: int, parent: RadixNode | None, depth: int, now: float) -> None:
+        self.node_id = node_id
+        self.parent = parent
+        self.children: dict[BlockHash, RadixNode] = {}
+        self.block_hashes: list[BlockHash] = []
+        self.token_ids: list[int] = []  # block_size tokens per block, concatenated
+        self.block_ids: list[int] = []
+        self.lock_ref = 0
+        self.last_access = now
+        self.depth = depth  # blocks from the root to the END of this node
+
+    @property
+    def start_depth(self) -> int:
+        return self.depth - len(self.block_ids)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"RadixNode(id={self.node_id}, blocks={self.block_ids}, lock_ref={self.lock_ref}, depth={self.depth})"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The longest cached run of blocks for a token sequence, ending at ``node`` (a block boundary)."""
+
+    node: RadixNode
+    block_ids: list[int]
+
+
+class RadixCache:
+    def __init__(self, block_size: int, pool: BlockPool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_size = block_size
+        self.pool = pool
+        self.clock = clock
+        self._ids = itertools.count()
+        self.root = RadixNode(next(self._ids), None, 0, clock())
+        self.num_cached_blocks = 0
+        self.num_evicted_blocks = 0
+
+    # --- lookup -------------------------------------------------------------------------------------------
+    def match_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], max_blocks: int) -> PrefixMatch:
+        """Longest run (at most ``max_blocks``) of cached blocks matching ``token_ids``; splits a node when
+        the match ends inside it, so the returned node ends exactly at the match. Touches the path (LRU)."""
+        now = self.clock()
+        node, matched = self.root, 0
+        block_ids: list[int] = []
+        limit = min(max_blocks, len(block_hashes))
+        while matched < limit:
+            child = node.children.get(block_hashes[matched])
+            if child is None:
+                break
+            n = self._count_matching_blocks(child, block_hashes, token_ids, matched, limit)
+            if n == 0:
+                break
+            if n < len(child.block_ids):
+                child = self._split(child, n)
+            child.last_access = now
+            block_ids.extend(child.block_ids)
+            matched += n
+            node = child
+        return PrefixMatch(node, block_ids)
+
+    def match_length(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], max_blocks: int) -> int:
+        """Blocks ``match_prefix`` would find, without splitting nodes or touching the LRU (for ordering)."""
+        node, matched = self.root, 0
+        limit = min(max_blocks, len(block_hashes))
+        while matched < limit:
+            child = node.children.get(block_hashes[matched])
+            if child is None:
+                break
+            n = self._count_matching_blocks(child, block_hashes, token_ids, matched, limit)
+            matched += n
+            if n < len(child.block_ids):
+                break
+            node = child
+        return matched
+
+    def _count_matching_blocks(
+        self, child: RadixNode, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int, limit: int
+    ) -> int:
+        bs = self.block_size
+        n = 0
+        while n < len(child.block_ids) and start + n < limit:
+            if child.block_hashes[n] != block_hashes[start + n]:
+                break
+            lo = (start + n) * bs
+            if child.token_ids[n * bs : (n + 1) * bs] != list(token_ids[lo : lo + bs]):
+                break  # a hash collision: never trust the hash alone
+            n += 1
+        return n
+
+    def _split(self, node: RadixNode, n: int) -> RadixNode:
+        """Cut ``node`` after its first ``n`` blocks; returns the new upper node (same lock_ref)."""
+        bs = self.block_size
+        parent = node.parent
+        assert parent is not None and 0 < n < len(node.block_ids)
+        upper = RadixNode(next(self._ids), parent, node.start_depth + n, node.last_access)
+        upper.block_hashes, node.block_hashes = node.block_hashes[:n], node.block_hashes[n:]
+        upper.token_ids, node.token_ids = node.token_ids[: n * bs], node.token_ids[n * bs :]
+        upper.block_ids, node.block_ids = node.block_ids[:n], node.block_ids[n:]
+        upper.lock_ref = node.lock_ref
+        parent.children[upper.block_hashes[0]] = upper
+        upper.children[node.block_hashes[0]] = node
+        node.parent = upper
+        return upper
+
+    # --- locking ------------------------------------------------------------------------------------------
+    def lock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, f"unlock of unlocked {node}"
+            node.lock_ref -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    # --- insertion ----------------------------------------------------------------------------------------
+    def insert(
+        self,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        start: RadixNode | None = None,
+    ) -> RadixNode:
+        """Insert the first ``len(block_ids)`` blocks of a sequence; returns the node ending at the last one.
+
+        ``start`` (a node on the sequence's path, e.g. the one its request has locked) skips the walk
+        over blocks already known to be in the tree. Where the tree already holds a block for the same
+        key it keeps its own copy; the caller's duplicate stays private to the caller. The caller's
+        blocks must be referenced (held by a running request): the tree marks the new ones cached.
+        """
+        bs = self.block_size
+        now = self.clock()
+        node = start or self.root
+        depth = node.depth
+        total = len(block_ids)
+        while depth < total:
+            child = node.children.get(block_hashes[depth])
+            if child is not None:
+                n = self._count_matching_blocks(child, block_hashes, token_ids, depth, total)
+                if n == 0:  # hash collision with different tokens: leave the tree as it is
+                    return node
+                if n < len(child.block_ids):
+                    child = self._split(child, n)
+                child.last_access = now
+                node, depth = child, child.depth
+                continue
+            new_hashes = list(block_hashes[depth:total])
+            new_tokens = list(token_ids[depth * bs : total * bs])
+            new_blocks = list(block_ids[depth:total])
+            for block_id in new_blocks:
+                self.pool.mark_cached(block_id)
+            self.num_cached_blocks += len(new_blocks)
+            if node is start and node is not self.root and node.is_leaf and node.lock_ref == 1:
+                # Extend a leaf that only its inserter holds, instead of growing a chain of one-block nodes.
+                node.block_hashes.extend(new_hashes)
+                node.token_ids.extend(new_tokens)
+                node.block_ids.extend(new_blocks)
+                node.depth = total
+                node.last_access = now
+                return node
+            child = RadixNode(next(self._ids), node, total, now)
+            child.block_hashes, child.token_ids, child.block_ids = new_hashes, new_tokens, new_blocks
+            child.lock_ref = 0
+            node.children[new_hashes[0]] = child
+            return child
+        return node
+
+    # --- eviction -----------------------------------------------------------------------------------------
+    def evict(self, num_blocks: int) -> int:
+        """Reclaim up to ``num_blocks`` blocks from unlocked leaves, least recently used first."""
+        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_blocks and heap:
+            _, _, leaf = heapq.heappop(heap)
+            take = min(num_blocks - evicted, len(leaf.block_ids))
+            for block_id in leaf.block_ids[len(leaf.block_ids) - take :]:
+                self.pool.reclaim(block_id)
+            del leaf.block_ids[len(leaf.block_ids) - take :]
+            del leaf.block_hashes[len(leaf.block_hashes) - take :]
+            del leaf.token_ids[len(leaf.block_ids) * self.block_size :]
+            leaf.depth -= take
+            evicted += take
+            if not leaf.block_ids:
+                parent = leaf.parent
+                assert parent is not None
+                del parent.children[next(k for k, v in parent.children.items() if v is leaf)]
+                if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        self.num_cached_blocks -= evicted
+        self.num_evicted_blocks += evicted
+        return evicted
+
+    def _evictable_leaves(self) -> list[RadixNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(child for child in node.children.values() if child.lock_ref == 0 or child.children)
+            elif node is not self.root and node.lock_ref == 0:
+                leaves.append(node)
+        return leaves
+
+    def num_evictable_blocks(self) -> int:
+        """Blocks in subtrees no request locks (all of them reclaimable by repeated leaf eviction)."""
+        total, stack = 0, list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref == 0:
+                total += len(node.block_ids)
+            stack.extend(node.children.values())
+        return total
+
+    # --- integrity ----------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        seen: set[int] = set()
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            child_locks = sum(child.lock_ref for child in node.children.values())
+            if node is not self.root:
+                assert node.block_ids, f"{node} is empty"
+                assert node.lock_ref >= child_locks, f"{node} lock_ref below its children's ({child_locks})"
+                assert len(node.block_hashes) == len(node.block_ids)
+                assert len(node.token_ids) == len(node.block_ids) * self.block_size
+                assert node.parent is not None and node.depth == node.parent.depth + len(node.block_ids)
+                for block_id in node.block_ids:
+                    assert block_id not in seen, f"block {block_id} twice in the tree"
+                    seen.add(block_id)
+                    assert self.pool.cached[block_id], f"tree block {block_id} not marked cached"
+                    if node.lock_ref == 0:
+                        assert self.pool.ref_counts[block_id] == 0, f"block {block_id} used but unlocked"
+            for key, child in node.children.items():
+                assert child.parent is node and child.block_hashes[0] == key
+                stack.append(child)
+        assert len(seen) == self.num_cached_blocks, f"{len(seen)} blocks in tree, counter {self.num_cached_blocks}"
+        assert sum(self.pool.cached) == len(seen), "pool's cached flags disagree with the tree"

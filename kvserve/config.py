@@ -1,0 +1,140 @@
+"""Frozen configuration dataclasses. Each component takes its own sub-config; EngineConfig composes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvserve.errors import InvalidRequest
+
+DType = Literal["float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal["fcfs", "lpm"]
+
+
+@dataclass(frozen=True, slots=True)
+class ArchConfig:
+    """A model's shape, read from GGUF metadata or a Hugging Face ``config.json``."""
+
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    # Mixture-of-experts (used by the cost model only; the engine runs dense models).
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which weights to load and how. ``model=None`` means the default SmolLM2-135M-Instruct GGUF."""
+
+    model: str | None = None
+    dtype: DType = "bfloat16"
+    device: str = "auto"  # "auto" picks CUDA when available, else CPU
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+    show_progress: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit block count wins over kv_cache_gb
+    kv_cache_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    # Extra keys mixed into every block hash (model fingerprint, adapter, tenant salt).
+    hash_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequest(f"block_size must be a power of two >= 1, got {self.block_size}", "block_size")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidRequest(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}", "num_kv_blocks")
+        if self.kv_cache_gb <= 0:
+            raise InvalidRequest(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}", "kv_cache_gb")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    policy: SchedulingPolicy = "fcfs"
+    # lpm only: a waiting request passed over this many times is served next regardless of its hit.
+    lpm_max_skips: int = 8
+    max_waiting_requests: int | None = None  # None: unbounded (the server sets a bound)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequest(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequest(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}", "max_num_batched_tokens"
+            )
+        if self.policy not in ("fcfs", "lpm"):
+            raise InvalidRequest(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}", "policy")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """Lower KV tiers below device memory. All off by default."""
+
+    host_gb: float = 0.0
+    disk_gb: float = 0.0
+    disk_dir: str | None = None
+    redis_url: str | None = None
+    retention_s: float = 72 * 3600.0
+    write_policy: Literal["write_back", "write_through"] = "write_back"
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gb > 0 or (self.disk_gb > 0 and self.disk_dir is not None) or self.redis_url is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: Literal["none", "ngram", "draft"] = "none"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting_requests: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

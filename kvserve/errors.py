@@ -1,0 +1,85 @@
+"""Typed errors. Every error a user can cause is one of these, with a message that names the cause.
+
+The server maps each class to an HTTP status (see ``http_status``); nothing here imports anything.
+"""
+
+from __future__ import annotations
+
+
+class KVServeError(Exception):
+    """Base class of every error kvserve raises on purpose."""
+
+    http_status: int = 500
+    code: str | None = None
+    error_type: str = "internal_error"
+
+
+class InvalidRequest(KVServeError):
+    """The request is malformed or asks for something impossible. ``param`` names the offending field."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidSamplingParams(InvalidRequest):
+    """A sampling parameter is out of range (negative temperature, top_p outside (0, 1], ...)."""
+
+
+class EmptyPrompt(InvalidRequest):
+    def __init__(self, message: str = "the prompt is empty: at least one token is required") -> None:
+        super().__init__(message, param="prompt")
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt (plus the requested output) does not fit in the model's context."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, param: str | None = "prompt") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class CapacityError(KVServeError):
+    """The engine cannot take the request now (queue full); the client may retry."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+    code = "too_many_requests"
+
+
+class EngineDeadError(KVServeError):
+    """The background engine loop has died; no request can be served."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "engine_dead"
+
+
+class ModelNotFound(KVServeError):
+    """The model path or served model name does not exist."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class ModelLoadError(KVServeError):
+    """A model file exists but cannot be loaded (truncated GGUF, missing tensor, unsupported type)."""
+
+    error_type = "model_load_error"
+
+
+class UnsupportedModel(ModelLoadError):
+    """The architecture or tensor type is one kvserve does not implement."""
+
+
+class StorageError(KVServeError):
+    """A KV storage tier failed (connection lost, corrupt entry). Callers degrade to a cache miss."""
+
+    error_type = "storage_error"

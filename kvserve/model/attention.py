@@ -1,0 +1,119 @@
+"""Paged attention backends. The torch reference backend runs everywhere and is the correctness oracle.
+
+KV memory per layer is one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
+``block_id * block_size + offset``. The runner orders a step's tokens as
+
+    [ decode tokens (one per request) | prefill chunk of request a | prefill chunk of request b | ... ]
+
+and describes that layout once per step in ``AttentionMetadata``; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One request's prefill chunk: queries q_start..q_start+q_len attend to keys 0..kv_len-1."""
+
+    q_start: int
+    q_len: int
+    kv_len: int
+    # None when the chunk starts at position 0: keys are exactly this chunk's, plain causal attention.
+    block_ids: torch.Tensor | None = None  # [num_blocks] blocks holding keys 0..kv_len-1
+    mask: torch.Tensor | None = None  # [q_len, kv_len] bool, True = attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    num_decode_tokens: int = 0
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        ...
+
+
+class TorchPagedAttention:
+    """Gathers each request's blocks and calls scaled_dot_product_attention.
+
+    Decodes are batched in one call: with grouped-query attention the query heads sharing a KV head are
+    laid out as that head's "query positions" ([B, num_kv_heads, group, head_dim]), so K/V are never
+    repeated and the padding mask is the only mask.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale if scale is not None else head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+        nd = meta.num_decode_tokens
+        if nd == num_tokens and not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta).view(num_tokens, -1)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        for span in meta.prefills:
+            qs = slice(span.q_start, span.q_start + span.q_len)
+            query = q[qs].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
+            if span.block_ids is None:
+                key = k[qs].transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, q_len, head_dim]
+                value = v[qs].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                key = k_cache[span.block_ids].flatten(0, 1)[: span.kv_len].transpose(0, 1).unsqueeze(0)
+                value = v_cache[span.block_ids].flatten(0, 1)[: span.kv_len].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    query, key, value, attn_mask=span.mask, scale=self.scale, enable_gqa=True
+                )
+            out[qs] = o[0].transpose(0, 1)
+        return out.view(num_tokens, -1)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert meta.decode_block_table is not None
+        batch = q.shape[0]
+        query = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        # [batch, max_blocks, block_size, kv_heads, head_dim] -> [batch, kv_heads, max_blocks * block_size, head_dim]
+        key = k_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+        value = v_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=meta.decode_mask, scale=self.scale)
+        return o.reshape(batch, self.num_heads, self.head_dim)
+
+
+def get_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    """The one place a backend is chosen. Fused CUDA kernels plug in here without touching model code."""
+    return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,147 @@
+"""The Llama family: Llama / SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (QK-norm), one implementation.
+
+Weights arrive under Hugging Face names; Q/K/V and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ArchConfig
+from kvserve.errors import ModelLoadError
+from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.layers import RotaryEmbedding, apply_rotary, rms_norm
+
+
+class DecoderLayer:
+    def __init__(self, arch: ArchConfig, attention: AttentionBackend) -> None:
+        self.arch = arch
+        self.attention = attention
+        self.qkv_weight: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+        self.qkv_bias: torch.Tensor | None = None
+        self.o_weight: torch.Tensor  # [hidden, q_size]
+        self.q_norm: torch.Tensor | None = None  # [head_dim]
+        self.k_norm: torch.Tensor | None = None
+        self.gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+        self.down_weight: torch.Tensor  # [hidden, intermediate]
+        self.input_norm: torch.Tensor  # [hidden]
+        self.post_attention_norm: torch.Tensor
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        residual = hidden if residual is None else hidden + residual
+        x = rms_norm(residual, self.input_norm, eps)
+
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split((arch.q_size, arch.kv_size, arch.kv_size), dim=-1)
+        q = q.view(num_tokens, arch.num_heads, arch.head_dim)
+        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, eps)
+            k = rms_norm(k, self.k_norm, eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        attn = self.attention.forward(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
+
+        residual = F.linear(attn, self.o_weight) + residual
+        x = rms_norm(residual, self.post_attention_norm, eps)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight), residual
+
+
+class LlamaForCausalLM:
+    def __init__(self, arch: ArchConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device):
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.layers = [DecoderLayer(arch, attention) for _ in range(arch.num_layers)]
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
+        self.embed_tokens: torch.Tensor  # [vocab, hidden]
+        self.final_norm: torch.Tensor
+        self.lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer.forward(hidden, residual, cos, sin, meta, kv_cache)
+        assert residual is not None
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab] float32 (only the rows that sample)."""
+        x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    # --- weights --------------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take tensors under Hugging Face names; fuse Q/K/V and gate/up; check nothing is missing."""
+        arch = self.arch
+        parts: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            parts[name] = tensor.to(device=self.device, dtype=self.dtype)
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return parts.pop(name)
+            except KeyError:
+                raise ModelLoadError(f"weight {name!r} is missing from the model files") from None
+
+        self.embed_tokens = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        if arch.tie_word_embeddings:
+            parts.pop("lm_head.weight", None)
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = take("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            layer.qkv_weight = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                          take(attn + "v_proj.weight")]).contiguous()
+            if arch.qkv_bias:
+                layer.qkv_bias = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"),
+                                            take(attn + "v_proj.bias")]).contiguous()
+            layer.o_weight = take(attn + "o_proj.weight")
+            if arch.qk_norm:
+                layer.q_norm = take(attn + "q_norm.weight")
+                layer.k_norm = take(attn + "k_norm.weight")
+            layer.gate_up_weight = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous()
+            layer.down_weight = take(mlp + "down_proj.weight")
+            layer.input_norm = take(p + "input_layernorm.weight")
+            layer.post_attention_norm = take(p + "post_attention_layernorm.weight")
+        # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
+        leftover = [name for name in parts if not name.endswith(".bias")]
+        if leftover:
+            raise ModelLoadError(f"unexpected weights for {arch.architecture}: {sorted(leftover)[:5]}")
+
+    @property
+    def num_parameters(self) -> int:
+        tensors = [self.embed_tokens, self.final_norm]
+        if self.lm_head is not self.embed_tokens:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight,
+                        layer.input_norm, layer.post_attention_norm]
+        return sum(t.numel() for t in tensors)

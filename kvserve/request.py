@@ -1,0 +1,265 @@
+"""Requests and what comes back: sampling parameters, per-request state, outputs, stage timestamps.
+
+No torch here: the scheduler and the cache work on these objects. A request owns its block arithmetic
+(how many blocks it needs, which of its blocks are full) so that nobody else recomputes offsets.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvserve.errors import InvalidSamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, KV freed, to be recomputed
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the next token. Defaults follow vLLM's; invalid values raise InvalidSamplingParams."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers; store tuples so the dataclass stays hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidSamplingParams:
+            return InvalidSamplingParams(f"{param} {why}, got {getattr(self, param)!r}", param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2 <= value <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chained block hashes: key(block i) = H(key(block i-1) || token ids of block i || extra keys).
+# Stable across processes (blake2b, not Python's hash), so lower storage tiers can share them.
+# ---------------------------------------------------------------------------------------------------------
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(array("I", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """A timestamp per pipeline stage (time.monotonic seconds) plus counts of what each stage did."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # found in the prefix cache at admission (any tier)
+    num_prefill_chunks: int = 0
+    num_prefill_tokens_computed: int = 0
+    num_decode_steps: int = 0
+    num_preemptions: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # (time, number of tokens emitted) per step that produced output: for ITL
+    token_times: list[float] = field(default_factory=list)
+
+
+class Request:
+    """One sequence being generated. Owns its token list, block table and block arithmetic."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "status", "all_token_ids",
+        "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_cached_tokens", "block_hashes",
+        "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
+        "prompt", "cache_handle", "arrival_order", "output_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        max_total_tokens: int,
+        arrival_time: float | None = None,
+        arrival_order: int = 0,
+        hash_extra: bytes = b"",
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self.block_hashes: list[BlockHash] = []
+        self.hash_extra = hash_extra
+        self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        # prompt + max output, capped by the model's context length
+        self.max_total_tokens = max_total_tokens
+        self.priority_skips = 0
+        self.cache_handle: object | None = None  # owned by the KV manager (locked radix node)
+        self.arrival_order = arrival_order
+        self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+
+    # --- token arithmetic -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is not yet in the cache: the whole prompt at first, then one per decode step."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    # --- block arithmetic -------------------------------------------------------------------------------
+    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """Blocks this request's table must hold to store KV for its first ``num_tokens`` tokens."""
+        return -(-num_tokens // block_size)
+
+    def full_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Chained hashes of every full block of ``all_token_ids``, extended incrementally."""
+        num_full = self.num_tokens // block_size
+        hashes = self.block_hashes
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, self.all_token_ids[i * block_size : (i + 1) * block_size], self.hash_extra))
+        return hashes
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine hands back for a request: cumulative so far, plus the delta since the last output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)

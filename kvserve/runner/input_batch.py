@@ -1,0 +1,108 @@
+"""Turns a SchedulerOutput into the tensors one forward needs: ids, positions, slots, attention layout.
+
+Token order in the batch:   [ d0 d1 ... d(B-1) | prefill a (q_len_a) | prefill b | ... ]
+where the d's are single-token queries (decodes, or one-token prefill chunks), batched in one attention
+call; every prefill chunk gets its own span. ``sample_rows[i]`` is the hidden-state row whose logits
+sample the next token of ``sample_request_ids[i]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.batch import ScheduledRequest, SchedulerOutput
+from kvserve.model.attention import AttentionMetadata, PrefillSpan
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_samples]
+    sample_request_ids: list[str]
+
+
+def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    singles = [s for s in out.scheduled if len(s.token_ids) == 1]
+    chunks = [s for s in out.scheduled if len(s.token_ids) > 1]
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_ids: list[str] = []
+
+    for row, s in enumerate(singles):
+        pos = s.start_position
+        input_ids.append(s.token_ids[0])
+        positions.append(pos)
+        slots.append(s.block_ids[pos // block_size] * block_size + pos % block_size)
+        if s.sample:
+            sample_rows.append(row)
+            sample_ids.append(s.request_id)
+
+    decode_block_table = decode_mask = None
+    if singles:
+        kv_lens = [s.start_position + 1 for s in singles]
+        max_blocks = -(-max(kv_lens) // block_size)
+        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in singles]
+        decode_block_table = torch.tensor(table, dtype=torch.long)
+        key_positions = torch.arange(max_blocks * block_size)
+        # [num_decodes, 1, 1, max_blocks * block_size]: True where the key exists
+        decode_mask = (key_positions[None, :] < torch.tensor(kv_lens)[:, None])[:, None, None, :]
+
+    spans: list[PrefillSpan] = []
+    q_start = len(singles)
+    for s in chunks:
+        q_len = len(s.token_ids)
+        start = s.start_position
+        kv_len = start + q_len
+        input_ids.extend(s.token_ids)
+        positions.extend(range(start, kv_len))
+        slots.extend(_chunk_slots(s, block_size))
+        if start == 0:
+            spans.append(PrefillSpan(q_start, q_len, kv_len))
+        else:
+            num_blocks = -(-kv_len // block_size)
+            mask = torch.arange(kv_len)[None, :] <= torch.arange(start, kv_len)[:, None]  # [q_len, kv_len]
+            spans.append(PrefillSpan(q_start, q_len, kv_len, torch.tensor(s.block_ids[:num_blocks]), mask))
+        if s.sample:
+            sample_rows.append(q_start + q_len - 1)
+            sample_ids.append(s.request_id)
+        q_start += q_len
+
+    def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    for span in spans:
+        span.block_ids, span.mask = dev(span.block_ids), dev(span.mask)
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        num_decode_tokens=len(singles),
+        decode_block_table=dev(decode_block_table),
+        decode_mask=dev(decode_mask),
+        prefills=spans,
+    )
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        attn=attn,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        sample_request_ids=sample_ids,
+    )
+
+
+def _chunk_slots(s: ScheduledRequest, block_size: int) -> list[int]:
+    """Slots of positions start..start+len-1, one block-aligned run at a time (no per-token divisions)."""
+    slots: list[int] = []
+    pos, end = s.start_position, s.start_position + len(s.token_ids)
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        run = min(block_size - offset, end - pos)
+        base = s.block_ids[block] * block_size + offset
+        slots.extend(range(base, base + run))
+        pos += run
+    return slots

@@ -1,0 +1,54 @@
+"""Runs one step on the model: build inputs, forward, sample. Never sees the scheduler or the cache tree."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.batch import RunnerOutput, SchedulerOutput
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.runner.input_batch import build_inputs
+from kvserve.runner.sampler import Sampler, SamplingState
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        sampler: Sampler,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = model.device
+        self.states: dict[str, SamplingState] = {}
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for request_id in out.finished_request_ids:
+            self.states.pop(request_id, None)
+        for new in out.new_requests:
+            self.states[new.request_id] = SamplingState(
+                new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids
+            )
+        result = RunnerOutput()
+        if out.is_empty:
+            return result
+
+        inputs = build_inputs(out, self.block_size, self.device)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        if not inputs.sample_request_ids:
+            return result
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_samples, vocab]
+        states = [self.states[rid] for rid in inputs.sample_request_ids]
+        sampled = self.sampler(logits, states)
+        for request_id, state, token_id, logprobs in zip(
+            inputs.sample_request_ids, states, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            state.output_token_ids.append(token_id)
+            result.sampled_token_ids[request_id] = token_id
+            if logprobs is not None:
+                result.logprobs[request_id] = logprobs
+        return result

@@ -1,0 +1,252 @@
+"""Continuous batching: which requests run this step and how many tokens each computes. No torch.
+
+The rule (vLLM v1's): a request has ``num_computed_tokens`` and a target ``num_tokens`` (prompt plus
+what it generated). Each step hands out tokens under one budget, ``max_num_batched_tokens``: running
+requests first, oldest first, then waiting ones. A prefill, a chunk of a long prompt, a prefix-cache
+hit (computed tokens start at the cached length) and a decode step are all the same rule.
+
+When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
+the front of the waiting queue to be recomputed, so the oldest request always makes progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from kvserve.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvserve.cache.kv_manager import EMPTY_HIT, KVCacheManager, PrefixHit
+from kvserve.config import SchedulerConfig
+from kvserve.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_runner: set[str] = set()
+        self._forget: list[str] = []  # request ids the runner must drop at the next step
+        self.num_preemptions = 0
+
+    # --- queue management -----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is; its blocks are freed at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """Finish a request from outside (a stop string matched in the detokenised text)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.stop_reason = stop_reason
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.metrics.finished_time = self.clock()
+        del self.requests[request.request_id]
+        self._drop_from_runner(request.request_id)
+
+    def _drop_from_runner(self, request_id: str) -> None:
+        if request_id in self._known_to_runner:
+            self._known_to_runner.discard(request_id)
+            self._forget.append(request_id)
+
+    # --- one step -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        now = self.clock()
+        preempted = False
+
+        # 1. Running requests, oldest first. Preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_to_compute, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._emit(out, request, num_new, now)
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, while budget, sequence slots and blocks last. None after a preemption:
+        #    memory is short, and admitting more would only preempt again.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self._next_waiting()
+                first_admission = request.status is RequestStatus.WAITING
+                hit = self.kv.lookup(request)
+                num_new = min(request.num_tokens - hit.num_tokens, budget)
+                if not self.kv.allocate(request, num_new, hit):
+                    self.kv.release_hit(hit)
+                    break
+                self.waiting.remove(request)
+                if first_admission:
+                    request.num_cached_tokens = hit.num_tokens
+                    request.metrics.num_cached_tokens = hit.num_tokens
+                    request.metrics.first_scheduled_time = now
+                    self.kv.record_admission(request, hit)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._emit(out, request, num_new, now)
+                budget -= num_new
+
+        out.finished_request_ids, self._forget = self._forget, []
+        return out
+
+    def _next_waiting(self) -> Request:
+        """FCFS: the head of the queue. LPM: the longest cached prefix, unless a request has waited too long."""
+        if self.config.policy == "fcfs" or len(self.waiting) == 1:
+            return self.waiting[0]
+        candidates = list(self.waiting)[:64]
+        for request in candidates:
+            if request.priority_skips >= self.config.lpm_max_skips or request.status is RequestStatus.PREEMPTED:
+                chosen = request
+                break
+        else:
+            chosen = max(candidates, key=lambda r: (self.kv.cached_prefix_length(r), -r.arrival_order))
+        for request in candidates:
+            if request is chosen:
+                break
+            request.priority_skips += 1  # passed over by a later arrival
+        return chosen
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+        start = request.num_computed_tokens
+        if request.request_id not in self._known_to_runner:
+            self._known_to_runner.add(request.request_id)
+            out.new_requests.append(
+                NewRequestData(
+                    request.request_id,
+                    request.sampling_params,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
+                    request.eos_token_ids,
+                )
+            )
+        out.scheduled.append(
+            ScheduledRequest(
+                request.request_id,
+                request.all_token_ids[start : start + num_new],
+                start,
+                request.block_ids,
+                start + num_new == request.num_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s", request.request_id)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._drop_from_runner(request.request_id)
+
+    # --- results --------------------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Apply a step's results; returns the requests that got a new token (some now finished)."""
+        now = self.clock()
+        updated: list[Request] = []
+        for scheduled in out.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            num_new = len(scheduled.token_ids)
+            request.num_computed_tokens += num_new
+            metrics = request.metrics
+            if request.num_computed_tokens - num_new < request.num_prompt_tokens:
+                metrics.num_prefill_chunks += 1
+                metrics.num_prefill_tokens_computed += num_new
+            if not scheduled.sample:
+                self.kv.cache_computed_blocks(request)
+                continue
+            token_id = result.sampled_token_ids[request.request_id]
+            request.append_token(token_id)
+            if request.output_logprobs is not None:
+                request.output_logprobs.append(result.logprobs.get(request.request_id, {}))
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            else:
+                metrics.num_decode_steps += 1
+            metrics.last_token_time = now
+            metrics.token_times.append(now)
+            updated.append(request)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+            else:
+                self.kv.cache_computed_blocks(request)
+        return updated
+
+    @staticmethod
+    def _check_stop(request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return FinishReason.STOP
+        if request.num_tokens >= request.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        owners: dict[int, str] = {}
+        for request in self.running:
+            expected = request.num_blocks_needed(request.num_computed_tokens, self.kv.block_size)
+            assert len(request.block_ids) >= expected, f"{request} holds too few blocks"
+            for block_id in request.block_ids:
+                assert self.kv.pool.ref_counts[block_id] > 0, f"{request} holds unreferenced block {block_id}"
+                if block_id in owners and not self.kv.pool.cached[block_id]:
+                    raise AssertionError(f"private block {block_id} owned by {owners[block_id]} and {request}")
+                owners[block_id] = request.request_id
+        for request in self.waiting:
+            assert not request.block_ids, f"waiting {request} holds blocks"
+
+
+__all__ = ["Scheduler", "EMPTY_HIT", "PrefixHit"]
