@@ -1,0 +1,199 @@
+"""The engine in a background thread, with a per-request asyncio stream, abort and back-pressure.
+
+    asyncio side (server)                       engine thread
+    ─────────────────────                       ─────────────
+    generate() ── validate, tokenize ──► commands (add / abort) ──► Engine.add_request / abort_request
+        ▲                                                            Engine.step()
+        └── per-request asyncio.Queue ◄── loop.call_soon_threadsafe ◄── RequestOutput
+
+Validation happens on the caller's side before anything is queued, so bad input raises at once with a
+typed error. If the loop dies, every open stream and every later request gets EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvserve.engine import Engine, EngineStats, PromptType
+from kvserve.errors import CapacityError, EngineDeadError, KVServeError
+from kvserve.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    stream: _Stream
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class _Stream:
+    """Outputs of one request, handed from the engine thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._num_pending_adds = 0  # queued but not yet seen by the engine thread
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._stats: EngineStats = engine.stats()
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- caller side ----------------------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread took after its last step (never races the step itself)."""
+        return self._stats
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
+        """Tokenize and validate without queueing anything: raises the typed error the caller reports."""
+        self._check_alive()
+        token_ids, text = self.engine.tokenize_prompt(prompt)
+        self.engine.check_context(len(token_ids), params.max_tokens)
+        return token_ids, text
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iteration early (client gone) aborts the request."""
+        self._check_alive()
+        with self._lock:
+            if self.max_waiting_requests is not None:
+                waiting = self._stats.num_waiting + self._num_pending_adds
+                if waiting >= self.max_waiting_requests:
+                    raise CapacityError(
+                        f"the server is at capacity ({waiting} requests waiting); retry shortly"
+                    )
+            self._num_pending_adds += 1
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._send(_Add(request_id, prompt_token_ids, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def _send(self, command: _Add | _Abort | None) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _check_alive(self) -> None:
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop has stopped: {self.dead!r}")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._send(None)
+        self._thread.join(timeout)
+
+    # --- engine thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._drain_commands():
+                    break
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self._stats = engine.stats()
+                self.last_step_time = time.monotonic()
+                for output in outputs:
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.put(output)
+        except BaseException as exc:  # the loop must never die silently
+            logger.exception("engine loop died")
+            self.dead = exc
+            error = EngineDeadError(f"the engine loop has stopped: {exc!r}")
+            for stream in list(self._streams.values()):
+                stream.put(error)
+        finally:
+            self._abort_everything()
+
+    def _drain_commands(self) -> bool:
+        """Apply queued adds and aborts. Returns False on the shutdown sentinel."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if command is None:
+                return False
+            if isinstance(command, _Abort):
+                output = self.engine.abort_request(command.request_id)
+                stream = self._streams.get(command.request_id)
+                if output is not None and stream is not None:
+                    stream.put(output)
+                continue
+            with self._lock:
+                self._num_pending_adds -= 1
+            try:
+                self.engine.add_request({"prompt_token_ids": command.prompt_token_ids}, command.params,
+                                        request_id=command.request_id)
+                self.engine.scheduler.requests[command.request_id].prompt = command.prompt
+            except KVServeError as exc:  # one request's problem, never the loop's
+                command.stream.put(exc)
+            except ValueError as exc:
+                command.stream.put(exc)
+            self._stats = self.engine.stats()
+
+    def _abort_everything(self) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort_request(request_id)

@@ -1,0 +1,154 @@
+"""`kvserve serve | generate | chat | bench | cost | trace` — the command line. The CLI may print."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.errors import KVServeError
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options, spelled as vLLM spells them where the same option exists."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size in GiB")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          seed=args.seed, num_threads=args.num_threads),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  policy=args.scheduling_policy),
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kvserve.request import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve.engine import Engine
+
+    engine = Engine(engine_config_from_args(args))
+    prompt = args.prompt
+    if not args.raw:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+    engine.add_request(prompt, _sampling_params(args))
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            sys.stdout.write(output.delta_text)
+            sys.stdout.flush()
+            final = output
+    sys.stdout.write("\n")
+    if final is not None and args.verbose:
+        m = final.metrics
+        ttft = (m.first_token_time - m.arrival_time) * 1e3 if m.first_token_time else float("nan")
+        n = len(final.outputs[0].token_ids)
+        decode_s = (m.finished_time or m.arrival_time) - (m.first_token_time or m.arrival_time)
+        rate = (n - 1) / decode_s if decode_s > 0 and n > 1 else float("nan")
+        print(f"[{n} tokens, finish={final.outputs[0].finish_reason}, TTFT {ttft:.0f} ms, decode {rate:.1f} tok/s]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvserve.engine import Engine
+
+    engine = Engine(engine_config_from_args(args))
+    params = _sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvserve chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        text = engine.tokenizer.apply_chat_template(messages)
+        try:
+            engine.add_request({"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}, params)
+        except KVServeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        reply = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                sys.stdout.write(output.delta_text)
+                sys.stdout.flush()
+                reply.append(output.delta_text)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference serving engine.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    add_engine_arguments(p)
+    add_sampling_arguments(p, max_tokens=64)
+    p.add_argument("--prompt", default="What is a KV cache? Answer in two sentences.")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("-v", "--verbose", action="store_true", help="print timing to stderr")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat on the terminal, streaming")
+    add_engine_arguments(p)
+    add_sampling_arguments(p, max_tokens=256)
+    p.add_argument("--system", default=None)
+    p.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KVServeError as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Turn one step's logits into next tokens: min_tokens, penalties, logprobs, filters, sampling.
+
+The model runner calls ``Sampler`` once per engine step with the logits of every request that samples a
+token this step (one row per request) and the ``SamplingState`` it keeps for each of them.
+
+Order of operations (as vLLM does), all in float32 on the logits' device:
+
+    logits [B, V] ──► min_tokens: eos + stop_token_ids → -inf while len(output) < min_tokens
+                 ──► repetition penalty (prompt + output tokens, HF: logit > 0 → /p, else *p)
+                 ──► frequency / presence penalties (output tokens, OpenAI: -= f*count + p*(count > 0))
+                 ├─► logprobs = log_softmax(penalised logits)   (before temperature and filters)
+                 ├─► greedy rows: argmax(penalised logits)      (ties → lowest index, as torch/HF)
+                 └─► sampled rows: / temperature ──► top-k ──► top-p ──► min-p ──► softmax
+                                   ──► argmax(probs / Exp(1) noise)   (the exponential race == sampling)
+
+Randomness. A row whose request has a ``seed`` draws its noise from a generator seeded with a hash of
+(seed, number of output tokens so far): the token depends only on the request, never on which other
+requests share the batch or their order, and a preempted request that is replayed draws the same tokens.
+Rows without a seed share one generator per device seeded from ``base_seed`` (one vectorised draw).
+
+Host syncs: the fast path (all greedy, nothing else asked for) is one argmax and one ``.tolist()``. The
+general path copies its small per-row parameter lists to the device without blocking and syncs only when
+the results are read back at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """One per request, kept by the runner across steps. The runner (not the sampler) appends each token."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def suppresses_stop_tokens(self) -> bool:
+        """min_tokens not reached yet and there is something to suppress.
+
+        ``ignore_eos`` only changes when a request stops, not the logits: eos is suppressed here too.
+        """
+        return len(self.output_token_ids) < self.params.min_tokens and bool(
+            self.eos_token_ids or self.params.stop_token_ids
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # Per row, when params.logprobs is not None: {top-n ids (descending): lp, then the sampled id if absent}.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples one token per row. ``vocab_size`` columns are used; extra (padding) columns never win."""
+
+    def __init__(self, vocab_size: int, base_seed: int = 0) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.base_seed = base_seed
+        # Per device: the generator of unseeded rows, and a scratch one re-seeded for each seeded row.
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self._row_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(states), (tuple(logits.shape), len(states))
+        assert logits.shape[1] >= self.vocab_size, (tuple(logits.shape), self.vocab_size)
+        logits = logits[:, : self.vocab_size]  # [B, V]; a view: padded vocab columns are never sampled
+        if not any(_needs_full_path(s) for s in states):
+            # Hot path: every decode step of greedy requests. argmax is exact in any float dtype.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+        return self._sample(logits, states)
+
+    # --- general path -----------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        num_rows = len(states)
+        device = logits.device
+        logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to edit in place
+        suppress_stop_tokens(logits, states)
+        logits = apply_penalties(logits, states)
+
+        greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
+        sample_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        if not sample_rows:
+            token_ids = logits.argmax(dim=-1)  # [B]
+        else:
+            sampled = self._sample_rows(logits, states, sample_rows)  # [S]
+            if not greedy_rows:
+                token_ids = sampled
+            else:
+                token_ids = logits.argmax(dim=-1)  # [B]
+                token_ids[_index(sample_rows, device)] = sampled
+
+        logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if not logprob_rows:
+            return SamplerOutput(token_ids.tolist(), [None] * num_rows)
+        return self._with_logprobs(logits, token_ids, states, logprob_rows)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, states: list[SamplingState], rows: list[int]
+    ) -> torch.Tensor:
+        """Sampled token ids for ``rows`` (non-greedy), from the penalised ``logits`` [B, V]. Returns [S]."""
+        device = logits.device
+        vocab_size = logits.shape[1]
+        params = [states[i].params for i in rows]
+        x = logits if len(rows) == logits.shape[0] else logits[_index(rows, device)]  # [S, V]
+        x = x / _column([p.temperature for p in params], device)
+        # Each filter runs only when some row uses it; a disabled row passes through it unchanged.
+        top_k = top_p = min_p = None
+        if any(0 < p.top_k < vocab_size for p in params):
+            top_k = _to_device([p.top_k for p in params], torch.long, device)  # [S]
+        if any(p.top_p < 1 for p in params):
+            top_p = _to_device([p.top_p for p in params], torch.float32, device)  # [S]
+        if any(p.min_p > 0 for p in params):
+            min_p = _to_device([p.min_p for p in params], torch.float32, device)  # [S]
+        x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+        probs = x.softmax(dim=-1)  # [S, V]
+        noise = self._exponential_noise(x.shape, [states[i] for i in rows], device)  # [S, V]
+        # argmax(p_i / E_i) with E_i ~ Exp(1) is distributed as Categorical(p): the exponential race.
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _exponential_noise(
+        self, shape: torch.Size, states: list[SamplingState], device: torch.device
+    ) -> torch.Tensor:
+        num_rows, vocab_size = shape
+        noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)  # [S, V]
+        seeded = [(j, s) for j, s in enumerate(states) if s.params.seed is not None]
+        if len(seeded) < num_rows:
+            noise.exponential_(generator=self._shared_generator(device))
+        if seeded:
+            generator = self._row_generator(device)
+            for j, s in seeded:
+                assert s.params.seed is not None
+                generator.manual_seed(row_seed(s.params.seed, len(s.output_token_ids)))
+                # Always drawn as a standalone [V] tensor, so the values never depend on the batch.
+                row = torch.empty(vocab_size, dtype=torch.float32, device=device)
+                noise[j] = row.exponential_(generator=generator)
+        # An exact 0 would give 0/0 = NaN for a filtered token, and argmax picks NaN.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _with_logprobs(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState], rows: list[int]
+    ) -> SamplerOutput:
+        """Logprobs of the penalised logits (before temperature and the filters), for ``rows``."""
+        device = logits.device
+        index = _index(rows, device)
+        logprobs = torch.log_softmax(logits[index], dim=-1)  # [L, V]
+        chosen_lp = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)  # [L]
+        num_top = min(max(states[i].params.logprobs or 0 for i in rows), logprobs.shape[1])
+        top_lp, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)  # [L, n], descending
+
+        token_list = token_ids.tolist()  # the sync; the reads below find their results already computed
+        chosen_list = chosen_lp.tolist()
+        top_lp_list = top_lp.tolist() if top_lp is not None else None
+        top_ids_list = top_ids.tolist() if top_ids is not None else None
+        out: list[dict[int, float] | None] = [None] * len(states)
+        for j, i in enumerate(rows):
+            n = states[i].params.logprobs or 0
+            entry: dict[int, float] = {}
+            if n:
+                assert top_ids_list is not None and top_lp_list is not None
+                entry = dict(zip(top_ids_list[j][:n], top_lp_list[j][:n], strict=True))
+            entry.setdefault(token_list[i], chosen_list[j])
+            out[i] = entry
+        return SamplerOutput(token_list, out)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.base_seed & _MASK64)
+            self._shared_generators[device] = generator
+        return generator
+
+    def _row_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._row_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            self._row_generators[device] = generator
+        return generator
+
+
+# --- pure steps (each testable on hand-built logits) ----------------------------------------------------
+def suppress_stop_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    """In place: eos and stop_token_ids → -inf for rows that have not reached min_tokens. [B, V]."""
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        if s.suppresses_stop_tokens:
+            ids = {t for t in chain(s.eos_token_ids, s.params.stop_token_ids) if t < vocab_size}
+            rows.extend([i] * len(ids))
+            cols.extend(ids)
+    if rows:
+        logits[_index(rows, logits.device), _index(cols, logits.device)] = _NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Repetition (prompt + output, HF), then frequency and presence (output only, OpenAI). [B, V] float32.
+
+    Token ids must be < V (prompt ids are checked against the vocabulary before they reach the model).
+    """
+    device = logits.device
+    rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+    if rows:
+        seen = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]: in the prompt or the output
+        tokens = [chain(states[i].prompt_token_ids, states[i].output_token_ids) for i in rows]
+        seen[_token_index(rows, tokens, device)] = True
+        penalty = _column([s.params.repetition_penalty for s in states], device)  # [B, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    rows = [
+        i
+        for i, s in enumerate(states)
+        if (s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0) and s.output_token_ids
+    ]
+    if rows:
+        counts = torch.zeros_like(logits)  # [B, V]: occurrences of each token in the output
+        index = _token_index(rows, [states[i].output_token_ids for i in rows], device)
+        counts.index_put_(index, torch.ones(index[0].shape[0], device=device), accumulate=True)
+        frequency = _column([s.params.frequency_penalty for s in states], device)  # [B, 1]
+        presence = _column([s.params.presence_penalty for s in states], device)  # [B, 1]
+        logits = logits - frequency * counts - presence * (counts > 0)
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row may not sample; kept logits are unchanged. Not in place.
+
+    logits [B, V] (already divided by the temperature); each of top_k [B] (long), top_p [B], min_p [B] may
+    be None (disabled for every row). Per row:
+      - top_k <= 0 or >= V: disabled; else exactly the k largest are kept. Ties at the boundary go to the
+        lowest token id (a stable descending sort), so the kept set is exactly k and deterministic.
+      - top_p: of what top-k kept (renormalised), the smallest prefix of the descending order whose mass
+        reaches top_p: a token is kept iff the mass strictly before it is < top_p. The top token is always
+        kept; top_p >= 1 keeps everything (no float-rounding losses in the tail).
+      - min_p: drop tokens whose probability < min_p * (max probability); min_p = 0 keeps everything.
+    """
+    if top_k is not None or top_p is not None:
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)  # [B, V]
+        threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        logits = logits.masked_fill(probs < threshold, _NEG_INF)
+    return logits
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    # Descending, ties in ascending token id order: position r of a row holds its r-th best token.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [B, V] each
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # [B]
+        positions = torch.arange(vocab_size, device=logits.device)  # [V]
+        sorted_logits = sorted_logits.masked_fill(positions.unsqueeze(0) >= k.unsqueeze(1), _NEG_INF)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)  # [B, V], renormalised over what top-k kept
+        mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [B, V]; exclusive cumsum, 0 at the top
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def row_seed(seed: int, step: int) -> int:
+    """A generator seed from (request seed, output tokens so far): splitmix64 of splitmix64(seed) + step."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+def _needs_full_path(s: SamplingState) -> bool:
+    p = s.params
+    return p.temperature != 0.0 or p.logprobs is not None or p.uses_penalties or s.suppresses_stop_tokens
+
+
+def _to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list → device tensor without a blocking copy (pinned staging buffer on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return _to_device(values, torch.long, device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return _to_device(values, torch.float32, device).unsqueeze(1)  # [N, 1]
+
+
+def _token_index(
+    rows: list[int], token_lists: list[Iterable[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs for index_put: every token of token_lists[j] goes in row rows[j]."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for row, tokens in zip(rows, token_lists, strict=True):
+        start = len(token_ids)
+        token_ids.extend(tokens)
+        row_ids.extend([row] * (len(token_ids) - start))
+    return _index(row_ids, device), _index(token_ids, device)

@@ -1,0 +1,382 @@
+"""Disk tier: one framed file per key, LRU-bounded, rebuilt from the directory at start.
+
+Layout (fan-out by a hash of the key, so keys sharing a namespace prefix still spread out)::
+
+    <directory>/
+      3f/                                   blake2b(key, 1 byte).hex()
+        <key.hex()>.kv                      encode_entry(payload, meta): header + payload
+        .tmp-<key.hex()>-<pid>-<rand>       a write in flight; os.replace()d onto the .kv name
+
+File times carry the index across restarts: mtime = when the entry was written (retention counts from
+it), atime = when it was last read (LRU order). Both are set explicitly with os.utime from the tier's
+clock, so neither relies on the mount's atime policy.
+
+Faults never reach the caller. A missing file is a plain miss. A file that fails verification (truncated,
+garbage, another model's) is deleted and counted as corrupt. Environmental errors (directory unreadable,
+disk full, I/O error) count an error and mark the tier unhealthy: operations short-circuit to miss / no-op
+until the backoff allows a probe.
+
+One process owns a directory: stray temporary files are deleted at start, and another process's writes
+are not seen until restart (the index lives in memory).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.storage.base import (
+    Backoff,
+    CorruptEntry,
+    EntryMeta,
+    TierStats,
+    decode_entry_with_header,
+    encode_entry,
+)
+
+logger = logging.getLogger(__name__)
+
+_SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp-"
+_MAX_KEY_BYTES = 100  # hex name + suffix must fit in a 255-byte file name
+
+
+@dataclass(slots=True)
+class _DiskEntry:
+    size: int  # bytes on disk (header + payload)
+    created_at: float
+
+
+class DiskKVStore:
+    """One file per key under ``directory``, at most ``capacity_bytes`` of files (headers included)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity_bytes: int,
+        retention_s: float,
+        *,
+        meta: EntryMeta,
+        clock: Callable[[], float] = time.time,
+        fsync: bool = False,
+        backoff: Backoff | None = None,
+        name: str = "disk",
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if retention_s <= 0:
+            raise ValueError(f"retention_s must be > 0, got {retention_s}")
+        self.name = name
+        self.directory = Path(directory)
+        self.meta = meta
+        self._capacity = capacity_bytes
+        self._retention_s = retention_s
+        self._clock = clock
+        self._fsync = fsync
+        self._backoff = backoff or Backoff(name, log=logger)
+        self._lock = threading.RLock()
+        self._index: OrderedDict[bytes, _DiskEntry] = OrderedDict()  # least recently used first
+        self._used = 0
+        self._stats = TierStats()
+        self._index_ready = False
+        with self._lock:
+            self._try_rebuild()
+
+    # --- sizes ------------------------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._index)
+
+    @property
+    def healthy(self) -> bool:
+        return self._backoff.healthy and self._index_ready
+
+    def keys(self) -> list[bytes]:
+        """Indexed keys from least to most recently used (for tests and debugging)."""
+        with self._lock:
+            return list(self._index)
+
+    # --- paths ------------------------------------------------------------------------------------------
+    def path_for(self, key: bytes) -> Path:
+        fan = hashlib.blake2b(key, digest_size=1).hexdigest()
+        return self.directory / fan / (key.hex() + _SUFFIX)
+
+    # --- start-up ---------------------------------------------------------------------------------------
+    def _try_rebuild(self) -> bool:
+        """Build the index from the directory (caller holds the lock). False, and unhealthy, if it cannot."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            found = self._scan()
+        except OSError as e:
+            self._fail(e)
+            return False
+        now = self._clock()
+        # LRU order = last access (atime); ties broken by name for a deterministic order.
+        found.sort(key=lambda item: (item[2], item[0]))
+        self._index.clear()
+        self._used = 0
+        for key, size, _atime_ns, created_at in found:
+            if now - created_at >= self._retention_s:
+                self._unlink(self.path_for(key))
+                self._stats.expirations += 1
+                continue
+            self._index[key] = _DiskEntry(size, created_at)
+            self._used += size
+        self._index_ready = True
+        self._backoff.record_success()
+        self._evict_to_fit(0)  # the capacity may have shrunk since the last run
+        logger.info("%s: indexed %d entries (%d bytes) in %s", self.name, len(self._index), self._used,
+                    self.directory)
+        return True
+
+    def _scan(self) -> list[tuple[bytes, int, int, float]]:
+        """(key, size, atime_ns, mtime) of every entry file; deletes stray temporary files."""
+        found: list[tuple[bytes, int, int, float]] = []
+        with os.scandir(self.directory) as top:
+            subdirs = [d.path for d in top if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
+        for subdir in subdirs:
+            with os.scandir(subdir) as files:
+                for f in files:
+                    if f.name.startswith(_TMP_PREFIX):
+                        self._unlink(Path(f.path))
+                        continue
+                    if not f.name.endswith(_SUFFIX) or not f.is_file(follow_symlinks=False):
+                        continue
+                    try:
+                        key = bytes.fromhex(f.name[: -len(_SUFFIX)])
+                    except ValueError:
+                        continue
+                    if self.path_for(key) != Path(f.path):
+                        continue  # not a name this tier would write: leave it alone
+                    try:
+                        st = f.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # deleted while we scanned
+                    found.append((key, st.st_size, st.st_atime_ns, st.st_mtime))
+        return found
+
+    def _ready(self, *, writing: bool) -> bool:
+        """Whether to touch the disk now. While unhealthy, once per backoff period, let one operation
+        probe: rescan if the start-up scan failed; a write is its own probe; a read first checks that the
+        directory can be listed (a lookup of an unindexed key would otherwise never touch the disk)."""
+        if not self._backoff.allow():
+            return False
+        if self._backoff.healthy:
+            return True
+        if not self._index_ready:
+            return self._try_rebuild()
+        if writing:
+            return True
+        try:
+            with os.scandir(self.directory):
+                pass
+        except OSError as e:
+            self._fail(e)
+            return False
+        self._backoff.record_success()
+        return True
+
+    # --- reads ------------------------------------------------------------------------------------------
+    def _indexed(self, key: bytes, now: float) -> _DiskEntry | None:
+        entry = self._index.get(key)
+        if entry is not None and now - entry.created_at >= self._retention_s:
+            self._drop(key)
+            self._unlink(self.path_for(key))
+            self._stats.expirations += 1
+            return None
+        return entry
+
+    def contains(self, key: bytes) -> bool:
+        """Index lookup only (no disk access); False while the tier is down."""
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            if not self._backoff.healthy or not self._index_ready:
+                return [False] * len(keys)
+            now = self._clock()
+            return [self._indexed(key, now) is not None for key in keys]
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        start = time.perf_counter()
+        with self._lock:
+            if not self._ready(writing=False):
+                self._stats.misses += len(keys)
+                return [None] * len(keys)
+            out = [self._get_one(key) for key in keys]
+            self._stats.load_latency_s += time.perf_counter() - start
+            self._stats.load_count += 1
+            return out
+
+    def _get_one(self, key: bytes) -> bytes | None:
+        now = self._clock()
+        if self._indexed(key, now) is None:
+            self._stats.misses += 1
+            return None
+        path = self.path_for(key)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            self._drop(key)  # deleted behind our back: a plain miss
+            self._stats.misses += 1
+            return None
+        except OSError as e:
+            self._fail(e)
+            self._stats.misses += 1
+            return None
+        try:
+            header, payload = decode_entry_with_header(blob, self.meta)
+        except CorruptEntry as e:
+            logger.warning("%s: deleting corrupt entry %s: %s", self.name, path, e.reason)
+            self._stats.corrupt += 1
+            self._stats.misses += 1
+            self._drop(key)
+            self._unlink(path)
+            return None
+        self._backoff.record_success()
+        self._index.move_to_end(key)
+        try:
+            os.utime(path, (now, header.created_at))  # atime = last read, mtime = written
+        except OSError:
+            pass  # LRU order across restarts is best-effort
+        self._stats.hits += 1
+        self._stats.bytes_read += len(payload)
+        return payload
+
+    # --- writes -----------------------------------------------------------------------------------------
+    def put(self, key: bytes, value: bytes) -> bool:
+        return self.put_many([(key, value)]) == 1
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        num_stored = 0
+        with self._lock:
+            if not self._ready(writing=True):
+                return 0
+            for key, value in items:
+                if not self._put_one(key, value):
+                    if not self._backoff.healthy:
+                        break  # environment failed: stop trying the rest of the batch
+                    continue
+                num_stored += 1
+        return num_stored
+
+    def _put_one(self, key: bytes, value: bytes) -> bool:
+        if len(key) > _MAX_KEY_BYTES:
+            logger.debug("%s: key of %d bytes is too long for a file name", self.name, len(key))
+            return False
+        now = self._clock()
+        blob = encode_entry(value, self.meta, created_at=now)
+        if len(blob) > self._capacity:
+            return False
+        old = self._index.get(key)
+        self._evict_to_fit(len(blob) - (old.size if old else 0), keep=key)
+        path = self.path_for(key)
+        tmp = path.with_name(f"{_TMP_PREFIX}{key.hex()}-{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_file(tmp, blob)
+            os.replace(tmp, path)
+            os.utime(path, (now, now))
+        except OSError as e:
+            self._unlink(tmp)
+            if e.errno == errno.ENOSPC:
+                logger.debug("%s: disk full writing %s", self.name, path)
+            self._fail(e)
+            return False
+        self._backoff.record_success()
+        self._drop(key)
+        self._index[key] = _DiskEntry(len(blob), now)
+        self._used += len(blob)
+        self._stats.bytes_written += len(value)
+        return True
+
+    def _write_file(self, tmp: Path, blob: bytes) -> None:
+        # O_EXCL: never write into a file another writer is also writing.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            if self._index_ready:
+                self._drop(key)
+            self._unlink(self.path_for(key))
+
+    def sweep(self) -> int:
+        """Delete every expired entry; returns how many."""
+        with self._lock:
+            now = self._clock()
+            expired = [k for k, e in self._index.items() if now - e.created_at >= self._retention_s]
+            for key in expired:
+                self._drop(key)
+                self._unlink(self.path_for(key))
+            self._stats.expirations += len(expired)
+            return len(expired)
+
+    # --- internals (caller holds the lock) ---------------------------------------------------------------
+    def _drop(self, key: bytes) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used -= entry.size
+
+    def _evict_to_fit(self, incoming: int, keep: bytes | None = None) -> None:
+        """Delete LRU files until ``incoming`` more bytes fit under capacity (never the key ``keep``)."""
+        while self._index and self._used + incoming > self._capacity:
+            key = next(iter(self._index))
+            if key == keep:
+                if len(self._index) == 1:
+                    return
+                self._index.move_to_end(key)
+                continue
+            self._drop(key)
+            self._unlink(self.path_for(key))
+            self._stats.evictions += 1
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.debug("%s: could not delete %s: %r", self.name, path, e)
+
+    def _fail(self, error: OSError) -> None:
+        self._stats.errors += 1
+        self._backoff.record_failure(error)
+
+    # --- reporting --------------------------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        with self._lock:
+            snapshot = self._stats.copy()
+            snapshot.entries = len(self._index)
+            snapshot.bytes_held = self._used
+            return snapshot
+
+    def close(self) -> None:
+        """Nothing to flush: every put is complete (renamed into place) when it returns."""

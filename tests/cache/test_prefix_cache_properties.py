@@ -1,0 +1,115 @@
+"""Random insert / match / lock / unlock / evict sequences against a naive model of the prefix cache.
+
+The naive model is a set of cached prefixes (tuples of tokens, block-aligned). After every operation:
+the pool and tree invariants hold; a lookup finds exactly the longest cached prefix the model predicts;
+eviction removes only prefixes no running request uses, and never a prefix while keeping its extension.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvserve.cache.kv_manager import KVCacheManager
+from kvserve.request import Request, SamplingParams
+
+BLOCK = 4
+NUM_BLOCKS = 24
+token_lists = st.lists(st.integers(0, 2), min_size=1, max_size=22)
+
+
+def make_request(rid: int, tokens: list[int]) -> Request:
+    return Request(f"r{rid}", tokens, SamplingParams(max_tokens=1), max_total_tokens=len(tokens) + 1)
+
+
+def tree_prefixes(kv: KVCacheManager) -> set[tuple[int, ...]]:
+    """Every block-aligned prefix the tree holds."""
+    out: set[tuple[int, ...]] = set()
+    stack = [(kv.tree.root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        for i in range(len(node.block_ids)):
+            out.add(prefix + tuple(node.token_ids[: (i + 1) * BLOCK]))
+        full = prefix + tuple(node.token_ids)
+        stack.extend((child, full) for child in node.children.values())
+    return out
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_prefix_caching=True)
+        self.model: set[tuple[int, ...]] = set()
+        self.running: dict[int, Request] = {}
+        self.next_id = 0
+
+    def expected_match(self, tokens: list[int]) -> int:
+        max_blocks = (len(tokens) - 1) // BLOCK
+        n = 0
+        while n < max_blocks and tuple(tokens[: (n + 1) * BLOCK]) in self.model:
+            n += 1
+        return n * BLOCK
+
+    @rule(tokens=token_lists)
+    def admit(self, tokens: list[int]) -> None:
+        """lookup + allocate + compute everything + insert: a request that prefilled and keeps running."""
+        request = make_request(self.next_id, tokens)
+        self.next_id += 1
+        assert self.kv.cached_prefix_length(request) == self.expected_match(tokens)
+        hit = self.kv.lookup(request)
+        assert hit.num_tokens == self.expected_match(tokens)
+        if not self.kv.allocate(request, request.num_tokens - hit.num_tokens, hit):
+            self.kv.release_hit(hit)
+            self.sync_after_eviction()
+            return
+        self.sync_after_eviction()
+        request.num_computed_tokens = request.num_tokens
+        self.kv.cache_computed_blocks(request)
+        for i in range(1, len(tokens) // BLOCK + 1):
+            self.model.add(tuple(tokens[: i * BLOCK]))
+        self.running[int(request.request_id[1:])] = request
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.running)))
+        self.kv.free(self.running.pop(key))
+
+    @rule(n=st.integers(1, NUM_BLOCKS))
+    def evict(self, n: int) -> None:
+        evictable = self.kv.tree.num_evictable_blocks()
+        evicted = self.kv.tree.evict(n)
+        assert evicted == min(n, evictable)
+        self.sync_after_eviction()
+
+    @rule(tokens=token_lists)
+    def match_only(self, tokens: list[int]) -> None:
+        request = make_request(-1, tokens)
+        hit = self.kv.lookup(request)
+        assert hit.num_tokens == self.expected_match(tokens)
+        self.kv.release_hit(hit)
+
+    def sync_after_eviction(self) -> None:
+        now = tree_prefixes(self.kv)
+        assert now <= self.model, "the tree holds a prefix nobody inserted"
+        removed = self.model - now
+        in_use = {tuple(r.all_token_ids[: i * BLOCK]) for r in self.running.values()
+                  for i in range(1, r.num_tokens // BLOCK + 1)}
+        assert not removed & in_use, "evicted a prefix a running request uses"
+        for prefix in now:
+            for k in range(BLOCK, len(prefix), BLOCK):
+                assert prefix[:k] in now, "kept a prefix whose parent was evicted"
+        self.model = now
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.kv.check_invariants()
+        pool = self.kv.pool
+        assert pool.num_free + pool.num_used + pool.num_evictable == NUM_BLOCKS
+        for request in self.running.values():
+            assert all(pool.ref_counts[b] > 0 for b in request.block_ids)
+
+
+PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPrefixCache = PrefixCacheMachine.TestCase
