@@ -15,6 +15,7 @@ import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.model import loader
+from kvserve.model.gguf_file import read_gguf_header
 from kvserve.model.loader import (
     iter_weights,
     model_fingerprint,
@@ -22,7 +23,6 @@ from kvserve.model.loader import (
     resolve_model_path,
     weight_names,
 )
-from kvserve.model.gguf_file import read_gguf_header
 from kvserve.tokenizer import Tokenizer
 from tests.helpers.tiny_models import FAMILIES, TINY_SHAPE, make_tiny_gguf, make_tiny_model
 

@@ -24,7 +24,7 @@ from kvserve.cli import main
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "1024", "--max-model-len", "4096",
+SERVER_ARGS = ["--num-kv-blocks", "1024", "--max-model-len", "4096",
                "--max-num-batched-tokens", "2048"]
 BENCH_ARGS = ["--num-requests", "16", "--output-len", "8", "--concurrency", "4", "--no-progress",
               "--peak-tflops", "1.0", "--peak-bandwidth-gbs", "20"]

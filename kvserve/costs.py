@@ -1,0 +1,725 @@
+"""The performance and cost model: FLOPs and bytes per token, MFU / MBU, cost per token, inference vs training.
+
+Everything here is arithmetic on a model's shape (``ModelShape``, built from an ``ArchConfig``, a preset
+or a GGUF / Hugging Face directory) and on hardware numbers; nothing loads weights or touches the engine.
+
+Conventions (the ones vLLM, SGLang and the scaling-law papers use):
+
+- A matmul of an ``[m, k]`` activation by a ``[k, n]`` weight costs ``2·m·k·n`` FLOPs. Per token the
+  linear layers cost ``2 × matmul parameters`` (the *active* ones for MoE; the LM head counts, the
+  embedding lookup does not).
+- Attention adds, per (query, key) pair and per layer, ``2·num_heads·(qk_head_dim + v_head_dim)``
+  FLOPs (``QKᵀ`` and ``P·V``). A prefill of ``n`` new tokens after ``p`` cached ones attends over
+  ``n·p + n(n+1)/2`` pairs (causal, each token sees itself); a decode token at context ``L`` over ``L``.
+- Bytes moved: decode reads every weight once per step (for MoE, the experts the batch touches) and the
+  KV of every running request; prefill reads the weights once per chunk and writes the new KV.
+- Training FLOPs ≈ 6 × active parameters × tokens (forward 2, backward 4).
+
+Approximations, named so nobody mistakes them for measurements: norms, rotary embeddings, softmax and
+activations are ignored (well under 1% of FLOPs for these shapes); MLA attention is counted in its
+"naive" (non-absorbed) form; the expected number of distinct experts a batch touches assumes uniform
+routing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.config import ArchConfig
+from kvserve.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------
+# Model shape
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the cost model needs to know about a model: ``ArchConfig`` plus MoE and MLA details.
+
+    Dense models leave the MoE / MLA fields at zero. For MoE, ``num_dense_layers`` leading layers use a
+    dense MLP of ``intermediate_size``; the rest route each token to ``num_experts_per_token`` of
+    ``num_experts`` experts of ``moe_intermediate_size`` plus ``num_shared_experts`` always-on ones.
+    MLA (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    max_position_embeddings: int = 4096
+    # Mixture of experts
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # 0: intermediate_size
+    num_shared_experts: int = 0
+    num_dense_layers: int = 0
+    # Multi-head latent attention (0: ordinary multi-head / grouped-query attention)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @classmethod
+    def from_arch(cls, arch: ArchConfig, name: str = "") -> ModelShape:
+        return cls(
+            name=name or arch.architecture,
+            vocab_size=arch.vocab_size,
+            hidden_size=arch.hidden_size,
+            intermediate_size=arch.intermediate_size,
+            num_layers=arch.num_layers,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            tie_word_embeddings=arch.tie_word_embeddings,
+            qkv_bias=arch.qkv_bias,
+            max_position_embeddings=arch.max_position_embeddings,
+            num_experts=arch.num_experts,
+            num_experts_per_token=arch.num_experts_per_token,
+        )
+
+    # ---- derived sizes -------------------------------------------------------------------------
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and self.num_experts_per_token > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    def attention_params(self) -> int:
+        """Weights of one layer's attention projections."""
+        h, n = self.hidden_size, self.num_heads
+        if self.is_mla:
+            q = (h * self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim) if self.q_lora_rank else (
+                h * n * self.qk_head_dim)
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * n * (
+                self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + n * self.v_head_dim * h
+        q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * (q + 2 * kv) + q * h + bias
+
+    def mlp_params(self, intermediate: int) -> int:
+        """A gated (SwiGLU) MLP: gate, up and down projections."""
+        return 3 * self.hidden_size * intermediate
+
+    def layer_mlp_params(self, active: bool) -> list[int]:
+        """MLP weights per layer: all of them, or the ones one token uses (``active``)."""
+        out = []
+        for layer in range(self.num_layers):
+            if not self.is_moe or layer < self.num_dense_layers:
+                out.append(self.mlp_params(self.intermediate_size))
+                continue
+            routed = self.num_experts_per_token if active else self.num_experts
+            experts = (routed + self.num_shared_experts) * self.mlp_params(self.expert_size)
+            out.append(experts + self.hidden_size * self.num_experts)  # + the router
+        return out
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def total_params(self) -> int:
+        """All weights (norm vectors included), the number a model card quotes."""
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return self.num_layers * self.attention_params() + sum(self.layer_mlp_params(False)) + \
+            self.embedding_params() + norms
+
+    def active_params(self) -> int:
+        """Weights one token uses (MoE: the routed experts it goes to), embeddings included."""
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return self.num_layers * self.attention_params() + sum(self.layer_mlp_params(True)) + \
+            self.embedding_params() + norms
+
+    def matmul_params_per_token(self) -> int:
+        """Weights that take part in a matmul for one token: active layers plus the LM head."""
+        return self.num_layers * self.attention_params() + sum(self.layer_mlp_params(True)) + \
+            self.vocab_size * self.hidden_size
+
+    def kv_elements_per_token(self) -> int:
+        """Cached values per token across all layers (K and V; MLA: the latent and the rope key)."""
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: float = 2) -> float:
+        return self.kv_elements_per_token() * dtype_bytes
+
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair over all layers: QKᵀ and P·V."""
+        return 2 * self.num_heads * (self.qk_head_dim + self.v_dim) * self.num_layers
+
+
+def as_shape(model: ModelShape | ArchConfig) -> ModelShape:
+    return model if isinstance(model, ModelShape) else ModelShape.from_arch(model)
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets. Shapes from each model's published config.json.
+# --------------------------------------------------------------------------------------------------
+
+PRESETS: dict[str, ModelShape] = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct
+    "smollm2-135m": ModelShape("smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                               num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                               tie_word_embeddings=True, max_position_embeddings=8192),
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": ModelShape("llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192),
+    # meta-llama/Meta-Llama-3-70B
+    "llama3-70b": ModelShape("llama3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                             num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=8192),
+    # Qwen/Qwen3-30B-A3B (MoE, 128 experts, 8 active)
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                                max_position_embeddings=40960, num_experts=128, num_experts_per_token=8,
+                                moe_intermediate_size=768),
+    # deepseek-ai/DeepSeek-V3 (671B total, 37B active; the 14B multi-token-prediction module is not counted)
+    "deepseek-v3": ModelShape("deepseek-v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                              num_layers=61, num_heads=128, num_kv_heads=128, head_dim=128,
+                              max_position_embeddings=163840, num_experts=256, num_experts_per_token=8,
+                              moe_intermediate_size=2048, num_shared_experts=1, num_dense_layers=3,
+                              kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                              v_head_dim=128),
+}
+
+
+def load_model_shape(spec: str | Path) -> ModelShape:
+    """A preset name, a Hugging Face directory / ``config.json``, or a GGUF file / directory with one."""
+    key = str(spec).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return shape_from_hf_config(path / "config.json")
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return shape_from_gguf(ggufs[0])
+        raise InvalidRequest(f"{path}: expected a config.json or exactly one .gguf file", "model_config")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return shape_from_gguf(path)
+        return shape_from_hf_config(path)
+    raise InvalidRequest(f"{spec!r} is neither a preset ({', '.join(PRESETS)}) nor a path that exists", "model_config")
+
+
+def shape_from_hf_config(path: Path) -> ModelShape:
+    """Read a Hugging Face ``config.json`` (llama-like, Mixtral, Qwen MoE, DeepSeek-V2/V3)."""
+    try:
+        cfg: dict[str, Any] = json.loads(Path(path).read_text(encoding="utf-8"))
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        shape = ModelShape(
+            name=str(cfg.get("model_type") or Path(path).parent.name),
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            num_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+            num_experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            num_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+            kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
+            q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+            v_head_dim=int(cfg.get("v_head_dim") or 0),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequest(f"cannot read a model shape from {path}: {exc}", "model_config") from None
+    return shape
+
+
+def shape_from_gguf(path: Path) -> ModelShape:
+    """Read the shape from a GGUF file's metadata (``{arch}.block_count`` and friends)."""
+    meta, tensor_names = read_gguf_metadata(Path(path))
+    arch = str(meta.get("general.architecture", "llama"))
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    try:
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        kv_heads = key("attention.head_count_kv", heads)
+        vocab = key("vocab_size") or meta.get("tokenizer.ggml.tokens.count")
+        return ModelShape(
+            name=str(meta.get("general.name") or Path(path).stem),
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads if not isinstance(kv_heads, list) else max(kv_heads)),
+            head_dim=int(key("attention.key_length", hidden // heads)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            max_position_embeddings=int(key("context_length", 4096)),
+            num_experts=int(key("expert_count", 0)),
+            num_experts_per_token=int(key("expert_used_count", 0)),
+            moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
+            num_shared_experts=int(key("expert_shared_count", 0)),
+            num_dense_layers=int(key("leading_dense_block_count", 0)),
+            kv_lora_rank=int(key("attention.kv_lora_rank", 0)),
+            q_lora_rank=int(key("attention.q_lora_rank", 0)),
+            qk_rope_head_dim=int(key("rope.dimension_count", 0)) if key("attention.kv_lora_rank") else 0,
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{path}: GGUF metadata lacks the model shape ({exc})", "model_config") from None
+
+
+# GGUF value types -> struct format (scalars); 8 = string, 9 = array.
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], set[str]]:
+    """GGUF key/values and tensor names, without the tensors.
+
+    A small parser of its own: ``gguf.GGUFReader`` builds a numpy view per vocabulary string and takes
+    seconds on a 49k-token vocabulary. String arrays are skipped; their length is kept as ``KEY.count``.
+    """
+    with open(path, "rb") as f:
+        data = f.read(min(path.stat().st_size, 64 << 20))  # metadata lives in the first few MB
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return data[pos - n:pos].decode("utf-8", errors="replace")
+
+    def value(kind: int) -> Any:
+        if kind in _GGUF_SCALARS:
+            return take(_GGUF_SCALARS[kind])
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item_kind, count = take("<I"), take("<Q")
+            if item_kind == 8:
+                for _ in range(count):
+                    string()
+                return _SkippedArray(count)
+            return [value(item_kind) for _ in range(count)]
+        raise InvalidRequest(f"{path}: unknown GGUF value type {kind}", "model_config")
+
+    try:
+        if data[:4] != b"GGUF":
+            raise InvalidRequest(f"{path} is not a GGUF file", "model_config")
+        pos = 4
+        take("<I")  # version
+        num_tensors, num_kv = take("<Q"), take("<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(num_kv):
+            name = string()
+            item = value(take("<I"))
+            if isinstance(item, _SkippedArray):
+                meta[f"{name}.count"] = item.count
+            else:
+                meta[name] = item
+        names = set()
+        for _ in range(num_tensors):
+            names.add(string())
+            ndim = take("<I")
+            pos += 8 * ndim + 4 + 8  # dims, type, offset
+    except struct.error as exc:
+        raise InvalidRequest(f"{path}: truncated GGUF header ({exc})", "model_config") from None
+    return meta, names
+
+
+@dataclass(frozen=True, slots=True)
+class _SkippedArray:
+    count: int
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs and bytes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """FLOPs and bytes of some unit of work, and per token."""
+
+    flops: float
+    bytes: float
+    num_tokens: int
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.flops / max(self.num_tokens, 1)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / max(self.num_tokens, 1)
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per byte: above the machine's peak_flops / peak_bandwidth the work is compute-bound."""
+        return self.flops / self.bytes if self.bytes else math.inf
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.num_tokens + other.num_tokens)
+
+
+def expected_experts_touched(shape: ModelShape, num_tokens: int) -> float:
+    """Distinct routed experts per MoE layer that ``num_tokens`` tokens hit, under uniform routing."""
+    if not shape.is_moe:
+        return 0.0
+    e, k = shape.num_experts, shape.num_experts_per_token
+    return e * (1.0 - (1.0 - k / e) ** max(num_tokens, 0))
+
+
+def weight_bytes_read(model: ModelShape | ArchConfig, num_tokens: int, weight_bytes: float = 2) -> float:
+    """Bytes of weights one forward pass over ``num_tokens`` tokens reads (MoE: touched experts only)."""
+    shape = as_shape(model)
+    params = shape.num_layers * shape.attention_params() + shape.vocab_size * shape.hidden_size  # + LM head
+    for layer, dense in enumerate(shape.layer_mlp_params(active=False)):
+        if not shape.is_moe or layer < shape.num_dense_layers:
+            params += dense
+        else:
+            touched = expected_experts_touched(shape, num_tokens) + shape.num_shared_experts
+            params += touched * shape.mlp_params(shape.expert_size) + shape.hidden_size * shape.num_experts
+    return params * weight_bytes
+
+
+def linear_flops_per_token(model: ModelShape | ArchConfig) -> float:
+    return 2.0 * as_shape(model).matmul_params_per_token()
+
+
+def prefill_cost(model: ModelShape | ArchConfig, num_tokens: int, num_cached_tokens: int = 0, *,
+                 weight_bytes: float = 2, kv_bytes: float = 2) -> Cost:
+    """One prefill of ``num_tokens`` new tokens after ``num_cached_tokens`` found in the cache.
+
+    FLOPs = 2·active·n + pairs·attention_per_pair, pairs = n·p + n(n+1)/2. Bytes: the weights once, the
+    cached KV read once, the new KV written once.
+    """
+    shape = as_shape(model)
+    n, p = num_tokens, num_cached_tokens
+    pairs = n * p + n * (n + 1) / 2
+    flops = n * linear_flops_per_token(shape) + pairs * shape.attention_flops_per_pair()
+    moved = weight_bytes_read(shape, n, weight_bytes) + (p + n) * shape.kv_bytes_per_token(kv_bytes)
+    return Cost(flops, moved, n)
+
+
+def decode_cost(model: ModelShape | ArchConfig, batch_size: int, context_len: int, *,
+                weight_bytes: float = 2, kv_bytes: float = 2) -> Cost:
+    """One decode step: ``batch_size`` requests each at ``context_len`` tokens (the new one included).
+
+    FLOPs = B·(2·active + L·attention_per_pair). Bytes: the weights once per step (shared by the batch),
+    each request's KV read, one new KV entry written per request.
+    """
+    shape = as_shape(model)
+    b, ctx = batch_size, context_len
+    flops = b * (linear_flops_per_token(shape) + ctx * shape.attention_flops_per_pair())
+    moved = weight_bytes_read(shape, b, weight_bytes) + b * (ctx + 1) * shape.kv_bytes_per_token(kv_bytes)
+    return Cost(flops, moved, b)
+
+
+def request_flops(model: ModelShape | ArchConfig, prompt_tokens: int, cached_tokens: int,
+                  output_tokens: int) -> tuple[float, float]:
+    """(prefill FLOPs, decode FLOPs) of one whole request, attention included.
+
+    The first output token comes out of the prefill pass; each later one is a decode token at context
+    ``prompt + i`` for i = 1 .. output_tokens − 1.
+    """
+    shape = as_shape(model)
+    n = max(prompt_tokens - cached_tokens, 0)
+    prefill = prefill_cost(shape, n, cached_tokens).flops
+    k = max(output_tokens - 1, 0)
+    # sum_{i=1..k} (prompt + i + 1) query-key pairs (the new token's own key included)
+    pairs = k * (prompt_tokens + 1) + k * (k + 1) / 2
+    decode = k * linear_flops_per_token(shape) + pairs * shape.attention_flops_per_pair()
+    return prefill, decode
+
+
+# --------------------------------------------------------------------------------------------------
+# Hardware
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """Peak numbers of one accelerator: dense (no sparsity) tensor FLOP/s and memory bandwidth."""
+
+    name: str
+    bf16_flops: float
+    fp8_flops: float | None
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float = 0.0
+    source: str = ""
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        if dtype == "fp8":
+            if self.fp8_flops is None:
+                raise InvalidRequest(f"{self.name} has no FP8 tensor cores", "dtype")
+            return self.fp8_flops
+        return self.bf16_flops
+
+
+# Dense figures; NVIDIA's datasheets quote "with sparsity" numbers at twice these.
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS* / FP8 3,958 TFLOPS* (*with
+    # sparsity), 80 GB HBM3 at 3.35 TB/s.
+    "h100-sxm": Hardware("H100 SXM", 989e12, 1979e12, 3.35e12, 80e9, "NVIDIA H100 datasheet (SXM5)"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
+    "h200": Hardware("H200 SXM", 989e12, 1979e12, 4.8e12, 141e9, "NVIDIA H200 datasheet (SXM)"),
+    # H800 SXM5 (the export variant DeepSeek trained on): H100 SXM compute and HBM3 bandwidth, with
+    # NVLink cut to 400 GB/s (NVIDIA H800 product brief; DeepSeek-V3 technical report, section 3.1).
+    "h800": Hardware("H800 SXM", 989e12, 1979e12, 3.35e12, 80e9, "NVIDIA H800 SXM5 product brief"),
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS dense, no FP8, HBM2e 2,039 GB/s.
+    "a100-80gb": Hardware("A100 80GB SXM", 312e12, None, 2.039e12, 80e9, "NVIDIA A100 datasheet (80GB SXM)"),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    key = name.lower().replace("_", "-")
+    aliases = {"h100": "h100-sxm", "a100": "a100-80gb", "h200-sxm": "h200", "h800-sxm": "h800"}
+    key = aliases.get(key, key)
+    if key not in HARDWARE:
+        raise InvalidRequest(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}", "hardware")
+    return HARDWARE[key]
+
+
+def measure_peak(seconds: float = 1.0, device: str = "auto") -> Hardware:
+    """Measure this machine's matmul FLOP/s and memory bandwidth (torch if present, else numpy).
+
+    FLOP/s: the best of repeated square matmuls (bf16 on CUDA, float32 on CPU). Bandwidth: the best of
+    repeated copies of a buffer far larger than the caches, counting the read and the write.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is installed with kvserve
+        torch = None
+    if torch is not None and (device == "cuda" or (device == "auto" and torch.cuda.is_available())):
+        return _measure_torch_cuda(torch, seconds)
+    import numpy as np
+
+    n = 1024
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+    flops = _best_rate(lambda: a @ b, 2.0 * n**3, seconds / 2)
+    src = np.ones(64 << 20, dtype=np.uint8) * 3  # 64 MiB: larger than any CPU cache
+    dst = np.empty_like(src)
+    bandwidth = _best_rate(lambda: np.copyto(dst, src), 2.0 * src.nbytes, seconds / 2)
+    return Hardware("this machine (CPU, fp32 matmul)", flops, None, bandwidth, source="measured")
+
+
+def _measure_torch_cuda(torch: Any, seconds: float) -> Hardware:  # pragma: no cover - needs a GPU
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def matmul() -> None:
+        a @ b
+        torch.cuda.synchronize()
+
+    flops = _best_rate(matmul, 2.0 * n**3, seconds / 2)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    bandwidth = _best_rate(copy, 2.0 * src.numel(), seconds / 2)
+    return Hardware(f"{torch.cuda.get_device_name()} (bf16 matmul)", flops, None, bandwidth, source="measured")
+
+
+def _best_rate(fn: Any, work: float, budget_s: float) -> float:
+    fn()  # warm up
+    best = math.inf
+    deadline = time.perf_counter() + budget_s
+    runs = 0
+    while runs < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        runs += 1
+        if runs >= 200:
+            break
+    return work / best
+
+
+def utilisation(flops: float, moved_bytes: float, seconds: float, hardware: Hardware,
+                dtype: str = "bf16") -> tuple[float, float]:
+    """(MFU, MBU): achieved FLOP/s ÷ peak FLOP/s and achieved bytes/s ÷ peak bandwidth."""
+    if seconds <= 0:
+        return math.nan, math.nan
+    return flops / seconds / hardware.peak_flops(dtype), moved_bytes / seconds / hardware.memory_bandwidth
+
+
+# --------------------------------------------------------------------------------------------------
+# Inference vs training over a deployment's life
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Lifecycle:
+    """Training compute against inference compute per day, in FLOPs or GPU-hours (give one unit)."""
+
+    name: str
+    training_gpu_hours: float | None = None
+    inference_gpu_hours_per_day: float | None = None
+    training_flops: float | None = None
+    inference_flops_per_day: float | None = None
+
+    def ratio_after(self, days: float) -> float:
+        """Inference compute after ``days`` ÷ training compute."""
+        if self.training_gpu_hours and self.inference_gpu_hours_per_day:
+            return days * self.inference_gpu_hours_per_day / self.training_gpu_hours
+        if self.training_flops and self.inference_flops_per_day:
+            return days * self.inference_flops_per_day / self.training_flops
+        raise InvalidRequest("give training and inference compute in the same unit (GPU-hours or FLOPs)")
+
+    def breakeven_days(self) -> float:
+        return 1.0 / self.ratio_after(1.0)
+
+
+def training_flops(model: ModelShape | ArchConfig, num_tokens: float) -> float:
+    """≈ 6 × active parameters × training tokens."""
+    return 6.0 * as_shape(model).active_params() * num_tokens
+
+
+def inference_flops_for_tokens(model: ModelShape | ArchConfig, prefill_tokens: float, decode_tokens: float,
+                               context_len: int = 0) -> float:
+    """FLOPs to serve so many cache-miss prompt tokens and output tokens at an average context."""
+    shape = as_shape(model)
+    per_pair = shape.attention_flops_per_pair()
+    # a token at average position ~context/2 in its prompt attends over that many keys; decode over context
+    prefill = prefill_tokens * (linear_flops_per_token(shape) + per_pair * context_len / 2)
+    decode = decode_tokens * (linear_flops_per_token(shape) + per_pair * context_len)
+    return prefill + decode
+
+
+# DeepSeek-V3 technical report (arXiv 2412.19437), Table 1: 2.664M H800 GPU-hours pre-training + 119K
+# context extension + 5K post-training = 2.788M H800 GPU-hours; 14.8T training tokens.
+# DeepSeek "Day 6" inference-system overview (open-infra-index, 2025-03-01): over 24 h an average of
+# 226.75 nodes of 8 H800 GPUs were busy serving V3/R1 (cost $87,072 at $2/GPU-hour); 608B input tokens
+# of which 342B (56.3%) hit the on-disk KV cache, and 168B output tokens; each H800 node averaged ~73.7k
+# input tokens/s (cache hits included) while prefilling, or ~14.8k output tokens/s while decoding.
+DEEPSEEK_V3_TRAINING_GPU_HOURS = 2.788e6
+DEEPSEEK_V3_TRAINING_TOKENS = 14.8e12
+DEEPSEEK_V3_INFERENCE_NODES = 226.75
+DEEPSEEK_V3_INFERENCE_GPU_HOURS_PER_DAY = DEEPSEEK_V3_INFERENCE_NODES * 8 * 24  # 43,536
+DEEPSEEK_V3_DAY_INPUT_TOKENS = 608e9
+DEEPSEEK_V3_DAY_CACHED_TOKENS = 342e9
+DEEPSEEK_V3_DAY_OUTPUT_TOKENS = 168e9
+DEEPSEEK_V3_GPU_HOUR_PRICE = 2.0
+DEEPSEEK_V3_NODE_PREFILL_TOK_S = 73.7e3
+DEEPSEEK_V3_NODE_DECODE_TOK_S = 14.8e3
+
+LIFECYCLE_PRESETS: dict[str, Lifecycle] = {
+    "deepseek-v3": Lifecycle("deepseek-v3", training_gpu_hours=DEEPSEEK_V3_TRAINING_GPU_HOURS,
+                             inference_gpu_hours_per_day=DEEPSEEK_V3_INFERENCE_GPU_HOURS_PER_DAY),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost per token
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrices:
+    """Dollars per million tokens of each kind."""
+
+    cache_miss_input: float
+    cache_hit_input: float
+    output: float
+
+
+def price_per_million(gpu_hour_price: float, tokens_per_s: float, num_gpus: int = 1) -> float:
+    """Dollars per million tokens for ``num_gpus`` GPUs that together serve ``tokens_per_s``."""
+    if tokens_per_s <= 0:
+        return math.inf
+    return gpu_hour_price * num_gpus / 3600.0 / tokens_per_s * 1e6
+
+
+def token_prices(gpu_hour_price: float, *, miss_tok_s: float, hit_tok_s: float, output_tok_s: float,
+                 num_gpus: int = 1) -> TokenPrices:
+    """Cost per million tokens from each kind's throughput when the deployment does only that kind."""
+    return TokenPrices(
+        cache_miss_input=price_per_million(gpu_hour_price, miss_tok_s, num_gpus),
+        cache_hit_input=price_per_million(gpu_hour_price, hit_tok_s, num_gpus),
+        output=price_per_million(gpu_hour_price, output_tok_s, num_gpus),
+    )
+
+
+def split_throughput(duration_s: float, miss_tokens: float, hit_tokens: float, output_tokens: float,
+                     seconds_per_token: tuple[float, float, float]) -> tuple[float, float, float]:
+    """Attribute a mixed run's time to its three token kinds in proportion to their modelled cost.
+
+    ``seconds_per_token`` is the modelled (miss, hit, output) time of one token (see
+    ``modelled_seconds_per_token``); returns each kind's throughput as if the run had done only it.
+    """
+    modelled = [n * s for n, s in zip((miss_tokens, hit_tokens, output_tokens), seconds_per_token, strict=True)]
+    total = sum(modelled)
+    rates = []
+    for n, m in zip((miss_tokens, hit_tokens, output_tokens), modelled, strict=True):
+        share = duration_s * m / total if total > 0 else 0.0
+        rates.append(n / share if share > 0 else math.inf)
+    return rates[0], rates[1], rates[2]
+
+
+def modelled_seconds_per_token(model: ModelShape | ArchConfig, hardware: Hardware, *, context_len: int = 2048,
+                               batch_size: int = 32, weight_bytes: float = 2) -> tuple[float, float, float]:
+    """Roofline time of one (cache-miss prompt, cache-hit prompt, output) token on ``hardware``.
+
+    A miss token costs its prefill FLOPs; a hit token only its KV read back; an output token the larger
+    of its share of a decode step's FLOPs and bytes at ``batch_size``.
+    """
+    shape = as_shape(model)
+    flops_s, bw = hardware.peak_flops(), hardware.memory_bandwidth
+    chunk = prefill_cost(shape, context_len, 0, weight_bytes=weight_bytes)
+    miss = max(chunk.flops / flops_s, chunk.bytes / bw) / max(context_len, 1)
+    hit = shape.kv_bytes_per_token() / bw
+    step = decode_cost(shape, batch_size, context_len, weight_bytes=weight_bytes)
+    out = max(step.flops / flops_s, step.bytes / bw) / batch_size
+    return miss, hit, out
