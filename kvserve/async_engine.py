@@ -106,6 +106,11 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._send(_Add(request_id, prompt_token_ids, prompt, params, stream))
+        if not self.is_alive:
+            # The loop died after the check above, possibly before it could see this stream to fail it:
+            # nothing would ever answer it. (A stream registered before the loop sets ``dead`` is failed by it.)
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"the engine loop has stopped: {self.dead!r}")
         finished = False
         try:
             while True:
@@ -181,6 +186,8 @@ class AsyncEngine:
                 stream = self._streams.get(command.request_id)
                 if output is not None and stream is not None:
                     stream.put(output)
+                # The abort freed blocks: refresh the snapshot now, the engine may have no step left to run.
+                self._stats = self.engine.stats()
                 continue
             with self._lock:
                 self._num_pending_adds -= 1

@@ -116,10 +116,52 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.config import ServerConfig
+    from kvserve.server.openai_api import serve
+
+    server_config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                                 api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+    return serve(engine_config_from_args(args), server_config, shutdown_grace_s=args.shutdown_grace_period,
+                 log_level=args.uvicorn_log_level)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvserve.bench.commands import run_bench_command
+
+    return run_bench_command(args)
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from kvserve.bench.commands import run_cost_command
+
+    return run_cost_command(args)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from kvserve.bench.commands import run_trace_command
+
+    return run_trace_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference serving engine.")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, models, health, metrics)")
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests allowed to wait for a batch slot; more get 429")
+    p.add_argument("--shutdown-grace-period", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_arguments(p)
@@ -134,6 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(p, max_tokens=256)
     p.add_argument("--system", default=None)
     p.set_defaults(func=cmd_chat)
+
+    from kvserve.bench import commands as bench_commands  # argparse only; heavy imports wait for the command
+
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible server (kvserve, vLLM, SGLang, llama.cpp)")
+    bench_commands.add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("cost", help="FLOPs and bytes per token, MFU/MBU, cost per token, inference vs training")
+    bench_commands.add_cost_arguments(p)
+    p.set_defaults(func=cmd_cost)
+
+    p = sub.add_parser("trace", help="one request's trip through a running kvserve server, as a timeline")
+    bench_commands.add_trace_arguments(p)
+    p.set_defaults(func=cmd_trace)
     return parser
 
 

@@ -106,7 +106,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         assert meta.decode_block_table is not None
         batch = q.shape[0]
-        query = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        query = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim)
         # [batch, max_blocks, block_size, kv_heads, head_dim] -> [batch, kv_heads, max_blocks * block_size, head_dim]
         key = k_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
         value = v_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)

@@ -31,15 +31,20 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim]
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # sin with its first half negated: rotate_half(x) * sin == cat(x2, x1) * signed_sin, one op fewer.
+        sin = emb.sin()
+        sin[:, : head_dim // 2] *= -1
+        self.signed_sin = sin.to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [num_tokens, 1, head_dim]: broadcast over heads
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, 1, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos/signed_sin: [num_tokens, 1, head_dim] from ``lookup``.
+
+    Same arithmetic as Hugging Face's ``x * cos + rotate_half(x) * sin`` (negation is exact).
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin

@@ -45,16 +45,16 @@ class DecoderLayer:
         x = rms_norm(residual, self.input_norm, eps)
 
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split((arch.q_size, arch.kv_size, arch.kv_size), dim=-1)
-        q = q.view(num_tokens, arch.num_heads, arch.head_dim)
-        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
-        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        # Q and K heads side by side, so one rotary call covers both.
+        qk = qkv[:, : arch.q_size + arch.kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        v = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, num_kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, eps)
-            k = rms_norm(k, self.k_norm, eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            qk = torch.cat((rms_norm(qk[:, :num_heads], self.q_norm, eps),
+                            rms_norm(qk[:, num_heads:], self.k_norm, eps)), dim=1)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
         attn = self.attention.forward(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
 
         residual = F.linear(attn, self.o_weight) + residual

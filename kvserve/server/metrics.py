@@ -1,0 +1,141 @@
+"""Prometheus metrics in the ``kvserve:`` namespace, on a registry owned by one app (no global state).
+
+Two sources:
+  - per request, observed by the server when a request ends: latency histograms (TTFT, TPOT, ITL,
+    end-to-end, queue, prefill, decode), token counters and finished requests by reason;
+  - engine-wide, read at scrape time from ``AsyncEngine.stats()`` (a snapshot the engine thread takes
+    after each step): queue lengths, KV blocks, prefix-cache queries and hits, preemptions.
+
+Counters are exposed with the ``_total`` suffix (``kvserve:prompt_tokens_total``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.request import RequestMetrics
+
+if TYPE_CHECKING:
+    from kvserve.engine import EngineStats
+
+NAMESPACE = "kvserve:"
+
+# Buckets as vLLM's, so dashboards built for one read the other.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], is_alive: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        n = NAMESPACE
+        self.ttft = Histogram(f"{n}time_to_first_token_seconds", "Time from arrival to the first output token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{n}time_per_output_token_seconds",
+                              "Per request: decode time divided by output tokens after the first.",
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{n}inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{n}e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(f"{n}request_queue_time_seconds", "Time from arrival to first scheduled.",
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(f"{n}request_prefill_time_seconds",
+                                      "Time from first scheduled to the first token.",
+                                      buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram(f"{n}request_decode_time_seconds", "Time from the first to the last token.",
+                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{n}prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.cached_prompt_tokens = Counter(f"{n}prompt_tokens_cached",
+                                            "Prompt tokens found in the prefix cache at admission.", registry=r)
+        self.generation_tokens = Counter(f"{n}generation_tokens", "Output tokens of ended requests.", registry=r)
+        self.request_success = Counter(f"{n}request_success", "Engine requests ended, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.http_errors = Counter(f"{n}http_errors", "Requests answered with an error, by status and code.",
+                                   ["status", "code"], registry=r)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finished_reason=reason)  # exported at 0 from the start
+        r.register(_EngineCollector(stats, is_alive))
+
+    # --- observations -----------------------------------------------------------------------------------
+    def observe_admitted(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_prompt_tokens.inc(num_cached_tokens)
+
+    def observe_finished(self, finish_reason: str, num_output_tokens: int, m: RequestMetrics | None) -> None:
+        """One engine request ended (finished, or aborted because its client left)."""
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.generation_tokens.inc(num_output_tokens)
+        if m is None or finish_reason == "abort":
+            return  # latencies of requests nobody waited for would only skew the histograms
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        last = m.last_token_time if m.last_token_time is not None else m.first_token_time
+        end = m.finished_time if m.finished_time is not None else last
+        self.e2e.observe(end - m.arrival_time)
+        self.decode_time.observe(last - m.first_token_time)
+        if num_output_tokens > 1:
+            self.tpot.observe((last - m.first_token_time) / (num_output_tokens - 1))
+        times = m.token_times
+        for previous, current in zip(times, times[1:], strict=False):
+            self.itl.observe(current - previous)
+
+    def observe_error(self, status: int, code: str | None) -> None:
+        self.http_errors.labels(status=str(status), code=code or "").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineCollector(Collector):
+    """Engine-wide gauges and counters, read from the engine thread's last snapshot at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats], is_alive: Callable[[], bool]) -> None:
+        self._stats = stats
+        self._is_alive = is_alive
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        n = NAMESPACE
+        gauges = {
+            "engine_alive": ("1 while the engine loop runs, 0 once it has died.", float(self._is_alive())),
+            "num_requests_running": ("Requests in the running batch.", s.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
+            "kv_blocks_total": ("KV blocks in the device pool.", s.num_kv_blocks),
+            "kv_blocks_used": ("KV blocks held by running requests.", s.num_used_blocks),
+            "kv_blocks_cached": ("KV blocks indexed by the prefix cache.", s.num_cached_blocks),
+            "kv_blocks_free": ("KV blocks on the free list (neither used nor cached).", s.num_free_blocks),
+            "kv_cache_usage_perc": ("Fraction of KV blocks held by running requests.",
+                                    s.num_used_blocks / s.num_kv_blocks if s.num_kv_blocks else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"{n}{name}", doc, value=value)
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            "num_preemptions": ("Requests preempted (KV freed, to be recomputed).", s.num_preemptions),
+            "kv_blocks_evicted": ("KV blocks evicted from the prefix cache.", s.num_evicted_blocks),
+            "prompt_tokens_computed": ("Prompt tokens the model computed (cache misses and recomputes).",
+                                       s.num_prompt_tokens_computed),
+            "engine_generated_tokens": ("Tokens sampled by the engine.", s.num_generated_tokens),
+            "engine_steps": ("Engine steps run.", s.num_steps),
+            "engine_busy_seconds": ("Seconds the engine spent running the model.", s.busy_time_s),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"{n}{name}", doc, value=value)

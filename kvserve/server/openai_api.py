@@ -1,0 +1,649 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, and ``serve`` (uvicorn).
+
+One HTTP request becomes one engine request per (prompt, sample)::
+
+    POST /v1/chat/completions ── validate (pydantic, SamplingParams) ── chat template ── tokenize
+        ── AsyncEngine.prepare (context check) ── _Run: one AsyncEngine.generate per prompt × n
+        ── wait for every engine request's first output (admission errors become 4xx/5xx, not a
+           broken stream) ── SSE chunks as outputs arrive, or one JSON body at the end
+
+A client that disconnects (mid-stream or while waiting for a JSON body) cancels its _Run, which closes
+its generators, which aborts its engine requests: their KV blocks are freed at the next engine step.
+
+Shutdown (SIGTERM or SIGINT): new requests get 503 at once, in-flight ones get ``shutdown_grace_s`` to
+finish and are then aborted (they end with finish_reason "abort"), and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import secrets
+import signal
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.async_engine import AsyncEngine
+from kvserve.config import EngineConfig, ServerConfig
+from kvserve.engine import Engine, expand_n
+from kvserve.errors import CapacityError, EngineDeadError, KVServeError, ModelNotFound
+from kvserve.request import RequestOutput, SamplingParams
+from kvserve.server import protocol as p
+from kvserve.server.metrics import ServerMetrics
+from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class Unauthorized(KVServeError):
+    http_status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ServerShuttingDown(KVServeError):
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "server_shutting_down"
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine requests behind one HTTP request
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(slots=True, eq=False)
+class _Child:
+    """One engine request: prompt ``prompt_index``, sample ``index`` (the choice index) of the response."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    prompt: str | None
+    last: RequestOutput | None = None
+    submitted: bool = False  # reached the engine (so an early exit aborts it there)
+    finished: bool = False
+    num_chars_sent: int = 0  # completions logprobs: text_offset of the next streamed token
+
+
+class _Run:
+    """Starts the engine requests of one HTTP request and merges their outputs into one stream.
+
+    Each engine request's async generator is driven by a pump task that copies its outputs into one
+    queue. ``close()`` is synchronous on purpose: it runs in ``finally`` blocks of cancelled tasks, where
+    an await would be cancelled again. Cancelling a pump raises CancelledError inside its generator, whose
+    ``finally`` aborts the engine request.
+    """
+
+    def __init__(self, state: _AppState, children: list[_Child], received_at: float) -> None:
+        self.state = state
+        self.children = children
+        self.received_at = received_at
+        self._queue: asyncio.Queue[tuple[_Child, RequestOutput | BaseException]] = asyncio.Queue()
+        self._primed: deque[tuple[_Child, RequestOutput]] = deque()  # first outputs, already observed
+        self._pumps: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def start(self) -> None:
+        """Admit every engine request and wait for each one's first output; raise the first error."""
+        engine = self.state.engine
+        self.state.runs.add(self)
+        gens = [engine.generate(c.prompt_token_ids, c.params, c.request_id, c.prompt) for c in self.children]
+        try:
+            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        except BaseException:  # cancelled (client gone): gather cancelled each generator, which aborted
+            for child in self.children:
+                child.submitted = True
+            self.close()
+            raise
+        for child, first in zip(self.children, firsts, strict=True):
+            if isinstance(first, RequestOutput):
+                child.submitted = True
+                self._observe(child, first)
+                self._primed.append((child, first))
+        errors = [r for r in firsts if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)  # aborts the admitted
+            self.close()
+            error = next((e for e in errors if isinstance(e, KVServeError)), errors[0])
+            if isinstance(error, StopAsyncIteration):
+                raise RuntimeError("an engine request ended without output")
+            raise error
+        # A pump per request, also for one already finished: it lets the generator run to its end.
+        self._pumps = [asyncio.create_task(self._pump(child, gen)) for child, gen in zip(self.children, gens,
+                                                                                          strict=True)]
+
+    async def _pump(self, child: _Child, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in gen:
+                self._queue.put_nowait((child, output))
+        except Exception as exc:  # EngineDeadError, or the request's own error: the consumer raises it
+            self._queue.put_nowait((child, exc))
+
+    @property
+    def done(self) -> bool:
+        """Every engine request has finished (its final output may still be waiting to be read)."""
+        return all(c.finished for c in self.children)
+
+    @property
+    def exhausted(self) -> bool:
+        """Finished, and every output read: the next ``next()`` returns None."""
+        return self.done and not self._primed
+
+    async def next(self) -> tuple[_Child, RequestOutput] | None:
+        """The next output of any engine request, or None once all have finished."""
+        if self._primed:
+            return self._primed.popleft()
+        if self.done:
+            return None
+        child, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        self._observe(child, item)
+        return child, item
+
+    async def wait(self) -> None:
+        while await self.next() is not None:
+            pass
+
+    def _observe(self, child: _Child, output: RequestOutput) -> None:
+        metrics = self.state.metrics
+        if child.last is None:
+            metrics.observe_admitted(len(output.prompt_token_ids), output.num_cached_tokens)
+        child.last = output
+        if output.finished and not child.finished:
+            child.finished = True
+            completion = output.outputs[0]
+            metrics.observe_finished(completion.finish_reason or "stop", len(completion.token_ids), output.metrics)
+
+    def abort(self) -> None:
+        """Ask the engine to end every unfinished request; each stream then ends with finish_reason abort."""
+        for child in self.children:
+            if not child.finished:
+                self.state.engine.abort(child.request_id)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pump in self._pumps:
+            pump.cancel()
+        for child in self.children:
+            if child.submitted and not child.finished:
+                child.finished = True
+                num_tokens = len(child.last.outputs[0].token_ids) if child.last is not None else 0
+                self.state.metrics.observe_finished("abort", num_tokens, None)
+        self.state.runs.discard(self)
+
+    # --- what the response reports ----------------------------------------------------------------------
+    def usage(self) -> p.Usage:
+        """Prompt tokens once per prompt (as OpenAI counts n > 1); cached tokens of each prompt's first sample."""
+        firsts = {c.prompt_index: c for c in reversed(self.children)}
+        prompt_tokens = sum(len(c.prompt_token_ids) for c in firsts.values())
+        cached = sum(c.last.num_cached_tokens for c in firsts.values() if c.last is not None)
+        completion = sum(len(c.last.outputs[0].token_ids) for c in self.children if c.last is not None)
+        return p.Usage.of(prompt_tokens, completion, cached)
+
+    def timings(self) -> dict[str, Any]:
+        """Choice 0's trip through the pipeline; with several choices, each one's under "choices"."""
+        each = [_timings(c, self.received_at) for c in self.children]
+        result = dict(each[0])
+        if len(each) > 1:
+            result["choices"] = each
+        return result
+
+
+def _timings(child: _Child, received_at: float) -> dict[str, Any]:
+    """Milliseconds between the stages of one engine request (None for a stage it never reached)."""
+    assert child.last is not None
+    m = child.last.metrics
+
+    def ms(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else round((end - start) * 1e3, 3)
+
+    num_output = len(child.last.outputs[0].token_ids)
+    return {
+        "index": child.index,
+        "received_to_queued_ms": ms(received_at, m.arrival_time),  # validation, tokenizing, hand-off
+        "queued_ms": ms(m.arrival_time, m.first_scheduled_time),
+        "cache_lookup": {
+            "prompt_tokens": len(child.prompt_token_ids),
+            "cached_tokens": m.num_cached_tokens,
+            "cached_tokens_by_tier": dict(m.cached_tokens_by_tier),
+        },
+        "prefill": {
+            "tokens_computed": m.num_prefill_tokens_computed,
+            "chunks": m.num_prefill_chunks,
+            "ms": ms(m.first_scheduled_time, m.first_token_time),
+        },
+        "first_token_ms": ms(m.arrival_time, m.first_token_time),
+        "decode": {"steps": m.num_decode_steps, "tokens": max(0, num_output - 1),
+                   "ms": ms(m.first_token_time, m.last_token_time)},
+        "finished_ms": ms(m.arrival_time, m.finished_time),
+        "preemptions": m.num_preemptions,
+        "finish_reason": child.last.outputs[0].finish_reason,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# App state and response building
+# ---------------------------------------------------------------------------------------------------------
+class _AppState:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer: Tokenizer, model_name: str,
+                 max_model_len: int | None, model_root: str | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.model_root = model_root
+        self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
+        self.runs: set[_Run] = set()
+        self.draining = False
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+        self._serial = itertools.count()
+
+    def check_ready(self) -> None:
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down; retry on another replica")
+        if not self.engine.is_alive:
+            raise EngineDeadError(f"the engine loop has stopped: {self.engine.dead!r}")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            error = ModelNotFound(f"the model '{name}' does not exist; this server serves '{self.model_name}'")
+            error.param = "model"  # type: ignore[attr-defined]
+            raise error
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, give in-flight ones ``grace_s`` to finish, then abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.runs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.runs:
+            logger.warning("aborting %d in-flight request(s) after the %.1fs grace period", len(self.runs), grace_s)
+            for run in list(self.runs):
+                run.abort()
+            deadline = time.monotonic() + 2.0  # time for the aborted streams to send their last chunk
+            while self.runs and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    # --- one request, end to end ----------------------------------------------------------------------------
+    async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
+                      prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
+                      received_at: float) -> Response:
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        children = [
+            _Child(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
+            for i, (ids, text) in enumerate(prompts)
+            for j, child_params in enumerate(expand_n(params))
+        ]
+        run = _Run(self, children, received_at)
+        try:
+            await _until_disconnected(http, run.start())
+        except _ClientGone:
+            run.close()
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+        want_timings = body.return_timings or http.headers.get("x-kvserve-timings", "").lower() in ("1", "true")
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            stream = self._stream(run, body, chat, head, want_timings)
+            return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(run.close),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            await _until_disconnected(http, run.wait())
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            run.close()
+        response = self._full_response(run, body, chat, head)
+        if want_timings:
+            response.timings = run.timings()
+        return Response(response.to_json(), media_type="application/json")
+
+    def _full_response(self, run: _Run, body: Any, chat: bool, head: dict[str, Any]) -> p._Response:
+        usage = run.usage()
+        if chat:
+            choices = []
+            for c in run.children:
+                assert c.last is not None
+                completion = c.last.outputs[0]
+                logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0)
+                choices.append(p.ChatChoice(index=c.index, message=p.ChatMessageOut(content=completion.text),
+                                            logprobs=logprobs, finish_reason=completion.finish_reason))
+            return p.ChatCompletionResponse(**head, choices=choices, usage=usage)
+        completion_choices = []
+        for c in run.children:
+            assert c.last is not None
+            completion = c.last.outputs[0]
+            logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, 0)
+            completion_choices.append(p.CompletionChoice(index=c.index, text=completion.text, logprobs=logprobs,
+                                                         finish_reason=completion.finish_reason))
+        return p.CompletionResponse(**head, choices=completion_choices, usage=usage)
+
+    async def _stream(self, run: _Run, body: Any, chat: bool, head: dict[str, Any],
+                      want_timings: bool) -> AsyncIterator[str]:
+        chunk_type = p.ChatCompletionChunk if chat else p.CompletionResponse
+        try:
+            try:
+                if chat:  # OpenAI opens each choice with the role
+                    for c in run.children:
+                        role = p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))
+                        yield _sse(p.ChatCompletionChunk(**head, choices=[role]).to_json())
+                while (item := await run.next()) is not None:
+                    child, output = item
+                    choice = self._chunk_choice(child, output, body, chat)
+                    if choice is None:
+                        continue
+                    chunk = chunk_type(**head, choices=[choice])
+                    if run.exhausted and want_timings and not body.include_usage:
+                        chunk.timings = run.timings()
+                    yield _sse(chunk.to_json())
+                if body.include_usage:
+                    chunk = chunk_type(**head, choices=[], usage=run.usage())
+                    if want_timings:
+                        chunk.timings = run.timings()
+                    yield _sse(chunk.to_json())
+            except KVServeError as exc:  # the engine died mid-stream: tell the client, then end the stream
+                self.metrics.observe_error(exc.http_status, exc.code)
+                yield _sse(_error_json(exc))
+            yield "data: [DONE]\n\n"
+        finally:
+            run.close()
+
+    def _chunk_choice(self, child: _Child, output: RequestOutput, body: Any, chat: bool) -> Any:
+        """The streamed choice for one output, or None when it carries nothing (text held back)."""
+        completion = output.outputs[0]
+        num_tokens = len(completion.token_ids)
+        start = num_tokens - len(output.delta_token_ids)
+        finish = completion.finish_reason if output.finished else None
+        if chat:
+            logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0)
+            if not output.delta_text and finish is None and logprobs is None:
+                return None
+            return p.ChatChunkChoice(index=child.index, delta=p.DeltaMessage(content=output.delta_text),
+                                     logprobs=logprobs, finish_reason=finish)
+        logprobs = self._completion_logprobs(child, start, num_tokens, body.logprobs, child.num_chars_sent)
+        child.num_chars_sent += len(output.delta_text)
+        if not output.delta_text and finish is None and logprobs is None:
+            return None
+        return p.CompletionChoice(index=child.index, text=output.delta_text, logprobs=logprobs, finish_reason=finish)
+
+    # --- logprobs: entries [start, end) of the child's output tokens ---------------------------------------
+    def _token_logprobs(self, child: _Child, start: int, end: int) -> list[tuple[int, dict[int, float]]]:
+        assert child.last is not None
+        completion = child.last.outputs[0]
+        entries = completion.logprobs or []
+        # The engine appends to ``entries`` as it samples; positions below len(token_ids) are final.
+        return [(completion.token_ids[i], entries[i] if i < len(entries) else {}) for i in range(start, end)]
+
+    def _chat_logprobs(self, child: _Child, start: int, end: int, num_top: int) -> p.ChatLogprobs | None:
+        if child.params.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in self._token_logprobs(child, start, end):
+            text = self.token_text(token_id)
+            top = [p.TopLogprob(token=self.token_text(t), logprob=_finite(lp), bytes=list(self.token_text(t).encode()))
+                   for t, lp in list(entry.items())[:num_top]]
+            content.append(p.TokenLogprob(token=text, logprob=_finite(entry.get(token_id, MIN_LOGPROB)),
+                                          bytes=list(text.encode()), top_logprobs=top))
+        return p.ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, child: _Child, start: int, end: int, num_top: int | None,
+                             offset: int) -> p.CompletionLogprobs | None:
+        if child.params.logprobs is None:
+            return None
+        out = p.CompletionLogprobs()
+        for token_id, entry in self._token_logprobs(child, start, end):
+            text = self.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(entry.get(token_id, MIN_LOGPROB)))
+            out.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in list(entry.items())[:num_top or 0]})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def _error_json(exc: KVServeError) -> str:
+    return json.dumps(p.error_body(str(exc), exc.error_type, getattr(exc, "param", None), exc.code))
+
+
+async def _until_disconnected(http: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client disconnects first: then cancel it and raise _ClientGone."""
+    task = asyncio.ensure_future(awaitable)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves
+        task.cancel()
+        listener.cancel()
+        raise
+    listener.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # let it run its cleanup (which aborts)
+    raise _ClientGone()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------------------
+def build_app(
+    async_engine: AsyncEngine,
+    config: ServerConfig,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str | None = None,
+    max_model_len: int | None = None,
+    model_root: str | None = None,
+) -> FastAPI:
+    """A FastAPI app over a running AsyncEngine. The caller owns the engine (and shuts it down)."""
+    name = model_name or config.served_model_name or "kvserve"
+    state = _AppState(async_engine, config, tokenizer, name, max_model_len, model_root)
+    app = FastAPI(title="kvserve", version="0.1.0")
+    app.state.kvserve = state
+    app.add_middleware(_GateMiddleware, state=state)
+    _add_error_handlers(app, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Response:
+        received_at = time.monotonic()
+        state.check_ready()
+        state.check_model(body.model)
+        params = body.sampling_params()
+        text = tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True)
+        # The template already holds any BOS token: don't add special tokens twice.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
+        return await state.respond(http, body, [(token_ids, None)], params, True, received_at)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, http: Request) -> Response:
+        received_at = time.monotonic()
+        state.check_ready()
+        state.check_model(body.model)
+        params = body.sampling_params()
+        prompts = [async_engine.prepare(prompt, params) for prompt in body.prompts()]
+        return await state.respond(http, body, prompts, params, False, received_at)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = p.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
+                           max_model_len=state.max_model_len)
+        return Response(p.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "dead", "error": f"the engine loop has stopped: {async_engine.dead!r}"},
+                                status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, content_type = state.metrics.render()
+        return Response(content, media_type=content_type)
+
+    return app
+
+
+def _error_response(state: _AppState, status: int, body: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    state.metrics.observe_error(status, body["error"].get("code"))
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI, state: _AppState) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(state, 400, p.validation_error_body(exc.errors()))
+
+    @app.exception_handler(KVServeError)
+    async def on_kvserve_error(_: Request, exc: KVServeError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, CapacityError | ServerShuttingDown) else None
+        if exc.http_status >= 500:
+            logger.warning("request failed: %s", exc)
+        body = p.error_body(str(exc), exc.error_type, getattr(exc, "param", None), exc.code)
+        return _error_response(state, exc.http_status, body, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(state, exc.status_code, p.error_body(str(exc.detail), error_type), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return _error_response(state, 500, p.error_body(f"internal error: {exc!r}", "internal_error"))
+
+
+class _GateMiddleware:
+    """Before any route: 401 without the API key (on /v1 routes), 503 while shutting down.
+
+    Plain ASGI rather than BaseHTTPMiddleware, which would get between the routes and ``receive`` and
+    break disconnect detection.
+    """
+
+    def __init__(self, app: ASGIApp, state: _AppState) -> None:
+        self.app = app
+        self.state = state
+        key = state.config.api_key
+        self._expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            error: KVServeError | None = None
+            if self._expected is not None:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not secrets.compare_digest(given, self._expected):
+                    error = Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
+            if error is None and self.state.draining:
+                error = ServerShuttingDown("the server is shutting down; retry on another replica")
+            if error is not None:
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(error, ServerShuttingDown) else None
+                body = p.error_body(str(error), error.error_type, None, error.code)
+                await _error_response(self.state, error.http_status, body, headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------------------------------------
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, with a drain before the shutdown: the first SIGTERM/SIGINT refuses new requests and
+    waits (up to the grace period) for in-flight ones; a second one stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: _AppState, grace_s: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._grace_s = grace_s
+        self._drain_requested = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn re-raises those after shutdown, and the process would
+        # then die by the signal (status 143) instead of exiting cleanly with 0.
+        if self._drain_requested:
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        logger.warning("signal %d: draining (grace period %.1fs)", sig, self._grace_s)
+        self._drain_requested = True
+        self._state.draining = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        await self._state.drain(self._grace_s)
+        self.should_exit = True
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig, *, shutdown_grace_s: float = 5.0,
+          log_level: str = "info") -> int:
+    """Load the model, start the engine thread and serve until SIGTERM/SIGINT. Returns the exit status."""
+    engine = Engine(engine_config)
+    async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
+    name = server_config.served_model_name or engine_config.model.model or engine.model_path.stem
+    app = build_app(async_engine, server_config, engine.tokenizer, model_name=name,
+                    max_model_len=engine.max_model_len, model_root=str(engine.model_path))
+    uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=log_level,
+                               lifespan="off", timeout_graceful_shutdown=2)
+    server = _GracefulServer(uv_config, app.state.kvserve, shutdown_grace_s)
+    logger.info("serving %s on http://%s:%d", name, server_config.host, server_config.port)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+    return 0 if server.started else 1

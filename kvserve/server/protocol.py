@@ -1,0 +1,334 @@
+"""OpenAI-compatible request and response schemas (pydantic v2), and their mapping to SamplingParams.
+
+Requests are validated strictly (``"max_tokens": "5"`` or ``"n": true`` is a 400, not a coercion) and
+unknown fields are ignored, as OpenAI and vLLM do. Ranges are not checked here: ``SamplingParams``
+owns them and raises ``InvalidSamplingParams`` naming the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from kvserve.errors import InvalidRequest, InvalidSamplingParams
+from kvserve.request import SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are rendered (the tokenizer rejects others)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (tool_calls, tool_call_id, ...) are passed through to the chat template.
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingRequest(_Strict):
+    """Fields common to chat and completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM spells them the same way).
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_timings: bool = False  # kvserve: a per-request trip through the pipeline (also X-KVServe-Timings: 1)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _params(self, max_tokens: int | None, max_tokens_field: str, logprobs: int | None,
+                logprobs_field: str) -> SamplingParams:
+        def opt(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=opt(self.temperature, DEFAULT_TEMPERATURE),
+                top_p=opt(self.top_p, 1.0),
+                top_k=opt(self.top_k, 0),
+                min_p=opt(self.min_p, 0.0),
+                repetition_penalty=opt(self.repetition_penalty, 1.0),
+                frequency_penalty=opt(self.frequency_penalty, 0.0),
+                presence_penalty=opt(self.presence_penalty, 0.0),
+                seed=self.seed,
+                stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                max_tokens=max_tokens,  # None: the rest of the context
+                min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except InvalidSamplingParams as exc:
+            # Report the field the client actually sent, not the engine's name for it.
+            renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(exc.param or "")
+            if renamed is not None and renamed != exc.param:
+                raise InvalidSamplingParams(str(exc).replace(exc.param or "", renamed, 1), param=renamed) from None
+            raise
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(max_tokens, field, logprobs, "top_logprobs")
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+PromptInput = str | list[int]
+
+
+class CompletionRequest(_SamplingRequest):
+    # str | list[str] | list[int] | list[list[int]]; checked by hand for an error message that says so.
+    prompt: Any
+    logprobs: int | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        def is_ids(v: Any) -> bool:
+            return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value) or is_ids(value):
+                return value
+            if all(is_ids(p) for p in value):
+                return value
+        raise ValueError(
+            "prompt must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists"
+        )
+
+    def prompts(self) -> list[PromptInput]:
+        """The prompt as a list of prompts (a string, or a list of token ids, each)."""
+        value = self.prompt
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(t, int) for t in value):
+            return [value]
+        return list(value)
+
+    def sampling_params(self) -> SamplingParams:
+        return self._params(self.max_tokens, "max_tokens", self.logprobs, "logprobs")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    object: str  # each response type fixes it (a Literal default); declared here to come second in the JSON
+    created: int
+    model: str
+    # Set only when asked for (include_usage / return_timings); left out of the JSON when None.
+    usage: Usage | None = None
+    timings: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        exclude = {k for k in ("usage", "timings") if getattr(self, k) is None}
+        return self.model_dump_json(exclude=exclude)
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
+    """A 400 body from FastAPI's RequestValidationError: the first error, naming its field."""
+    if not errors:
+        return error_body("invalid request body", "invalid_request_error")
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error") or first.get("msg", "")
+        return error_body(f"the request body is not valid JSON: {detail}", "invalid_request_error",
+                          code="invalid_json")
+    param = _field_path(loc) or None
+    msg = first.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if param is None:
+        message = f"invalid request body: {msg}"
+    else:
+        message = f"invalid value for '{param}': {msg}"
+        if first.get("type") == "missing":
+            message = f"'{param}' is required"
+    more = len(errors) - 1
+    if more:
+        message += f" (and {more} more error{'s' if more > 1 else ''})"
+    return error_body(message, "invalid_request_error", param=param, code="invalid_value")
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; union branch names (str, list[...]) dropped."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and not _is_type_tag(part):
+            path += f".{part}" if path else part
+    return path
+
+
+def _is_type_tag(part: str) -> bool:
+    # pydantic names union branches in loc: 'str', 'list[str]', 'function-plain[...]', 'ContentPart', ...
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()

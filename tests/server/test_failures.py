@@ -1,0 +1,193 @@
+"""Failure modes of the shared server, over raw HTTP: error statuses and bodies, odd inputs, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, metric_value
+
+pytestmark = pytest.mark.slow
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def post(base_url: str, endpoint: str, body: object, **kwargs: object) -> httpx.Response:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    return httpx.post(f"{base_url}{path}", json=body, timeout=60, **kwargs)  # type: ignore[arg-type]
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    if param is not None:
+        assert param.split("[")[0].split(".")[0] in error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+WRONG_TYPES = [
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("chat", {"messages": HI, "max_tokens": "5"}, "max_tokens"),
+    ("chat", {"messages": HI, "max_tokens": 2.5}, "max_tokens"),
+    ("chat", {"messages": HI, "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": HI, "n": True}, "n"),
+    ("chat", {"messages": HI, "stop": 5}, "stop"),
+    ("chat", {"messages": HI, "logprobs": 3}, "logprobs"),
+    ("chat", {"messages": HI, "stream": "yes"}, "stream"),
+    ("chat", {"messages": HI, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ("chat", {"messages": HI, "seed": "seven"}, "seed"),
+    ("completions", {"prompt": 5}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": ["a", [1]]}, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, "prompt"),
+    ("completions", {"max_tokens": 3}, "prompt"),
+    ("completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), WRONG_TYPES)
+def test_wrong_type_is_400_naming_the_field(base_url, endpoint, body, param) -> None:
+    assert_error(post(base_url, endpoint, body), 400, param, "invalid_value")
+
+
+BAD_VALUES = [
+    ("chat", {"temperature": -1}, "temperature"),
+    ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"top_p": 1.5}, "top_p"),
+    ("chat", {"top_k": -2}, "top_k"),
+    ("chat", {"min_p": 2}, "min_p"),
+    ("chat", {"n": 0}, "n"),
+    ("chat", {"max_tokens": 0}, "max_tokens"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat", {"presence_penalty": 3}, "presence_penalty"),
+    ("chat", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"stop": [""]}, "stop"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": [10**7]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "param"), BAD_VALUES)
+def test_bad_sampling_value_is_400(base_url, endpoint, fields, param) -> None:
+    body = {"messages": HI} if endpoint == "chat" else {"prompt": "Hello"}
+    assert_error(post(base_url, endpoint, {**body, **fields}), 400, param)
+
+
+def test_malformed_json_and_non_object_body(base_url) -> None:
+    for content in (b'{"messages": [', b"not json", b""):
+        resp = httpx.post(f"{base_url}/v1/chat/completions", content=content,
+                          headers={"Content-Type": "application/json"})
+        assert_error(resp, 400, None)
+    assert_error(post(base_url, "completions", [1, 2, 3]), 400, None)
+
+
+def test_context_length_exceeded(base_url) -> None:
+    error = assert_error(post(base_url, "completions", {"prompt": [504] * MAX_MODEL_LEN}), 400, "prompt",
+                         "context_length_exceeded")
+    assert str(MAX_MODEL_LEN) in error["message"]
+    assert_error(post(base_url, "completions", {"prompt": [504] * 100, "max_tokens": MAX_MODEL_LEN}), 400,
+                 "max_tokens", "context_length_exceeded")
+    assert_error(post(base_url, "chat", {"messages": HI, "max_completion_tokens": 5000}), 400,
+                 "max_tokens", "context_length_exceeded")
+
+
+def test_unknown_model_is_404_and_unknown_route_is_404(base_url) -> None:
+    error = assert_error(post(base_url, "chat", {"messages": HI, "model": "gpt-4o"}), 404, "model", "model_not_found")
+    assert "gpt-4o" in error["message"]
+    assert httpx.get(f"{base_url}/v1/nothing-here").status_code == 404
+
+
+def test_odd_but_valid_requests_never_hurt_the_engine(base_url) -> None:
+    odd = [
+        ("chat", {"messages": HI, "temperature": 1e-30}),
+        ("chat", {"messages": HI, "temperature": 1.0, "seed": 2**80}),
+        ("chat", {"messages": HI, "temperature": 1.0, "seed": -(2**70)}),
+        ("chat", {"messages": HI, "top_k": 10**9, "temperature": 1.0}),
+        ("chat", {"messages": HI, "repetition_penalty": 1e-9}),
+        ("chat", {"messages": HI, "repetition_penalty": 1e9, "presence_penalty": 2, "frequency_penalty": -2}),
+        ("chat", {"messages": HI, "n": 4, "temperature": 2.0, "top_p": 0.01, "min_p": 1.0}),
+        ("chat", {"messages": HI, "logprobs": True, "top_logprobs": 20, "stop": ["a", "e", "!"],
+                  "include_stop_str_in_output": True}),
+        ("chat", {"messages": HI, "min_tokens": 3, "stop_token_ids": [0, 2, 49151]}),
+        ("chat", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                               {"role": "assistant", "content": "Hello"},
+                               {"role": "user", "content": [{"type": "text", "text": "Again"}]}]}),
+        ("completions", {"prompt": "<|im_start|><|im_end|><|endoftext|>", "logprobs": 20}),
+        ("completions", {"prompt": "\u00e9\u4e2d\U0001f600", "skip_special_tokens": False}),
+        ("completions", {"prompt": [0], "ignore_eos": True}),
+    ]
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as c:
+            calls = [c.post("/v1/chat/completions" if ep == "chat" else "/v1/completions",
+                            json={**body, "max_tokens": 3}) for ep, body in odd]
+            calls += [c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "stream": True,
+                                                           "n": 2, "logprobs": True})]
+            return await asyncio.gather(*calls)
+
+    for resp in asyncio.run(run()):
+        assert resp.status_code == 200, resp.text
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    assert post(base_url, "chat", {"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+def _wait_until(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_disconnected_clients_abort_and_free_their_blocks(base_url) -> None:
+    aborted_before = metric_value(base_url, "kvserve:request_success_total", 'finished_reason="abort"')
+    num_streams = 50
+
+    async def stream_then_leave(c: httpx.AsyncClient, i: int) -> str:
+        body = {"prompt": f"Request {i}: tell me a long story about", "max_tokens": 300, "ignore_eos": True,
+                "stream": True, "temperature": 0}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return line  # leave mid-stream: the response is closed unread
+        raise AssertionError("stream ended before any chunk")
+
+    async def wait_then_leave(c: httpx.AsyncClient) -> None:
+        body = {"messages": HI, "max_tokens": 300, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+
+    async def run() -> None:
+        limits = httpx.Limits(max_connections=num_streams + 1)
+        async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as c:
+            await asyncio.gather(*(stream_then_leave(c, i) for i in range(num_streams)), wait_then_leave(c))
+
+    asyncio.run(run())
+
+    def all_freed() -> bool:
+        return (metric_value(base_url, "kvserve:kv_blocks_used") == 0
+                and metric_value(base_url, "kvserve:num_requests_running") == 0
+                and metric_value(base_url, "kvserve:num_requests_waiting") == 0)
+
+    assert _wait_until(all_freed), httpx.get(f"{base_url}/metrics").text[-3000:]
+    aborted = metric_value(base_url, "kvserve:request_success_total", 'finished_reason="abort"') - aborted_before
+    assert aborted == num_streams + 1  # none of them ran to its 300 tokens
+    assert post(base_url, "chat", {"messages": HI, "max_tokens": 2}).status_code == 200

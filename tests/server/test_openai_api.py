@@ -1,0 +1,215 @@
+"""The OpenAI API of a real server process, through the official ``openai`` client (sync and async)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    PROMPTS,
+    QUESTIONS,
+    chat,
+    metric_value,
+)
+
+pytestmark = pytest.mark.slow
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def async_client(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_sixteen_concurrent_requests_match_offline_generate(base_url, offline_texts) -> None:
+    offline_chats, offline_completions = offline_texts
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with async_client(base_url) as c:
+            chat_calls = [c.chat.completions.create(model=None, messages=chat(q), max_tokens=MAX_TOKENS,
+                                                    temperature=0) for q in QUESTIONS]
+            completion_calls = [c.completions.create(model=None, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+                                for p in PROMPTS]
+            results = await asyncio.gather(*chat_calls, *completion_calls)
+        chats = [r.choices[0].message.content for r in results[: len(QUESTIONS)]]
+        completions = [r.choices[0].text for r in results[len(QUESTIONS):]]
+        return chats, completions
+
+    chats, completions = asyncio.run(run())
+    assert chats == offline_chats
+    assert completions == offline_completions
+
+
+def test_chat_non_streaming_and_streaming_agree(base_url) -> None:
+    c = client(base_url)
+    messages = chat("Explain a KV cache in one sentence.")
+    full = c.chat.completions.create(model=None, messages=messages, max_tokens=12, temperature=0)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = full.usage
+    assert usage.completion_tokens <= 12 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens is not None
+
+    chunks = list(c.chat.completions.create(model=None, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == choice.message.content
+    finished = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finished == [choice.finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == usage.completion_tokens
+    assert last.usage.prompt_tokens == usage.prompt_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens >= BLOCK_SIZE  # the same prompt was just served
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_completions_async_streaming_and_token_id_prompts(base_url) -> None:
+    async def run() -> None:
+        async with async_client(base_url) as c:
+            full = await c.completions.create(model=None, prompt="The capital of France is", max_tokens=6,
+                                              temperature=0)
+            assert full.object == "text_completion" and full.choices[0].text
+            stream = await c.completions.create(model=None, prompt="The capital of France is", max_tokens=6,
+                                                temperature=0, stream=True)
+            text = "".join([chunk.choices[0].text async for chunk in stream])
+            assert text == full.choices[0].text
+            # Token ids, and a list of token-id lists: one choice per prompt.
+            many = await c.completions.create(model=None, prompt=[[504, 3575, 282], [19556, 30]], max_tokens=3,
+                                              temperature=0)
+            assert [ch.index for ch in many.choices] == [0, 1]
+            assert many.usage.prompt_tokens == 5 and many.usage.completion_tokens == 6
+
+    asyncio.run(run())
+
+
+def test_list_of_prompts_with_n_merges_choices(base_url) -> None:
+    c = client(base_url)
+    resp = c.completions.create(model=None, prompt=["Hello", "Goodbye"], n=2, max_tokens=3, temperature=0.8,
+                                seed=7)
+    assert sorted(ch.index for ch in resp.choices) == [0, 1, 2, 3]
+    single = c.completions.create(model=None, prompt=["Hello", "Goodbye"], max_tokens=1)
+    assert resp.usage.prompt_tokens == single.usage.prompt_tokens  # counted once per prompt, as OpenAI does
+    assert 4 <= resp.usage.completion_tokens <= 12
+    chat_resp = c.chat.completions.create(model=None, messages=chat("Pick a random animal."), n=3, max_tokens=3,
+                                          temperature=1.0, seed=1)
+    assert [ch.index for ch in chat_resp.choices] == [0, 1, 2]
+    chunks = list(c.chat.completions.create(model=None, messages=chat("Pick a random animal."), n=3, max_tokens=3,
+                                            temperature=1.0, seed=1, stream=True))
+    streamed = {i: "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices[0].index == i)
+                for i in range(3)}
+    assert streamed == {ch.index: ch.message.content for ch in chat_resp.choices}  # seeded: reproducible
+
+
+def test_cached_tokens_cold_then_warm(base_url) -> None:
+    c = client(base_url)
+    nonce = uuid.uuid4().hex
+    document = f"Document {nonce}. " + " ".join(
+        f"Paragraph {i}: a paged KV cache keeps keys and values in blocks of sixteen tokens." for i in range(20)
+    )
+    cold = c.completions.create(model=None, prompt=document, max_tokens=1, temperature=0)
+    assert cold.usage.prompt_tokens > 300
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    warm = c.completions.create(model=None, prompt=document, max_tokens=1, temperature=0)
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    # Every full block but the one holding the last prompt token (which must be computed for its logits).
+    assert cached == (warm.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert warm.choices[0].text == cold.choices[0].text
+
+
+def test_stop_strings_logprobs_and_extensions(base_url) -> None:
+    c = client(base_url)
+    full = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    assert " 6," in full.choices[0].text
+    stopped = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == full.choices[0].text.split(" 6")[0]
+
+    lp = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=3, temperature=0, logprobs=2)
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == 3 and "".join(logprobs.tokens) == lp.choices[0].text
+    assert all(x <= 0 for x in logprobs.token_logprobs)
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+    resp = c.chat.completions.create(model=None, messages=chat("Hi"), max_tokens=3, temperature=0, logprobs=True,
+                                     top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 3
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in content)
+
+    # ignore_eos + min_tokens (extensions, sent as extra body fields) and an unknown field (ignored).
+    resp = c.chat.completions.create(model=None, messages=chat("Say OK."), max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True, "min_tokens": 8, "repetition_penalty": 1.1,
+                                                 "no_such_field": 1})
+    assert resp.usage.completion_tokens == 8 and resp.choices[0].finish_reason == "length"
+
+
+def test_default_max_tokens_is_the_rest_of_the_context(base_url) -> None:
+    # No max_tokens: only the context limit stops a request that ignores EOS. Prompt near the limit keeps it short.
+    prompt_ids = [504] * (MAX_MODEL_LEN - 5)
+    resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt_ids, "ignore_eos": True,
+                                                          "temperature": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_timings_body_flag_and_header(base_url) -> None:
+    body = {"messages": chat("Count to three."), "max_tokens": 4, "temperature": 0, "return_timings": True}
+    resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    t = resp.json()["timings"]
+    assert t["queued_ms"] >= 0 and t["prefill"]["ms"] > 0
+    assert t["first_token_ms"] == pytest.approx(t["queued_ms"] + t["prefill"]["ms"], abs=0.01)
+    assert t["finished_ms"] >= t["first_token_ms"]
+    assert t["decode"]["steps"] == resp.json()["usage"]["completion_tokens"] - 1
+    assert t["prefill"]["tokens_computed"] + t["cache_lookup"]["cached_tokens"] == resp.json()["usage"]["prompt_tokens"]
+    assert t["preemptions"] == 0 and t["prefill"]["chunks"] == 1
+    assert "timings" not in httpx.post(f"{base_url}/v1/chat/completions", json={**body, "return_timings": False},
+                                       timeout=60).json()
+
+    stream_body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=stream_body, headers={"X-KVServe-Timings": "1"},
+                      timeout=60) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [httpx.Response(200, content=e).json() for e in events[:-1]]
+    assert "timings" in chunks[-1] and all("timings" not in ch for ch in chunks[:-1])
+    assert chunks[-1]["timings"]["decode"]["steps"] == 2
+
+
+def test_models_health_and_metrics(base_url) -> None:
+    c = client(base_url)
+    models = c.models.list().data
+    assert len(models) == 1 and models[0].id
+    # The served name is accepted; so is no name at all.
+    resp = c.completions.create(model=models[0].id, prompt="Hi", max_tokens=1)
+    assert resp.model == models[0].id
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{base_url}/metrics").text
+    for name in ("kvserve:time_to_first_token_seconds_bucket", "kvserve:time_per_output_token_seconds_bucket",
+                 "kvserve:inter_token_latency_seconds_bucket", "kvserve:e2e_request_latency_seconds_bucket",
+                 "kvserve:request_queue_time_seconds_bucket", "kvserve:prompt_tokens_total",
+                 "kvserve:prompt_tokens_cached_total", "kvserve:generation_tokens_total",
+                 "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
+                 "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_blocks_used",
+                 "kvserve:kv_blocks_cached", "kvserve:kv_blocks_free", "kvserve:num_preemptions_total",
+                 'kvserve:request_success_total{finished_reason="length"}'):
+        assert name in text, name
+    assert metric_value(base_url, "kvserve:prompt_tokens_total") > 0
+    assert metric_value(base_url, "kvserve:prefix_cache_hits_total") > 0
+    assert metric_value(base_url, "kvserve:engine_alive") == 1
