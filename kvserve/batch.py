@@ -35,10 +35,22 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's work. The runner applies it in this order, which matters (a block id may be in both
+    transfer lists: evicted, then reallocated for a load)::
+
+        1. kv_offloads  copy each block's KV out (it was evicted or newly cached; it may be reused now)
+        2. kv_loads     write each payload into its block (KV found in a lower tier)
+        3. scheduled    the forward, which writes new KV into (possibly reused) blocks
+    """
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     finished_request_ids: list[str] = field(default_factory=list)
+    # (block_id, serialised KV of the block) to write into device memory.
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # (block_id, block_hash) to copy out of device memory; the runner returns them in RunnerOutput.offloaded.
+    kv_offloads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,3 +68,5 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # Per request: {token_id: logprob} for the sampled token plus the top-n, when logprobs were asked for.
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # (block_hash, serialised KV) of each block in SchedulerOutput.kv_offloads, in that order.
+    offloaded: list[tuple[bytes, bytes]] = field(default_factory=list)

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StorageConfig
 from kvserve.errors import KVServeError
 
 
@@ -27,6 +27,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    t = parser.add_argument_group("KV storage tiers (below device memory; all off by default)")
+    t.add_argument("--kv-host-gb", type=float, default=0.0, help="host DRAM tier size in GiB")
+    t.add_argument("--kv-disk-gb", type=float, default=0.0, help="disk tier size in GiB (needs --kv-disk-dir)")
+    t.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (survives restarts)")
+    t.add_argument("--kv-redis-url", default=None, help="Redis tier, e.g. redis://127.0.0.1:6379/0 (shareable)")
+    t.add_argument("--kv-retention", type=parse_duration, default=72 * 3600.0, metavar="DURATION",
+                   help="how long tier entries live: 72h, 30m, 5s or plain seconds (default 72h)")
+    t.add_argument("--kv-write-policy", choices=["write_back", "write_through"], default="write_back",
+                   help="write_back: blocks go down as they are evicted; write_through: as soon as they fill")
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "72h", "30m", "5s", "2d" or a plain number of seconds."""
+    value = text.strip().lower()
+    scale = _DURATION_UNITS.get(value[-1:], None)
+    number = value[:-1] if scale is not None else value
+    try:
+        seconds = float(number) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 72h, 30m, 5s or 3600)") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text!r}")
+    return seconds
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -37,6 +63,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.scheduling_policy),
+        storage=StorageConfig(host_gb=args.kv_host_gb, disk_gb=args.kv_disk_gb, disk_dir=args.kv_disk_dir,
+                              redis_url=args.kv_redis_url, retention_s=args.kv_retention,
+                              write_policy=args.kv_write_policy),
     )
 
 

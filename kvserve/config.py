@@ -99,16 +99,40 @@ class SchedulerConfig:
             raise InvalidRequest(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}", "policy")
 
 
+WritePolicy = Literal["write_back", "write_through"]
+
+
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
-    """Lower KV tiers below device memory. All off by default."""
+    """Lower KV tiers below device memory. All off by default.
+
+    ``write_back``: a block goes down to the host tier when device memory evicts it, and on to disk / Redis
+    when the host tier evicts it. ``write_through``: every full block goes to every tier as soon as it is
+    computed (what survives a restart or is shared between engines does not wait for an eviction).
+    """
 
     host_gb: float = 0.0
     disk_gb: float = 0.0
     disk_dir: str | None = None
     redis_url: str | None = None
     retention_s: float = 72 * 3600.0
-    write_policy: Literal["write_back", "write_through"] = "write_back"
+    write_policy: WritePolicy = "write_back"
+
+    def __post_init__(self) -> None:
+        for name in ("host_gb", "disk_gb"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value < 0:
+                raise InvalidRequest(f"{name} must be a number >= 0, got {value!r}", name)
+        if self.disk_gb > 0 and not self.disk_dir:
+            raise InvalidRequest("disk_gb > 0 needs disk_dir (where the disk tier keeps its files)", "disk_dir")
+        if self.disk_dir and self.disk_gb <= 0:
+            raise InvalidRequest("disk_dir needs disk_gb > 0 (the disk tier's capacity)", "disk_gb")
+        if not 0 < self.retention_s < float("inf"):
+            raise InvalidRequest(f"retention_s must be a finite number > 0, got {self.retention_s!r}", "retention_s")
+        if self.write_policy not in ("write_back", "write_through"):
+            raise InvalidRequest(
+                f"write_policy must be 'write_back' or 'write_through', got {self.write_policy!r}", "write_policy"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -10,22 +10,26 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from kvserve.batch import SchedulerOutput
 from kvserve.cache.kv_manager import KVCacheManager
-from kvserve.config import ArchConfig, EngineConfig
+from kvserve.cache.tiers import TieredKVStore
+from kvserve.config import ArchConfig, EngineConfig, StorageConfig
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.registry import build_model
 from kvserve.request import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
 from kvserve.runner.device import resolve_device, resolve_dtype
 from kvserve.runner.kv_memory import allocate_kv_caches, num_blocks_for
+from kvserve.runner.kv_transfer import block_nbytes, block_shape
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.runner.sampler import Sampler
 from kvserve.scheduler import Scheduler
+from kvserve.storage.base import KeyNamespace, TierStats
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,11 @@ class EngineStats:
     num_generated_tokens: int
     num_steps: int
     busy_time_s: float
+    # Prompt tokens found cached at admission, by where they came from: "device" and each lower tier.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # Per lower tier (host, disk, redis): that store's counters, with hits/misses in tokens at admission.
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+    tiers_healthy: dict[str, bool] = field(default_factory=dict)
 
 
 class Engine:
@@ -74,9 +83,10 @@ class Engine:
         cc = config.cache
         num_blocks = num_blocks_for(self.arch, cc, self.dtype)
         self.max_model_len = self._resolve_max_model_len(num_blocks * cc.block_size)
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         kv_caches = allocate_kv_caches(self.arch, num_blocks, cc.block_size, self.dtype, self.device)
+        self.tiers = self._build_tiers(config.storage, kv_caches)
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size, Sampler(self.arch.vocab_size, mc.seed))
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
@@ -87,6 +97,21 @@ class Engine:
         self._num_generated_tokens = 0
         self._num_steps = 0
         self._busy_time = 0.0
+        self._next_sweep = time.monotonic() + (self.tiers.sweep_interval_s if self.tiers else 0.0)
+
+    def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
+        """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""
+        if not storage.enabled:
+            return None
+        if not self.config.cache.enable_prefix_caching:
+            logger.warning("KV storage tiers need the prefix cache: they stay off (--no-enable-prefix-caching)")
+            return None
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        namespace = KeyNamespace(self.fingerprint, dtype_name, self.config.cache.block_size)
+        tiers = TieredKVStore(storage, namespace, block_shape(kv_caches), payload_nbytes=block_nbytes(kv_caches))
+        logger.info("KV tiers below device memory: %s (%s, retention %.0f s)", ", ".join(tiers.names) or "none",
+                    storage.write_policy, storage.retention_s)
+        return tiers
 
     def _resolve_max_model_len(self, pool_tokens: int) -> int:
         model_len = self.arch.max_position_embeddings
@@ -172,6 +197,8 @@ class Engine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
+        if self.tiers is not None:
+            self._tier_upkeep()
         return self._make_output(request, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -181,18 +208,48 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
+            if out.kv_offloads:
+                self._transfer_only(out)
             return []
         t0 = time.perf_counter()
         result = self.runner.execute(out)
         self._busy_time += time.perf_counter() - t0
         self._num_steps += 1
+        if result.offloaded:
+            self.kv_manager.store_offloaded(result.offloaded)
         updated = self.scheduler.update(out, result)
         for scheduled in out.scheduled:
             request = self.scheduler.requests.get(scheduled.request_id)
             prompt_left = (request.num_prompt_tokens if request else 0) - scheduled.start_position
             self._num_prompt_tokens_computed += max(0, min(len(scheduled.token_ids), prompt_left))
         self._num_generated_tokens += len(updated)
-        return [self._process_new_token(request) for request in updated]
+        outputs = [self._process_new_token(request) for request in updated]
+        if self.tiers is not None:
+            self._tier_upkeep()  # after stop strings: they finish requests too
+        return outputs
+
+    def _tier_upkeep(self) -> None:
+        """After a step: with nothing left to run, copy out what is queued for the tiers now (write_through
+        queues blocks as they fill; they would otherwise wait for the next request); now and then, drop
+        expired entries."""
+        if self.kv_manager.has_pending_transfers and not self.scheduler.has_unfinished():
+            loads, offloads = self.kv_manager.take_transfers()
+            assert not loads, "loads are only queued by an admission"
+            self._transfer_only(SchedulerOutput(kv_offloads=offloads))
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            assert self.tiers is not None
+            self.tiers.sweep()
+            self._next_sweep = now + self.tiers.sweep_interval_s
+
+    def _transfer_only(self, out: SchedulerOutput) -> None:
+        result = self.runner.execute(out)
+        self.kv_manager.store_offloaded(result.offloaded)
+
+    def close(self) -> None:
+        """Release the storage tiers (flush nothing: write_back blocks in device or host memory are lost)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _process_new_token(self, request: Request) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
@@ -247,6 +304,9 @@ class Engine:
             num_generated_tokens=self._num_generated_tokens,
             num_steps=self._num_steps,
             busy_time_s=self._busy_time,
+            cached_tokens_by_tier=dict(kv.stats.hits_by_tier),
+            tiers=self.tiers.stats() if self.tiers is not None else {},
+            tiers_healthy=self.tiers.healthy() if self.tiers is not None else {},
         )
 
     def check_invariants(self) -> None:
@@ -280,6 +340,12 @@ class LLM:
         seed: int = 0,
         num_threads: int | None = None,
         show_progress: bool = False,
+        kv_host_gb: float = 0.0,
+        kv_disk_gb: float = 0.0,
+        kv_disk_dir: str | None = None,
+        kv_redis_url: str | None = None,
+        kv_retention_s: float = 72 * 3600.0,
+        kv_write_policy: str = "write_back",
     ) -> None:
         from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -290,12 +356,18 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       policy=scheduling_policy),  # type: ignore[arg-type]
+            storage=StorageConfig(host_gb=kv_host_gb, disk_gb=kv_disk_gb, disk_dir=kv_disk_dir,
+                                  redis_url=kv_redis_url, retention_s=kv_retention_s,
+                                  write_policy=kv_write_policy),  # type: ignore[arg-type]
         )
         self.engine = Engine(config)
         self._batch_ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        self.engine.close()
 
     def generate(
         self,

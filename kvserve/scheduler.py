@@ -134,6 +134,8 @@ class Scheduler:
                 budget -= num_new
 
         out.finished_request_ids, self._forget = self._forget, []
+        if self.kv.has_pending_transfers:
+            out.kv_loads, out.kv_offloads = self.kv.take_transfers()
         return out
 
     def _next_waiting(self) -> Request:

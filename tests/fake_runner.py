@@ -4,11 +4,16 @@ It writes each computed token into its slot (block_id * block_size + offset) and
 a hash of the tokens it READS BACK through the request's block table. A wrong block table, a block reused
 while still live, or a prefix hit on the wrong blocks changes the sampled tokens, so comparing against
 ``reference_continuation`` checks the whole KV bookkeeping without a model.
+
+Tier transfers work as in the real runner, offloads first, then loads, then the "forward": a block's
+fake KV payload is the bytes of its (position, token) slots, so loading the wrong payload (or into the
+wrong block, or after the block was overwritten) changes the tokens read back, hence the output.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 
 from kvserve.batch import RunnerOutput, SchedulerOutput
 
@@ -27,14 +32,40 @@ def reference_continuation(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
+EMPTY_SLOT = (-1, -1)
+
+
+def payload_nbytes(block_size: int) -> int:
+    return 8 * block_size
+
+
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)  # (position, token)
         self.num_computed_tokens = 0
+        self.num_blocks_loaded = 0
+        self.num_blocks_offloaded = 0
+
+    def read_block(self, block_id: int) -> bytes:
+        bs = self.block_size
+        pairs = [slot or EMPTY_SLOT for slot in self.slots[block_id * bs : (block_id + 1) * bs]]
+        return struct.pack(f"<{2 * bs}i", *(x for pair in pairs for x in pair))
+
+    def write_block(self, block_id: int, payload: bytes) -> None:
+        bs = self.block_size
+        values = struct.unpack(f"<{2 * bs}i", payload)
+        for i in range(bs):
+            pair = (values[2 * i], values[2 * i + 1])
+            self.slots[block_id * bs + i] = None if pair == EMPTY_SLOT else pair
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         result = RunnerOutput()
+        result.offloaded = [(block_hash, self.read_block(block_id)) for block_id, block_hash in out.kv_offloads]
+        for block_id, payload in out.kv_loads:
+            self.write_block(block_id, payload)
+        self.num_blocks_offloaded += len(out.kv_offloads)
+        self.num_blocks_loaded += len(out.kv_loads)
         bs = self.block_size
         for s in out.scheduled:
             for i, token in enumerate(s.token_ids):

@@ -1,8 +1,20 @@
 """The scheduler's only window onto KV memory: prefix lookup, block allocation, caching and freeing.
 
 The scheduler sees ``PrefixHit`` (how many tokens are cached) and booleans; the radix tree, reference
-counts and (later) lower storage tiers stay behind this class. While a request holds a hit or runs, the
+counts and the lower storage tiers stay behind this class. While a request holds a hit or runs, the
 blocks on its path are locked in the tree and cannot be evicted.
+
+With tiers (``TieredKVStore``), KV moves between device blocks and the tiers as queued transfers that
+the scheduler hands the runner in its ``SchedulerOutput`` (``take_transfers``)::
+
+    offload  (block_id, block_hash)  the tree evicted the block (write_back), or inserted it (write_through);
+                                     the runner copies it out FIRST, before anything writes into the block,
+                                     and the engine stores what it copied (``store_offloaded``)
+    load     (block_id, payload)     a lookup found the run after the device match in a tier: fresh device
+                                     blocks are allocated and inserted into the tree at once, the runner
+                                     writes their KV before the forward that reads them
+
+A block id can appear in both queues of one step (evicted, then reallocated for a load): offloads first.
 """
 
 from __future__ import annotations
@@ -11,16 +23,30 @@ from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.radix_cache import RadixCache, RadixNode
-from kvserve.request import Request
+from kvserve.cache.tiers import TieredKVStore
+from kvserve.request import BlockHash, Request
+
+DEVICE = "device"
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Cached tokens found for a waiting request. Holds a lock until allocated or released."""
+    """Cached tokens found for a waiting request. Holds a lock until allocated or released.
+
+    ``block_ids`` are the device blocks of the hit, ``loaded`` the (tier, payload) of each block of the
+    run found below them; ``num_tokens`` counts both.
+    """
 
     num_tokens: int
     block_ids: list[int] = field(default_factory=list)
     node: RadixNode | None = None
+    loaded: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
+        out = {DEVICE: len(self.block_ids) * block_size}
+        for tier, _ in self.loaded:
+            out[tier] = out.get(tier, 0) + block_size
+        return out
 
 
 EMPTY_HIT = PrefixHit(0)
@@ -29,8 +55,9 @@ EMPTY_HIT = PrefixHit(0)
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up (first admissions only)
-    hits: int = 0  # of which found cached
+    hits: int = 0  # of which found cached (any tier)
     requests: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens, "device" and each lower tier
 
     @property
     def hit_rate(self) -> float:
@@ -38,12 +65,29 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tiers: TieredKVStore | None = None,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         # With the cache off there is no tree at all: nothing is hashed, locked or kept after a request.
         self.tree = RadixCache(block_size, self.pool) if enable_prefix_caching else None
-        self.stats = PrefixCacheStats()
+        # Tiers only extend the prefix cache: without a tree there is nothing to look up or offload.
+        self.tiers = tiers if self.tree is not None else None
+        self.tier_names = [DEVICE] + (self.tiers.names if self.tiers is not None else [])
+        self.stats = PrefixCacheStats(hits_by_tier=dict.fromkeys(self.tier_names, 0))
+        self.pending_loads: list[tuple[int, bytes]] = []
+        self.pending_offloads: list[tuple[int, BlockHash]] = []
+        self._write_through = self.tiers is not None and self.tiers.write_through
+        # The last tier lookup of a request that could not be admitted yet: the head of the queue is looked
+        # up again every step until memory frees up, and must not re-read its run from disk or Redis each time.
+        self._parked: tuple[str, int, int, list[tuple[str, bytes]]] | None = None
+        if self.tiers is not None and self.tree is not None and not self._write_through:
+            self.tree.on_evict = self._offload_evicted
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -63,10 +107,22 @@ class KVCacheManager:
             return EMPTY_HIT
         hashes = request.full_block_hashes(self.block_size)
         match = self.tree.match_prefix(hashes, request.all_token_ids, max_blocks)
-        if not match.block_ids:
+        num_device = len(match.block_ids)
+        loaded: list[tuple[str, bytes]] = []
+        if self.tiers is not None and num_device < max_blocks:
+            parked = self._parked
+            if parked is not None and parked[:3] == (request.request_id, num_device, max_blocks):
+                loaded = parked[3]  # a block's KV never changes for its hash: still valid
+            else:
+                loaded = self.tiers.lookup_run(hashes[num_device:max_blocks])
+                self._parked = (request.request_id, num_device, max_blocks, loaded) if loaded else None
+        if not match.block_ids and not loaded:
             return EMPTY_HIT
-        self.tree.lock(match.node)
-        return PrefixHit(len(match.block_ids) * self.block_size, match.block_ids, match.node)
+        node = None
+        if match.block_ids:
+            self.tree.lock(match.node)
+            node = match.node
+        return PrefixHit((num_device + len(loaded)) * self.block_size, match.block_ids, node, loaded)
 
     def cached_prefix_length(self, request: Request) -> int:
         """Tokens a lookup would find now, without locking or touching anything (cache-aware ordering)."""
@@ -82,16 +138,25 @@ class KVCacheManager:
             self.tree.unlock(hit.node)
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
-        """Count a first admission's prefix lookup (re-admissions after preemption are not cache hits)."""
+        """Count a first admission's prefix lookup (re-admissions after preemption are not cache hits) and
+        note in the request's metrics which tier each cached token came from."""
         self.stats.requests += 1
         self.stats.queries += request.num_prompt_tokens
         self.stats.hits += hit.num_tokens
+        by_tier = hit.tokens_by_tier(self.block_size)
+        request.metrics.cached_tokens_by_tier = {name: by_tier.get(name, 0) for name in self.tier_names}
+        for name, num_tokens in by_tier.items():
+            self.stats.hits_by_tier[name] = self.stats.hits_by_tier.get(name, 0) + num_tokens
+        if self.tiers is not None:
+            self.tiers.record_admission(request.num_prompt_tokens, by_tier)
 
     # --- allocation ---------------------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT) -> bool:
         """Make room for ``num_new_tokens`` more tokens of KV; with ``hit``, adopt the cached blocks first.
 
-        Returns False (and changes nothing) when the pool cannot provide the blocks even after evicting.
+        Blocks of the hit found in a lower tier count as needed blocks: they are allocated here, queued
+        for loading and inserted into the tree. Returns False (and changes nothing, loads nothing) when the
+        pool cannot provide the blocks even after evicting; the caller then releases the hit.
         """
         num_existing = len(request.block_ids) + len(hit.block_ids)
         num_computed = request.num_computed_tokens + hit.num_tokens
@@ -101,11 +166,37 @@ class KVCacheManager:
         if hit.block_ids:
             self.pool.acquire(hit.block_ids)
             request.block_ids.extend(hit.block_ids)
-            request.num_computed_tokens += hit.num_tokens
             request.cache_handle = hit.node
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
+        request.num_computed_tokens += hit.num_tokens
+        if hit.loaded:
+            self._parked = None
+            self._adopt_loaded(request, hit)
         return True
+
+    def _adopt_loaded(self, request: Request, hit: PrefixHit) -> None:
+        """Queue the tier payloads into the blocks just allocated after the device hit, and put those blocks
+        in the tree at once (their tokens are known), so that concurrent requests share them too.
+
+            block_ids  [ device hit | loaded from tiers | to compute ... ]
+                       0            n_device            n_device + n_loaded
+        """
+        assert self.tree is not None
+        n_device, n_loaded = len(hit.block_ids), len(hit.loaded)
+        assert len(request.block_ids) >= n_device + n_loaded and request.num_computed_tokens == hit.num_tokens, (
+            f"{request} was not a fresh admission"
+        )
+        targets = request.block_ids[n_device : n_device + n_loaded]
+        self.pending_loads.extend((block_id, payload) for block_id, (_, payload) in zip(targets, hit.loaded, strict=True))
+        node: RadixNode | None = hit.node
+        hashes = request.full_block_hashes(self.block_size)
+        new_node = self.tree.insert(hashes, request.all_token_ids, request.block_ids[: n_device + n_loaded], start=node)
+        if new_node is not node:
+            self.tree.lock(new_node)
+            if node is not None:
+                self.tree.unlock(node)
+            request.cache_handle = new_node
 
     def _make_room(self, num_needed: int, hit: PrefixHit) -> bool:
         if num_needed <= self.pool.num_free:
@@ -133,7 +224,15 @@ class KVCacheManager:
         if num_full == 0 or (node is not None and node.depth >= num_full):
             return
         hashes = request.full_block_hashes(self.block_size)
+        if self._write_through:
+            # Blocks the insert below newly hands the tree go down to the tiers now (they are full).
+            start = node.depth if node is not None else 0
+            fresh = [i for i in range(start, num_full) if not self.pool.cached[request.block_ids[i]]]
         new_node = self.tree.insert(hashes, request.all_token_ids, request.block_ids[:num_full], start=node)
+        if self._write_through:
+            self.pending_offloads.extend(
+                (request.block_ids[i], hashes[i]) for i in fresh if self.pool.cached[request.block_ids[i]]
+            )
         if new_node is not node:
             self.tree.lock(new_node)
             if node is not None:
@@ -150,6 +249,29 @@ class KVCacheManager:
         request.block_ids = []
         request.num_computed_tokens = 0
 
+    # --- transfers to and from the tiers --------------------------------------------------------------------
+    def _offload_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        """Tree eviction hook (write_back): copy the block out before it is reused, unless the first local
+        tier already holds it (it was loaded from there, or offloaded before)."""
+        assert self.tiers is not None
+        if not self.tiers.holds(block_hash):
+            self.pending_offloads.append((block_id, block_hash))
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        return bool(self.pending_loads or self.pending_offloads)
+
+    def take_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, BlockHash]]]:
+        """(loads, offloads) queued since the last call, handed to the runner; the queues start empty again."""
+        loads, offloads = self.pending_loads, self.pending_offloads
+        self.pending_loads, self.pending_offloads = [], []
+        return loads, offloads
+
+    def store_offloaded(self, blocks: list[tuple[BlockHash, bytes]]) -> None:
+        """Blocks the runner copied out of device memory: into the tiers."""
+        if self.tiers is not None and blocks:
+            self.tiers.put_blocks(blocks)
+
     # --- observability ------------------------------------------------------------------------------------
     @property
     def num_cached_blocks(self) -> int:
@@ -163,3 +285,5 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.tree is not None:
             self.tree.check_invariants()
+        for block_id, _ in self.pending_loads:
+            assert self.pool.ref_counts[block_id] > 0, f"block {block_id} queued for a load is not in use"

@@ -60,11 +60,23 @@ class PrefixMatch:
     block_ids: list[int]
 
 
+EvictHook = Callable[[int, BlockHash], None]
+
+
 class RadixCache:
-    def __init__(self, block_size: int, pool: BlockPool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        pool: BlockPool,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: EvictHook | None = None,
+    ) -> None:
         self.block_size = block_size
         self.pool = pool
         self.clock = clock
+        # Called with (block_id, block_hash) for each evicted block, before the block goes back to the free
+        # list: its KV is still intact until whoever allocates it next writes into it.
+        self.on_evict = on_evict
         self._ids = itertools.count()
         self.root = RadixNode(next(self._ids), None, 0, clock())
         self.num_cached_blocks = 0
@@ -203,14 +215,19 @@ class RadixCache:
 
     # --- eviction -----------------------------------------------------------------------------------------
     def evict(self, num_blocks: int) -> int:
-        """Reclaim up to ``num_blocks`` blocks from unlocked leaves, least recently used first."""
+        """Reclaim up to ``num_blocks`` blocks from unlocked leaves, least recently used first; reports each
+        one to ``on_evict``. Returns how many were reclaimed."""
         heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
         heapq.heapify(heap)
         evicted = 0
         while evicted < num_blocks and heap:
             _, _, leaf = heapq.heappop(heap)
             take = min(num_blocks - evicted, len(leaf.block_ids))
-            for block_id in leaf.block_ids[len(leaf.block_ids) - take :]:
+            cut = len(leaf.block_ids) - take
+            if self.on_evict is not None:
+                for block_id, block_hash in zip(leaf.block_ids[cut:], leaf.block_hashes[cut:], strict=True):
+                    self.on_evict(block_id, block_hash)
+            for block_id in leaf.block_ids[cut:]:
                 self.pool.reclaim(block_id)
             del leaf.block_ids[len(leaf.block_ids) - take :]
             del leaf.block_hashes[len(leaf.block_hashes) - take :]

@@ -7,6 +7,7 @@ import torch
 from kvserve.batch import RunnerOutput, SchedulerOutput
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.input_batch import build_inputs
+from kvserve.runner.kv_transfer import read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
 
 
@@ -27,13 +28,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        result = RunnerOutput()
+        # KV transfers first, in this order: an offloaded block may be reused by a load or by this forward.
+        if out.kv_offloads:
+            payloads = read_blocks(self.kv_caches, [block_id for block_id, _ in out.kv_offloads])
+            result.offloaded = [(block_hash, payload)
+                                for (_, block_hash), payload in zip(out.kv_offloads, payloads, strict=True)]
+        if out.kv_loads:
+            write_blocks(self.kv_caches, out.kv_loads)
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
         for new in out.new_requests:
             self.states[new.request_id] = SamplingState(
                 new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids
             )
-        result = RunnerOutput()
         if out.is_empty:
             return result
 

@@ -4,7 +4,8 @@ Two sources:
   - per request, observed by the server when a request ends: latency histograms (TTFT, TPOT, ITL,
     end-to-end, queue, prefill, decode), token counters and finished requests by reason;
   - engine-wide, read at scrape time from ``AsyncEngine.stats()`` (a snapshot the engine thread takes
-    after each step): queue lengths, KV blocks, prefix-cache queries and hits, preemptions.
+    after each step): queue lengths, KV blocks, prefix-cache queries and hits, preemptions, and per KV
+    storage tier (``kvserve:kv_tier_*{tier="host"}``) hits and misses in tokens, bytes, latency, sizes.
 
 Counters are exposed with the ``_total`` suffix (``kvserve:prompt_tokens_total``).
 """
@@ -139,3 +140,50 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{n}{name}", doc, value=value)
+        yield from _tier_metrics(s)
+
+
+# Per storage tier (label tier="device" | "host" | "disk" | "redis"): (name, help, TierStats field).
+_TIER_COUNTERS = (
+    ("kv_tier_hit_tokens", "Prompt tokens found in this tier at admission.", "hits"),
+    ("kv_tier_miss_tokens", "Prompt tokens looked up in this tier at admission and not found.", "misses"),
+    ("kv_tier_read_bytes", "KV payload bytes read from this tier.", "bytes_read"),
+    ("kv_tier_written_bytes", "KV payload bytes written to this tier.", "bytes_written"),
+    ("kv_tier_evictions", "Entries this tier evicted to stay within its capacity.", "evictions"),
+    ("kv_tier_expirations", "Entries this tier dropped after the retention time.", "expirations"),
+    ("kv_tier_errors", "Failed operations of this tier (each one served as a miss).", "errors"),
+    ("kv_tier_corrupt_entries", "Entries that failed verification and were deleted.", "corrupt"),
+    ("kv_tier_load_seconds", "Time spent reading from this tier.", "load_latency_s"),
+    ("kv_tier_loads", "Batched reads from this tier.", "load_count"),
+)
+_TIER_GAUGES = (
+    ("kv_tier_entries", "Entries held by this tier (absent where it cannot count them: Redis).", "entries"),
+    ("kv_tier_bytes", "Bytes held by this tier (absent where it cannot count them: Redis).", "bytes_held"),
+)
+
+
+def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    n = NAMESPACE
+    cached = CounterMetricFamily(f"{n}kv_cached_tokens_by_tier",
+                                 "Prompt tokens found cached at admission, by the tier they came from.",
+                                 labels=["tier"])
+    for tier, value in s.cached_tokens_by_tier.items():
+        cached.add_metric([tier], value)
+    yield cached
+    healthy = GaugeMetricFamily(f"{n}kv_tier_healthy", "1 while the tier answers, 0 while it is backing off.",
+                                labels=["tier"])
+    for tier, ok in s.tiers_healthy.items():
+        healthy.add_metric([tier], float(ok))
+    yield healthy
+    for name, doc, field_name in _TIER_COUNTERS:
+        family = CounterMetricFamily(f"{n}{name}", doc, labels=["tier"])
+        for tier, stats in s.tiers.items():
+            family.add_metric([tier], getattr(stats, field_name))
+        yield family
+    for name, doc, field_name in _TIER_GAUGES:
+        family = GaugeMetricFamily(f"{n}{name}", doc, labels=["tier"])
+        for tier, stats in s.tiers.items():
+            value = getattr(stats, field_name)
+            if value is not None:
+                family.add_metric([tier], value)
+        yield family

@@ -646,4 +646,5 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, shutdown_
         server.run()
     finally:
         async_engine.shutdown()
+        engine.close()
     return 0 if server.started else 1

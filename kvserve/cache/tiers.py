@@ -1,0 +1,209 @@
+"""The KV tiers below device memory, seen as one store: host DRAM, then local disk and/or Redis. No torch.
+
+What goes where (keys are ``make_key(block_hash, namespace)``, payloads one block's serialised KV)::
+
+    write_back     put_blocks ──► host (LRU) ──host evicts──► disk, redis
+                   (no host tier: put_blocks ──► disk, redis)
+    write_through  put_blocks ──► host, disk, redis           (host evictions are already below)
+
+    lookup_run     block i is taken from the first tier holding it (host → disk → redis); the run ends
+                   at the first block no tier holds or whose payload fails to load. Blocks found below
+                   the host are promoted into it, so a request that waits and looks up again reads DRAM.
+
+Every tier keeps the ``KVStore`` contract (never raises; a corrupt entry, a dead Redis or a full disk is a
+miss, logged once per outage and counted), so nothing here needs a try. On top of it this class checks
+each payload's length against the block size the runner will write, so a wrong-length payload (one the
+framing accepted, e.g. from an in-process host tier fed by a buggy writer) is a miss, not a crash.
+
+A lower-tier hit is trusted on the 128-bit chained block hash plus the namespace (model fingerprint,
+dtype, block size, layout): unlike the device tree, the token ids are not stored with the payload.
+
+Single-threaded by design: the engine loop is the only caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from kvserve.config import StorageConfig
+from kvserve.request import BlockHash
+from kvserve.storage.base import EntryMeta, KeyNamespace, KVStore, TierStats, make_key
+from kvserve.storage.disk import DiskKVStore
+from kvserve.storage.host import HostKVStore
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+TIER_NAMES = ("host", "disk", "redis")
+
+
+class TieredKVStore:
+    """Host, disk and Redis tiers (each optional) behind ``put_blocks`` / ``lookup_run``."""
+
+    def __init__(
+        self,
+        config: StorageConfig,
+        namespace: KeyNamespace,
+        block_shape: Sequence[int],
+        *,
+        payload_nbytes: int | None = None,
+        clock: Callable[[], float] = time.time,
+        redis_socket_timeout: float = 0.5,
+        redis_key_prefix: str = "kvserve:",
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.meta = EntryMeta.for_namespace(namespace, block_shape)
+        self.payload_nbytes = payload_nbytes
+        self.write_through = config.write_policy == "write_through"
+        self.retention_s = config.retention_s
+        self._handed_down: list[tuple[bytes, bytes]] = []  # host evictions waiting to be written below
+
+        self.disk: DiskKVStore | None = None
+        self.redis: KVStore | None = None
+        if config.disk_gb > 0 and config.disk_dir:
+            self.disk = DiskKVStore(config.disk_dir, int(config.disk_gb * GIB), config.retention_s, meta=self.meta,
+                                    clock=clock)
+        if config.redis_url:
+            from kvserve.storage.redis import RedisKVStore  # only importing redis-py when it is used
+
+            self.redis = RedisKVStore(config.redis_url, config.retention_s, meta=self.meta,
+                                      key_prefix=redis_key_prefix, socket_timeout=redis_socket_timeout)
+        self.lower: list[KVStore] = [t for t in (self.disk, self.redis) if t is not None]
+        self.host: HostKVStore | None = None
+        if config.host_gb > 0:
+            write_down = self.lower and not self.write_through
+            self.host = HostKVStore(int(config.host_gb * GIB), config.retention_s, clock=clock,
+                                    on_evict=self._on_host_evict if write_down else None)
+        self.tiers: list[KVStore] = [t for t in (self.host, self.disk, self.redis) if t is not None]
+        self.names = [t.name for t in self.tiers]
+        # Admission-time counters, in tokens: per tier, tokens found there / looked for there and not found.
+        self._hit_tokens = dict.fromkeys(self.names, 0)
+        self._miss_tokens = dict.fromkeys(self.names, 0)
+        self._bad_payloads = dict.fromkeys(self.names, 0)  # wrong length for a block: counted as errors
+
+    # --- writes -------------------------------------------------------------------------------------------
+    def put_blocks(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+        """Store blocks offloaded from device memory (see the module map for where they go)."""
+        if not items:
+            return
+        entries = [(make_key(block_hash, self.namespace), payload) for block_hash, payload in items]
+        if self.host is not None:
+            self.host.put_many(entries)
+        if self.write_through or self.host is None:
+            for tier in self.lower:
+                tier.put_many(entries)
+        self._write_down()
+
+    def _on_host_evict(self, key: bytes, value: bytes) -> None:
+        # Called synchronously inside host.put_many; batched into one put_many per lower tier afterwards.
+        self._handed_down.append((key, value))
+
+    def _write_down(self) -> None:
+        if not self._handed_down:
+            return
+        items, self._handed_down = self._handed_down, []
+        for tier in self.lower:
+            if tier is self.disk:
+                # A block promoted from disk into the host is still on disk: don't rewrite the file.
+                present = tier.contains_many([key for key, _ in items])
+                todo = [item for item, there in zip(items, present, strict=True) if not there]
+            else:
+                todo = items  # Redis: a re-put refreshes the entry's expiry for every engine sharing it
+            if todo:
+                tier.put_many(todo)
+
+    # --- reads --------------------------------------------------------------------------------------------
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether the first local tier already holds a block (cheap, no I/O): an eviction can skip it."""
+        tier = self.host if self.host is not None else self.disk
+        return tier is not None and tier.contains(make_key(block_hash, self.namespace))
+
+    def lookup_run(self, block_hashes: Sequence[BlockHash]) -> list[tuple[str, bytes]]:
+        """The longest run of blocks, from ``block_hashes[0]`` on, that the tiers can load: (tier, payload)
+        per block. Presence is asked of each tier in order (batched), then each tier's share is fetched
+        with one ``get_many``; a payload that fails to load ends the run there."""
+        n = len(block_hashes)
+        if n == 0 or not self.tiers:
+            return []
+        keys = [make_key(h, self.namespace) for h in block_hashes]
+        owner: list[KVStore | None] = [None] * n
+        for tier in self.tiers:
+            todo = [i for i in range(n) if owner[i] is None]
+            if not todo:
+                break
+            for i, present in zip(todo, tier.contains_many([keys[i] for i in todo]), strict=True):
+                if present:
+                    owner[i] = tier
+        run = next((i for i, tier in enumerate(owner) if tier is None), n)
+        if run == 0:
+            return []
+        payloads: list[bytes | None] = [None] * run
+        for tier in self.tiers:
+            idx = [i for i in range(run) if owner[i] is tier]
+            if not idx:
+                continue
+            for i, payload in zip(idx, tier.get_many([keys[i] for i in idx]), strict=True):
+                if payload is not None and self.payload_nbytes is not None and len(payload) != self.payload_nbytes:
+                    self._bad_payloads[tier.name] += 1
+                    logger.warning("%s: deleting a KV entry of %d bytes (a block is %d)", tier.name,
+                                   len(payload), self.payload_nbytes)
+                    tier.delete(keys[i])
+                    payload = None
+                payloads[i] = payload
+        end = next((i for i, p in enumerate(payloads) if p is None), run)
+        found = [(owner[i].name, payloads[i]) for i in range(end)]  # type: ignore[union-attr]
+        if self.host is not None:
+            promote = [(keys[i], payloads[i]) for i in range(end) if owner[i] is not self.host]
+            if promote:
+                self.host.put_many(promote)  # type: ignore[arg-type]
+                self._write_down()
+        return found  # type: ignore[return-value]
+
+    def record_admission(self, num_query_tokens: int, tokens_by_tier: dict[str, int]) -> None:
+        """Count one admitted request's lookup, in tokens: a tier's hits are the tokens it supplied; its
+        misses are the tokens looked up that neither device memory nor any tier above it supplied and it
+        did not either."""
+        remaining = num_query_tokens - tokens_by_tier.get("device", 0)
+        for name in self.names:
+            hits = tokens_by_tier.get(name, 0)
+            self._hit_tokens[name] += hits
+            self._miss_tokens[name] += max(0, remaining - hits)
+            remaining -= hits
+
+    # --- upkeep -------------------------------------------------------------------------------------------
+    def sweep(self) -> int:
+        """Drop expired entries from the local tiers (Redis expires its own); returns how many."""
+        dropped = 0
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                dropped += tier.sweep()
+        return dropped
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """How often the engine should call ``sweep``: often enough for short retentions, cheap for long ones."""
+        return min(60.0, max(0.5, self.retention_s / 4))
+
+    def stats(self) -> dict[str, TierStats]:
+        """Per tier, the store's own counters, with ``hits``/``misses`` in tokens at admission (see
+        ``record_admission``) instead of the store's per-read block counts."""
+        out: dict[str, TierStats] = {}
+        for tier in self.tiers:
+            s = tier.stats()
+            s.hits = self._hit_tokens[tier.name]
+            s.misses = self._miss_tokens[tier.name]
+            s.errors += self._bad_payloads[tier.name]
+            out[tier.name] = s
+        return out
+
+    def healthy(self) -> dict[str, bool]:
+        return {tier.name: tier.healthy for tier in self.tiers}
+
+    def close(self) -> None:
+        """Close every tier. Write-back blocks that only the host tier holds are dropped (DRAM does not
+        survive the process): use write_through for what must outlive it."""
+        for tier in self.tiers:
+            tier.close()
