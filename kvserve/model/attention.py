@@ -35,6 +35,9 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    # Blocks every decode shares, read once for all of them; the table and mask above then cover only
+    # the blocks after them. None: no shared prefix (or too short to be worth it).
+    decode_prefix_blocks: torch.Tensor | None = None  # [num_shared_blocks]
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -105,6 +108,8 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         assert meta.decode_block_table is not None
+        if meta.decode_prefix_blocks is not None:
+            return self._decode_shared_prefix(q, k_cache, v_cache, meta)
         batch = q.shape[0]
         query = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim)
         # [batch, max_blocks, block_size, kv_heads, head_dim] -> [batch, kv_heads, max_blocks * block_size, head_dim]
@@ -112,6 +117,38 @@ class TorchPagedAttention:
         value = v_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
         o = F.scaled_dot_product_attention(query, key, value, attn_mask=meta.decode_mask, scale=self.scale)
         return o.reshape(batch, self.num_heads, self.head_dim)
+
+
+    def _decode_shared_prefix(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Decode attention split at a prefix every request shares (cascade attention).
+
+            keys:  [ shared prefix (Lp), read once | request's own suffix (Ls), padded ]
+            scores = [ q·Kp  |  q·Ks ]  -> one softmax over both -> p[:, :Lp]·Vp + p[:, Lp:]·Vs
+
+        One softmax over the concatenated scores is the same arithmetic as attention over the whole
+        sequence; only the prefix K/V are gathered once instead of once per request.
+        """
+        assert meta.decode_prefix_blocks is not None and meta.decode_mask is not None
+        batch, kvh, group, dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        query = q.reshape(batch, kvh, group, dim)
+        key_p = k_cache[meta.decode_prefix_blocks].flatten(0, 1).permute(1, 0, 2)  # [kv_heads, Lp, dim]
+        value_p = v_cache[meta.decode_prefix_blocks].flatten(0, 1).permute(1, 0, 2)
+        key_s = k_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, Ls, dim]
+        value_s = v_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+        # Prefix scores for every request at once: [kv_heads, batch * group, Lp]
+        q_by_head = query.permute(1, 0, 2, 3).reshape(kvh, batch * group, dim)
+        scores_p = torch.matmul(q_by_head, key_p.transpose(1, 2)).float()
+        scores_p = scores_p.view(kvh, batch, group, -1).permute(1, 0, 2, 3)  # [batch, kv_heads, group, Lp]
+        scores_s = torch.matmul(query, key_s.transpose(2, 3)).float()  # [batch, kv_heads, group, Ls]
+        scores_s = scores_s.masked_fill(~meta.decode_mask, float("-inf"))
+        probs = torch.softmax(torch.cat((scores_p, scores_s), dim=-1) * self.scale, dim=-1).to(q.dtype)
+        num_prefix = key_p.shape[1]
+        probs_p = probs[..., :num_prefix].permute(1, 0, 2, 3).reshape(kvh, batch * group, num_prefix)
+        out_p = torch.matmul(probs_p, value_p).view(kvh, batch, group, dim).permute(1, 0, 2, 3)
+        out_s = torch.matmul(probs[..., num_prefix:], value_s)  # [batch, kv_heads, group, dim]
+        return (out_p + out_s).reshape(batch, self.num_heads, dim)
 
 
 def get_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:

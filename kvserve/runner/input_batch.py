@@ -25,7 +25,9 @@ class ModelInputs:
     sample_request_ids: list[str]
 
 
-def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+def build_inputs(
+    out: SchedulerOutput, block_size: int, device: torch.device, cascade_min_tokens: int = 256
+) -> ModelInputs:
     singles = [s for s in out.scheduled if len(s.token_ids) == 1]
     chunks = [s for s in out.scheduled if len(s.token_ids) > 1]
 
@@ -44,15 +46,24 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
             sample_rows.append(row)
             sample_ids.append(s.request_id)
 
-    decode_block_table = decode_mask = None
+    decode_block_table = decode_mask = decode_prefix_blocks = None
     if singles:
         kv_lens = [s.start_position + 1 for s in singles]
-        max_blocks = -(-max(kv_lens) // block_size)
-        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in singles]
+        # Blocks every decode shares (a common system prompt held once by the prefix cache): their KV is read
+        # once for the whole batch instead of once per request.
+        num_shared = _shared_prefix_blocks(singles, kv_lens, block_size)
+        if num_shared * block_size < cascade_min_tokens:
+            num_shared = 0
+        else:
+            decode_prefix_blocks = torch.tensor(singles[0].block_ids[:num_shared], dtype=torch.long)
+        max_blocks = -(-max(kv_lens) // block_size) - num_shared
+        table = [s.block_ids[num_shared : num_shared + max_blocks] for s in singles]
+        table = [row + [0] * (max_blocks - len(row)) for row in table]
         decode_block_table = torch.tensor(table, dtype=torch.long)
         key_positions = torch.arange(max_blocks * block_size)
+        suffix_lens = torch.tensor(kv_lens) - num_shared * block_size
         # [num_decodes, 1, 1, max_blocks * block_size]: True where the key exists
-        decode_mask = (key_positions[None, :] < torch.tensor(kv_lens)[:, None])[:, None, None, :]
+        decode_mask = (key_positions[None, :] < suffix_lens[:, None])[:, None, None, :]
 
     spans: list[PrefillSpan] = []
     q_start = len(singles)
@@ -84,6 +95,7 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
         num_decode_tokens=len(singles),
         decode_block_table=dev(decode_block_table),
         decode_mask=dev(decode_mask),
+        decode_prefix_blocks=dev(decode_prefix_blocks),
         prefills=spans,
     )
     return ModelInputs(
@@ -93,6 +105,18 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sample_request_ids=sample_ids,
     )
+
+
+def _shared_prefix_blocks(singles: list[ScheduledRequest], kv_lens: list[int], block_size: int) -> int:
+    """Leading blocks all decodes hold in common (the same physical blocks), full in every one of them."""
+    if len(singles) < 2:
+        return 0
+    limit = min(kv_len // block_size for kv_len in kv_lens)
+    first = singles[0].block_ids
+    n = 0
+    while n < limit and all(s.block_ids[n] == first[n] for s in singles):
+        n += 1
+    return n
 
 
 def _chunk_slots(s: ScheduledRequest, block_size: int) -> list[int]:

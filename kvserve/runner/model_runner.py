@@ -18,11 +18,14 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         sampler: Sampler,
+        cascade_min_tokens: int = 256,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
+        # Decodes sharing at least this many prefix tokens read the shared KV once (cascade attention).
+        self.cascade_min_tokens = cascade_min_tokens
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
 
@@ -45,7 +48,7 @@ class ModelRunner:
         if out.is_empty:
             return result
 
-        inputs = build_inputs(out, self.block_size, self.device)
+        inputs = build_inputs(out, self.block_size, self.device, self.cascade_min_tokens)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
         if not inputs.sample_request_ids:
             return result
