@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--chat-requests", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "lpm"])
+    parser.add_argument("--policy", default="lpm", choices=["fcfs", "lpm"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)

@@ -24,7 +24,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="lpm")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     t = parser.add_argument_group("KV storage tiers (below device memory; all off by default)")

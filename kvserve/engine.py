@@ -247,9 +247,16 @@ class Engine:
         self.kv_manager.store_offloaded(result.offloaded)
 
     def close(self) -> None:
-        """Release the storage tiers (flush nothing: write_back blocks in device or host memory are lost)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        """Persist cached KV to the tiers that outlive the process (disk, Redis), then release the tiers,
+        so a restarted server finds today's prefixes even under the write_back policy."""
+        if self.tiers is None:
+            return
+        t0 = time.perf_counter()
+        blocks = self.kv_manager.blocks_to_persist()
+        payloads = self.runner.read_blocks([block_id for block_id, _ in blocks]) if blocks else []
+        self.tiers.persist([(block_hash, payload) for (_, block_hash), payload in zip(blocks, payloads, strict=True)])
+        logger.info("persisted %d cached blocks in %.1fs", len(blocks), time.perf_counter() - t0)
+        self.tiers.close()
 
     def _process_new_token(self, request: Request) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
@@ -336,7 +343,7 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
+        scheduling_policy: str = "lpm",
         seed: int = 0,
         num_threads: int | None = None,
         show_progress: bool = False,

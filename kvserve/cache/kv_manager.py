@@ -267,6 +267,13 @@ class KVCacheManager:
         self.pending_loads, self.pending_offloads = [], []
         return loads, offloads
 
+    def blocks_to_persist(self) -> list[tuple[int, BlockHash]]:
+        """Cached device blocks the lower tiers may not hold yet: what a shutdown must copy out."""
+        if self.tree is None or self.tiers is None or not self.tiers.lower:
+            return []
+        return [(block_id, block_hash) for block_id, block_hash in self.tree.cached_blocks()
+                if not self.tiers.holds(block_hash)]
+
     def store_offloaded(self, blocks: list[tuple[BlockHash, bytes]]) -> None:
         """Blocks the runner copied out of device memory: into the tiers."""
         if self.tiers is not None and blocks:

@@ -264,6 +264,16 @@ class RadixCache:
             stack.extend(node.children.values())
         return total
 
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, chained hash) of every block the tree holds."""
+        out: list[tuple[int, BlockHash]] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.extend(zip(node.block_ids, node.block_hashes, strict=True))
+            stack.extend(node.children.values())
+        return out
+
     # --- integrity ----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         seen: set[int] = set()

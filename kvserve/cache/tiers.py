@@ -202,8 +202,19 @@ class TieredKVStore:
     def healthy(self) -> dict[str, bool]:
         return {tier.name: tier.healthy for tier in self.tiers}
 
+    def persist(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+        """Write blocks straight to the tiers that outlive the process (disk, Redis), with what the host
+        tier holds: called at shutdown so that write-back KV survives a restart."""
+        if not self.lower:
+            return
+        if self.host is not None:
+            keys = self.host.keys()
+            self._handed_down.extend(
+                (key, value) for key, value in zip(keys, self.host.get_many(keys), strict=True) if value is not None
+            )
+        self._handed_down.extend((make_key(block_hash, self.namespace), payload) for block_hash, payload in items)
+        self._write_down()
+
     def close(self) -> None:
-        """Close every tier. Write-back blocks that only the host tier holds are dropped (DRAM does not
-        survive the process): use write_through for what must outlive it."""
         for tier in self.tiers:
             tier.close()

@@ -30,6 +30,11 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
 
     @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """KV of whole blocks as bytes (for the storage tiers)."""
+        return read_blocks(self.kv_caches, block_ids)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         result = RunnerOutput()
         # KV transfers first, in this order: an offloaded block may be reused by a load or by this forward.

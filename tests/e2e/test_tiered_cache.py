@@ -226,3 +226,19 @@ def test_retention_expires_entries_in_every_tier(prompts, reference, tmp_path, r
     assert by_tier(out) == {} and out.outputs[0].token_ids == reference["P"]
     client.close()
     llm.close()
+
+
+def test_write_back_kv_is_persisted_at_close_and_found_after_a_restart(prompts, reference, tmp_path) -> None:
+    """Default write_back: the prefix never left device memory, yet close() writes it to disk."""
+    disk_dir = str(tmp_path / "kv")
+    llm = make_llm(kv_host_gb=0.25, kv_disk_gb=0.25, kv_disk_dir=disk_dir)
+    gen(llm, prompts["P"])
+    assert llm.engine.tiers is not None and llm.engine.tiers.disk is not None
+    assert llm.engine.tiers.disk.num_entries == 0  # nothing was evicted: the KV is only on the device
+    llm.close()
+
+    restarted = make_llm(kv_disk_gb=0.25, kv_disk_dir=disk_dir)
+    out = gen(restarted, prompts["P"])
+    assert by_tier(out) == {"disk": 64}
+    assert out.outputs[0].token_ids == reference["P"]
+    restarted.close()
