@@ -6,4 +6,4 @@ bash scripts/install.sh --test
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ruff check kvserve tests benchmarks
 lint-imports
-"$PYTHON" -m pytest -q -p no:cacheprovider "$@"
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -93,7 +93,7 @@ def test_memory_pressure_evicts_lru_never_locked_and_stays_correct(system_prompt
                                               add_special_tokens=False)} for i in range(12)]
     expected = token_ids(make_llm(False).generate(prompts, GREEDY))
     # ~200 tokens per prompt, 12 prompts: ~160 blocks of working set in a 48-block pool.
-    llm = make_llm(True, num_kv_blocks=48, max_num_batched_tokens=512)
+    llm = make_llm(True, num_kv_blocks=48, max_num_batched_tokens=512, scheduling_policy="fcfs")
     for _ in range(2):
         assert token_ids(llm.generate(prompts, GREEDY)) == expected
         llm.engine.check_invariants()
