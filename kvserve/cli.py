@@ -175,7 +175,16 @@ def cmd_cost(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     from kvserve.bench.commands import run_trace_command
 
-    return run_trace_command(args)
+    if not args.in_process:
+        return run_trace_command(args)
+    from kvserve.server.openai_api import BackgroundServer
+
+    server = BackgroundServer(EngineConfig(model=ModelConfig(show_progress=False)))
+    try:
+        args.base_url = server.base_url
+        return run_trace_command(args)
+    finally:
+        server.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,6 +158,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--api-key", default=None)
     p.add_argument("--show-text", action="store_true", help="also print the generated text")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="send the prompt this many times (the first is cold, the next ones hit the prefix cache)")
+    p.add_argument("--in-process", action="store_true",
+                   help="start the default model's server inside this process instead of using --base-url")
 
 
 def run_trace_command(args: argparse.Namespace) -> int:
@@ -166,11 +170,14 @@ def run_trace_command(args: argparse.Namespace) -> int:
 
     options = RequestOptions(model=args.model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
                              api_key=args.api_key)
-    record = trace_request(args.base_url, args.prompt, options, args.max_tokens)
-    assert record.timings is not None
-    print(render_timeline(record.timings, record.ttft_s * 1e3, record.e2e_s * 1e3))
-    if args.show_text:
-        print(f"\n{record.text}")
+    for i in range(args.repeat):
+        record = trace_request(args.base_url, args.prompt, options, args.max_tokens)
+        assert record.timings is not None
+        if args.repeat > 1:
+            print(f"--- request {i + 1} of {args.repeat} ({'cold' if i == 0 else 'warm'}) ---")
+        print(render_timeline(record.timings, record.ttft_s * 1e3, record.e2e_s * 1e3))
+        if args.show_text:
+            print(f"\n{record.text}")
     return 0
 
 

@@ -648,3 +648,39 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, shutdown_
         async_engine.shutdown()
         engine.close()
     return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """The server on a free loopback port in a thread of this process (``kvserve trace --in-process``)."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None) -> None:
+        import socket
+        import threading
+
+        config = server_config or ServerConfig()
+        if config.port == 0 or server_config is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                config = ServerConfig(host="127.0.0.1", port=s.getsockname()[1],
+                                      served_model_name=config.served_model_name)
+        self.engine = Engine(engine_config)
+        self.async_engine = AsyncEngine(self.engine, max_waiting_requests=config.max_waiting_requests)
+        app = build_app(self.async_engine, config, self.engine.tokenizer,
+                        model_name=config.served_model_name or self.engine.model_path.stem,
+                        max_model_len=self.engine.max_model_len, model_root=str(self.engine.model_path))
+        self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                     lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, name="kvserve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        self.base_url = f"http://{config.host}:{config.port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.async_engine.shutdown()
+        self.engine.close()
