@@ -210,6 +210,8 @@ class Engine:
         if out.is_empty:
             if out.kv_offloads:
                 self._transfer_only(out)
+            # Only requests whose prefix is still being read from disk or Redis: wait for it, don't spin.
+            self.kv_manager.wait_for_fetches(timeout_s=0.01)
             return []
         t0 = time.perf_counter()
         result = self.runner.execute(out)

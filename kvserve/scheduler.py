@@ -11,6 +11,7 @@ the front of the waiting queue to be recomputed, so the oldest request always ma
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -114,10 +115,16 @@ class Scheduler:
         # 2. Waiting requests, while budget, sequence slots and blocks last. None after a preemption:
         #    memory is short, and admitting more would only preempt again.
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self._next_waiting()
+            fetching: set[str] = set()  # requests whose cached prefix is still being read from a lower tier
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self._next_waiting(fetching)
+                if request is None:
+                    break
                 first_admission = request.status is RequestStatus.WAITING
                 hit = self.kv.lookup(request)
+                if hit.pending:
+                    fetching.add(request.request_id)
+                    continue
                 num_new = min(request.num_tokens - hit.num_tokens, budget)
                 if not self.kv.allocate(request, num_new, hit):
                     self.kv.release_hit(hit)
@@ -138,11 +145,14 @@ class Scheduler:
             out.kv_loads, out.kv_offloads = self.kv.take_transfers()
         return out
 
-    def _next_waiting(self) -> Request:
-        """FCFS: the head of the queue. LPM: the longest cached prefix, unless a request has waited too long."""
-        if self.config.policy == "fcfs" or len(self.waiting) == 1:
-            return self.waiting[0]
-        candidates = list(self.waiting)[:64]
+    def _next_waiting(self, skip: set[str]) -> Request | None:
+        """FCFS: the head of the queue. LPM: the longest cached prefix, unless a request has waited too long.
+        Requests in ``skip`` (their prefix is still being fetched) wait; the ones behind them go ahead."""
+        candidates = list(itertools.islice((r for r in self.waiting if r.request_id not in skip), 64))
+        if not candidates:
+            return None
+        if self.config.policy == "fcfs" or len(candidates) == 1:
+            return candidates[0]
         for request in candidates:
             if request.priority_skips >= self.config.lpm_max_skips or request.status is RequestStatus.PREEMPTED:
                 chosen = request

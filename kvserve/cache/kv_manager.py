@@ -19,12 +19,14 @@ A block id can appear in both queues of one step (evicted, then reallocated for 
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.radix_cache import RadixCache, RadixNode
 from kvserve.cache.tiers import TieredKVStore
 from kvserve.request import BlockHash, Request
+from kvserve.storage.base import KVStore
 
 DEVICE = "device"
 
@@ -41,6 +43,9 @@ class PrefixHit:
     block_ids: list[int] = field(default_factory=list)
     node: RadixNode | None = None
     loaded: list[tuple[str, bytes]] = field(default_factory=list)
+    # True: part of the prefix is being read from disk or Redis off the engine loop; admit the request
+    # later (other requests run meanwhile). Holds no lock.
+    pending: bool = False
 
     def tokens_by_tier(self, block_size: int) -> dict[str, int]:
         out = {DEVICE: len(self.block_ids) * block_size}
@@ -50,6 +55,18 @@ class PrefixHit:
 
 
 EMPTY_HIT = PrefixHit(0)
+PENDING_HIT = PrefixHit(0, pending=True)
+
+
+@dataclass(slots=True)
+class _TierFetch:
+    """A waiting request's lower-tier lookup: blocks start..stop of its prefix, fetched on a worker thread."""
+
+    start: int
+    stop: int
+    owners: list[KVStore]
+    future: Future[list[bytes | None]] | None  # None: no I/O needed (host only) or already finished
+    loaded: list[tuple[str, bytes]] | None = None  # set once finished, kept until the request is admitted
 
 
 @dataclass(slots=True)
@@ -83,9 +100,12 @@ class KVCacheManager:
         self.pending_loads: list[tuple[int, bytes]] = []
         self.pending_offloads: list[tuple[int, BlockHash]] = []
         self._write_through = self.tiers is not None and self.tiers.write_through
-        # The last tier lookup of a request that could not be admitted yet: the head of the queue is looked
-        # up again every step until memory frees up, and must not re-read its run from disk or Redis each time.
-        self._parked: tuple[str, int, int, list[tuple[str, bytes]]] | None = None
+        # Lower-tier lookups of waiting requests, by request id. Disk and Redis reads run on one worker thread
+        # while the engine keeps stepping; a finished lookup is kept until its request is admitted, so a
+        # request that waits for memory does not re-read its run every step.
+        self._fetches: dict[str, _TierFetch] = {}
+        self._fetch_pool = (ThreadPoolExecutor(1, thread_name_prefix="kvserve-tier-fetch")
+                            if self.tiers is not None and self.tiers.lower else None)
         if self.tiers is not None and self.tree is not None and not self._write_through:
             self.tree.on_evict = self._offload_evicted
 
@@ -110,12 +130,10 @@ class KVCacheManager:
         num_device = len(match.block_ids)
         loaded: list[tuple[str, bytes]] = []
         if self.tiers is not None and num_device < max_blocks:
-            parked = self._parked
-            if parked is not None and parked[:3] == (request.request_id, num_device, max_blocks):
-                loaded = parked[3]  # a block's KV never changes for its hash: still valid
-            else:
-                loaded = self.tiers.lookup_run(hashes[num_device:max_blocks])
-                self._parked = (request.request_id, num_device, max_blocks, loaded) if loaded else None
+            fetched = self._tier_lookup(request, hashes, num_device, max_blocks)
+            if fetched is None:
+                return PENDING_HIT
+            loaded = fetched
         if not match.block_ids and not loaded:
             return EMPTY_HIT
         node = None
@@ -123,6 +141,39 @@ class KVCacheManager:
             self.tree.lock(match.node)
             node = match.node
         return PrefixHit((num_device + len(loaded)) * self.block_size, match.block_ids, node, loaded)
+
+    def _tier_lookup(
+        self, request: Request, hashes: list[BlockHash], start: int, stop: int
+    ) -> list[tuple[str, bytes]] | None:
+        """Blocks start..stop from the lower tiers, or None while they are still being read."""
+        assert self.tiers is not None
+        fetch = self._fetches.get(request.request_id)
+        if fetch is None or (fetch.start, fetch.stop) != (start, stop):
+            owners = self.tiers.locate(hashes[start:stop])
+            if not owners:
+                self._fetches.pop(request.request_id, None)
+                return []
+            future = None
+            if self._fetch_pool is not None and self.tiers.needs_io(owners):
+                future = self._fetch_pool.submit(self.tiers.fetch, hashes[start:stop], owners)
+            else:
+                payloads = self.tiers.fetch(hashes[start:stop], owners)
+            fetch = self._fetches[request.request_id] = _TierFetch(start, stop, owners, future)
+            if future is None:
+                fetch.loaded = self.tiers.finish(hashes[start:stop], owners, payloads)
+        if fetch.loaded is None:
+            assert fetch.future is not None
+            if not fetch.future.done():
+                return None
+            fetch.loaded = self.tiers.finish(hashes[start:stop], fetch.owners, fetch.future.result())
+        return fetch.loaded
+
+    def wait_for_fetches(self, timeout_s: float) -> None:
+        """Block until a pending lower-tier read finishes (or the timeout): for an engine with nothing else
+        to run, instead of spinning."""
+        futures = [f.future for f in self._fetches.values() if f.future is not None and f.loaded is None]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def cached_prefix_length(self, request: Request) -> int:
         """Tokens a lookup would find now, without locking or touching anything (cache-aware ordering)."""
@@ -170,8 +221,8 @@ class KVCacheManager:
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
         request.num_computed_tokens += hit.num_tokens
+        self._fetches.pop(request.request_id, None)
         if hit.loaded:
-            self._parked = None
             self._adopt_loaded(request, hit)
         return True
 
@@ -241,6 +292,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's blocks. Cached blocks stay, evictable."""
+        self._fetches.pop(request.request_id, None)
         self.cache_computed_blocks(request)
         self.pool.release(request.block_ids)
         if request.cache_handle is not None and self.tree is not None:

@@ -123,8 +123,13 @@ class TieredKVStore:
 
     def lookup_run(self, block_hashes: Sequence[BlockHash]) -> list[tuple[str, bytes]]:
         """The longest run of blocks, from ``block_hashes[0]`` on, that the tiers can load: (tier, payload)
-        per block. Presence is asked of each tier in order (batched), then each tier's share is fetched
-        with one ``get_many``; a payload that fails to load ends the run there."""
+        per block. Synchronous: ``locate``, ``fetch``, ``finish``."""
+        owners = self.locate(block_hashes)
+        return self.finish(block_hashes, owners, self.fetch(block_hashes, owners)) if owners else []
+
+    def locate(self, block_hashes: Sequence[BlockHash]) -> list[KVStore]:
+        """Which tier holds each block of the longest present run (presence asked of each tier in order,
+        batched). Cheap: in-memory indexes for host and disk, one pipelined round trip for Redis."""
         n = len(block_hashes)
         if n == 0 or not self.tiers:
             return []
@@ -138,25 +143,42 @@ class TieredKVStore:
                 if present:
                     owner[i] = tier
         run = next((i for i, tier in enumerate(owner) if tier is None), n)
-        if run == 0:
-            return []
-        payloads: list[bytes | None] = [None] * run
+        return owner[:run]  # type: ignore[return-value]
+
+    def needs_io(self, owners: Sequence[KVStore]) -> bool:
+        """Whether fetching these blocks reads a file or the network (worth doing off the engine loop)."""
+        return any(tier is not self.host for tier in owners)
+
+    def fetch(self, block_hashes: Sequence[BlockHash], owners: Sequence[KVStore]) -> list[bytes | None]:
+        """Each tier's share of the run in one ``get_many``. Touches only the tier stores (each guarded by
+        its own lock), so it may run on a worker thread while the engine loop goes on."""
+        keys = [make_key(h, self.namespace) for h in block_hashes[: len(owners)]]
+        payloads: list[bytes | None] = [None] * len(owners)
         for tier in self.tiers:
-            idx = [i for i in range(run) if owner[i] is tier]
-            if not idx:
-                continue
-            for i, payload in zip(idx, tier.get_many([keys[i] for i in idx]), strict=True):
-                if payload is not None and self.payload_nbytes is not None and len(payload) != self.payload_nbytes:
-                    self._bad_payloads[tier.name] += 1
-                    logger.warning("%s: deleting a KV entry of %d bytes (a block is %d)", tier.name,
-                                   len(payload), self.payload_nbytes)
-                    tier.delete(keys[i])
-                    payload = None
-                payloads[i] = payload
-        end = next((i for i, p in enumerate(payloads) if p is None), run)
-        found = [(owner[i].name, payloads[i]) for i in range(end)]  # type: ignore[union-attr]
+            idx = [i for i, owner in enumerate(owners) if owner is tier]
+            if idx:
+                for i, payload in zip(idx, tier.get_many([keys[i] for i in idx]), strict=True):
+                    payloads[i] = payload
+        return payloads
+
+    def finish(self, block_hashes: Sequence[BlockHash], owners: Sequence[KVStore],
+               payloads: Sequence[bytes | None]) -> list[tuple[str, bytes]]:
+        """On the engine loop: drop payloads of the wrong size, cut the run at the first missing block, and
+        promote what came from below into the host tier."""
+        keys = [make_key(h, self.namespace) for h in block_hashes[: len(owners)]]
+        checked: list[bytes | None] = list(payloads)
+        for i, payload in enumerate(checked):
+            if payload is not None and self.payload_nbytes is not None and len(payload) != self.payload_nbytes:
+                tier = owners[i]
+                self._bad_payloads[tier.name] += 1
+                logger.warning("%s: deleting a KV entry of %d bytes (a block is %d)", tier.name, len(payload),
+                               self.payload_nbytes)
+                tier.delete(keys[i])
+                checked[i] = None
+        end = next((i for i, p in enumerate(checked) if p is None), len(checked))
+        found = [(owners[i].name, checked[i]) for i in range(end)]
         if self.host is not None:
-            promote = [(keys[i], payloads[i]) for i in range(end) if owner[i] is not self.host]
+            promote = [(keys[i], checked[i]) for i in range(end) if owners[i] is not self.host]
             if promote:
                 self.host.put_many(promote)  # type: ignore[arg-type]
                 self._write_down()

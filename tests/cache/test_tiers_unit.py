@@ -187,6 +187,8 @@ class Harness:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        if out.is_empty:
+            self.kv.wait_for_fetches(0.01)  # as Engine.step does: only lower-tier reads are in flight
         result = self.runner.execute(out)
         self.kv.store_offloaded(result.offloaded)
         self.scheduler.update(out, result)
@@ -231,6 +233,35 @@ def test_evicted_prefix_is_written_to_host_and_loaded_back_instead_of_recomputed
     assert second.output_token_ids == reference_continuation(shared + [2, 3], 3)
     assert hx.kv.stats.hits_by_tier == {"device": 0, "host": 24}
     assert tiers.stats()["host"].hits == 24
+
+
+def test_disk_reads_run_off_the_loop_while_other_requests_decode(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    tiers = make_tiers(disk_gb=gb(64), disk_dir=str(tmp_path))  # no host tier: evictions go to disk
+    hx = Harness(num_blocks=12, tiers=tiers)
+    shared = prompt_of(1, 24)
+    hx.add(shared + [1])
+    hx.run()
+    hx.add(prompt_of(2, 44))  # fills the pool: the shared prefix goes to disk
+    hx.run()
+    assert tiers.disk is not None and tiers.disk.num_entries >= 6
+    gate = threading.Event()
+    read_disk = tiers.disk.get_many
+    monkeypatch.setattr(tiers.disk, "get_many", lambda keys: gate.wait(5) and read_disk(keys))
+
+    busy = hx.add(prompt_of(3, 3), max_tokens=10)
+    hx.step()
+    second = hx.add(shared + [2, 3])
+    for _ in range(4):  # the disk read is stuck: the other request keeps decoding meanwhile
+        out = hx.step()
+        assert [s.request_id for s in out.scheduled] == [busy.request_id]
+    assert second.num_computed_tokens == 0 and not second.block_ids
+    gate.set()
+    hx.run()
+    assert second.metrics.cached_tokens_by_tier == {"device": 0, "disk": 24}
+    assert second.output_token_ids == reference_continuation(shared + [2, 3], 3)
+    assert busy.output_token_ids == reference_continuation(prompt_of(3, 3), 10)
 
 
 def test_device_hit_continues_into_the_host_tier() -> None:
