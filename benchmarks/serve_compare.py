@@ -69,7 +69,8 @@ def run_bench(base_url: str, workload: str, concurrency: int, args: argparse.Nam
     cmd = [sys.executable, "-m", "kvserve", "bench", "--base-url", base_url, "--workload", workload,
            "--seed", "0", "--concurrency", str(concurrency),
            "--num-requests", str(max(args.num_requests, 2 * concurrency)), "--output-len", str(args.output_len),
-           "--input-len", "64", "--turns", "4", "--no-progress", "--output", str(out)]
+           "--input-len", "64", "--turns", "4", "--no-progress", "--output", str(out),
+           "--plot-dir", str(out.with_suffix(""))]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["summary"]
 
@@ -115,7 +116,10 @@ def main() -> None:
                     except subprocess.TimeoutExpired:
                         proc.kill()
                     log.close()
-    (out_dir / "summary.json").write_text(json.dumps(results, indent=2))
+    summary_path = out_dir / "summary.json"
+    if summary_path.exists():  # runs of other servers from an earlier invocation stay in the table
+        results = json.loads(summary_path.read_text()) | results
+    summary_path.write_text(json.dumps(results, indent=2))
 
     print("\n| workload | conc. | server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | hit rate |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
