@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -147,10 +146,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    # The HTTP event loop shares the cores with torch's OpenMP workers. Spinning workers then starve it,
-    # and a descheduled worker stalls every op at the next barrier (seen here: decode steps 5x slower on
-    # 2 busy cores). Passive waiting costs ~5% on an idle machine. Must be set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kvserve.config import ServerConfig
     from kvserve.server.openai_api import serve
 
