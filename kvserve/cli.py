@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -146,6 +147,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # The HTTP event loop (and, on small machines, the clients) share the cores with torch's OpenMP
+    # workers, whose default spin-waiting then collapses: with a load generator on the same 2 cores,
+    # serving ran 1.5-2.5x slower with spinning than with passive waiting (benchmarks/serve_compare.py).
+    # Must be set before torch loads; an explicit setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kvserve.config import ServerConfig
     from kvserve.server.openai_api import serve
 
