@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvserve.cache.block_pool import BlockPool
@@ -87,38 +87,39 @@ class RadixCache:
         """Longest run (at most ``max_blocks``) of cached blocks matching ``token_ids``; splits a node when
         the match ends inside it, so the returned node ends exactly at the match. Touches the path (LRU)."""
         now = self.clock()
-        node, matched = self.root, 0
+        node = self.root
         block_ids: list[int] = []
-        limit = min(max_blocks, len(block_hashes))
-        while matched < limit:
-            child = node.children.get(block_hashes[matched])
-            if child is None:
-                break
-            n = self._count_matching_blocks(child, block_hashes, token_ids, matched, limit)
-            if n == 0:
-                break
+        for child, n in self._walk(block_hashes, token_ids, max_blocks):
             if n < len(child.block_ids):
                 child = self._split(child, n)
             child.last_access = now
             block_ids.extend(child.block_ids)
-            matched += n
             node = child
         return PrefixMatch(node, block_ids)
 
     def match_length(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], max_blocks: int) -> int:
         """Blocks ``match_prefix`` would find, without splitting nodes or touching the LRU (for ordering)."""
+        return sum(n for _, n in self._walk(block_hashes, token_ids, max_blocks))
+
+    def _walk(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], max_blocks: int
+    ) -> Iterator[tuple[RadixNode, int]]:
+        """(node, blocks of it that match) along the path of the sequence; only the last may match partly."""
         node, matched = self.root, 0
         limit = min(max_blocks, len(block_hashes))
         while matched < limit:
             child = node.children.get(block_hashes[matched])
             if child is None:
-                break
+                return
             n = self._count_matching_blocks(child, block_hashes, token_ids, matched, limit)
+            if n == 0:
+                return
+            partial = n < len(child.block_ids)  # decided before the caller may split the node
+            yield child, n
+            if partial:
+                return
             matched += n
-            if n < len(child.block_ids):
-                break
             node = child
-        return matched
 
     def _count_matching_blocks(
         self, child: RadixNode, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int, limit: int
