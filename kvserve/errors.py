@@ -61,6 +61,22 @@ class EngineDeadError(KVServeError):
     code = "engine_dead"
 
 
+class Unauthorized(KVServeError):
+    """A server with an API key got a request without it, or with another one."""
+
+    http_status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ServerShuttingDown(KVServeError):
+    """The server is draining after SIGTERM and takes no new requests."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "server_shutting_down"
+
+
 class ModelNotFound(KVServeError):
     """The model path or served model name does not exist."""
 

@@ -42,7 +42,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.async_engine import AsyncEngine
 from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine import Engine, expand_n
-from kvserve.errors import CapacityError, EngineDeadError, KVServeError, ModelNotFound
+from kvserve.errors import (
+    CapacityError,
+    EngineDeadError,
+    KVServeError,
+    ModelNotFound,
+    ServerShuttingDown,
+    Unauthorized,
+)
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
@@ -53,18 +60,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 RETRY_AFTER_S = 1
 MIN_LOGPROB = -9999.0  # JSON has no -inf
-
-
-class Unauthorized(KVServeError):
-    http_status = 401
-    error_type = "invalid_request_error"
-    code = "invalid_api_key"
-
-
-class ServerShuttingDown(KVServeError):
-    http_status = 503
-    error_type = "service_unavailable"
-    code = "server_shutting_down"
 
 
 class _ClientGone(Exception):
