@@ -28,6 +28,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="lpm")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="C++ CPU kernels for decode attention and bf16 GEMV (built on first use); "
+                        "--no-cpu-kernels runs the torch reference paths")
     t = parser.add_argument_group("KV storage tiers (below device memory; all off by default)")
     t.add_argument("--kv-host-gb", type=float, default=0.0, help="host DRAM tier size in GiB")
     t.add_argument("--kv-disk-gb", type=float, default=0.0, help="disk tier size in GiB (needs --kv-disk-dir)")
@@ -59,7 +62,7 @@ def parse_duration(text: str) -> float:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed, num_threads=args.num_threads),
+                          seed=args.seed, num_threads=args.num_threads, cpu_kernels=args.cpu_kernels),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

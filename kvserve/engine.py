@@ -76,7 +76,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
 
         t0 = time.perf_counter()
-        self.model = build_model(self.arch, self.dtype, self.device)
+        self.model = build_model(self.arch, self.dtype, self.device, cpu_kernels=mc.cpu_kernels)
         self.model.load_weights(iter_weights(self.model_path, self.arch, self.dtype, show_progress=mc.show_progress))
         logger.info("loaded %s (%s) in %.1fs", self.model_path.name, self.arch.architecture, time.perf_counter() - t0)
 
@@ -348,6 +348,7 @@ class LLM:
         scheduling_policy: str = "lpm",
         seed: int = 0,
         num_threads: int | None = None,
+        cpu_kernels: bool = True,
         show_progress: bool = False,
         kv_host_gb: float = 0.0,
         kv_disk_gb: float = 0.0,
@@ -360,7 +361,8 @@ class LLM:
 
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
-                              num_threads=num_threads, show_progress=show_progress),  # type: ignore[arg-type]
+                              num_threads=num_threads, cpu_kernels=cpu_kernels,
+                              show_progress=show_progress),  # type: ignore[arg-type]
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -26,3 +26,6 @@ if [[ "${1:-}" == "--test" ]]; then
 else
     pip -e .
 fi
+# Build the C++ CPU kernels now (about 30 s, cached per machine) rather than on the first request.
+# A failed build is not fatal: kvserve then runs its torch reference paths.
+"$PYTHON" -c "from kvserve.model.cpu_kernels import load_cpu_kernels; print('CPU kernels:', load_cpu_kernels())"

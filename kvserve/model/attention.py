@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.cpu_kernels import load_cpu_kernels
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -33,7 +35,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decode_tokens: int = 0
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with block 0
+    decode_block_table: torch.Tensor | None = None  # int32 [num_decodes, max_blocks], padded with block 0
+    decode_seq_lens: torch.Tensor | None = None  # int32 [num_decodes]: keys the table above covers
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     # Blocks every decode shares, read once for all of them; the table and mask above then cover only
     # the blocks after them. None: no shared prefix (or too short to be worth it).
@@ -118,7 +121,6 @@ class TorchPagedAttention:
         o = F.scaled_dot_product_attention(query, key, value, attn_mask=meta.decode_mask, scale=self.scale)
         return o.reshape(batch, self.num_heads, self.head_dim)
 
-
     def _decode_shared_prefix(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -151,6 +153,60 @@ class TorchPagedAttention:
         return (out_p + out_s).reshape(batch, self.num_heads, dim)
 
 
-def get_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+class CpuKernelPagedAttention(TorchPagedAttention):
+    """Decode attention through the C++ kernel, which reads each request's blocks in place.
+
+    Prefill chunks stay on the reference path: they are compute-bound matmuls where the gather is cheap
+    next to the work. With a shared prefix, the prefix part is one matmul for the whole batch (torch) and
+    each request's own suffix goes through the kernel; the two halves merge exactly through their
+    log-sum-exps.
+    """
+
+    # Keys per kernel work item: short enough that one long sequence still spreads over every core.
+    split_size = 256
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        batch = q.shape[0]
+        query = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim).contiguous()
+        out, lse = torch.ops.kvserve.paged_decode(
+            query, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale, self.split_size
+        )
+        if meta.decode_prefix_blocks is not None:
+            out = self._merge_shared_prefix(query, k_cache, v_cache, meta.decode_prefix_blocks, out, lse)
+        return out.to(q.dtype).reshape(batch, self.num_heads, self.head_dim)
+
+    def _merge_shared_prefix(
+        self,
+        query: torch.Tensor,  # [batch, kv_heads, group, dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        prefix_blocks: torch.Tensor,
+        out_suffix: torch.Tensor,  # fp32 [batch, kv_heads, group, dim]
+        lse_suffix: torch.Tensor,  # fp32 [batch, kv_heads, group]; -inf where the suffix is empty
+    ) -> torch.Tensor:
+        batch, kvh, group, dim = query.shape
+        key_p = k_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2)  # [kv_heads, Lp, dim]
+        value_p = v_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2)
+        q_by_head = query.permute(1, 0, 2, 3).reshape(kvh, batch * group, dim)
+        scores = torch.matmul(q_by_head, key_p.transpose(1, 2)).float() * self.scale  # [kv_heads, B*G, Lp]
+        lse_p = torch.logsumexp(scores, dim=-1, keepdim=True)
+        out_p = torch.matmul(torch.exp(scores - lse_p).to(query.dtype), value_p).float()  # [kv_heads, B*G, dim]
+        out_p = out_p.view(kvh, batch, group, dim).permute(1, 0, 2, 3)
+        lse_p = lse_p.view(kvh, batch, group).permute(1, 0, 2)
+        # Each half weighted by its share of the total softmax mass: exp(lse_half - lse_total).
+        lse_total = torch.logaddexp(lse_p, lse_suffix)
+        w_p = torch.exp(lse_p - lse_total).unsqueeze(-1)
+        w_s = torch.exp(lse_suffix - lse_total).unsqueeze(-1)
+        return out_p * w_p + out_suffix * w_s
+
+
+def get_attention_backend(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, cpu_kernels: bool = True
+) -> AttentionBackend:
     """The one place a backend is chosen. Fused CUDA kernels plug in here without touching model code."""
+    if cpu_kernels and device.type == "cpu" and load_cpu_kernels() is not None:
+        return CpuKernelPagedAttention(num_heads, num_kv_heads, head_dim)
     return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

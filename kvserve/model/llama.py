@@ -14,12 +14,14 @@ from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.layers import RotaryEmbedding, apply_rotary, rms_norm
+from kvserve.model.ops import ModelOps
 
 
 class DecoderLayer:
-    def __init__(self, arch: ArchConfig, attention: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, attention: AttentionBackend, ops: ModelOps) -> None:
         self.arch = arch
         self.attention = attention
+        self.ops = ops
         self.qkv_weight: torch.Tensor  # [q_size + 2 * kv_size, hidden]
         self.qkv_bias: torch.Tensor | None = None
         self.o_weight: torch.Tensor  # [hidden, q_size]
@@ -41,12 +43,12 @@ class DecoderLayer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         arch = self.arch
         eps = arch.rms_norm_eps
-        residual = hidden if residual is None else hidden + residual
-        x = rms_norm(residual, self.input_norm, eps)
+        ops = self.ops
+        x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, eps)
 
         num_tokens = x.shape[0]
         num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         # Q and K heads side by side, so one rotary call covers both.
         qk = qkv[:, : arch.q_size + arch.kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
         v = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, num_kv_heads, head_dim)
@@ -57,18 +59,25 @@ class DecoderLayer:
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         attn = self.attention.forward(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
 
-        residual = F.linear(attn, self.o_weight) + residual
-        x = rms_norm(residual, self.post_attention_norm, eps)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight), residual
+        x, residual = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), residual, self.post_attention_norm, eps)
+        gate_up = ops.linear(x, self.gate_up_weight, None)
+        return ops.linear(ops.silu_mul(gate_up), self.down_weight, None), residual
 
 
 class LlamaForCausalLM:
-    def __init__(self, arch: ArchConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: ModelOps | None = None,
+    ):
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.layers = [DecoderLayer(arch, attention) for _ in range(arch.num_layers)]
+        self.ops = ops or ModelOps()
+        self.layers = [DecoderLayer(arch, attention, self.ops) for _ in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
         self.embed_tokens: torch.Tensor  # [vocab, hidden]
         self.final_norm: torch.Tensor
@@ -92,7 +101,7 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32 (only the rows that sample)."""
         x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.ops.linear(x, self.lm_head, None).float()
 
     # --- weights --------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -46,7 +46,7 @@ def build_inputs(
             sample_rows.append(row)
             sample_ids.append(s.request_id)
 
-    decode_block_table = decode_mask = decode_prefix_blocks = None
+    decode_block_table = decode_mask = decode_prefix_blocks = suffix_lens = None
     if singles:
         kv_lens = [s.start_position + 1 for s in singles]
         # Blocks every decode shares (a common system prompt held once by the prefix cache): their KV is read
@@ -59,9 +59,9 @@ def build_inputs(
         max_blocks = -(-max(kv_lens) // block_size) - num_shared
         table = [s.block_ids[num_shared : num_shared + max_blocks] for s in singles]
         table = [row + [0] * (max_blocks - len(row)) for row in table]
-        decode_block_table = torch.tensor(table, dtype=torch.long)
+        decode_block_table = torch.tensor(table, dtype=torch.int32)
         key_positions = torch.arange(max_blocks * block_size)
-        suffix_lens = torch.tensor(kv_lens) - num_shared * block_size
+        suffix_lens = torch.tensor(kv_lens, dtype=torch.int32) - num_shared * block_size
         # [num_decodes, 1, 1, max_blocks * block_size]: True where the key exists
         decode_mask = (key_positions[None, :] < suffix_lens[:, None])[:, None, None, :]
 
@@ -95,6 +95,7 @@ def build_inputs(
         num_decode_tokens=len(singles),
         decode_block_table=dev(decode_block_table),
         decode_mask=dev(decode_mask),
+        decode_seq_lens=dev(suffix_lens),
         decode_prefix_blocks=dev(decode_prefix_blocks),
         prefills=spans,
     )

@@ -32,11 +32,12 @@ def test_tiny_model_matches_transformers(tmp_path, family: str, tie: bool) -> No
     llm.engine.check_invariants()
 
 
-def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch-reference", "cpu-kernel"])
+def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatch, cpu_kernels) -> None:
     """Requests whose prompts share cached blocks decode with the shared-prefix (cascade) attention path."""
     import transformers
 
-    from kvserve.model.attention import TorchPagedAttention
+    from kvserve.model.attention import CpuKernelPagedAttention, TorchPagedAttention
 
     model_dir = make_tiny_model(tmp_path, "qwen3", tie=False)
     reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -44,12 +45,15 @@ def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatc
     prompts = [shared + [7 + i, 900 + i] for i in range(4)]
     reference = [hf_greedy(reference_model, p, MAX_TOKENS) for p in prompts]
 
-    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128, enable_prefix_caching=True)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128, enable_prefix_caching=True,
+              cpu_kernels=cpu_kernels)
     llm.engine.runner.cascade_min_tokens = 8
     calls = []
-    original = TorchPagedAttention._decode_shared_prefix
-    monkeypatch.setattr(TorchPagedAttention, "_decode_shared_prefix",
-                        lambda self, *a: calls.append(1) or original(self, *a))
+    backend, method = ((CpuKernelPagedAttention, "_merge_shared_prefix") if cpu_kernels
+                       else (TorchPagedAttention, "_decode_shared_prefix"))
+    assert type(llm.engine.model.layers[0].attention) is backend
+    original = getattr(backend, method)
+    monkeypatch.setattr(backend, method, lambda self, *a: calls.append(1) or original(self, *a))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0]}, params)  # caches the shared blocks
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

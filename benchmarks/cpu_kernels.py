@@ -1,0 +1,149 @@
+"""The C++ CPU kernels against the torch paths they replace, side by side in one run.
+
+    python benchmarks/cpu_kernels.py [--threads 2] [--output results.json]
+
+- GEMV: SmolLM2-135M's 30 layers of projections (q/k/v, o, gate/up, down) and its 49,152-row LM head,
+  at 1-32 activation rows, bf16. Reported as GB/s of weights read: decode is bound by that read.
+- Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, SmolLM2's
+  head layout (9 query heads over 3 KV heads, head_dim 64). The torch path gathers each sequence's blocks
+  and calls scaled_dot_product_attention; the kernel reads the blocks in place.
+- Add + RMSNorm and SiLU-and-multiply at one token: the torch ops they replace are dispatch-bound there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def seconds_per_call(fn: Callable[[], object], min_time: float = 0.5) -> float:
+    fn()
+    fn()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_time:
+        fn()
+        calls += 1
+    return elapsed / calls
+
+
+def bench_gemv(rows_list: list[int]) -> list[dict]:
+    bf16 = torch.bfloat16
+    # fused q/k/v, o, fused gate/up, down: [out_features, in_features]
+    shapes = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
+              (HIDDEN, INTERMEDIATE)]
+    weights = [torch.randn(n, k, dtype=bf16) for _ in range(LAYERS) for n, k in shapes]
+    nbytes = sum(w.numel() * 2 for w in weights)
+    lm_head = torch.randn(VOCAB, HIDDEN, dtype=bf16)
+    results = []
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k, dtype=bf16) for k in (HIDDEN, INTERMEDIATE)}
+
+        def layers(matmul: Callable) -> Callable[[], None]:
+            return lambda: [matmul(inputs[w.shape[1]], w, None) for w in weights]  # noqa: B023
+
+        t_torch = seconds_per_call(layers(F.linear))
+        t_kernel = seconds_per_call(layers(torch.ops.kvserve.gemv_bf16))
+        x = inputs[HIDDEN]
+        h_torch = seconds_per_call(lambda: F.linear(x, lm_head))  # noqa: B023
+        h_kernel = seconds_per_call(lambda: torch.ops.kvserve.gemv_bf16(x, lm_head, None))  # noqa: B023
+        results.append({
+            "rows": rows,
+            "layers_torch_gbps": nbytes / t_torch / 1e9, "layers_kernel_gbps": nbytes / t_kernel / 1e9,
+            "layers_speedup": t_torch / t_kernel,
+            "lm_head_torch_ms": h_torch * 1e3, "lm_head_kernel_ms": h_kernel * 1e3, "lm_head_speedup": h_torch / h_kernel,
+        })
+    return results
+
+
+def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
+    bf16 = torch.bfloat16
+    group = HEADS // KV_HEADS
+    results = []
+    for batch, length in cases:
+        blocks_per_seq = -(-length // BLOCK)
+        cache = torch.randn(2, batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM, dtype=bf16)
+        table = torch.randperm(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
+        lens = torch.full((batch,), length, dtype=torch.int32)
+        query = torch.randn(batch, KV_HEADS, group, HEAD_DIM, dtype=bf16)
+        mask = (torch.arange(blocks_per_seq * BLOCK)[None, :] < lens[:, None])[:, None, None, :]
+
+        def reference() -> torch.Tensor:
+            key = cache[0][table].flatten(1, 2).transpose(1, 2)  # noqa: B023
+            value = cache[1][table].flatten(1, 2).transpose(1, 2)  # noqa: B023
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)  # noqa: B023
+
+        def kernel() -> object:
+            return torch.ops.kvserve.paged_decode(query, cache[0], cache[1], table, lens, HEAD_DIM**-0.5, 256)  # noqa: B023
+
+        t_torch, t_kernel = seconds_per_call(reference), seconds_per_call(kernel)
+        kv_bytes = batch * length * KV_HEADS * HEAD_DIM * 2 * 2
+        results.append({"batch": batch, "keys": length, "torch_us": t_torch * 1e6, "kernel_us": t_kernel * 1e6,
+                        "speedup": t_torch / t_kernel, "kernel_kv_gbps": kv_bytes / t_kernel / 1e9})
+    return results
+
+
+def bench_elementwise() -> list[dict]:
+    bf16 = torch.bfloat16
+    x, residual = torch.randn(1, HIDDEN, dtype=bf16), torch.randn(1, HIDDEN, dtype=bf16)
+    weight = torch.rand(HIDDEN, dtype=bf16)
+    gate_up = torch.randn(1, 2 * INTERMEDIATE, dtype=bf16)
+    pairs = {
+        "add_rms_norm": (lambda: torch_add_rms_norm(x, residual, weight, 1e-5),
+                         lambda: torch.ops.kvserve.add_rms_norm(x, residual, weight, 1e-5)),
+        "silu_mul": (lambda: torch_silu_mul(gate_up), lambda: torch.ops.kvserve.silu_mul(gate_up)),
+    }
+    results = []
+    for name, (reference, kernel) in pairs.items():
+        t_torch, t_kernel = seconds_per_call(reference), seconds_per_call(kernel)
+        results.append({"op": name, "torch_us": t_torch * 1e6, "kernel_us": t_kernel * 1e6,
+                        "speedup": t_torch / t_kernel})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default=None, help="write the figures as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the C++ CPU kernels did not build on this machine (see the warning above)")
+
+    report: dict[str, list[dict]] = {}
+    if kernels.gemv_bf16:
+        report["gemv"] = bench_gemv([1, 2, 4, 8, 16, 32])
+        print("GEMV, bf16, SmolLM2-135M projections (GB/s of weights read) and LM head (ms):")
+        print("  rows   torch  kernel  ratio   | lm_head torch  kernel  ratio")
+        for r in report["gemv"]:
+            print(f"  {r['rows']:4d}  {r['layers_torch_gbps']:6.1f}  {r['layers_kernel_gbps']:6.1f}  "
+                  f"{r['layers_speedup']:4.2f}x  |    {r['lm_head_torch_ms']:8.2f}  {r['lm_head_kernel_ms']:6.2f}  "
+                  f"{r['lm_head_speedup']:4.2f}x")
+    report["attention"] = bench_attention([(1, 512), (1, 2000), (16, 512), (16, 2000), (32, 300)])
+    print("\nDecode attention, bf16, one layer (9 query / 3 KV heads, head_dim 64), time per call:")
+    print("  batch  keys    torch us  kernel us  ratio  kernel KV GB/s")
+    for r in report["attention"]:
+        print(f"  {r['batch']:5d}  {r['keys']:5d}  {r['torch_us']:9.0f}  {r['kernel_us']:9.0f}  {r['speedup']:4.2f}x"
+              f"  {r['kernel_kv_gbps']:8.1f}")
+    report["elementwise"] = bench_elementwise()
+    print("\nOne-token element-wise ops, bf16:")
+    for r in report["elementwise"]:
+        print(f"  {r['op']:14s} torch {r['torch_us']:6.1f} us  kernel {r['kernel_us']:6.1f} us  {r['speedup']:4.2f}x")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The optional C++ CPU kernels (csrc/cpu_kernels.cpp): built once per machine, used when they load.
+
+The build runs through ``torch.utils.cpp_extension`` with ``-march=native`` and is cached under
+``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``); ``scripts/install.sh`` builds it ahead of
+time. If the build fails (no compiler, an unusual CPU) the torch reference paths run instead, with one
+warning: correct, only slower. ``KVSERVE_CPU_KERNELS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_EXTENSION_NAME = "kvserve_cpu_kernels"
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    """What the loaded build offers on this machine."""
+
+    gemv_bf16: bool  # AVX512-BF16 weight GEMV
+    paged_decode: bool = True
+
+
+class _Loader:
+    """Builds and loads the extension at most once per process (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+        self._kernels: CpuKernels | None = None
+
+    def get(self) -> CpuKernels | None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                self._kernels = self._build()
+            return self._kernels
+
+    @staticmethod
+    def _build() -> CpuKernels | None:
+        if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            load(
+                name=_EXTENSION_NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+            return CpuKernels(gemv_bf16=bool(torch.ops.kvserve.has_avx512_bf16()))
+        except Exception as exc:  # a missing compiler or ninja must not stop serving
+            log.warning("kvserve CPU kernels unavailable, using the torch reference paths: %s", exc)
+            return None
+
+
+_loader = _Loader()
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels if they build and load here, else None."""
+    return _loader.get()

@@ -1,0 +1,72 @@
+"""The per-token math a model calls besides attention, chosen once per model like the attention backend.
+
+The torch versions are the reference and run everywhere. With the C++ CPU kernels loaded and a bf16
+model, decode-sized work goes through them instead (benchmarks/cpu_kernels.py measures each side by side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.layers import rms_norm
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x, residual or None, weight, eps) -> (rms_norm(x + residual) * weight, x + residual)
+AddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x if residual is None else x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class DecodeRows:
+    """Calls ``kernel`` on decode-sized inputs (at most ``max_rows`` rows), ``reference`` on wider ones.
+
+    The bf16 GEMV kernel streams weights at close to memory bandwidth, where torch's bf16 linear is bound
+    by its own arithmetic at a few rows; wider batches amortise the weight read and torch (oneDNN) is as
+    fast or faster there. The element-wise kernels save dispatch overhead, which only matters when the
+    tensors are small.
+    """
+
+    def __init__(self, kernel: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor],
+                 max_rows: int = 4) -> None:
+        self.kernel = kernel
+        self.reference = reference
+        self.max_rows = max_rows
+
+    def __call__(self, x: torch.Tensor, *args: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            return self.kernel(x, *args)
+        return self.reference(x, *args)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOps:
+    linear: Linear = F.linear
+    add_rms_norm: AddRmsNorm = torch_add_rms_norm
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
+
+
+def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
+    kernels = load_cpu_kernels() if cpu_kernels and dtype == torch.bfloat16 else None
+    if kernels is None:
+        return ModelOps()
+    return ModelOps(
+        linear=DecodeRows(torch.ops.kvserve.gemv_bf16, F.linear) if kernels.gemv_bf16 else F.linear,
+        add_rms_norm=torch.ops.kvserve.add_rms_norm,
+        silu_mul=DecodeRows(torch.ops.kvserve.silu_mul, torch_silu_mul),
+    )

@@ -1,0 +1,143 @@
+"""The C++ CPU kernels against the torch reference: paged decode attention, its cascade merge, bf16 GEMV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention import AttentionMetadata, CpuKernelPagedAttention, TorchPagedAttention
+from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.ops import DecodeRows, torch_add_rms_norm, torch_silu_mul
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
+
+
+def random_cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(2, num_blocks, block_size, kv_heads, dim, dtype=dtype)
+
+
+def reference_attention(q, k_cache, v_cache, table, lens, scale):
+    """Gather, mask, softmax in float64: output and log-sum-exp per query head."""
+    batch = q.shape[0]
+    key = k_cache[table.long()].flatten(1, 2).transpose(1, 2).double()  # [B, H, L, D]
+    value = v_cache[table.long()].flatten(1, 2).transpose(1, 2).double()
+    scores = (q.double() @ key.transpose(2, 3)) * scale  # [B, H, G, L]
+    mask = torch.arange(key.shape[2])[None, :] < lens[:, None].long()
+    scores = scores.masked_fill(~mask.view(batch, 1, 1, -1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ value, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 40])  # two vectorised head sizes and the portable loop
+@pytest.mark.parametrize("split_size", [16, 48, 1024])
+def test_paged_decode_matches_reference(dtype, dim, split_size) -> None:
+    torch.manual_seed(dim + split_size)
+    block_size, kv_heads, group, batch = 16, 2, 3, 5
+    cache = random_cache(128, block_size, kv_heads, dim, dtype)
+    lens = torch.tensor([1, 16, 17, 200, 333], dtype=torch.int32)
+    max_blocks = -(-int(lens.max()) // block_size)
+    table = torch.randperm(128)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    q = torch.randn(batch, kv_heads, group, dim, dtype=dtype)
+    out, lse = torch.ops.kvserve.paged_decode(q, cache[0], cache[1], table, lens, dim**-0.5, split_size)
+    ref_out, ref_lse = reference_attention(q, cache[0], cache[1], table, lens, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
+
+
+def test_empty_sequence_gives_zero_output_and_minus_infinite_lse() -> None:
+    """A request whose keys all live in the shared prefix has an empty suffix: it must not poison the merge."""
+    cache = random_cache(4, 16, 1, 64, torch.float32)
+    q = torch.randn(2, 1, 2, 64)
+    lens = torch.tensor([0, 5], dtype=torch.int32)
+    out, lse = torch.ops.kvserve.paged_decode(q, cache[0], cache[1], torch.zeros(2, 1, dtype=torch.int32), lens,
+                                              0.125, 256)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_sequence_longer_than_its_table_is_refused() -> None:
+    cache = random_cache(4, 16, 1, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        torch.ops.kvserve.paged_decode(torch.randn(1, 1, 1, 64), cache[0], cache[1],
+                                       torch.zeros(1, 1, dtype=torch.int32), torch.tensor([17], dtype=torch.int32),
+                                       0.125, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared_blocks", [0, 3])
+def test_kernel_backend_decode_matches_torch_backend(dtype, shared_blocks) -> None:
+    """The whole decode path (cascade merge included) against the reference backend on one paged cache."""
+    torch.manual_seed(shared_blocks)
+    heads, kv_heads, dim, block_size, batch = 6, 2, 64, 16, 4
+    cache = random_cache(40, block_size, kv_heads, dim, dtype)
+    lens = [shared_blocks * block_size + extra for extra in (1, 16, 30, 70)]
+    if shared_blocks:
+        lens[1] = shared_blocks * block_size  # all of this request's keys are shared: empty suffix
+    tables = [list(range(shared_blocks)) + list(range(shared_blocks + 8 * i, shared_blocks + 8 * i + 8))
+              for i in range(batch)]
+    suffix = [length - shared_blocks * block_size for length in lens]
+    max_blocks = -(-max(suffix) // block_size)
+    table = torch.tensor([t[shared_blocks : shared_blocks + max_blocks] for t in tables], dtype=torch.int32)
+    mask = (torch.arange(max_blocks * block_size)[None, :] < torch.tensor(suffix)[:, None])[:, None, None, :]
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=batch, decode_block_table=table,
+        decode_seq_lens=torch.tensor(suffix, dtype=torch.int32), decode_mask=mask,
+        decode_prefix_blocks=torch.arange(shared_blocks) if shared_blocks else None,
+    )
+    q = torch.randn(batch, heads, dim, dtype=dtype)
+    empty = torch.empty(0, kv_heads, dim, dtype=dtype)
+    expected = TorchPagedAttention(heads, kv_heads, dim).forward(q, empty, empty, cache, meta)
+    got = CpuKernelPagedAttention(heads, kv_heads, dim).forward(q, empty, empty, cache, meta)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.gemv_bf16, reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 576, 576), (2, 77, 100), (4, 1536, 576),
+                                                                   (7, 33, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, with_bias) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    got = torch.ops.kvserve.gemv_bf16(x, weight, bias)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    # fp32 accumulation, one bf16 rounding of the result: within bf16's relative precision (2^-8).
+    torch.testing.assert_close(got.double(), expected, atol=1e-2 * expected.abs().max().item(), rtol=2**-7)
+
+
+def test_decode_rows_route_narrow_inputs_to_the_kernel() -> None:
+    rows_seen = []
+    ops = DecodeRows(lambda x, w, b: rows_seen.append(x.shape[0]) or F.linear(x, w, b), F.linear, max_rows=2)
+    weight = torch.randn(8, 16)
+    for rows in (1, 2, 3, 64):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(ops(x, weight, None), F.linear(x, weight))
+    assert rows_seen == [1, 2]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 130])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(rows, with_residual) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16) * 3
+    residual = torch.randn(rows, 576, dtype=torch.bfloat16) if with_residual else None
+    weight = torch.rand(576, dtype=torch.bfloat16) + 0.5
+    normed, summed = torch.ops.kvserve.add_rms_norm(x, residual, weight, 1e-5)
+    expected_normed, expected_summed = torch_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, expected_summed)
+    # Same two bf16 roundings; the fp32 sum of squares may differ in order, which can move each rounding
+    # by one step.
+    torch.testing.assert_close(normed.float(), expected_normed.float(), atol=0, rtol=2**-6)
+
+
+def test_silu_mul_matches_torch() -> None:
+    gate_up = torch.randn(5, 2 * 1536, dtype=torch.bfloat16) * 4
+    torch.testing.assert_close(torch.ops.kvserve.silu_mul(gate_up).float(), torch_silu_mul(gate_up).float(),
+                               atol=1e-6, rtol=2**-7)
