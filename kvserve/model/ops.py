@@ -48,7 +48,7 @@ class DecodeRows:
         self.reference = reference
         self.max_rows = max_rows
 
-    def __call__(self, x: torch.Tensor, *args: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
             return self.kernel(x, *args)
         return self.reference(x, *args)
@@ -67,6 +67,6 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
         return ModelOps()
     return ModelOps(
         linear=DecodeRows(torch.ops.kvserve.gemv_bf16, F.linear) if kernels.gemv_bf16 else F.linear,
-        add_rms_norm=torch.ops.kvserve.add_rms_norm,
+        add_rms_norm=DecodeRows(torch.ops.kvserve.add_rms_norm, torch_add_rms_norm),
         silu_mul=DecodeRows(torch.ops.kvserve.silu_mul, torch_silu_mul),
     )
