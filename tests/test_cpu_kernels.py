@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvserve.model.attention import AttentionMetadata, CpuKernelPagedAttention, TorchPagedAttention
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.ops import DecodeRows, torch_add_rms_norm, torch_silu_mul
+from kvserve.model.ops import AmxLinear, DecodeRows, torch_add_rms_norm, torch_silu_mul
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
@@ -137,7 +137,38 @@ def test_add_rms_norm_matches_torch(rows, with_residual) -> None:
     torch.testing.assert_close(normed.float(), expected_normed.float(), atol=0, rtol=2**-6)
 
 
-def test_silu_mul_matches_torch() -> None:
-    gate_up = torch.randn(5, 2 * 1536, dtype=torch.bfloat16) * 4
+@pytest.mark.parametrize("width", [1536, 37])  # vector body only; vector body plus a scalar tail
+def test_silu_mul_matches_torch(width) -> None:
+    gate_up = torch.randn(5, 2 * width, dtype=torch.bfloat16) * 4
     torch.testing.assert_close(torch.ops.kvserve.silu_mul(gate_up).float(), torch_silu_mul(gate_up).float(),
                                atol=1e-6, rtol=2**-7)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 64), (96, 576), (576, 1536)])
+def test_amx_linear_matches_float_matmul(rows, out_features, in_features) -> None:
+    """1 or 2 row tiles, with 1-4 weight column blocks per task (48 = 3 blocks leaves a ragged task)."""
+    torch.manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    packed = torch.ops.kvserve.amx_pack(weight)
+    got = torch.ops.kvserve.amx_linear(x, packed, bias)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    torch.testing.assert_close(got.double(), expected, atol=1e-2 * expected.abs().max().item(), rtol=2**-7)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
+def test_amx_linear_uses_packed_weights_only_for_decode_widths() -> None:
+    linear = AmxLinear(wide=F.linear)
+    weight = torch.randn(32, 64, dtype=torch.bfloat16)
+    odd = torch.randn(10, 64, dtype=torch.bfloat16)  # 10 rows: not a whole tile, stays unpacked
+    linear.prepare(weight)
+    linear.prepare(odd)
+    assert list(linear.packed) == [weight.data_ptr()]
+    for rows in (1, 32, 33):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(linear(x, weight).float(), F.linear(x, weight).float(), atol=0.1, rtol=0.02)
+        torch.testing.assert_close(linear(x, odd).float(), F.linear(x, odd).float(), atol=0.1, rtol=0.02)

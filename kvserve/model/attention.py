@@ -188,13 +188,15 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         lse_suffix: torch.Tensor,  # fp32 [batch, kv_heads, group]; -inf where the suffix is empty
     ) -> torch.Tensor:
         batch, kvh, group, dim = query.shape
-        key_p = k_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2)  # [kv_heads, Lp, dim]
-        value_p = v_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2)
-        q_by_head = query.permute(1, 0, 2, 3).reshape(kvh, batch * group, dim)
-        scores = torch.matmul(q_by_head, key_p.transpose(1, 2)).float() * self.scale  # [kv_heads, B*G, Lp]
-        lse_p = torch.logsumexp(scores, dim=-1, keepdim=True)
-        out_p = torch.matmul(torch.exp(scores - lse_p).to(query.dtype), value_p).float()  # [kv_heads, B*G, dim]
-        out_p = out_p.view(kvh, batch, group, dim).permute(1, 0, 2, 3)
+        key_p = k_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, Lp, dim]
+        value_p = v_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2).unsqueeze(0)
+        # Every request's query heads as one long "query sequence" per KV head: one flash-attention call
+        # over the prefix for the whole batch, which also returns the log-sum-exp the merge needs.
+        q_by_head = query.permute(1, 0, 2, 3).reshape(1, kvh, batch * group, dim)
+        out_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_by_head, key_p, value_p, scale=self.scale
+        )[:2]
+        out_p = out_p.float().view(kvh, batch, group, dim).permute(1, 0, 2, 3)
         lse_p = lse_p.view(kvh, batch, group).permute(1, 0, 2)
         # Each half weighted by its share of the total softmax mass: exp(lse_half - lse_total).
         lse_total = torch.logaddexp(lse_p, lse_suffix)

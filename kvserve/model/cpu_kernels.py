@@ -27,6 +27,7 @@ class CpuKernels:
     """What the loaded build offers on this machine."""
 
     gemv_bf16: bool  # AVX512-BF16 weight GEMV
+    amx: bool = False  # AMX tile matmuls for decode batches (CPU support and the kernel's permission)
     paged_decode: bool = True
 
 
@@ -60,7 +61,8 @@ class _Loader:
                 is_python_module=False,
                 verbose=False,
             )
-            return CpuKernels(gemv_bf16=bool(torch.ops.kvserve.has_avx512_bf16()))
+            return CpuKernels(gemv_bf16=bool(torch.ops.kvserve.has_avx512_bf16()),
+                              amx=bool(torch.ops.kvserve.has_amx()))
         except Exception as exc:  # a missing compiler or ninja must not stop serving
             log.warning("kvserve CPU kernels unavailable, using the torch reference paths: %s", exc)
             return None

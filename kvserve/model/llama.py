@@ -140,6 +140,10 @@ class LlamaForCausalLM:
             layer.down_weight = take(mlp + "down_proj.weight")
             layer.input_norm = take(p + "input_layernorm.weight")
             layer.post_attention_norm = take(p + "post_attention_layernorm.weight")
+        for layer in self.layers:
+            for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
+                self.ops.prepare_weight(weight)
+        self.ops.prepare_weight(self.lm_head)
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]
         if leftover:

@@ -54,19 +54,56 @@ class DecodeRows:
         return self.reference(x, *args)
 
 
+class AmxLinear:
+    """Decode-width bf16 projections (up to 32 rows) as AMX tile matmuls; wider inputs go to ``wide``.
+
+    The tile multiply reads weights in a tile-ordered (VNNI) layout, so each projection weight gets a
+    packed copy once, at load (``prepare``); that costs a second copy of the weights in memory. A weight
+    is found again by its storage address, which model weights never change after load.
+    """
+
+    max_rows = 32
+
+    def __init__(self, wide: Linear = F.linear) -> None:
+        self.wide = wide
+        self.packed: dict[int, torch.Tensor] = {}
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        if weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0:
+            self.packed.setdefault(weight.data_ptr(), torch.ops.kvserve.amx_pack(weight))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self.packed.get(weight.data_ptr()) if x.shape[0] <= self.max_rows else None
+        if packed is None:
+            return self.wide(x, weight, bias)
+        return torch.ops.kvserve.amx_linear(x, packed, bias)
+
+
+def _nothing_to_prepare(weight: torch.Tensor) -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelOps:
     linear: Linear = F.linear
     add_rms_norm: AddRmsNorm = torch_add_rms_norm
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
+    # Called once per projection weight after loading (a kernel may keep its own layout of it).
+    prepare_weight: Callable[[torch.Tensor], None] = _nothing_to_prepare
 
 
 def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
     kernels = load_cpu_kernels() if cpu_kernels and dtype == torch.bfloat16 else None
     if kernels is None:
         return ModelOps()
+    linear: Linear = DecodeRows(torch.ops.kvserve.gemv_bf16, F.linear) if kernels.gemv_bf16 else F.linear
+    prepare_weight = _nothing_to_prepare
+    if kernels.amx:
+        amx = AmxLinear(wide=F.linear)
+        linear, prepare_weight = amx, amx.prepare
     return ModelOps(
-        linear=DecodeRows(torch.ops.kvserve.gemv_bf16, F.linear) if kernels.gemv_bf16 else F.linear,
-        add_rms_norm=DecodeRows(torch.ops.kvserve.add_rms_norm, torch_add_rms_norm),
-        silu_mul=DecodeRows(torch.ops.kvserve.silu_mul, torch_silu_mul),
+        linear=linear,
+        prepare_weight=prepare_weight,
+        add_rms_norm=DecodeRows(torch.ops.kvserve.add_rms_norm, torch_add_rms_norm, max_rows=32),
+        silu_mul=DecodeRows(torch.ops.kvserve.silu_mul, torch_silu_mul, max_rows=32),
     )

@@ -67,3 +67,10 @@ def test_prefix_cache_on_matches_transformers(prompt_ids, reference) -> None:
     again = generate_ids(llm, prompt_ids)  # second pass: prompts come from the cache
     assert first == reference and again == reference
     assert llm.engine.kv_manager.stats.hits > 0
+
+
+def test_torch_reference_paths_match_transformers(prompt_ids, reference) -> None:
+    """The oracle itself: the same run with the C++ kernels off (torch attention and matmuls only)."""
+    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=2048, enable_prefix_caching=False,
+              cpu_kernels=False)
+    assert generate_ids(llm, prompt_ids) == reference

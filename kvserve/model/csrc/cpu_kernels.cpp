@@ -4,6 +4,8 @@
 // registered as torch ops under torch.ops.kvserve. The torch reference paths stay the oracle: tests
 // compare every kernel against them.
 //
+// amx_linear:    the same product for decode batches (<= 32 rows) as AMX tile multiplies, against a copy
+//                of the weight packed once into the tile layout (amx_pack).
 // gemv_bf16:     out[M, N] = x[M, K] @ w[N, K]^T (+ bias), bf16 in/out, fp32 accumulation with AVX512-BF16
 //                dot products. torch's bf16 linear reaches ~7 GB/s of weight reads at small M on the
 //                machines we target; this streams the weights at close to memory bandwidth.
@@ -30,6 +32,13 @@
 #define KVSERVE_HAS_AVX512_BF16 1
 #else
 #define KVSERVE_HAS_AVX512_BF16 0
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVSERVE_HAS_AMX 1
+#else
+#define KVSERVE_HAS_AMX 0
 #endif
 
 namespace {
@@ -152,6 +161,156 @@ at::Tensor gemv_bf16(const at::Tensor&, const at::Tensor&, const c10::optional<a
 bool has_avx512_bf16() { return KVSERVE_HAS_AVX512_BF16; }
 
 // ------------------------------------------------------------------------------------------------------
+// AMX linear for decode batches (up to 32 rows): bf16 tile matmuls against weights packed once at load
+// time into the tile layout, so the weight read streams at memory bandwidth whatever the batch width.
+// ------------------------------------------------------------------------------------------------------
+#if KVSERVE_HAS_AMX
+
+constexpr int64_t kAmxN = 16;  // output columns per weight tile
+constexpr int64_t kAmxK = 32;  // reduction depth per tile (16 rows of bf16 pairs)
+
+bool request_amx() {
+  // Linux hands out AMX tile state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// w [N, K] -> [N/16, K/32, 16, 32]: tile (n-block, k-block) holds, for each of its 16 k-pairs, the 16
+// columns' (w[n][2p], w[n][2p+1]) side by side: the VNNI layout the tile multiply reads.
+at::Tensor amx_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "amx_pack: bf16 [N, K] only");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kAmxN == 0 && K % kAmxK == 0, "amx_pack: N must be a multiple of 16 and K of 32");
+  at::Tensor src = w.contiguous();
+  at::Tensor packed = at::empty({N / kAmxN, K / kAmxK, kAmxK / 2, kAmxN * 2}, w.options());
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>());
+  uint16_t* d = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N / kAmxN, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t kb = 0; kb < K / kAmxK; ++kb) {
+        uint16_t* tile = d + (nb * (K / kAmxK) + kb) * kAmxK * kAmxN;
+        for (int64_t p = 0; p < kAmxK / 2; ++p)
+          for (int64_t n = 0; n < kAmxN; ++n)
+            for (int64_t e = 0; e < 2; ++e)
+              tile[(p * kAmxN + n) * 2 + e] = s[(nb * kAmxN + n) * K + kb * kAmxK + 2 * p + e];
+      }
+  });
+  return packed;
+}
+
+// out[M, N] = x[M, K] @ w^T (+ bias) with w packed by amx_pack; M <= 32.
+at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(request_amx(), "amx_linear: the kernel did not grant AMX");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear: bf16 only");
+  const int64_t NB = packed.size(0), KB = packed.size(1);
+  const int64_t N = NB * kAmxN, K = KB * kAmxK;
+  TORCH_CHECK(x_in.size(-1) == K, "amx_linear: inner dimensions differ");
+  at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M >= 1 && M <= 32, "amx_linear: 1 to 32 rows");
+  auto out_sizes = x_in.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const at::BFloat16* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "amx_linear: bad bias");
+    bp = b.data_ptr<at::BFloat16>();
+  }
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  // Tiles: rows of x in one or two A tiles (0, 1); four C accumulators (2..5) as 1x4 or 2x2 (m x n-block);
+  // weight tiles in 6, 7.
+  const int64_t m_tiles = M > 16 ? 2 : 1;
+  const int64_t rows0 = std::min<int64_t>(M, 16), rows1 = M - rows0;
+  const int64_t n_per_task = m_tiles == 1 ? 4 : 2;
+  const int64_t tasks = (NB + n_per_task - 1) / n_per_task;
+  at::parallel_for(0, tasks, 4, [&](int64_t t0, int64_t t1) {
+    TileConfig cfg;
+    cfg.rows[0] = rows0; cfg.colsb[0] = 64;
+    cfg.rows[1] = m_tiles == 2 ? rows1 : 1; cfg.colsb[1] = 64;
+    for (int c = 2; c < 6; ++c) {
+      const bool second_m = m_tiles == 2 && (c - 2) >= 2;
+      cfg.rows[c] = second_m ? rows1 : rows0;
+      cfg.colsb[c] = 64;
+    }
+    cfg.rows[6] = cfg.rows[7] = 16; cfg.colsb[6] = cfg.colsb[7] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) float cbuf[16 * 16];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * n_per_task;
+      const int64_t nbs = std::min<int64_t>(n_per_task, NB - nb0);
+      _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        _tile_loadd(0, xp + kb * kAmxK, K * 2);
+        if (m_tiles == 2) _tile_loadd(1, xp + 16 * K + kb * kAmxK, K * 2);
+        const at::BFloat16* w0 = wp + ((nb0 + 0) * KB + kb) * kAmxK * kAmxN;
+        if (m_tiles == 1) {
+          // Four n-blocks against one A tile; unused blocks (at the end of N) multiply a valid tile
+          // into accumulators that are never stored.
+          const at::BFloat16* w1 = wp + ((nb0 + std::min<int64_t>(1, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
+          const at::BFloat16* w2 = wp + ((nb0 + std::min<int64_t>(2, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
+          const at::BFloat16* w3 = wp + ((nb0 + std::min<int64_t>(3, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
+          _tile_loadd(6, w0, 64); _tile_dpbf16ps(2, 0, 6);
+          _tile_loadd(7, w1, 64); _tile_dpbf16ps(3, 0, 7);
+          _tile_loadd(6, w2, 64); _tile_dpbf16ps(4, 0, 6);
+          _tile_loadd(7, w3, 64); _tile_dpbf16ps(5, 0, 7);
+        } else {
+          const at::BFloat16* w1 = wp + ((nb0 + std::min<int64_t>(1, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
+          _tile_loadd(6, w0, 64);
+          _tile_loadd(7, w1, 64);
+          _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 0, 7);
+          _tile_dpbf16ps(4, 1, 6); _tile_dpbf16ps(5, 1, 7);
+        }
+      }
+      for (int c = 0; c < 4; ++c) {
+        const int64_t mt = m_tiles == 1 ? 0 : c / 2;
+        const int64_t nj = m_tiles == 1 ? c : c % 2;
+        if (nj >= nbs) continue;
+        switch (c) {
+          case 0: _tile_stored(2, cbuf, 64); break;
+          case 1: _tile_stored(3, cbuf, 64); break;
+          case 2: _tile_stored(4, cbuf, 64); break;
+          default: _tile_stored(5, cbuf, 64); break;
+        }
+        const int64_t rows = mt == 0 ? rows0 : rows1;
+        const int64_t n0 = (nb0 + nj) * kAmxN;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n = 0; n < kAmxN; ++n) {
+            float v = cbuf[r * 16 + n];
+            if (bp) v += static_cast<float>(bp[n0 + n]);
+            op[(mt * 16 + r) * N + n0 + n] = at::BFloat16(v);
+          }
+      }
+    }
+    _tile_release();
+  });
+  return out.view(out_sizes);
+}
+
+#else
+
+at::Tensor amx_pack(const at::Tensor&) { TORCH_CHECK(false, "amx_pack: this build has no AMX"); }
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "amx_linear: this build has no AMX");
+}
+bool request_amx() { return false; }
+
+#endif
+
+bool has_amx() { return KVSERVE_HAS_AMX && request_amx(); }
+
+// ------------------------------------------------------------------------------------------------------
 // Paged decode attention
 // ------------------------------------------------------------------------------------------------------
 template <typename T>
@@ -254,6 +413,24 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// r[i] = sum of the lanes of v[i], for 16 vectors at once (~45 shuffles and adds instead of 16 full
+// horizontal reductions): pairwise within 128-bit lanes, then across them.
+inline __m512 hsum16(const __m512* v) {
+  __m512 quads[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512* w = v + 4 * q;
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    // each 128-bit lane j: [w0_j, w1_j, w2_j, w3_j], partial sums over that lane
+    quads[q] = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+  }
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
 // The same contract as attend_split, vectorised for head_dim == 16 * C: keys a block (<= 16 tokens) at a
 // time, scores of a block as one vector per query head, the output accumulated in registers/L1.
 template <typename T, int C>
@@ -262,7 +439,7 @@ void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cac
                          float scale, float* acc, float* m, float* l) {
   constexpr int64_t D = 16 * C;
   std::vector<__m512> qv(G * C), av(G * C);
-  alignas(64) float sc[16];
+  std::vector<__m512> dots(G * 16);
   std::vector<float> probs(G * 16);
   for (int64_t g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
@@ -280,15 +457,21 @@ void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cac
     const T* kb = k_cache + (blk * block_size + off) * token_stride + head * D;
     const T* vb = v_cache + (blk * block_size + off) * token_stride + head * D;
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512* qg = qv.data() + g * C;
-      for (int64_t t = 0; t < n; ++t) {
-        const T* kt = kb + t * token_stride;
-        __m512 dot = _mm512_mul_ps(qg[0], load16(kt));
-        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qg[c], load16(kt + 16 * c), dot);
-        sc[t] = _mm512_reduce_add_ps(dot);
+    // Each key row is widened once and dotted with every query head of the group.
+    for (int64_t t = 0; t < n; ++t) {
+      const T* kt = kb + t * token_stride;
+      __m512 krow[C];
+      for (int c = 0; c < C; ++c) krow[c] = load16(kt + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512* qg = qv.data() + g * C;
+        __m512 dot = _mm512_mul_ps(qg[0], krow[0]);
+        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qg[c], krow[c], dot);
+        dots[g * 16 + t] = dot;
       }
-      const __m512 s = _mm512_maskz_loadu_ps(valid, sc);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t t = n; t < 16; ++t) dots[g * 16 + t] = _mm512_setzero_ps();
+      const __m512 s = _mm512_maskz_mov_ps(valid, hsum16(dots.data() + g * 16));
       const float block_max = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
       const float rescale = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
       const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
@@ -505,12 +688,29 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   at::Tensor out = at::empty(sizes, gate_up.options());
   const at::BFloat16* gp = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, rows * I, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t idx = i0; idx < i1; ++idx) {
-      const int64_t r = idx / I, i = idx % I;
-      const float g = static_cast<float>(gp[r * 2 * I + i]);
-      const float silu = round_bf16(g / (1.f + std::exp(-g)));
-      op[idx] = at::BFloat16(silu * static_cast<float>(gp[r * 2 * I + I + i]));
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const at::BFloat16* g_row = gp + r * 2 * I;
+      const at::BFloat16* u_row = g_row + I;
+      at::BFloat16* o_row = op + r * I;
+      int64_t i = 0;
+#if KVSERVE_HAS_AVX512_BF16
+      // silu(g) = g / (1 + exp(-g)); each product rounded to bf16 (round-to-nearest-even) like torch.
+      for (; i + 16 <= I; i += 16) {
+        const __m512 g = load16(g_row + i);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(
+                                                              _mm512_setzero_ps(), g))));
+        const __m512 silu_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
+        const __m256bh prod = _mm512_cvtneps_pbh(_mm512_mul_ps(silu_rounded, load16(u_row + i)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row + i), (__m256i)prod);
+      }
+#endif
+      for (; i < I; ++i) {
+        const float g = static_cast<float>(g_row[i]);
+        const float silu = round_bf16(g / (1.f + std::exp(-g)));
+        o_row[i] = at::BFloat16(silu * static_cast<float>(u_row[i]));
+      }
     }
   });
   return out;
@@ -521,6 +721,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 TORCH_LIBRARY(kvserve, m) {
   m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", &gemv_bf16);
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);
+  m.def("has_amx() -> bool", &has_amx);
+  m.def("amx_pack(Tensor w) -> Tensor", &amx_pack);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &amx_linear);
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
