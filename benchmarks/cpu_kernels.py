@@ -2,8 +2,9 @@
 
     python benchmarks/cpu_kernels.py [--threads 2] [--output results.json]
 
-- GEMV: SmolLM2-135M's 30 layers of projections (q/k/v, o, gate/up, down) and its 49,152-row LM head,
-  at 1-32 activation rows, bf16. Reported as GB/s of weights read: decode is bound by that read.
+- Projections: SmolLM2-135M's 30 layers (q/k/v, o, gate/up, down) and its 49,152-row LM head, at 1-32
+  activation rows, bf16: torch's linear, the AVX512-BF16 GEMV and the AMX tile matmul (weights packed
+  once). Reported as GB/s of weights read: decode is bound by that read.
 - Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, SmolLM2's
   head layout (9 query heads over 3 KV heads, head_dim 64). The torch path gathers each sequence's blocks
   and calls scaled_dot_product_attention; the kernel reads the blocks in place.
@@ -37,7 +38,7 @@ def seconds_per_call(fn: Callable[[], object], min_time: float = 0.5) -> float:
     return elapsed / calls
 
 
-def bench_gemv(rows_list: list[int]) -> list[dict]:
+def bench_gemv(rows_list: list[int], amx: bool) -> list[dict]:
     bf16 = torch.bfloat16
     # fused q/k/v, o, fused gate/up, down: [out_features, in_features]
     shapes = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
@@ -45,6 +46,11 @@ def bench_gemv(rows_list: list[int]) -> list[dict]:
     weights = [torch.randn(n, k, dtype=bf16) for _ in range(LAYERS) for n, k in shapes]
     nbytes = sum(w.numel() * 2 for w in weights)
     lm_head = torch.randn(VOCAB, HIDDEN, dtype=bf16)
+    packed = {w.data_ptr(): torch.ops.kvserve.amx_pack(w) for w in weights} if amx else {}
+
+    def amx_linear(x: torch.Tensor, w: torch.Tensor, bias: None) -> torch.Tensor:
+        return torch.ops.kvserve.amx_linear(x, packed[w.data_ptr()], bias)
+
     results = []
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k, dtype=bf16) for k in (HIDDEN, INTERMEDIATE)}
@@ -54,13 +60,15 @@ def bench_gemv(rows_list: list[int]) -> list[dict]:
 
         t_torch = seconds_per_call(layers(F.linear))
         t_kernel = seconds_per_call(layers(torch.ops.kvserve.gemv_bf16))
+        t_amx = seconds_per_call(layers(amx_linear)) if amx and rows <= 32 else float("nan")
         x = inputs[HIDDEN]
         h_torch = seconds_per_call(lambda: F.linear(x, lm_head))  # noqa: B023
         h_kernel = seconds_per_call(lambda: torch.ops.kvserve.gemv_bf16(x, lm_head, None))  # noqa: B023
         results.append({
             "rows": rows,
             "layers_torch_gbps": nbytes / t_torch / 1e9, "layers_kernel_gbps": nbytes / t_kernel / 1e9,
-            "layers_speedup": t_torch / t_kernel,
+            "layers_speedup": t_torch / t_kernel, "layers_amx_gbps": nbytes / t_amx / 1e9,
+            "layers_amx_speedup": t_torch / t_amx,
             "lm_head_torch_ms": h_torch * 1e3, "lm_head_kernel_ms": h_kernel * 1e3, "lm_head_speedup": h_torch / h_kernel,
         })
     return results
@@ -123,13 +131,13 @@ def main() -> None:
 
     report: dict[str, list[dict]] = {}
     if kernels.gemv_bf16:
-        report["gemv"] = bench_gemv([1, 2, 4, 8, 16, 32])
-        print("GEMV, bf16, SmolLM2-135M projections (GB/s of weights read) and LM head (ms):")
-        print("  rows   torch  kernel  ratio   | lm_head torch  kernel  ratio")
+        report["gemv"] = bench_gemv([1, 2, 4, 8, 16, 32], kernels.amx)
+        print("Projections, bf16, SmolLM2-135M's 30 layers (GB/s of weights read), and its LM head (ms):")
+        print("  rows   torch   gemv  ratio    amx  ratio  | lm_head torch  gemv  ratio")
         for r in report["gemv"]:
-            print(f"  {r['rows']:4d}  {r['layers_torch_gbps']:6.1f}  {r['layers_kernel_gbps']:6.1f}  "
-                  f"{r['layers_speedup']:4.2f}x  |    {r['lm_head_torch_ms']:8.2f}  {r['lm_head_kernel_ms']:6.2f}  "
-                  f"{r['lm_head_speedup']:4.2f}x")
+            print(f"  {r['rows']:4d}  {r['layers_torch_gbps']:6.1f} {r['layers_kernel_gbps']:6.1f}  "
+                  f"{r['layers_speedup']:4.2f}x {r['layers_amx_gbps']:6.1f}  {r['layers_amx_speedup']:4.2f}x  |"
+                  f"    {r['lm_head_torch_ms']:8.2f} {r['lm_head_kernel_ms']:6.2f}  {r['lm_head_speedup']:4.2f}x")
     report["attention"] = bench_attention([(1, 512), (1, 2000), (16, 512), (16, 2000), (32, 300)])
     print("\nDecode attention, bf16, one layer (9 query / 3 KV heads, head_dim 64), time per call:")
     print("  batch  keys    torch us  kernel us  ratio  kernel KV GB/s")

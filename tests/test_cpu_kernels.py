@@ -124,11 +124,12 @@ def test_decode_rows_route_narrow_inputs_to_the_kernel() -> None:
 
 @pytest.mark.parametrize("rows", [1, 3, 130])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_matches_torch(rows, with_residual) -> None:
+@pytest.mark.parametrize("hidden", [576, 40])  # vector body only; vector body plus a scalar tail
+def test_add_rms_norm_matches_torch(rows, with_residual, hidden) -> None:
     torch.manual_seed(rows)
-    x = torch.randn(rows, 576, dtype=torch.bfloat16) * 3
-    residual = torch.randn(rows, 576, dtype=torch.bfloat16) if with_residual else None
-    weight = torch.rand(576, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16) * 3
+    residual = torch.randn(rows, hidden, dtype=torch.bfloat16) if with_residual else None
+    weight = torch.rand(hidden, dtype=torch.bfloat16) + 0.5
     normed, summed = torch.ops.kvserve.add_rms_norm(x, residual, weight, 1e-5)
     expected_normed, expected_summed = torch_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(summed, expected_summed)

@@ -34,24 +34,22 @@ def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DecodeRows:
-    """Calls ``kernel`` on decode-sized inputs (at most ``max_rows`` rows), ``reference`` on wider ones.
+    """Calls ``kernel`` on inputs of at most ``max_rows`` rows, ``wider`` on the rest.
 
-    The bf16 GEMV kernel streams weights at close to memory bandwidth, where torch's bf16 linear is bound
-    by its own arithmetic at a few rows; wider batches amortise the weight read and torch (oneDNN) is as
-    fast or faster there. The element-wise kernels save dispatch overhead, which only matters when the
-    tensors are small.
+    The bf16 GEMV kernel streams weights at close to memory bandwidth at a row or two, where torch's bf16
+    linear is bound by its own arithmetic; from a few rows on, the AMX tiles or torch do better.
     """
 
-    def __init__(self, kernel: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor],
+    def __init__(self, kernel: Callable[..., torch.Tensor], wider: Callable[..., torch.Tensor],
                  max_rows: int = 4) -> None:
         self.kernel = kernel
-        self.reference = reference
+        self.wider = wider
         self.max_rows = max_rows
 
     def __call__(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
             return self.kernel(x, *args)
-        return self.reference(x, *args)
+        return self.wider(x, *args)
 
 
 class AmxLinear:
@@ -96,14 +94,18 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
     kernels = load_cpu_kernels() if cpu_kernels and dtype == torch.bfloat16 else None
     if kernels is None:
         return ModelOps()
-    linear: Linear = DecodeRows(torch.ops.kvserve.gemv_bf16, F.linear) if kernels.gemv_bf16 else F.linear
+    # Measured in benchmarks/cpu_kernels.py: the GEMV streams weights fastest at one row (single-stream
+    # decode); AMX wins from two rows to 32; torch (oneDNN) takes prefill-width inputs.
+    linear: Linear = F.linear
     prepare_weight = _nothing_to_prepare
     if kernels.amx:
         amx = AmxLinear(wide=F.linear)
         linear, prepare_weight = amx, amx.prepare
+    if kernels.gemv_bf16:
+        linear = DecodeRows(torch.ops.kvserve.gemv_bf16, linear, max_rows=1 if kernels.amx else 4)
     return ModelOps(
         linear=linear,
         prepare_weight=prepare_weight,
-        add_rms_norm=DecodeRows(torch.ops.kvserve.add_rms_norm, torch_add_rms_norm, max_rows=32),
-        silu_mul=DecodeRows(torch.ops.kvserve.silu_mul, torch_silu_mul, max_rows=32),
+        add_rms_norm=torch.ops.kvserve.add_rms_norm,
+        silu_mul=torch.ops.kvserve.silu_mul,
     )

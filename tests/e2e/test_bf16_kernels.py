@@ -11,9 +11,13 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.cpu_kernels import load_cpu_kernels
 from tests.e2e.conftest import CHAT_QUESTIONS, PLAIN_PROMPTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels did not build on this machine"),
+]
 MAX_TOKENS = 24
 
 

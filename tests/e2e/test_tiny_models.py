@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.cpu_kernels import load_cpu_kernels
 from tests.e2e.conftest import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -32,7 +33,10 @@ def test_tiny_model_matches_transformers(tmp_path, family: str, tie: bool) -> No
     llm.engine.check_invariants()
 
 
-@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch-reference", "cpu-kernel"])
+@pytest.mark.parametrize("cpu_kernels", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ kernels did not build")),
+], ids=["torch-reference", "cpu-kernel"])
 def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatch, cpu_kernels) -> None:
     """Requests whose prompts share cached blocks decode with the shared-prefix (cascade) attention path."""
     import transformers

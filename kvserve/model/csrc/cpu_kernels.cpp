@@ -655,11 +655,26 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   at::BFloat16* sp = summed.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(H);
     for (int64_t r = r0; r < r1; ++r) {
+      int64_t i = 0;
       float sumsq = 0.f;
-      for (int64_t i = 0; i < H; ++i) {
+#if KVSERVE_HAS_AVX512_BF16
+      __m512 sq = _mm512_setzero_ps();
+      for (; i + 16 <= H; i += 16) {
+        __m512 v = load16(xp + r * H + i);
+        if (has_residual) {
+          const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(v, load16(rp + r * H + i)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(sp + r * H + i), (__m256i)rounded);
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16));
+        }
+        _mm512_storeu_ps(row.data() + i, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      sumsq = _mm512_reduce_add_ps(sq);
+#endif
+      for (; i < H; ++i) {
         float v = static_cast<float>(xp[r * H + i]);
         if (has_residual) {
           v = round_bf16(v + static_cast<float>(rp[r * H + i]));
@@ -669,7 +684,16 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
         sumsq += v * v;
       }
       const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(H) + static_cast<float>(eps));
-      for (int64_t i = 0; i < H; ++i)
+      i = 0;
+#if KVSERVE_HAS_AVX512_BF16
+      for (; i + 16 <= H; i += 16) {
+        const __m256bh normed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
+        const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)normed), 16));
+        const __m256bh scaled = _mm512_cvtneps_pbh(_mm512_mul_ps(n, load16(wp + i)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + r * H + i), (__m256i)scaled);
+      }
+#endif
+      for (; i < H; ++i)
         op[r * H + i] = at::BFloat16(round_bf16(row[i] * inv) * static_cast<float>(wp[i]));
     }
   });
