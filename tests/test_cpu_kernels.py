@@ -146,7 +146,7 @@ def test_silu_mul_matches_torch(width) -> None:
 
 
 @pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 45, 177])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 64), (96, 576), (576, 1536)])
 def test_amx_linear_matches_float_matmul(rows, out_features, in_features) -> None:
     """1 or 2 row tiles, with 1-4 weight column blocks per task (48 = 3 blocks leaves a ragged task)."""
@@ -162,14 +162,14 @@ def test_amx_linear_matches_float_matmul(rows, out_features, in_features) -> Non
 
 
 @pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
-def test_amx_linear_uses_packed_weights_only_for_decode_widths() -> None:
-    linear = AmxLinear(wide=F.linear)
+def test_amx_linear_falls_back_for_weights_it_cannot_pack() -> None:
+    linear = AmxLinear(fallback=F.linear)
     weight = torch.randn(32, 64, dtype=torch.bfloat16)
     odd = torch.randn(10, 64, dtype=torch.bfloat16)  # 10 rows: not a whole tile, stays unpacked
     linear.prepare(weight)
     linear.prepare(odd)
     assert list(linear.packed) == [weight.data_ptr()]
-    for rows in (1, 32, 33):
+    for rows in (1, 32, 33, 100):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         torch.testing.assert_close(linear(x, weight).float(), F.linear(x, weight).float(), atol=0.1, rtol=0.02)
         torch.testing.assert_close(linear(x, odd).float(), F.linear(x, odd).float(), atol=0.1, rtol=0.02)

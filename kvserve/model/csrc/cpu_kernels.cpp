@@ -1,14 +1,15 @@
-// CPU kernels for the two places decode spends its time: weight GEMV and paged attention.
+// CPU kernels for where a step spends its time: the projections, decode attention, and the element-wise
+// glue between them.
 //
 // Built on first use by kvserve/model/cpu_kernels.py (torch.utils.cpp_extension, -march=native) and
 // registered as torch ops under torch.ops.kvserve. The torch reference paths stay the oracle: tests
 // compare every kernel against them.
 //
-// amx_linear:    the same product for decode batches (<= 32 rows) as AMX tile multiplies, against a copy
-//                of the weight packed once into the tile layout (amx_pack).
 // gemv_bf16:     out[M, N] = x[M, K] @ w[N, K]^T (+ bias), bf16 in/out, fp32 accumulation with AVX512-BF16
-//                dot products. torch's bf16 linear reaches ~7 GB/s of weight reads at small M on the
+//                dot products. torch's bf16 linear reaches ~7 GB/s of weight reads at one row on the
 //                machines we target; this streams the weights at close to memory bandwidth.
+// amx_linear:    the same product as AMX tile multiplies against a copy of the weight packed once into
+//                the tile layout (amx_pack); rows go through in chunks of 32.
 // paged_decode:  one query token per sequence against its KV blocks, read in place from the paged cache
 //                (no gather copy), split along the keys so few long sequences still use every core.
 //                Returns fp32 output and the log-sum-exp, so partial results (cascade attention over a
@@ -206,7 +207,7 @@ at::Tensor amx_pack(const at::Tensor& w) {
   return packed;
 }
 
-// out[M, N] = x[M, K] @ w^T (+ bias) with w packed by amx_pack; M <= 32.
+// out[M, N] = x[M, K] @ w^T (+ bias) with w packed by amx_pack.
 at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(request_amx(), "amx_linear: the kernel did not grant AMX");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear: bf16 only");
@@ -215,7 +216,7 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
   TORCH_CHECK(x_in.size(-1) == K, "amx_linear: inner dimensions differ");
   at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
-  TORCH_CHECK(M >= 1 && M <= 32, "amx_linear: 1 to 32 rows");
+  TORCH_CHECK(M >= 1, "amx_linear: no rows");
   auto out_sizes = x_in.sizes().vec();
   out_sizes.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
@@ -230,67 +231,80 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   // Tiles: rows of x in one or two A tiles (0, 1); four C accumulators (2..5) as 1x4 or 2x2 (m x n-block);
-  // weight tiles in 6, 7.
-  const int64_t m_tiles = M > 16 ? 2 : 1;
-  const int64_t rows0 = std::min<int64_t>(M, 16), rows1 = M - rows0;
-  const int64_t n_per_task = m_tiles == 1 ? 4 : 2;
-  const int64_t tasks = (NB + n_per_task - 1) / n_per_task;
+  // weight tiles in 6, 7. A task is four n-blocks of the output; rows go through in chunks of 32, so a
+  // task's weight tiles are read from memory once and from cache for the later chunks.
+  const int64_t tasks = (NB + 3) / 4;
   at::parallel_for(0, tasks, 4, [&](int64_t t0, int64_t t1) {
-    TileConfig cfg;
-    cfg.rows[0] = rows0; cfg.colsb[0] = 64;
-    cfg.rows[1] = m_tiles == 2 ? rows1 : 1; cfg.colsb[1] = 64;
-    for (int c = 2; c < 6; ++c) {
-      const bool second_m = m_tiles == 2 && (c - 2) >= 2;
-      cfg.rows[c] = second_m ? rows1 : rows0;
-      cfg.colsb[c] = 64;
-    }
-    cfg.rows[6] = cfg.rows[7] = 16; cfg.colsb[6] = cfg.colsb[7] = 64;
-    _tile_loadconfig(&cfg);
+    int64_t configured_rows = -1;
     alignas(64) float cbuf[16 * 16];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nb0 = t * n_per_task;
-      const int64_t nbs = std::min<int64_t>(n_per_task, NB - nb0);
-      _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        _tile_loadd(0, xp + kb * kAmxK, K * 2);
-        if (m_tiles == 2) _tile_loadd(1, xp + 16 * K + kb * kAmxK, K * 2);
-        const at::BFloat16* w0 = wp + ((nb0 + 0) * KB + kb) * kAmxK * kAmxN;
-        if (m_tiles == 1) {
-          // Four n-blocks against one A tile; unused blocks (at the end of N) multiply a valid tile
-          // into accumulators that are never stored.
-          const at::BFloat16* w1 = wp + ((nb0 + std::min<int64_t>(1, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
-          const at::BFloat16* w2 = wp + ((nb0 + std::min<int64_t>(2, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
-          const at::BFloat16* w3 = wp + ((nb0 + std::min<int64_t>(3, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
-          _tile_loadd(6, w0, 64); _tile_dpbf16ps(2, 0, 6);
-          _tile_loadd(7, w1, 64); _tile_dpbf16ps(3, 0, 7);
-          _tile_loadd(6, w2, 64); _tile_dpbf16ps(4, 0, 6);
-          _tile_loadd(7, w3, 64); _tile_dpbf16ps(5, 0, 7);
-        } else {
-          const at::BFloat16* w1 = wp + ((nb0 + std::min<int64_t>(1, nbs - 1)) * KB + kb) * kAmxK * kAmxN;
-          _tile_loadd(6, w0, 64);
-          _tile_loadd(7, w1, 64);
-          _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 0, 7);
-          _tile_dpbf16ps(4, 1, 6); _tile_dpbf16ps(5, 1, 7);
-        }
+    auto configure = [&](int64_t mc) {
+      if (mc == configured_rows) return;
+      const int64_t r0 = std::min<int64_t>(mc, 16), r1 = mc > 16 ? mc - 16 : 1;
+      TileConfig cfg;
+      cfg.rows[0] = r0; cfg.colsb[0] = 64;
+      cfg.rows[1] = r1; cfg.colsb[1] = 64;
+      for (int c = 2; c < 6; ++c) {
+        cfg.rows[c] = (mc > 16 && c >= 4) ? r1 : r0;
+        cfg.colsb[c] = 64;
       }
-      for (int c = 0; c < 4; ++c) {
-        const int64_t mt = m_tiles == 1 ? 0 : c / 2;
-        const int64_t nj = m_tiles == 1 ? c : c % 2;
-        if (nj >= nbs) continue;
-        switch (c) {
-          case 0: _tile_stored(2, cbuf, 64); break;
-          case 1: _tile_stored(3, cbuf, 64); break;
-          case 2: _tile_stored(4, cbuf, 64); break;
-          default: _tile_stored(5, cbuf, 64); break;
+      cfg.rows[6] = cfg.rows[7] = 16; cfg.colsb[6] = cfg.colsb[7] = 64;
+      _tile_loadconfig(&cfg);
+      configured_rows = mc;
+    };
+    auto store = [&](int tile, int64_t m0, int64_t rows, int64_t nb) {
+      switch (tile) {
+        case 2: _tile_stored(2, cbuf, 64); break;
+        case 3: _tile_stored(3, cbuf, 64); break;
+        case 4: _tile_stored(4, cbuf, 64); break;
+        default: _tile_stored(5, cbuf, 64); break;
+      }
+      const int64_t n0 = nb * kAmxN;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < kAmxN; ++n) {
+          float v = cbuf[r * 16 + n];
+          if (bp) v += static_cast<float>(bp[n0 + n]);
+          op[(m0 + r) * N + n0 + n] = at::BFloat16(v);
         }
-        const int64_t rows = mt == 0 ? rows0 : rows1;
-        const int64_t n0 = (nb0 + nj) * kAmxN;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t n = 0; n < kAmxN; ++n) {
-            float v = cbuf[r * 16 + n];
-            if (bp) v += static_cast<float>(bp[n0 + n]);
-            op[(mt * 16 + r) * N + n0 + n] = at::BFloat16(v);
+    };
+    auto tile_at = [&](int64_t nb, int64_t kb) { return wp + (nb * KB + kb) * kAmxK * kAmxN; };
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * 4;
+      const int64_t nbs = std::min<int64_t>(4, NB - nb0);
+      // n-blocks past the end of N are clamped to a valid tile; their accumulators are never stored.
+      auto nb_at = [&](int64_t j) { return nb0 + std::min<int64_t>(j, nbs - 1); };
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t mc = std::min<int64_t>(32, M - m0);
+        configure(mc);
+        const at::BFloat16* xc = xp + m0 * K;
+        if (mc <= 16) {  // one A tile against four n-blocks
+          _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            _tile_loadd(0, xc + kb * kAmxK, K * 2);
+            _tile_loadd(6, tile_at(nb_at(0), kb), 64); _tile_dpbf16ps(2, 0, 6);
+            _tile_loadd(7, tile_at(nb_at(1), kb), 64); _tile_dpbf16ps(3, 0, 7);
+            _tile_loadd(6, tile_at(nb_at(2), kb), 64); _tile_dpbf16ps(4, 0, 6);
+            _tile_loadd(7, tile_at(nb_at(3), kb), 64); _tile_dpbf16ps(5, 0, 7);
           }
+          for (int j = 0; j < nbs; ++j) store(2 + j, m0, mc, nb0 + j);
+        } else {  // two A tiles against two n-blocks at a time
+          for (int64_t pair = 0; pair < nbs; pair += 2) {
+            _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+            for (int64_t kb = 0; kb < KB; ++kb) {
+              _tile_loadd(0, xc + kb * kAmxK, K * 2);
+              _tile_loadd(1, xc + 16 * K + kb * kAmxK, K * 2);
+              _tile_loadd(6, tile_at(nb_at(pair), kb), 64);
+              _tile_loadd(7, tile_at(nb_at(pair + 1), kb), 64);
+              _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 0, 7);
+              _tile_dpbf16ps(4, 1, 6); _tile_dpbf16ps(5, 1, 7);
+            }
+            store(2, m0, 16, nb0 + pair);
+            store(4, m0 + 16, mc - 16, nb0 + pair);
+            if (pair + 1 < nbs) {
+              store(3, m0, 16, nb0 + pair + 1);
+              store(5, m0 + 16, mc - 16, nb0 + pair + 1);
+            }
+          }
+        }
       }
     }
     _tile_release();
