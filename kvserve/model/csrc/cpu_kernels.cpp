@@ -51,6 +51,14 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
+// An optional bf16 bias of N values, contiguous; undefined when there is none.
+inline at::Tensor contiguous_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N, op, ": the bias must be bf16 with ",
+              N, " values");
+  return bias->contiguous();
+}
+
 // ------------------------------------------------------------------------------------------------------
 // GEMV
 // ------------------------------------------------------------------------------------------------------
@@ -114,13 +122,8 @@ at::Tensor gemv_bf16(const at::Tensor& x_in, const at::Tensor& w, const c10::opt
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = nullptr;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "gemv_bf16: bad bias");
-    bp = b.data_ptr<at::BFloat16>();
-  }
+  const at::Tensor b = contiguous_bias(bias, N, "gemv_bf16");
+  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
   const int64_t num_tiles = (N + kRowTile - 1) / kRowTile;
   at::parallel_for(0, num_tiles, 16, [&](int64_t t0, int64_t t1) {
     float res[kMTile][kRowTile];
@@ -220,13 +223,8 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
   auto out_sizes = x_in.sizes().vec();
   out_sizes.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
-  const at::BFloat16* bp = nullptr;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "amx_linear: bad bias");
-    bp = b.data_ptr<at::BFloat16>();
-  }
+  const at::Tensor b = contiguous_bias(bias, N, "amx_linear");
+  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
