@@ -1,4 +1,4 @@
-"""The optional C++ CPU kernels (csrc/cpu_kernels.cpp): built once per machine, used when they load.
+"""The optional C++ CPU kernels (csrc/*.cpp): built once per machine, used when they load.
 
 The build runs through ``torch.utils.cpp_extension`` with ``-march=native`` and is cached under
 ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``); ``scripts/install.sh`` builds it ahead of
@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = sorted(str(path) for path in (Path(__file__).with_name("csrc")).glob("*.cpp"))
 _EXTENSION_NAME = "kvserve_cpu_kernels"
 
 
@@ -55,7 +55,7 @@ class _Loader:
 
             load(
                 name=_EXTENSION_NAME,
-                sources=[str(SOURCE)],
+                sources=SOURCES,
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,

@@ -1,0 +1,298 @@
+// Paged decode attention: one query token per sequence against its KV blocks, read in place from the
+// paged cache (no gather copy), split along the keys so few long sequences still use every core.
+// Returns fp32 output and the log-sum-exp, so partial results (cascade attention over a shared prefix)
+// merge exactly.
+
+#include "common.h"
+
+namespace kvserve {
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_float(s[d]);
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+// One (sequence, kv head, key split): running max m, sum l and unnormalised output acc per query head.
+template <typename T>
+void attend_split(const T* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                  int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
+                  float scale, float* acc, float* m, float* l) {
+  std::vector<float> qf(G * D), kf(D), vf(D), s(G * block_size);
+  for (int64_t g = 0; g < G; ++g) {
+    load_row(q + g * D, qf.data() + g * D, D);
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  const int64_t token_stride = kv_heads * D;
+  for (int64_t start = key_begin; start < key_end;) {
+    const int64_t blk = blocks[start / block_size];
+    const int64_t off = start % block_size;
+    const int64_t n = std::min(block_size - off, key_end - start);
+    const T* kb = k_cache + (blk * block_size + off) * token_stride + head * D;
+    const T* vb = v_cache + (blk * block_size + off) * token_stride + head * D;
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(kb + t * token_stride, kf.data(), D);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf.data() + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
+        s[g * block_size + t] = dot;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s.data() + g * block_size;
+      float block_max = m[g];
+      for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
+      const float rescale = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        sg[t] = std::exp(sg[t] - block_max);
+        sum += sg[t];
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = block_max;
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(vb + t * token_stride, vf.data(), D);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * block_size + t];
+        float* ag = acc + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
+      }
+    }
+    start += n;
+  }
+}
+
+#if defined(__AVX512F__)
+// r[i] = sum of the lanes of v[i], for 16 vectors at once (~45 shuffles and adds instead of 16 full
+// horizontal reductions): pairwise within 128-bit lanes, then across them.
+inline __m512 hsum16(const __m512* v) {
+  __m512 quads[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512* w = v + 4 * q;
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    // each 128-bit lane j: [w0_j, w1_j, w2_j, w3_j], partial sums over that lane
+    quads[q] = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+  }
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+// The same contract as attend_split, vectorised for head_dim == 16 * C: keys a block (<= 16 tokens) at a
+// time, scores of a block as one vector per query head, the output accumulated in registers/L1.
+template <typename T, int C>
+void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                         int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
+                         float scale, float* acc, float* m, float* l) {
+  constexpr int64_t D = 16 * C;
+  std::vector<__m512> qv(G * C), av(G * C);
+  std::vector<__m512> dots(G * 16);
+  std::vector<float> probs(G * 16);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      qv[g * C + c] = _mm512_mul_ps(load16(q + g * D + 16 * c), _mm512_set1_ps(scale));
+      av[g * C + c] = _mm512_setzero_ps();
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const int64_t token_stride = kv_heads * D;
+  for (int64_t start = key_begin; start < key_end;) {
+    const int64_t blk = blocks[start / block_size];
+    const int64_t off = start % block_size;
+    const int64_t n = std::min<int64_t>({block_size - off, key_end - start, 16});
+    const T* kb = k_cache + (blk * block_size + off) * token_stride + head * D;
+    const T* vb = v_cache + (blk * block_size + off) * token_stride + head * D;
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    // Each key row is widened once and dotted with every query head of the group.
+    for (int64_t t = 0; t < n; ++t) {
+      const T* kt = kb + t * token_stride;
+      __m512 krow[C];
+      for (int c = 0; c < C; ++c) krow[c] = load16(kt + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512* qg = qv.data() + g * C;
+        __m512 dot = _mm512_mul_ps(qg[0], krow[0]);
+        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qg[c], krow[c], dot);
+        dots[g * 16 + t] = dot;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t t = n; t < 16; ++t) dots[g * 16 + t] = _mm512_setzero_ps();
+      const __m512 s = _mm512_maskz_mov_ps(valid, hsum16(dots.data() + g * 16));
+      const float block_max = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
+      const float rescale = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
+      l[g] = l[g] * rescale + _mm512_reduce_add_ps(p);
+      m[g] = block_max;
+      _mm512_storeu_ps(probs.data() + g * 16, p);
+      const __m512 rv = _mm512_set1_ps(rescale);
+      for (int c = 0; c < C; ++c) av[g * C + c] = _mm512_mul_ps(av[g * C + c], rv);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vt = vb + t * token_stride;
+      __m512 vrow[C];
+      for (int c = 0; c < C; ++c) vrow[c] = load16(vt + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pg = _mm512_set1_ps(probs[g * 16 + t]);
+        for (int c = 0; c < C; ++c) av[g * C + c] = _mm512_fmadd_ps(pg, vrow[c], av[g * C + c]);
+      }
+    }
+    start += n;
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, av[g * C + c]);
+}
+#endif
+
+// Picks the vectorised path when the head size has one, the portable loop otherwise.
+template <typename T>
+void attend(const T* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, const int32_t* blocks,
+            int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end, float scale,
+            float* acc, float* m, float* l) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
+    switch (D) {
+      case 64:
+        return attend_split_avx512<T, 4>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+                                         key_end, scale, acc, m, l);
+      case 128:
+        return attend_split_avx512<T, 8>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+                                         key_end, scale, acc, m, l);
+      default:
+        break;
+    }
+  }
+#endif
+  attend_split<T>(q, G, D, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end, scale, acc, m,
+                  l);
+}
+
+template <typename T>
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t split_size,
+                       at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t max_blocks = block_table.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  split_size = std::max<int64_t>(block_size, split_size / block_size * block_size);
+  const int64_t S = std::max<int64_t>(1, (max_len + split_size - 1) / split_size);
+  // Partials: [B, H, S, G, D] outputs and [B, H, S, G] running max / sum.
+  std::vector<float> part_acc(B * H * S * G * D), part_m(B * H * S * G), part_l(B * H * S * G);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, B * H * S, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (H * S), h = (i / S) % H, split = i % S;
+      const int64_t begin = split * split_size, end = std::min<int64_t>(lens[b], begin + split_size);
+      float* acc = part_acc.data() + i * G * D;
+      float* m = part_m.data() + i * G;
+      float* l = part_l.data() + i * G;
+      if (begin >= end) {
+        std::fill(m, m + G, neg_inf);
+        std::fill(l, l + G, 0.f);
+        std::fill(acc, acc + G * D, 0.f);
+        continue;
+      }
+      attend<T>(qp + (b * H + h) * G * D, G, D, kp, vp, table + b * max_blocks, block_size, H, h, begin, end,
+                      fscale, acc, m, l);
+    }
+  });
+
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        float gmax = neg_inf;
+        for (int64_t s = 0; s < S; ++s) gmax = std::max(gmax, part_m[(i * S + s) * G + g]);
+        float* o = op + (i * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        if (gmax == neg_inf) {  // no keys at all: an empty suffix in cascade attention
+          lp[i * G + g] = neg_inf;
+          continue;
+        }
+        float total = 0.f;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t p = (i * S + s) * G + g;
+          if (part_m[p] == neg_inf) continue;
+          const float w = std::exp(part_m[p] - gmax);
+          total += part_l[p] * w;
+          const float* a = part_acc.data() + p * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        lp[i * G + g] = gmax + std::log(total);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H_kv, G, D]; caches [num_blocks, block_size, H_kv, D]; block_table int32 [B, max_blocks];
+// seq_lens int32 [B]. Returns (out fp32 [B, H_kv, G, D], lse fp32 [B, H_kv, G]).
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache, const at::Tensor& block_table,
+                                                const at::Tensor& seq_lens, double scale, int64_t split_size) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "paged_decode: q must be a contiguous [B, H_kv, G, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: caches must be contiguous [num_blocks, block_size, H_kv, D]");
+  TORCH_CHECK(k_cache.size(2) == q.size(1) && k_cache.size(3) == q.size(3), "paged_decode: head layout differs");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2,
+              "paged_decode: block_table must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == q.size(0), "paged_decode: bad seq_lens");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= block_table.size(1) * k_cache.size(1),
+                "paged_decode: a sequence is longer than its block table");
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  switch (q.scalar_type()) {
+    case at::kBFloat16:
+      paged_decode_impl<at::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, split_size, out, lse);
+      break;
+    case at::kFloat:
+      paged_decode_impl<float>(q, k_cache, v_cache, block_table, seq_lens, scale, split_size, out, lse);
+      break;
+    case at::kHalf:
+      paged_decode_impl<at::Half>(q, k_cache, v_cache, block_table, seq_lens, scale, split_size, out, lse);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace kvserve

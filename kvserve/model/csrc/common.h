@@ -1,0 +1,88 @@
+// Shared by the CPU kernel files: feature macros, bf16 helpers and the op declarations.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVSERVE_HAS_AVX512_BF16 1
+#else
+#define KVSERVE_HAS_AVX512_BF16 0
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVSERVE_HAS_AMX 1
+#else
+#define KVSERVE_HAS_AMX 0
+#endif
+
+namespace kvserve {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline float round_bf16(float v) { return static_cast<float>(at::BFloat16(v)); }
+
+#if defined(__AVX512F__)
+// 16 floats from T (bf16 widens by a shift; fp32 loads as is).
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+// exp on 16 lanes: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial (relative error ~1e-7).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+#endif
+
+// projections.cpp
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+bool has_avx512_bf16();
+at::Tensor amx_pack(const at::Tensor& w);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+bool has_amx();
+
+// attention.cpp
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache, const at::Tensor& block_table,
+                                                const at::Tensor& seq_lens, double scale, int64_t split_size);
+
+// elementwise.cpp
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+}  // namespace kvserve

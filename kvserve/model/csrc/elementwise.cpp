@@ -1,0 +1,116 @@
+// Element-wise glue between the projections, bf16. Each is one pass instead of the 4-8 small torch ops
+// it replaces (at one token per step those ops cost more in dispatch than in arithmetic). Rounding follows
+// the Hugging Face reference: the norm in fp32, cast to bf16, then multiplied by the bf16 weight.
+
+#include "common.h"
+
+namespace kvserve {
+
+// residual' = x + residual (bf16), normed = rms_norm(residual') * weight. residual may be undefined.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "add_rms_norm: bf16 only");
+  const int64_t H = x_in.size(-1);
+  TORCH_CHECK(weight.numel() == H, "add_rms_norm: weight size differs");
+  at::Tensor x = x_in.contiguous();
+  const bool has_residual = residual_in.has_value() && residual_in->defined();
+  at::Tensor summed = x;
+  if (has_residual) {
+    TORCH_CHECK(residual_in->sizes() == x_in.sizes(), "add_rms_norm: residual shape differs");
+    summed = at::empty_like(x);
+  }
+  at::Tensor residual = has_residual ? residual_in->contiguous() : x;
+  at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = x.numel() / H;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* rp = residual.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::BFloat16* sp = summed.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(H);
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t i = 0;
+      float sumsq = 0.f;
+#if KVSERVE_HAS_AVX512_BF16
+      __m512 sq = _mm512_setzero_ps();
+      for (; i + 16 <= H; i += 16) {
+        __m512 v = load16(xp + r * H + i);
+        if (has_residual) {
+          const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(v, load16(rp + r * H + i)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(sp + r * H + i), (__m256i)rounded);
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16));
+        }
+        _mm512_storeu_ps(row.data() + i, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      sumsq = _mm512_reduce_add_ps(sq);
+#endif
+      for (; i < H; ++i) {
+        float v = static_cast<float>(xp[r * H + i]);
+        if (has_residual) {
+          v = round_bf16(v + static_cast<float>(rp[r * H + i]));
+          sp[r * H + i] = at::BFloat16(v);
+        }
+        row[i] = v;
+        sumsq += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(H) + static_cast<float>(eps));
+      i = 0;
+#if KVSERVE_HAS_AVX512_BF16
+      for (; i + 16 <= H; i += 16) {
+        const __m256bh normed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
+        const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)normed), 16));
+        const __m256bh scaled = _mm512_cvtneps_pbh(_mm512_mul_ps(n, load16(wp + i)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + r * H + i), (__m256i)scaled);
+      }
+#endif
+      for (; i < H; ++i)
+        op[r * H + i] = at::BFloat16(round_bf16(row[i] * inv) * static_cast<float>(wp[i]));
+    }
+  });
+  return {out, summed};
+}
+
+// silu(gate) * up for gate_up = [gate | up] along the last dim, bf16, as torch rounds it: silu to bf16,
+// then the product to bf16.
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  TORCH_CHECK(gate_up_in.scalar_type() == at::kBFloat16, "silu_mul: bf16 only");
+  at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t I = gate_up.size(-1) / 2;
+  const int64_t rows = gate_up.numel() / (2 * I);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  const at::BFloat16* gp = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const at::BFloat16* g_row = gp + r * 2 * I;
+      const at::BFloat16* u_row = g_row + I;
+      at::BFloat16* o_row = op + r * I;
+      int64_t i = 0;
+#if KVSERVE_HAS_AVX512_BF16
+      // silu(g) = g / (1 + exp(-g)); each product rounded to bf16 (round-to-nearest-even) like torch.
+      for (; i + 16 <= I; i += 16) {
+        const __m512 g = load16(g_row + i);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(
+                                                              _mm512_setzero_ps(), g))));
+        const __m512 silu_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
+        const __m256bh prod = _mm512_cvtneps_pbh(_mm512_mul_ps(silu_rounded, load16(u_row + i)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row + i), (__m256i)prod);
+      }
+#endif
+      for (; i < I; ++i) {
+        const float g = static_cast<float>(g_row[i]);
+        const float silu = round_bf16(g / (1.f + std::exp(-g)));
+        o_row[i] = at::BFloat16(silu * static_cast<float>(u_row[i]));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace kvserve

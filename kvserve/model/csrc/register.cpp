@@ -1,0 +1,25 @@
+// Registers the CPU kernels as torch ops under torch.ops.kvserve. Built on first use by
+// kvserve/model/cpu_kernels.py (torch.utils.cpp_extension, -march=native). The torch reference paths stay
+// the oracle: tests compare every kernel against them.
+//
+//   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections
+//   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place
+//   elementwise.cpp  add_rms_norm, silu_mul: the glue between projections
+
+#include <torch/library.h>
+
+#include "common.h"
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", &kvserve::gemv_bf16);
+  m.def("has_avx512_bf16() -> bool", &kvserve::has_avx512_bf16);
+  m.def("has_amx() -> bool", &kvserve::has_amx);
+  m.def("amx_pack(Tensor w) -> Tensor", &kvserve::amx_pack);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::amx_linear);
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+        &kvserve::add_rms_norm);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
+        "int split_size) -> (Tensor, Tensor)",
+        &kvserve::paged_decode);
+}
