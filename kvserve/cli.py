@@ -29,8 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
-                   help="C++ CPU kernels for decode attention and bf16 GEMV (built on first use); "
-                        "--no-cpu-kernels runs the torch reference paths")
+                   help="C++ CPU kernels for decode attention, the bf16 projections and the norms (built on "
+                        "first use); --no-cpu-kernels runs the torch reference paths")
     t = parser.add_argument_group("KV storage tiers (below device memory; all off by default)")
     t.add_argument("--kv-host-gb", type=float, default=0.0, help="host DRAM tier size in GiB")
     t.add_argument("--kv-disk-gb", type=float, default=0.0, help="disk tier size in GiB (needs --kv-disk-dir)")

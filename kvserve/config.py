@@ -58,7 +58,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
-    # The C++ CPU kernels (decode attention, bf16 GEMV) when they build here; False: torch reference paths.
+    # The C++ CPU kernels (decode attention, bf16 projections, norms) when they build; False: torch paths only.
     cpu_kernels: bool = True
     show_progress: bool = True
 
