@@ -223,12 +223,21 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
         default: _tile_stored(5, cbuf, 64); break;
       }
       const int64_t n0 = nb * kAmxN;
+#if KVSERVE_HAS_AVX512_BF16
+      // One output row of the tile is one vector: add the bias, round to bf16 (nearest even), store.
+      const __m512 bias_row = bp ? load16(bp + n0) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256bh row = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cbuf + r * 16), bias_row));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (m0 + r) * N + n0), (__m256i)row);
+      }
+#else
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < kAmxN; ++n) {
           float v = cbuf[r * 16 + n];
           if (bp) v += static_cast<float>(bp[n0 + n]);
           op[(m0 + r) * N + n0 + n] = at::BFloat16(v);
         }
+#endif
     };
     auto tile_at = [&](int64_t nb, int64_t kb) { return wp + (nb * KB + kb) * kAmxK * kAmxN; };
     for (int64_t t = t0; t < t1; ++t) {
