@@ -156,8 +156,8 @@ class TorchPagedAttention:
 class CpuKernelPagedAttention(TorchPagedAttention):
     """Decode attention through the C++ kernel, which reads each request's blocks in place.
 
-    Prefill chunks stay on the reference path: they are compute-bound matmuls where the gather is cheap
-    next to the work. With a shared prefix, the prefix part is one matmul for the whole batch (torch) and
+    Prefill chunks stay on the reference path: they are compute-bound, and the gather is cheap next to
+    the work. With a shared prefix, the prefix part is one flash-attention call for the whole batch and
     each request's own suffix goes through the kernel; the two halves merge exactly through their
     log-sum-exps.
     """
@@ -193,6 +193,7 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         # Every request's query heads as one long "query sequence" per KV head: one flash-attention call
         # over the prefix for the whole batch, which also returns the log-sum-exp the merge needs.
         q_by_head = query.permute(1, 0, 2, 3).reshape(1, kvh, batch * group, dim)
+        # The aten op behind F.scaled_dot_product_attention on CPU; called directly for its log-sum-exp.
         out_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_by_head, key_p, value_p, scale=self.scale
         )[:2]

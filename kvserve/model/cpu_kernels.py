@@ -26,9 +26,8 @@ _EXTENSION_NAME = "kvserve_cpu_kernels"
 class CpuKernels:
     """What the loaded build offers on this machine."""
 
-    gemv_bf16: bool  # AVX512-BF16 weight GEMV
-    amx: bool = False  # AMX tile matmuls for decode batches (CPU support and the kernel's permission)
-    paged_decode: bool = True
+    gemv_bf16: bool  # AVX512-BF16 weight GEMV (the attention and element-wise kernels build everywhere)
+    amx: bool = False  # AMX tile matmuls for the projections (CPU support and the OS's permission)
 
 
 class _Loader:
@@ -68,6 +67,7 @@ class _Loader:
             return None
 
 
+# One per process on purpose: the ops register in torch's process-wide op registry, once.
 _loader = _Loader()
 
 

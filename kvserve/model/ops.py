@@ -1,7 +1,8 @@
 """The per-token math a model calls besides attention, chosen once per model like the attention backend.
 
 The torch versions are the reference and run everywhere. With the C++ CPU kernels loaded and a bf16
-model, decode-sized work goes through them instead (benchmarks/cpu_kernels.py measures each side by side).
+model, the projections, the add+RMSNorm and the SiLU-and-multiply go through them instead
+(benchmarks/cpu_kernels.py measures each against the torch version, side by side).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class AmxLinear:
     The tile multiply reads weights in a tile-ordered (VNNI) layout, so each projection weight gets a
     packed copy once, at load (``prepare``); that costs a second copy of the weights in memory. A weight
     is found again by its storage address, which model weights never change after load. Measured against
-    torch's bf16 linear (oneDNN) in benchmarks/cpu_kernels.py: 1.7-2.8x at decode widths, and as fast or
-    faster at prefill widths.
+    torch's bf16 linear (oneDNN) in benchmarks/cpu_kernels.py: about 2x at decode widths, on par at
+    prefill widths.
     """
 
     def __init__(self, fallback: Linear = F.linear) -> None:
@@ -83,6 +84,8 @@ def _nothing_to_prepare(weight: torch.Tensor) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ModelOps:
+    """The functions a model's layers call; the defaults are the torch reference versions."""
+
     linear: Linear = F.linear
     add_rms_norm: AddRmsNorm = torch_add_rms_norm
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
