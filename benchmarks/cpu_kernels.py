@@ -8,7 +8,8 @@
 - Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, SmolLM2's
   head layout (9 query heads over 3 KV heads, head_dim 64). The torch path gathers each sequence's blocks
   and calls scaled_dot_product_attention; the kernel reads the blocks in place.
-- Add + RMSNorm and SiLU-and-multiply at one token: the torch ops they replace are dispatch-bound there.
+- Add + RMSNorm, SiLU-and-multiply and the rotary embedding at one token: the torch ops they replace are
+  dispatch-bound there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.layers import RotaryEmbedding, apply_rotary
 from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
@@ -106,10 +108,15 @@ def bench_elementwise() -> list[dict]:
     x, residual = torch.randn(1, HIDDEN, dtype=bf16), torch.randn(1, HIDDEN, dtype=bf16)
     weight = torch.rand(HIDDEN, dtype=bf16)
     gate_up = torch.randn(1, 2 * INTERMEDIATE, dtype=bf16)
+    # Q and K heads as the model passes them: a strided view into the fused QKV output
+    qkv = torch.randn(1, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=bf16)
+    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(1, HEADS + KV_HEADS, HEAD_DIM)
+    cos, sin = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, bf16, torch.device("cpu")).lookup(torch.tensor([100]))
     pairs = {
         "add_rms_norm": (lambda: torch_add_rms_norm(x, residual, weight, 1e-5),
                          lambda: torch.ops.kvserve.add_rms_norm(x, residual, weight, 1e-5)),
         "silu_mul": (lambda: torch_silu_mul(gate_up), lambda: torch.ops.kvserve.silu_mul(gate_up)),
+        "rotary": (lambda: apply_rotary(qk, cos, sin), lambda: torch.ops.kvserve.rotary(qk, cos, sin)),
     }
     results = []
     for name, (reference, kernel) in pairs.items():

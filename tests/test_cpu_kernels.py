@@ -173,3 +173,17 @@ def test_amx_linear_falls_back_for_weights_it_cannot_pack() -> None:
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         torch.testing.assert_close(linear(x, weight).float(), F.linear(x, weight).float(), atol=0.1, rtol=0.02)
         torch.testing.assert_close(linear(x, odd).float(), F.linear(x, odd).float(), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("dim", [64, 40])  # vector path (half a multiple of 16); scalar path
+def test_rotary_matches_torch_exactly_on_strided_rows(dim) -> None:
+    """Q and K arrive as a view into the fused QKV output (strided rows), as in the model."""
+    from kvserve.model.layers import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(dim)
+    tokens, heads = 7, 5
+    qkv = torch.randn(tokens, (heads + 2) * dim, dtype=torch.bfloat16) * 3
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)
+    rope = RotaryEmbedding(dim, 4096, 10000.0, torch.bfloat16, torch.device("cpu"))
+    cos, sin = rope.lookup(torch.tensor([0, 1, 5, 17, 300, 2047, 4095]))
+    assert torch.equal(torch.ops.kvserve.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))

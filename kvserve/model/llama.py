@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
-from kvserve.model.layers import RotaryEmbedding, apply_rotary, rms_norm
+from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.ops import ModelOps
 
 
@@ -55,7 +55,7 @@ class DecoderLayer:
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((rms_norm(qk[:, :num_heads], self.q_norm, eps),
                             rms_norm(qk[:, num_heads:], self.k_norm, eps)), dim=1)
-        qk = apply_rotary(qk, cos, sin)
+        qk = ops.rotary(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         attn = self.attention.forward(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
 

@@ -1,7 +1,7 @@
 """The per-token math a model calls besides attention, chosen once per model like the attention backend.
 
 The torch versions are the reference and run everywhere. With the C++ CPU kernels loaded and a bf16
-model, the projections, the add+RMSNorm and the SiLU-and-multiply go through them instead
+model, the projections, the add+RMSNorm, the SiLU-and-multiply and the rotary embedding go through them
 (benchmarks/cpu_kernels.py measures each against the torch version, side by side).
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.layers import rms_norm
+from kvserve.model.layers import apply_rotary, rms_norm
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (x, residual or None, weight, eps) -> (rms_norm(x + residual) * weight, x + residual)
@@ -89,6 +89,8 @@ class ModelOps:
     linear: Linear = F.linear
     add_rms_norm: AddRmsNorm = torch_add_rms_norm
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
+    # (x [T, H, D], cos [T, 1, D], signed_sin [T, 1, D]) -> rotated x
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
     # Called once per projection weight after loading (a kernel may keep its own layout of it).
     prepare_weight: Callable[[torch.Tensor], None] = _nothing_to_prepare
 
@@ -111,4 +113,5 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
         prepare_weight=prepare_weight,
         add_rms_norm=torch.ops.kvserve.add_rms_norm,
         silu_mul=torch.ops.kvserve.silu_mul,
+        rotary=torch.ops.kvserve.rotary,
     )

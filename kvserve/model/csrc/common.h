@@ -68,6 +68,16 @@ inline __m512 exp512(__m512 x) {
 
 #endif
 
+#if KVSERVE_HAS_AVX512_BF16
+// 16 floats rounded to bf16 (nearest even) and stored; and rounded but kept as floats.
+inline void store16_bf16(at::BFloat16* dst, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 round16_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+#endif
+
 // projections.cpp
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool has_avx512_bf16();
@@ -84,5 +94,6 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 
 }  // namespace kvserve

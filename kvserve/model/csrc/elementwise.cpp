@@ -113,4 +113,50 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
+// Neox-style rotary embedding, bf16, rounded as torch rounds x * cos + rotate_half(x) * sin: each
+// product to bf16, then the sum. x [T, H, D] (rows may be strided, as Q and K are views into the fused
+// QKV output); cos and signed_sin [T, 1, D] with sin's first half negated (layers.RotaryEmbedding).
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos_in.scalar_type() == at::kBFloat16 &&
+                  sin_in.scalar_type() == at::kBFloat16,
+              "rotary: bf16 only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [T, H, D] with contiguous rows");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos_in.numel() == T * D && sin_in.numel() == T * D, "rotary: bad table shapes");
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* cp = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* sp = sin.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H;
+      const at::BFloat16* xr = xp + t * st + h * sh;
+      const at::BFloat16* c = cp + t * D;
+      const at::BFloat16* s = sp + t * D;
+      at::BFloat16* o = op + i * D;
+      int64_t d = 0;
+#if KVSERVE_HAS_AVX512_BF16
+      if (half % 16 == 0) {
+        for (; d < D; d += 16) {
+          const int64_t partner = d < half ? d + half : d - half;
+          const __m512 a = round16_bf16(_mm512_mul_ps(load16(xr + d), load16(c + d)));
+          const __m512 b = round16_bf16(_mm512_mul_ps(load16(xr + partner), load16(s + d)));
+          store16_bf16(o + d, _mm512_add_ps(a, b));
+        }
+      }
+#endif
+      for (; d < D; ++d) {
+        const int64_t partner = d < half ? d + half : d - half;
+        const float a = round_bf16(static_cast<float>(xr[d]) * static_cast<float>(c[d]));
+        const float b = round_bf16(static_cast<float>(xr[partner]) * static_cast<float>(s[d]));
+        o[d] = at::BFloat16(a + b);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace kvserve

@@ -4,7 +4,7 @@
 //
 //   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place
-//   elementwise.cpp  add_rms_norm, silu_mul: the glue between projections
+//   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
 
 #include <torch/library.h>
 
@@ -19,6 +19,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &kvserve::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
+  m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor", &kvserve::rotary);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
         &kvserve::paged_decode);
