@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from serve_compare import print_markdown_table  # noqa: E402  (a sibling script)
 
 
 def main() -> None:
@@ -43,16 +44,7 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(sys.argv[2], dpi=80)
 
-    print("| workload | concurrency | server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | cache hit |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for workload in workloads:
-        rows = [(c, server, s) for (w, server), pts in series.items() if w == workload for c, s in pts]
-        for c, server, s in sorted(rows):
-            hit = s.get("cache_hit_rate")
-            hit_text = f"{100 * hit:.0f}%" if hit is not None else "n/a"
-            print(f"| {workload} | {c} | {server} | {s['output_throughput']:.1f} | {s['ttft_ms']['p50']:.0f} | "
-                  f"{s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} | {hit_text} |")
-
+    print_markdown_table(summary)
 
 if __name__ == "__main__":
     main()

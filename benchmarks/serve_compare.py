@@ -121,15 +121,21 @@ def main() -> None:
         results = json.loads(summary_path.read_text()) | results
     summary_path.write_text(json.dumps(results, indent=2))
 
-    print("\n| workload | conc. | server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | hit rate |")
+    print()
+    print_markdown_table(results)
+
+
+def print_markdown_table(results: dict[str, dict]) -> None:
+    """The README's table: one row per run, by workload, concurrency and server."""
+    print("| workload | concurrency | server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | cache hit |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for key, s in results.items():
-        name, workload, conc = key.split("/")
+    runs = sorted((workload, int(conc[1:]), server, s)
+                  for (server, workload, conc), s in ((key.split("/"), s) for key, s in results.items()))
+    for workload, concurrency, server, s in runs:
         hit = s.get("cache_hit_rate")
         hit_text = f"{100 * hit:.0f}%" if hit is not None else "n/a"
-        print(f"| {workload} | {conc[1:]} | {name} | {s['output_throughput']:.1f} | {s['ttft_ms']['p50']:.0f} | "
+        print(f"| {workload} | {concurrency} | {server} | {s['output_throughput']:.1f} | {s['ttft_ms']['p50']:.0f} | "
               f"{s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} | {hit_text} |")
-
 
 if __name__ == "__main__":
     main()

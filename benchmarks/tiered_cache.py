@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.report import latency_stats
 from kvserve.bench.workloads import agent_system_prompt, words
 
 
@@ -61,12 +62,6 @@ class AgenticResult:
     @property
     def total_tok_s(self) -> float:
         return (self.prompt_tokens + self.output_tokens) / self.seconds
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def make_llm(args: argparse.Namespace, num_blocks: int, **tiers) -> LLM:
@@ -125,10 +120,11 @@ def run_agentic(llm: LLM, config: str, args: argparse.Namespace) -> AgenticResul
     seconds = time.perf_counter() - t0
     stats = engine.stats()
     n = args.sessions * args.turns
+    ttft_ms = latency_stats(ttfts)
     return AgenticResult(
         config, stats.num_kv_blocks, n, prompt_tokens, cached, by_tier,
         stats.num_prompt_tokens_computed - start.num_prompt_tokens_computed, n * args.output_len, seconds,
-        percentile(ttfts, 50) * 1e3, percentile(ttfts, 99) * 1e3, stats.num_preemptions - start.num_preemptions, peak,
+        ttft_ms["p50"], ttft_ms["p99"], stats.num_preemptions - start.num_preemptions, peak,
         {tier: s.bytes_written - start.tiers[tier].bytes_written for tier, s in stats.tiers.items()},
     )
 
