@@ -187,6 +187,8 @@ class Scheduler:
                 start + num_new == request.num_tokens,
             )
         )
+        # Cached as soon as scheduled, so requests admitted after it (this step too) share these blocks.
+        self.kv.cache_blocks(request, start + num_new)
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s", request.request_id)
@@ -201,6 +203,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply a step's results; returns the requests that got a new token (some now finished)."""
         now = self.clock()
+        self.kv.mark_step_computed()
         updated: list[Request] = []
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -213,7 +216,6 @@ class Scheduler:
                 metrics.num_prefill_chunks += 1
                 metrics.num_prefill_tokens_computed += num_new
             if not scheduled.sample:
-                self.kv.cache_computed_blocks(request)
                 continue
             token_id = result.sampled_token_ids[request.request_id]
             request.append_token(token_id)
@@ -229,8 +231,6 @@ class Scheduler:
             reason = self._check_stop(request, token_id)
             if reason is not None:
                 self._finish(request, reason)
-            else:
-                self.kv.cache_computed_blocks(request)
         return updated
 
     @staticmethod

@@ -67,11 +67,14 @@ class FakeRunner:
         self.num_blocks_offloaded += len(out.kv_offloads)
         self.num_blocks_loaded += len(out.kv_loads)
         bs = self.block_size
+        # Like every layer of the real forward: the whole step's KV is written before anything is read, so a
+        # request may read blocks another request of the same step fills.
         for s in out.scheduled:
             for i, token in enumerate(s.token_ids):
                 pos = s.start_position + i
                 self.slots[s.block_ids[pos // bs] * bs + pos % bs] = (pos, token)
             self.num_computed_tokens += len(s.token_ids)
+        for s in out.scheduled:
             if s.sample:
                 end = s.start_position + len(s.token_ids)
                 seen = []

@@ -105,6 +105,28 @@ def test_running_requests_share_blocks_physically() -> None:
     run_to_completion(scheduler, runner)
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:
+    """A prefix is cached as soon as its chunk is scheduled: requests admitted later (the same step or the
+    next, while the first is still prefilling) share those blocks instead of computing them again."""
+    scheduler, runner = make_engine(num_blocks=128, budget=48)
+    shared = list(range(60))
+    requests = [make_request(f"r{i}", shared + [100 + i, 200 + i], 2, order=i) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [(s.request_id, s.start_position, len(s.token_ids)) for s in out.scheduled] == [("r0", 0, 48)]
+    scheduler.update(out, runner.execute(out))
+    out = scheduler.schedule()  # r0's last 14 tokens, then the others on the blocks r0 fills in this step
+    assert [(s.request_id, s.start_position) for s in out.scheduled] == [("r0", 48), ("r1", 60), ("r2", 60),
+                                                                        ("r3", 60)]
+    scheduler.update(out, runner.execute(out))
+    run_to_completion(scheduler, runner)
+    assert [r.num_cached_tokens for r in requests] == [0, 60, 60, 60]
+    assert runner.num_computed_tokens == 62 + 3 * 2 + 4 * 1  # the prefix once, the suffixes, one decode each
+    for i, request in enumerate(requests):
+        assert request.output_token_ids == reference_continuation(shared + [100 + i, 200 + i], 2)
+
+
 def test_abort_frees_blocks_immediately() -> None:
     scheduler, runner = make_engine(num_blocks=16, prefix=False)
     request = make_request("a", list(range(10)), 50)

@@ -99,6 +99,8 @@ class KVCacheManager:
         self.stats = PrefixCacheStats(hits_by_tier=dict.fromkeys(self.tier_names, 0))
         self.pending_loads: list[tuple[int, bytes]] = []
         self.pending_offloads: list[tuple[int, BlockHash]] = []
+        # Write-through copies of blocks scheduled but not yet computed (see cache_blocks).
+        self._offloads_after_step: list[tuple[int, BlockHash]] = []
         self._write_through = self.tiers is not None and self.tiers.write_through
         # Lower-tier lookups of waiting requests, by request id. Disk and Redis reads run on one worker thread
         # while the engine keeps stepping; a finished lookup is kept until its request is admitted, so a
@@ -265,35 +267,46 @@ class KVCacheManager:
         return num_blocks <= self.pool.num_free + self.pool.num_evictable
 
     # --- caching and freeing ------------------------------------------------------------------------------
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Insert the request's newly computed full blocks into the tree, so later (and concurrent)
-        requests with the same prefix share them. Called after every step the request ran in."""
+    def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Insert the request's full blocks up to ``num_tokens`` (default: its computed tokens) into the tree,
+        so later and concurrent requests with the same prefix share them.
+
+        The scheduler calls this when it schedules a chunk, before the chunk is computed: a request admitted
+        later in the same step then shares those blocks instead of computing them again. That is safe because
+        every layer writes the whole step's K/V before any attention reads it, and the blocks stay locked by
+        this request. Copies to a write-through tier wait for ``mark_step_computed``."""
         if self.tree is None:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        computing = num_tokens is not None
+        num_full = (num_tokens if computing else request.num_computed_tokens) // self.block_size
         node: RadixNode | None = request.cache_handle  # type: ignore[assignment]
         if num_full == 0 or (node is not None and node.depth >= num_full):
             return
         hashes = request.full_block_hashes(self.block_size)
         if self._write_through:
-            # Blocks the insert below newly hands the tree go down to the tiers now (they are full).
+            # Blocks the insert below newly hands the tree go down to the tiers once computed (they are full).
             start = node.depth if node is not None else 0
             fresh = [i for i in range(start, num_full) if not self.pool.cached[request.block_ids[i]]]
         new_node = self.tree.insert(hashes, request.all_token_ids, request.block_ids[:num_full], start=node)
         if self._write_through:
-            self.pending_offloads.extend(
-                (request.block_ids[i], hashes[i]) for i in fresh if self.pool.cached[request.block_ids[i]]
-            )
+            queue = self._offloads_after_step if computing else self.pending_offloads
+            queue.extend((request.block_ids[i], hashes[i]) for i in fresh if self.pool.cached[request.block_ids[i]])
         if new_node is not node:
             self.tree.lock(new_node)
             if node is not None:
                 self.tree.unlock(node)
             request.cache_handle = new_node
 
+    def mark_step_computed(self) -> None:
+        """The scheduled step ran: the blocks it filled may now be copied to a write-through tier."""
+        if self._offloads_after_step:
+            self.pending_offloads.extend(self._offloads_after_step)
+            self._offloads_after_step.clear()
+
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's blocks. Cached blocks stay, evictable."""
         self._fetches.pop(request.request_id, None)
-        self.cache_computed_blocks(request)
+        self.cache_blocks(request)
         self.pool.release(request.block_ids)
         if request.cache_handle is not None and self.tree is not None:
             self.tree.unlock(request.cache_handle)  # type: ignore[arg-type]

@@ -65,7 +65,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         self.sync_after_eviction()
         request.num_computed_tokens = request.num_tokens
-        self.kv.cache_computed_blocks(request)
+        self.kv.cache_blocks(request)
         for i in range(1, len(tokens) // BLOCK + 1):
             self.model.add(tuple(tokens[: i * BLOCK]))
         self.running[int(request.request_id[1:])] = request
