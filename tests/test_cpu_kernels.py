@@ -187,3 +187,92 @@ def test_rotary_matches_torch_exactly_on_strided_rows(dim) -> None:
     rope = RotaryEmbedding(dim, 4096, 10000.0, torch.bfloat16, torch.device("cpu"))
     cos, sin = rope.lookup(torch.tensor([0, 1, 5, 17, 300, 2047, 4095]))
     assert torch.equal(torch.ops.kvserve.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
+
+
+amx_only = pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
+
+
+def reference_runs(q, k_cache, v_cache, tables, kv_lens, q_lens, scale, causal):
+    """Each run's queries against its keys in float64; causal runs end at their last key."""
+    group = q.shape[1] // k_cache.shape[2]
+    outs, lses, start = [], [], 0
+    for table, kv_len, q_len in zip(tables, kv_lens, q_lens, strict=True):
+        key = k_cache[table].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1)  # [L, H, D]
+        value = v_cache[table].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + q_len].double(), key) * scale
+        if causal:
+            positions = torch.arange(kv_len - q_len, kv_len)
+            scores = scores.masked_fill(torch.arange(kv_len)[None, None, :] > positions[None, :, None], float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), value))
+        lses.append(torch.logsumexp(scores, -1).transpose(0, 1))
+        start += q_len
+    return torch.cat(outs), torch.cat(lses)
+
+
+@amx_only
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fp32_out", [True, False])
+def test_paged_attention_amx_matches_reference(causal, fp32_out) -> None:
+    """Runs of every shape the row tiles and key steps meet: one token, partial tiles and key blocks, many
+    tiles per work item, a query tensor with a token stride (Q and K heads side by side, as the model has)."""
+    torch.manual_seed(int(causal) * 2 + int(fp32_out))
+    heads, kv_heads, dim, block_size = 6, 2, 64, 16
+    cache = random_cache(200, block_size, kv_heads, dim, torch.bfloat16)
+    cache[:, 150:] = float("nan")  # never-written blocks: padding reads of them must not leak into results
+    shapes = [(1, 1), (5, 40), (17, 17), (33, 300), (16, 16), (250, 260)]  # (queries, keys)
+    free = iter(torch.randperm(150).tolist())
+    tables = [[next(free) for _ in range(-(-kv_len // block_size))] for _, kv_len in shapes]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [199] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q_lens = [q_len for q_len, _ in shapes]
+    kv_lens = [kv_len for _, kv_len in shapes]
+    q_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), heads + kv_heads, dim, dtype=torch.bfloat16)[:, :heads]  # strided tokens
+    out, lse = torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], block_tables,
+                                                     torch.tensor(kv_lens, dtype=torch.int32), q_starts,
+                                                     dim**-0.5, causal, fp32_out)
+    assert out.dtype == (torch.float32 if fp32_out else torch.bfloat16)
+    ref_out, ref_lse = reference_runs(q, cache[0], cache[1], tables, kv_lens, q_lens, dim**-0.5, causal)
+    tol = 2e-3 if fp32_out else 8e-3  # bf16 output: one rounding of values up to ~2
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@amx_only
+def test_paged_attention_amx_refuses_bad_runs() -> None:
+    cache = random_cache(4, 16, 1, 64, torch.bfloat16)
+    q = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="has 3 queries and 2 keys"):  # causal needs a key per query
+        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], table, torch.tensor([2], dtype=torch.int32),
+                                              torch.tensor([0, 3], dtype=torch.int32), 0.125, True, False)
+    with pytest.raises(RuntimeError, match="must cover q"):
+        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], table, torch.tensor([2], dtype=torch.int32),
+                                              torch.tensor([0, 2], dtype=torch.int32), 0.125, False, False)
+
+
+@amx_only
+def test_kernel_backend_mixed_step_matches_torch_backend() -> None:
+    """One bf16 step as the runner builds it: decodes sharing a cached prefix (cascade), a prefill chunk from
+    position 0 and one on cached history, through the AMX kernels and through the reference backend."""
+    from kvserve.batch import ScheduledRequest, SchedulerOutput
+    from kvserve.runner.input_batch import build_inputs
+
+    torch.manual_seed(5)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    cache = random_cache(64, block_size, kv_heads, dim, torch.bfloat16)
+    shared = list(range(20))  # 320 tokens every decode shares: above the cascade threshold
+    scheduled = [ScheduledRequest(f"d{i}", [1], 320 + 5 * i, shared + [20 + i, 30 + i], True) for i in range(4)]
+    scheduled.append(ScheduledRequest("p0", [1] * 40, 0, [40, 41, 42], True))
+    scheduled.append(ScheduledRequest("p1", [1] * 50, 100, [50, 51, 52, 53, 54, 55, 56, 57, 58, 59], True))
+    inputs = build_inputs(SchedulerOutput(scheduled=scheduled), block_size, torch.device("cpu"))
+    assert inputs.attn.decode_prefix_runs is not None and inputs.attn.prefill_runs is not None
+    num_tokens = inputs.input_ids.shape[0]
+    q = torch.randn(num_tokens, heads, dim, dtype=torch.bfloat16)
+    k = torch.randn(num_tokens, kv_heads, dim, dtype=torch.bfloat16)
+    v = torch.randn(num_tokens, kv_heads, dim, dtype=torch.bfloat16)
+    expected = TorchPagedAttention(heads, kv_heads, dim).forward(q, k, v, cache.clone(), inputs.attn)
+    backend = CpuKernelPagedAttention(heads, kv_heads, dim, amx=True)
+    assert backend.amx
+    got = backend.forward(q, k, v, cache.clone(), inputs.attn)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -32,6 +32,17 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class PagedSpans:
+    """Runs of query tokens against paged keys, for kernels that take a whole batch in one call: run i owns
+    query tokens q_starts[i] .. q_starts[i+1]-1 (counted from the first token handed to the kernel) and
+    attends to keys 0..kv_lens[i]-1 held in the blocks of row i of block_tables."""
+
+    block_tables: torch.Tensor  # int32 [num_runs, max_blocks], padded with block 0
+    kv_lens: torch.Tensor  # int32 [num_runs]
+    q_starts: torch.Tensor  # int32 [num_runs + 1]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decode_tokens: int = 0
@@ -42,6 +53,10 @@ class AttentionMetadata:
     # the blocks after them. None: no shared prefix (or too short to be worth it).
     decode_prefix_blocks: torch.Tensor | None = None  # [num_shared_blocks]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The same layout for the one-call kernels: every prefill chunk (causal, ending at its last key), and
+    # all decodes against the shared prefix blocks above.
+    prefill_runs: PagedSpans | None = None
+    decode_prefix_runs: PagedSpans | None = None
 
 
 class AttentionBackend(Protocol):
@@ -86,11 +101,26 @@ class TorchPagedAttention:
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
         nd = meta.num_decode_tokens
-        if nd == num_tokens and not meta.prefills:
+        if nd == num_tokens:
             return self._decode(q, k_cache, v_cache, meta).view(num_tokens, -1)
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        prefill_out = self._prefill(q, k, v, k_cache, v_cache, meta)  # [num_tokens - nd, num_heads, head_dim]
+        if not nd:
+            return prefill_out.view(num_tokens, -1)
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta), prefill_out)).view(num_tokens, -1)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention of every prefill chunk (the tokens after the decodes), one scaled_dot_product_attention
+        call per chunk."""
+        nd = meta.num_decode_tokens
+        out = torch.empty_like(q[nd:])
         for span in meta.prefills:
             qs = slice(span.q_start, span.q_start + span.q_len)
             query = q[qs].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
@@ -104,8 +134,8 @@ class TorchPagedAttention:
                 o = F.scaled_dot_product_attention(
                     query, key, value, attn_mask=span.mask, scale=self.scale, enable_gqa=True
                 )
-            out[qs] = o[0].transpose(0, 1)
-        return out.view(num_tokens, -1)
+            out[span.q_start - nd : span.q_start - nd + span.q_len] = o[0].transpose(0, 1)
+        return out
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -154,16 +184,43 @@ class TorchPagedAttention:
 
 
 class CpuKernelPagedAttention(TorchPagedAttention):
-    """Decode attention through the C++ kernel, which reads each request's blocks in place.
+    """Attention through the C++ kernels, which read each request's KV blocks in place.
 
-    Prefill chunks stay on the reference path: they are compute-bound, and the gather is cheap next to
-    the work. With a shared prefix, the prefix part is one flash-attention call for the whole batch and
-    each request's own suffix goes through the kernel; the two halves merge exactly through their
-    log-sum-exps.
+    Decodes go through the split-KV decode kernel. With AMX (bf16, head size 64), every prefill chunk of
+    the step is one tile-matmul call, and so is the shared-prefix half of cascade decode: every decode's
+    query heads against the prefix they share. Otherwise those stay on the reference path (the prefix part
+    is then one flash-attention call for the whole batch). The prefix and suffix halves merge exactly
+    through their log-sum-exps.
     """
 
-    # Keys per kernel work item: short enough that one long sequence still spreads over every core.
+    # Keys per decode-kernel work item: short enough that one long sequence still spreads over every core.
     split_size = 256
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 amx: bool = False) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.amx = amx and head_dim == 64
+
+    def _uses_amx(self, q: torch.Tensor) -> bool:
+        return self.amx and q.dtype == torch.bfloat16
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        runs = meta.prefill_runs
+        if runs is None or not self._uses_amx(q):
+            return super()._prefill(q, k, v, k_cache, v_cache, meta)
+        out, _ = torch.ops.kvserve.paged_attention_amx(
+            q[meta.num_decode_tokens :], k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts,
+            self.scale, True, False,
+        )
+        return out
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -175,18 +232,27 @@ class CpuKernelPagedAttention(TorchPagedAttention):
             query, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale, self.split_size
         )
         if meta.decode_prefix_blocks is not None:
-            out = self._merge_shared_prefix(query, k_cache, v_cache, meta.decode_prefix_blocks, out, lse)
+            if meta.decode_prefix_runs is not None and self._uses_amx(q):
+                out_p, lse_p = torch.ops.kvserve.paged_attention_amx(
+                    q, k_cache, v_cache, meta.decode_prefix_runs.block_tables, meta.decode_prefix_runs.kv_lens,
+                    meta.decode_prefix_runs.q_starts, self.scale, False, True,
+                )
+                out_p = out_p.view(out.shape)
+                lse_p = lse_p.view(lse.shape)
+            else:
+                out_p, lse_p = self._shared_prefix_flash(query, k_cache, v_cache, meta.decode_prefix_blocks)
+            out = merge_by_lse(out_p, lse_p, out, lse)
         return out.to(q.dtype).reshape(batch, self.num_heads, self.head_dim)
 
-    def _merge_shared_prefix(
+    def _shared_prefix_flash(
         self,
         query: torch.Tensor,  # [batch, kv_heads, group, dim]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         prefix_blocks: torch.Tensor,
-        out_suffix: torch.Tensor,  # fp32 [batch, kv_heads, group, dim]
-        lse_suffix: torch.Tensor,  # fp32 [batch, kv_heads, group]; -inf where the suffix is empty
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decode's attention over the shared prefix: fp32 out [batch, kv_heads, group, dim] and its
+        log-sum-exp [batch, kv_heads, group]."""
         batch, kvh, group, dim = query.shape
         key_p = k_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, Lp, dim]
         value_p = v_cache[prefix_blocks].flatten(0, 1).permute(1, 0, 2).unsqueeze(0)
@@ -199,17 +265,26 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         )[:2]
         out_p = out_p.float().view(kvh, batch, group, dim).permute(1, 0, 2, 3)
         lse_p = lse_p.view(kvh, batch, group).permute(1, 0, 2)
-        # Each half weighted by its share of the total softmax mass: exp(lse_half - lse_total).
-        lse_total = torch.logaddexp(lse_p, lse_suffix)
-        w_p = torch.exp(lse_p - lse_total).unsqueeze(-1)
-        w_s = torch.exp(lse_suffix - lse_total).unsqueeze(-1)
-        return out_p * w_p + out_suffix * w_s
+        return out_p, lse_p
+
+
+def merge_by_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over keys A ∪ B from the halves over A and over B (fp32 outs [..., dim], lses [...]):
+    each half weighted by its share of the total softmax mass, exp(lse_half - lse_total). A half with no
+    keys has lse -inf and weight 0."""
+    lse_total = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse_total).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse_total).unsqueeze(-1)
+    return out_a * w_a + out_b * w_b
 
 
 def get_attention_backend(
     device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, cpu_kernels: bool = True
 ) -> AttentionBackend:
     """The one place a backend is chosen. Fused CUDA kernels plug in here without touching model code."""
-    if cpu_kernels and device.type == "cpu" and load_cpu_kernels() is not None:
-        return CpuKernelPagedAttention(num_heads, num_kv_heads, head_dim)
+    kernels = load_cpu_kernels() if cpu_kernels and device.type == "cpu" else None
+    if kernels is not None:
+        return CpuKernelPagedAttention(num_heads, num_kv_heads, head_dim, amx=kernels.amx)
     return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.batch import ScheduledRequest, SchedulerOutput
-from kvserve.model.attention import AttentionMetadata, PrefillSpan
+from kvserve.model.attention import AttentionMetadata, PagedSpans, PrefillSpan
 
 
 @dataclass(slots=True)
@@ -47,6 +47,7 @@ def build_inputs(
             sample_ids.append(s.request_id)
 
     decode_block_table = decode_mask = decode_prefix_blocks = suffix_lens = None
+    decode_prefix_runs: PagedSpans | None = None
     if singles:
         kv_lens = [s.start_position + 1 for s in singles]
         # Blocks every decode shares (a common system prompt held once by the prefix cache): their KV is read
@@ -56,6 +57,8 @@ def build_inputs(
             num_shared = 0
         else:
             decode_prefix_blocks = torch.tensor(singles[0].block_ids[:num_shared], dtype=torch.long)
+            decode_prefix_runs = _paged_runs([singles[0].block_ids[:num_shared]], [num_shared * block_size],
+                                             [len(singles)])
         max_blocks = -(-max(kv_lens) // block_size) - num_shared
         table = [s.block_ids[num_shared : num_shared + max_blocks] for s in singles]
         table = [row + [0] * (max_blocks - len(row)) for row in table]
@@ -66,6 +69,7 @@ def build_inputs(
         decode_mask = (key_positions[None, :] < suffix_lens[:, None])[:, None, None, :]
 
     spans: list[PrefillSpan] = []
+    run_tables: list[list[int]] = []
     q_start = len(singles)
     for s in chunks:
         q_len = len(s.token_ids)
@@ -74,6 +78,7 @@ def build_inputs(
         input_ids.extend(s.token_ids)
         positions.extend(range(start, kv_len))
         slots.extend(_chunk_slots(s, block_size))
+        run_tables.append(s.block_ids[: -(-kv_len // block_size)])
         if start == 0:
             spans.append(PrefillSpan(q_start, q_len, kv_len))
         else:
@@ -90,6 +95,9 @@ def build_inputs(
 
     for span in spans:
         span.block_ids, span.mask = dev(span.block_ids), dev(span.mask)
+    prefill_runs = None
+    if spans:
+        prefill_runs = _paged_runs(run_tables, [span.kv_len for span in spans], [span.q_len for span in spans])
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decode_tokens=len(singles),
@@ -98,6 +106,8 @@ def build_inputs(
         decode_seq_lens=dev(suffix_lens),
         decode_prefix_blocks=dev(decode_prefix_blocks),
         prefills=spans,
+        prefill_runs=_runs_to(prefill_runs, device),
+        decode_prefix_runs=_runs_to(decode_prefix_runs, device),
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -106,6 +116,24 @@ def build_inputs(
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sample_request_ids=sample_ids,
     )
+
+
+def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> PagedSpans:
+    width = max(len(table) for table in tables)
+    q_starts = [0]
+    for q_len in q_lens:
+        q_starts.append(q_starts[-1] + q_len)
+    return PagedSpans(
+        block_tables=torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32),
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        q_starts=torch.tensor(q_starts, dtype=torch.int32),
+    )
+
+
+def _runs_to(runs: PagedSpans | None, device: torch.device) -> PagedSpans | None:
+    if runs is None or device.type == "cpu":
+        return runs
+    return PagedSpans(*(t.to(device, non_blocking=True) for t in (runs.block_tables, runs.kv_lens, runs.q_starts)))
 
 
 def _shared_prefix_blocks(singles: list[ScheduledRequest], kv_lens: list[int], block_size: int) -> int:

@@ -53,7 +53,7 @@ def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatc
               cpu_kernels=cpu_kernels)
     llm.engine.runner.cascade_min_tokens = 8
     calls = []
-    backend, method = ((CpuKernelPagedAttention, "_merge_shared_prefix") if cpu_kernels
+    backend, method = ((CpuKernelPagedAttention, "_shared_prefix_flash") if cpu_kernels
                        else (TorchPagedAttention, "_decode_shared_prefix"))
     assert type(llm.engine.model.layers[0].attention) is backend
     original = getattr(backend, method)

@@ -78,7 +78,19 @@ inline __m512 round16_bf16(__m512 v) {
 }
 #endif
 
+#if KVSERVE_HAS_AMX
+// The 64-byte operand of LDTILECFG (palette 1): rows and bytes per row of each tile register.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
+
 // projections.cpp
+bool request_amx();  // asks Linux for the AMX tile state once per process; false if refused or absent
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool has_avx512_bf16();
 at::Tensor amx_pack(const at::Tensor& w);
@@ -89,6 +101,13 @@ bool has_amx();
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                 const at::Tensor& v_cache, const at::Tensor& block_table,
                                                 const at::Tensor& seq_lens, double scale, int64_t split_size);
+
+// flash_attention.cpp
+std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                       const at::Tensor& kv_lens, const at::Tensor& q_starts,
+                                                       double scale, bool causal, bool fp32_out);
+bool has_amx_attention();
 
 // elementwise.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,

@@ -145,14 +145,6 @@ bool request_amx() {
   return granted;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // w [N, K] -> [N/16, K/32, 16, 32]: tile (n-block, k-block) holds, for each of its 16 k-pairs, the 16
 // columns' (w[n][2p], w[n][2p+1]) side by side: the VNNI layout the tile multiply reads.
 at::Tensor amx_pack(const at::Tensor& w) {
@@ -212,6 +204,7 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
         cfg.colsb[c] = 64;
       }
       cfg.rows[6] = cfg.rows[7] = 16; cfg.colsb[6] = cfg.colsb[7] = 64;
+      asm volatile("" : : "r"(&cfg) : "memory");  // keep GCC from dropping the stores LDTILECFG reads
       _tile_loadconfig(&cfg);
       configured_rows = mc;
     };

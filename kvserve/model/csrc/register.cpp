@@ -4,6 +4,7 @@
 //
 //   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place
+//   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles
 //   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
 
 #include <torch/library.h>
@@ -20,6 +21,10 @@ TORCH_LIBRARY(kvserve, m) {
         &kvserve::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor", &kvserve::rotary);
+  m.def("paged_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
+        "Tensor q_starts, float scale, bool causal, bool fp32_out) -> (Tensor, Tensor)",
+        &kvserve::paged_attention_amx);
+  m.def("has_amx_attention() -> bool", &kvserve::has_amx_attention);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
         &kvserve::paged_decode);

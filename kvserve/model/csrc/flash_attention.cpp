@@ -1,0 +1,347 @@
+// Paged attention on AMX tiles for many query rows at once: prefill chunks over their cached history, and
+// the shared-prefix half of cascade decode (every decode's query heads against the prefix the batch shares).
+//
+// K/V are read from the paged cache in place. A work item is (span, KV head, up to kTilesPerItem tiles of
+// 16 query rows); it packs the keys it needs once into the tile layouts, then runs an exact two-pass
+// softmax per row tile: pass 1 finds each row's largest score; pass 2 accumulates exp(s - max) · V in four
+// tile registers that stay put until the last key. The weights exp(s - max) go to the multiply as two bf16
+// parts (hi + lo), so they keep ~16 bits; one bf16 part (8 bits) drifts greedy text on the real model. The query rows of a KV head are its (token, group head)
+// pairs, so grouped-query attention reads each key once for the whole group.
+
+#include "common.h"
+
+namespace kvserve {
+
+#if KVSERVE_HAS_AMX && KVSERVE_HAS_AVX512_BF16
+
+namespace {
+
+constexpr int64_t kDim = 64;         // head size this kernel handles (two 32-deep tile steps for Q·K^T)
+constexpr int64_t kRows = 16;        // query rows per tile
+constexpr int64_t kKeys = 32;        // keys per pass-2 step: the depth of one P·V tile multiply
+constexpr int64_t kTilesPerItem = 8; // row tiles that share one packing of the keys
+
+struct WorkItem {
+  int64_t span, head, first_row, num_rows;
+};
+
+// dst[j * 16 + i] = in[i][j] for a 16 x 16 matrix of 32-bit values: pairs, then quads within 128-bit
+// lanes, then the lanes themselves.
+inline void transpose16_epi32(const __m512i* in, uint32_t* dst) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3 of column 4L + c, in lane L
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v_hi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i w_lo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i w_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    _mm512_storeu_si512(dst + (0 + c) * 16, _mm512_shuffle_i32x4(v_lo, w_lo, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * 16, _mm512_shuffle_i32x4(v_lo, w_lo, 0xDD));
+    _mm512_storeu_si512(dst + (8 + c) * 16, _mm512_shuffle_i32x4(v_hi, w_hi, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * 16, _mm512_shuffle_i32x4(v_hi, w_hi, 0xDD));
+  }
+}
+
+// Keys [0, n) of one head in the tile layouts; keys from n up to the next multiple of kKeys are zero.
+//   kt: per 16 keys, the B operand of S = Q·K^T for dims 0-31 then 32-63: [32 dim pairs][16 keys] of
+//       (bf16, bf16) pairs, i.e. the key rows transposed at 32-bit granularity.
+//   vt: per 32 keys, the B operands of O += P·V for dims 16c..16c+15 (c = 0..3): [16 key pairs][16 dims]
+//       of (key 2j, key 2j+1) pairs.
+void pack_keys(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks, int64_t block_size,
+               int64_t token_stride, int64_t head, int64_t n, uint32_t* kt, uint32_t* vt) {
+  const int64_t padded = (n + kKeys - 1) / kKeys * kKeys;
+  auto row = [&](const uint16_t* cache, int64_t t) {
+    return cache + (static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size) * token_stride +
+           head * kDim;
+  };
+  for (int64_t k0 = 0; k0 < padded; k0 += 16) {
+    __m512i lo[16], hi[16];  // dim pairs 0-15 and 16-31 of each key
+    for (int64_t i = 0; i < 16; ++i) {
+      const bool valid = k0 + i < n;
+      const uint16_t* src = valid ? row(k_cache, k0 + i) : nullptr;
+      lo[i] = valid ? _mm512_loadu_si512(src) : _mm512_setzero_si512();
+      hi[i] = valid ? _mm512_loadu_si512(src + 32) : _mm512_setzero_si512();
+    }
+    uint32_t* dst = kt + k0 * (kDim / 2);
+    transpose16_epi32(lo, dst);
+    transpose16_epi32(hi, dst + 256);
+  }
+  // Interleaves two value rows (as bf16) into (a[d], b[d]) pairs: lane d of the output.
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                          38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t k0 = 0; k0 < padded; k0 += kKeys) {
+    uint32_t* dst = vt + k0 * kDim / 2;  // 32 keys x 64 dims of bf16 = 1024 u32: four 256-u32 tiles
+    for (int64_t j = 0; j < kKeys / 2; ++j) {
+      const int64_t t = k0 + 2 * j;
+      const __m512i a = t < n ? _mm512_loadu_si512(row(v_cache, t)) : _mm512_setzero_si512();
+      const __m512i b = t + 1 < n ? _mm512_loadu_si512(row(v_cache, t + 1)) : _mm512_setzero_si512();
+      // a, b hold dims 0-31 of their rows; the second halves hold dims 32-63.
+      const __m512i a2 = t < n ? _mm512_loadu_si512(row(v_cache, t) + 32) : _mm512_setzero_si512();
+      const __m512i b2 = t + 1 < n ? _mm512_loadu_si512(row(v_cache, t + 1) + 32) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 0 * 256 + j * 16, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(dst + 1 * 256 + j * 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+      _mm512_storeu_si512(dst + 2 * 256 + j * 16, _mm512_permutex2var_epi16(a2, lo_idx, b2));
+      _mm512_storeu_si512(dst + 3 * 256 + j * 16, _mm512_permutex2var_epi16(a2, hi_idx, b2));
+    }
+  }
+}
+
+void configure_tiles() {
+  // Every tile is 16 rows x 64 bytes: tmm0 A (Q half or P hi), tmm1 B (K^T or V), tmm2-3 S (tmm2 later P lo),
+  // tmm4-7 O.
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // GCC drops some of the stores above as dead without this: it does not see LDTILECFG read them.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// S for keys k0..k0+31 into tmm2 (first 16) and tmm3: two 32-deep steps over the head dims.
+inline void scores(const uint16_t* qbuf, const uint32_t* kt, int64_t k0) {
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint32_t* k_first = kt + k0 * (kDim / 2);
+  const uint32_t* k_second = k_first + 16 * (kDim / 2);
+  _tile_loadd(0, qbuf, kDim * 2);                 // Q dims 0-31
+  _tile_loadd(1, k_first, 64);
+  _tile_dpbf16ps(2, 0, 1);
+  _tile_loadd(1, k_second, 64);
+  _tile_dpbf16ps(3, 0, 1);
+  _tile_loadd(0, qbuf + 32, kDim * 2);            // Q dims 32-63
+  _tile_loadd(1, k_first + 256, 64);
+  _tile_dpbf16ps(2, 0, 1);
+  _tile_loadd(1, k_second + 256, 64);
+  _tile_dpbf16ps(3, 0, 1);
+}
+
+// Bit i set: key k0 + i is visible to a row at position pos (keys 0..pos are).
+inline uint32_t visible(int64_t pos, int64_t k0) {
+  const int64_t count = pos - k0 + 1;
+  if (count >= 32) return 0xFFFFFFFFu;
+  if (count <= 0) return 0u;
+  return (1u << count) - 1u;
+}
+
+struct Scratch {
+  std::vector<uint32_t> kt, vt;
+};
+
+template <typename Out>
+void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_stride, int64_t num_heads, int64_t group, int64_t q_start,
+              int64_t q_len, int64_t kv_len, bool causal, const uint16_t* k_cache, const uint16_t* v_cache,
+              const int32_t* blocks, int64_t block_size, int64_t kv_heads, float scale, Out* out, float* lse,
+              Scratch& scratch) {
+  // Row r of this KV head is (token r / group, query head head * group + r % group).
+  auto position = [&](int64_t r) { return causal ? kv_len - q_len + r / group : kv_len - 1; };
+  const int64_t last_row = item.first_row + item.num_rows - 1;
+  const int64_t num_keys = position(last_row) + 1;
+  const int64_t padded = (num_keys + kKeys - 1) / kKeys * kKeys;
+  scratch.kt.resize(padded * kDim / 2);
+  scratch.vt.resize(padded * kDim / 2);
+  pack_keys(k_cache, v_cache, blocks, block_size, kv_heads * kDim, item.head,
+            num_keys, scratch.kt.data(), scratch.vt.data());
+
+  alignas(64) uint16_t qbuf[kRows * kDim];
+  alignas(64) float sbuf[kRows * kKeys];
+  alignas(64) uint16_t p_hi[kRows * kKeys];
+  alignas(64) uint16_t p_lo[kRows * kKeys];
+  alignas(64) float obuf[kRows * kDim];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r0 = item.first_row; r0 <= last_row; r0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, last_row + 1 - r0);
+    int64_t pos[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {
+      const int64_t r = r0 + std::min<int64_t>(i, rows - 1);  // padding rows repeat the last real one
+      pos[i] = position(r);
+      const at::BFloat16* src = q + (q_start + r / group) * q_token_stride + (item.head * group + r % group) * kDim;
+      if (i < rows)
+        std::memcpy(qbuf + i * kDim, src, kDim * 2);
+      else
+        std::memset(qbuf + i * kDim, 0, kDim * 2);
+    }
+    const int64_t tile_keys = pos[kRows - 1] + 1;  // positions grow with the row
+    const int64_t first_masked = pos[0] + 1;        // keys below this are visible to every row
+
+    // Pass 1: each row's largest visible score.
+    __m512 vmax[kRows];
+    for (int64_t i = 0; i < kRows; ++i) vmax[i] = neg_inf;
+    for (int64_t k0 = 0; k0 < tile_keys; k0 += kKeys) {
+      scores(qbuf, scratch.kt.data(), k0);
+      _tile_stored(2, sbuf, kKeys * 4);
+      _tile_stored(3, sbuf + 16, kKeys * 4);
+      const bool masked = k0 + kKeys > first_masked;
+      for (int64_t i = 0; i < kRows; ++i) {
+        const uint32_t vis = masked ? visible(pos[i], k0) : 0xFFFFFFFFu;
+        vmax[i] = _mm512_mask_max_ps(vmax[i], static_cast<__mmask16>(vis), vmax[i], _mm512_load_ps(sbuf + i * kKeys));
+        vmax[i] = _mm512_mask_max_ps(vmax[i], static_cast<__mmask16>(vis >> 16), vmax[i],
+                                     _mm512_load_ps(sbuf + i * kKeys + 16));
+      }
+    }
+    __m512 row_max[kRows], row_sum[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {
+      row_max[i] = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[i]));
+      row_sum[i] = _mm512_setzero_ps();
+    }
+
+    // Pass 2: O = sum over keys of exp((s - max) * scale) * V, in tiles 4-7.
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t k0 = 0; k0 < tile_keys; k0 += kKeys) {
+      scores(qbuf, scratch.kt.data(), k0);
+      _tile_stored(2, sbuf, kKeys * 4);
+      _tile_stored(3, sbuf + 16, kKeys * 4);
+      const bool masked = k0 + kKeys > first_masked;
+      for (int64_t i = 0; i < kRows; ++i) {
+        const uint32_t vis = masked ? visible(pos[i], k0) : 0xFFFFFFFFu;
+        const __m512 s0 = _mm512_load_ps(sbuf + i * kKeys), s1 = _mm512_load_ps(sbuf + i * kKeys + 16);
+        const __m512 p0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(vis),
+                                              exp512(_mm512_mul_ps(_mm512_sub_ps(s0, row_max[i]), vscale)));
+        const __m512 p1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(vis >> 16),
+                                              exp512(_mm512_mul_ps(_mm512_sub_ps(s1, row_max[i]), vscale)));
+        // P in two bf16 parts, hi + lo, so the P·V multiply sees the weights to ~16 bits, not 8.
+        const __m512bh hi = _mm512_cvtne2ps_pbh(p1, p0);
+        const __m512 hi0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)hi)), 16));
+        const __m512 hi1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)hi, 1)), 16));
+        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, hi1), _mm512_sub_ps(p0, hi0));
+        row_sum[i] = _mm512_add_ps(row_sum[i], _mm512_add_ps(p0, p1));
+        _mm512_store_si512(p_hi + i * kKeys, (__m512i)hi);
+        _mm512_store_si512(p_lo + i * kKeys, (__m512i)lo);
+      }
+      const uint32_t* v = scratch.vt.data() + k0 * kDim / 2;
+      _tile_loadd(0, p_hi, kKeys * 2);
+      _tile_loadd(2, p_lo, kKeys * 2);
+      _tile_loadd(1, v, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_dpbf16ps(4, 2, 1);
+      _tile_loadd(1, v + 256, 64);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_dpbf16ps(5, 2, 1);
+      _tile_loadd(1, v + 512, 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_dpbf16ps(6, 2, 1);
+      _tile_loadd(1, v + 768, 64);
+      _tile_dpbf16ps(7, 0, 1);
+      _tile_dpbf16ps(7, 2, 1);
+    }
+    _tile_stored(4, obuf, kDim * 4);
+    _tile_stored(5, obuf + 16, kDim * 4);
+    _tile_stored(6, obuf + 32, kDim * 4);
+    _tile_stored(7, obuf + 48, kDim * 4);
+
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = r0 + i;
+      const int64_t index = (q_start + r / group) * num_heads + item.head * group + r % group;
+      const float total = _mm512_reduce_add_ps(row_sum[i]);
+      const __m512 inv = _mm512_set1_ps(1.f / total);
+      for (int64_t c = 0; c < kDim / 16; ++c) {
+        const __m512 o = _mm512_mul_ps(_mm512_load_ps(obuf + i * kDim + 16 * c), inv);
+        if constexpr (std::is_same_v<Out, float>)
+          _mm512_storeu_ps(out + index * kDim + 16 * c, o);
+        else
+          store16_bf16(out + index * kDim + 16 * c, o);
+      }
+      lse[index] = _mm512_cvtss_f32(row_max[i]) * scale + std::log(total);
+    }
+  }
+}
+
+}  // namespace
+
+// q [T, H, 64] bf16 (any token stride), the query tokens of every span back to back; caches [num_blocks, block_size, H_kv, 64];
+// block_tables int32 [S, max_blocks]; kv_lens int32 [S]; q_starts int32 [S + 1] (span s owns tokens
+// q_starts[s] .. q_starts[s+1]-1). causal: a span's last query token sits at position kv_len - 1 and each
+// token sees keys up to its own position; otherwise every token sees all kv_len keys. Returns out [T, H, 64]
+// (fp32 if fp32_out, else bf16) and the log-sum-exp of the scaled scores, fp32 [T, H].
+std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                       const at::Tensor& kv_lens, const at::Tensor& q_starts,
+                                                       double scale, bool causal, bool fp32_out) {
+  TORCH_CHECK(request_amx(), "paged_attention_amx: the kernel did not grant AMX");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kDim && q.stride(2) == 1 &&
+                  q.stride(1) == kDim,
+              "paged_attention_amx: q must be bf16 [T, H, 64] with each token's heads contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.size(3) == kDim && k_cache.sizes() == v_cache.sizes(),
+              "paged_attention_amx: caches must be contiguous bf16 [num_blocks, block_size, H_kv, 64]");
+  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(num_heads % kv_heads == 0, "paged_attention_amx: query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "paged_attention_amx: block_tables must be contiguous int32 [S, max_blocks]");
+  const int64_t num_spans = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.numel() == num_spans && q_starts.scalar_type() == at::kInt &&
+                  q_starts.numel() == num_spans + 1,
+              "paged_attention_amx: kv_lens int32 [S] and q_starts int32 [S + 1]");
+  const int64_t group = num_heads / kv_heads;
+  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  const int32_t* starts = q_starts.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_spans] == q.size(0), "paged_attention_amx: q_starts must cover q");
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 0 && lens[s] <= max_blocks * block_size && (q_len == 0 || lens[s] >= 1) &&
+                    (!causal || q_len <= lens[s]),
+                "paged_attention_amx: span ", s, " has ", q_len, " queries and ", lens[s], " keys");
+    const int64_t rows = q_len * group;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < rows; r += kRows * kTilesPerItem)
+        items.push_back({s, h, r, std::min<int64_t>(kRows * kTilesPerItem, rows - r)});
+  }
+  at::Tensor out = at::empty({q.size(0), num_heads, kDim}, q.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  at::Tensor lse = at::empty({q.size(0), num_heads}, q.options().dtype(at::kFloat));
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  float* lp = lse.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles();
+    Scratch scratch;
+    for (int64_t i = i0; i < i1; ++i) {
+      const WorkItem& item = items[i];
+      const int64_t s = item.span;
+      const int64_t q_len = starts[s + 1] - starts[s];
+      if (fp32_out)
+        run_item<float>(item, qp, q.stride(0), num_heads, group, starts[s], q_len, lens[s], causal, kp, vp,
+                        tables + s * max_blocks, block_size, kv_heads, fscale, out.data_ptr<float>(), lp, scratch);
+      else
+        run_item<at::BFloat16>(item, qp, q.stride(0), num_heads, group, starts[s], q_len, lens[s], causal, kp, vp,
+                               tables + s * max_blocks, block_size, kv_heads, fscale,
+                               out.data_ptr<at::BFloat16>(), lp, scratch);
+    }
+    _tile_release();
+  });
+  return {out, lse};
+}
+
+bool has_amx_attention() { return request_amx(); }
+
+#else
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                       double, bool, bool) {
+  TORCH_CHECK(false, "paged_attention_amx: this build has no AMX");
+}
+
+bool has_amx_attention() { return false; }
+
+#endif
+
+}  // namespace kvserve
