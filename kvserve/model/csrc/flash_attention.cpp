@@ -96,7 +96,7 @@ void pack_keys(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* 
 }
 
 void configure_tiles() {
-  // Every tile is 16 rows x 64 bytes: tmm0 A (Q half or P hi), tmm1 B (K^T or V), tmm2-3 S (tmm2 later P lo),
+  // Every tile is 16 rows x 64 bytes: tmm0 A (Q half or P hi), tmm1 B (K^T or V), tmm2-3 S (then P lo, V),
   // tmm4-7 O.
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -223,20 +223,22 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
         _mm512_store_si512(p_lo + i * kKeys, (__m512i)lo);
       }
       const uint32_t* v = scratch.vt.data() + k0 * kDim / 2;
+      // V chunks alternate between tmm1 and tmm3 (free once S is stored), so consecutive multiplies
+      // accumulate into different tiles instead of waiting on each other.
       _tile_loadd(0, p_hi, kKeys * 2);
       _tile_loadd(2, p_lo, kKeys * 2);
       _tile_loadd(1, v, 64);
+      _tile_loadd(3, v + 256, 64);
       _tile_dpbf16ps(4, 0, 1);
+      _tile_dpbf16ps(5, 0, 3);
       _tile_dpbf16ps(4, 2, 1);
-      _tile_loadd(1, v + 256, 64);
-      _tile_dpbf16ps(5, 0, 1);
-      _tile_dpbf16ps(5, 2, 1);
+      _tile_dpbf16ps(5, 2, 3);
       _tile_loadd(1, v + 512, 64);
+      _tile_loadd(3, v + 768, 64);
       _tile_dpbf16ps(6, 0, 1);
+      _tile_dpbf16ps(7, 0, 3);
       _tile_dpbf16ps(6, 2, 1);
-      _tile_loadd(1, v + 768, 64);
-      _tile_dpbf16ps(7, 0, 1);
-      _tile_dpbf16ps(7, 2, 1);
+      _tile_dpbf16ps(7, 2, 3);
     }
     _tile_stored(4, obuf, kDim * 4);
     _tile_stored(5, obuf + 16, kDim * 4);
