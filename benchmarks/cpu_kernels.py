@@ -8,6 +8,10 @@
 - Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, SmolLM2's
   head layout (9 query heads over 3 KV heads, head_dim 64). The torch path gathers each sequence's blocks
   and calls scaled_dot_product_attention; the kernel reads the blocks in place.
+- Many-row attention on AMX tiles: all prefill chunks of a step in one call (the agentic shape: ten
+  100-token turns on ~1,570 cached tokens; one cold 1,024-token prompt), and the shared-prefix half of
+  cascade decode (16 decodes against a 1,568-token prefix). The torch path is the one it replaces: per
+  chunk, gather the blocks and call scaled_dot_product_attention (a flash-attention call for the prefix).
 - Add + RMSNorm, SiLU-and-multiply and the rotary embedding at one token: the torch ops they replace are
   dispatch-bound there.
 """
@@ -103,6 +107,42 @@ def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
     return results
 
 
+def bench_many_row_attention() -> list[dict]:
+    """(label, [(queries, keys) per run], causal) through paged_attention_amx and through the torch path."""
+    bf16 = torch.bfloat16
+    cases = [("prefill 10 x 100 on 1,568 cached", [(100, 1668)] * 10, True),
+             ("prefill 1,024 cold", [(1024, 1024)], True),
+             ("decode prefix 16 x 1,568", [(16, 1568)], False)]
+    results = []
+    for label, runs, causal in cases:
+        tables = [torch.randperm(4096)[: -(-kv // BLOCK)].to(torch.int32) for _, kv in runs]
+        cache = torch.randn(2, 4096, BLOCK, KV_HEADS, HEAD_DIM, dtype=bf16)
+        queries = [torch.randn(q_len, HEADS, HEAD_DIM, dtype=bf16) for q_len, _ in runs]
+        q = torch.cat(queries)
+        width = max(len(t) for t in tables)
+        block_tables = torch.stack([F.pad(t, (0, width - len(t))) for t in tables])
+        kv_lens = torch.tensor([kv for _, kv in runs], dtype=torch.int32)
+        q_starts = torch.tensor([0, *torch.tensor([n for n, _ in runs]).cumsum(0).tolist()], dtype=torch.int32)
+        masks = [torch.arange(kv)[None, :] <= torch.arange(kv - n, kv)[:, None] if causal else None for n, kv in runs]
+
+        def reference() -> None:
+            for query, table, (_, kv), mask in zip(queries, tables, runs, masks, strict=True):  # noqa: B023
+                key = cache[0][table.long()].flatten(0, 1)[:kv].transpose(0, 1).unsqueeze(0)  # noqa: B023
+                value = cache[1][table.long()].flatten(0, 1)[:kv].transpose(0, 1).unsqueeze(0)  # noqa: B023
+                F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), key, value, attn_mask=mask,
+                                               enable_gqa=True)
+
+        def kernel() -> object:
+            return torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], block_tables, kv_lens,  # noqa: B023
+                                                         q_starts, HEAD_DIM**-0.5, causal, not causal)  # noqa: B023
+
+        t_torch, t_kernel = seconds_per_call(reference), seconds_per_call(kernel)
+        flops = sum(4 * n * (kv - (n - 1) / 2 if causal else kv) * HEADS * HEAD_DIM for n, kv in runs)
+        results.append({"case": label, "torch_ms": t_torch * 1e3, "kernel_ms": t_kernel * 1e3,
+                        "speedup": t_torch / t_kernel, "kernel_gflops": flops / t_kernel / 1e9})
+    return results
+
+
 def bench_elementwise() -> list[dict]:
     bf16 = torch.bfloat16
     x, residual = torch.randn(1, HIDDEN, dtype=bf16), torch.randn(1, HIDDEN, dtype=bf16)
@@ -151,6 +191,12 @@ def main() -> None:
     for r in report["attention"]:
         print(f"  {r['batch']:5d}  {r['keys']:5d}  {r['torch_us']:9.0f}  {r['kernel_us']:9.0f}  {r['speedup']:4.2f}x"
               f"  {r['kernel_kv_gbps']:8.1f}")
+    if kernels.amx:
+        report["many_row_attention"] = bench_many_row_attention()
+        print("\nMany-row attention on AMX tiles, bf16, one layer, time per call:")
+        for r in report["many_row_attention"]:
+            print(f"  {r['case']:34s} torch {r['torch_ms']:6.2f} ms  kernel {r['kernel_ms']:6.2f} ms  "
+                  f"{r['speedup']:4.2f}x  ({r['kernel_gflops']:.0f} GFLOP/s)")
     report["elementwise"] = bench_elementwise()
     print("\nOne-token element-wise ops, bf16:")
     for r in report["elementwise"]:
