@@ -32,7 +32,7 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
-class PagedSpans:
+class PagedRuns:
     """Runs of query tokens against paged keys, for kernels that take a whole batch in one call: run i owns
     query tokens q_starts[i] .. q_starts[i+1]-1 (counted from the first token handed to the kernel) and
     attends to keys 0..kv_lens[i]-1 held in the blocks of row i of block_tables."""
@@ -55,8 +55,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # The same layout for the one-call kernels: every prefill chunk (causal, ending at its last key), and
     # all decodes against the shared prefix blocks above.
-    prefill_runs: PagedSpans | None = None
-    decode_prefix_runs: PagedSpans | None = None
+    prefill_runs: PagedRuns | None = None
+    decode_prefix_runs: PagedRuns | None = None
 
 
 class AttentionBackend(Protocol):

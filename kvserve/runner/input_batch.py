@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.batch import ScheduledRequest, SchedulerOutput
-from kvserve.model.attention import AttentionMetadata, PagedSpans, PrefillSpan
+from kvserve.model.attention import AttentionMetadata, PagedRuns, PrefillSpan
 
 
 @dataclass(slots=True)
@@ -47,7 +47,7 @@ def build_inputs(
             sample_ids.append(s.request_id)
 
     decode_block_table = decode_mask = decode_prefix_blocks = suffix_lens = None
-    decode_prefix_runs: PagedSpans | None = None
+    decode_prefix_runs: PagedRuns | None = None
     if singles:
         kv_lens = [s.start_position + 1 for s in singles]
         # Blocks every decode shares (a common system prompt held once by the prefix cache): their KV is read
@@ -118,22 +118,22 @@ def build_inputs(
     )
 
 
-def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> PagedSpans:
+def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> PagedRuns:
     width = max(len(table) for table in tables)
     q_starts = [0]
     for q_len in q_lens:
         q_starts.append(q_starts[-1] + q_len)
-    return PagedSpans(
+    return PagedRuns(
         block_tables=torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32),
         kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
         q_starts=torch.tensor(q_starts, dtype=torch.int32),
     )
 
 
-def _runs_to(runs: PagedSpans | None, device: torch.device) -> PagedSpans | None:
+def _runs_to(runs: PagedRuns | None, device: torch.device) -> PagedRuns | None:
     if runs is None or device.type == "cpu":
         return runs
-    return PagedSpans(*(t.to(device, non_blocking=True) for t in (runs.block_tables, runs.kv_lens, runs.q_starts)))
+    return PagedRuns(*(t.to(device, non_blocking=True) for t in (runs.block_tables, runs.kv_lens, runs.q_starts)))
 
 
 def _shared_prefix_blocks(singles: list[ScheduledRequest], kv_lens: list[int], block_size: int) -> int:
