@@ -108,8 +108,9 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// S for keys k0..k0+31 into tmm2 (first 16) and tmm3: two 32-deep steps over the head dims.
-inline void scores(const uint16_t* qbuf, const uint32_t* kt, int64_t k0) {
+// S for keys k0..k0+31 (tmm2: the first 16, tmm3), two 32-deep steps over the head dims, stored to
+// sbuf [16 rows][32 keys] fp32.
+inline void scores(const uint16_t* qbuf, const uint32_t* kt, int64_t k0, float* sbuf) {
   _tile_zero(2);
   _tile_zero(3);
   const uint32_t* k_first = kt + k0 * (kDim / 2);
@@ -124,6 +125,8 @@ inline void scores(const uint16_t* qbuf, const uint32_t* kt, int64_t k0) {
   _tile_dpbf16ps(2, 0, 1);
   _tile_loadd(1, k_second + 256, 64);
   _tile_dpbf16ps(3, 0, 1);
+  _tile_stored(2, sbuf, kKeys * 4);
+  _tile_stored(3, sbuf + 16, kKeys * 4);
 }
 
 // Bit i set: key k0 + i is visible to a row at position pos (keys 0..pos are).
@@ -179,9 +182,7 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
     __m512 vmax[kRows];
     for (int64_t i = 0; i < kRows; ++i) vmax[i] = neg_inf;
     for (int64_t k0 = 0; k0 < tile_keys; k0 += kKeys) {
-      scores(qbuf, scratch.kt.data(), k0);
-      _tile_stored(2, sbuf, kKeys * 4);
-      _tile_stored(3, sbuf + 16, kKeys * 4);
+      scores(qbuf, scratch.kt.data(), k0, sbuf);
       const bool masked = k0 + kKeys > first_masked;
       for (int64_t i = 0; i < kRows; ++i) {
         const uint32_t vis = masked ? visible(pos[i], k0) : 0xFFFFFFFFu;
@@ -202,9 +203,7 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t k0 = 0; k0 < tile_keys; k0 += kKeys) {
-      scores(qbuf, scratch.kt.data(), k0);
-      _tile_stored(2, sbuf, kKeys * 4);
-      _tile_stored(3, sbuf + 16, kKeys * 4);
+      scores(qbuf, scratch.kt.data(), k0, sbuf);
       const bool masked = k0 + kKeys > first_masked;
       for (int64_t i = 0; i < kRows; ++i) {
         const uint32_t vis = masked ? visible(pos[i], k0) : 0xFFFFFFFFu;
