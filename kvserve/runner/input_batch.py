@@ -58,7 +58,7 @@ def build_inputs(
         else:
             decode_prefix_blocks = torch.tensor(singles[0].block_ids[:num_shared], dtype=torch.long)
             decode_prefix_runs = _paged_runs([singles[0].block_ids[:num_shared]], [num_shared * block_size],
-                                             [len(singles)])
+                                             [len(singles)], device)
         max_blocks = -(-max(kv_lens) // block_size) - num_shared
         table = [s.block_ids[num_shared : num_shared + max_blocks] for s in singles]
         table = [row + [0] * (max_blocks - len(row)) for row in table]
@@ -97,7 +97,8 @@ def build_inputs(
         span.block_ids, span.mask = dev(span.block_ids), dev(span.mask)
     prefill_runs = None
     if spans:
-        prefill_runs = _paged_runs(run_tables, [span.kv_len for span in spans], [span.q_len for span in spans])
+        prefill_runs = _paged_runs(run_tables, [span.kv_len for span in spans], [span.q_len for span in spans],
+                                   device)
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decode_tokens=len(singles),
@@ -106,8 +107,8 @@ def build_inputs(
         decode_seq_lens=dev(suffix_lens),
         decode_prefix_blocks=dev(decode_prefix_blocks),
         prefills=spans,
-        prefill_runs=_runs_to(prefill_runs, device),
-        decode_prefix_runs=_runs_to(decode_prefix_runs, device),
+        prefill_runs=prefill_runs,
+        decode_prefix_runs=decode_prefix_runs,
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -118,22 +119,14 @@ def build_inputs(
     )
 
 
-def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> PagedRuns:
+def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int], device: torch.device) -> PagedRuns:
     width = max(len(table) for table in tables)
     q_starts = [0]
     for q_len in q_lens:
         q_starts.append(q_starts[-1] + q_len)
-    return PagedRuns(
-        block_tables=torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32),
-        kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
-        q_starts=torch.tensor(q_starts, dtype=torch.int32),
-    )
-
-
-def _runs_to(runs: PagedRuns | None, device: torch.device) -> PagedRuns | None:
-    if runs is None or device.type == "cpu":
-        return runs
-    return PagedRuns(*(t.to(device, non_blocking=True) for t in (runs.block_tables, runs.kv_lens, runs.q_starts)))
+    tensors = (torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32),
+               torch.tensor(kv_lens, dtype=torch.int32), torch.tensor(q_starts, dtype=torch.int32))
+    return PagedRuns(*(t.to(device, non_blocking=True) for t in tensors))
 
 
 def _shared_prefix_blocks(singles: list[ScheduledRequest], kv_lens: list[int], block_size: int) -> int:

@@ -107,7 +107,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
                                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                        const at::Tensor& kv_lens, const at::Tensor& q_starts,
                                                        double scale, bool causal, bool fp32_out);
-bool has_amx_attention();
 
 // elementwise.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,

@@ -214,9 +214,7 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
                                               exp512(_mm512_mul_ps(_mm512_sub_ps(s1, row_max[i]), vscale)));
         // P in two bf16 parts, hi + lo, so the P·V multiply sees the weights to ~16 bits, not 8.
         const __m512bh hi = _mm512_cvtne2ps_pbh(p1, p0);
-        const __m512 hi0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)hi)), 16));
-        const __m512 hi1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)hi, 1)), 16));
-        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, hi1), _mm512_sub_ps(p0, hi0));
+        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, round16_bf16(p1)), _mm512_sub_ps(p0, round16_bf16(p0)));
         row_sum[i] = _mm512_add_ps(row_sum[i], _mm512_add_ps(p0, p1));
         _mm512_store_si512(p_hi + i * kKeys, (__m512i)hi);
         _mm512_store_si512(p_lo + i * kKeys, (__m512i)lo);
@@ -331,8 +329,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
   return {out, lse};
 }
 
-bool has_amx_attention() { return request_amx(); }
-
 #else
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -340,8 +336,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor&, const 
                                                        double, bool, bool) {
   TORCH_CHECK(false, "paged_attention_amx: this build has no AMX");
 }
-
-bool has_amx_attention() { return false; }
 
 #endif
 

@@ -24,7 +24,6 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
         "Tensor q_starts, float scale, bool causal, bool fp32_out) -> (Tensor, Tensor)",
         &kvserve::paged_attention_amx);
-  m.def("has_amx_attention() -> bool", &kvserve::has_amx_attention);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
         &kvserve::paged_decode);
