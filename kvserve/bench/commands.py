@@ -215,7 +215,7 @@ def add_cost_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cost_command(args: argparse.Namespace) -> int:
-    from kvserve import costs
+    from kvserve import costs, model_shape
 
     out: list[str] = []
     if args.measure_peak:
@@ -229,7 +229,7 @@ def run_cost_command(args: argparse.Namespace) -> int:
             raise InvalidRequest("--compare needs --inference-flops-per-day", "inference_flops_per_day")
         out.append(compare_report(args.compare, args.inference_flops_per_day, args.context))
     else:
-        shape = costs.load_model_shape(args.model)
+        shape = model_shape.load_model_shape(args.model)
         hardware = costs.get_hardware(args.hardware) if args.hardware else None
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
         out.append(model_report(shape, args.context, batch_sizes, hardware, args.weight_bytes, args.kv_bytes))
@@ -333,14 +333,14 @@ def format_prices(prices: Any, gpu_hour_price: float, num_gpus: int, rates: tupl
 
 
 def compare_report(models: list[str], flops_per_day: float, context: int) -> str:
-    from kvserve import costs
+    from kvserve import costs, model_shape
 
     lines = [f"tokens served per day for {flops_per_day:.3g} FLOP/day (context {context}):",
              f"  {'model':<16} {'active B':>9} {'GFLOP/prefill tok':>18} {'GFLOP/decode tok':>17} "
              f"{'prefill tok/day':>16} {'decode tok/day':>15}"]
     served = []
     for spec in models:
-        shape = costs.load_model_shape(spec)
+        shape = model_shape.load_model_shape(spec)
         pre = costs.inference_flops_for_tokens(shape, 1, 0, context)
         dec = costs.inference_flops_for_tokens(shape, 0, 1, context)
         served.append((shape.name, flops_per_day / pre, flops_per_day / dec))
@@ -354,9 +354,9 @@ def compare_report(models: list[str], flops_per_day: float, context: int) -> str
 
 def deepseek_v3_report() -> str:
     """DeepSeek-V3's published training cost against its published day of inference."""
-    from kvserve import costs
+    from kvserve import costs, model_shape
 
-    shape = costs.PRESETS["deepseek-v3"]
+    shape = model_shape.PRESETS["deepseek-v3"]
     life = costs.LIFECYCLE_PRESETS["deepseek-v3"]
     h800 = costs.get_hardware("h800")
     train_flops = costs.training_flops(shape, costs.DEEPSEEK_V3_TRAINING_TOKENS)

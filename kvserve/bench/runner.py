@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kvserve import costs
+from kvserve import costs, model_shape
 from kvserve.bench import compute
 from kvserve.bench.client import (
     RequestOptions,
@@ -256,7 +256,7 @@ def _compute_section(config: BenchConfig, models: list[dict[str, Any]], records:
         logger.warning("no model shape for MFU/MBU: pass --model-config (a preset, GGUF or HF directory)")
         return None
     try:
-        shape = costs.load_model_shape(source)
+        shape = model_shape.load_model_shape(source)
     except InvalidRequest as exc:
         logger.warning("cannot read the model shape from %s: %s", source, exc)
         return None

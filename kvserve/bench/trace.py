@@ -1,8 +1,8 @@
 """``kvserve trace``: one request's trip through a kvserve server, drawn as a plain-text timeline.
 
 The request asks for ``return_timings``; the server answers with milliseconds between its pipeline
-stages (see ``kvserve/server/openai_api.py``'s ``_timings``). Stages, on the server's clock from the
-moment the HTTP request was received:
+stages (see ``request_timings`` in ``kvserve/server/request_run.py``). Stages, on the server's clock
+from the moment the HTTP request was received:
 
     tokenize     received → queued (validation, chat template, tokenizing, hand-off to the engine)
     queue        queued → first scheduled

@@ -3,12 +3,13 @@
 One HTTP request becomes one engine request per (prompt, sample)::
 
     POST /v1/chat/completions ── validate (pydantic, SamplingParams) ── chat template ── tokenize
-        ── AsyncEngine.prepare (context check) ── _Run: one AsyncEngine.generate per prompt × n
+        ── AsyncEngine.prepare (context check) ── RequestRun (request_run.py): one AsyncEngine.generate per
+           prompt × n
         ── wait for every engine request's first output (admission errors become 4xx/5xx, not a
            broken stream) ── SSE chunks as outputs arrive, or one JSON body at the end
 
-A client that disconnects (mid-stream or while waiting for a JSON body) cancels its _Run, which closes
-its generators, which aborts its engine requests: their KV blocks are freed at the next engine step.
+A client that disconnects (mid-stream or while waiting for a JSON body) cancels its RequestRun, which
+closes its generators, which aborts its engine requests: their KV blocks are freed at the next step.
 
 Shutdown (SIGTERM or SIGINT): new requests get 503 at once, in-flight ones get ``shutdown_grace_s`` to
 finish and are then aborted (they end with finish_reason "abort"), and the process exits with status 0.
@@ -25,9 +26,7 @@ import secrets
 import signal
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -53,6 +52,7 @@ from kvserve.errors import (
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,184 +64,6 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 class _ClientGone(Exception):
     """The client disconnected before its response was ready."""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The engine requests behind one HTTP request
-# ---------------------------------------------------------------------------------------------------------
-@dataclass(slots=True, eq=False)
-class _Child:
-    """One engine request: prompt ``prompt_index``, sample ``index`` (the choice index) of the response."""
-
-    index: int
-    prompt_index: int
-    request_id: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    prompt: str | None
-    last: RequestOutput | None = None
-    submitted: bool = False  # reached the engine (so an early exit aborts it there)
-    finished: bool = False
-    num_chars_sent: int = 0  # completions logprobs: text_offset of the next streamed token
-
-
-class _Run:
-    """Starts the engine requests of one HTTP request and merges their outputs into one stream.
-
-    Each engine request's async generator is driven by a pump task that copies its outputs into one
-    queue. ``close()`` is synchronous on purpose: it runs in ``finally`` blocks of cancelled tasks, where
-    an await would be cancelled again. Cancelling a pump raises CancelledError inside its generator, whose
-    ``finally`` aborts the engine request.
-    """
-
-    def __init__(self, state: _AppState, children: list[_Child], received_at: float) -> None:
-        self.state = state
-        self.children = children
-        self.received_at = received_at
-        self._queue: asyncio.Queue[tuple[_Child, RequestOutput | BaseException]] = asyncio.Queue()
-        self._primed: deque[tuple[_Child, RequestOutput]] = deque()  # first outputs, already observed
-        self._pumps: list[asyncio.Task[None]] = []
-        self._closed = False
-
-    async def start(self) -> None:
-        """Admit every engine request and wait for each one's first output; raise the first error."""
-        engine = self.state.engine
-        self.state.runs.add(self)
-        gens = [engine.generate(c.prompt_token_ids, c.params, c.request_id, c.prompt) for c in self.children]
-        try:
-            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
-        except BaseException:  # cancelled (client gone): gather cancelled each generator, which aborted
-            for child in self.children:
-                child.submitted = True
-            self.close()
-            raise
-        for child, first in zip(self.children, firsts, strict=True):
-            if isinstance(first, RequestOutput):
-                child.submitted = True
-                self._observe(child, first)
-                self._primed.append((child, first))
-        errors = [r for r in firsts if isinstance(r, BaseException)]
-        if errors:
-            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)  # aborts the admitted
-            self.close()
-            error = next((e for e in errors if isinstance(e, KVServeError)), errors[0])
-            if isinstance(error, StopAsyncIteration):
-                raise RuntimeError("an engine request ended without output")
-            raise error
-        # A pump per request, also for one already finished: it lets the generator run to its end.
-        self._pumps = [asyncio.create_task(self._pump(child, gen)) for child, gen in zip(self.children, gens,
-                                                                                          strict=True)]
-
-    async def _pump(self, child: _Child, gen: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in gen:
-                self._queue.put_nowait((child, output))
-        except Exception as exc:  # EngineDeadError, or the request's own error: the consumer raises it
-            self._queue.put_nowait((child, exc))
-
-    @property
-    def done(self) -> bool:
-        """Every engine request has finished (its final output may still be waiting to be read)."""
-        return all(c.finished for c in self.children)
-
-    @property
-    def exhausted(self) -> bool:
-        """Finished, and every output read: the next ``next()`` returns None."""
-        return self.done and not self._primed
-
-    async def next(self) -> tuple[_Child, RequestOutput] | None:
-        """The next output of any engine request, or None once all have finished."""
-        if self._primed:
-            return self._primed.popleft()
-        if self.done:
-            return None
-        child, item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        self._observe(child, item)
-        return child, item
-
-    async def wait(self) -> None:
-        while await self.next() is not None:
-            pass
-
-    def _observe(self, child: _Child, output: RequestOutput) -> None:
-        metrics = self.state.metrics
-        if child.last is None:
-            metrics.observe_admitted(len(output.prompt_token_ids), output.num_cached_tokens)
-        child.last = output
-        if output.finished and not child.finished:
-            child.finished = True
-            completion = output.outputs[0]
-            metrics.observe_finished(completion.finish_reason or "stop", len(completion.token_ids), output.metrics)
-
-    def abort(self) -> None:
-        """Ask the engine to end every unfinished request; each stream then ends with finish_reason abort."""
-        for child in self.children:
-            if not child.finished:
-                self.state.engine.abort(child.request_id)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for pump in self._pumps:
-            pump.cancel()
-        for child in self.children:
-            if child.submitted and not child.finished:
-                child.finished = True
-                num_tokens = len(child.last.outputs[0].token_ids) if child.last is not None else 0
-                self.state.metrics.observe_finished("abort", num_tokens, None)
-        self.state.runs.discard(self)
-
-    # --- what the response reports ----------------------------------------------------------------------
-    def usage(self) -> p.Usage:
-        """Prompt tokens once per prompt (as OpenAI counts n > 1); cached tokens of each prompt's first sample."""
-        firsts = {c.prompt_index: c for c in reversed(self.children)}
-        prompt_tokens = sum(len(c.prompt_token_ids) for c in firsts.values())
-        cached = sum(c.last.num_cached_tokens for c in firsts.values() if c.last is not None)
-        completion = sum(len(c.last.outputs[0].token_ids) for c in self.children if c.last is not None)
-        return p.Usage.of(prompt_tokens, completion, cached)
-
-    def timings(self) -> dict[str, Any]:
-        """Choice 0's trip through the pipeline; with several choices, each one's under "choices"."""
-        each = [_timings(c, self.received_at) for c in self.children]
-        result = dict(each[0])
-        if len(each) > 1:
-            result["choices"] = each
-        return result
-
-
-def _timings(child: _Child, received_at: float) -> dict[str, Any]:
-    """Milliseconds between the stages of one engine request (None for a stage it never reached)."""
-    assert child.last is not None
-    m = child.last.metrics
-
-    def ms(start: float | None, end: float | None) -> float | None:
-        return None if start is None or end is None else round((end - start) * 1e3, 3)
-
-    num_output = len(child.last.outputs[0].token_ids)
-    return {
-        "index": child.index,
-        "received_to_queued_ms": ms(received_at, m.arrival_time),  # validation, tokenizing, hand-off
-        "queued_ms": ms(m.arrival_time, m.first_scheduled_time),
-        "cache_lookup": {
-            "prompt_tokens": len(child.prompt_token_ids),
-            "cached_tokens": m.num_cached_tokens,
-            "cached_tokens_by_tier": dict(m.cached_tokens_by_tier),
-        },
-        "prefill": {
-            "tokens_computed": m.num_prefill_tokens_computed,
-            "chunks": m.num_prefill_chunks,
-            "ms": ms(m.first_scheduled_time, m.first_token_time),
-        },
-        "first_token_ms": ms(m.arrival_time, m.first_token_time),
-        "decode": {"steps": m.num_decode_steps, "tokens": max(0, num_output - 1),
-                   "ms": ms(m.first_token_time, m.last_token_time)},
-        "finished_ms": ms(m.arrival_time, m.finished_time),
-        "preemptions": m.num_preemptions,
-        "finish_reason": child.last.outputs[0].finish_reason,
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,7 +79,7 @@ class _AppState:
         self.max_model_len = max_model_len
         self.model_root = model_root
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
-        self.runs: set[_Run] = set()
+        self.runs: set[RequestRun] = set()
         self.draining = False
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
@@ -301,11 +123,11 @@ class _AppState:
                       received_at: float) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         children = [
-            _Child(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
+            EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
             for i, (ids, text) in enumerate(prompts)
             for j, child_params in enumerate(expand_n(params))
         ]
-        run = _Run(self, children, received_at)
+        run = RequestRun(self.engine, self.metrics, self.runs, children, received_at)
         try:
             await _until_disconnected(http, run.start())
         except _ClientGone:
@@ -328,7 +150,7 @@ class _AppState:
             response.timings = run.timings()
         return Response(response.to_json(), media_type="application/json")
 
-    def _full_response(self, run: _Run, body: Any, chat: bool, head: dict[str, Any]) -> p._Response:
+    def _full_response(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any]) -> p._Response:
         usage = run.usage()
         if chat:
             choices = []
@@ -348,7 +170,7 @@ class _AppState:
                                                          finish_reason=completion.finish_reason))
         return p.CompletionResponse(**head, choices=completion_choices, usage=usage)
 
-    async def _stream(self, run: _Run, body: Any, chat: bool, head: dict[str, Any],
+    async def _stream(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
                       want_timings: bool) -> AsyncIterator[str]:
         chunk_type = p.ChatCompletionChunk if chat else p.CompletionResponse
         try:
@@ -378,7 +200,7 @@ class _AppState:
         finally:
             run.close()
 
-    def _chunk_choice(self, child: _Child, output: RequestOutput, body: Any, chat: bool) -> Any:
+    def _chunk_choice(self, child: EngineRequest, output: RequestOutput, body: Any, chat: bool) -> Any:
         """The streamed choice for one output, or None when it carries nothing (text held back)."""
         completion = output.outputs[0]
         num_tokens = len(completion.token_ids)
@@ -397,14 +219,14 @@ class _AppState:
         return p.CompletionChoice(index=child.index, text=output.delta_text, logprobs=logprobs, finish_reason=finish)
 
     # --- logprobs: entries [start, end) of the child's output tokens ---------------------------------------
-    def _token_logprobs(self, child: _Child, start: int, end: int) -> list[tuple[int, dict[int, float]]]:
+    def _token_logprobs(self, child: EngineRequest, start: int, end: int) -> list[tuple[int, dict[int, float]]]:
         assert child.last is not None
         completion = child.last.outputs[0]
         entries = completion.logprobs or []
         # The engine appends to ``entries`` as it samples; positions below len(token_ids) are final.
         return [(completion.token_ids[i], entries[i] if i < len(entries) else {}) for i in range(start, end)]
 
-    def _chat_logprobs(self, child: _Child, start: int, end: int, num_top: int) -> p.ChatLogprobs | None:
+    def _chat_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int) -> p.ChatLogprobs | None:
         if child.params.logprobs is None:
             return None
         content = []
@@ -416,7 +238,7 @@ class _AppState:
                                           bytes=list(text.encode()), top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
-    def _completion_logprobs(self, child: _Child, start: int, end: int, num_top: int | None,
+    def _completion_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int | None,
                              offset: int) -> p.CompletionLogprobs | None:
         if child.params.logprobs is None:
             return None

@@ -1,0 +1,198 @@
+"""The engine requests behind one HTTP request: one per (prompt, sample), started together, their outputs
+merged into one stream, and what the response reports about them (usage, per-request pipeline timings).
+
+A client that disconnects cancels its RequestRun, which closes its generators, which aborts its engine
+requests: their KV blocks are freed at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.async_engine import AsyncEngine
+from kvserve.errors import KVServeError
+from kvserve.request import RequestOutput, SamplingParams
+from kvserve.server import protocol as p
+from kvserve.server.metrics import ServerMetrics
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    """One engine request: prompt ``prompt_index``, sample ``index`` (the choice index) of the response."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    prompt: str | None
+    last: RequestOutput | None = None
+    submitted: bool = False  # reached the engine (so an early exit aborts it there)
+    finished: bool = False
+    num_chars_sent: int = 0  # completions logprobs: text_offset of the next streamed token
+
+
+class RequestRun:
+    """Starts the engine requests of one HTTP request and merges their outputs into one stream.
+
+    Each engine request's async generator is driven by a pump task that copies its outputs into one
+    queue. ``close()`` is synchronous on purpose: it runs in ``finally`` blocks of cancelled tasks, where
+    an await would be cancelled again. Cancelling a pump raises CancelledError inside its generator, whose
+    ``finally`` aborts the engine request.
+    """
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, registry: set[RequestRun],
+                 children: list[EngineRequest], received_at: float) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.registry = registry  # the server's in-flight runs: a run is in it from start() to close()
+        self.children = children
+        self.received_at = received_at
+        self._queue: asyncio.Queue[tuple[EngineRequest, RequestOutput | BaseException]] = asyncio.Queue()
+        self._primed: deque[tuple[EngineRequest, RequestOutput]] = deque()  # first outputs, already observed
+        self._pumps: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def start(self) -> None:
+        """Admit every engine request and wait for each one's first output; raise the first error."""
+        engine = self.engine
+        self.registry.add(self)
+        gens = [engine.generate(c.prompt_token_ids, c.params, c.request_id, c.prompt) for c in self.children]
+        try:
+            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        except BaseException:  # cancelled (client gone): gather cancelled each generator, which aborted
+            for child in self.children:
+                child.submitted = True
+            self.close()
+            raise
+        for child, first in zip(self.children, firsts, strict=True):
+            if isinstance(first, RequestOutput):
+                child.submitted = True
+                self._observe(child, first)
+                self._primed.append((child, first))
+        errors = [r for r in firsts if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)  # aborts the admitted
+            self.close()
+            error = next((e for e in errors if isinstance(e, KVServeError)), errors[0])
+            if isinstance(error, StopAsyncIteration):
+                raise RuntimeError("an engine request ended without output")
+            raise error
+        # A pump per request, also for one already finished: it lets the generator run to its end.
+        self._pumps = [asyncio.create_task(self._pump(child, gen)) for child, gen in zip(self.children, gens,
+                                                                                          strict=True)]
+
+    async def _pump(self, child: EngineRequest, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in gen:
+                self._queue.put_nowait((child, output))
+        except Exception as exc:  # EngineDeadError, or the request's own error: the consumer raises it
+            self._queue.put_nowait((child, exc))
+
+    @property
+    def done(self) -> bool:
+        """Every engine request has finished (its final output may still be waiting to be read)."""
+        return all(c.finished for c in self.children)
+
+    @property
+    def exhausted(self) -> bool:
+        """Finished, and every output read: the next ``next()`` returns None."""
+        return self.done and not self._primed
+
+    async def next(self) -> tuple[EngineRequest, RequestOutput] | None:
+        """The next output of any engine request, or None once all have finished."""
+        if self._primed:
+            return self._primed.popleft()
+        if self.done:
+            return None
+        child, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        self._observe(child, item)
+        return child, item
+
+    async def wait(self) -> None:
+        while await self.next() is not None:
+            pass
+
+    def _observe(self, child: EngineRequest, output: RequestOutput) -> None:
+        metrics = self.metrics
+        if child.last is None:
+            metrics.observe_admitted(len(output.prompt_token_ids), output.num_cached_tokens)
+        child.last = output
+        if output.finished and not child.finished:
+            child.finished = True
+            completion = output.outputs[0]
+            metrics.observe_finished(completion.finish_reason or "stop", len(completion.token_ids), output.metrics)
+
+    def abort(self) -> None:
+        """Ask the engine to end every unfinished request; each stream then ends with finish_reason abort."""
+        for child in self.children:
+            if not child.finished:
+                self.engine.abort(child.request_id)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pump in self._pumps:
+            pump.cancel()
+        for child in self.children:
+            if child.submitted and not child.finished:
+                child.finished = True
+                num_tokens = len(child.last.outputs[0].token_ids) if child.last is not None else 0
+                self.metrics.observe_finished("abort", num_tokens, None)
+        self.registry.discard(self)
+
+    # --- what the response reports ----------------------------------------------------------------------
+    def usage(self) -> p.Usage:
+        """Prompt tokens once per prompt (as OpenAI counts n > 1); cached tokens of each prompt's first sample."""
+        firsts = {c.prompt_index: c for c in reversed(self.children)}
+        prompt_tokens = sum(len(c.prompt_token_ids) for c in firsts.values())
+        cached = sum(c.last.num_cached_tokens for c in firsts.values() if c.last is not None)
+        completion = sum(len(c.last.outputs[0].token_ids) for c in self.children if c.last is not None)
+        return p.Usage.of(prompt_tokens, completion, cached)
+
+    def timings(self) -> dict[str, Any]:
+        """Choice 0's trip through the pipeline; with several choices, each one's under "choices"."""
+        each = [request_timings(c, self.received_at) for c in self.children]
+        result = dict(each[0])
+        if len(each) > 1:
+            result["choices"] = each
+        return result
+
+
+def request_timings(child: EngineRequest, received_at: float) -> dict[str, Any]:
+    """Milliseconds between the stages of one engine request (None for a stage it never reached)."""
+    assert child.last is not None
+    m = child.last.metrics
+
+    def ms(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else round((end - start) * 1e3, 3)
+
+    num_output = len(child.last.outputs[0].token_ids)
+    return {
+        "index": child.index,
+        "received_to_queued_ms": ms(received_at, m.arrival_time),  # validation, tokenizing, hand-off
+        "queued_ms": ms(m.arrival_time, m.first_scheduled_time),
+        "cache_lookup": {
+            "prompt_tokens": len(child.prompt_token_ids),
+            "cached_tokens": m.num_cached_tokens,
+            "cached_tokens_by_tier": dict(m.cached_tokens_by_tier),
+        },
+        "prefill": {
+            "tokens_computed": m.num_prefill_tokens_computed,
+            "chunks": m.num_prefill_chunks,
+            "ms": ms(m.first_scheduled_time, m.first_token_time),
+        },
+        "first_token_ms": ms(m.arrival_time, m.first_token_time),
+        "decode": {"steps": m.num_decode_steps, "tokens": max(0, num_output - 1),
+                   "ms": ms(m.first_token_time, m.last_token_time)},
+        "finished_ms": ms(m.arrival_time, m.finished_time),
+        "preemptions": m.num_preemptions,
+        "finish_reason": child.last.outputs[0].finish_reason,
+    }
