@@ -3,10 +3,11 @@
 //
 // K/V are read from the paged cache in place. A work item is (span, KV head, up to kTilesPerItem tiles of
 // 16 query rows); it packs the keys it needs once into the tile layouts, then runs an exact two-pass
-// softmax per row tile: pass 1 finds each row's largest score; pass 2 accumulates exp(s - max) · V in four
-// tile registers that stay put until the last key. The weights exp(s - max) go to the multiply as two bf16
-// parts (hi + lo), so they keep ~16 bits; one bf16 part (8 bits) drifts greedy text on the real model. The query rows of a KV head are its (token, group head)
-// pairs, so grouped-query attention reads each key once for the whole group.
+// softmax per row tile: pass 1 computes every score once into a buffer and finds each row's largest;
+// pass 2 turns the buffered scores into weights exp(s - max) and accumulates weights · V in four tile
+// registers that stay put until the last key. The weights go to the multiply as two bf16 parts (hi + lo),
+// so they keep ~16 bits; one bf16 part (8 bits) drifts greedy text on the real model. The query rows of a
+// KV head are its (token, group head) pairs, so grouped-query attention reads each key once for the group.
 
 #include "common.h"
 
@@ -19,7 +20,7 @@ namespace {
 constexpr int64_t kDim = 64;         // head size this kernel handles (two 32-deep tile steps for Q·K^T)
 constexpr int64_t kRows = 16;        // query rows per tile
 constexpr int64_t kKeys = 32;        // keys per pass-2 step: the depth of one P·V tile multiply
-constexpr int64_t kTilesPerItem = 8; // row tiles that share one packing of the keys
+constexpr int64_t kTilesPerItem = 24;  // most row tiles that share one packing of the keys
 
 struct WorkItem {
   int64_t span, head, first_row, num_rows;
@@ -96,8 +97,8 @@ void pack_keys(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* 
 }
 
 void configure_tiles() {
-  // Every tile is 16 rows x 64 bytes: tmm0 A (Q half or P hi), tmm1 B (K^T or V), tmm2-3 S (then P lo, V),
-  // tmm4-7 O.
+  // Every tile is 16 rows x 64 bytes. Pass 1: tmm0-1 Q, tmm2-3 K^T, tmm4-7 two S pairs. Pass 2: tmm0 P hi,
+  // tmm2 P lo, tmm1 and tmm3 V, tmm4-7 O.
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
@@ -108,26 +109,30 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// S for keys k0..k0+31 (tmm2: the first 16, tmm3), two 32-deep steps over the head dims, stored to
-// sbuf [16 rows][32 keys] fp32.
-inline void scores(const uint16_t* qbuf, const uint32_t* kt, int64_t k0, float* sbuf) {
-  _tile_zero(2);
-  _tile_zero(3);
-  const uint32_t* k_first = kt + k0 * (kDim / 2);
-  const uint32_t* k_second = k_first + 16 * (kDim / 2);
-  _tile_loadd(0, qbuf, kDim * 2);                 // Q dims 0-31
-  _tile_loadd(1, k_first, 64);
-  _tile_dpbf16ps(2, 0, 1);
-  _tile_loadd(1, k_second, 64);
-  _tile_dpbf16ps(3, 0, 1);
-  _tile_loadd(0, qbuf + 32, kDim * 2);            // Q dims 32-63
-  _tile_loadd(1, k_first + 256, 64);
-  _tile_dpbf16ps(2, 0, 1);
-  _tile_loadd(1, k_second + 256, 64);
-  _tile_dpbf16ps(3, 0, 1);
-  _tile_stored(2, sbuf, kKeys * 4);
-  _tile_stored(3, sbuf + 16, kKeys * 4);
-}
+// S for keys k0..k0+31 of one row tile into tiles SA (the first 16 keys) and SB, stored to s [16 rows][ld]
+// fp32 at column k0. Q stays in tmm0 (dims 0-31) and tmm1 (dims 32-63); the key tiles alternate between
+// tmm2 and tmm3, and callers alternate the S pair, so consecutive steps do not wait on each other. (A
+// macro: the tile intrinsics take register numbers as literal tokens.)
+#define KVSERVE_SCORE_TILES(NAME, SA, SB)                                   \
+  inline void NAME(const uint32_t* kt, int64_t k0, float* s, int64_t ld) { \
+    const uint32_t* k_first = kt + k0 * (kDim / 2);                         \
+    const uint32_t* k_second = k_first + 16 * (kDim / 2);                   \
+    _tile_zero(SA);                                                         \
+    _tile_zero(SB);                                                         \
+    _tile_loadd(2, k_first, 64);                                            \
+    _tile_dpbf16ps(SA, 0, 2);                                               \
+    _tile_loadd(3, k_second, 64);                                           \
+    _tile_dpbf16ps(SB, 0, 3);                                               \
+    _tile_loadd(2, k_first + 256, 64);                                      \
+    _tile_dpbf16ps(SA, 1, 2);                                               \
+    _tile_loadd(3, k_second + 256, 64);                                     \
+    _tile_dpbf16ps(SB, 1, 3);                                               \
+    _tile_stored(SA, s + k0, ld * 4);                                       \
+    _tile_stored(SB, s + k0 + 16, ld * 4);                                  \
+  }
+KVSERVE_SCORE_TILES(score_tiles_45, 4, 5)
+KVSERVE_SCORE_TILES(score_tiles_67, 6, 7)
+#undef KVSERVE_SCORE_TILES
 
 // Bit i set: key k0 + i is visible to a row at position pos (keys 0..pos are).
 inline uint32_t visible(int64_t pos, int64_t k0) {
@@ -139,7 +144,16 @@ inline uint32_t visible(int64_t pos, int64_t k0) {
 
 struct Scratch {
   std::vector<uint32_t> kt, vt;
+  std::vector<float> scores;  // one row tile's scores against all its keys: [16 rows][padded keys]
 };
+
+// Word j of the result is the high half (the truncated bf16) of lane j of a for j < 16, of lane j - 16 of b
+// after that: the hi parts of 32 weights in key order.
+inline __m512i high_halves_index() {
+  alignas(64) uint16_t idx[32];
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<uint16_t>(j < 16 ? 2 * j + 1 : 32 + 2 * (j - 16) + 1);
+  return _mm512_load_si512(idx);
+}
 
 template <typename Out>
 void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_stride, int64_t num_heads, int64_t group, int64_t q_start,
@@ -153,16 +167,22 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
   const int64_t padded = (num_keys + kKeys - 1) / kKeys * kKeys;
   scratch.kt.resize(padded * kDim / 2);
   scratch.vt.resize(padded * kDim / 2);
+  scratch.scores.resize(kRows * padded);
   pack_keys(k_cache, v_cache, blocks, block_size, kv_heads * kDim, item.head,
             num_keys, scratch.kt.data(), scratch.vt.data());
+  float* const sc = scratch.scores.data();
+  const int64_t ld = padded;
 
   alignas(64) uint16_t qbuf[kRows * kDim];
-  alignas(64) float sbuf[kRows * kKeys];
-  alignas(64) uint16_t p_hi[kRows * kKeys];
-  alignas(64) uint16_t p_lo[kRows * kKeys];
+  alignas(64) uint16_t p_hi[2][kRows * kKeys];  // two buffers, so one step's weights can be computed
+  alignas(64) uint16_t p_lo[2][kRows * kKeys];  // while the previous step's multiplies still run
   alignas(64) float obuf[kRows * kDim];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 vscale = _mm512_set1_ps(scale);
+  // exp((s - max) * scale) = 2^(s * c - max * c): one FMA per 16 scores before the exp2.
+  const float c = scale * 1.44269504088896341f;
+  const __m512 vc = _mm512_set1_ps(c);
+  const __m512i hi_index = high_halves_index();
+  const __m512 hi_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0xFFFF0000));
   for (int64_t r0 = item.first_row; r0 <= last_row; r0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, last_row + 1 - r0);
     int64_t pos[kRows];
@@ -177,53 +197,78 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
     }
     const int64_t tile_keys = pos[kRows - 1] + 1;  // positions grow with the row
     const int64_t first_masked = pos[0] + 1;        // keys below this are visible to every row
+    const int64_t last_k0 = (tile_keys - 1) / kKeys * kKeys;
 
-    // Pass 1: each row's largest visible score.
+    // Pass 1: every score, once, into the buffer; each row's largest visible one. The max of a step is
+    // taken kLag steps behind its multiplies so the vector loads do not wait on tile stores in flight.
+    constexpr int64_t kLag = 2;
     __m512 vmax[kRows];
     for (int64_t i = 0; i < kRows; ++i) vmax[i] = neg_inf;
-    for (int64_t k0 = 0; k0 < tile_keys; k0 += kKeys) {
-      scores(qbuf, scratch.kt.data(), k0, sbuf);
+    auto fold_max = [&](int64_t k0) {
       const bool masked = k0 + kKeys > first_masked;
       for (int64_t i = 0; i < kRows; ++i) {
         const uint32_t vis = masked ? visible(pos[i], k0) : 0xFFFFFFFFu;
-        vmax[i] = _mm512_mask_max_ps(vmax[i], static_cast<__mmask16>(vis), vmax[i], _mm512_load_ps(sbuf + i * kKeys));
-        vmax[i] = _mm512_mask_max_ps(vmax[i], static_cast<__mmask16>(vis >> 16), vmax[i],
-                                     _mm512_load_ps(sbuf + i * kKeys + 16));
+        const float* row = sc + i * ld + k0;
+        vmax[i] = _mm512_mask_max_ps(vmax[i], static_cast<__mmask16>(vis), vmax[i], _mm512_loadu_ps(row));
+        vmax[i] = _mm512_mask_max_ps(vmax[i], static_cast<__mmask16>(vis >> 16), vmax[i], _mm512_loadu_ps(row + 16));
       }
+    };
+    _tile_loadd(0, qbuf, kDim * 2);
+    _tile_loadd(1, qbuf + 32, kDim * 2);
+    for (int64_t k0 = 0; k0 <= last_k0; k0 += kKeys) {
+      if ((k0 / kKeys) & 1)
+        score_tiles_67(scratch.kt.data(), k0, sc, ld);
+      else
+        score_tiles_45(scratch.kt.data(), k0, sc, ld);
+      if (k0 >= kLag * kKeys) fold_max(k0 - kLag * kKeys);
     }
-    __m512 row_max[kRows], row_sum[kRows];
+    for (int64_t k0 = std::max<int64_t>(0, last_k0 - (kLag - 1) * kKeys); k0 <= last_k0; k0 += kKeys) fold_max(k0);
+    __m512 max_c[kRows], row_sum[kRows];
+    float row_max[kRows];
     for (int64_t i = 0; i < kRows; ++i) {
-      row_max[i] = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[i]));
+      row_max[i] = _mm512_reduce_max_ps(vmax[i]);
+      max_c[i] = _mm512_set1_ps(row_max[i] * c);
       row_sum[i] = _mm512_setzero_ps();
     }
 
-    // Pass 2: O = sum over keys of exp((s - max) * scale) * V, in tiles 4-7.
+    // Pass 2: O = sum over keys of exp((s - max) * scale) * V, in tiles 4-7. Software-pipelined: the
+    // weights of step j + 1 are computed before step j's multiplies are issued, so the tile loads never
+    // wait on vector stores still in flight, and the vector work overlaps the tile multiplies.
+    auto weights = [&](int64_t k0) {
+      const bool masked = k0 + kKeys > first_masked;
+      uint16_t* hi_buf = p_hi[(k0 / kKeys) & 1];
+      uint16_t* lo_buf = p_lo[(k0 / kKeys) & 1];
+      for (int64_t i = 0; i < kRows; ++i) {
+        const float* row = sc + i * ld + k0;
+        __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(row), vc, max_c[i]));
+        __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(row + 16), vc, max_c[i]));
+        if (masked) {
+          const uint32_t vis = visible(pos[i], k0);
+          p0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(vis), p0);
+          p1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(vis >> 16), p1);
+        }
+        // P in two bf16 parts so the P·V multiply sees the weights to ~16 bits, not 8: hi is the weight
+        // truncated to bf16 (its high half), lo the exact remainder rounded to bf16.
+        const __m512i hi = _mm512_permutex2var_epi16(_mm512_castps_si512(p0), hi_index, _mm512_castps_si512(p1));
+        const __m512 rest0 = _mm512_sub_ps(p0, _mm512_and_ps(p0, hi_bits));
+        const __m512 rest1 = _mm512_sub_ps(p1, _mm512_and_ps(p1, hi_bits));
+        row_sum[i] = _mm512_add_ps(row_sum[i], _mm512_add_ps(p0, p1));
+        _mm512_store_si512(hi_buf + i * kKeys, hi);
+        _mm512_store_si512(lo_buf + i * kKeys, (__m512i)_mm512_cvtne2ps_pbh(rest1, rest0));
+      }
+    };
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    for (int64_t k0 = 0; k0 < tile_keys; k0 += kKeys) {
-      scores(qbuf, scratch.kt.data(), k0, sbuf);
-      const bool masked = k0 + kKeys > first_masked;
-      for (int64_t i = 0; i < kRows; ++i) {
-        const uint32_t vis = masked ? visible(pos[i], k0) : 0xFFFFFFFFu;
-        const __m512 s0 = _mm512_load_ps(sbuf + i * kKeys), s1 = _mm512_load_ps(sbuf + i * kKeys + 16);
-        const __m512 p0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(vis),
-                                              exp512(_mm512_mul_ps(_mm512_sub_ps(s0, row_max[i]), vscale)));
-        const __m512 p1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(vis >> 16),
-                                              exp512(_mm512_mul_ps(_mm512_sub_ps(s1, row_max[i]), vscale)));
-        // P in two bf16 parts, hi + lo, so the P·V multiply sees the weights to ~16 bits, not 8.
-        const __m512bh hi = _mm512_cvtne2ps_pbh(p1, p0);
-        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, round16_bf16(p1)), _mm512_sub_ps(p0, round16_bf16(p0)));
-        row_sum[i] = _mm512_add_ps(row_sum[i], _mm512_add_ps(p0, p1));
-        _mm512_store_si512(p_hi + i * kKeys, (__m512i)hi);
-        _mm512_store_si512(p_lo + i * kKeys, (__m512i)lo);
-      }
+    weights(0);
+    for (int64_t k0 = 0; k0 <= last_k0; k0 += kKeys) {
+      if (k0 < last_k0) weights(k0 + kKeys);
       const uint32_t* v = scratch.vt.data() + k0 * kDim / 2;
-      // V chunks alternate between tmm1 and tmm3 (free once S is stored), so consecutive multiplies
-      // accumulate into different tiles instead of waiting on each other.
-      _tile_loadd(0, p_hi, kKeys * 2);
-      _tile_loadd(2, p_lo, kKeys * 2);
+      // V chunks alternate between tmm1 and tmm3 so consecutive multiplies accumulate into different
+      // tiles instead of waiting on each other.
+      _tile_loadd(0, p_hi[(k0 / kKeys) & 1], kKeys * 2);
+      _tile_loadd(2, p_lo[(k0 / kKeys) & 1], kKeys * 2);
       _tile_loadd(1, v, 64);
       _tile_loadd(3, v + 256, 64);
       _tile_dpbf16ps(4, 0, 1);
@@ -247,14 +292,14 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
       const int64_t index = (q_start + r / group) * num_heads + item.head * group + r % group;
       const float total = _mm512_reduce_add_ps(row_sum[i]);
       const __m512 inv = _mm512_set1_ps(1.f / total);
-      for (int64_t c = 0; c < kDim / 16; ++c) {
-        const __m512 o = _mm512_mul_ps(_mm512_load_ps(obuf + i * kDim + 16 * c), inv);
+      for (int64_t d = 0; d < kDim / 16; ++d) {
+        const __m512 o = _mm512_mul_ps(_mm512_load_ps(obuf + i * kDim + 16 * d), inv);
         if constexpr (std::is_same_v<Out, float>)
-          _mm512_storeu_ps(out + index * kDim + 16 * c, o);
+          _mm512_storeu_ps(out + index * kDim + 16 * d, o);
         else
-          store16_bf16(out + index * kDim + 16 * c, o);
+          store16_bf16(out + index * kDim + 16 * d, o);
       }
-      lse[index] = _mm512_cvtss_f32(row_max[i]) * scale + std::log(total);
+      lse[index] = row_max[i] * scale + std::log(total);
     }
   }
 }
@@ -297,9 +342,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
                     (!causal || q_len <= lens[s]),
                 "paged_attention_amx: span ", s, " has ", q_len, " queries and ", lens[s], " keys");
     const int64_t rows = q_len * group;
+    // The rows of a (span, head) split into near-equal items of whole tiles, at most kTilesPerItem each.
+    const int64_t tiles = (rows + kRows - 1) / kRows;
+    const int64_t num_items = (tiles + kTilesPerItem - 1) / kTilesPerItem;
     for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t r = 0; r < rows; r += kRows * kTilesPerItem)
-        items.push_back({s, h, r, std::min<int64_t>(kRows * kTilesPerItem, rows - r)});
+      for (int64_t k = 0, r = 0; k < num_items; ++k) {
+        const int64_t end = std::min(rows, (tiles * (k + 1) / num_items) * kRows);
+        items.push_back({s, h, r, end - r});
+        r = end;
+      }
   }
   at::Tensor out = at::empty({q.size(0), num_heads, kDim}, q.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   at::Tensor lse = at::empty({q.size(0), num_heads}, q.options().dtype(at::kFloat));
