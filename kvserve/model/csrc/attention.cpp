@@ -208,8 +208,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, B * H * S, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+  parallel_claim(B * H * S, [&](auto&& claim) {
+    for (int64_t i; (i = claim()) >= 0;) {
       const int64_t b = i / (H * S), h = (i / S) % H, split = i % S;
       const int64_t begin = split * split_size, end = std::min<int64_t>(lens[b], begin + split_size);
       float* acc = part_acc.data() + i * G * D;

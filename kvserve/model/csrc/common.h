@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,22 @@
 #endif
 
 namespace kvserve {
+
+// Runs worker(claim) once on each of torch's intra-op threads; claim() hands out the indices 0..n-1 one at
+// a time and returns -1 when none is left. at::parallel_for splits a range statically, so a thread that
+// loses its core to another process (the HTTP server, a client) holds up the whole region for its share;
+// with claiming, the other threads take that share over.
+template <typename Worker>
+inline void parallel_claim(int64_t n, const Worker& worker) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  auto claim = [&]() -> int64_t {
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { worker(claim); });
+}
 
 inline float bf16_to_float(uint16_t bits) {
   uint32_t u = static_cast<uint32_t>(bits) << 16;

@@ -360,10 +360,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   float* lp = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  parallel_claim(static_cast<int64_t>(items.size()), [&](auto&& claim) {
     configure_tiles();
     Scratch scratch;
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; (i = claim()) >= 0;) {
       const WorkItem& item = items[i];
       const int64_t s = item.span;
       const int64_t q_len = starts[s + 1] - starts[s];

@@ -190,7 +190,7 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
   // weight tiles in 6, 7. A task is four n-blocks of the output; rows go through in chunks of 32, so a
   // task's weight tiles are read from memory once and from cache for the later chunks.
   const int64_t tasks = (NB + 3) / 4;
-  at::parallel_for(0, tasks, 4, [&](int64_t t0, int64_t t1) {
+  parallel_claim(tasks, [&](auto&& claim) {
     int64_t configured_rows = -1;
     alignas(64) float cbuf[16 * 16];
     auto configure = [&](int64_t mc) {
@@ -233,7 +233,7 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
 #endif
     };
     auto tile_at = [&](int64_t nb, int64_t kb) { return wp + (nb * KB + kb) * kAmxK * kAmxN; };
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t; (t = claim()) >= 0;) {
       const int64_t nb0 = t * 4;
       const int64_t nbs = std::min<int64_t>(4, NB - nb0);
       // n-blocks past the end of N are clamped to a valid tile; their accumulators are never stored.
