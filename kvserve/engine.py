@@ -21,6 +21,7 @@ from kvserve.cache.tiers import TieredKVStore
 from kvserve.config import ArchConfig, EngineConfig, StorageConfig
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
+from kvserve.model.ops import select_argmax
 from kvserve.model.registry import build_model
 from kvserve.request import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
 from kvserve.runner.device import resolve_device, resolve_dtype
@@ -87,7 +88,8 @@ class Engine:
         self.tiers = self._build_tiers(config.storage, kv_caches)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, Sampler(self.arch.vocab_size, mc.seed))
+        sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=select_argmax(self.device, mc.cpu_kernels))
+        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, sampler)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))

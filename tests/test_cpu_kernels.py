@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention import AttentionMetadata, CpuKernelPagedAttention, TorchPagedAttention
+from kvserve.model.attention import (
+    AttentionMetadata,
+    CpuKernelPagedAttention,
+    TorchPagedAttention,
+    merge_by_lse,
+)
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.ops import AmxLinear, DecodeRows, torch_add_rms_norm, torch_silu_mul
 
@@ -276,3 +281,40 @@ def test_kernel_backend_mixed_step_matches_torch_backend() -> None:
     assert backend.amx
     got = backend.forward(q, k, v, cache.clone(), inputs.attn)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_equals_torch_argmax(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 1000, generator=gen).to(dtype)
+    x[1, 17] = x[1, 900] = 50.0  # a tie: the lowest index wins
+    x[2, 999] = 60.0  # the largest in the scalar tail
+    x[2, 5] = 60.0  # ... and the same value earlier, in the vector part
+    x[3] = float("-inf")  # nothing but -inf: index 0
+    x[4, 333] = float("nan")  # a NaN counts as the largest
+    x[4, 600] = float("nan")
+    x[5, :] = 0.0
+    x[5, 3] = 1.0  # a row shorter than a vector is handled below
+    got = torch.ops.kvserve.argmax_rows(x)
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert got.tolist()[1:5] == [17, 5, 0, 333]
+    wide = torch.randn(4, 49160, generator=gen).to(dtype)[:, :49152]  # strided rows, as the sampler's view
+    assert torch.ops.kvserve.argmax_rows(wide).tolist() == wide.argmax(dim=-1).tolist()
+    short = torch.tensor([[1.0, 3.0, 3.0, 2.0]], dtype=dtype)
+    assert torch.ops.kvserve.argmax_rows(short).tolist() == [1]
+
+
+@pytest.mark.parametrize("bf16_out", [False, True])
+def test_merge_attention_matches_merge_by_lse(bf16_out: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    out_a, out_b = torch.randn(2, 5, 3, 4, 64, generator=gen)
+    lse_a, lse_b = torch.randn(2, 5, 3, 4, generator=gen) * 4
+    lse_b[0, 0, 0] = float("-inf")  # an empty half weighs nothing
+    got = torch.ops.kvserve.merge_attention(out_a, lse_a, out_b, lse_b, bf16_out)
+    expected = merge_by_lse(out_a, lse_a, out_b, lse_b)
+    assert got.dtype == (torch.bfloat16 if bf16_out else torch.float32)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2 if bf16_out else 1e-5, atol=1e-2 if bf16_out else 1e-5)
+    assert torch.equal(got[0, 0, 0].float(), out_a[0, 0, 0].to(got.dtype).float())
+    both_empty = torch.full((1, 1), float("-inf"))
+    assert torch.ops.kvserve.merge_attention(out_a[:1, :1, 0], both_empty, out_b[:1, :1, 0], both_empty,
+                                             False).abs().max() == 0

@@ -85,8 +85,28 @@ def test_all_greedy_batch_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -
         state(output=[1, 1], eos=(2,), temperature=0.0, min_tokens=2),
     ]
     assert sampler(logits, states).token_ids == [2, 2]
-    with pytest.raises(AssertionError, match="general path"):
-        sampler(logits[:1], [state(temperature=0.0, eos=(2,), min_tokens=1)])
+    # An active min_tokens masks eos on the fast path too, on a copy: the caller's logits stay as they were.
+    step_logits = logits[:1].clone()
+    assert sampler(step_logits, [state(temperature=0.0, eos=(2,), min_tokens=1)]).token_ids == [3]
+    assert torch.equal(step_logits, logits[:1])
+    for params in ({"temperature": 0.0, "repetition_penalty": 1.2}, {"temperature": 0.0, "logprobs": 1},
+                   {"temperature": 0.5}):
+        with pytest.raises(AssertionError, match="general path"):
+            sampler(logits[:1], [state(**params)])
+
+
+def test_the_argmax_hook_replaces_torch_argmax() -> None:
+    calls = []
+
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(logits.shape))
+        return torch.tensor([1] * logits.shape[0])
+
+    sampler = Sampler(6, argmax=argmax)
+    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0, 0.0, 0.0]] * 2)
+    assert sampler(logits, [state(temperature=0.0)] * 2).token_ids == [1, 1]
+    assert sampler(logits, [state(temperature=0.0, frequency_penalty=0.5)] * 2).token_ids == [1, 1]
+    assert calls == [(2, 6), (2, 6)]
 
 
 def test_padded_vocab_columns_are_never_sampled() -> None:

@@ -241,7 +241,10 @@ class CpuKernelPagedAttention(TorchPagedAttention):
                 lse_p = lse_p.view(lse.shape)
             else:
                 out_p, lse_p = self._shared_prefix_flash(query, k_cache, v_cache, meta.decode_prefix_blocks)
-            out = merge_by_lse(out_p, lse_p, out, lse)
+            if q.dtype in (torch.bfloat16, torch.float32):
+                out = torch.ops.kvserve.merge_attention(out_p, lse_p, out, lse, q.dtype == torch.bfloat16)
+            else:
+                out = merge_by_lse(out_p, lse_p, out, lse)
         return out.to(q.dtype).reshape(batch, self.num_heads, self.head_dim)
 
     def _shared_prefix_flash(

@@ -18,14 +18,14 @@ Randomness. A row whose request has a ``seed`` draws its noise from a generator 
 requests share the batch or their order, and a preempted request that is replayed draws the same tokens.
 Rows without a seed share one generator per device seeded from ``base_seed`` (one vectorised draw).
 
-Host syncs: the fast path (all greedy, nothing else asked for) is one argmax and one ``.tolist()``. The
+Host syncs: the fast path (all greedy, no logprobs or penalties) is one argmax and one ``.tolist()``. The
 general path copies its small per-row parameter lists to the device without blocking and syncs only when
 the results are read back at the end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from kvserve.request import SamplingParams
 
+ArgMax = Callable[[torch.Tensor], torch.Tensor]
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
 
@@ -68,11 +69,13 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row. ``vocab_size`` columns are used; extra (padding) columns never win."""
 
-    def __init__(self, vocab_size: int, base_seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, base_seed: int = 0, argmax: ArgMax | None = None) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.base_seed = base_seed
+        # Row-wise argmax of [B, V] logits (int64 [B]); a kernel may replace torch's, which is slow on CPU.
+        self.argmax: ArgMax = argmax or _torch_argmax
         # Per device: the generator of unseeded rows, and a scratch one re-seeded for each seeded row.
         self._shared_generators: dict[torch.device, torch.Generator] = {}
         self._row_generators: dict[torch.device, torch.Generator] = {}
@@ -83,7 +86,10 @@ class Sampler:
         logits = logits[:, : self.vocab_size]  # [B, V]; a view: padded vocab columns are never sampled
         if not any(_needs_full_path(s) for s in states):
             # Hot path: every decode step of greedy requests. argmax is exact in any float dtype.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+            if any(s.suppresses_stop_tokens for s in states):
+                logits = logits.clone()  # masked below; the caller's tensor stays as it was
+                suppress_stop_tokens(logits, states)
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * len(states))
         return self._sample(logits, states)
 
     # --- general path -----------------------------------------------------------------------------------
@@ -97,13 +103,13 @@ class Sampler:
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
         sample_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if not sample_rows:
-            token_ids = logits.argmax(dim=-1)  # [B]
+            token_ids = self.argmax(logits)  # [B]
         else:
             sampled = self._sample_rows(logits, states, sample_rows)  # [S]
             if not greedy_rows:
                 token_ids = sampled
             else:
-                token_ids = logits.argmax(dim=-1)  # [B]
+                token_ids = self.argmax(logits)  # [B]
                 token_ids[_index(sample_rows, device)] = sampled
 
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
@@ -297,7 +303,11 @@ def _splitmix64(x: int) -> int:
 # --- helpers --------------------------------------------------------------------------------------------
 def _needs_full_path(s: SamplingState) -> bool:
     p = s.params
-    return p.temperature != 0.0 or p.logprobs is not None or p.uses_penalties or s.suppresses_stop_tokens
+    return p.temperature != 0.0 or p.logprobs is not None or p.uses_penalties
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -295,4 +295,46 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
+// Attention over keys A ∪ B from its halves over A and over B: out_x fp32 [..., D], lse_x fp32 [...] (the
+// log-sum-exp of the scaled scores; -inf for a half with no keys). Each half is weighted by its share of
+// the softmax mass, exp(lse_x - lse_total), in one pass instead of the five torch ops it replaces.
+at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                           const at::Tensor& lse_b, bool bf16_out) {
+  TORCH_CHECK(out_a.scalar_type() == at::kFloat && out_b.scalar_type() == at::kFloat &&
+                  lse_a.scalar_type() == at::kFloat && lse_b.scalar_type() == at::kFloat,
+              "merge_attention: fp32 inputs");
+  TORCH_CHECK(out_a.sizes() == out_b.sizes() && lse_a.sizes() == lse_b.sizes() && out_a.dim() == lse_a.dim() + 1 &&
+                  out_a.sizes().slice(0, lse_a.dim()) == lse_a.sizes(),
+              "merge_attention: shapes differ");
+  const at::Tensor a = out_a.contiguous(), b = out_b.contiguous(), la = lse_a.contiguous(), lb = lse_b.contiguous();
+  const int64_t rows = la.numel(), D = a.size(-1);
+  at::Tensor out = at::empty(a.sizes(), a.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  const float *lap = la.data_ptr<float>(), *lbp = lb.data_ptr<float>();
+  at::BFloat16* out_bf16 = bf16_out ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* out_f32 = bf16_out ? nullptr : out.data_ptr<float>();
+  constexpr int64_t kRowsPerClaim = 64;
+  parallel_claim((rows + kRowsPerClaim - 1) / kRowsPerClaim, [&](auto&& claim) {
+    for (int64_t c; (c = claim()) >= 0;) {
+      for (int64_t r = c * kRowsPerClaim; r < std::min(rows, (c + 1) * kRowsPerClaim); ++r) {
+        const float m = std::max(lap[r], lbp[r]);
+        float wa = 0.f, wb = 0.f;
+        if (m != -std::numeric_limits<float>::infinity()) {  // both halves empty: the output is 0
+          const float ea = std::exp(lap[r] - m), eb = std::exp(lbp[r] - m);
+          wa = ea / (ea + eb);
+          wb = eb / (ea + eb);
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          const float v = wa * ap[r * D + d] + wb * bp[r * D + d];
+          if (out_bf16)
+            out_bf16[r * D + d] = at::BFloat16(v);
+          else
+            out_f32[r * D + d] = v;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace kvserve

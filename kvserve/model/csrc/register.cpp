@@ -3,9 +3,11 @@
 // the oracle: tests compare every kernel against them.
 //
 //   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections
-//   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place
+//   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
+//                    merge_attention: two attention halves into one by their log-sum-exps
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles
 //   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
+//   sampling.cpp     argmax_rows: greedy sampling's reduction
 
 #include <torch/library.h>
 
@@ -24,6 +26,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
         "Tensor q_starts, float scale, bool causal, bool fp32_out) -> (Tensor, Tensor)",
         &kvserve::paged_attention_amx);
+  m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool bf16_out) -> Tensor",
+        &kvserve::merge_attention);
+  m.def("argmax_rows(Tensor x) -> Tensor", &kvserve::argmax_rows);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
         &kvserve::paged_decode);
