@@ -2,6 +2,7 @@
 
     python benchmarks/serve_compare.py [--servers kvserve,vllm,llamacpp] [--concurrency 1,4,16]
                                        [--num-requests 32] [--output-len 32] [--out-dir bench_results/serve]
+                                       [--rounds N]
 
 One server at a time, each started fresh (empty cache), the same `kvserve bench` runs against each:
 the agentic workload (sessions sharing a ~1,500-token tool-schema system prompt, every turn resending
@@ -11,12 +12,16 @@ the conversation) and the chat workload (distinct prompts), at each concurrency.
             (benchmarks/export_hf.py), bfloat16, prefix caching and prompt-token details on.
   llamacpp  /tmp/llamacpp-venv: llama-cpp-python's server on the same GGUF, 2 threads.
 Prints a markdown table (output tok/s, TTFT p50/p99, TPOT p50, cache hit rate) and writes JSON.
+With --rounds N, every setting runs N times per server, the servers' order alternating round by round (on
+a shared machine, sequential runs drift more than the differences measured); it also prints kvserve's
+throughput ratio to each peer per round and their geometric mean.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +80,53 @@ def run_bench(base_url: str, workload: str, concurrency: int, args: argparse.Nam
     return json.loads(out.read_text())["summary"]
 
 
+def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Path, args: argparse.Namespace,
+             out: Path) -> dict | None:
+    """One run against a freshly started server (empty cache); None if the server or the run failed."""
+    cmd, env = server_command(name, gguf, hf_dir)
+    log = open(Path(args.out_dir) / f"{name}-server.log", "ab")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    key = f"{name}/{workload}/c{concurrency}"
+    try:
+        wait_ready(f"http://127.0.0.1:{PORTS[name]}", proc)
+        summary = run_bench(f"http://127.0.0.1:{PORTS[name]}", workload, concurrency, args, out)
+        print(f"{key}: {summary['output_throughput']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms",
+              flush=True)
+        return summary
+    except Exception as exc:  # a peer that fails is reported, the comparison goes on
+        print(f"{key}: FAILED {exc}", flush=True)
+        return None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def print_round_ratios(runs: list[dict], servers: list[str]) -> None:
+    """kvserve's output tok/s over each peer's, round by round, and their geometric mean."""
+    if "kvserve" not in servers:
+        return
+    print("| workload | concurrency | peer | kvserve / peer, per round | geometric mean |")
+    print("|---|---:|---|---|---:|")
+    throughput = {(r["server"], r["workload"], r["concurrency"], r["round"]): r["summary"]["output_throughput"]
+                  for r in runs}
+    rounds = sorted({r["round"] for r in runs})
+    for workload, concurrency in sorted({(r["workload"], r["concurrency"]) for r in runs}):
+        for peer in (s for s in servers if s != "kvserve"):
+            ratios = [throughput[("kvserve", workload, concurrency, k)] / throughput[(peer, workload, concurrency, k)]
+                      for k in rounds
+                      if ("kvserve", workload, concurrency, k) in throughput
+                      and throughput.get((peer, workload, concurrency, k))]
+            if ratios:
+                mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                print(f"| {workload} | {concurrency} | {peer} | {', '.join(f'{x:.2f}' for x in ratios)} | "
+                      f"{mean:.2f}x |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="kvserve,vllm,llamacpp")
@@ -83,6 +135,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out-dir", default="bench_results/serve")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs per server and setting, alternating the servers' order round by round; "
+                             "summary.json keeps each server's median run and rounds.json every run")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,31 +146,30 @@ def main() -> None:
     if "vllm" in args.servers and not (hf_dir / "config.json").exists():
         subprocess.run([sys.executable, "benchmarks/export_hf.py", str(hf_dir)], check=True)
 
+    servers = args.servers.split(",")
     results: dict[str, dict] = {}
-    for name in args.servers.split(","):
-        for workload in args.workloads.split(","):
-            for concurrency in (int(c) for c in args.concurrency.split(",")):
-                # A fresh server per run: every run starts with an empty cache.
-                cmd, env = server_command(name, gguf, hf_dir)
-                log = open(out_dir / f"{name}-server.log", "ab")
-                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-                try:
-                    wait_ready(f"http://127.0.0.1:{PORTS[name]}", proc)
-                    key = f"{name}/{workload}/c{concurrency}"
-                    summary = run_bench(f"http://127.0.0.1:{PORTS[name]}", workload, concurrency, args,
-                                        out_dir / f"{name}-{workload}-c{concurrency}.json")
-                    results[key] = summary
-                    print(f"{key}: {summary['output_throughput']:.1f} out tok/s, TTFT p50 "
-                          f"{summary['ttft_ms']['p50']:.0f} ms", flush=True)
-                except Exception as exc:  # a peer that fails is reported, the comparison goes on
-                    print(f"{name}/{workload}/c{concurrency}: FAILED {exc}", flush=True)
-                finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                    log.close()
+    runs: list[dict] = []  # every run of every round
+    for workload in args.workloads.split(","):
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            for round_index in range(args.rounds):
+                # Servers alternate their order round by round, so a machine that drifts during the
+                # comparison favours none of them.
+                order = servers if round_index % 2 == 0 else servers[::-1]
+                for name in order:
+                    suffix = f"-r{round_index}" if args.rounds > 1 else ""
+                    summary = run_once(name, workload, concurrency, gguf, hf_dir, args,
+                                       out_dir / f"{name}-{workload}-c{concurrency}{suffix}.json")
+                    if summary is not None:
+                        runs.append({"server": name, "workload": workload, "concurrency": concurrency,
+                                     "round": round_index, "summary": summary})
+            for name in servers:
+                done = sorted((r["summary"] for r in runs if (r["server"], r["workload"], r["concurrency"])
+                               == (name, workload, concurrency)), key=lambda s: s["output_throughput"])
+                if done:
+                    results[f"{name}/{workload}/c{concurrency}"] = done[(len(done) - 1) // 2]  # the median run
+    if args.rounds > 1:
+        (out_dir / "rounds.json").write_text(json.dumps(runs, indent=2))
+        print_round_ratios(runs, servers)
     summary_path = out_dir / "summary.json"
     if summary_path.exists():  # runs of other servers from an earlier invocation stay in the table
         results = json.loads(summary_path.read_text()) | results
