@@ -28,7 +28,17 @@ class PrefillSpan:
     kv_len: int
     # None when the chunk starts at position 0: keys are exactly this chunk's, plain causal attention.
     block_ids: torch.Tensor | None = None  # [num_blocks] blocks holding keys 0..kv_len-1
-    mask: torch.Tensor | None = None  # [q_len, kv_len] bool, True = attend
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def history_mask(self) -> torch.Tensor:
+        """[q_len, kv_len] bool, True = attend: each query sees the keys up to its own position. Built on
+        first use and kept for the step's other layers; kernels that take the paged runs never build it."""
+        if self._mask is None:
+            assert self.block_ids is not None, "a chunk from position 0 is plain causal attention"
+            device = self.block_ids.device
+            positions = torch.arange(self.kv_len - self.q_len, self.kv_len, device=device)
+            self._mask = torch.arange(self.kv_len, device=device)[None, :] <= positions[:, None]
+        return self._mask
 
 
 @dataclass(slots=True)
@@ -132,7 +142,7 @@ class TorchPagedAttention:
                 key = k_cache[span.block_ids].flatten(0, 1)[: span.kv_len].transpose(0, 1).unsqueeze(0)
                 value = v_cache[span.block_ids].flatten(0, 1)[: span.kv_len].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
-                    query, key, value, attn_mask=span.mask, scale=self.scale, enable_gqa=True
+                    query, key, value, attn_mask=span.history_mask(), scale=self.scale, enable_gqa=True
                 )
             out[span.q_start - nd : span.q_start - nd + span.q_len] = o[0].transpose(0, 1)
         return out

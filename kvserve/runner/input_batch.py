@@ -78,13 +78,12 @@ def build_inputs(
         input_ids.extend(s.token_ids)
         positions.extend(range(start, kv_len))
         slots.extend(_chunk_slots(s, block_size))
-        run_tables.append(s.block_ids[: -(-kv_len // block_size)])
+        blocks = s.block_ids[: -(-kv_len // block_size)]
+        run_tables.append(blocks)
         if start == 0:
             spans.append(PrefillSpan(q_start, q_len, kv_len))
         else:
-            num_blocks = -(-kv_len // block_size)
-            mask = torch.arange(kv_len)[None, :] <= torch.arange(start, kv_len)[:, None]  # [q_len, kv_len]
-            spans.append(PrefillSpan(q_start, q_len, kv_len, torch.tensor(s.block_ids[:num_blocks]), mask))
+            spans.append(PrefillSpan(q_start, q_len, kv_len, torch.tensor(blocks)))
         if s.sample:
             sample_rows.append(q_start + q_len - 1)
             sample_ids.append(s.request_id)
@@ -94,7 +93,7 @@ def build_inputs(
         return None if t is None else t.to(device, non_blocking=True)
 
     for span in spans:
-        span.block_ids, span.mask = dev(span.block_ids), dev(span.mask)
+        span.block_ids = dev(span.block_ids)
     prefill_runs = None
     if spans:
         prefill_runs = _paged_runs(run_tables, [span.kv_len for span in spans], [span.q_len for span in spans],
