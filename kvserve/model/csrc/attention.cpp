@@ -124,6 +124,20 @@ void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cac
     const T* kb = k_cache + (blk * block_size + off) * token_stride + head * D;
     const T* vb = v_cache + (blk * block_size + off) * token_stride + head * D;
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    if (head == 0 && start + n < key_end) {
+      // The first head's pass fetches the next keys' rows for every head (the later heads find them in
+      // cache): issued a block ahead, the misses overlap this block's arithmetic.
+      const int64_t next = start + n;
+      const int64_t next_blk = blocks[next / block_size], next_off = next % block_size;
+      const int64_t rows = std::min<int64_t>({block_size - next_off, key_end - next, 16});
+      const char* kn = reinterpret_cast<const char*>(k_cache + (next_blk * block_size + next_off) * token_stride);
+      const char* vn = reinterpret_cast<const char*>(v_cache + (next_blk * block_size + next_off) * token_stride);
+      const int64_t bytes = rows * token_stride * static_cast<int64_t>(sizeof(T));
+      for (int64_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch(kn + o, _MM_HINT_T0);
+        _mm_prefetch(vn + o, _MM_HINT_T0);
+      }
+    }
     // Each key row is widened once and dotted with every query head of the group.
     for (int64_t t = 0; t < n; ++t) {
       const T* kt = kb + t * token_stride;
@@ -208,21 +222,26 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  parallel_claim(B * H * S, [&](auto&& claim) {
-    for (int64_t i; (i = claim()) >= 0;) {
-      const int64_t b = i / (H * S), h = (i / S) % H, split = i % S;
+  // A work item is (sequence, key split) over every KV head: the heads of a token sit side by side in the
+  // cache, so the item reads whole contiguous blocks, which the hardware prefetchers follow.
+  parallel_claim(B * S, [&](auto&& claim) {
+    for (int64_t item; (item = claim()) >= 0;) {
+      const int64_t b = item / S, split = item % S;
       const int64_t begin = split * split_size, end = std::min<int64_t>(lens[b], begin + split_size);
-      float* acc = part_acc.data() + i * G * D;
-      float* m = part_m.data() + i * G;
-      float* l = part_l.data() + i * G;
-      if (begin >= end) {
-        std::fill(m, m + G, neg_inf);
-        std::fill(l, l + G, 0.f);
-        std::fill(acc, acc + G * D, 0.f);
-        continue;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t i = (b * H + h) * S + split;
+        float* acc = part_acc.data() + i * G * D;
+        float* m = part_m.data() + i * G;
+        float* l = part_l.data() + i * G;
+        if (begin >= end) {
+          std::fill(m, m + G, neg_inf);
+          std::fill(l, l + G, 0.f);
+          std::fill(acc, acc + G * D, 0.f);
+          continue;
+        }
+        attend<T>(qp + (b * H + h) * G * D, G, D, kp, vp, table + b * max_blocks, block_size, H, h, begin, end,
+                  fscale, acc, m, l);
       }
-      attend<T>(qp + (b * H + h) * G * D, G, D, kp, vp, table + b * max_blocks, block_size, H, h, begin, end,
-                      fscale, acc, m, l);
     }
   });
 
