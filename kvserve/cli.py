@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StorageConfig
 from kvserve.errors import KVServeError
 
+SERVE_GIL_SWITCH_INTERVAL_S = 0.0001
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options, spelled as vLLM spells them where the same option exists."""
@@ -155,6 +157,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # serving ran 1.5-2.5x slower with spinning than with passive waiting (benchmarks/serve_compare.py).
     # Must be set before torch loads; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # The engine thread takes the GIL back after every kernel (hundreds of times a step) while the HTTP
+    # thread writes the streams; a waiting thread only asks the holder to let go after the switch interval,
+    # 5 ms by default. At 0.1 ms, 16-request decode steps in the server ran ~10% faster on agentic 16
+    # (step profiles, alternating runs); an engine process of its own would remove the wait altogether.
+    sys.setswitchinterval(SERVE_GIL_SWITCH_INTERVAL_S)
     from kvserve.config import ServerConfig
     from kvserve.server.openai_api import serve
 

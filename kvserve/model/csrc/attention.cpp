@@ -212,7 +212,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
   split_size = std::max<int64_t>(block_size, split_size / block_size * block_size);
-  const int64_t S = std::max<int64_t>(1, (max_len + split_size - 1) / split_size);
+  // A work item covers every KV head (below), so few sequences give few items: shorten the splits until
+  // each thread has two to claim, or they are one block long.
+  auto splits = [&](int64_t size) { return std::max<int64_t>(1, (max_len + size - 1) / size); };
+  while (split_size > block_size && B * splits(split_size) < 2 * at::get_num_threads())
+    split_size = std::max<int64_t>(block_size, split_size / 2 / block_size * block_size);
+  const int64_t S = splits(split_size);
   // Partials: [B, H, S, G, D] outputs and [B, H, S, G] running max / sum.
   std::vector<float> part_acc(B * H * S * G * D), part_m(B * H * S * G), part_l(B * H * S * G);
   const T* qp = q.data_ptr<T>();
