@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from kvserve.model.attention import (
     AttentionMetadata,
     CpuKernelPagedAttention,
+    PagedRuns,
     TorchPagedAttention,
     merge_by_lse,
 )
@@ -254,6 +255,84 @@ def test_paged_attention_amx_refuses_bad_runs() -> None:
     with pytest.raises(RuntimeError, match="must cover q"):
         torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], table, torch.tensor([2], dtype=torch.int32),
                                               torch.tensor([0, 2], dtype=torch.int32), 0.125, False, False)
+
+
+@amx_only
+@pytest.mark.parametrize("kv_len", [1, 300, 1568])
+def test_paged_attention_amx_on_packed_keys_is_bit_identical(kv_len) -> None:
+    """pack_kv_amx's tile layouts, passed back in, give exactly the result of packing inside the kernel (the
+    packed call also splits rows into more work items)."""
+    torch.manual_seed(kv_len)
+    heads, kv_heads, dim, block_size, decodes = 9, 3, 64, 16, 16
+    cache = random_cache(120, block_size, kv_heads, dim, torch.bfloat16)
+    cache[:, 110:] = float("nan")  # past the run: padding must not read them
+    table = torch.randperm(110)[: -(-kv_len // block_size)].to(torch.int32)
+    q = torch.randn(decodes, heads, dim, dtype=torch.bfloat16)
+    args = (q, cache[0], cache[1], table[None].contiguous(), torch.tensor([kv_len], dtype=torch.int32),
+            torch.tensor([0, decodes], dtype=torch.int32), dim**-0.5, False, True)
+    packed = torch.ops.kvserve.pack_kv_amx(cache[0], cache[1], table, kv_len)
+    out, lse = torch.ops.kvserve.paged_attention_amx(*args)
+    out_packed, lse_packed = torch.ops.kvserve.paged_attention_amx(*args, packed)
+    assert torch.equal(out_packed, out) and torch.equal(lse_packed, lse)
+    ref_out, _ = reference_runs(q, cache[0], cache[1], [table.tolist()], [kv_len], [decodes], dim**-0.5, False)
+    torch.testing.assert_close(out_packed.double(), ref_out, atol=2e-3, rtol=2e-3)
+
+
+@amx_only
+def test_packed_keys_are_refused_where_they_do_not_fit() -> None:
+    cache = random_cache(8, 16, 1, 64, torch.bfloat16)
+    q = torch.randn(2, 2, 64, dtype=torch.bfloat16)
+    table = torch.tensor([3, 5], dtype=torch.int32)
+    packed = torch.ops.kvserve.pack_kv_amx(cache[0], cache[1], table, 20)
+    args = (q, cache[0], cache[1], table[None].contiguous(), torch.tensor([20], dtype=torch.int32),
+            torch.tensor([0, 2], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="one non-causal span"):
+        torch.ops.kvserve.paged_attention_amx(*args, True, False, packed)
+    with pytest.raises(RuntimeError, match="must come from pack_kv_amx for these 40 keys"):
+        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], table[None].contiguous(),
+                                              torch.tensor([40], dtype=torch.int32),
+                                              torch.tensor([0, 2], dtype=torch.int32), 0.125, False, True, packed)
+    with pytest.raises(RuntimeError, match="covering kv_len"):
+        torch.ops.kvserve.pack_kv_amx(cache[0], cache[1], table, 33)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.kvserve.pack_kv_amx(cache[0], cache[1], torch.tensor([9], dtype=torch.int32), 4)
+
+
+@amx_only
+def test_kernel_backend_keeps_the_packed_prefix_only_while_its_key_holds() -> None:
+    """Cascade decode packs the shared prefix once per layer and reuses it for an equal key; a new key (a
+    prefix block was written) packs again, so rewritten KV is never served from the old layout."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size, shared, batch = 9, 3, 64, 16, 20, 4
+    cache = random_cache(60, block_size, kv_heads, dim, torch.bfloat16)
+    tables = [list(range(shared)) + list(range(shared + 4 * i, shared + 4 * i + 4)) for i in range(batch)]
+    suffix = [5, 16, 30, 64]
+    table = torch.tensor([t[shared:] for t in tables], dtype=torch.int32)
+    mask = (torch.arange(4 * block_size)[None, :] < torch.tensor(suffix)[:, None])[:, None, None, :]
+    runs = PagedRuns(torch.arange(shared, dtype=torch.int32)[None], torch.tensor([shared * block_size], dtype=torch.int32),
+                     torch.tensor([0, batch], dtype=torch.int32))
+
+    def meta(key):
+        return AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=batch, decode_block_table=table,
+            decode_seq_lens=torch.tensor(suffix, dtype=torch.int32), decode_mask=mask,
+            decode_prefix_blocks=torch.arange(shared), decode_prefix_runs=runs, decode_prefix_key=key)
+
+    backend = CpuKernelPagedAttention(heads, kv_heads, dim, amx=True)
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16)
+    empty = torch.empty(0, kv_heads, dim, dtype=torch.bfloat16)
+    unpacked = backend.forward(q, empty, empty, cache, meta(None))
+    assert backend._packed_prefix == {}  # no key: nothing kept
+    first = backend.forward(q, empty, empty, cache, meta((1,)))
+    kept = backend._packed_prefix[cache[0].data_ptr()][1]
+    again = backend.forward(q, empty, empty, cache, meta((1,)))
+    assert backend._packed_prefix[cache[0].data_ptr()][1] is kept
+    assert torch.equal(first, unpacked) and torch.equal(again, unpacked)
+
+    cache[:, 7] = torch.randn_like(cache[:, 7])  # a prefix block rewritten: the runner gives a new key
+    fresh = CpuKernelPagedAttention(heads, kv_heads, dim, amx=True).forward(q, empty, empty, cache, meta(None))
+    assert not torch.equal(fresh, unpacked)
+    assert torch.equal(backend.forward(q, empty, empty, cache, meta((2,))), fresh)
 
 
 @amx_only

@@ -67,6 +67,9 @@ class AttentionMetadata:
     # all decodes against the shared prefix blocks above.
     prefill_runs: PagedRuns | None = None
     decode_prefix_runs: PagedRuns | None = None
+    # Names the shared prefix's KV contents (its block ids and their write versions): equal keys, equal KV.
+    # None when nobody tracks the writes; a backend then keeps nothing derived from the prefix across steps.
+    decode_prefix_key: tuple[int, ...] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -210,6 +213,11 @@ class CpuKernelPagedAttention(TorchPagedAttention):
                  amx: bool = False) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.amx = amx and head_dim == 64
+        # Per layer (its K cache's address): the shared prefix's keys in the AMX kernel's tile layouts and
+        # the key of the contents they were packed from. Decodes attend to the same prefix step after step;
+        # packing it took about a third of the prefix half's time, and a packed prefix also lets the kernel
+        # split its rows into more work items (one layer holds ~1.2 MB for a 1,568-token prefix).
+        self._packed_prefix: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def _uses_amx(self, q: torch.Tensor) -> bool:
         return self.amx and q.dtype == torch.bfloat16
@@ -243,9 +251,10 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         )
         if meta.decode_prefix_blocks is not None:
             if meta.decode_prefix_runs is not None and self._uses_amx(q):
+                runs = meta.decode_prefix_runs
                 out_p, lse_p = torch.ops.kvserve.paged_attention_amx(
-                    q, k_cache, v_cache, meta.decode_prefix_runs.block_tables, meta.decode_prefix_runs.kv_lens,
-                    meta.decode_prefix_runs.q_starts, self.scale, False, True,
+                    q, k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts, self.scale, False, True,
+                    self._packed_prefix_for(k_cache, v_cache, runs, meta.decode_prefix_key),
                 )
                 out_p = out_p.view(out.shape)
                 lse_p = lse_p.view(lse.shape)
@@ -256,6 +265,19 @@ class CpuKernelPagedAttention(TorchPagedAttention):
             else:
                 out = merge_by_lse(out_p, lse_p, out, lse)
         return out.to(q.dtype).reshape(batch, self.num_heads, self.head_dim)
+
+    def _packed_prefix_for(self, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: PagedRuns,
+                           key: tuple[int, ...] | None) -> torch.Tensor | None:
+        """The layer's packed prefix: kept while its key holds, packed again when the key changes."""
+        if key is None:
+            return None
+        layer = k_cache.data_ptr()
+        kept = self._packed_prefix.get(layer)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        packed = torch.ops.kvserve.pack_kv_amx(k_cache, v_cache, runs.block_tables[0], int(runs.kv_lens[0]))
+        self._packed_prefix[layer] = (key, packed)
+        return packed
 
     def _shared_prefix_flash(
         self,

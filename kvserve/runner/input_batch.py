@@ -14,6 +14,7 @@ import torch
 
 from kvserve.batch import ScheduledRequest, SchedulerOutput
 from kvserve.model.attention import AttentionMetadata, PagedRuns, PrefillSpan
+from kvserve.runner.block_versions import BlockVersions
 
 
 @dataclass(slots=True)
@@ -26,7 +27,8 @@ class ModelInputs:
 
 
 def build_inputs(
-    out: SchedulerOutput, block_size: int, device: torch.device, cascade_min_tokens: int = 256
+    out: SchedulerOutput, block_size: int, device: torch.device, cascade_min_tokens: int = 256,
+    block_versions: BlockVersions | None = None,
 ) -> ModelInputs:
     singles = [s for s in out.scheduled if len(s.token_ids) == 1]
     chunks = [s for s in out.scheduled if len(s.token_ids) > 1]
@@ -48,6 +50,7 @@ def build_inputs(
 
     decode_block_table = decode_mask = decode_prefix_blocks = suffix_lens = None
     decode_prefix_runs: PagedRuns | None = None
+    decode_prefix_key: tuple[int, ...] | None = None
     if singles:
         kv_lens = [s.start_position + 1 for s in singles]
         # Blocks every decode shares (a common system prompt held once by the prefix cache): their KV is read
@@ -59,6 +62,8 @@ def build_inputs(
             decode_prefix_blocks = torch.tensor(singles[0].block_ids[:num_shared], dtype=torch.long)
             decode_prefix_runs = _paged_runs([singles[0].block_ids[:num_shared]], [num_shared * block_size],
                                              [len(singles)], device)
+            if block_versions is not None:
+                decode_prefix_key = block_versions.key(singles[0].block_ids[:num_shared])
         max_blocks = -(-max(kv_lens) // block_size) - num_shared
         table = [s.block_ids[num_shared : num_shared + max_blocks] for s in singles]
         table = [row + [0] * (max_blocks - len(row)) for row in table]
@@ -108,6 +113,7 @@ def build_inputs(
         prefills=spans,
         prefill_runs=prefill_runs,
         decode_prefix_runs=decode_prefix_runs,
+        decode_prefix_key=decode_prefix_key,
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

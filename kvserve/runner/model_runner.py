@@ -6,6 +6,7 @@ import torch
 
 from kvserve.batch import RunnerOutput, SchedulerOutput
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.runner.block_versions import BlockVersions
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.kv_transfer import read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
@@ -28,6 +29,7 @@ class ModelRunner:
         self.cascade_min_tokens = cascade_min_tokens
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
+        self.block_versions = BlockVersions()
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
@@ -44,6 +46,7 @@ class ModelRunner:
                                 for (_, block_hash), payload in zip(out.kv_offloads, payloads, strict=True)]
         if out.kv_loads:
             write_blocks(self.kv_caches, out.kv_loads)
+        self.block_versions.bump_written(out, self.block_size)
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
         for new in out.new_requests:
@@ -53,7 +56,7 @@ class ModelRunner:
         if out.is_empty:
             return result
 
-        inputs = build_inputs(out, self.block_size, self.device, self.cascade_min_tokens)
+        inputs = build_inputs(out, self.block_size, self.device, self.cascade_min_tokens, self.block_versions)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
         if not inputs.sample_request_ids:
             return result

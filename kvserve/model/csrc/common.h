@@ -140,7 +140,10 @@ at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a, con
 std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                        const at::Tensor& kv_lens, const at::Tensor& q_starts,
-                                                       double scale, bool causal, bool fp32_out);
+                                                       double scale, bool causal, bool fp32_out,
+                                                       const c10::optional<at::Tensor>& packed);
+at::Tensor pack_kv_amx(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                       int64_t kv_len);
 
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& x);

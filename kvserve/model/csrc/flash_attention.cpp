@@ -26,6 +26,9 @@ struct WorkItem {
   int64_t span, head, first_row, num_rows;
 };
 
+// Keys padded to whole pass-2 steps: the length of a packed K^T or V run.
+inline int64_t packed_keys(int64_t num_keys) { return (num_keys + kKeys - 1) / kKeys * kKeys; }
+
 // dst[j * 16 + i] = in[i][j] for a 16 x 16 matrix of 32-bit values: pairs, then quads within 128-bit
 // lanes, then the lanes themselves.
 inline void transpose16_epi32(const __m512i* in, uint32_t* dst) {
@@ -159,17 +162,26 @@ template <typename Out>
 void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_stride, int64_t num_heads, int64_t group, int64_t q_start,
               int64_t q_len, int64_t kv_len, bool causal, const uint16_t* k_cache, const uint16_t* v_cache,
               const int32_t* blocks, int64_t block_size, int64_t kv_heads, float scale, Out* out, float* lse,
-              Scratch& scratch) {
+              const uint32_t* packed, Scratch& scratch) {
   // Row r of this KV head is (token r / group, query head head * group + r % group).
   auto position = [&](int64_t r) { return causal ? kv_len - q_len + r / group : kv_len - 1; };
   const int64_t last_row = item.first_row + item.num_rows - 1;
   const int64_t num_keys = position(last_row) + 1;
-  const int64_t padded = (num_keys + kKeys - 1) / kKeys * kKeys;
-  scratch.kt.resize(padded * kDim / 2);
-  scratch.vt.resize(padded * kDim / 2);
+  const int64_t padded = packed_keys(num_keys);
   scratch.scores.resize(kRows * padded);
-  pack_keys(k_cache, v_cache, blocks, block_size, kv_heads * kDim, item.head,
-            num_keys, scratch.kt.data(), scratch.vt.data());
+  const uint32_t* kt;
+  const uint32_t* vt;
+  if (packed != nullptr) {  // pack_kv_amx's layout: per head, kt then vt, each padded * kDim / 2
+    kt = packed + item.head * 2 * padded * (kDim / 2);
+    vt = kt + padded * (kDim / 2);
+  } else {
+    scratch.kt.resize(padded * kDim / 2);
+    scratch.vt.resize(padded * kDim / 2);
+    pack_keys(k_cache, v_cache, blocks, block_size, kv_heads * kDim, item.head, num_keys, scratch.kt.data(),
+              scratch.vt.data());
+    kt = scratch.kt.data();
+    vt = scratch.vt.data();
+  }
   float* const sc = scratch.scores.data();
   const int64_t ld = padded;
 
@@ -217,9 +229,9 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
     _tile_loadd(1, qbuf + 32, kDim * 2);
     for (int64_t k0 = 0; k0 <= last_k0; k0 += kKeys) {
       if ((k0 / kKeys) & 1)
-        score_tiles_67(scratch.kt.data(), k0, sc, ld);
+        score_tiles_67(kt, k0, sc, ld);
       else
-        score_tiles_45(scratch.kt.data(), k0, sc, ld);
+        score_tiles_45(kt, k0, sc, ld);
       if (k0 >= kLag * kKeys) fold_max(k0 - kLag * kKeys);
     }
     for (int64_t k0 = std::max<int64_t>(0, last_k0 - (kLag - 1) * kKeys); k0 <= last_k0; k0 += kKeys) fold_max(k0);
@@ -264,7 +276,7 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
     weights(0);
     for (int64_t k0 = 0; k0 <= last_k0; k0 += kKeys) {
       if (k0 < last_k0) weights(k0 + kKeys);
-      const uint32_t* v = scratch.vt.data() + k0 * kDim / 2;
+      const uint32_t* v = vt + k0 * kDim / 2;
       // V chunks alternate between tmm1 and tmm3 so consecutive multiplies accumulate into different
       // tiles instead of waiting on each other.
       _tile_loadd(0, p_hi[(k0 / kKeys) & 1], kKeys * 2);
@@ -314,7 +326,8 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
 std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                        const at::Tensor& kv_lens, const at::Tensor& q_starts,
-                                                       double scale, bool causal, bool fp32_out) {
+                                                       double scale, bool causal, bool fp32_out,
+                                                       const c10::optional<at::Tensor>& packed) {
   TORCH_CHECK(request_amx(), "paged_attention_amx: the kernel did not grant AMX");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kDim && q.stride(2) == 1 &&
                   q.stride(1) == kDim,
@@ -335,6 +348,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
   const int32_t* starts = q_starts.data_ptr<int32_t>();
   TORCH_CHECK(starts[0] == 0 && starts[num_spans] == q.size(0), "paged_attention_amx: q_starts must cover q");
+  const bool prepacked = packed.has_value() && packed->defined();
+  if (prepacked) {
+    TORCH_CHECK(num_spans == 1 && !causal, "paged_attention_amx: packed keys serve one non-causal span");
+    TORCH_CHECK(packed->scalar_type() == at::kInt && packed->is_contiguous() &&
+                    packed->numel() == kv_heads * 2 * packed_keys(lens[0]) * (kDim / 2),
+                "paged_attention_amx: packed keys must come from pack_kv_amx for these ", lens[0], " keys");
+  }
+  // Pre-packed keys cost nothing to share, so the rows then split into single tiles: more items to balance.
+  const int64_t tiles_per_item = prepacked ? 1 : kTilesPerItem;
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_spans; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
@@ -344,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
     const int64_t rows = q_len * group;
     // The rows of a (span, head) split into near-equal items of whole tiles, at most kTilesPerItem each.
     const int64_t tiles = (rows + kRows - 1) / kRows;
-    const int64_t num_items = (tiles + kTilesPerItem - 1) / kTilesPerItem;
+    const int64_t num_items = (tiles + tiles_per_item - 1) / tiles_per_item;
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t k = 0, r = 0; k < num_items; ++k) {
         const int64_t end = std::min(rows, (tiles * (k + 1) / num_items) * kRows);
@@ -360,6 +382,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   float* lp = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const uint32_t* pk = prepacked ? reinterpret_cast<const uint32_t*>(packed->data_ptr<int32_t>()) : nullptr;
   parallel_claim(static_cast<int64_t>(items.size()), [&](auto&& claim) {
     configure_tiles();
     Scratch scratch;
@@ -369,23 +392,58 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
       const int64_t q_len = starts[s + 1] - starts[s];
       if (fp32_out)
         run_item<float>(item, qp, q.stride(0), num_heads, group, starts[s], q_len, lens[s], causal, kp, vp,
-                        tables + s * max_blocks, block_size, kv_heads, fscale, out.data_ptr<float>(), lp, scratch);
+                        tables + s * max_blocks, block_size, kv_heads, fscale, out.data_ptr<float>(), lp, pk,
+                        scratch);
       else
         run_item<at::BFloat16>(item, qp, q.stride(0), num_heads, group, starts[s], q_len, lens[s], causal, kp, vp,
                                tables + s * max_blocks, block_size, kv_heads, fscale,
-                               out.data_ptr<at::BFloat16>(), lp, scratch);
+                               out.data_ptr<at::BFloat16>(), lp, pk, scratch);
     }
     _tile_release();
   });
   return {out, lse};
 }
 
+// The keys and values of one run of blocks (block_table int32 [num_blocks], the first kv_len tokens) in the
+// tile layouts paged_attention_amx multiplies with: int32 [H_kv, 2, padded keys * 32], per KV head its
+// K^T tiles then its V tiles. Passed back as `packed`, they spare the kernel packing them again: cascade
+// decode asks for the same shared prefix every step.
+at::Tensor pack_kv_amx(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                       int64_t kv_len) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.size(3) == kDim && k_cache.sizes() == v_cache.sizes(),
+              "pack_kv_amx: caches must be contiguous bf16 [num_blocks, block_size, H_kv, 64]");
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 1 && block_table.is_contiguous() &&
+                  kv_len >= 1 && kv_len <= block_table.numel() * block_size,
+              "pack_kv_amx: block_table must be contiguous int32 [num_blocks] covering kv_len tokens");
+  const int32_t* blocks = block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < block_table.numel(); ++b)
+    TORCH_CHECK(blocks[b] >= 0 && blocks[b] < k_cache.size(0), "pack_kv_amx: block id out of range");
+  const int64_t padded = packed_keys(kv_len);
+  at::Tensor packed = at::empty({kv_heads, 2, padded * (kDim / 2)}, block_table.options());
+  auto* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  parallel_claim(kv_heads, [&](auto&& claim) {
+    for (int64_t h; (h = claim()) >= 0;) {
+      uint32_t* kt = dst + h * 2 * padded * (kDim / 2);
+      pack_keys(kp, vp, blocks, block_size, kv_heads * kDim, h, kv_len, kt, kt + padded * (kDim / 2));
+    }
+  });
+  return packed;
+}
+
 #else
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                       double, bool, bool) {
+                                                       double, bool, bool, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "paged_attention_amx: this build has no AMX");
+}
+at::Tensor pack_kv_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "pack_kv_amx: this build has no AMX");
 }
 
 #endif

@@ -5,7 +5,8 @@
 //   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
 //                    merge_attention: two attention halves into one by their log-sum-exps
-//   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles
+//   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
+//                    pack_kv_amx: a run of blocks in its tile layouts, for reuse across steps
 //   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
 //   sampling.cpp     argmax_rows: greedy sampling's reduction
 
@@ -24,8 +25,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor", &kvserve::rotary);
   m.def("paged_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
-        "Tensor q_starts, float scale, bool causal, bool fp32_out) -> (Tensor, Tensor)",
+        "Tensor q_starts, float scale, bool causal, bool fp32_out, Tensor? packed=None) -> (Tensor, Tensor)",
         &kvserve::paged_attention_amx);
+  m.def("pack_kv_amx(Tensor k_cache, Tensor v_cache, Tensor block_table, int kv_len) -> Tensor",
+        &kvserve::pack_kv_amx);
   m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool bf16_out) -> Tensor",
         &kvserve::merge_attention);
   m.def("argmax_rows(Tensor x) -> Tensor", &kvserve::argmax_rows);
