@@ -16,6 +16,8 @@ Cases (SmolLM2-135M's head layout: 9 query heads over 3 KV heads, head_dim 64, b
 - many-row attention on AMX tiles (paged_attention_amx), where the builds have AMX: an agentic prefill
   step (10 chunks of 100 on 1,568 cached), one cold 1,024-token prompt, and the shared-prefix half of
   16 decodes on a 1,568-token prefix.
+- the AMX projections (amx_linear) over SmolLM2's 30 layers of weights, at 16 rows (a decode step) and
+  1,024 rows (a prefill step).
 Prints each case's time per layer for both builds and NEW's speed-up; the outputs of the two builds are
 compared too (their largest difference is printed, so a change that alters results is seen at once).
 """
@@ -103,6 +105,21 @@ def many_row_case(caches: list[torch.Tensor], runs: list[tuple[int, int]],
     return run
 
 
+def projection_case(rows: int) -> Callable[[object], list[torch.Tensor]]:
+    """amx_linear over SmolLM2's 30 layers of projections (q/k/v, o, gate/up, down), weights packed per build."""
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    weights = [[torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for n, k in shapes] for _ in range(LAYERS)]
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    packed: dict[int, list[list[torch.Tensor]]] = {}
+
+    def run(ops: object) -> list[torch.Tensor]:
+        if id(ops) not in packed:
+            packed[id(ops)] = [[ops.amx_pack(w) for w in layer] for layer in weights]
+        return [ops.amx_linear(inputs[k], w, None)
+                for layer in packed[id(ops)] for (_, k), w in zip(shapes, layer, strict=True)]
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
@@ -126,6 +143,8 @@ def main() -> None:
                 "prefill 10 x 100 on 1,568 cached": many_row_case(caches, [(100, 1668)] * 10, causal=True),
                 "prefill 1,024 cold": many_row_case(caches, [(1024, 1024)], causal=True),
                 "decode prefix 16 x 1,568": many_row_case(caches, [(16, 1568)], causal=False),
+                "projections, 16 rows": projection_case(16),
+                "projections, 1,024 rows": projection_case(1024),
             }
         best = {(name, i): float("inf") for name in cases for i in range(2)}
         for rep in range(args.reps):
