@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
+from kvserve.model.cpu_kernels import COMPILE_FLAGS, LINK_FLAGS
+
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "kvserve/model/csrc"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -62,7 +64,7 @@ def build(revision: str, index: int, workdir: Path) -> object:
     register = src / "register.cpp"
     register.write_text(register.read_text().replace("TORCH_LIBRARY(kvserve,", f"TORCH_LIBRARY(kvab{index},"))
     load(name=f"kvab{index}", sources=sorted(str(p) for p in src.glob("*.cpp")),
-         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS),
          build_directory=str(src), is_python_module=False, verbose=False)
     return getattr(torch.ops, f"kvab{index}")
 

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted(str(path) for path in (Path(__file__).with_name("csrc")).glob("*.cpp"))
 _EXTENSION_NAME = "kvserve_cpu_kernels"
+# How the kernels are compiled and linked (benchmarks/kernel_ab.py builds other revisions the same way).
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +58,8 @@ class _Loader:
             load(
                 name=_EXTENSION_NAME,
                 sources=SOURCES,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=list(COMPILE_FLAGS),
+                extra_ldflags=list(LINK_FLAGS),
                 is_python_module=False,
                 verbose=False,
             )

@@ -55,14 +55,15 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  parallel_claim(rows, [&](auto&& claim) {
-    for (int64_t r; (r = claim()) >= 0;) {
-      if (x.scalar_type() == at::kBFloat16)
-        op[r] = argmax_row(x.data_ptr<at::BFloat16>() + r * stride, n);
-      else
-        op[r] = argmax_row(x.data_ptr<float>() + r * stride, n);
-    }
-  });
+  auto run = [&](const auto* base) {
+    parallel_claim(rows, [&](auto&& claim) {
+      for (int64_t r; (r = claim()) >= 0;) op[r] = argmax_row(base + r * stride, n);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    run(x.data_ptr<at::BFloat16>());
+  else
+    run(x.data_ptr<float>());
   return out;
 }
 
