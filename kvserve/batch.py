@@ -24,6 +24,9 @@ class ScheduledRequest:
 
     ``block_ids`` is the request's whole block table (slot = block_id * block_size + offset).
     ``sample`` is True when this chunk ends at the request's last known token, so a new token is sampled.
+    ``draft_token_ids``: speculative tokens to verify after ``token_ids`` (a decode only): their KV goes into
+    the next positions, and the runner samples after each of them. A rejected draft's KV is garbage that
+    the next step overwrites; the table holds blocks for all of them.
     """
 
     request_id: str
@@ -31,6 +34,7 @@ class ScheduledRequest:
     start_position: int
     block_ids: list[int]
     sample: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -66,6 +70,11 @@ class RunnerOutput:
     """Sampled tokens for the scheduled requests whose ``sample`` flag was set, by request id."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Per request that verified drafts: how many of its scheduled drafts were accepted. Its new tokens are
+    # those drafts, then the sampled token.
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
+    # Per request: the drafts the proposer offers for the request's next step (it may drop or cut them).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request: {token_id: logprob} for the sampled token plus the top-n, when logprobs were asked for.
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # (block_hash, serialised KV) of each block in SchedulerOutput.kv_offloads, in that order.

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StorageConfig
-from kvserve.errors import KVServeError
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StorageConfig,
+    speculative_config_from_dict,
+)
+from kvserve.errors import InvalidRequest, KVServeError
 
 SERVE_GIL_SWITCH_INTERVAL_S = 0.0001
 
@@ -33,6 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="C++ CPU kernels for decode attention, the bf16 projections and the norms (built on "
                         "first use); --no-cpu-kernels runs the torch reference paths")
+    g.add_argument("--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (exact: outputs do not change)')
     t = parser.add_argument_group("KV storage tiers (below device memory; all off by default)")
     t.add_argument("--kv-host-gb", type=float, default=0.0, help="host DRAM tier size in GiB")
     t.add_argument("--kv-disk-gb", type=float, default=0.0, help="disk tier size in GiB (needs --kv-disk-dir)")
@@ -61,6 +73,19 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError("--speculative-config must be a JSON object")
+    try:
+        return speculative_config_from_dict(fields)
+    except (InvalidRequest, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -72,6 +97,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         storage=StorageConfig(host_gb=args.kv_host_gb, disk_gb=args.kv_disk_gb, disk_dir=args.kv_disk_dir,
                               redis_url=args.kv_redis_url, retention_s=args.kv_retention,
                               write_policy=args.kv_write_policy),
+        speculative=args.speculative_config or SpeculativeConfig(),
     )
 
 

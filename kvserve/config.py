@@ -141,11 +141,46 @@ class StorageConfig:
         return self.host_gb > 0 or (self.disk_gb > 0 and self.disk_dir is not None) or self.redis_url is not None
 
 
+SpeculativeMethod = Literal["none", "ngram"]
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: Literal["none", "ngram", "draft"] = "none"
+    """Speculative decoding (off by default). ``ngram``: prompt lookup. The suffix of a request's tokens
+    (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long) is searched for in its earlier tokens
+    (prompt and output); the tokens that followed the latest match are the draft. Up to
+    ``num_speculative_tokens`` drafts a step are verified in one forward, exactly (see runner/speculative.py)."""
+
+    method: SpeculativeMethod = "none"
     num_speculative_tokens: int = 4
-    draft_model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "ngram"):
+            raise InvalidRequest(f"speculative method must be 'none' or 'ngram', got {self.method!r}", "method")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", name)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequest(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})", "prompt_lookup_min")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def speculative_config_from_dict(fields: dict[str, object]) -> SpeculativeConfig:
+    """vLLM's spelling, e.g. ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``."""
+    known = set(SpeculativeConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise InvalidRequest(f"unknown speculative config field(s) {', '.join(unknown)}; expected some of "
+                             f"{', '.join(sorted(known))}", unknown[0])
+    return SpeculativeConfig(**fields)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,13 @@ import torch
 from kvserve.batch import SchedulerOutput
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import TieredKVStore
-from kvserve.config import ArchConfig, EngineConfig, StorageConfig
+from kvserve.config import (
+    ArchConfig,
+    EngineConfig,
+    SpeculativeConfig,
+    StorageConfig,
+    speculative_config_from_dict,
+)
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.ops import select_argmax
@@ -29,6 +35,7 @@ from kvserve.runner.kv_memory import allocate_kv_caches, num_blocks_for
 from kvserve.runner.kv_transfer import block_nbytes, block_shape
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.runner.sampler import Sampler
+from kvserve.runner.speculative import NgramProposer
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace, TierStats
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -61,6 +68,8 @@ class EngineStats:
     # Per lower tier (host, disk, redis): that store's counters, with hits/misses in tokens at admission.
     tiers: dict[str, TierStats] = field(default_factory=dict)
     tiers_healthy: dict[str, bool] = field(default_factory=dict)
+    num_draft_tokens: int = 0  # speculative tokens verified, and of those accepted
+    num_accepted_draft_tokens: int = 0
 
 
 class Engine:
@@ -89,7 +98,10 @@ class Engine:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=select_argmax(self.device, mc.cpu_kernels))
-        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, sampler)
+        spec = config.speculative
+        proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                    if spec.enabled else None)
+        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, sampler, proposer=proposer)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))
@@ -226,8 +238,8 @@ class Engine:
             request = self.scheduler.requests.get(scheduled.request_id)
             prompt_left = (request.num_prompt_tokens if request else 0) - scheduled.start_position
             self._num_prompt_tokens_computed += max(0, min(len(scheduled.token_ids), prompt_left))
-        self._num_generated_tokens += len(updated)
-        outputs = [self._process_new_token(request) for request in updated]
+        outputs = [self._process_new_tokens(request, num_new) for request, num_new in updated]
+        self._num_generated_tokens += sum(len(output.delta_token_ids) for output in outputs)
         if self.tiers is not None:
             self._tier_upkeep()  # after stop strings: they finish requests too
         return outputs
@@ -262,10 +274,21 @@ class Engine:
         logger.info("persisted %d cached blocks in %.1fs", len(blocks), time.perf_counter() - t0)
         self.tiers.close()
 
-    def _process_new_token(self, request: Request) -> RequestOutput:
+    def _process_new_tokens(self, request: Request, num_new: int) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
-        new_ids = request.all_token_ids[-1:]
-        delta = detok.add_tokens(new_ids)
+        new_ids = request.all_token_ids[-num_new:]
+        if num_new == 1:
+            delta = detok.add_tokens(new_ids)
+        else:
+            # Accepted drafts: one at a time, so a stop string ends the output where plain decoding would.
+            delta = ""
+            for i, token_id in enumerate(new_ids):
+                delta += detok.add_tokens([token_id])
+                if detok.stopped is not None:
+                    if i + 1 < num_new:
+                        request.truncate(request.num_tokens - (num_new - i - 1))
+                        new_ids = new_ids[: i + 1]
+                    break
         if detok.stopped is not None and not request.is_finished:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop_reason=detok.stopped)
         if request.is_finished and detok.stopped is None:
@@ -309,6 +332,8 @@ class Engine:
             num_free_blocks=kv.pool.num_free,
             num_evicted_blocks=kv.num_evicted_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
@@ -358,8 +383,12 @@ class LLM:
         kv_redis_url: str | None = None,
         kv_retention_s: float = 72 * 3600.0,
         kv_write_policy: str = "write_back",
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
         from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+
+        if isinstance(speculative_config, dict):
+            speculative_config = speculative_config_from_dict(speculative_config)
 
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
@@ -372,6 +401,7 @@ class LLM:
             storage=StorageConfig(host_gb=kv_host_gb, disk_gb=kv_disk_gb, disk_dir=kv_disk_dir,
                                   redis_url=kv_redis_url, retention_s=kv_retention_s,
                                   write_policy=kv_write_policy),  # type: ignore[arg-type]
+            speculative=speculative_config or SpeculativeConfig(),
         )
         self.engine = Engine(config)
         self._batch_ids = itertools.count()

@@ -141,6 +141,8 @@ class RequestMetrics:
     num_prefill_tokens_computed: int = 0
     num_decode_steps: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative tokens verified for this request
+    num_accepted_draft_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # (time, number of tokens emitted) per step that produced output: for ITL
     token_times: list[float] = field(default_factory=list)
@@ -153,7 +155,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "status", "all_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_cached_tokens", "block_hashes",
         "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
-        "prompt", "cache_handle", "arrival_order", "output_logprobs",
+        "prompt", "cache_handle", "arrival_order", "output_logprobs", "draft_token_ids",
     )
 
     def __init__(
@@ -191,6 +193,8 @@ class Request:
         self.cache_handle: object | None = None  # owned by the KV manager (locked radix node)
         self.arrival_order = arrival_order
         self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # Speculative tokens proposed for the next step (verified by the runner, not part of the sequence).
+        self.draft_token_ids: list[int] = []
 
     # --- token arithmetic -------------------------------------------------------------------------------
     @property
@@ -216,6 +220,19 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the tokens after the first ``num_tokens`` (a stop string matched before the step's last
+        token); their KV, if computed, is forgotten with them. The block hashes need no trim: they cover
+        only blocks that were full when the step was scheduled, before any of the dropped tokens."""
+        assert num_tokens >= self.num_prompt_tokens, (num_tokens, self.num_prompt_tokens)
+        del self.all_token_ids[num_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
+        del self.metrics.token_times[self.num_output_tokens :]  # one per output token
+
+    def max_draft_tokens(self) -> int:
+        """Drafts worth verifying: one step emits the accepted drafts plus one token, within max_total_tokens."""
+        return max(0, self.max_total_tokens - self.num_tokens - 1)
 
     # --- block arithmetic -------------------------------------------------------------------------------
     def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:

@@ -3,7 +3,9 @@
 The rule (vLLM v1's): a request has ``num_computed_tokens`` and a target ``num_tokens`` (prompt plus
 what it generated). Each step hands out tokens under one budget, ``max_num_batched_tokens``: running
 requests first, oldest first, then waiting ones. A prefill, a chunk of a long prompt, a prefix-cache
-hit (computed tokens start at the cached length) and a decode step are all the same rule.
+hit (computed tokens start at the cached length) and a decode step are all the same rule. A decode may
+carry speculative drafts: they ride along when the budget and free blocks allow, never at the cost of a
+preemption, and only the accepted ones count as computed.
 
 When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue to be recomputed, so the oldest request always makes progress.
@@ -38,6 +40,8 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._forget: list[str] = []  # request ids the runner must drop at the next step
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative tokens verified, and of those accepted
+        self.num_accepted_draft_tokens = 0
 
     # --- queue management -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -101,15 +105,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_to_compute, budget)
-            while not self.kv.allocate(request, num_new):
+            drafts = self._drafts_to_verify(request, num_new, budget)
+            if drafts and not self.kv.allocate(request, num_new + len(drafts)):
+                drafts = []
+            while not drafts and not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self._emit(out, request, num_new, now)
-                budget -= num_new
+                self._emit(out, request, num_new, now, drafts)
+                budget -= num_new + len(drafts)
                 i += 1
 
         # 2. Waiting requests, while budget, sequence slots and blocks last. None after a preemption:
@@ -165,7 +172,15 @@ class Scheduler:
             request.priority_skips += 1  # passed over by a later arrival
         return chosen
 
-    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step: a decode only, within the budget and max_total_tokens."""
+        drafts = request.draft_token_ids
+        if not drafts or num_new != 1 or request.num_tokens_to_compute != 1:
+            return []
+        return drafts[: min(budget - 1, request.max_draft_tokens())]
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, now: float,
+              drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
@@ -185,6 +200,7 @@ class Scheduler:
                 start,
                 request.block_ids,
                 start + num_new == request.num_tokens,
+                drafts or [],
             )
         )
         # Cached as soon as scheduled, so requests admitted after it (this step too) share these blocks.
@@ -196,15 +212,17 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        request.draft_token_ids = []
         self.waiting.appendleft(request)
         self._drop_from_runner(request.request_id)
 
     # --- results --------------------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Apply a step's results; returns the requests that got a new token (some now finished)."""
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
+        """Apply a step's results; returns the requests that got new tokens (some now finished), each with
+        how many it got (more than one when drafts were accepted)."""
         now = self.clock()
         self.kv.mark_step_computed()
-        updated: list[Request] = []
+        updated: list[tuple[Request, int]] = []
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -217,20 +235,36 @@ class Scheduler:
                 metrics.num_prefill_tokens_computed += num_new
             if not scheduled.sample:
                 continue
-            token_id = result.sampled_token_ids[request.request_id]
-            request.append_token(token_id)
-            if request.output_logprobs is not None:
-                request.output_logprobs.append(result.logprobs.get(request.request_id, {}))
+            rid = request.request_id
+            num_accepted = result.num_accepted_drafts.get(rid, 0)
+            # The accepted drafts' KV was written this step; the sampled token's is computed next step.
+            request.num_computed_tokens += num_accepted
+            new_token_ids = [*scheduled.draft_token_ids[:num_accepted], result.sampled_token_ids[rid]]
+            request.draft_token_ids = result.draft_token_ids.get(rid, [])
+            if scheduled.draft_token_ids:
+                metrics.num_draft_tokens += len(scheduled.draft_token_ids)
+                metrics.num_accepted_draft_tokens += num_accepted
+                self.num_draft_tokens += len(scheduled.draft_token_ids)
+                self.num_accepted_draft_tokens += num_accepted
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             else:
                 metrics.num_decode_steps += 1
             metrics.last_token_time = now
-            metrics.token_times.append(now)
-            updated.append(request)
-            reason = self._check_stop(request, token_id)
-            if reason is not None:
-                self._finish(request, reason)
+            num_appended = 0
+            for token_id in new_token_ids:
+                request.append_token(token_id)
+                num_appended += 1
+                if request.output_logprobs is not None:
+                    request.output_logprobs.append(result.logprobs.get(rid, {}))
+                metrics.token_times.append(now)
+                reason = self._check_stop(request, token_id)
+                if reason is not None:
+                    # Tokens after a stop are dropped; the KV of accepted drafts past it with them.
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                    self._finish(request, reason)
+                    break
+            updated.append((request, num_appended))
         return updated
 
     @staticmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 
 from kvserve.batch import RunnerOutput, SchedulerOutput
 
@@ -39,9 +40,26 @@ def payload_nbytes(block_size: int) -> int:
     return 8 * block_size
 
 
+def noisy_drafts(tokens: list[int], num_drafts: int = 4) -> list[int]:
+    """Drafts for speculative-decoding tests: the true continuation, cut short or wrong from a position
+    that depends on the history (0..num_drafts: all drafts right), so steps accept 0..all of them."""
+    true = reference_continuation(tokens, num_drafts)
+    wrong_at = len(tokens) * 7 % (num_drafts + 1)
+    if wrong_at < num_drafts:
+        true[wrong_at] = (true[wrong_at] + 1) % VOCAB
+    return true
+
+
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """``propose``: with it, the runner offers drafts (speculative decoding) and verifies scheduled ones as the
+    real runner does: the token after each accepted draft is read back through the block table too."""
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 propose: Callable[[list[int]], list[int]] | None = None) -> None:
         self.block_size = block_size
+        self.propose = propose
+        self.num_drafts_verified = 0
+        self.num_drafts_accepted = 0
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)  # (position, token)
         self.num_computed_tokens = 0
         self.num_blocks_loaded = 0
@@ -70,17 +88,33 @@ class FakeRunner:
         # Like every layer of the real forward: the whole step's KV is written before anything is read, so a
         # request may read blocks another request of the same step fills.
         for s in out.scheduled:
-            for i, token in enumerate(s.token_ids):
+            for i, token in enumerate(s.token_ids + s.draft_token_ids):
                 pos = s.start_position + i
                 self.slots[s.block_ids[pos // bs] * bs + pos % bs] = (pos, token)
             self.num_computed_tokens += len(s.token_ids)
         for s in out.scheduled:
             if s.sample:
                 end = s.start_position + len(s.token_ids)
-                seen = []
-                for pos in range(end):
-                    entry = self.slots[s.block_ids[pos // bs] * bs + pos % bs]
-                    assert entry is not None and entry[0] == pos, f"slot for position {pos} holds {entry}"
-                    seen.append(entry[1])
-                result.sampled_token_ids[s.request_id] = next_token(seen)
+                seen = [self._read(s.block_ids, pos) for pos in range(end)]
+                token = next_token(seen)
+                num_accepted = 0
+                for draft in s.draft_token_ids:
+                    if token != draft:
+                        break
+                    seen.append(self._read(s.block_ids, end + num_accepted))
+                    num_accepted += 1
+                    token = next_token(seen)
+                result.sampled_token_ids[s.request_id] = token
+                if s.draft_token_ids:
+                    result.num_accepted_drafts[s.request_id] = num_accepted
+                    self.num_drafts_verified += len(s.draft_token_ids)
+                    self.num_drafts_accepted += num_accepted
+                if self.propose is not None:
+                    result.draft_token_ids[s.request_id] = self.propose(seen + [token])
         return result
+
+    def _read(self, block_ids: list[int], pos: int) -> int:
+        bs = self.block_size
+        entry = self.slots[block_ids[pos // bs] * bs + pos % bs]
+        assert entry is not None and entry[0] == pos, f"slot for position {pos} holds {entry}"
+        return entry[1]

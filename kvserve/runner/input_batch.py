@@ -2,8 +2,10 @@
 
 Token order in the batch:   [ d0 d1 ... d(B-1) | prefill a (q_len_a) | prefill b | ... ]
 where the d's are single-token queries (decodes, or one-token prefill chunks), batched in one attention
-call; every prefill chunk gets its own span. ``sample_rows[i]`` is the hidden-state row whose logits
-sample the next token of ``sample_request_ids[i]``.
+call; every prefill chunk gets its own span. A decode with speculative drafts takes one d row per token
+(its last token, then each draft, at consecutive positions), each row seeing the keys up to its own
+position. ``sample_rows`` lists the rows whose logits are sampled: per request of ``sample_request_ids``,
+in order, 1 + len(its drafts) rows.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_samples]
+    sample_rows: torch.Tensor  # [num_sample_rows]
     sample_request_ids: list[str]
+    sample_drafts: list[list[int]]  # per sampled request: the drafts its rows after the first verify
 
 
 def build_inputs(
@@ -38,34 +41,42 @@ def build_inputs(
     slots: list[int] = []
     sample_rows: list[int] = []
     sample_ids: list[str] = []
+    sample_drafts: list[list[int]] = []
 
-    for row, s in enumerate(singles):
-        pos = s.start_position
-        input_ids.append(s.token_ids[0])
-        positions.append(pos)
-        slots.append(s.block_ids[pos // block_size] * block_size + pos % block_size)
+    row_tables: list[list[int]] = []  # per decode row: its request's block table
+    kv_lens: list[int] = []  # per decode row: keys it sees (its own position + 1)
+    for s in singles:
+        tokens = s.token_ids + s.draft_token_ids if s.draft_token_ids else s.token_ids
+        first_row = len(input_ids)
+        for pos, token_id in enumerate(tokens, s.start_position):
+            input_ids.append(token_id)
+            positions.append(pos)
+            slots.append(s.block_ids[pos // block_size] * block_size + pos % block_size)
+            row_tables.append(s.block_ids)
+            kv_lens.append(pos + 1)
         if s.sample:
-            sample_rows.append(row)
+            sample_rows.extend(range(first_row, len(input_ids)))
             sample_ids.append(s.request_id)
+            sample_drafts.append(s.draft_token_ids)
 
+    num_decode_rows = len(input_ids)
     decode_block_table = decode_mask = decode_prefix_blocks = suffix_lens = None
     decode_prefix_runs: PagedRuns | None = None
     decode_prefix_key: tuple[int, ...] | None = None
     if singles:
-        kv_lens = [s.start_position + 1 for s in singles]
         # Blocks every decode shares (a common system prompt held once by the prefix cache): their KV is read
         # once for the whole batch instead of once per request.
-        num_shared = _shared_prefix_blocks(singles, kv_lens, block_size)
+        num_shared = _shared_prefix_blocks(row_tables, kv_lens, block_size)
         if num_shared * block_size < cascade_min_tokens:
             num_shared = 0
         else:
-            decode_prefix_blocks = torch.tensor(singles[0].block_ids[:num_shared], dtype=torch.long)
-            decode_prefix_runs = _paged_runs([singles[0].block_ids[:num_shared]], [num_shared * block_size],
-                                             [len(singles)], device)
+            shared = row_tables[0][:num_shared]
+            decode_prefix_blocks = torch.tensor(shared, dtype=torch.long)
+            decode_prefix_runs = _paged_runs([shared], [num_shared * block_size], [num_decode_rows], device)
             if block_versions is not None:
-                decode_prefix_key = block_versions.key(singles[0].block_ids[:num_shared])
+                decode_prefix_key = block_versions.key(shared)
         max_blocks = -(-max(kv_lens) // block_size) - num_shared
-        table = [s.block_ids[num_shared : num_shared + max_blocks] for s in singles]
+        table = [blocks[num_shared : num_shared + max_blocks] for blocks in row_tables]
         table = [row + [0] * (max_blocks - len(row)) for row in table]
         decode_block_table = torch.tensor(table, dtype=torch.int32)
         key_positions = torch.arange(max_blocks * block_size)
@@ -75,8 +86,9 @@ def build_inputs(
 
     spans: list[PrefillSpan] = []
     run_tables: list[list[int]] = []
-    q_start = len(singles)
+    q_start = num_decode_rows
     for s in chunks:
+        assert not s.draft_token_ids, "drafts ride on decodes only"
         q_len = len(s.token_ids)
         start = s.start_position
         kv_len = start + q_len
@@ -92,6 +104,7 @@ def build_inputs(
         if s.sample:
             sample_rows.append(q_start + q_len - 1)
             sample_ids.append(s.request_id)
+            sample_drafts.append([])
         q_start += q_len
 
     def dev(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -105,7 +118,7 @@ def build_inputs(
                                    device)
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decode_tokens=len(singles),
+        num_decode_tokens=num_decode_rows,
         decode_block_table=dev(decode_block_table),
         decode_mask=dev(decode_mask),
         decode_seq_lens=dev(suffix_lens),
@@ -121,6 +134,7 @@ def build_inputs(
         attn=attn,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sample_request_ids=sample_ids,
+        sample_drafts=sample_drafts,
     )
 
 
@@ -134,14 +148,14 @@ def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int], 
     return PagedRuns(*(t.to(device, non_blocking=True) for t in tensors))
 
 
-def _shared_prefix_blocks(singles: list[ScheduledRequest], kv_lens: list[int], block_size: int) -> int:
-    """Leading blocks all decodes hold in common (the same physical blocks), full in every one of them."""
-    if len(singles) < 2:
+def _shared_prefix_blocks(tables: list[list[int]], kv_lens: list[int], block_size: int) -> int:
+    """Leading blocks all decode rows hold in common (the same physical blocks), full in every one of them."""
+    if len(tables) < 2:
         return 0
     limit = min(kv_len // block_size for kv_len in kv_lens)
-    first = singles[0].block_ids
+    first = tables[0]
     n = 0
-    while n < limit and all(s.block_ids[n] == first[n] for s in singles):
+    while n < limit and all(table is first or table[n] == first[n] for table in tables):
         n += 1
     return n
 

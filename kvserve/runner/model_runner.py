@@ -10,6 +10,7 @@ from kvserve.runner.block_versions import BlockVersions
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.kv_transfer import read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
+from kvserve.runner.speculative import Proposer, sample_and_verify
 
 
 class ModelRunner:
@@ -20,6 +21,7 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         cascade_min_tokens: int = 256,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -29,6 +31,8 @@ class ModelRunner:
         self.cascade_min_tokens = cascade_min_tokens
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
+        # Drafts for each request's next step (speculative decoding); None: no speculation.
+        self.proposer = proposer
         self.block_versions = BlockVersions()
 
     @torch.inference_mode()
@@ -49,6 +53,8 @@ class ModelRunner:
         self.block_versions.bump_written(out, self.block_size)
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(request_id)
         for new in out.new_requests:
             self.states[new.request_id] = SamplingState(
                 new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids
@@ -60,14 +66,21 @@ class ModelRunner:
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
         if not inputs.sample_request_ids:
             return result
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_samples, vocab]
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
         states = [self.states[rid] for rid in inputs.sample_request_ids]
-        sampled = self.sampler(logits, states)
-        for request_id, state, token_id, logprobs in zip(
-            inputs.sample_request_ids, states, sampled.token_ids, sampled.logprobs, strict=True
+        verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts)
+        for request_id, state, drafts, outcome in zip(
+            inputs.sample_request_ids, states, inputs.sample_drafts, verified, strict=True
         ):
-            state.output_token_ids.append(token_id)
-            result.sampled_token_ids[request_id] = token_id
-            if logprobs is not None:
-                result.logprobs[request_id] = logprobs
+            result.sampled_token_ids[request_id] = outcome.token_id
+            if drafts:
+                result.num_accepted_drafts[request_id] = outcome.num_accepted
+            if outcome.logprobs is not None:
+                result.logprobs[request_id] = outcome.logprobs
+            # Logprobs come one token a step; such requests are not speculated on.
+            if self.proposer is not None and state.params.logprobs is None:
+                verified = (len(drafts), outcome.num_accepted) if drafts else None
+                proposal = self.proposer.propose(request_id, state, verified)
+                if proposal:
+                    result.draft_token_ids[request_id] = proposal
         return result

@@ -137,6 +137,8 @@ class _EngineCollector(Collector):
             "engine_generated_tokens": ("Tokens sampled by the engine.", s.num_generated_tokens),
             "engine_steps": ("Engine steps run.", s.num_steps),
             "engine_busy_seconds": ("Seconds the engine spent running the model.", s.busy_time_s),
+            "spec_decode_num_draft_tokens": ("Speculative draft tokens verified.", s.num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Speculative draft tokens accepted.", s.num_accepted_draft_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{n}{name}", doc, value=value)

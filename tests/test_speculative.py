@@ -1,0 +1,111 @@
+"""The n-gram proposer and the verification step of speculative decoding (runner/speculative.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.request import SamplingParams
+from kvserve.runner.sampler import Sampler, SamplingState
+from kvserve.runner.speculative import NgramProposer, sample_and_verify
+
+VOCAB = 16
+
+
+def state(prompt: list[int], output: list[int] | None = None, **params) -> SamplingState:
+    params.setdefault("temperature", 0.0)
+    return SamplingState(SamplingParams(**params), prompt, list(output or []))
+
+
+def test_proposes_what_followed_the_latest_longest_match() -> None:
+    proposer = NgramProposer(num_tokens=4, min_n=2, max_n=3)
+    # "1 2 3" occurs twice earlier; the latest occurrence was followed by 9 8 ...
+    s = state([1, 2, 3, 4, 5, 1, 2, 3, 9, 8, 7, 6, 0, 1, 2, 3])
+    assert proposer.propose("a", s) == [9, 8]  # the first proposal is short (adaptive length)
+    # After a step whose drafts were all accepted, proposals grow to num_tokens.
+    assert proposer.propose("a", s, verified=(2, 2)) == [9, 8, 7, 6]
+    proposer.forget("a")  # a forgotten request starts over
+    assert proposer.propose("a", s) == [9, 8]
+
+
+def test_prefers_the_longer_ngram_and_respects_min_n() -> None:
+    proposer = NgramProposer(num_tokens=2, min_n=2, max_n=3)
+    # suffix "5 6": the 3-gram "4 5 6" matched at the start wins over the later 2-gram "5 6".
+    s = state([4, 5, 6, 10, 11, 3, 5, 6, 12, 13, 4, 5, 6])
+    assert proposer.propose("a", s) == [10, 11]
+    # Only a 1-gram match ("6"): below min_n, nothing is proposed.
+    assert NgramProposer(2, 2, 3).propose("b", state([6, 1, 2, 6])) == []
+    assert NgramProposer(2, 1, 3).propose("c", state([6, 1, 2, 6])) == [1, 2]
+
+
+def test_the_index_follows_new_output_tokens() -> None:
+    proposer = NgramProposer(num_tokens=3, min_n=2, max_n=2)
+    s = state([1, 2, 3, 4])
+    assert proposer.propose("a", s) == []
+    s.output_token_ids += [7, 1, 2]  # "1 2" now ends the sequence; it was followed by 3 4 7
+    assert proposer.propose("a", s, verified=(3, 3)) == [3, 4, 7]
+    s.output_token_ids += [3, 4, 7]
+    assert proposer.propose("a", s, verified=(3, 3)) == [1, 2, 3]  # the latest match: "4 7" -> 1 2 3
+
+
+def test_draft_length_adapts_to_acceptance() -> None:
+    proposer = NgramProposer(num_tokens=5, min_n=1, max_n=1)
+    s = state([1, 2, 3, 4, 5, 6, 7, 8, 1])
+    assert len(proposer.propose("a", s)) == 2
+    assert len(proposer.propose("a", s, verified=(2, 2))) == 5
+    assert len(proposer.propose("a", s, verified=(5, 0))) == 1
+    assert len(proposer.propose("a", s, verified=(1, 1))) == 5
+    assert len(proposer.propose("a", s, verified=(5, 3))) == 4
+    assert len(proposer.propose("a", s)) == 4  # no verification this step: the length stays
+
+
+def one_hot_rows(token_ids: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(token_ids), VOCAB)
+    logits[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 5.0
+    return logits
+
+
+def test_verification_accepts_the_agreeing_prefix_then_samples() -> None:
+    sampler = Sampler(VOCAB)
+    states = [state([1]), state([2]), state([3]), state([4])]
+    drafts = [[5, 6, 7], [5, 6], [], [9]]
+    # Target argmax per row: request 0 agrees on 5, 6 then says 8 (7 rejected); request 1 agrees with both
+    # drafts and gets a bonus token; request 2 has no drafts; request 3 is rejected at once.
+    logits = one_hot_rows([5, 6, 8, 0, 5, 6, 11, 12, 3, 14])
+    verified = sample_and_verify(sampler, logits, states, drafts)
+    assert [(v.num_accepted, v.token_id) for v in verified] == [(2, 8), (2, 11), (0, 12), (0, 3)]
+    assert [s.output_token_ids for s in states] == [[5, 6, 8], [5, 6, 11], [12], [3]]
+
+
+def test_verification_applies_min_tokens_per_depth() -> None:
+    # EOS (token 0) is the argmax everywhere; min_tokens=2 masks it for the first two new tokens only.
+    sampler = Sampler(VOCAB)
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 0] = 9.0
+    logits[:, 4] = 5.0
+    s = SamplingState(SamplingParams(temperature=0.0, min_tokens=2), [1], [], eos_token_ids=(0,))
+    verified = sample_and_verify(sampler, logits, [s], [[4, 4]])
+    assert (verified[0].num_accepted, verified[0].token_id) == (2, 0)
+    assert s.output_token_ids == [4, 4, 0]
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_or_without_drafts() -> None:
+    torch.manual_seed(0)
+    rows = torch.randn(6, VOCAB)
+    params = dict(temperature=1.0, seed=1234)
+    plain_state = state([1, 2], **params)
+    plain = []
+    sampler = Sampler(VOCAB)
+    for row in rows:
+        token = sampler(row[None], [plain_state]).token_ids[0]
+        plain_state.output_token_ids.append(token)
+        plain.append(token)
+    # Drafts that are the plain tokens are all accepted; a wrong draft is rejected and replaced by the same
+    # token plain sampling drew there.
+    spec_state = state([1, 2], **params)
+    verified = sample_and_verify(Sampler(VOCAB), rows[:4], [spec_state], [plain[:3]])
+    assert (verified[0].num_accepted, verified[0].token_id) == (3, plain[3])
+    wrong = [plain[0], (plain[1] + 1) % VOCAB]
+    spec_state = state([1, 2], **params)
+    verified = sample_and_verify(Sampler(VOCAB), rows[:3], [spec_state], [wrong])
+    assert (verified[0].num_accepted, verified[0].token_id) == (1, plain[1])
+    assert spec_state.output_token_ids == plain[:2]
