@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+
+import pytest
 import torch
 
+from kvserve.cli import parse_speculative_config
+from kvserve.config import SpeculativeConfig
 from kvserve.request import SamplingParams
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import NgramProposer, sample_and_verify
@@ -109,3 +115,23 @@ def test_seeded_sampling_draws_the_same_tokens_with_or_without_drafts() -> None:
     verified = sample_and_verify(Sampler(VOCAB), rows[:3], [spec_state], [wrong])
     assert (verified[0].num_accepted, verified[0].token_id) == (1, plain[1])
     assert spec_state.output_token_ids == plain[:2]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ngram", "not JSON"),
+    ('["ngram"]', "JSON object"),
+    ('{"method": "eagle"}', "'none' or 'ngram'"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min (3) must be <="),
+    ('{"method": "ngram", "draft_model": "x"}', "unknown speculative config field(s) draft_model"),
+])
+def test_bad_speculative_configs_are_refused_by_name(text: str, message: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        parse_speculative_config(text)
+
+
+def test_speculative_config_in_vllm_spelling() -> None:
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    assert config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
+                                       prompt_lookup_max=5)
+    assert config.enabled and not SpeculativeConfig().enabled

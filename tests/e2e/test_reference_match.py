@@ -74,3 +74,26 @@ def test_torch_reference_paths_match_transformers(prompt_ids, reference) -> None
     llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=2048, enable_prefix_caching=False,
               cpu_kernels=False)
     assert generate_ids(llm, prompt_ids) == reference
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_speculative_decoding_matches_transformers(prompt_ids, reference) -> None:
+    """n-gram drafts verified in the batch, with the prefix cache on and a budget that cuts drafts short."""
+    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=24, enable_prefix_caching=True,
+              speculative_config=NGRAM)
+    assert generate_ids(llm, prompt_ids) == reference
+    again = generate_ids(llm, prompt_ids)  # from the cache: blocks written next to rejected drafts
+    assert again == reference
+    stats = llm.engine.stats()
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.num_generated_tokens == 2 * len(prompt_ids) * MAX_TOKENS  # each token counted once
+
+
+def test_speculative_decoding_under_preemption_matches_transformers(prompt_ids, reference) -> None:
+    llm = LLM(dtype="float32", num_kv_blocks=80, max_num_batched_tokens=2048, enable_prefix_caching=False,
+              speculative_config=NGRAM)
+    assert generate_ids(llm, prompt_ids) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_accepted_draft_tokens > 0

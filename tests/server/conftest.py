@@ -20,6 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # The engine options of the shared server; the offline LLM of the comparison test uses the same ones.
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512",
                "--max-num-batched-tokens", "1024", "--max-num-seqs", "64"]
+# The shared server also speculates (n-gram drafts); the offline LLM does not. Speculation is exact, so every
+# server test holds either way, and the comparison test checks that it changes no output (float32: no
+# bf16 rounding for the batch shape to move).
+SPECULATIVE_ARGS = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}']
 LLM_KWARGS = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 512, "max_num_batched_tokens": 1024,
               "max_num_seqs": 64}
 MAX_MODEL_LEN = 512
@@ -100,7 +104,7 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def server_process(tmp_path_factory: pytest.TempPathFactory):
     """Started, not yet waited for: fixtures that load models in-process overlap with its start-up."""
-    server = ServerProcess(ENGINE_ARGS, tmp_path_factory.mktemp("server") / "server.log")
+    server = ServerProcess(ENGINE_ARGS + SPECULATIVE_ARGS, tmp_path_factory.mktemp("server") / "server.log")
     yield server
     server.stop()
     assert "Traceback" not in server.log_tail(10**7), server.log_tail()

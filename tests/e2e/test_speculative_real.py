@@ -1,0 +1,56 @@
+"""Speculative decoding on the real model (float32, so that batch shape cannot move a greedy tie): sampled
+and stopped outputs are exactly those of plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.request import Request
+from tests.e2e.conftest import LONG_DOCUMENT
+
+pytestmark = pytest.mark.slow
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [
+    LONG_DOCUMENT + "\nRepeat the first section word for word:",
+    "Count: one, two, three, four, five, six, seven, eight, nine, ten, one, two, three,",
+    "The rain in Spain falls mainly on the plain. The rain in Spain",
+]
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[LLM, LLM]:
+    def make(spec: dict | None) -> LLM:
+        return LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=512, speculative_config=spec)
+    return make(None), make(NGRAM)
+
+
+def test_seeded_sampling_draws_the_same_tokens(engines) -> None:
+    plain, spec = engines
+    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=11 + i, max_tokens=40, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    before = spec.engine.stats().num_accepted_draft_tokens
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == expected
+    assert spec.engine.stats().num_accepted_draft_tokens > before
+
+
+def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypatch) -> None:
+    plain, spec = engines
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    texts = [o.outputs[0].text for o in plain.generate(PROMPTS, greedy)]
+    # Every word of the greedy outputs as a stop string: some end inside a step's accepted drafts.
+    cases = [(prompt, word) for prompt, text in zip(PROMPTS, texts, strict=True)
+             for word in dict.fromkeys(text.split()[2:14])]
+    prompts = [prompt for prompt, _ in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[word]) for _, word in cases]
+    truncations = []
+    original = Request.truncate
+    monkeypatch.setattr(Request, "truncate", lambda self, n: (truncations.append(n), original(self, n))[1])
+    got = spec.generate(prompts, params)
+    want = plain.generate(prompts, params)
+    assert truncations, "no stop string ended inside a step's accepted drafts"
+    for g, w in zip(got, want, strict=True):
+        assert (g.outputs[0].text, g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
+            w.outputs[0].text, w.outputs[0].token_ids, w.outputs[0].finish_reason)
+    assert spec.engine.kv_manager.pool.num_used == 0
