@@ -155,6 +155,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # No drafts in a step that samples for this many requests or more: a big batch already fills the
+    # compute, and every draft row costs a share of it (vLLM's option of the same name).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "ngram"):
@@ -163,6 +166,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", name)
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
+            raise InvalidRequest(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}",
+                                 "disable_by_batch_size")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequest(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "

@@ -101,7 +101,8 @@ class Engine:
         spec = config.speculative
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                     if spec.enabled else None)
-        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, sampler, proposer=proposer)
+        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, sampler, proposer=proposer,
+                                  propose_below_batch_size=spec.disable_by_batch_size)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))

@@ -124,6 +124,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_or_without_drafts() -> None:
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min (3) must be <="),
     ('{"method": "ngram", "draft_model": "x"}', "unknown speculative config field(s) draft_model"),
+    ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size must be an integer >= 1"),
 ])
 def test_bad_speculative_configs_are_refused_by_name(text: str, message: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):

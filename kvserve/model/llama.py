@@ -99,9 +99,10 @@ class LlamaForCausalLM:
         return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] float32 (only the rows that sample)."""
+        """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (only the rows that sample). Kept there:
+        greedy argmax is exact in any dtype, and the sampler's general path converts to float32 itself."""
         x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
-        return self.ops.linear(x, self.lm_head, None).float()
+        return self.ops.linear(x, self.lm_head, None)
 
     # --- weights --------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

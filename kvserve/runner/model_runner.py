@@ -22,6 +22,7 @@ class ModelRunner:
         sampler: Sampler,
         cascade_min_tokens: int = 256,
         proposer: Proposer | None = None,
+        propose_below_batch_size: int | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -33,6 +34,7 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         # Drafts for each request's next step (speculative decoding); None: no speculation.
         self.proposer = proposer
+        self.propose_below_batch_size = propose_below_batch_size  # None: at any batch size
         self.block_versions = BlockVersions()
 
     @torch.inference_mode()
@@ -69,6 +71,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
         states = [self.states[rid] for rid in inputs.sample_request_ids]
         verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts)
+        limit = self.propose_below_batch_size
+        propose = self.proposer is not None and (limit is None or len(states) < limit)
         for request_id, state, drafts, outcome in zip(
             inputs.sample_request_ids, states, inputs.sample_drafts, verified, strict=True
         ):
@@ -78,9 +82,9 @@ class ModelRunner:
             if outcome.logprobs is not None:
                 result.logprobs[request_id] = outcome.logprobs
             # Logprobs come one token a step; such requests are not speculated on.
-            if self.proposer is not None and state.params.logprobs is None:
-                verified = (len(drafts), outcome.num_accepted) if drafts else None
-                proposal = self.proposer.propose(request_id, state, verified)
+            if propose and state.params.logprobs is None:
+                feedback = (len(drafts), outcome.num_accepted) if drafts else None
+                proposal = self.proposer.propose(request_id, state, feedback)  # type: ignore[union-attr]
                 if proposal:
                     result.draft_token_ids[request_id] = proposal
         return result
