@@ -26,7 +26,6 @@ from kvserve.bench.workloads import Conversation, Workload, WorkloadConfig
 from kvserve.runner.sampler import SamplingState
 
 
-
 def chat_prompts(llm: LLM, conversations: list[list[dict[str, str]]]) -> list[dict[str, list[int]]]:
     tok = llm.get_tokenizer()
     return [{"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt=True),
@@ -54,7 +53,8 @@ def run_workload(name: str, plain: LLM, spec: LLM, args: argparse.Namespace) -> 
                             ignore_eos=True)
     rows = []
     for turn in range(len(sessions[0].turns)):
-        prompts = chat_prompts(plain, [c.with_turn(s.turns[turn].message) for s, c in zip(sessions, conversations)])
+        messages = [c.with_turn(s.turns[turn].message) for s, c in zip(sessions, conversations, strict=True)]
+        prompts = chat_prompts(plain, messages)
         order = [("plain", plain), ("ngram", spec)] if turn % 2 == 0 else [("ngram", spec), ("plain", plain)]
         results = {label: timed_generate(llm, prompts, params) for label, llm in order}
         (t_plain, outputs, counts_plain), (t_spec, _, counts) = results["plain"], results["ngram"]
