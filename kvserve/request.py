@@ -144,7 +144,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0  # speculative tokens verified for this request
     num_accepted_draft_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    # (time, number of tokens emitted) per step that produced output: for ITL
+    # When each output token was emitted (for ITL). Accepted speculative drafts share their step's time.
     token_times: list[float] = field(default_factory=list)
 
 

@@ -251,21 +251,23 @@ class Scheduler:
             else:
                 metrics.num_decode_steps += 1
             metrics.last_token_time = now
-            num_appended = 0
-            for token_id in new_token_ids:
-                request.append_token(token_id)
-                num_appended += 1
-                if request.output_logprobs is not None:
-                    request.output_logprobs.append(result.logprobs.get(rid, {}))
-                metrics.token_times.append(now)
-                reason = self._check_stop(request, token_id)
-                if reason is not None:
-                    # Tokens after a stop are dropped; the KV of accepted drafts past it with them.
-                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                    self._finish(request, reason)
-                    break
-            updated.append((request, num_appended))
+            updated.append((request, self._append_tokens(request, new_token_ids, result.logprobs.get(rid, {}), now)))
         return updated
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, float], now: float) -> int:
+        """Append a step's new tokens up to the first one that ends the request; returns how many went in."""
+        for count, token_id in enumerate(token_ids, 1):
+            request.append_token(token_id)
+            if request.output_logprobs is not None:
+                request.output_logprobs.append(logprobs)  # logprob requests get one token a step
+            request.metrics.token_times.append(now)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                # Tokens after a stop are dropped; the KV of accepted drafts past it with them.
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                self._finish(request, reason)
+                return count
+        return len(token_ids)
 
     @staticmethod
     def _check_stop(request: Request, token_id: int) -> FinishReason | None:
