@@ -36,3 +36,12 @@ def test_a_step_bumps_its_loads_and_every_block_its_tokens_land_in() -> None:
     key = versions.key(prefix)
     versions.bump_written(SchedulerOutput(kv_loads=[(1, b"kv")]), block_size=16)
     assert versions.key(prefix) != key
+
+
+def test_drafts_bump_the_blocks_they_are_written_into() -> None:
+    versions = BlockVersions()
+    # A decode at position 30 (block 1 of 16) with 3 drafts at 31..33: they reach block 2.
+    decode = ScheduledRequest("r", [7], 30, [0, 1, 2], sample=True, draft_token_ids=[8, 9, 10])
+    versions.bump_written(SchedulerOutput(scheduled=[decode]), block_size=16)
+    assert versions.key([0]) == (0, 0)
+    assert versions.key([1, 2]) == (1, 2, 1, 1)

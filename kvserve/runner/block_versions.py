@@ -25,11 +25,11 @@ class BlockVersions:
             versions[block_id] = versions.get(block_id, 0) + 1
 
     def bump_written(self, out: SchedulerOutput, block_size: int) -> None:
-        """The blocks this step writes: its tier loads and the blocks of every scheduled token."""
+        """The blocks this step writes: its tier loads and the blocks of every scheduled token and draft."""
         self.bump(block_id for block_id, _ in out.kv_loads)
         for s in out.scheduled:
             first = s.start_position // block_size
-            last = (s.start_position + len(s.token_ids) - 1) // block_size
+            last = (s.start_position + len(s.token_ids) + len(s.draft_token_ids) - 1) // block_size
             self.bump(s.block_ids[first : last + 1])
 
     def key(self, block_ids: Sequence[int]) -> tuple[int, ...]:
