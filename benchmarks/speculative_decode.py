@@ -126,11 +126,13 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--skip-cost", action="store_true", help="only the workloads")
     parser.add_argument("--out", default="bench_results/speculative_decode.json")
     args = parser.parse_args()
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
+             "disable_by_batch_size": args.disable_by_batch_size}
 
     def make(spec: dict | None) -> LLM:
         return LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_gb=0.5, speculative_config=spec)
