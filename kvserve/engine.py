@@ -289,6 +289,10 @@ class Engine:
                     if i + 1 < num_new:
                         request.truncate(request.num_tokens - (num_new - i - 1))
                         new_ids = new_ids[: i + 1]
+                        if request.is_finished:
+                            # A later token of the step had ended it (length, EOS): plain decoding would
+                            # have stopped at the string first.
+                            request.finish_reason, request.stop_reason = FinishReason.STOP, detok.stopped
                     break
         if detok.stopped is not None and not request.is_finished:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop_reason=detok.stopped)

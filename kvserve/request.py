@@ -144,7 +144,8 @@ class RequestMetrics:
     num_draft_tokens: int = 0  # speculative tokens verified for this request
     num_accepted_draft_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    # When each output token was emitted (for ITL). Accepted speculative drafts share their step's time.
+    # When each step that produced output tokens ended (for ITL): one entry per step, so the accepted
+    # speculative drafts of a step arrive together, as a client sees them in one streamed chunk.
     token_times: list[float] = field(default_factory=list)
 
 
@@ -228,7 +229,6 @@ class Request:
         assert num_tokens >= self.num_prompt_tokens, (num_tokens, self.num_prompt_tokens)
         del self.all_token_ids[num_tokens:]
         self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
-        del self.metrics.token_times[self.num_output_tokens :]  # one per output token
 
     def max_draft_tokens(self) -> int:
         """Drafts worth verifying: one step emits the accepted drafts plus one token, within max_total_tokens."""

@@ -4,8 +4,8 @@ The rule (vLLM v1's): a request has ``num_computed_tokens`` and a target ``num_t
 what it generated). Each step hands out tokens under one budget, ``max_num_batched_tokens``: running
 requests first, oldest first, then waiting ones. A prefill, a chunk of a long prompt, a prefix-cache
 hit (computed tokens start at the cached length) and a decode step are all the same rule. A decode may
-carry speculative drafts: they ride along when the budget and free blocks allow, never at the cost of a
-preemption, and only the accepted ones count as computed.
+carry speculative drafts: they get what the budget and the free blocks have left once every running and
+admitted request has its tokens, and only the accepted ones count as computed.
 
 When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue to be recomputed, so the oldest request always makes progress.
@@ -105,18 +105,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_to_compute, budget)
-            drafts = self._drafts_to_verify(request, num_new, budget)
-            if drafts and not self.kv.allocate(request, num_new + len(drafts)):
-                drafts = []
-            while not drafts and not self.kv.allocate(request, num_new):
+            while not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self._emit(out, request, num_new, now, drafts)
-                budget -= num_new + len(drafts)
+                self._emit(out, request, num_new, now)
+                budget -= num_new
                 i += 1
 
         # 2. Waiting requests, while budget, sequence slots and blocks last. None after a preemption:
@@ -147,6 +144,10 @@ class Scheduler:
                 self._emit(out, request, num_new, now)
                 budget -= num_new
 
+        # 3. Speculative drafts ride on the decodes, from what the budget and the free blocks have left.
+        if not preempted and budget > 0:
+            self._add_drafts(out, budget)
+
         out.finished_request_ids, self._forget = self._forget, []
         if self.kv.has_pending_transfers:
             out.kv_loads, out.kv_offloads = self.kv.take_transfers()
@@ -172,15 +173,23 @@ class Scheduler:
             request.priority_skips += 1  # passed over by a later arrival
         return chosen
 
-    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """The request's drafts that fit this step: a decode only, within the budget and max_total_tokens."""
-        drafts = request.draft_token_ids
-        if not drafts or num_new != 1 or request.num_tokens_to_compute != 1:
-            return []
-        return drafts[: min(budget - 1, request.max_draft_tokens())]
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give scheduled decodes their drafts, oldest first, within the leftover budget, max_total_tokens and
+        the free blocks: drafts never take a block or a token another request needs, nor evict cached KV."""
+        for scheduled in out.scheduled:
+            request = self.requests[scheduled.request_id]
+            if not request.draft_token_ids or request.num_tokens_to_compute != 1:
+                continue  # no drafts, or a prefill chunk
+            # Slots left in the request's blocks plus the free blocks, after its own token.
+            room = (len(request.block_ids) + self.kv.pool.num_free) * self.kv.block_size - request.num_computed_tokens - 1
+            drafts = request.draft_token_ids[: min(budget, request.max_draft_tokens(), room)]
+            if drafts and self.kv.allocate(request, 1 + len(drafts), may_evict=False):
+                scheduled.draft_token_ids = drafts
+                budget -= len(drafts)
+                if budget == 0:
+                    return
 
-    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, now: float,
-              drafts: list[int] | None = None) -> None:
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         start = request.num_computed_tokens
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
@@ -200,7 +209,6 @@ class Scheduler:
                 start,
                 request.block_ids,
                 start + num_new == request.num_tokens,
-                drafts or [],
             )
         )
         # Cached as soon as scheduled, so requests admitted after it (this step too) share these blocks.
@@ -251,16 +259,16 @@ class Scheduler:
             else:
                 metrics.num_decode_steps += 1
             metrics.last_token_time = now
-            updated.append((request, self._append_tokens(request, new_token_ids, result.logprobs.get(rid, {}), now)))
+            metrics.token_times.append(now)
+            updated.append((request, self._append_tokens(request, new_token_ids, result.logprobs.get(rid, {}))))
         return updated
 
-    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, float], now: float) -> int:
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, float]) -> int:
         """Append a step's new tokens up to the first one that ends the request; returns how many went in."""
         for count, token_id in enumerate(token_ids, 1):
             request.append_token(token_id)
             if request.output_logprobs is not None:
                 request.output_logprobs.append(logprobs)  # logprob requests get one token a step
-            request.metrics.token_times.append(now)
             reason = self._check_stop(request, token_id)
             if reason is not None:
                 # Tokens after a stop are dropped; the KV of accepted drafts past it with them.

@@ -64,8 +64,9 @@ def test_metrics_count_drafts_and_tokens_per_step() -> None:
     assert r.metrics.num_draft_tokens == runner.num_drafts_verified
     assert r.metrics.num_accepted_draft_tokens == runner.num_drafts_accepted > 0
     assert scheduler.num_accepted_draft_tokens == runner.num_drafts_accepted
-    assert len(r.metrics.token_times) == r.num_output_tokens == 30
-    assert r.metrics.num_decode_steps < 29
+    assert r.num_output_tokens == 30 and r.metrics.num_decode_steps < 29
+    # One time per step that produced tokens (ITL is between streamed chunks, not zero inside one).
+    assert len(r.metrics.token_times) == r.metrics.num_decode_steps + 1
 
 
 def test_max_tokens_caps_the_drafts() -> None:
@@ -97,14 +98,23 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_output_there() -> None:
     assert scheduler.kv.pool.num_used == 0
 
 
-@pytest.mark.parametrize("budget", [2, 3, 5])
+@pytest.mark.parametrize("budget", [3, 4, 6])
 def test_a_small_budget_cuts_drafts_not_decodes(budget: int) -> None:
     scheduler, runner = make(budget=budget)
-    requests = [request(f"r{i}", [i, 2 * i, 3], 12, order=i) for i in range(3)]
+    requests = [request(f"r{i}", [i + 1], 12, order=i) for i in range(3)]  # one-token prompts: all admitted
     for r in requests:
         scheduler.add_request(r)
-    run(scheduler, runner)
-    assert [r.output_token_ids for r in requests] == [reference_continuation([i, 2 * i, 3], 12) for i in range(3)]
+    num_drafts = 0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        # Every running request computes its token before any draft gets a slot of the budget.
+        assert {s.request_id for s in out.scheduled} == {r.request_id for r in scheduler.running}
+        assert out.num_batched_tokens + sum(len(s.draft_token_ids) for s in out.scheduled) <= budget
+        num_drafts += sum(len(s.draft_token_ids) for s in out.scheduled)
+        scheduler.update(out, runner.execute(out))
+        scheduler.check_invariants()
+    assert (num_drafts > 0) == (budget > 3)
+    assert [r.output_token_ids for r in requests] == [reference_continuation([i + 1], 12) for i in range(3)]
 
 
 def test_preemption_drops_drafts_and_replays_exactly() -> None:
@@ -135,6 +145,40 @@ def test_drafts_never_preempt_another_request() -> None:
     assert scheduler.num_preemptions == 0
     run(scheduler, runner)
     assert [r.output_token_ids for r in requests] == [reference_continuation([i + 1] * 7, 9) for i in range(2)]
+
+
+def test_drafts_never_take_the_block_another_decode_needs() -> None:
+    # 5 blocks of 4: a (7 tokens) and b (8 tokens) hold 2 each, 1 is free. Next step a decodes position 7
+    # (its own block), b position 8, which needs the free block; a's drafts would need it too.
+    scheduler, runner = make(num_blocks=5, block_size=4, budget=64, prefix=False)
+    a, b = request("a", [1] * 7, 9), request("b", [2] * 8, 8, order=1)
+    for r in (a, b):
+        scheduler.add_request(r)
+    for _ in range(2):
+        out = scheduler.schedule()
+        scheduler.update(out, runner.execute(out))
+        scheduler.check_invariants()
+    assert a.metrics.num_draft_tokens == 0 and b.num_output_tokens >= 2, "b decoded; a's drafts got no block"
+    assert scheduler.num_preemptions == 0
+
+
+def test_drafts_never_evict_cached_blocks_and_shrink_to_the_free_room() -> None:
+    # 6 blocks of 4; a finished request leaves 2 cached, 4 are free. r's 12-token prompt takes 3, its
+    # outputs up to position 15 the 4th; it stops on a token before it needs a 5th. Drafts past position
+    # 15 would need that 5th block: they must be cut to the free room, not evict a cached block for it.
+    prompt = next(p for p in ([k, 2, 3] * 4 for k in range(1, 50))
+                  if reference_continuation(p, 4)[3] not in reference_continuation(p, 4)[:3])
+    stop = reference_continuation(prompt, 4)[3]
+    scheduler, runner = make(num_blocks=6, block_size=4, budget=64)
+    scheduler.add_request(request("cached", [99 % 50] * 8, 1))
+    run(scheduler, runner)
+    assert scheduler.kv.num_cached_blocks == 2
+    r = request("r", prompt, 30, ignore_eos=False, stop_token_ids=(stop,), order=1)
+    scheduler.add_request(r)
+    run(scheduler, runner)
+    assert r.output_token_ids == reference_continuation(prompt, 4) and r.finish_reason is FinishReason.STOP
+    assert r.metrics.num_draft_tokens > 0
+    assert scheduler.kv.num_evicted_blocks == 0, "drafts evicted a cached block"
 
 
 def test_cached_blocks_never_hold_rejected_drafts() -> None:

@@ -100,7 +100,8 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (only the rows that sample). Kept there:
-        greedy argmax is exact in any dtype, and the sampler's general path converts to float32 itself."""
+        greedy argmax is exact in any dtype, and the sampler's general path converts to float32 itself. (The CPU
+        argmax kernel takes bf16 and float32; float16 is refused on CPU at start-up.)"""
         x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
         return self.ops.linear(x, self.lm_head, None)
 

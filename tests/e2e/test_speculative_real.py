@@ -44,15 +44,23 @@ def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypa
              for word in dict.fromkeys(text.split()[2:14])]
     prompts = [prompt for prompt, _ in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[word]) for _, word in cases]
-    truncations = []
+    truncations = []  # whether the scheduler had already finished the request (length) when it was cut
     original = Request.truncate
-    monkeypatch.setattr(Request, "truncate", lambda self, n: (truncations.append(n), original(self, n))[1])
-    got = spec.generate(prompts, params)
+    monkeypatch.setattr(Request, "truncate",
+                        lambda self, n: (truncations.append(self.is_finished), original(self, n))[1])
     want = plain.generate(prompts, params)
-    assert truncations, "no stop string ended inside a step's accepted drafts"
+    # Again with max_tokens just past where the string stops plain decoding: a step whose accepted drafts
+    # run into max_tokens after the string must still finish with "stop", as plain decoding does.
+    prompts += prompts * 2
+    params += [SamplingParams(temperature=0.0, max_tokens=len(w.outputs[0].token_ids) + extra, ignore_eos=True,
+                              stop=p.stop) for extra in (1, 2) for w, p in zip(want, params, strict=True)]
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert False in truncations, "no stop string ended inside a step's accepted drafts"
+    assert True in truncations, "no step ran into max_tokens after a stop string"
     for g, w in zip(got, want, strict=True):
-        assert (g.outputs[0].text, g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
-            w.outputs[0].text, w.outputs[0].token_ids, w.outputs[0].finish_reason)
+        assert (g.outputs[0].text, g.outputs[0].token_ids, g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (
+            w.outputs[0].text, w.outputs[0].token_ids, w.outputs[0].finish_reason, w.outputs[0].stop_reason)
     assert spec.engine.kv_manager.pool.num_used == 0
 
 
