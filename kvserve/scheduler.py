@@ -180,8 +180,7 @@ class Scheduler:
             request = self.requests[scheduled.request_id]
             if not request.draft_token_ids or request.num_tokens_to_compute != 1:
                 continue  # no drafts, or a prefill chunk
-            # Slots left in the request's blocks plus the free blocks, after its own token.
-            room = (len(request.block_ids) + self.kv.pool.num_free) * self.kv.block_size - request.num_computed_tokens - 1
+            room = self.kv.num_tokens_without_eviction(request) - 1  # after its own token
             drafts = request.draft_token_ids[: min(budget, request.max_draft_tokens(), room)]
             if drafts and self.kv.allocate(request, 1 + len(drafts), may_evict=False):
                 scheduled.draft_token_ids = drafts

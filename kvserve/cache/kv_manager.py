@@ -265,6 +265,10 @@ class KVCacheManager:
         self.tree.evict(num_needed - self.pool.num_free)
         return num_needed <= self.pool.num_free
 
+    def num_tokens_without_eviction(self, request: Request) -> int:
+        """More tokens of KV the request could take from its own blocks and the free ones, evicting nothing."""
+        return (len(request.block_ids) + self.pool.num_free) * self.block_size - request.num_computed_tokens
+
     def can_fit(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.num_free + self.pool.num_evictable
 
