@@ -166,8 +166,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", name)
-        if self.disable_by_batch_size is not None and (
-                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise InvalidRequest(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}",
                                  "disable_by_batch_size")
         if self.prompt_lookup_min > self.prompt_lookup_max:
