@@ -278,22 +278,20 @@ class Engine:
     def _process_new_tokens(self, request: Request, num_new: int) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
         new_ids = request.all_token_ids[-num_new:]
-        if num_new == 1:
-            delta = detok.add_tokens(new_ids)
-        else:
-            # Accepted drafts: one at a time, so a stop string ends the output where plain decoding would.
-            delta = ""
-            for i, token_id in enumerate(new_ids):
-                delta += detok.add_tokens([token_id])
-                if detok.stopped is not None:
-                    if i + 1 < num_new:
-                        request.truncate(request.num_tokens - (num_new - i - 1))
-                        new_ids = new_ids[: i + 1]
-                        if request.is_finished:
-                            # A later token of the step had ended it (length, EOS): plain decoding would
-                            # have stopped at the string first.
-                            request.finish_reason, request.stop_reason = FinishReason.STOP, detok.stopped
-                    break
+        # One token at a time (a step may bring accepted drafts), so a stop string ends the output where
+        # plain decoding would.
+        delta = ""
+        for i, token_id in enumerate(new_ids):
+            delta += detok.add_tokens([token_id])
+            if detok.stopped is not None:
+                if i + 1 < num_new:
+                    request.truncate(request.num_tokens - (num_new - i - 1))
+                    new_ids = new_ids[: i + 1]
+                    if request.is_finished:
+                        # A later token of the step had ended it (length, EOS): plain decoding would have
+                        # stopped at the string first.
+                        request.finish_reason, request.stop_reason = FinishReason.STOP, detok.stopped
+                break
         if detok.stopped is not None and not request.is_finished:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop_reason=detok.stopped)
         if request.is_finished and detok.stopped is None:

@@ -180,9 +180,10 @@ class Scheduler:
             request = self.requests[scheduled.request_id]
             if not request.draft_token_ids or request.num_tokens_to_compute != 1:
                 continue  # no drafts, or a prefill chunk
+            # Within the request's own blocks and the free ones, so the allocation below evicts nothing.
             room = self.kv.num_tokens_without_eviction(request) - 1  # after its own token
             drafts = request.draft_token_ids[: min(budget, request.max_draft_tokens(), room)]
-            if drafts and self.kv.allocate(request, 1 + len(drafts), may_evict=False):
+            if drafts and self.kv.allocate(request, 1 + len(drafts)):
                 scheduled.draft_token_ids = drafts
                 budget -= len(drafts)
                 if budget == 0:

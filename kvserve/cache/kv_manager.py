@@ -204,19 +204,17 @@ class KVCacheManager:
             self.tiers.record_admission(request.num_prompt_tokens, by_tier)
 
     # --- allocation ---------------------------------------------------------------------------------------
-    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT, may_evict: bool = True
-                 ) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT) -> bool:
         """Make room for ``num_new_tokens`` more tokens of KV; with ``hit``, adopt the cached blocks first.
 
         Blocks of the hit found in a lower tier count as needed blocks: they are allocated here, queued
         for loading and inserted into the tree. Returns False (and changes nothing, loads nothing) when the
-        pool cannot provide the blocks even after evicting; the caller then releases the hit. With
-        ``may_evict=False`` only free blocks are used (speculative drafts must not evict cached KV).
+        pool cannot provide the blocks even after evicting; the caller then releases the hit.
         """
         num_existing = len(request.block_ids) + len(hit.block_ids)
         num_computed = request.num_computed_tokens + hit.num_tokens
         num_needed = request.num_blocks_needed(num_computed + num_new_tokens, self.block_size) - num_existing
-        if num_needed > 0 and not (self._make_room(num_needed, hit) if may_evict else num_needed <= self.pool.num_free):
+        if num_needed > 0 and not self._make_room(num_needed, hit):
             return False
         if hit.block_ids:
             self.pool.acquire(hit.block_ids)

@@ -72,7 +72,7 @@ class ModelRunner:
         states = [self.states[rid] for rid in inputs.sample_request_ids]
         verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts)
         limit = self.propose_below_batch_size
-        propose = self.proposer is not None and (limit is None or len(states) < limit)
+        proposer = self.proposer if limit is None or len(states) < limit else None
         for request_id, state, drafts, outcome in zip(
             inputs.sample_request_ids, states, inputs.sample_drafts, verified, strict=True
         ):
@@ -82,9 +82,9 @@ class ModelRunner:
             if outcome.logprobs is not None:
                 result.logprobs[request_id] = outcome.logprobs
             # Logprobs come one token a step; such requests are not speculated on.
-            if propose and state.params.logprobs is None:
+            if proposer is not None and state.params.logprobs is None:
                 feedback = (len(drafts), outcome.num_accepted) if drafts else None
-                proposal = self.proposer.propose(request_id, state, feedback)  # type: ignore[union-attr]
+                proposal = proposer.propose(request_id, state, feedback)
                 if proposal:
                     result.draft_token_ids[request_id] = proposal
         return result
