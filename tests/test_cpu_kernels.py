@@ -38,10 +38,11 @@ def reference_attention(q, k_cache, v_cache, table, lens, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 128, 40])  # two vectorised head sizes and the portable loop
-@pytest.mark.parametrize("split_size", [16, 48, 1024])
-def test_paged_decode_matches_reference(dtype, dim, split_size) -> None:
-    torch.manual_seed(dim + split_size)
-    block_size, kv_heads, group, batch = 16, 2, 3, 5
+# group: query heads per KV head; the kernel takes them in runs of at most four (8 = 4 + 4, 7 = 4 + 3).
+@pytest.mark.parametrize(("split_size", "group"), [(16, 3), (48, 3), (1024, 3), (48, 1), (48, 8), (48, 7)])
+def test_paged_decode_matches_reference(dtype, dim, split_size, group) -> None:
+    torch.manual_seed(dim + split_size + group)
+    block_size, kv_heads, batch = 16, 2, 5
     cache = random_cache(128, block_size, kv_heads, dim, dtype)
     lens = torch.tensor([1, 16, 17, 200, 333], dtype=torch.int32)
     max_blocks = -(-int(lens.max()) // block_size)

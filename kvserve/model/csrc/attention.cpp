@@ -98,16 +98,19 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
-// The same contract as attend_split, vectorised for head_dim == 16 * C: keys a block (<= 16 tokens) at a
-// time, scores of a block as one vector per query head, the output accumulated in registers/L1.
-template <typename T, int C>
-void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cache, const int32_t* blocks,
+// The same contract as attend_split for G query heads (G known at compile time), vectorised for head_dim
+// == 16 * C: keys a block (<= 16 tokens) at a time, scores of a block as one vector per query head. With G
+// fixed, the loops over heads unroll and the G * C output accumulators live in registers; sized at run
+// time, they lived in memory, and every multiply-add of the value pass went through a load and a store.
+// `prefetch`: this call fetches the next block's rows for every KV head (the first head's call does).
+template <typename T, int C, int G>
+void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
                          int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
-                         float scale, float* acc, float* m, float* l) {
+                         float scale, float* acc, float* m, float* l, bool prefetch) {
   constexpr int64_t D = 16 * C;
-  std::vector<__m512> qv(G * C), av(G * C);
-  std::vector<__m512> dots(G * 16);
-  std::vector<float> probs(G * 16);
+  __m512 qv[G * C], av[G * C];
+  alignas(64) __m512 dots[G * 16];
+  alignas(64) float probs[G * 16];
   for (int64_t g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
       qv[g * C + c] = _mm512_mul_ps(load16(q + g * D + 16 * c), _mm512_set1_ps(scale));
@@ -124,7 +127,7 @@ void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cac
     const T* kb = k_cache + (blk * block_size + off) * token_stride + head * D;
     const T* vb = v_cache + (blk * block_size + off) * token_stride + head * D;
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-    if (head == 0 && start + n < key_end) {
+    if (prefetch && start + n < key_end) {
       // The first head's pass fetches the next keys' rows for every head (the later heads find them in
       // cache): issued a block ahead, the misses overlap this block's arithmetic.
       const int64_t next = start + n;
@@ -144,7 +147,7 @@ void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cac
       __m512 krow[C];
       for (int c = 0; c < C; ++c) krow[c] = load16(kt + 16 * c);
       for (int64_t g = 0; g < G; ++g) {
-        const __m512* qg = qv.data() + g * C;
+        const __m512* qg = qv + g * C;
         __m512 dot = _mm512_mul_ps(qg[0], krow[0]);
         for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qg[c], krow[c], dot);
         dots[g * 16 + t] = dot;
@@ -152,13 +155,13 @@ void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cac
     }
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t t = n; t < 16; ++t) dots[g * 16 + t] = _mm512_setzero_ps();
-      const __m512 s = _mm512_maskz_mov_ps(valid, hsum16(dots.data() + g * 16));
+      const __m512 s = _mm512_maskz_mov_ps(valid, hsum16(dots + g * 16));
       const float block_max = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
       const float rescale = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
       const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
       l[g] = l[g] * rescale + _mm512_reduce_add_ps(p);
       m[g] = block_max;
-      _mm512_storeu_ps(probs.data() + g * 16, p);
+      _mm512_storeu_ps(probs + g * 16, p);
       const __m512 rv = _mm512_set1_ps(rescale);
       for (int c = 0; c < C; ++c) av[g * C + c] = _mm512_mul_ps(av[g * C + c], rv);
     }
@@ -176,6 +179,38 @@ void attend_split_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cac
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, av[g * C + c]);
 }
+
+// The query heads of a KV head in runs of at most four through attend_split_avx512 (a later run finds the
+// keys in cache); four heads' accumulators and a key row fit the 32 vector registers at head_dim 64.
+template <typename T, int C>
+void attend_groups_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                          int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
+                          float scale, float* acc, float* m, float* l) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const bool prefetch = head == 0 && g0 == 0;
+    const T* qg = q + g0 * D;
+    float *ag = acc + g0 * D, *mg = m + g0, *lg = l + g0;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1:
+        attend_split_avx512<T, C, 1>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                     scale, ag, mg, lg, prefetch);
+        break;
+      case 2:
+        attend_split_avx512<T, C, 2>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                     scale, ag, mg, lg, prefetch);
+        break;
+      case 3:
+        attend_split_avx512<T, C, 3>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                     scale, ag, mg, lg, prefetch);
+        break;
+      default:
+        attend_split_avx512<T, C, 4>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                     scale, ag, mg, lg, prefetch);
+        break;
+    }
+  }
+}
 #endif
 
 // Picks the vectorised path when the head size has one, the portable loop otherwise.
@@ -187,10 +222,10 @@ void attend(const T* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache
   if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
     switch (D) {
       case 64:
-        return attend_split_avx512<T, 4>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+        return attend_groups_avx512<T, 4>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
                                          key_end, scale, acc, m, l);
       case 128:
-        return attend_split_avx512<T, 8>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+        return attend_groups_avx512<T, 8>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
                                          key_end, scale, acc, m, l);
       default:
         break;
