@@ -83,6 +83,10 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def check_text_fits(self, text: str) -> None:
+        """Raise ContextLengthExceeded for a text that cannot fit the context, without tokenizing it."""
+        self.engine.check_text_fits(text)
+
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
         """Tokenize and validate without queueing anything: raises the typed error the caller reports."""
         self._check_alive()

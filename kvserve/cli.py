@@ -192,7 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.openai_api import serve
 
     server_config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                                 api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+                                 api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                                 max_request_body_bytes=args.max_request_body_bytes)
     return serve(engine_config_from_args(args), server_config, shutdown_grace_s=args.shutdown_grace_period,
                  log_level=args.uvicorn_log_level)
 
@@ -237,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait for a batch slot; more get 429")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                   help="request bodies larger than this get 413")
     p.add_argument("--shutdown-grace-period", type=float, default=5.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--uvicorn-log-level", default="info",

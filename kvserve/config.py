@@ -197,6 +197,8 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting_requests: int = 256
+    # Larger bodies get 413 before they are read: parsing and tokenizing megabytes stalls every request.
+    max_request_body_bytes: int = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

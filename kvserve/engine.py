@@ -141,10 +141,23 @@ class Engine:
         return limit
 
     # --- requests -------------------------------------------------------------------------------------------
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context however it tokenizes: megabytes
+        of prompt took seconds to tokenize only to be refused. The factor 4 leaves room for normalizers
+        that compose characters (NFC) before the tokens are cut."""
+        limit = self.max_model_len
+        most = 4 * limit * self.tokenizer.max_token_chars
+        if len(text) > most:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(text)} characters; this model's maximum context length is {limit} tokens, "
+                f"and no more than {most} characters can fit in them"
+            )
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPrompt()
+            self.check_text_fits(prompt)
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -284,16 +297,20 @@ class Engine:
         for i, token_id in enumerate(new_ids):
             delta += detok.add_tokens([token_id])
             if detok.stopped is not None:
-                if i + 1 < num_new:
+                # A later token of the step (an accepted draft) may have ended the request (length, EOS):
+                # plain decoding would have stopped at the string first.
+                ended_later = i + 1 < num_new
+                if ended_later:
                     request.truncate(request.num_tokens - (num_new - i - 1))
                     new_ids = new_ids[: i + 1]
-                    if request.is_finished:
-                        # A later token of the step had ended it (length, EOS): plain decoding would have
-                        # stopped at the string first.
-                        request.finish_reason, request.stop_reason = FinishReason.STOP, detok.stopped
                 break
-        if detok.stopped is not None and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop_reason=detok.stopped)
+        if detok.stopped is not None:
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop_reason=detok.stopped)
+            elif ended_later or request.finish_reason == FinishReason.LENGTH:
+                # The string ended on the token that also reached max_tokens: a stop string wins over the
+                # length limit, as in vLLM. (A stop token on that same token keeps its own stop_reason.)
+                request.finish_reason, request.stop_reason = FinishReason.STOP, detok.stopped
         if request.is_finished and detok.stopped is None:
             delta += detok.flush()
         return self._make_output(request, new_ids, delta)

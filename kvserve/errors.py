@@ -45,6 +45,16 @@ class ContextLengthExceeded(InvalidRequest):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
+class RequestTooLarge(InvalidRequest):
+    """The request body is larger than the server accepts (--max-request-body-bytes)."""
+
+    http_status = 413
+    code = "request_too_large"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_too_large")
+
+
 class CapacityError(KVServeError):
     """The engine cannot take the request now (queue full); the client may retry."""
 

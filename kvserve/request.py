@@ -32,6 +32,9 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # cancelled by the client or the server
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick the next token. Defaults follow vLLM's; invalid values raise InvalidSamplingParams."""
@@ -101,7 +104,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # A temperature this small is greedy in effect, and dividing float32 logits by it overflows (1e-40
+        # is 0 in float32): vLLM draws the line at the same place.
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

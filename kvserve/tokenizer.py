@@ -6,6 +6,7 @@ from GGUF metadata (vocabulary, merges, token types, pre-tokenizer name), so a G
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -289,6 +290,31 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """No token decodes to more characters than this (a byte-level piece has one stand-in character per
+        byte, so its length bounds its text's): a text longer than max_model_len times this cannot fit."""
+        pieces = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(piece) for piece in pieces), default=1)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs ``bytes``). A token that is only part of a
+        character (a byte-level BPE piece of an emoji, a SentencePiece ``<0xE6>``) decodes on its own to
+        U+FFFD; its bytes come from the vocabulary entry instead."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._backend.id_to_token(int(token_id)) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        byte_of = _unicode_to_byte()
+        if piece and all(ch in byte_of for ch in piece):  # a byte-level BPE piece
+            return bytes(byte_of[ch] for ch in piece)
+        return text.encode("utf-8")
+
     # ---- chat template --------------------------------------------------------------------------
 
     def apply_chat_template(
@@ -330,6 +356,17 @@ class Tokenizer:
             raise InvalidRequest(
                 f"the chat template cannot render these messages: {type(e).__name__}: {e}", param="messages"
             ) from None
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's alphabet, reversed: the printable stand-in character of each of the 256 bytes.
+    Printable Latin-1 bytes stand for themselves; the other 68 map, in byte order, to code points from 256."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    stand_in = {b: chr(b) for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in stand_in):
+        stand_in[b] = chr(256 + extra)
+    return {ch: b for b, ch in stand_in.items()}
 
 
 def _token_content(token: Any) -> str | None:

@@ -107,6 +107,25 @@ def test_n_samples_with_seeds(llm: LLM) -> None:
     assert_clean(llm)
 
 
+def test_stop_string_on_the_last_allowed_token_finishes_with_stop(llm: LLM) -> None:
+    """The string completes on the token that also reaches max_tokens: "stop" wins over "length" (as vLLM)."""
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    ids = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    for k in range(1, len(ids)):
+        text, before = tok.decode(ids[:k]), tok.decode(ids[: k - 1])
+        stop = text[max(0, len(before) - 1):]  # completed only by token k
+        if len(text) > len(before) and stop.strip() and text.find(stop) == len(text) - len(stop):
+            break
+    else:
+        pytest.fail("no token ends a usable stop string")
+    params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True, stop=[stop])
+    completion = llm.generate(prompt, params)[0].outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert completion.text == text[: len(text) - len(stop)]
+    assert_clean(llm)
+
+
 def test_stop_string_trims_text_and_finishes(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     full = llm.generate({"prompt_token_ids": [11, 12, 13]}, greedy)[0].outputs[0].text

@@ -547,3 +547,33 @@ def test_sampled_tokens_are_always_allowed(
             assert len(lp) - (token not in list(lp)[: s.params.logprobs]) == min(
                 s.params.logprobs, vocab_size
             )
+
+
+# --- extreme but valid parameters -----------------------------------------------------------------------
+def test_a_huge_top_k_beside_a_real_one_samples_without_overflow() -> None:
+    """top_k = 2**63 means no filter; batched with a row that filters, it must not overflow int64."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    tokens = Sampler(50)(logits, [state(temperature=1.0, top_k=2**63), state(temperature=1.0, top_k=1)])
+    assert 0 <= tokens.token_ids[0] < 50
+    assert tokens.token_ids[1] == int(logits[1].argmax())
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1e-40}, {"temperature": 1e-6},
+                                    {"temperature": 1.0, "top_p": 1e-300}])
+def test_vanishing_temperature_or_top_p_picks_the_top_token(params: dict[str, float]) -> None:
+    """Values that are 0 in float32 (or nearly) once divided into the logits: greedy, never NaN or token 0."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4))
+    logits[:, 0] = -5.0
+    tokens = Sampler(50)(logits, [state(**params) for _ in range(4)])
+    assert tokens.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_a_vanishing_repetition_penalty_keeps_sampling_finite() -> None:
+    """1e-308 is 0 in float32: the seen token's logit divided by it must not become inf (softmax NaN)."""
+    logits = torch.full((1, 50), -1.0)
+    logits[0, 7] = 0.5  # seen in the prompt, positive: the penalty below 1 boosts it without bound
+    penalised = apply_penalties(logits, [state(prompt=[7], repetition_penalty=1e-308)])
+    assert torch.isfinite(penalised).all()
+    for seed in range(5):
+        tokens = Sampler(50)(logits, [state(prompt=[7], temperature=1.0, seed=seed, repetition_penalty=1e-308)])
+        assert tokens.token_ids == [7]

@@ -294,6 +294,20 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
     assert tok.encode("<s>hello")[:2] == [1, tok.token_to_id("he")]  # no second BOS
 
 
+def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer, tmp_path: Path) -> None:
+    """OpenAI's logprobs ``bytes``: a token that is part of a character decodes alone to U+FFFD, but its
+    bytes are its own; a prompt's tokens' bytes concatenate to the prompt's UTF-8."""
+    for text in ("🌞🌞 日本語", MULTIBYTE, " hello<|im_end|>"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any("\ufffd" in tok.decode([i], skip_special_tokens=False) for i in ids) or text.startswith(" ")
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    path = tmp_path / "sp.gguf"
+    _write_sentencepiece_gguf(path)
+    sentencepiece = Tokenizer.from_model_path(path)
+    ids = sentencepiece.encode("hé", add_special_tokens=False)  # "é" is two byte-fallback tokens
+    assert [sentencepiece.token_bytes(i) for i in ids][-2:] == [b"\xc3", b"\xa9"]
+
+
 # ---- incremental detokenizer ------------------------------------------------------------------------
 
 

@@ -37,6 +37,8 @@ from kvserve.request import SamplingParams
 ArgMax = Callable[[torch.Tensor], torch.Tensor]
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
+# Repetition penalties are clamped into this range (logits stay finite at any temperature >= 1e-5).
+_MIN_PENALTY, _MAX_PENALTY = 1e-30, 1e30
 
 
 @dataclass(slots=True)
@@ -129,7 +131,8 @@ class Sampler:
         # Each filter runs only when some row uses it; a disabled row passes through it unchanged.
         top_k = top_p = min_p = None
         if any(0 < p.top_k < vocab_size for p in params):
-            top_k = _to_device([p.top_k for p in params], torch.long, device)  # [S]
+            # Clamped first: a top_k of 2**63 (no filter) in a batch with a real one must not overflow.
+            top_k = _to_device([min(p.top_k, vocab_size) for p in params], torch.long, device)  # [S]
         if any(p.top_p < 1 for p in params):
             top_p = _to_device([p.top_p for p in params], torch.float32, device)  # [S]
         if any(p.min_p > 0 for p in params):
@@ -227,7 +230,9 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
         seen = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]: in the prompt or the output
         tokens = [chain(states[i].prompt_token_ids, states[i].output_token_ids) for i in rows]
         seen[_token_index(rows, tokens, device)] = True
-        penalty = _column([s.params.repetition_penalty for s in states], device)  # [B, 1]
+        # Clamped so that a logit divided or multiplied by it, and then divided by any sampling temperature,
+        # stays finite in float32 (1e-308 is 0 there); the effect at the bounds is already total.
+        penalty = _column([s.params.repetition_penalty for s in states], device).clamp_(_MIN_PENALTY, _MAX_PENALTY)
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     rows = [
         i
@@ -284,6 +289,7 @@ def _apply_top_k_top_p(
         probs = sorted_logits.softmax(dim=-1)  # [B, V], renormalised over what top-k kept
         mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [B, V]; exclusive cumsum, 0 at the top
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        drop[:, 0] = False  # the top token stays, even for a top_p that is 0 in float32 (1e-300)
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
@@ -303,7 +309,7 @@ def _splitmix64(x: int) -> int:
 # --- helpers --------------------------------------------------------------------------------------------
 def _needs_full_path(s: SamplingState) -> bool:
     p = s.params
-    return p.temperature != 0.0 or p.logprobs is not None or p.uses_penalties
+    return not p.is_greedy or p.logprobs is not None or p.uses_penalties
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

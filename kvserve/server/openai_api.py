@@ -43,9 +43,12 @@ from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine import Engine, expand_n
 from kvserve.errors import (
     CapacityError,
+    ContextLengthExceeded,
     EngineDeadError,
+    InvalidRequest,
     KVServeError,
     ModelNotFound,
+    RequestTooLarge,
     ServerShuttingDown,
     Unauthorized,
 )
@@ -83,6 +86,7 @@ class _AppState:
         self.draining = False
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
         self._serial = itertools.count()
 
     def check_ready(self) -> None:
@@ -117,11 +121,25 @@ class _AppState:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes; for part of a character, not the U+FFFD its text decodes to alone."""
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self._token_bytes[token_id] = list(self.tokenizer.token_bytes(token_id))
+        return data
+
     # --- one request, end to end ----------------------------------------------------------------------------
     async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
                       prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
                       received_at: float) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        queue_limit = self.engine.max_waiting_requests
+        if queue_limit is not None and len(prompts) * params.n > queue_limit:
+            # Not a 429: retrying cannot help a request larger than the whole queue.
+            raise InvalidRequest(
+                f"this request needs {len(prompts) * params.n} sequences ({len(prompts)} prompt(s) x n={params.n}), "
+                f"more than the {queue_limit} the server queues at once (--max-waiting-requests)",
+                param="n" if params.n > 1 else "prompt")
         children = [
             EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
             for i, (ids, text) in enumerate(prompts)
@@ -232,10 +250,10 @@ class _AppState:
         content = []
         for token_id, entry in self._token_logprobs(child, start, end):
             text = self.token_text(token_id)
-            top = [p.TopLogprob(token=self.token_text(t), logprob=_finite(lp), bytes=list(self.token_text(t).encode()))
+            top = [p.TopLogprob(token=self.token_text(t), logprob=_finite(lp), bytes=self.token_bytes(t))
                    for t, lp in list(entry.items())[:num_top]]
             content.append(p.TokenLogprob(token=text, logprob=_finite(entry.get(token_id, MIN_LOGPROB)),
-                                          bytes=list(text.encode()), top_logprobs=top))
+                                          bytes=self.token_bytes(token_id), top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
     def _completion_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int | None,
@@ -315,9 +333,13 @@ def build_app(
         state.check_model(body.model)
         params = body.sampling_params()
         text = tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True)
-        # The template already holds any BOS token: don't add special tokens twice.
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
+        try:
+            async_engine.check_text_fits(text)
+            # The template already holds any BOS token: don't add special tokens twice.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
+        except ContextLengthExceeded as exc:
+            raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
         return await state.respond(http, body, [(token_ids, None)], params, True, received_at)
 
     @app.post("/v1/completions")
@@ -353,18 +375,19 @@ def build_app(
 
 
 def _error_response(state: _AppState, status: int, body: dict[str, Any],
-                    headers: dict[str, str] | None = None) -> JSONResponse:
+                    headers: dict[str, str] | None = None) -> Response:
     state.metrics.observe_error(status, body["error"].get("code"))
-    return JSONResponse(body, status_code=status, headers=headers)
+    # ASCII JSON: a message that quotes the request (a model name) may hold what UTF-8 cannot encode.
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
 def _add_error_handlers(app: FastAPI, state: _AppState) -> None:
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
         return _error_response(state, 400, p.validation_error_body(exc.errors()))
 
     @app.exception_handler(KVServeError)
-    async def on_kvserve_error(_: Request, exc: KVServeError) -> JSONResponse:
+    async def on_kvserve_error(_: Request, exc: KVServeError) -> Response:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, CapacityError | ServerShuttingDown) else None
         if exc.http_status >= 500:
             logger.warning("request failed: %s", exc)
@@ -372,18 +395,19 @@ def _add_error_handlers(app: FastAPI, state: _AppState) -> None:
         return _error_response(state, exc.http_status, body, headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(state, exc.status_code, p.error_body(str(exc.detail), error_type), exc.headers)
 
     @app.exception_handler(Exception)
-    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
+    async def on_bug(_: Request, exc: Exception) -> Response:
         logger.exception("internal error")
         return _error_response(state, 500, p.error_body(f"internal error: {exc!r}", "internal_error"))
 
 
 class _GateMiddleware:
-    """Before any route: 401 without the API key (on /v1 routes), 503 while shutting down.
+    """Before any route: 401 without the API key (on /v1 routes), 503 while shutting down, 413 for a body
+    over the size limit.
 
     Plain ASGI rather than BaseHTTPMiddleware, which would get between the routes and ``receive`` and
     break disconnect detection.
@@ -394,22 +418,57 @@ class _GateMiddleware:
         self.state = state
         key = state.config.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        self._max_body = state.config.max_request_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
             error: KVServeError | None = None
             if self._expected is not None:
-                given = dict(scope["headers"]).get(b"authorization", b"")
+                given = headers.get(b"authorization", b"")
                 if not secrets.compare_digest(given, self._expected):
                     error = Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
             if error is None and self.state.draining:
                 error = ServerShuttingDown("the server is shutting down; retry on another replica")
+            if error is None and scope["method"] == "POST":
+                receive, error = await self._limit_body(headers, receive)
             if error is not None:
-                headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(error, ServerShuttingDown) else None
+                retry = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(error, ServerShuttingDown) else None
                 body = p.error_body(str(error), error.error_type, None, error.code)
-                await _error_response(self.state, error.http_status, body, headers)(scope, receive, send)
+                await _error_response(self.state, error.http_status, body, retry)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    async def _limit_body(self, headers: dict[bytes, bytes], receive: Receive) -> tuple[Receive, KVServeError | None]:
+        """413 for a body over the limit: at once from Content-Length; a chunked body (no length) is read
+        here up to the limit and handed on to the route as if unread."""
+        too_large = RequestTooLarge(f"the request body is larger than {self._max_body} bytes "
+                                    f"(--max-request-body-bytes)")
+        length = headers.get(b"content-length")
+        if length is not None:
+            return receive, (too_large if length.isdigit() and int(length) > self._max_body else None)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the route see it
+                return _replay([message], receive), None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_body:
+                return receive, too_large
+            if not message.get("more_body", False):
+                return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive), None
+
+
+def _replay(messages: list[dict[str, Any]], receive: Receive) -> Receive:
+    """A receive that yields ``messages`` first, then defers to ``receive`` (disconnects still arrive)."""
+    pending = list(messages)
+
+    async def replayed() -> dict[str, Any]:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,6 +16,36 @@ from kvserve.errors import InvalidRequest, InvalidSamplingParams
 from kvserve.request import SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_STOP_STRINGS = 64  # every stop string is searched for after every generated token
+
+
+def rename_param(exc: InvalidRequest, old: str, new: str) -> InvalidRequest:
+    """The same error, naming the field the client sent (``max_completion_tokens``) instead of the engine's."""
+    if exc.param != old or old == new:
+        return exc
+    renamed = type(exc).__new__(type(exc))
+    InvalidRequest.__init__(renamed, str(exc).replace(old, new, 1), param=new, code=exc.code)
+    return renamed
+
+
+_SURROGATE_MESSAGE = "contains an unpaired UTF-16 surrogate (\\ud800-\\udfff), which is not valid text"
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True if a string anywhere in a parsed JSON value holds an unpaired UTF-16 surrogate (JSON's
+    "\ud800" escape decodes to one): it is not Unicode text, and neither the tokenizer nor UTF-8 takes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
 
 
 class _Strict(BaseModel):
@@ -68,6 +98,13 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     return_timings: bool = False  # kvserve: a per-request trip through the pipeline (also X-KVServe-Timings: 1)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _has_lone_surrogate(value):
+            raise ValueError(_SURROGATE_MESSAGE)
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -77,6 +114,13 @@ class _SamplingRequest(_Strict):
         def opt(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if self.n > MAX_N:
+            raise InvalidSamplingParams(f"n must be <= {MAX_N}, got {self.n}", param="n")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidSamplingParams(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                                        param="stop")
         try:
             return SamplingParams(
                 n=self.n,
@@ -99,10 +143,8 @@ class _SamplingRequest(_Strict):
             )
         except InvalidSamplingParams as exc:
             # Report the field the client actually sent, not the engine's name for it.
-            renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(exc.param or "")
-            if renamed is not None and renamed != exc.param:
-                raise InvalidSamplingParams(str(exc).replace(exc.param or "", renamed, 1), param=renamed) from None
-            raise
+            exc = rename_param(exc, "max_tokens", max_tokens_field)
+            raise rename_param(exc, "logprobs", logprobs_field) from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -111,13 +153,17 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the output limit came from (``max_completion_tokens`` wins over ``max_tokens``)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, field, logprobs, "top_logprobs")
+        return self._params(max_tokens, self.max_tokens_field, logprobs, "top_logprobs")
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
@@ -137,6 +183,8 @@ class CompletionRequest(_SamplingRequest):
         def is_ids(v: Any) -> bool:
             return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
+        if _has_lone_surrogate(value):  # a plain validator: the model's before-validators do not run here
+            raise ValueError(_SURROGATE_MESSAGE)
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value:

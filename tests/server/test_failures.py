@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -80,6 +81,11 @@ BAD_VALUES = [
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": [10**7]}, "prompt"),
+    ("chat", {"n": 129}, "n"),  # OpenAI's limit is 128
+    ("chat", {"stop": ["x"] * 65}, "stop"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    # More sequences than the server ever queues (256): a 429 would invite retries that cannot succeed.
+    ("completions", {"prompt": ["a"] * 257}, "prompt"),
 ]
 
 
@@ -103,8 +109,72 @@ def test_context_length_exceeded(base_url) -> None:
     assert str(MAX_MODEL_LEN) in error["message"]
     assert_error(post(base_url, "completions", {"prompt": [504] * 100, "max_tokens": MAX_MODEL_LEN}), 400,
                  "max_tokens", "context_length_exceeded")
-    assert_error(post(base_url, "chat", {"messages": HI, "max_completion_tokens": 5000}), 400,
-                 "max_tokens", "context_length_exceeded")
+    error = assert_error(post(base_url, "chat", {"messages": HI, "max_completion_tokens": 5000}), 400,
+                         "max_completion_tokens", "context_length_exceeded")
+    assert "max_completion_tokens asks for 5000" in error["message"]
+    # Too long however it tokenizes: refused by its length in characters, before tokenizing.
+    for endpoint, body in (("completions", {"prompt": "a " * 100_000}),
+                           ("chat", {"messages": [{"role": "user", "content": "a " * 100_000}]})):
+        error = assert_error(post(base_url, endpoint, body), 400, "prompt", "context_length_exceeded")
+        assert "characters" in error["message"]
+
+
+LONE_SURROGATES = [
+    ("completions", {"prompt": "\ud800"}, "prompt"),
+    ("completions", {"prompt": ["ok", "\udfff"]}, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x\udc00"}]}]}, "messages"),
+    ("chat", {"messages": [{"role": "\ud800", "content": "hi"}]}, "messages"),
+    ("chat", {"messages": HI, "model": "\ud800"}, "model"),
+    ("chat", {"messages": HI, "stop": ["\ud800"]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), LONE_SURROGATES)
+def test_unpaired_surrogates_are_400_and_the_connection_stays_usable(base_url, endpoint, body, param) -> None:
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which is not text: a 400 naming the field, not a
+    500 from the tokenizer (which also closed the keep-alive connection)."""
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        raw = json.dumps({**body, "max_tokens": 2})  # ASCII, with "\\ud800" escapes (httpx's json= cannot)
+        assert_error(client.post(path, content=raw, headers={"Content-Type": "application/json"}), 400, param,
+                     "invalid_value")
+        assert client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+def test_vanishing_temperature_or_top_p_samples_greedily(base_url) -> None:
+    """1e-40 is 0 in float32: dividing logits by it gave NaN and the token 0, over and over."""
+    def text(fields: dict) -> str:
+        resp = post(base_url, "chat", {"messages": HI, "max_tokens": 8, "ignore_eos": True, **fields})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["message"]["content"]
+
+    greedy = text({"temperature": 0})
+    assert text({"temperature": 1e-40}) == greedy
+    assert text({"temperature": 1.0, "top_p": 1e-300}) == greedy
+    resp = post(base_url, "completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 1.0, "logprobs": 1,
+                                          "repetition_penalty": 1e-308})
+    assert resp.status_code == 200, resp.text
+    assert all(lp > -9999 for lp in resp.json()["choices"][0]["logprobs"]["token_logprobs"])
+
+
+def test_an_oversized_body_is_413(base_url) -> None:
+    """Over --max-request-body-bytes (16 MiB by default): refused from Content-Length without reading it,
+    and a chunked body (no length) once the limit is crossed."""
+    url = f"{base_url}/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    big = b'{"prompt": "' + b"a" * (16 * 1024 * 1024) + b'"}'
+    assert_error(httpx.post(url, content=big, headers=headers, timeout=60), 413, None, "request_too_large")
+
+    def chunked():
+        yield b'{"prompt": "'
+        for _ in range(17):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    assert_error(httpx.post(url, content=chunked(), headers=headers, timeout=60), 413, None, "request_too_large")
+    small = (piece for piece in (b'{"prompt": "Hi", ', b'"max_tokens": 2}'))  # chunked, under the limit
+    assert httpx.post(url, content=small, headers=headers, timeout=60).status_code == 200
 
 
 def test_unknown_model_is_404_and_unknown_route_is_404(base_url) -> None:
@@ -119,6 +189,9 @@ def test_odd_but_valid_requests_never_hurt_the_engine(base_url) -> None:
         ("chat", {"messages": HI, "temperature": 1.0, "seed": 2**80}),
         ("chat", {"messages": HI, "temperature": 1.0, "seed": -(2**70)}),
         ("chat", {"messages": HI, "top_k": 10**9, "temperature": 1.0}),
+        # No filter (2**63) batched with a real top_k: the sampler's int64 tensor of them overflowed.
+        ("chat", {"messages": HI, "top_k": 2**63, "temperature": 1.0}),
+        ("chat", {"messages": HI, "top_k": 40, "temperature": 1.0}),
         ("chat", {"messages": HI, "repetition_penalty": 1e-9}),
         ("chat", {"messages": HI, "repetition_penalty": 1e9, "presence_penalty": 2, "frequency_penalty": -2}),
         ("chat", {"messages": HI, "n": 4, "temperature": 2.0, "top_p": 0.01, "min_p": 1.0}),

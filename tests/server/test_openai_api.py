@@ -168,6 +168,20 @@ def test_stop_strings_logprobs_and_extensions(base_url) -> None:
     assert len(content) == resp.usage.completion_tokens == 3
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in content)
 
+    # A stop string that ends on the last allowed token: "stop", not "length" (as vLLM).
+    ends_at_6 = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0)
+    assert ends_at_6.choices[0].text.endswith(" 6,") and ends_at_6.choices[0].finish_reason == "length"
+    last = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0, stop=[" 6,"])
+    assert (last.choices[0].finish_reason, last.choices[0].text) == ("stop", ends_at_6.choices[0].text[:-3])
+
+    # Logprob bytes are each token's own, also for tokens that are a piece of an emoji (alone they decode
+    # to U+FFFD): together they are the text's UTF-8.
+    resp = c.chat.completions.create(model=None, messages=chat("Write three sun emojis: 🌞🌞🌞"), max_tokens=9,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert "🌞" in resp.choices[0].message.content and any("\ufffd" in t.token for t in content)
+    assert b"".join(bytes(t.bytes) for t in content) == resp.choices[0].message.content.encode("utf-8")
+
     # ignore_eos + min_tokens (extensions, sent as extra body fields) and an unknown field (ignored).
     resp = c.chat.completions.create(model=None, messages=chat("Say OK."), max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True, "min_tokens": 8, "repetition_penalty": 1.1,
