@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.loader import resolve_model_path
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.tokenizer import LONG_TEXT_CHARS, IncrementalDetokenizer, Tokenizer
 from tests.helpers.tiny_models import smollm2_tokenizer
 
 TRICKY = [
@@ -292,6 +292,14 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
         assert tok.decode(ids) == reference.decode(ids[1:])
     assert tok.convert_ids_to_tokens(tok.encode("hello world")) == ["<s>", "▁hello", "▁world"]
     assert tok.encode("<s>hello")[:2] == [1, tok.token_to_id("he")]  # no second BOS
+
+
+def test_long_texts_tokenize_as_short_ones_do(tok: Tokenizer) -> None:
+    """Past LONG_TEXT_CHARS the text goes through encode_batch (which releases the GIL): same ids."""
+    text = ("<|im_start|>user\n" + MULTIBYTE + " 12345 ") * 120
+    assert len(text) > LONG_TEXT_CHARS
+    for special in (False, True):
+        assert tok.encode(text, add_special_tokens=special) == tok.backend.encode(text, add_special_tokens=special).ids
 
 
 def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import secrets
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -56,7 +56,7 @@ from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_run import EngineRequest, RequestRun
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +271,14 @@ class _AppState:
         return out
 
 
+async def _off_loop_if_long(prompt: object, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when ``prompt`` is a long text: tokenizing it takes milliseconds
+    per few thousand characters, during which the event loop would serve no stream."""
+    if isinstance(prompt, str) and len(prompt) > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 def _finite(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
@@ -336,7 +344,7 @@ def build_app(
         try:
             async_engine.check_text_fits(text)
             # The template already holds any BOS token: don't add special tokens twice.
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = await _off_loop_if_long(text, tokenizer.encode, text, False)
             token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
         except ContextLengthExceeded as exc:
             raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
@@ -348,7 +356,7 @@ def build_app(
         state.check_ready()
         state.check_model(body.model)
         params = body.sampling_params()
-        prompts = [async_engine.prepare(prompt, params) for prompt in body.prompts()]
+        prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in body.prompts()]
         return await state.respond(http, body, prompts, params, False, received_at)
 
     @app.get("/v1/models")
