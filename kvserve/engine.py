@@ -294,8 +294,11 @@ class Engine:
         # One token at a time (a step may bring accepted drafts), so a stop string ends the output where
         # plain decoding would.
         delta = ""
+        # Stop strings count only from min_tokens on (as in vLLM); stop tokens are held back by the sampler.
+        num_before = request.num_output_tokens - num_new
+        min_tokens = request.sampling_params.min_tokens
         for i, token_id in enumerate(new_ids):
-            delta += detok.add_tokens([token_id])
+            delta += detok.add_tokens([token_id], check_stop=num_before + i + 1 >= min_tokens)
             if detok.stopped is not None:
                 # A later token of the step (an accepted draft) may have ended the request (length, EOS):
                 # plain decoding would have stopped at the string first.

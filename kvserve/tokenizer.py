@@ -575,12 +575,14 @@ class IncrementalDetokenizer:
         """All output text so far (including text held back for a possible stop string)."""
         return self._text
 
-    def add_tokens(self, new_ids: Sequence[int]) -> str:
-        """Append sampled tokens; return the text they add that is now safe to show."""
+    def add_tokens(self, new_ids: Sequence[int], check_stop: bool = True) -> str:
+        """Append sampled tokens; return the text they add that is now safe to show. ``check_stop=False``
+        (the output is still short of ``min_tokens``): no stop string ends it yet, though text that could
+        begin one is still held back, so a string completed once the check is on is cut cleanly."""
         if self.stopped is not None or self._finished or not new_ids:
             return ""
         self._ids.extend(int(i) for i in new_ids)
-        return self._append(self._decode_pending(final=False), final=False)
+        return self._append(self._decode_pending(final=False), final=False, check_stop=check_stop)
 
     def flush(self) -> str:
         """At the end of the request: everything still held back (nothing once a stop string matched)."""
@@ -603,12 +605,12 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         return full_text[len(prefix_text) :]
 
-    def _append(self, new_text: str, final: bool) -> str:
+    def _append(self, new_text: str, final: bool, check_stop: bool = True) -> str:
         previous_len = len(self._text)
         self._text += new_text
         hold = 0
         if self._stop:
-            match = self._find_stop(previous_len)
+            match = self._find_stop(previous_len) if check_stop else None
             if match is not None:
                 index, stop = match
                 self.stopped = stop

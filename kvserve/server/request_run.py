@@ -62,13 +62,23 @@ class RequestRun:
         engine = self.engine
         self.registry.add(self)
         gens = [engine.generate(c.prompt_token_ids, c.params, c.request_id, c.prompt) for c in self.children]
+        firsts_pending = [asyncio.ensure_future(anext(g)) for g in gens]
         try:
-            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
-        except BaseException:  # cancelled (client gone): gather cancelled each generator, which aborted
+            # The first error ends the wait: siblings already admitted are cancelled (which aborts them)
+            # instead of being prefilled only for the request to fail (a 429 came seconds late).
+            _, pending = await asyncio.wait(firsts_pending, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # cancelled (client gone): cancelling each generator aborts its request
+            for task in firsts_pending:
+                task.cancel()
             for child in self.children:
                 child.submitted = True
             self.close()
             raise
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        # Each child's first output, its error, or None where it was cancelled after a sibling's error.
+        firsts = [None if task.cancelled() else task.exception() or task.result() for task in firsts_pending]
         for child, first in zip(self.children, firsts, strict=True):
             if isinstance(first, RequestOutput):
                 child.submitted = True

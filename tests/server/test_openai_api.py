@@ -174,6 +174,11 @@ def test_stop_strings_logprobs_and_extensions(base_url) -> None:
     last = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0, stop=[" 6,"])
     assert (last.choices[0].finish_reason, last.choices[0].text) == ("stop", ends_at_6.choices[0].text[:-3])
 
+    # min_tokens holds stop strings back too (as in vLLM), not only EOS and stop token ids.
+    held = c.completions.create(model=None, prompt="The cat sat on the mat and the dog", max_tokens=40,
+                                temperature=0, stop=[" the"], extra_body={"min_tokens": 20})
+    assert held.usage.completion_tokens >= 20 and held.choices[0].finish_reason in ("stop", "length")
+
     # Logprob bytes are each token's own, also for tokens that are a piece of an emoji (alone they decode
     # to U+FFFD): together they are the text's UTF-8.
     resp = c.chat.completions.create(model=None, messages=chat("Write three sun emojis: 🌞🌞🌞"), max_tokens=9,
