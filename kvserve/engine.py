@@ -227,7 +227,9 @@ class Engine:
             return None
         if self.tiers is not None:
             self._tier_upkeep()
-        return self._make_output(request, [], "")
+        # Text held back for a possible stop string is final now: send it, so the streamed deltas add up
+        # to the output's text, as they do for every other way a request ends.
+        return self._make_output(request, [], self._detokenizers[request.request_id].flush())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

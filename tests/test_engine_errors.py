@@ -138,6 +138,22 @@ def test_stop_strings_wait_for_min_tokens(llm: LLM) -> None:
     assert_clean(llm)
 
 
+def test_an_abort_sends_text_held_back_for_a_stop_string(llm: LLM) -> None:
+    """The tiny model repeats one word; with that word plus more as a stop string, each copy is held back
+    as a possible start of it. Aborted, the request sends what it held: the deltas add up to its text."""
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    word = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0].outputs[0].text
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[word + "!?"]),
+                       request_id="held")
+    deltas = [o.delta_text for _ in range(4) for o in engine.step() if o.request_id == "held"]
+    aborted = engine.abort_request("held")
+    assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
+    assert aborted.outputs[0].text.endswith(word) and aborted.delta_text.endswith(word)
+    assert "".join(deltas) + aborted.delta_text == aborted.outputs[0].text
+    assert_clean(llm)
+
+
 def test_stop_string_trims_text_and_finishes(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     full = llm.generate({"prompt_token_ids": [11, 12, 13]}, greedy)[0].outputs[0].text
