@@ -25,6 +25,7 @@ from kvserve.config import (
     StorageConfig,
     speculative_config_from_dict,
 )
+from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.ops import select_argmax
@@ -38,7 +39,7 @@ from kvserve.runner.sampler import Sampler
 from kvserve.runner.speculative import NgramProposer
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace, TierStats
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +300,7 @@ class Engine:
         # Stop strings count only from min_tokens on (as in vLLM); stop tokens are held back by the sampler.
         num_before = request.num_output_tokens - num_new
         min_tokens = request.sampling_params.min_tokens
+        ended_later = False
         for i, token_id in enumerate(new_ids):
             delta += detok.add_tokens([token_id], check_stop=num_before + i + 1 >= min_tokens)
             if detok.stopped is not None:

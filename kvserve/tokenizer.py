@@ -1,4 +1,4 @@
-"""Tokenizer, chat template and incremental (UTF-8 safe) detokenizer.
+"""Tokenizer and chat template (the incremental detokenizer is in detokenizer.py).
 
 ``Tokenizer`` wraps a ``tokenizers.Tokenizer`` built either from a Hugging Face ``tokenizer.json`` or
 from GGUF metadata (vocabulary, merges, token types, pre-tokenizer name), so a GGUF needs no other file.
@@ -18,10 +18,17 @@ import jinja2
 import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.errors import InvalidRequest, ModelLoadError, ModelNotFound, UnsupportedModel
+from kvserve.gguf_vocab import (
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_USER_DEFINED,
+    byte_level_backend,
+    sentencepiece_backend,
+)
 from kvserve.model.gguf_file import read_gguf_header
 
 logger = logging.getLogger(__name__)
@@ -30,62 +37,10 @@ logger = logging.getLogger(__name__)
 # them off its event loop.
 LONG_TEXT_CHARS = 4096
 
-# llama.cpp token types (tokenizer.ggml.token_type).
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = range(1, 7)
 
 # Tokens that end an assistant turn in common chat formats. One counts as a stop token when it is a
 # special token of the vocabulary and the chat template writes it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-
-# ---- Pre-tokenizers for byte-level (tokenizer.ggml.model == "gpt2") vocabularies -------------------
-# Keyed by tokenizer.ggml.pre; the regexes are the ones llama.cpp (llama-vocab.cpp) and the models'
-# own tokenizer.json files use.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# llama.cpp splits digits one by one (\p{N}) before the GPT-2 regex for these; SmolLM2's tokenizer.json
-# says the same with Digits(individual_digits=True) + ByteLevel(use_regex=True).
-_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
-_GPT2_ONLY = ("gpt-2", "gpt2", "mpt", "olmo", "jais")
-_LLAMA3_LIKE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3")
-_QWEN2_LIKE = ("qwen2", "deepseek-r1-qwen")
-
-
-def _byte_level_pre_tokenizer(pre: str | None) -> tuple[Any, Any, bool]:
-    """(normalizer, pre_tokenizer, ignore_merges) for a GGUF ``tokenizer.ggml.pre`` name."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        return (
-            None,
-            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
-            False,
-        )
-    if pre in _LLAMA3_LIKE or pre in _QWEN2_LIKE:
-        split = _LLAMA3_SPLIT if pre in _LLAMA3_LIKE else _QWEN2_SPLIT
-        pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        if pre in _QWEN2_LIKE:
-            return normalizers.NFC(), pre_tokenizer, False
-        return (
-            None,
-            pre_tokenizer,
-            True,
-        )  # llama.cpp sets ignore_merges for llama3, as its tokenizer.json does
-    if pre not in _GPT2_ONLY and pre not in (None, "default"):
-        logger.warning(
-            "unknown GGUF pre-tokenizer %r; using the GPT-2 split, which may tokenize differently", pre
-        )
-    return None, byte_level, False
 
 
 class Tokenizer:
@@ -144,17 +99,17 @@ class Tokenizer:
         tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ModelLoadError(f"{path} has no tokenizer in its metadata (tokenizer.ggml.tokens)")
-        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
+        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         if model == "gpt2":
-            backend = _byte_level_backend(meta, tokens)
+            backend = byte_level_backend(meta, tokens)
         elif model == "llama":
-            backend = _sentencepiece_backend(meta, tokens, token_types)
+            backend = sentencepiece_backend(meta, tokens, token_types)
         else:
             raise UnsupportedModel(f"{path}: GGUF tokenizer model {model!r} is not supported (gpt2, llama)")
 
-        control = [tok for tok, kind in zip(tokens, token_types, strict=False) if kind == _TOKEN_CONTROL]
+        control = [tok for tok, kind in zip(tokens, token_types, strict=False) if kind == TOKEN_CONTROL]
         user_defined = [
-            tok for tok, kind in zip(tokens, token_types, strict=False) if kind == _TOKEN_USER_DEFINED
+            tok for tok, kind in zip(tokens, token_types, strict=False) if kind == TOKEN_USER_DEFINED
         ]
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
         if user_defined:
@@ -394,62 +349,6 @@ def _read_json_if_exists(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _byte_level_backend(meta: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or ()]
-    normalizer, pre_tokenizer, ignore_merges = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    vocab = {token: i for i, token in enumerate(tokens)}
-    backend = BackendTokenizer(
-        models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
-    )
-    if normalizer is not None:
-        backend.normalizer = normalizer
-    backend.pre_tokenizer = pre_tokenizer
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_backend(
-    meta: dict[str, Any], tokens: list[str], token_types: list[int]
-) -> BackendTokenizer:
-    """A llama.cpp "llama" (SentencePiece BPE) vocabulary, rebuilt the way transformers' LlamaTokenizer does."""
-    vocab = {token: i for i, token in enumerate(tokens)}
-    if meta.get("tokenizer.ggml.merges"):
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    else:
-        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        mergeable = [
-            t
-            for t, kind in zip(tokens, token_types, strict=False)
-            if kind in (_TOKEN_NORMAL, _TOKEN_USER_DEFINED)
-        ]
-        merges = _merges_from_scores(vocab, {t: scores[vocab[t]] for t in mergeable})
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    backend = BackendTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
-    return backend
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
-    best-scored token first (the order transformers and llama.cpp use)."""
-    merges: list[tuple[float, int, int, str, str]] = []
-    for token, score in scores.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                merges.append((-score, len(left), len(right), left, right))
-    merges.sort(key=lambda m: (m[0], -m[1], -m[2], vocab[m[3]], vocab[m[4]]))
-    return [(m[3], m[4]) for m in merges]
-
-
 # ---- chat template helpers ---------------------------------------------------------------------
 
 
@@ -525,124 +424,3 @@ def _text_part(part: Any, where: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     raise InvalidRequest(f"{where}.content: only text parts are supported", param="messages")
-
-
-# ---- incremental detokenizer ---------------------------------------------------------------------
-
-# Prompt tokens decoded in front of the output so that the first output token decodes in context
-# (SentencePiece drops the leading space of a sequence's first token).
-_PROMPT_CONTEXT_TOKENS = 5
-_TRIM_AFTER = 64  # drop consumed ids once this many precede the decode window
-
-
-class IncrementalDetokenizer:
-    """Turns a request's output tokens into text deltas, one call per engine step.
-
-    Each call decodes only a small window of recent tokens (as vLLM and TGI do)::
-
-        ids:   ... | prefix_offset ......... read_offset ........ end
-                     '-- already emitted --'  '-- new tokens --'
-        delta = decode(ids[prefix:]) minus decode(ids[prefix:read])
-
-    A delta never ends in a partial UTF-8 character: while the decoded window ends in U+FFFD the
-    tokens are held back. With stop strings, text that could begin one is held back until it is
-    clear whether it does; on a match ``stopped`` names the string and the text ends before it (or
-    after it with ``include_stop_str_in_output``).
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int],
-        skip_special_tokens: bool = True,
-        stop: tuple[str, ...] = (),
-        include_stop_str_in_output: bool = False,
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._stop = tuple(s for s in stop if s)
-        self._include_stop = include_stop_str_in_output
-        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._text = ""  # output text decoded so far, complete characters only, cut at a stop string
-        self._num_emitted = 0  # characters of _text already returned as deltas
-        self._finished = False
-        self.stopped: str | None = None
-
-    @property
-    def text(self) -> str:
-        """All output text so far (including text held back for a possible stop string)."""
-        return self._text
-
-    def add_tokens(self, new_ids: Sequence[int], check_stop: bool = True) -> str:
-        """Append sampled tokens; return the text they add that is now safe to show. ``check_stop=False``
-        (the output is still short of ``min_tokens``): no stop string ends it yet, though text that could
-        begin one is still held back, so a string completed once the check is on is cut cleanly."""
-        if self.stopped is not None or self._finished or not new_ids:
-            return ""
-        self._ids.extend(int(i) for i in new_ids)
-        return self._append(self._decode_pending(final=False), final=False, check_stop=check_stop)
-
-    def flush(self) -> str:
-        """At the end of the request: everything still held back (nothing once a stop string matched)."""
-        if self.stopped is not None or self._finished:
-            return ""
-        self._finished = True
-        return self._append(self._decode_pending(final=True), final=True)
-
-    def _decode_pending(self, final: bool) -> str:
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
-        full_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
-        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
-            return ""  # nothing new, or a character is still incomplete
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        if self._prefix_offset >= _TRIM_AFTER:
-            del self._ids[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
-        return full_text[len(prefix_text) :]
-
-    def _append(self, new_text: str, final: bool, check_stop: bool = True) -> str:
-        previous_len = len(self._text)
-        self._text += new_text
-        hold = 0
-        if self._stop:
-            match = self._find_stop(previous_len) if check_stop else None
-            if match is not None:
-                index, stop = match
-                self.stopped = stop
-                self._text = self._text[: index + len(stop) if self._include_stop else index]
-                return self._emit(len(self._text))
-            if not final:
-                hold = self._partial_stop_len()
-        return self._emit(max(self._num_emitted, len(self._text) - hold))
-
-    def _emit(self, end: int) -> str:
-        delta = self._text[self._num_emitted : end]
-        self._num_emitted = max(self._num_emitted, end)
-        return delta
-
-    def _find_stop(self, previous_len: int) -> tuple[int, str] | None:
-        """The earliest stop string in the text; only matches that end in the new text are new."""
-        best: tuple[int, str] | None = None
-        for stop in self._stop:
-            index = self._text.find(stop, max(0, previous_len - len(stop) + 1))
-            if index >= 0 and (
-                best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1]))
-            ):
-                best = (index, stop)
-        return best
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
-        text = self._text
-        longest = 0
-        for stop in self._stop:
-            for length in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.errors import InvalidRequest
 from kvserve.model.loader import resolve_model_path
-from kvserve.tokenizer import LONG_TEXT_CHARS, IncrementalDetokenizer, Tokenizer
+from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from tests.helpers.tiny_models import smollm2_tokenizer
 
 TRICKY = [

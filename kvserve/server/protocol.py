@@ -7,6 +7,7 @@ owns them and raises ``InvalidSamplingParams`` naming the parameter.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -24,8 +25,9 @@ def rename_param(exc: InvalidRequest, old: str, new: str) -> InvalidRequest:
     """The same error, naming the field the client sent (``max_completion_tokens``) instead of the engine's."""
     if exc.param != old or old == new:
         return exc
-    renamed = type(exc).__new__(type(exc))
-    InvalidRequest.__init__(renamed, str(exc).replace(old, new, 1), param=new, code=exc.code)
+    renamed = copy.copy(exc)
+    renamed.args = (str(exc).replace(old, new, 1),)
+    renamed.param = new
     return renamed
 
 
