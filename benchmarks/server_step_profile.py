@@ -97,6 +97,8 @@ def summarise(records: list[tuple[float, float, float, int, int]]) -> None:
           f"idle between steps {span - busy:.2f} s")
     print(f"steps with prefill chunks: {len(prefill)}, {sum(r[1] for r in prefill):.2f} s, "
           f"{sum(r[3] for r in prefill)} prompt tokens")
+    for r in prefill:
+        print(f"  prefill step: {r[1] * 1e3:.0f} ms (runner {r[2] * 1e3:.0f} ms), {r[3]} prompt tokens, {r[4]} decode rows")
     if decode:
         print(f"decode-only steps: {len(decode)}, {sum(r[1] for r in decode):.2f} s, median "
               f"{statistics.median(r[1] for r in decode) * 1e3:.1f} ms at a median of "

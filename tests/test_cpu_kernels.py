@@ -153,10 +153,12 @@ def test_silu_mul_matches_torch(width) -> None:
 
 
 @pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 45, 177])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 45, 140, 177, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 64), (96, 576), (576, 1536)])
 def test_amx_linear_matches_float_matmul(rows, out_features, in_features) -> None:
-    """1 or 2 row tiles, with 1-4 weight column blocks per task (48 = 3 blocks leaves a ragged task)."""
+    """1 or 2 row tiles, with 1-4 weight column blocks per task (48 = 3 blocks leaves a ragged task); from
+    128 rows the blocked path: a last chunk of 12 (140) or 17 (177) rows, two row tasks (300), depths of
+    one, two and six blocks (1,536 = 5 x 288 + 96)."""
     torch.manual_seed(rows * out_features)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
@@ -166,6 +168,22 @@ def test_amx_linear_matches_float_matmul(rows, out_features, in_features) -> Non
     expected = F.linear(x.double(), weight.double(), bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     torch.testing.assert_close(got.double(), expected, atol=1e-2 * expected.abs().max().item(), rtol=2**-7)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (576, 1536)])
+def test_amx_linear_rows_do_not_depend_on_the_batch(out_features, in_features) -> None:
+    """Many rows take the blocked path, a few the per-task one: a row's output is bit-identical either way
+    (the same tile multiplies in the same order; the blocked path's fp32 round trips between depth blocks
+    are exact), so a token's result does not depend on what else is in the step."""
+    torch.manual_seed(out_features)
+    x = torch.randn(300, in_features, dtype=torch.bfloat16)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    packed = torch.ops.kvserve.amx_pack(weight)
+    whole = torch.ops.kvserve.amx_linear(x, packed, bias)
+    for start, stop in ((0, 16), (16, 48), (280, 300), (299, 300)):
+        assert torch.equal(whole[start:stop], torch.ops.kvserve.amx_linear(x[start:stop], packed, bias))
 
 
 @pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
