@@ -14,7 +14,14 @@ from kvserve.model.attention import (
     merge_by_lse,
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.ops import AmxLinear, DecodeRows, torch_add_rms_norm, torch_silu_mul
+from kvserve.model.ops import (
+    AmxGateUpSilu,
+    AmxLinear,
+    DecodeRows,
+    select_ops,
+    torch_add_rms_norm,
+    torch_silu_mul,
+)
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
@@ -184,6 +191,39 @@ def test_amx_linear_rows_do_not_depend_on_the_batch(out_features, in_features) -
     whole = torch.ops.kvserve.amx_linear(x, packed, bias)
     for start, stop in ((0, 16), (16, 48), (280, 300), (299, 300)):
         assert torch.equal(whole[start:stop], torch.ops.kvserve.amx_linear(x[start:stop], packed, bias))
+
+
+@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
+@pytest.mark.parametrize("rows", [2, 16, 17, 45, 140, 300])
+@pytest.mark.parametrize("intermediate", [32, 48, 1536])
+def test_fused_gate_up_silu_is_bit_identical_to_the_unfused_pair(rows, intermediate) -> None:
+    """Few rows and the blocked path; 48 columns = 3 gate/up pairs, a ragged four-block task."""
+    torch.manual_seed(rows + intermediate)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    weight = torch.randn(2 * intermediate, 576, dtype=torch.bfloat16) * 0.1  # [gate | up]
+    fused = AmxGateUpSilu(fallback=lambda *_: pytest.fail("the fused kernel should take these"))
+    fused.prepare(weight)
+    unfused = torch.ops.kvserve.silu_mul(torch.ops.kvserve.amx_linear(x, torch.ops.kvserve.amx_pack(weight), None))
+    assert torch.equal(fused(x, weight), unfused)
+    torch.testing.assert_close(fused(x, weight).float(), torch_silu_mul(F.linear(x.float(), weight.float())),
+                               atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
+def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
+    """One row takes the GEMV and silu_mul; a weight the kernel cannot pack (rows not a multiple of 32)
+    takes the unfused pair at every width; the results agree with the reference either way."""
+    ops = select_ops(torch.bfloat16, cpu_kernels=True)
+    packable = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
+    odd = torch.randn(48, 64, dtype=torch.bfloat16) * 0.1
+    ops.prepare_gate_up(packable)
+    ops.prepare_gate_up(odd)
+    assert list(ops.fused_gate_up_silu.packed) == [packable.data_ptr()]
+    for weight in (packable, odd):
+        for rows in (1, 2, 200):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            torch.testing.assert_close(ops.gate_up_silu(x, weight).float(),
+                                       torch_silu_mul(F.linear(x.float(), weight.float())), atol=0.05, rtol=0.02)
 
 
 @pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")

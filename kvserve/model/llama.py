@@ -60,8 +60,7 @@ class DecoderLayer:
         attn = self.attention.forward(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
 
         x, residual = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), residual, self.post_attention_norm, eps)
-        gate_up = ops.linear(x, self.gate_up_weight, None)
-        return ops.linear(ops.silu_mul(gate_up), self.down_weight, None), residual
+        return ops.linear(ops.gate_up_silu(x, self.gate_up_weight), self.down_weight, None), residual
 
 
 class LlamaForCausalLM:
@@ -143,8 +142,9 @@ class LlamaForCausalLM:
             layer.input_norm = take(p + "input_layernorm.weight")
             layer.post_attention_norm = take(p + "post_attention_layernorm.weight")
         for layer in self.layers:
-            for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
+            for weight in (layer.qkv_weight, layer.o_weight, layer.down_weight):
                 self.ops.prepare_weight(weight)
+            self.ops.prepare_gate_up(layer.gate_up_weight)
         self.ops.prepare_weight(self.lm_head)
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]

@@ -1,7 +1,8 @@
 """The per-token math a model calls besides attention, chosen once per model like the attention backend.
 
 The torch versions are the reference and run everywhere. With the C++ CPU kernels loaded and a bf16
-model, the projections, the add+RMSNorm, the SiLU-and-multiply and the rotary embedding go through them
+model, the projections, the add+RMSNorm, the SiLU-and-multiply (with AMX: fused into the gate/up
+projection) and the rotary embedding go through them
 (benchmarks/cpu_kernels.py measures each against the torch version, side by side).
 """
 
@@ -78,6 +79,35 @@ class AmxLinear:
         return torch.ops.kvserve.amx_linear(x, packed, bias)
 
 
+class AmxGateUpSilu:
+    """The MLP's gate/up projection and its activation in one kernel (amx_linear_silu_mul): silu(gate) * up
+    comes straight from the tile accumulators, so the [rows, 2 x intermediate] product is never written to
+    memory and read back by silu_mul. Bit for bit what silu_mul(amx_linear(...)) gives.
+
+    The weight [gate | up] is packed with its gate and up rows interleaved 16 at a time, so each pair of
+    output tiles the kernel finishes holds the gate and the up of the same 16 columns. Inputs of fewer than
+    ``min_rows`` rows (the GEMV's single row), other dtypes and weights it could not pack go to
+    ``fallback``.
+    """
+
+    def __init__(self, fallback: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], min_rows: int = 1) -> None:
+        self.fallback = fallback
+        self.min_rows = min_rows
+        self.packed: dict[int, torch.Tensor] = {}
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        rows, depth = weight.shape
+        if weight.dtype == torch.bfloat16 and rows % 32 == 0 and depth % 32 == 0:
+            interleaved = weight.view(2, rows // 32, 16, depth).transpose(0, 1).reshape(rows, depth)
+            self.packed.setdefault(weight.data_ptr(), torch.ops.kvserve.amx_pack(interleaved.contiguous()))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        packed = self.packed.get(weight.data_ptr())
+        if packed is None or x.dtype != torch.bfloat16 or x.shape[0] < self.min_rows:
+            return self.fallback(x, weight)
+        return torch.ops.kvserve.amx_linear_silu_mul(x, packed)
+
+
 def _nothing_to_prepare(weight: torch.Tensor) -> None:
     return None
 
@@ -93,6 +123,15 @@ class ModelOps:
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
     # Called once per projection weight after loading (a kernel may keep its own layout of it).
     prepare_weight: Callable[[torch.Tensor], None] = _nothing_to_prepare
+    # (x, fused [gate | up] weight) -> silu(gate) * up in one kernel; None: silu_mul(linear(x, weight)).
+    fused_gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Called once per fused gate/up weight after loading, instead of prepare_weight.
+    prepare_gate_up: Callable[[torch.Tensor], None] = _nothing_to_prepare
+
+    def gate_up_silu(self, x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up_silu is not None:
+            return self.fused_gate_up_silu(x, gate_up_weight)
+        return self.silu_mul(self.linear(x, gate_up_weight, None))
 
 
 def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
@@ -108,9 +147,20 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
         linear, prepare_weight = amx, amx.prepare
     if kernels.gemv_bf16:
         linear = DecodeRows(torch.ops.kvserve.gemv_bf16, linear, max_rows=1 if kernels.amx else 4)
+    fused_gate_up_silu = None
+    prepare_gate_up = prepare_weight
+    if kernels.amx:
+        def gate_up_then_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return torch.ops.kvserve.silu_mul(linear(x, weight, None))
+
+        # One row stays on the GEMV (which reads the weight in its own layout), then silu_mul.
+        gate_up = AmxGateUpSilu(gate_up_then_silu, min_rows=2 if kernels.gemv_bf16 else 1)
+        fused_gate_up_silu, prepare_gate_up = gate_up, gate_up.prepare
     return ModelOps(
         linear=linear,
         prepare_weight=prepare_weight,
+        fused_gate_up_silu=fused_gate_up_silu,
+        prepare_gate_up=prepare_gate_up,
         add_rms_norm=torch.ops.kvserve.add_rms_norm,
         silu_mul=torch.ops.kvserve.silu_mul,
         rotary=torch.ops.kvserve.rotary,

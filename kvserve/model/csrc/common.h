@@ -33,6 +33,11 @@ namespace kvserve {
 // a time and returns -1 when none is left. at::parallel_for splits a range statically, so a thread that
 // loses its core to another process (the HTTP server, a client) holds up the whole region for its share;
 // with claiming, the other threads take that share over.
+// Parallel regions cost a wake of the other threads: ~15 us each with the server's passive OpenMP waiting,
+// a few hundred of them per decode step. Work below these sizes stays on the calling thread:
+constexpr int64_t kSerialWork = 256;  // (token, head) rows of 64-128 values
+constexpr int64_t kSerialRows = 64;   // hidden-size rows (576-4,096 values)
+
 template <typename Worker>
 inline void parallel_claim(int64_t n, const Worker& worker) {
   if (n <= 0) return;
@@ -127,6 +132,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::option
 bool has_avx512_bf16();
 at::Tensor amx_pack(const at::Tensor& w);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
 bool has_amx();
 
 // attention.cpp

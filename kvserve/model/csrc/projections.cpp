@@ -5,6 +5,8 @@
 //             memory bandwidth.
 // amx_linear: AMX tile multiplies against a copy of the weight packed once into the tile layout
 //             (amx_pack); rows go through in chunks of 32, at any width.
+// amx_linear_silu_mul: the same multiplies for the MLP's fused gate/up weight, writing silu(gate) * up
+//             straight from the accumulators.
 
 #include "common.h"
 
@@ -143,6 +145,7 @@ constexpr int64_t kBlockedMinRows = 128;
 constexpr int64_t kPairsPerTask = 4;
 constexpr int64_t kRowsPerTask = 256;
 constexpr int64_t kDepthBlock = 9;
+constexpr int64_t kRowsPerFlush = 4;  // a divisor of 16
 
 bool request_amx() {
   // Linux hands out AMX tile state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
@@ -173,114 +176,75 @@ at::Tensor amx_pack(const at::Tensor& w) {
   return packed;
 }
 
-// out[M, N] = x[M, K] @ w^T (+ bias) with w packed by amx_pack.
-at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(request_amx(), "amx_linear: the kernel did not grant AMX");
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear: bf16 only");
-  const int64_t NB = packed.size(0), KB = packed.size(1);
-  const int64_t N = NB * kAmxN, K = KB * kAmxK;
-  TORCH_CHECK(x_in.size(-1) == K, "amx_linear: inner dimensions differ");
-  at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  TORCH_CHECK(M >= 1, "amx_linear: no rows");
-  auto out_sizes = x_in.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  const at::Tensor b = contiguous_bias(bias, N, "amx_linear");
-  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+namespace {
+
+// Writes a finished pair of accumulator tiles (fp32 [16][16] each: n-blocks na and nb of rows m0..m0+rows-1)
+// to the output. Plain: the two n-blocks' columns (+ bias), as bf16, one 64-byte run per row (nb == na:
+// a lone last n-block). silu_mul: the pair is the gate and the up of output columns (na / 2) * 16 ..: writes
+// silu(gate) * up, rounded at every step as the unfused projection and silu_mul round.
+struct PairWriter {
+  at::BFloat16* out;
+  int64_t ld;  // output row stride
+  const at::BFloat16* bias;
+  bool silu;
+
+  void operator()(const float* a, const float* b, int64_t m0, int64_t rows, int64_t na, int64_t nb) const {
+    for (int64_t r = 0; r < rows; ++r) {
+#if KVSERVE_HAS_AVX512_BF16
+      if (silu) {
+        const __m512 gate = round16_bf16(_mm512_load_ps(a + r * 16));
+        const __m512 up = round16_bf16(_mm512_load_ps(b + r * 16));
+        const __m512 act = round16_bf16(_mm512_div_ps(
+            gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+        store16_bf16(out + (m0 + r) * ld + na / 2 * kAmxN, _mm512_mul_ps(act, up));
+        continue;
+      }
+      at::BFloat16* dst = out + (m0 + r) * ld + na * kAmxN;
+      const __m512 lo = _mm512_add_ps(_mm512_load_ps(a + r * 16), bias ? load16(bias + na * kAmxN) : _mm512_setzero_ps());
+      if (nb == na) {
+        store16_bf16(dst, lo);
+        continue;
+      }
+      const __m512 hi = _mm512_add_ps(_mm512_load_ps(b + r * 16), bias ? load16(bias + nb * kAmxN) : _mm512_setzero_ps());
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+      for (int64_t n = 0; n < kAmxN; ++n) {
+        if (silu) {
+          const float gate = round_bf16(a[r * 16 + n]), up = round_bf16(b[r * 16 + n]);
+          out[(m0 + r) * ld + na / 2 * kAmxN + n] = at::BFloat16(round_bf16(gate / (1.f + std::exp(-gate))) * up);
+          continue;
+        }
+        out[(m0 + r) * ld + na * kAmxN + n] = at::BFloat16(a[r * 16 + n] + (bias ? static_cast<float>(bias[na * kAmxN + n]) : 0.f));
+        if (nb != na)
+          out[(m0 + r) * ld + nb * kAmxN + n] = at::BFloat16(b[r * 16 + n] + (bias ? static_cast<float>(bias[nb * kAmxN + n]) : 0.f));
+      }
+#endif
+    }
+  }
+};
+
+// x [M, K] against the packed weight's NB n-blocks, each finished pair of tiles handed to write.
+void amx_matmul(const at::BFloat16* xp, int64_t M, const at::BFloat16* wp, int64_t NB, int64_t KB,
+                const PairWriter& write) {
+  const int64_t K = KB * kAmxK;
+  auto tile_at = [&](int64_t nb, int64_t kb) { return wp + (nb * KB + kb) * kAmxK * kAmxN; };
   // Tiles: rows of x in one or two A tiles (0, 1); four C accumulators (2..5) as 1x4 or 2x2 (m x n-block);
-  // weight tiles in 6, 7. Few rows (decode): a task is four n-blocks of the output; rows go through in
-  // chunks of 32, so a task's weight tiles are read from memory once and from cache for the later chunks.
-  const bool blocked = M >= kBlockedMinRows;
-  const int64_t pairs = (NB + 1) / 2;
-  const int64_t row_tasks = (M + kRowsPerTask - 1) / kRowsPerTask;
-  const int64_t pair_tasks = (pairs + kPairsPerTask - 1) / kPairsPerTask;
+  // weight tiles in 6, 7.
+  //
+  // Few rows (decode): a task is four n-blocks of the output; rows go through in chunks of 32, so a task's
+  // weight tiles are read from memory once and from cache for the later chunks.
+  //
   // Many rows (prefill chunks): tasks of up to kPairsPerTask pairs of n-blocks x kRowsPerTask rows. A
   // task's 32-row chunk goes through the depth kDepthBlock k-steps at a time: that slice of x (<= 18 KB)
   // stays in L1 while each pair of n-blocks streams its weight tiles from L2 (the task's weights, <= 400
   // KB, stay there for all its row chunks), and the accumulators wait in a 16 KB fp32 buffer between
   // depth blocks. With both operands streaming from L2 the tile unit ran at a third of its peak.
-  auto run_blocked = [&](auto&& claim, auto&& configure, auto&& tile_at) {
-    alignas(64) float acc[kPairsPerTask][4][16 * 16];
-    // A finished pair's accumulators wait here and are written out (bias, bf16) while the next pair's
-    // first multiplies run: written right after their own multiplies, the stores left the tile unit idle
-    // for about a quarter of the time.
-    alignas(64) float done[4][16 * 16];
-    int64_t done_m0 = -1, done_rows = 0, done_na = 0, done_nb = 0;
-    auto flush = [&]() {
-      if (done_m0 < 0) return;
-      for (int64_t half = 0; half < 2; ++half) {
-        const int64_t rows = std::min<int64_t>(16, done_rows - 16 * half);
-        const float* lo = done[2 * half];
-        const float* hi = done[2 * half + 1];
-        for (int64_t r = 0; r < rows; ++r) {
-          at::BFloat16* dst = op + (done_m0 + 16 * half + r) * N + done_na * kAmxN;
-#if KVSERVE_HAS_AVX512_BF16
-          const __m512 a = _mm512_add_ps(_mm512_load_ps(lo + r * 16), bp ? load16(bp + done_na * kAmxN) : _mm512_setzero_ps());
-          if (done_nb != done_na) {  // the pair's two n-blocks are one 64-byte run of the output row
-            const __m512 b = _mm512_add_ps(_mm512_load_ps(hi + r * 16), bp ? load16(bp + done_nb * kAmxN) : _mm512_setzero_ps());
-            _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-          } else {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(a));
-          }
-#else
-          for (int64_t n = 0; n < kAmxN; ++n) {
-            dst[n] = at::BFloat16(lo[r * 16 + n] + (bp ? static_cast<float>(bp[done_na * kAmxN + n]) : 0.f));
-            if (done_nb != done_na)
-              dst[kAmxN + n] = at::BFloat16(hi[r * 16 + n] + (bp ? static_cast<float>(bp[done_nb * kAmxN + n]) : 0.f));
-          }
-#endif
-        }
-      }
-      done_m0 = -1;
-    };
-    for (int64_t t; (t = claim()) >= 0;) {
-      const int64_t p0 = (t / row_tasks) * kPairsPerTask, np = std::min<int64_t>(kPairsPerTask, pairs - p0);
-      const int64_t m_begin = (t % row_tasks) * kRowsPerTask, m_end = std::min<int64_t>(M, m_begin + kRowsPerTask);
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
-        const int64_t mc = std::min<int64_t>(32, m_end - m0);
-        configure(mc > 16 ? mc : -mc);
-        const at::BFloat16* x0 = xp + m0 * K;
-        const at::BFloat16* x1 = mc > 16 ? x0 + 16 * K : x0;  // one A tile: the second repeats it, unstored
-        for (int64_t kb0 = 0; kb0 < KB; kb0 += kDepthBlock) {
-          const int64_t kb1 = std::min<int64_t>(KB, kb0 + kDepthBlock);
-          for (int64_t j = 0; j < np; ++j) {
-            const int64_t na = 2 * (p0 + j), nb = std::min<int64_t>(na + 1, NB - 1);
-            float* a = acc[j][0];
-            if (kb0 == 0) {
-              _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-            } else {
-              _tile_loadd(2, a, 64); _tile_loadd(3, a + 256, 64); _tile_loadd(4, a + 512, 64); _tile_loadd(5, a + 768, 64);
-            }
-            for (int64_t kb = kb0; kb < kb1; ++kb) {
-              _tile_loadd(0, x0 + kb * kAmxK, K * 2);
-              _tile_loadd(1, x1 + kb * kAmxK, K * 2);
-              _tile_loadd(6, tile_at(na, kb), 64);
-              _tile_loadd(7, tile_at(nb, kb), 64);
-              _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 0, 7);
-              _tile_dpbf16ps(4, 1, 6); _tile_dpbf16ps(5, 1, 7);
-              if (kb == kb0) flush();  // overlaps the multiplies just issued
-            }
-            if (kb1 < KB) {
-              _tile_stored(2, a, 64); _tile_stored(3, a + 256, 64); _tile_stored(4, a + 512, 64); _tile_stored(5, a + 768, 64);
-              continue;
-            }
-            _tile_stored(2, done[0], 64); _tile_stored(3, done[1], 64);
-            _tile_stored(4, done[2], 64); _tile_stored(5, done[3], 64);
-            done_m0 = m0; done_rows = mc; done_na = na; done_nb = nb;
-          }
-        }
-      }
-    }
-    flush();
-  };
-  const int64_t tasks = blocked ? pair_tasks * row_tasks : (NB + 3) / 4;
+  const bool blocked = M >= kBlockedMinRows;
+  const int64_t pairs = (NB + 1) / 2;
+  const int64_t row_tasks = (M + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t tasks = blocked ? (pairs + kPairsPerTask - 1) / kPairsPerTask * row_tasks : (NB + 3) / 4;
   parallel_claim(tasks, [&](auto&& claim) {
-    int64_t configured_rows = -1;
-    alignas(64) float cbuf[16 * 16];
+    int64_t configured_rows = 0;
     // mc < 0: the blocked path's chunk of -mc <= 16 rows, whose second A tile repeats the first.
     auto configure = [&](int64_t mc) {
       if (mc == configured_rows) return;
@@ -297,40 +261,74 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
       _tile_loadconfig(&cfg);
       configured_rows = mc;
     };
-    auto store = [&](int tile, int64_t m0, int64_t rows, int64_t nb) {
-      switch (tile) {
-        case 2: _tile_stored(2, cbuf, 64); break;
-        case 3: _tile_stored(3, cbuf, 64); break;
-        case 4: _tile_stored(4, cbuf, 64); break;
-        default: _tile_stored(5, cbuf, 64); break;
-      }
-      const int64_t n0 = nb * kAmxN;
-#if KVSERVE_HAS_AVX512_BF16
-      // One output row of the tile is one vector: add the bias, round to bf16 (nearest even), store.
-      const __m512 bias_row = bp ? load16(bp + n0) : _mm512_setzero_ps();
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256bh row = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cbuf + r * 16), bias_row));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (m0 + r) * N + n0), (__m256i)row);
-      }
-#else
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t n = 0; n < kAmxN; ++n) {
-          float v = cbuf[r * 16 + n];
-          if (bp) v += static_cast<float>(bp[n0 + n]);
-          op[(m0 + r) * N + n0 + n] = at::BFloat16(v);
-        }
-#endif
+    // Finished accumulators: stored here, then written out.
+    alignas(64) float done[4][16 * 16];
+    auto store_done = [&]() {
+      _tile_stored(2, done[0], 64); _tile_stored(3, done[1], 64);
+      _tile_stored(4, done[2], 64); _tile_stored(5, done[3], 64);
     };
-    auto tile_at = [&](int64_t nb, int64_t kb) { return wp + (nb * KB + kb) * kAmxK * kAmxN; };
     if (blocked) {
-      run_blocked(claim, configure, tile_at);
+      alignas(64) float acc[kPairsPerTask][4][16 * 16];
+      // A finished pair waits in `done` and is written out a few rows per k-step of the next pair, between
+      // its multiplies: written right after their own multiplies, the stores left the tile unit idle for
+      // about a quarter of the time, and a whole pair's silu at once is more than the core can overlap.
+      int64_t done_m0 = -1, done_rows = 0, done_na = 0, done_nb = 0, written = 0;
+      auto flush = [&](int64_t upto) {
+        if (done_m0 < 0) return;
+        upto = std::min(upto, done_rows);
+        for (; written < upto; written += kRowsPerFlush) {  // row runs never straddle the two halves
+          const int64_t half = written / 16, rows = std::min<int64_t>(kRowsPerFlush, upto - written);
+          write(done[2 * half] + (written % 16) * 16, done[2 * half + 1] + (written % 16) * 16,
+                done_m0 + written, rows, done_na, done_nb);
+        }
+        if (written >= done_rows) done_m0 = -1;
+      };
+      for (int64_t t; (t = claim()) >= 0;) {
+        const int64_t p0 = (t / row_tasks) * kPairsPerTask, np = std::min<int64_t>(kPairsPerTask, pairs - p0);
+        const int64_t m_begin = (t % row_tasks) * kRowsPerTask, m_end = std::min<int64_t>(M, m_begin + kRowsPerTask);
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+          const int64_t mc = std::min<int64_t>(32, m_end - m0);
+          configure(mc > 16 ? mc : -mc);
+          const at::BFloat16* x0 = xp + m0 * K;
+          const at::BFloat16* x1 = mc > 16 ? x0 + 16 * K : x0;  // one A tile: the second repeats it, unstored
+          for (int64_t kb0 = 0; kb0 < KB; kb0 += kDepthBlock) {
+            const int64_t kb1 = std::min<int64_t>(KB, kb0 + kDepthBlock);
+            for (int64_t j = 0; j < np; ++j) {
+              const int64_t na = 2 * (p0 + j), nb = std::min<int64_t>(na + 1, NB - 1);
+              float* a = acc[j][0];
+              if (kb0 == 0) {
+                _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+              } else {
+                _tile_loadd(2, a, 64); _tile_loadd(3, a + 256, 64); _tile_loadd(4, a + 512, 64); _tile_loadd(5, a + 768, 64);
+              }
+              for (int64_t kb = kb0; kb < kb1; ++kb) {
+                _tile_loadd(0, x0 + kb * kAmxK, K * 2);
+                _tile_loadd(1, x1 + kb * kAmxK, K * 2);
+                _tile_loadd(6, tile_at(na, kb), 64);
+                _tile_loadd(7, tile_at(nb, kb), 64);
+                _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 0, 7);
+                _tile_dpbf16ps(4, 1, 6); _tile_dpbf16ps(5, 1, 7);
+                flush((kb - kb0 + 1) * kRowsPerFlush);  // overlaps the multiplies just issued
+              }
+              flush(32);
+              if (kb1 < KB) {
+                _tile_stored(2, a, 64); _tile_stored(3, a + 256, 64); _tile_stored(4, a + 512, 64); _tile_stored(5, a + 768, 64);
+                continue;
+              }
+              store_done();
+              done_m0 = m0; done_rows = mc; done_na = na; done_nb = nb; written = 0;
+            }
+          }
+        }
+      }
+      flush(32);
       _tile_release();
       return;
     }
     for (int64_t t; (t = claim()) >= 0;) {
       const int64_t nb0 = t * 4;
       const int64_t nbs = std::min<int64_t>(4, NB - nb0);
-      // n-blocks past the end of N are clamped to a valid tile; their accumulators are never stored.
+      // n-blocks past the end of N are clamped to a valid tile; their accumulators are never written.
       auto nb_at = [&](int64_t j) { return nb0 + std::min<int64_t>(j, nbs - 1); };
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int64_t mc = std::min<int64_t>(32, M - m0);
@@ -345,7 +343,9 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
             _tile_loadd(6, tile_at(nb_at(2), kb), 64); _tile_dpbf16ps(4, 0, 6);
             _tile_loadd(7, tile_at(nb_at(3), kb), 64); _tile_dpbf16ps(5, 0, 7);
           }
-          for (int j = 0; j < nbs; ++j) store(2 + j, m0, mc, nb0 + j);
+          store_done();
+          write(done[0], done[1], m0, mc, nb0, nb_at(1));
+          if (nbs > 2) write(done[2], done[3], m0, mc, nb0 + 2, nb_at(3));
         } else {  // two A tiles against two n-blocks at a time
           for (int64_t pair = 0; pair < nbs; pair += 2) {
             _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
@@ -357,18 +357,52 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
               _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 0, 7);
               _tile_dpbf16ps(4, 1, 6); _tile_dpbf16ps(5, 1, 7);
             }
-            store(2, m0, 16, nb0 + pair);
-            store(4, m0 + 16, mc - 16, nb0 + pair);
-            if (pair + 1 < nbs) {
-              store(3, m0, 16, nb0 + pair + 1);
-              store(5, m0 + 16, mc - 16, nb0 + pair + 1);
-            }
+            store_done();
+            write(done[0], done[1], m0, 16, nb0 + pair, nb_at(pair + 1));
+            write(done[2], done[3], m0 + 16, mc - 16, nb0 + pair, nb_at(pair + 1));
           }
         }
       }
     }
     _tile_release();
   });
+}
+
+// x [..., K] -> x [M, K] and the output [M, width], checking the packed weight's depth.
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> amx_operands(const at::Tensor& x_in, const at::Tensor& packed,
+                                                                      int64_t width, const char* op) {
+  TORCH_CHECK(request_amx(), op, ": the kernel did not grant AMX");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, op, ": bf16 only");
+  const int64_t K = packed.size(1) * kAmxK;
+  TORCH_CHECK(x_in.size(-1) == K, op, ": inner dimensions differ");
+  at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  TORCH_CHECK(x.size(0) >= 1, op, ": no rows");
+  auto out_sizes = x_in.sizes().vec();
+  out_sizes.back() = width;
+  return {x, at::empty({x.size(0), width}, x.options()), out_sizes};
+}
+
+}  // namespace
+
+// out[M, N] = x[M, K] @ w^T (+ bias) with w packed by amx_pack.
+at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const int64_t NB = packed.size(0), N = NB * kAmxN;
+  auto [x, out, out_sizes] = amx_operands(x_in, packed, N, "amx_linear");
+  const at::Tensor b = contiguous_bias(bias, N, "amx_linear");
+  amx_matmul(x.data_ptr<at::BFloat16>(), x.size(0), packed.data_ptr<at::BFloat16>(), NB, packed.size(1),
+             PairWriter{out.data_ptr<at::BFloat16>(), N, b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, false});
+  return out.view(out_sizes);
+}
+
+// silu(gate) * up for [gate | up] = x @ w^T, with w packed by amx_pack after its gate and up rows were
+// interleaved 16 at a time (gate 0-15, up 0-15, gate 16-31, ...): out [M, N / 2], as silu_mul(amx_linear)
+// computes it, bit for bit, without the [M, N] product ever reaching memory.
+at::Tensor amx_linear_silu_mul(const at::Tensor& x_in, const at::Tensor& packed) {
+  const int64_t NB = packed.size(0);
+  TORCH_CHECK(NB % 2 == 0, "amx_linear_silu_mul: the packed weight must hold gate and up blocks in pairs");
+  auto [x, out, out_sizes] = amx_operands(x_in, packed, NB / 2 * kAmxN, "amx_linear_silu_mul");
+  amx_matmul(x.data_ptr<at::BFloat16>(), x.size(0), packed.data_ptr<at::BFloat16>(), NB, packed.size(1),
+             PairWriter{out.data_ptr<at::BFloat16>(), NB / 2 * kAmxN, nullptr, true});
   return out.view(out_sizes);
 }
 
@@ -377,6 +411,9 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
 at::Tensor amx_pack(const at::Tensor&) { TORCH_CHECK(false, "amx_pack: this build has no AMX"); }
 at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "amx_linear: this build has no AMX");
+}
+at::Tensor amx_linear_silu_mul(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "amx_linear_silu_mul: this build has no AMX");
 }
 bool request_amx() { return false; }
 

@@ -2,7 +2,8 @@
 // kvserve/model/cpu_kernels.py (torch.utils.cpp_extension, -march=native). The torch reference paths stay
 // the oracle: tests compare every kernel against them.
 //
-//   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections
+//   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections; amx_linear_silu_mul: the MLP's
+//                    gate/up projection and its activation in one
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
 //                    merge_attention: two attention halves into one by their log-sum-exps
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
@@ -20,6 +21,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("has_amx() -> bool", &kvserve::has_amx);
   m.def("amx_pack(Tensor w) -> Tensor", &kvserve::amx_pack);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::amx_linear);
+  m.def("amx_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::amx_linear_silu_mul);
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &kvserve::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
