@@ -17,7 +17,9 @@ Cases (SmolLM2-135M's head layout: 9 query heads over 3 KV heads, head_dim 64, b
   step (10 chunks of 100 on 1,568 cached), one cold 1,024-token prompt, and the shared-prefix half of
   16 decodes on a 1,568-token prefix.
 - the AMX projections (amx_linear) over SmolLM2's 30 layers of weights, at 16 rows (a decode step) and
-  1,024 rows (a prefill step).
+  1,024 rows (a prefill step); the MLP's gate/up projection with its SiLU-and-multiply, fused where the
+  build has amx_linear_silu_mul, at the same widths.
+- a decode step's small per-layer ops at 16 rows (rotary, two add+RMSNorms, the cascade merge).
 Prints each case's time per layer for both builds and NEW's speed-up; the outputs of the two builds are
 compared too (their largest difference is printed, so a change that alters results is seen at once).
 """
@@ -122,6 +124,52 @@ def projection_case(rows: int) -> Callable[[object], list[torch.Tensor]]:
     return run
 
 
+def mlp_case(rows: int) -> Callable[[object], list[torch.Tensor]]:
+    """The MLP's gate/up projection and SiLU-and-multiply over 30 layers: one fused kernel where the build
+    has amx_linear_silu_mul (its weight packed with gate and up interleaved), else silu_mul(amx_linear)."""
+    intermediate, hidden = 1536, 576
+    weights = [torch.randn(2 * intermediate, hidden, dtype=torch.bfloat16) * 0.05 for _ in range(LAYERS)]
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    prepared: dict[int, tuple[bool, list[torch.Tensor]]] = {}
+
+    def interleaved(w: torch.Tensor) -> torch.Tensor:
+        return w.view(2, intermediate // 16, 16, hidden).transpose(0, 1).reshape(2 * intermediate, hidden).contiguous()
+
+    def run(ops: object) -> list[torch.Tensor]:
+        if id(ops) not in prepared:
+            try:
+                ops.amx_linear_silu_mul  # noqa: B018 - does this build have the fused kernel?
+                prepared[id(ops)] = (True, [ops.amx_pack(interleaved(w)) for w in weights])
+            except (AttributeError, RuntimeError):
+                prepared[id(ops)] = (False, [ops.amx_pack(w) for w in weights])
+        fused, packed = prepared[id(ops)]
+        if fused:
+            return [ops.amx_linear_silu_mul(x, w) for w in packed]
+        return [ops.silu_mul(ops.amx_linear(x, w, None)) for w in packed]
+    return run
+
+
+def glue_case(rows: int) -> Callable[[object], list[torch.Tensor]]:
+    """A decode step's small per-layer ops at `rows` tokens: rotary on Q and K, the two add+RMSNorms and
+    the cascade merge, 30 layers."""
+    bf16 = torch.bfloat16
+    qk = torch.randn(rows, HEADS + KV_HEADS, HEAD_DIM, dtype=bf16)
+    cos, sin = torch.randn(rows, 1, HEAD_DIM, dtype=bf16), torch.randn(rows, 1, HEAD_DIM, dtype=bf16)
+    hidden, residual, norm = (torch.randn(rows, 576, dtype=bf16), torch.randn(rows, 576, dtype=bf16),
+                              torch.randn(576, dtype=bf16))
+    halves = [torch.randn(rows, HEADS, HEAD_DIM), torch.randn(rows, HEADS)] * 2
+
+    def run(ops: object) -> list[torch.Tensor]:
+        out = []
+        for _ in range(LAYERS):
+            out.append(ops.rotary(qk, cos, sin))
+            out.append(ops.add_rms_norm(hidden, residual, norm, 1e-5)[0])
+            out.append(ops.add_rms_norm(hidden, residual, norm, 1e-5)[0])
+            out.append(ops.merge_attention(*halves, True))
+        return out
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
@@ -139,6 +187,7 @@ def main() -> None:
             "decode 16 x 120 keys": decode_case(caches, 16, 120),
             "decode 16 x 235 keys": decode_case(caches, 16, 235),
             "decode 1 x 2,000 keys": decode_case(caches, 1, 2000),
+            "decode glue, 16 rows": glue_case(16),
         }
         if all(ops.has_amx() for ops in builds):
             cases |= {
@@ -147,6 +196,8 @@ def main() -> None:
                 "decode prefix 16 x 1,568": many_row_case(caches, [(16, 1568)], causal=False),
                 "projections, 16 rows": projection_case(16),
                 "projections, 1,024 rows": projection_case(1024),
+                "MLP gate/up + SiLU, 16 rows": mlp_case(16),
+                "MLP gate/up + SiLU, 1,024 rows": mlp_case(1024),
             }
         best = {(name, i): float("inf") for name in cases for i in range(2)}
         for rep in range(args.reps):

@@ -443,10 +443,11 @@ def test_argmax_rows_equals_torch_argmax(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("bf16_out", [False, True])
-def test_merge_attention_matches_merge_by_lse(bf16_out: bool) -> None:
+@pytest.mark.parametrize("batch", [5, 12, 25])  # 60 rows; 144 (one claim on the calling thread); 300 (claims of 64)
+def test_merge_attention_matches_merge_by_lse(bf16_out: bool, batch: int) -> None:
     gen = torch.Generator().manual_seed(5)
-    out_a, out_b = torch.randn(2, 5, 3, 4, 64, generator=gen)
-    lse_a, lse_b = torch.randn(2, 5, 3, 4, generator=gen) * 4
+    out_a, out_b = torch.randn(2, batch, 3, 4, 64, generator=gen)
+    lse_a, lse_b = torch.randn(2, batch, 3, 4, generator=gen) * 4
     lse_b[0, 0, 0] = float("-inf")  # an empty half weighs nothing
     got = torch.ops.kvserve.merge_attention(out_a, lse_a, out_b, lse_b, bf16_out)
     expected = merge_by_lse(out_a, lse_a, out_b, lse_b)

@@ -33,8 +33,28 @@ def greedy_ids(cpu_kernels: bool) -> list[list[int]]:
     return [single, *batch]
 
 
-def test_bf16_kernels_agree_with_the_torch_paths() -> None:
-    kernel, reference = greedy_ids(cpu_kernels=True), greedy_ids(cpu_kernels=False)
+SYSTEM = ("You are a careful assistant for a team of engineers. Answer briefly, cite the numbers you use, "
+          "and say so when you are unsure. Prefer plain words over jargon, and short lists over long prose. ") * 6
+
+
+def shared_prefix_greedy_ids(cascade: bool) -> list[list[int]]:
+    """16 chats under one long system prompt, with the kernels: their decodes share its blocks, so with
+    cascade on, attention splits into the shared prefix for all 16 x 9 query heads at once (the AMX kernel)
+    and each request's own suffix, merged by log-sum-exp; with it off, each request reads its whole
+    context. The prefill is the same either way, so the two must agree but for rounding near-ties."""
+    llm = LLM(dtype="bfloat16", num_kv_blocks=512, cpu_kernels=True)
+    if not cascade:
+        llm.engine.runner.cascade_min_tokens = 1 << 30
+    tok = llm.get_tokenizer()
+    questions = (CHAT_QUESTIONS * 16)[:16]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                   {"role": "user", "content": f"{i}. {q}"}]),
+                          add_special_tokens=False) for i, q in enumerate(questions)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def assert_mostly_agree(kernel: list[list[int]], reference: list[list[int]]) -> None:
     common_prefix = []
     for got, expected in zip(kernel, reference, strict=True):
         n = 0
@@ -43,3 +63,11 @@ def test_bf16_kernels_agree_with_the_torch_paths() -> None:
         common_prefix.append(n)
     assert min(common_prefix) >= 4, common_prefix
     assert sum(common_prefix) >= 0.75 * MAX_TOKENS * len(kernel), common_prefix
+
+
+def test_bf16_kernels_agree_with_the_torch_paths() -> None:
+    assert_mostly_agree(greedy_ids(cpu_kernels=True), greedy_ids(cpu_kernels=False))
+
+
+def test_bf16_cascade_decode_agrees_with_whole_context_decode() -> None:
+    assert_mostly_agree(shared_prefix_greedy_ids(cascade=True), shared_prefix_greedy_ids(cascade=False))

@@ -373,12 +373,11 @@ at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a, con
   const float *lap = la.data_ptr<float>(), *lbp = lb.data_ptr<float>();
   at::BFloat16* out_bf16 = bf16_out ? out.data_ptr<at::BFloat16>() : nullptr;
   float* out_f32 = bf16_out ? nullptr : out.data_ptr<float>();
-  constexpr int64_t kRowsPerClaim = 64;
-  // A decode batch's rows (a few hundred) merge on this thread: cheaper than waking another.
-  const int64_t claims = rows <= kSerialWork ? 1 : (rows + kRowsPerClaim - 1) / kRowsPerClaim;
-  parallel_claim(claims, [&](auto&& claim) {
+  // A decode batch's rows (a few hundred) merge in one claim, on this thread: cheaper than waking another.
+  const int64_t rows_per_claim = rows <= kSerialWork ? std::max<int64_t>(rows, 1) : 64;
+  parallel_claim((rows + rows_per_claim - 1) / rows_per_claim, [&](auto&& claim) {
     for (int64_t c; (c = claim()) >= 0;) {
-      for (int64_t r = c * kRowsPerClaim; r < std::min(rows, (c + 1) * kRowsPerClaim); ++r) {
+      for (int64_t r = c * rows_per_claim; r < std::min(rows, (c + 1) * rows_per_claim); ++r) {
         const float m = std::max(lap[r], lbp[r]);
         float wa = 0.f, wb = 0.f;
         if (m != -std::numeric_limits<float>::infinity()) {  // both halves empty: the output is 0
