@@ -90,6 +90,7 @@ class AsyncEngine:
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
         """Tokenize and validate without queueing anything: raises the typed error the caller reports."""
         self._check_alive()
+        self.engine.check_params(params)
         token_ids, text = self.engine.tokenize_prompt(prompt)
         self.engine.check_context(len(token_ids), params.max_tokens)
         return token_ids, text

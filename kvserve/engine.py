@@ -26,7 +26,7 @@ from kvserve.config import (
     speculative_config_from_dict,
 )
 from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest
+from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest, InvalidSamplingParams
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.ops import select_argmax
 from kvserve.model.registry import build_model
@@ -184,6 +184,7 @@ class Engine:
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidRequest("Engine.add_request takes n == 1; use LLM.generate or the server for n > 1", "n")
+        self.check_params(params)
         token_ids, text = self.tokenize_prompt(prompt)
         self.check_context(len(token_ids), params.max_tokens)
         max_total = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
@@ -207,6 +208,14 @@ class Engine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         return request
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check on its own: token ids against this model's vocabulary."""
+        vocab = self.arch.vocab_size
+        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        if outside:
+            raise InvalidSamplingParams(f"logit_bias token ids must be < {vocab} (the vocabulary size), got "
+                                        f"{outside[0]}", param="logit_bias")
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         limit = self.max_model_len

@@ -33,6 +33,8 @@ class FinishReason(enum.StrEnum):
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Added to the logits before sampling (OpenAI's logit_bias): (token id, bias) pairs; a dict is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the dataclass stays hashable and immutable.
@@ -65,6 +69,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        elif not isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -101,6 +109,17 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidSamplingParams(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                                        f"{len(self.logit_bias)}", param="logit_bias")
+        for pair in self.logit_bias:
+            token, bias = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidSamplingParams(f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
+                                            param="logit_bias")
+            if not _finite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidSamplingParams(f"logit_bias values must be in [-100, 100], got {bias!r} for token "
+                                            f"{token}", param="logit_bias")
 
     @property
     def is_greedy(self) -> bool:

@@ -56,6 +56,10 @@ def test_token_ids_outside_the_vocabulary(llm: LLM) -> None:
         llm.generate({"prompt_token_ids": [1, 10**9]})
     with pytest.raises(InvalidRequest):
         llm.generate({"prompt_token_ids": [1, -5]})
+    with pytest.raises(InvalidSamplingParams, match="vocabulary") as info:
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={10**9: 1.0}))
+    assert info.value.param == "logit_bias"
+    assert_clean(llm)
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.errors import InvalidSamplingParams
 from kvserve.request import SamplingParams
 from kvserve.runner.sampler import (
     Sampler,
     SamplingState,
+    apply_logit_bias,
     apply_penalties,
     apply_top_k_top_p_min_p,
     row_seed,
@@ -298,6 +300,36 @@ def test_penalties_change_the_greedy_choice() -> None:
         state(prompt=[0], temperature=0.0, frequency_penalty=2.0),  # prompt tokens: no frequency penalty
     ]
     assert Sampler(3)(logits, states).token_ids == [1, 1, 0]
+
+
+# --- logit_bias -----------------------------------------------------------------------------------------
+def test_logit_bias_adds_to_the_chosen_logits_and_steers_greedy_and_logprobs() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, 1.0]] * 3)
+    states = [
+        state(temperature=0.0, logit_bias={1: 0.5}),  # 2.9 + 0.5 beats 3.0
+        state(temperature=0.0, logit_bias={0: -100.0, 3: 1.5}),  # 0 banned; 1.0 + 1.5 = 2.5 < 2.9
+        state(temperature=0.0),  # no bias: its row is untouched
+    ]
+    biased = logits.clone()
+    apply_logit_bias(biased, states)
+    torch.testing.assert_close(biased, torch.tensor([[3.0, 3.4, 0.0, 1.0], [-97.0, 2.9, 0.0, 2.5],
+                                                     [3.0, 2.9, 0.0, 1.0]]))
+    assert Sampler(4)(logits, states).token_ids == [1, 1, 0]
+    # Logprobs are of the biased logits (as OpenAI and vLLM report them); sampling at any temperature
+    # never picks a token banned with -100 against a logit 100 below the rest.
+    with_lp = [dataclasses.replace(s, params=dataclasses.replace(s.params, logprobs=4)) for s in states[:1]]
+    lp = Sampler(4)(logits[:1], with_lp).logprobs[0]
+    torch.testing.assert_close(torch.tensor([lp[i] for i in range(4)]), torch.log_softmax(biased[0], -1))
+    hot = [state(temperature=1.0, seed=s, logit_bias={0: -100.0, 1: -100.0}) for s in range(200)]
+    assert not {0, 1} & set(Sampler(4)(logits[:1].expand(200, 4), hot).token_ids)
+
+
+@pytest.mark.parametrize("bias", [{0: 100.5}, {0: float("nan")}, {-1: 1.0}, {"3": 1.0}, {True: 1.0},
+                                  {i: 1.0 for i in range(1025)}])
+def test_invalid_logit_bias_is_refused(bias) -> None:
+    with pytest.raises(InvalidSamplingParams) as info:
+        SamplingParams(logit_bias=bias)
+    assert info.value.param == "logit_bias"
 
 
 # --- min_tokens ------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ token this step (one row per request) and the ``SamplingState`` it keeps for eac
 Order of operations (as vLLM does), all in float32 on the logits' device:
 
     logits [B, V] ──► min_tokens: eos + stop_token_ids → -inf while len(output) < min_tokens
+                 ──► logit_bias (OpenAI: added to the chosen tokens' logits)
                  ──► repetition penalty (prompt + output tokens, HF: logit > 0 → /p, else *p)
                  ──► frequency / presence penalties (output tokens, OpenAI: -= f*count + p*(count > 0))
                  ├─► logprobs = log_softmax(penalised logits)   (before temperature and filters)
@@ -100,6 +101,7 @@ class Sampler:
         device = logits.device
         logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to edit in place
         suppress_stop_tokens(logits, states)
+        apply_logit_bias(logits, states)
         logits = apply_penalties(logits, states)
 
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
@@ -219,6 +221,23 @@ def suppress_stop_tokens(logits: torch.Tensor, states: list[SamplingState]) -> N
         logits[_index(rows, logits.device), _index(cols, logits.device)] = _NEG_INF
 
 
+def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    """In place: each request's logit_bias added to its row. [B, V] float32; token ids must be < V (the
+    engine checks them against the vocabulary when the request arrives)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, s in enumerate(states):
+        for token, bias in s.params.logit_bias:
+            rows.append(i)
+            cols.append(token)
+            biases.append(bias)
+    if rows:
+        device = logits.device
+        logits.index_put_((_index(rows, device), _index(cols, device)),
+                          _to_device(biases, torch.float32, device), accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Repetition (prompt + output, HF), then frequency and presence (output only, OpenAI). [B, V] float32.
 
@@ -309,7 +328,7 @@ def _splitmix64(x: int) -> int:
 # --- helpers --------------------------------------------------------------------------------------------
 def _needs_full_path(s: SamplingState) -> bool:
     p = s.params
-    return not p.is_greedy or p.logprobs is not None or p.uses_penalties
+    return not p.is_greedy or p.logprobs is not None or p.uses_penalties or bool(p.logit_bias)
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,7 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     # Extensions (vLLM spells them the same way).
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -123,6 +124,13 @@ class _SamplingRequest(_Strict):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidSamplingParams(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
                                         param="stop")
+        logit_bias: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                logit_bias[int(key)] = bias
+            except ValueError:
+                raise InvalidSamplingParams(f"logit_bias keys must be token ids, got {key!r}",
+                                            param="logit_bias") from None
         try:
             return SamplingParams(
                 n=self.n,
@@ -142,6 +150,7 @@ class _SamplingRequest(_Strict):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=logit_bias,
             )
         except InvalidSamplingParams as exc:
             # Report the field the client actually sent, not the engine's name for it.
@@ -154,6 +163,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Only plain text is produced: a JSON mode or schema is refused rather than silently not honoured.
+    response_format: dict[str, Any] | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -163,6 +174,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidRequest(f"response_format {kind!r} is not supported: kvserve has no structured output "
+                                 "(JSON mode or schemas) yet; only 'text'", param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, self.max_tokens_field, logprobs, "top_logprobs")

@@ -84,6 +84,10 @@ BAD_VALUES = [
     ("chat", {"n": 129}, "n"),  # OpenAI's limit is 128
     ("chat", {"stop": ["x"] * 65}, "stop"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's range is [-100, 100]
+    ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),  # refused, not ignored
     # More sequences than the server ever queues (256): a 429 would invite retries that cannot succeed.
     ("completions", {"prompt": ["a"] * 257}, "prompt"),
 ]

@@ -187,6 +187,21 @@ def test_stop_strings_logprobs_and_extensions(base_url) -> None:
     assert "🌞" in resp.choices[0].message.content and any("\ufffd" in t.token for t in content)
     assert b"".join(bytes(t.bytes) for t in content) == resp.choices[0].message.content.encode("utf-8")
 
+    # logit_bias (OpenAI's: token id strings to [-100, 100]). In SmolLM2's vocabulary 17 is "!" and digits
+    # are single tokens, 37 being "5": +100 makes greedy pick "!" every time; -100 keeps "5" out of a
+    # continuation that has it without the bias.
+    forced = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=4, temperature=0,
+                                  logit_bias={"17": 100})
+    assert forced.choices[0].text == "!!!!"
+    assert "5" in full.choices[0].text
+    banned = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                  logit_bias={"37": -100})
+    assert "5" not in banned.choices[0].text and banned.choices[0].text != full.choices[0].text
+    # response_format "text" is the plain output: accepted (JSON modes are refused, test_failures.py).
+    plain = c.chat.completions.create(model=None, messages=chat("Hi"), max_tokens=3, temperature=0,
+                                      response_format={"type": "text"})
+    assert plain.choices[0].finish_reason in ("stop", "length")
+
     # ignore_eos + min_tokens (extensions, sent as extra body fields) and an unknown field (ignored).
     resp = c.chat.completions.create(model=None, messages=chat("Say OK."), max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True, "min_tokens": 8, "repetition_penalty": 1.1,
