@@ -47,6 +47,9 @@ class FailingEngine:
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         pass
 
+    def check_params(self, params: SamplingParams) -> None:
+        pass
+
     def add_request(self, prompt: object, params: SamplingParams, request_id: str) -> None:
         token_ids, _ = self.tokenize_prompt(prompt)
         self.scheduler.requests[request_id] = SimpleNamespace(prompt=None, token_ids=token_ids)
