@@ -211,14 +211,16 @@ def test_fused_gate_up_silu_is_bit_identical_to_the_unfused_pair(rows, intermedi
 
 @pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
 def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
-    """One row takes the GEMV and silu_mul; a weight the kernel cannot pack (rows not a multiple of 32)
-    takes the unfused pair at every width; the results agree with the reference either way."""
+    """One row takes the GEMV and silu_mul; a weight the kernel cannot interleave (rows not a multiple of
+    32) gets the plain projection's packing and takes the unfused pair at every width; the results agree
+    with the reference either way."""
     ops = select_ops(torch.bfloat16, cpu_kernels=True)
     packable = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
     odd = torch.randn(48, 64, dtype=torch.bfloat16) * 0.1
     ops.prepare_gate_up(packable)
     ops.prepare_gate_up(odd)
     assert list(ops.fused_gate_up_silu.packed) == [packable.data_ptr()]
+    assert list(ops.linear.wider.packed) == [odd.data_ptr()]  # the unfused pair keeps the AMX projection
     for weight in (packable, odd):
         for rows in (1, 2, 200):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)

@@ -87,12 +87,15 @@ class AmxGateUpSilu:
     The weight [gate | up] is packed with its gate and up rows interleaved 16 at a time, so each pair of
     output tiles the kernel finishes holds the gate and the up of the same 16 columns. Inputs of fewer than
     ``min_rows`` rows (the GEMV's single row), other dtypes and weights it could not pack go to
-    ``fallback``.
+    ``fallback``; a weight it cannot interleave is handed to ``prepare_fallback`` (the plain projection's
+    packing) so that the unfused pair keeps its kernels.
     """
 
-    def __init__(self, fallback: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], min_rows: int = 1) -> None:
+    def __init__(self, fallback: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], min_rows: int = 1,
+                 prepare_fallback: Callable[[torch.Tensor], None] | None = None) -> None:
         self.fallback = fallback
         self.min_rows = min_rows
+        self.prepare_fallback = prepare_fallback
         self.packed: dict[int, torch.Tensor] = {}
 
     def prepare(self, weight: torch.Tensor) -> None:
@@ -100,6 +103,8 @@ class AmxGateUpSilu:
         if weight.dtype == torch.bfloat16 and rows % 32 == 0 and depth % 32 == 0:
             interleaved = weight.view(2, rows // 32, 16, depth).transpose(0, 1).reshape(rows, depth)
             self.packed.setdefault(weight.data_ptr(), torch.ops.kvserve.amx_pack(interleaved.contiguous()))
+        elif self.prepare_fallback is not None:
+            self.prepare_fallback(weight)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         packed = self.packed.get(weight.data_ptr())
@@ -154,7 +159,8 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
             return torch.ops.kvserve.silu_mul(linear(x, weight, None))
 
         # One row stays on the GEMV (which reads the weight in its own layout), then silu_mul.
-        gate_up = AmxGateUpSilu(gate_up_then_silu, min_rows=2 if kernels.gemv_bf16 else 1)
+        gate_up = AmxGateUpSilu(gate_up_then_silu, min_rows=2 if kernels.gemv_bf16 else 1,
+                                prepare_fallback=prepare_weight)
         fused_gate_up_silu, prepare_gate_up = gate_up, gate_up.prepare
     return ModelOps(
         linear=linear,

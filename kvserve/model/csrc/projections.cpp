@@ -189,6 +189,10 @@ struct PairWriter {
   bool silu;
 
   void operator()(const float* a, const float* b, int64_t m0, int64_t rows, int64_t na, int64_t nb) const {
+#if KVSERVE_HAS_AVX512_BF16
+    const __m512 bias_a = bias ? load16(bias + na * kAmxN) : _mm512_setzero_ps();
+    const __m512 bias_b = bias ? load16(bias + nb * kAmxN) : _mm512_setzero_ps();
+#endif
     for (int64_t r = 0; r < rows; ++r) {
 #if KVSERVE_HAS_AVX512_BF16
       if (silu) {
@@ -200,12 +204,12 @@ struct PairWriter {
         continue;
       }
       at::BFloat16* dst = out + (m0 + r) * ld + na * kAmxN;
-      const __m512 lo = _mm512_add_ps(_mm512_load_ps(a + r * 16), bias ? load16(bias + na * kAmxN) : _mm512_setzero_ps());
+      const __m512 lo = _mm512_add_ps(_mm512_load_ps(a + r * 16), bias_a);
       if (nb == na) {
         store16_bf16(dst, lo);
         continue;
       }
-      const __m512 hi = _mm512_add_ps(_mm512_load_ps(b + r * 16), bias ? load16(bias + nb * kAmxN) : _mm512_setzero_ps());
+      const __m512 hi = _mm512_add_ps(_mm512_load_ps(b + r * 16), bias_b);
       _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 #else
       for (int64_t n = 0; n < kAmxN; ++n) {
