@@ -254,7 +254,7 @@ class CpuKernelPagedAttention(TorchPagedAttention):
                 runs = meta.decode_prefix_runs
                 out_p, lse_p = torch.ops.kvserve.paged_attention_amx(
                     q, k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts, self.scale, False, True,
-                    self._packed_prefix_for(k_cache, v_cache, runs, meta.decode_prefix_key),
+                    self.packed_prefix_for(k_cache, v_cache, runs, meta.decode_prefix_key),
                 )
                 out_p = out_p.view(out.shape)
                 lse_p = lse_p.view(lse.shape)
@@ -266,15 +266,20 @@ class CpuKernelPagedAttention(TorchPagedAttention):
                 out = merge_by_lse(out_p, lse_p, out, lse)
         return out.to(q.dtype).reshape(batch, self.num_heads, self.head_dim)
 
-    def _packed_prefix_for(self, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: PagedRuns,
-                           key: tuple[int, ...] | None) -> torch.Tensor | None:
+    def kept_prefix(self, k_cache: torch.Tensor, key: tuple[int, ...] | None) -> torch.Tensor | None:
+        """The layer's packed prefix if one is kept for these contents, else None."""
+        kept = self._packed_prefix.get(k_cache.data_ptr())
+        return kept[1] if kept is not None and key is not None and kept[0] == key else None
+
+    def packed_prefix_for(self, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: PagedRuns,
+                          key: tuple[int, ...] | None) -> torch.Tensor | None:
         """The layer's packed prefix: kept while its key holds, packed again when the key changes."""
         if key is None:
             return None
+        kept = self.kept_prefix(k_cache, key)
+        if kept is not None:
+            return kept
         layer = k_cache.data_ptr()
-        kept = self._packed_prefix.get(layer)
-        if kept is not None and kept[0] == key:
-            return kept[1]
         packed = torch.ops.kvserve.pack_kv_amx(k_cache, v_cache, runs.block_tables[0], int(runs.kv_lens[0]))
         self._packed_prefix[layer] = (key, packed)
         return packed

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.decode_stack import FusedDecodeStack
 from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.ops import ModelOps
 
@@ -81,6 +82,9 @@ class LlamaForCausalLM:
         self.embed_tokens: torch.Tensor  # [vocab, hidden]
         self.final_norm: torch.Tensor
         self.lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+        self.attention = attention
+        # Decode steps' layers in one C++ call where the kernels allow it (set once the weights are packed).
+        self.fused_decode: FusedDecodeStack | None = None
 
     def forward(
         self,
@@ -91,6 +95,9 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.lookup(positions)
+        if self.fused_decode is not None and self.fused_decode.accepts(hidden, meta):
+            last_hidden, last_residual = self.fused_decode(hidden, cos, sin, meta, kv_caches)
+            return last_hidden + last_residual
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer.forward(hidden, residual, cos, sin, meta, kv_cache)
@@ -146,6 +153,7 @@ class LlamaForCausalLM:
                 self.ops.prepare_weight(weight)
             self.ops.prepare_gate_up(layer.gate_up_weight)
         self.ops.prepare_weight(self.lm_head)
+        self.fused_decode = FusedDecodeStack.build(arch, self.attention, self.ops, self.layers)
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]
         if leftover:

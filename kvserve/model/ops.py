@@ -132,6 +132,9 @@ class ModelOps:
     fused_gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # Called once per fused gate/up weight after loading, instead of prepare_weight.
     prepare_gate_up: Callable[[torch.Tensor], None] = _nothing_to_prepare
+    # The AMX kernels' packed weights, for the fused decode stack (model/decode_stack.py); None without AMX.
+    amx_linear: AmxLinear | None = None
+    amx_gate_up: AmxGateUpSilu | None = None
 
     def gate_up_silu(self, x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up_silu is not None:
@@ -147,6 +150,7 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
     # decode); AMX wins from two rows on; without AMX, torch (oneDNN) takes the wider inputs.
     linear: Linear = F.linear
     prepare_weight = _nothing_to_prepare
+    amx: AmxLinear | None = None
     if kernels.amx:
         amx = AmxLinear(fallback=F.linear)
         linear, prepare_weight = amx, amx.prepare
@@ -154,6 +158,7 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
         linear = DecodeRows(torch.ops.kvserve.gemv_bf16, linear, max_rows=1 if kernels.amx else 4)
     fused_gate_up_silu = None
     prepare_gate_up = prepare_weight
+    gate_up: AmxGateUpSilu | None = None
     if kernels.amx:
         def gate_up_then_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return torch.ops.kvserve.silu_mul(linear(x, weight, None))
@@ -167,6 +172,8 @@ def select_ops(dtype: torch.dtype, cpu_kernels: bool) -> ModelOps:
         prepare_weight=prepare_weight,
         fused_gate_up_silu=fused_gate_up_silu,
         prepare_gate_up=prepare_gate_up,
+        amx_linear=amx,
+        amx_gate_up=gate_up,
         add_rms_norm=torch.ops.kvserve.add_rms_norm,
         silu_mul=torch.ops.kvserve.silu_mul,
         rotary=torch.ops.kvserve.rotary,

@@ -17,15 +17,25 @@ kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX kernels on this machine")
 
 
-def two_rounds(keep_packed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[tuple]]:
+def two_rounds(keep_packed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[tuple], int]:
+    """Greedy tokens of both rounds, the prefix keys asked for, and how often a kept packing was found.
+    Not keeping: nothing is ever stored, so every step packs inside the kernel."""
     keys: list[tuple] = []
-    original = CpuKernelPagedAttention._packed_prefix_for
+    reused = 0
+    original_pack, original_kept = CpuKernelPagedAttention.packed_prefix_for, CpuKernelPagedAttention.kept_prefix
 
-    def spy(self, k_cache, v_cache, runs, key):
+    def pack(self, k_cache, v_cache, runs, key):
         keys.append(key)
-        return original(self, k_cache, v_cache, runs, key) if keep_packed else None
+        return original_pack(self, k_cache, v_cache, runs, key) if keep_packed else None
 
-    monkeypatch.setattr(CpuKernelPagedAttention, "_packed_prefix_for", spy)
+    def kept(self, k_cache, key):
+        nonlocal reused
+        found = original_kept(self, k_cache, key)
+        reused += found is not None
+        return found
+
+    monkeypatch.setattr(CpuKernelPagedAttention, "packed_prefix_for", pack)
+    monkeypatch.setattr(CpuKernelPagedAttention, "kept_prefix", kept)
     # 27 blocks of 16: the second round's prefix can only be cached by evicting the first's blocks.
     llm = LLM(dtype="bfloat16", num_kv_blocks=27, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -36,14 +46,13 @@ def two_rounds(keep_packed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list
         llm.generate(prompts[0], params)  # caches the prefix blocks
         outputs += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.engine.check_invariants()
-    return outputs, keys
+    return outputs, keys, reused
 
 
 def test_kept_packed_prefix_gives_the_tokens_of_packing_every_step(monkeypatch) -> None:
-    kept, keys = two_rounds(keep_packed=True, monkeypatch=monkeypatch)
-    repacked, _ = two_rounds(keep_packed=False, monkeypatch=monkeypatch)
+    kept, keys, reused = two_rounds(keep_packed=True, monkeypatch=monkeypatch)
+    repacked, _, _ = two_rounds(keep_packed=False, monkeypatch=monkeypatch)
     assert kept == repacked
     assert all(key is not None for key in keys)
-    distinct = set(keys)
-    assert len(distinct) >= 2, "both prefixes should have been packed"
-    assert len(keys) > 2 * len(distinct), "a packed prefix should have been reused across steps"
+    assert len(set(keys)) >= 2, "both prefixes should have been packed"
+    assert reused > 0, "a packed prefix should have been reused across steps"

@@ -151,6 +151,16 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
 at::Tensor pack_kv_amx(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                        int64_t kv_len);
 
+// decode_stack.cpp
+std::tuple<at::Tensor, at::Tensor> decode_stack(
+    const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList input_norms,
+    at::TensorList post_norms, at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
+    at::TensorList down_packed, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& prefix_block_tables,
+    const c10::optional<at::Tensor>& prefix_kv_lens, const c10::optional<at::Tensor>& prefix_q_starts,
+    at::TensorList prefix_packed, at::TensorList single_row_weights, int64_t num_heads, int64_t num_kv_heads,
+    double eps, double scale, int64_t split_size);
+
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
 

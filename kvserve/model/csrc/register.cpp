@@ -10,6 +10,7 @@
 //                    pack_kv_amx: a run of blocks in its tile layouts, for reuse across steps
 //   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
 //   sampling.cpp     argmax_rows: greedy sampling's reduction
+//   decode_stack.cpp decode_stack: a decode step's whole decoder stack (the kernels above) in one call
 
 #include <torch/library.h>
 
@@ -34,6 +35,13 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool bf16_out) -> Tensor",
         &kvserve::merge_attention);
   m.def("argmax_rows(Tensor x) -> Tensor", &kvserve::argmax_rows);
+  m.def("decode_stack(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor[] input_norms, Tensor[] post_norms, "
+        "Tensor[] qkv_packed, Tensor[] o_packed, Tensor[] gate_up_packed, Tensor[] down_packed, Tensor[] kv_caches, "
+        "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor? prefix_block_tables, "
+        "Tensor? prefix_kv_lens, Tensor? prefix_q_starts, Tensor[] prefix_packed, Tensor[] single_row_weights, "
+        "int num_heads, int num_kv_heads, "
+        "float eps, float scale, int split_size) -> (Tensor, Tensor)",
+        &kvserve::decode_stack);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
         &kvserve::paged_decode);

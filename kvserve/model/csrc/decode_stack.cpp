@@ -1,0 +1,114 @@
+// A decode step's whole decoder stack in one call: every layer's add+RMSNorm, projections, rotary, KV
+// write, cascade attention and MLP, calling the same kernels the Python layer calls, in the same order,
+// so the result is bit for bit the same. What it removes is the Python between them: a 16-request decode
+// step issues ~15 ops per layer, ~450 per step, and dispatching each from Python cost about as much as the
+// smaller kernels themselves (the engine thread runs that Python while the kernels' other thread waits).
+
+#include "common.h"
+
+namespace kvserve {
+
+namespace {
+
+// Row t of src (heads contiguous, any token stride) into the cache slot slots[t]: the KV write.
+void write_slots(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+  const int64_t row = src.size(1) * src.size(2);
+  const int64_t capacity = cache.numel() / row;
+  auto* dst = cache.data_ptr<at::BFloat16>();
+  const auto* from = src.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "decode_stack: slot ", slots[t], " is outside the cache");
+    std::memcpy(dst + slots[t] * row, from + t * src.stride(0), row * sizeof(at::BFloat16));
+  }
+}
+
+// x · W^T as the Python layer computes it: on the GEMV when given the raw weight (one row), else on the
+// AMX tiles with the packed one.
+at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* raw) {
+  return raw != nullptr ? gemv_bf16(x, *raw, c10::nullopt) : amx_linear(x, packed, c10::nullopt);
+}
+
+}  // namespace
+
+// hidden [T, hidden] bf16: the step's embedded decode tokens (one per request). Per layer l, in the
+// lists: input/post-attention norm weights, the amx_pack'ed QKV, O and down weights, the gate/up weight
+// packed gate/up-interleaved (amx_linear_silu_mul's layout), and the KV cache [2, blocks, block_size,
+// H_kv, 64]. Attention: decode over block_table/seq_lens (the keys after any shared prefix) and, when
+// prefix_block_tables is given, the shared prefix through paged_attention_amx with prefix_packed[l] (an
+// empty tensor: pack on the fly), merged by log-sum-exp. single_row_weights: empty, or per layer the raw
+// QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on the GEMV, as the
+// Python layer does. Returns (hidden, residual) after the last layer.
+std::tuple<at::Tensor, at::Tensor> decode_stack(
+    const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList input_norms,
+    at::TensorList post_norms, at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
+    at::TensorList down_packed, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& prefix_block_tables,
+    const c10::optional<at::Tensor>& prefix_kv_lens, const c10::optional<at::Tensor>& prefix_q_starts,
+    at::TensorList prefix_packed, at::TensorList single_row_weights, int64_t num_heads, int64_t num_kv_heads,
+    double eps, double scale, int64_t split_size) {
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(input_norms.size() == kv_caches.size() && post_norms.size() == kv_caches.size() &&
+                  qkv_packed.size() == kv_caches.size() && o_packed.size() == kv_caches.size() &&
+                  gate_up_packed.size() == kv_caches.size() && down_packed.size() == kv_caches.size(),
+              "decode_stack: every per-layer list needs one entry per layer");
+  const bool cascade = prefix_block_tables.has_value();
+  TORCH_CHECK(!cascade || (prefix_kv_lens.has_value() && prefix_q_starts.has_value() &&
+                           static_cast<int64_t>(prefix_packed.size()) == num_layers),
+              "decode_stack: a shared prefix needs its lengths, query starts and one packed entry per layer");
+  TORCH_CHECK(single_row_weights.empty() || static_cast<int64_t>(single_row_weights.size()) == 4 * num_layers,
+              "decode_stack: single_row_weights needs the 4 raw weights of every layer");
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kBFloat16,
+              "decode_stack: hidden must be bf16 [T, hidden]");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "decode_stack: query heads must be a multiple of KV heads");
+  constexpr int64_t kDim = 64;
+  const int64_t T = hidden_in.size(0), group = num_heads / num_kv_heads;
+  const int64_t q_size = num_heads * kDim, kv_size = num_kv_heads * kDim;
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
+              "decode_stack: slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+
+  at::Tensor hidden = hidden_in;
+  c10::optional<at::Tensor> residual;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor& cache = kv_caches[l];
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && cache.size(3) == num_kv_heads &&
+                    cache.size(4) == kDim && cache.scalar_type() == at::kBFloat16,
+                "decode_stack: KV caches must be contiguous bf16 [2, blocks, block_size, H_kv, 64]");
+    const at::Tensor k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
+
+    auto [x, res] = add_rms_norm(hidden, residual, input_norms[l], eps);
+    const bool gemv = !single_row_weights.empty() && T == 1;
+    auto raw = [&](int64_t i) -> const at::Tensor* { return gemv ? &single_row_weights[4 * l + i] : nullptr; };
+    const at::Tensor qkv = project(x, qkv_packed[l], raw(0));  // [T, q + 2 kv]
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_stack: the QKV weight does not match the heads");
+    const at::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, kDim}),
+                                 cos, signed_sin);
+    const at::Tensor q = qk.narrow(1, 0, num_heads);
+    write_slots(qk.narrow(1, num_heads, num_kv_heads), k_cache, slots, T);
+    write_slots(qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, kDim}), v_cache, slots, T);
+
+    auto [out, lse] = paged_decode(q.reshape({T, num_kv_heads, group, kDim}).contiguous(), k_cache, v_cache,
+                                   block_table, seq_lens, scale, split_size);
+    at::Tensor attn;
+    if (cascade) {
+      const at::Tensor& packed = prefix_packed[l];
+      auto [out_p, lse_p] =
+          paged_attention_amx(q, k_cache, v_cache, *prefix_block_tables, *prefix_kv_lens, *prefix_q_starts, scale,
+                              false, true, packed.defined() && packed.numel() > 0 ? c10::optional<at::Tensor>(packed)
+                                                                                   : c10::nullopt);
+      attn = merge_attention(out_p.view(out.sizes()), lse_p.view(lse.sizes()), out, lse, true);
+    } else {
+      attn = out.to(at::kBFloat16);
+    }
+    const at::Tensor o = project(attn.reshape({T, q_size}), o_packed[l], raw(1));
+    auto [x2, res2] = add_rms_norm(o, res, post_norms[l], eps);
+    const at::Tensor h = gemv ? silu_mul(project(x2, gate_up_packed[l], raw(2)))
+                              : amx_linear_silu_mul(x2, gate_up_packed[l]);
+    hidden = project(h, down_packed[l], raw(3));
+    residual = res2;
+  }
+  TORCH_CHECK(residual.has_value(), "decode_stack: no layers");
+  return {hidden, *residual};
+}
+
+}  // namespace kvserve
