@@ -20,6 +20,8 @@ from kvserve.model.ops import DecodeRows, ModelOps
 
 
 class FusedDecodeStack:
+    """The model's layers as one ``torch.ops.kvserve.decode_stack`` call, for steps ``accepts`` takes."""
+
     def __init__(self, arch: ArchConfig, attention: CpuKernelPagedAttention, input_norms: list[torch.Tensor],
                  post_norms: list[torch.Tensor], packed: dict[str, list[torch.Tensor]],
                  single_row_weights: list[torch.Tensor]) -> None:

@@ -30,14 +30,14 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 
 }  // namespace
 
-// hidden [T, hidden] bf16: the step's embedded decode tokens (one per request). Per layer l, in the
-// lists: input/post-attention norm weights, the amx_pack'ed QKV, O and down weights, the gate/up weight
-// packed gate/up-interleaved (amx_linear_silu_mul's layout), and the KV cache [2, blocks, block_size,
-// H_kv, 64]. Attention: decode over block_table/seq_lens (the keys after any shared prefix) and, when
-// prefix_block_tables is given, the shared prefix through paged_attention_amx with prefix_packed[l] (an
-// empty tensor: pack on the fly), merged by log-sum-exp. single_row_weights: empty, or per layer the raw
-// QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on the GEMV, as the
-// Python layer does. Returns (hidden, residual) after the last layer.
+// hidden [T, hidden] bf16: the step's embedded decode rows (each request's token and any drafts). Per layer
+// l, in the lists: input/post-attention norm weights, the amx_pack'ed QKV, O and down weights, the gate/up
+// weight packed gate/up-interleaved (amx_linear_silu_mul's layout), and the KV cache [2, blocks,
+// block_size, H_kv, 64]. Attention: decode over block_table/seq_lens (the keys after any shared prefix)
+// and, when prefix_block_tables is given, the shared prefix through paged_attention_amx with
+// prefix_packed[l] (an empty tensor: pack on the fly), merged by log-sum-exp. single_row_weights: empty,
+// or per layer the raw QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on
+// the GEMV, as the Python layer does. Returns (hidden, residual) after the last layer.
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList input_norms,
     at::TensorList post_norms, at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
