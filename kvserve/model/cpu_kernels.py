@@ -70,6 +70,32 @@ class _Loader:
             return None
 
 
+class KernelThreadScope:
+    """Within it, the kernels' parallel regions run on all of torch's threads (on the kernels' own worker
+    pool, csrc/worker_pool.cpp) and torch's own ops on the calling thread alone.
+
+    For a model the kernels carry (model/decode_stack.py's condition), what is left to torch in a step is
+    small: the embedding gather, the KV write, a concatenation, sampling. On two cores, letting those wake
+    OpenMP's team put three busy threads (the caller, the pool's worker, OpenMP's) on two cores: 1,024-token
+    prefills ran ~6% slower than on OpenMP alone, and ~6% faster with torch's ops kept on the caller
+    (benchmarks/decode_stack_ab.py --compare pool). Torch's thread count is restored on leaving, so code
+    between steps (a reference model in a test, a user's own torch work) keeps its threads.
+    """
+
+    def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        if self.threads > 1:
+            torch.ops.kvserve.set_kernel_threads(self.threads)
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.threads > 1:
+            torch.set_num_threads(self.threads)
+            torch.ops.kvserve.set_kernel_threads(0)
+
+
 # One per process on purpose: the ops register in torch's process-wide op registry, once.
 _loader = _Loader()
 

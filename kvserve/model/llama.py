@@ -6,6 +6,7 @@ Weights arrive under Hugging Face names; Q/K/V and gate/up are fused into one ma
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.cpu_kernels import KernelThreadScope
 from kvserve.model.decode_stack import FusedDecodeStack
 from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.ops import ModelOps
@@ -85,6 +87,8 @@ class LlamaForCausalLM:
         self.attention = attention
         # Decode steps' layers in one C++ call where the kernels allow it (set once the weights are packed).
         self.fused_decode: FusedDecodeStack | None = None
+        # Entered around each step's forward and sampling (set once the weights are packed).
+        self.thread_scope: AbstractContextManager[None] = nullcontext()
 
     def forward(
         self,
@@ -154,6 +158,8 @@ class LlamaForCausalLM:
             self.ops.prepare_gate_up(layer.gate_up_weight)
         self.ops.prepare_weight(self.lm_head)
         self.fused_decode = FusedDecodeStack.build(arch, self.attention, self.ops, self.layers)
+        if self.fused_decode is not None:  # the kernels carry every heavy op of a step
+            self.thread_scope = KernelThreadScope()
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]
         if leftover:

@@ -65,12 +65,13 @@ class ModelRunner:
             return result
 
         inputs = build_inputs(out, self.block_size, self.device, self.cascade_min_tokens, self.block_versions)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
-        if not inputs.sample_request_ids:
-            return result
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
-        states = [self.states[rid] for rid in inputs.sample_request_ids]
-        verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts)
+        with self.model.thread_scope:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            if not inputs.sample_request_ids:
+                return result
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
+            states = [self.states[rid] for rid in inputs.sample_request_ids]
+            verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts)
         limit = self.propose_below_batch_size
         proposer = self.proposer if limit is None or len(states) < limit else None
         for request_id, state, drafts, outcome in zip(

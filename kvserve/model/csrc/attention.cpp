@@ -250,7 +250,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // A work item covers every KV head (below), so few sequences give few items: shorten the splits until
   // each thread has two to claim, or they are one block long.
   auto splits = [&](int64_t size) { return std::max<int64_t>(1, (max_len + size - 1) / size); };
-  while (split_size > block_size && B * splits(split_size) < 2 * at::get_num_threads())
+  while (split_size > block_size && B * splits(split_size) < 2 * kernel_threads())
     split_size = std::max<int64_t>(block_size, split_size / 2 / block_size * block_size);
   const int64_t S = splits(split_size);
   // Partials: [B, H, S, G, D] outputs and [B, H, S, G] running max / sum.
@@ -288,7 +288,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   // A few microseconds of work per hundred (sequence, head) pairs: a decode batch combines on this thread.
-  at::parallel_for(0, B * H, kSerialWork, [&](int64_t i0, int64_t i1) {
+  parallel_range(0, B * H, kSerialWork, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       for (int64_t g = 0; g < G; ++g) {
         float gmax = neg_inf;

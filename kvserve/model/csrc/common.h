@@ -38,6 +38,17 @@ namespace kvserve {
 constexpr int64_t kSerialWork = 256;  // (token, head) rows of 64-128 values
 constexpr int64_t kSerialRows = 64;   // hidden-size rows (576-4,096 values)
 
+// worker_pool.cpp: the threads parallel_claim runs on (see there for why not OpenMP's).
+struct WorkerPool {
+  using Task = void (*)(void* context, int64_t thread);
+  // task(context, t) for t = 0 .. threads-1, t = 0 on the calling thread; returns when every call has.
+  static void run(int64_t threads, Task task, void* context);
+};
+void use_worker_pool(bool enabled);  // false: OpenMP (at::parallel_for) instead, e.g. to compare the two
+// The threads parallel regions use: set_kernel_threads(n) (n > 0, on the pool), else torch's intra-op count.
+void set_kernel_threads(int64_t threads);
+int64_t kernel_threads();
+
 template <typename Worker>
 inline void parallel_claim(int64_t n, const Worker& worker) {
   if (n <= 0) return;
@@ -46,8 +57,30 @@ inline void parallel_claim(int64_t n, const Worker& worker) {
     const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     return i < n ? i : -1;
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { worker(claim); });
+  const int64_t threads = std::min<int64_t>(kernel_threads(), n);
+  if (threads <= 1) {
+    worker(claim);
+    return;
+  }
+  auto body = [&]() { worker(claim); };
+  WorkerPool::run(threads, [](void* context, int64_t) { (*static_cast<decltype(body)*>(context))(); }, &body);
+}
+
+// f(chunk_begin, chunk_end) over [begin, end) in chunks of at least `grain`, on the same threads as
+// parallel_claim (at::parallel_for's contract; a range of at most `grain` runs here, on this thread).
+template <typename F>
+inline void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  grain = std::max<int64_t>(grain, 1);
+  if (n <= grain) {
+    if (n > 0) f(begin, end);
+    return;
+  }
+  // Four chunks a thread, so a thread that loses its core leaves little for the other to wait on.
+  const int64_t chunk = std::max<int64_t>(grain, (n + 4 * kernel_threads() - 1) / (4 * kernel_threads()));
+  parallel_claim((n + chunk - 1) / chunk, [&](auto&& claim) {
+    for (int64_t c; (c = claim()) >= 0;) f(begin + c * chunk, std::min(end, begin + (c + 1) * chunk));
+  });
 }
 
 inline float bf16_to_float(uint16_t bits) {

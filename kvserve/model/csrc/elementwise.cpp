@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   at::BFloat16* sp = summed.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, rows, kSerialRows, [&](int64_t r0, int64_t r1) {
+  parallel_range(0, rows, kSerialRows, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(H);
     for (int64_t r = r0; r < r1; ++r) {
       int64_t i = 0;
@@ -85,7 +85,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   at::Tensor out = at::empty(sizes, gate_up.options());
   const at::BFloat16* gp = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, rows, kSerialRows, [&](int64_t r0, int64_t r1) {
+  parallel_range(0, rows, kSerialRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const at::BFloat16* g_row = gp + r * 2 * I;
       const at::BFloat16* u_row = g_row + I;
@@ -130,7 +130,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Tenso
   const at::BFloat16* sp = sin.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t st = x.stride(0), sh = x.stride(1);
-  at::parallel_for(0, T * H, kSerialWork, [&](int64_t i0, int64_t i1) {
+  parallel_range(0, T * H, kSerialWork, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H, h = i % H;
       const at::BFloat16* xr = xp + t * st + h * sh;

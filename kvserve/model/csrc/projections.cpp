@@ -94,7 +94,7 @@ at::Tensor gemv_bf16(const at::Tensor& x_in, const at::Tensor& w, const c10::opt
   const at::Tensor b = contiguous_bias(bias, N, "gemv_bf16");
   const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
   const int64_t num_tiles = (N + kRowTile - 1) / kRowTile;
-  at::parallel_for(0, num_tiles, 16, [&](int64_t t0, int64_t t1) {
+  parallel_range(0, num_tiles, 16, [&](int64_t t0, int64_t t1) {
     float res[kMTile][kRowTile];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kRowTile;
@@ -163,7 +163,7 @@ at::Tensor amx_pack(const at::Tensor& w) {
   at::Tensor packed = at::empty({N / kAmxN, K / kAmxK, kAmxK / 2, kAmxN * 2}, w.options());
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>());
   uint16_t* d = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N / kAmxN, 1, [&](int64_t b0, int64_t b1) {
+  parallel_range(0, N / kAmxN, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t kb = 0; kb < K / kAmxK; ++kb) {
         uint16_t* tile = d + (nb * (K / kAmxK) + kb) * kAmxK * kAmxN;

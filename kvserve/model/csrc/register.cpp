@@ -11,6 +11,7 @@
 //   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
 //   sampling.cpp     argmax_rows: greedy sampling's reduction
 //   decode_stack.cpp decode_stack: a decode step's whole decoder stack (the kernels above) in one call
+//   worker_pool.cpp  the threads the kernels' parallel regions run on; use_worker_pool: OpenMP instead
 
 #include <torch/library.h>
 
@@ -20,6 +21,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", &kvserve::gemv_bf16);
   m.def("has_avx512_bf16() -> bool", &kvserve::has_avx512_bf16);
   m.def("has_amx() -> bool", &kvserve::has_amx);
+  m.def("use_worker_pool(bool enabled) -> ()", &kvserve::use_worker_pool);
+  m.def("set_kernel_threads(int threads) -> ()", &kvserve::set_kernel_threads);
   m.def("amx_pack(Tensor w) -> Tensor", &kvserve::amx_pack);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::amx_linear);
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::amx_linear_silu_mul);
