@@ -8,7 +8,10 @@ Starts `kvserve serve` with every engine step timed (this script re-runs itself 
 tokens, 64-token messages, 4-turn agentic sessions), stops the server and prints: the number of steps
 that carried prefill chunks, their time and tokens; the decode-only steps and their time; the time the
 engine sat idle between steps. ``--no-stream`` sends the same conversations unstreamed instead (one
-response per request), to see what streaming costs the server and the load generator.
+response per request), to see what streaming costs the server and the load generator. ``--alternate-pool``
+alternates the server's steps between the kernels' worker threads (with torch's ops on the engine thread,
+the default) and OpenMP's team, and prints each side's decode steps: the worker pool's A/B inside the
+server, with its HTTP loop and the load generator on the same cores.
 """
 
 from __future__ import annotations
@@ -28,15 +31,28 @@ from pathlib import Path
 import httpx
 
 
-def serve_with_step_timing(trace_path: str, serve_args: list[str]) -> int:
-    """Run `kvserve serve`, appending (start, seconds, runner seconds, prefill tokens, decode rows) per step."""
+def serve_with_step_timing(trace_path: str, serve_args: list[str], alternate_pool: bool) -> int:
+    """Run `kvserve serve`, appending (start, seconds, runner seconds, prefill tokens, decode rows, side) per
+    step; side 1 on the worker pool, 0 on OpenMP's team, -1 when not alternating."""
+    from contextlib import nullcontext
+
+    import torch
+
     from kvserve import engine as engine_module
     from kvserve.cli import main
 
-    records: list[tuple[float, float, float, int, int]] = []
+    records: list[tuple[float, float, float, int, int, int]] = []
     plain_step = engine_module.Engine.step
+    scopes: dict[int, object] = {}
 
     def timed_step(self: engine_module.Engine) -> list:
+        side = -1
+        if alternate_pool:
+            model = self.runner.model
+            scope = scopes.setdefault(id(model), model.thread_scope)
+            side = len(records) % 2
+            model.thread_scope = scope if side else nullcontext()
+            torch.ops.kvserve.use_worker_pool(bool(side))
         start = time.perf_counter()
         runner = self.runner
         plain_execute = runner.execute
@@ -57,7 +73,7 @@ def serve_with_step_timing(trace_path: str, serve_args: list[str]) -> int:
             del runner.execute
             if "runner" in seen:
                 records.append((start, time.perf_counter() - start, float(seen["runner"]), int(seen["prefill"]),
-                                int(seen["decode"])))
+                                int(seen["decode"]), side))
 
     engine_module.Engine.step = timed_step
     atexit.register(lambda: Path(trace_path).write_text(json.dumps(records)))
@@ -85,7 +101,7 @@ async def unstreamed_load(base_url: str, concurrency: int, num_requests: int) ->
         await asyncio.gather(*(session(client, k) for k in range(concurrency)))
 
 
-def summarise(records: list[tuple[float, float, float, int, int]]) -> None:
+def summarise(records: list[tuple[float, float, float, int, int, int]]) -> None:
     if not records:
         print("no engine steps were recorded")
         return
@@ -103,23 +119,30 @@ def summarise(records: list[tuple[float, float, float, int, int]]) -> None:
         print(f"decode-only steps: {len(decode)}, {sum(r[1] for r in decode):.2f} s, median "
               f"{statistics.median(r[1] for r in decode) * 1e3:.1f} ms at a median of "
               f"{statistics.median(r[4] for r in decode):.0f} requests")
+    for side, name in ((1, "worker pool"), (0, "OpenMP")):
+        steps = [r[1] for r in decode if r[5] == side]
+        if steps:
+            print(f"  on the {name}: {len(steps)} decode-only steps, median {statistics.median(steps) * 1e3:.1f} ms")
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--serve-child":
-        sys.exit(serve_with_step_timing(sys.argv[2], sys.argv[3:]))
+    if len(sys.argv) > 3 and sys.argv[1] == "--serve-child":
+        sys.exit(serve_with_step_timing(sys.argv[3], sys.argv[4:], sys.argv[2] == "alternate"))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="agentic")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--port", type=int, default=8110)
     parser.add_argument("--no-stream", action="store_true", help="agentic only: send the turns unstreamed")
+    parser.add_argument("--alternate-pool", action="store_true",
+                        help="alternate steps between the kernels' worker threads and OpenMP's team")
     parser.add_argument("serve_args", nargs="*", help="extra `kvserve serve` options (after --)")
     args = parser.parse_args()
     base_url = f"http://127.0.0.1:{args.port}"
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "steps.json")
-        server = subprocess.Popen([sys.executable, __file__, "--serve-child", trace, "--port", str(args.port),
+        server = subprocess.Popen([sys.executable, __file__, "--serve-child",
+                                   "alternate" if args.alternate_pool else "plain", trace, "--port", str(args.port),
                                    "--uvicorn-log-level", "warning", *args.serve_args])
         try:
             for _ in range(600):
