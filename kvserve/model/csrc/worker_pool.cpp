@@ -11,8 +11,10 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include <unistd.h>
 
@@ -43,9 +45,15 @@ class Pool {
       generation_.fetch_add(1, std::memory_order_release);
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
-    task(context, 0);
+    std::exception_ptr error;
+    try {
+      task(context, 0);
+    } catch (...) {
+      error = std::current_exception();
+    }
     // The workers claim what is left; this waits for the last one to finish its item (and for any that
-    // had nothing to do to say so). A worker that lost its core may take a while: let it have ours.
+    // had nothing to do to say so), also when this thread's part threw: they still use its stack. A worker
+    // that lost its core may take a while: let it have ours.
     const auto yield_after = Clock::now() + kSpin;
     while (unfinished_.load(std::memory_order_acquire) > 0) {
       if (Clock::now() < yield_after)
@@ -53,6 +61,9 @@ class Pool {
       else
         std::this_thread::yield();
     }
+    if (!error) error = std::exchange(worker_error_, nullptr);
+    worker_error_ = nullptr;
+    if (error) std::rethrow_exception(error);  // as at::parallel_for does: the caller sees the first error
     return true;
   }
 
@@ -74,7 +85,14 @@ class Pool {
   void loop(int64_t index, uint64_t seen) {
     for (;;) {
       seen = wait_for_region(seen);
-      if (index < threads_) task_(context_, index);
+      if (index < threads_) {
+        try {
+          task_(context_, index);
+        } catch (...) {  // an exception leaving this thread would end the process: the caller rethrows it
+          std::lock_guard<std::mutex> lock(error_mutex_);
+          if (!worker_error_) worker_error_ = std::current_exception();
+        }
+      }
       unfinished_.fetch_sub(1, std::memory_order_release);
     }
   }
@@ -100,6 +118,8 @@ class Pool {
 
   std::mutex run_mutex_;    // one region at a time
   std::mutex sleep_mutex_;  // guards the sleep/wake handshake
+  std::mutex error_mutex_;
+  std::exception_ptr worker_error_;  // the first exception a worker's part threw in this region
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};  // bumped once per region
   std::atomic<int64_t> unfinished_{0};   // workers yet to finish the current region
