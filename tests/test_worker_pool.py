@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.cpu_kernels import KernelThreadScope, load_cpu_kernels
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
@@ -105,3 +105,16 @@ def test_a_forked_child_starts_its_own_workers(two_threads) -> None:
             child.kill()
     assert child.exitcode == 0
     assert got == expected
+
+
+def test_kernel_thread_scope_gives_torch_its_threads_back(two_threads) -> None:
+    inputs = make_inputs(2)
+    outside = run_kernels(inputs)
+    scope = KernelThreadScope()
+    with scope:
+        assert torch.get_num_threads() == 1  # torch's ops on the calling thread; the kernels on both
+        assert all(torch.equal(a, b) for a, b in zip(run_kernels(inputs), outside, strict=True))
+    assert torch.get_num_threads() == 2
+    with pytest.raises(ValueError), scope:
+        raise ValueError("a failed step")
+    assert torch.get_num_threads() == 2
