@@ -75,11 +75,11 @@ class KernelThreadScope:
     pool, csrc/worker_pool.cpp) and torch's own ops on the calling thread alone.
 
     For a model the kernels carry (model/decode_stack.py's condition), what is left to torch in a step is
-    small: the embedding gather, the KV write, a concatenation, sampling. On two cores, letting those wake
-    OpenMP's team put three busy threads (the caller, the pool's worker, OpenMP's) on two cores: 1,024-token
-    prefills ran ~6% slower than on OpenMP alone, and ~6% faster with torch's ops kept on the caller
-    (benchmarks/decode_stack_ab.py --compare pool). Torch's thread count is restored on leaving, so code
-    between steps (a reference model in a test, a user's own torch work) keeps its threads.
+    small: the embedding gather, the KV write, a concatenation, sampling. Letting those wake OpenMP's team
+    put three busy threads (the caller, the pool's worker, OpenMP's) on two cores: 1,024-token prefills ran
+    a median 7% slower than on OpenMP alone (seven A/Bs), and 2-6% faster with torch's ops kept on the
+    caller (benchmarks/decode_stack_ab.py --compare pool). Torch's thread count is restored on leaving, so
+    code between steps (a reference model in a test, a user's own torch work) keeps its threads.
     """
 
     def __init__(self) -> None:

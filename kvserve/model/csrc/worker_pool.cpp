@@ -25,12 +25,13 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kSpin = std::chrono::microseconds(200);  // a worker's spin after a region, before it sleeps
 
 std::atomic<bool> g_enabled{true};
+thread_local bool t_in_region = false;  // this thread is running a part of a region
 std::atomic<int64_t> g_threads{0};  // 0: torch's intra-op thread count
 
 class Pool {
  public:
   // Runs task(context, t) for t = 0 .. threads-1: t = 0 here, the others on workers; returns when all are
-  // done. False if the pool is busy (another thread's region, or a region inside a region).
+  // done. False if the pool is busy with another thread's region.
   bool run(int64_t threads, WorkerPool::Task task, void* context) {
     std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
@@ -46,11 +47,13 @@ class Pool {
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
     std::exception_ptr error;
+    t_in_region = true;
     try {
       task(context, 0);
     } catch (...) {
       error = std::current_exception();
     }
+    t_in_region = false;
     // The workers claim what is left; this waits for the last one to finish its item (and for any that
     // had nothing to do to say so), also when this thread's part threw: they still use its stack. A worker
     // that lost its core may take a while: let it have ours.
@@ -83,6 +86,7 @@ class Pool {
   }
 
   void loop(int64_t index, uint64_t seen) {
+    t_in_region = true;  // a worker only ever runs parts of regions
     for (;;) {
       seen = wait_for_region(seen);
       if (index < threads_) {
@@ -150,10 +154,9 @@ Pool* pool_for_this_process() {
 }  // namespace
 
 void WorkerPool::run(int64_t threads, Task task, void* context) {
-  if (threads > 1 && g_enabled.load(std::memory_order_relaxed) && pool_for_this_process()->run(threads, task, context))
-    return;
   if (threads > 1 && g_enabled.load(std::memory_order_relaxed)) {
-    task(context, 0);  // the pool is busy: claiming lets one thread do it all
+    // A region inside a region, or the pool busy with another thread's: claiming lets this thread do it all.
+    if (t_in_region || !pool_for_this_process()->run(threads, task, context)) task(context, 0);
     return;
   }
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
