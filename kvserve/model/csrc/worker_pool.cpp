@@ -16,7 +16,7 @@
 #include <thread>
 #include <utility>
 
-#include <unistd.h>
+#include <pthread.h>
 
 namespace kvserve {
 namespace {
@@ -135,20 +135,20 @@ class Pool {
   int64_t threads_ = 0;
 };
 
+std::atomic<Pool*> g_pool{nullptr};
+
 Pool* pool_for_this_process() {
   // A forked child has none of its parent's threads: it starts a pool of its own (the parent's is leaked).
-  static std::atomic<Pool*> pool{nullptr};
-  static std::atomic<pid_t> owner{0};
-  static std::mutex create;
-  const pid_t pid = getpid();
-  if (owner.load(std::memory_order_acquire) != pid) {
-    std::lock_guard<std::mutex> lock(create);
-    if (owner.load(std::memory_order_relaxed) != pid) {
-      pool.store(new Pool(), std::memory_order_release);
-      owner.store(pid, std::memory_order_release);
-    }
-  }
-  return pool.load(std::memory_order_acquire);
+  // A fork hook rather than a getpid() per region: that is a system call on every region of every step.
+  static const bool forget_in_child =
+      pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr, std::memory_order_relaxed); }) == 0;
+  (void)forget_in_child;
+  Pool* pool = g_pool.load(std::memory_order_acquire);
+  if (pool != nullptr) return pool;
+  auto* fresh = new Pool();
+  if (g_pool.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return fresh;
+  delete fresh;  // another thread's came first; this one never started a worker
+  return pool;
 }
 
 }  // namespace
