@@ -150,6 +150,14 @@ struct Scratch {
   std::vector<float> scores;  // one row tile's scores against all its keys: [16 rows][padded keys]
 };
 
+// Word j of the result is the high half (the truncated bf16) of lane j of a for j < 16, of lane j - 16 of b
+// after that: the hi parts of 32 weights in key order.
+inline __m512i high_halves_index() {
+  alignas(64) uint16_t idx[32];
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<uint16_t>(j < 16 ? 2 * j + 1 : 32 + 2 * (j - 16) + 1);
+  return _mm512_load_si512(idx);
+}
+
 template <typename Out>
 void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_stride, int64_t num_heads, int64_t group, int64_t q_start,
               int64_t q_len, int64_t kv_len, bool causal, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -185,6 +193,7 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
   // exp((s - max) * scale) = 2^(s * c - max * c): one FMA per 16 scores before the exp2.
   const float c = scale * 1.44269504088896341f;
   const __m512 vc = _mm512_set1_ps(c);
+  const __m512i hi_index = high_halves_index();
   const __m512 hi_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0xFFFF0000));
   for (int64_t r0 = item.first_row; r0 <= last_row; r0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, last_row + 1 - r0);
@@ -252,12 +261,11 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
         }
         // P in two bf16 parts so the P·V multiply sees the weights to ~16 bits, not 8: hi is the weight
         // truncated to bf16 (its high half), lo the exact remainder rounded to bf16.
-        // (hi is exact in bf16, so converting it does not round.)
-        const __m512 hi0 = _mm512_and_ps(p0, hi_bits), hi1 = _mm512_and_ps(p1, hi_bits);
-        const __m512 rest0 = _mm512_sub_ps(p0, hi0);
-        const __m512 rest1 = _mm512_sub_ps(p1, hi1);
+        const __m512i hi = _mm512_permutex2var_epi16(_mm512_castps_si512(p0), hi_index, _mm512_castps_si512(p1));
+        const __m512 rest0 = _mm512_sub_ps(p0, _mm512_and_ps(p0, hi_bits));
+        const __m512 rest1 = _mm512_sub_ps(p1, _mm512_and_ps(p1, hi_bits));
         row_sum[i] = _mm512_add_ps(row_sum[i], _mm512_add_ps(p0, p1));
-        _mm512_store_si512(hi_buf + i * kKeys, (__m512i)_mm512_cvtne2ps_pbh(hi1, hi0));
+        _mm512_store_si512(hi_buf + i * kKeys, hi);
         _mm512_store_si512(lo_buf + i * kKeys, (__m512i)_mm512_cvtne2ps_pbh(rest1, rest0));
       }
     };
