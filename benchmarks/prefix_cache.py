@@ -1,6 +1,7 @@
 """Prefix cache on vs off, offline through the engine: an agentic workload and a chat workload.
 
     python benchmarks/prefix_cache.py [--sessions 8] [--turns 6] [--policy fcfs|lpm] [--output FILE]
+    python benchmarks/prefix_cache.py --compare-tails [--repeats 2]
 
 agentic: one ~1,500-token system prompt with tool schemas shared by every session; each of 8 sessions
 runs 6 turns, every turn resending the whole conversation plus a short new user message (a closed loop:
@@ -8,6 +9,10 @@ a session's next turn is submitted when its previous reply is done, all sessions
 chat: distinct prompts sharing nothing (the cache can only cost here).
 Reported for each run: prompt tokens, cached tokens, hit rate, prefill tokens actually computed, mean
 TTFT and output throughput; then the on/off ratios. Output lengths are fixed (ignore_eos).
+
+``--compare-tails`` runs the agentic workload with the cache on twice over, alternating: as it is, and
+with full blocks only (finished requests' partly filled last blocks not kept, as before tails existed),
+to show what taking over those blocks saves: prefill tokens computed (exact) and time (noisy).
 """
 
 from __future__ import annotations
@@ -96,9 +101,11 @@ def run_chat(llm: LLM, num_requests: int, output_len: int, seed: int) -> tuple[i
     return sum(map(len, prompts)), sum(o.num_cached_tokens for o in outputs), ttfts, num_requests
 
 
-def measure(workload: str, prefix_caching: bool, args: argparse.Namespace) -> RunResult:
+def measure(workload: str, prefix_caching: bool, args: argparse.Namespace, keep_tails: bool = True) -> RunResult:
     llm = LLM(dtype=args.dtype, enable_prefix_caching=prefix_caching, scheduling_policy=args.policy,
               kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens)
+    if not keep_tails:  # full blocks only: the manager never hands the tree a partly filled block
+        llm.engine.kv_manager._keep_tail = lambda request: None  # type: ignore[method-assign]
     start_computed = llm.engine.stats().num_prompt_tokens_computed
     t0 = time.perf_counter()
     if workload == "agentic":
@@ -125,7 +132,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--compare-tails", action="store_true",
+                        help="agentic, cache on: with partly filled blocks kept against full blocks only")
+    parser.add_argument("--repeats", type=int, default=2, help="--compare-tails: runs of each, alternating")
     args = parser.parse_args()
+    if args.compare_tails:
+        compare_tails(args)
+        return
 
     results = []
     header = (f"{'workload':<8} {'cache':<5} {'reqs':>4} {'prompt':>7} {'cached':>7} {'hit':>6} {'computed':>8} "
@@ -146,6 +159,28 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def compare_tails(args: argparse.Namespace) -> None:
+    runs: dict[bool, list[RunResult]] = {True: [], False: []}
+    for i in range(args.repeats):
+        for keep in ((True, False) if i % 2 == 0 else (False, True)):
+            r = measure("agentic", True, args, keep_tails=keep)
+            runs[keep].append(r)
+            print(f"{'tails' if keep else 'blocks only':<11} prompt {r.prompt_tokens:>6}  cached {r.cached_tokens:>6} "
+                  f"({r.hit_rate:.1%})  computed {r.prefill_tokens_computed:>6}  mean TTFT {r.mean_ttft_ms:>5.0f} ms  "
+                  f"{r.output_tok_s:>5.1f} out tok/s  {r.seconds:.1f} s", flush=True)
+    with_tails, blocks = runs[True], runs[False]
+    computed = statistics.fmean(r.prefill_tokens_computed for r in with_tails) / statistics.fmean(
+        r.prefill_tokens_computed for r in blocks)
+    speed = [t.output_tok_s / b.output_tok_s for t, b in zip(with_tails, blocks, strict=True)]
+    print(f"tails / blocks only: prefill computed {computed:.3f}x, output tok/s per pair "
+          + ", ".join(f"{x:.2f}x" for x in speed))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({("tails" if keep else "blocks_only"): [asdict(r) | {"hit_rate": r.hit_rate,
+                                                                       "output_tok_s": r.output_tok_s}
+                                                          for r in rs] for keep, rs in runs.items()}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,12 @@ class BlockPool:
         assert self.ref_counts[block_id] > 0 and not self.cached[block_id]
         self.cached[block_id] = True
 
+    def uncache(self, block_id: int) -> None:
+        """The prefix tree hands a block a request now references over to that request alone (a tail the
+        request adopts and writes into)."""
+        assert self.cached[block_id] and self.ref_counts[block_id] == 1, f"block {block_id} cannot be handed over"
+        self.cached[block_id] = False
+
     def reclaim(self, block_id: int) -> None:
         """The prefix tree evicts an unreferenced cached block: it goes back to the free list."""
         assert self.cached[block_id] and self.ref_counts[block_id] == 0, f"block {block_id} is not evictable"

@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.radix_cache import RadixCache, RadixNode
+from kvserve.cache.radix_cache import RadixCache, RadixNode, TailBlock
 from kvserve.cache.tiers import TieredKVStore
 from kvserve.request import BlockHash, Request
 from kvserve.storage.base import KVStore
@@ -36,7 +36,9 @@ class PrefixHit:
     """Cached tokens found for a waiting request. Holds a lock until allocated or released.
 
     ``block_ids`` are the device blocks of the hit, ``loaded`` the (tier, payload) of each block of the
-    run found below them; ``num_tokens`` counts both.
+    run found below them; ``tail`` a partly filled block after the device blocks whose first
+    ``tail_tokens`` tokens match (it holds a reference until adopted or given back); ``num_tokens``
+    counts them all.
     """
 
     num_tokens: int
@@ -46,9 +48,11 @@ class PrefixHit:
     # True: part of the prefix is being read from disk or Redis off the engine loop; admit the request
     # later (other requests run meanwhile). Holds no lock.
     pending: bool = False
+    tail: TailBlock | None = None
+    tail_tokens: int = 0
 
     def tokens_by_tier(self, block_size: int) -> dict[str, int]:
-        out = {DEVICE: len(self.block_ids) * block_size}
+        out = {DEVICE: len(self.block_ids) * block_size + self.tail_tokens}
         for tier, _ in self.loaded:
             out[tier] = out.get(tier, 0) + block_size
         return out
@@ -125,8 +129,6 @@ class KVCacheManager:
         if self.tree is None:
             return EMPTY_HIT
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if max_blocks == 0:
-            return EMPTY_HIT
         hashes = request.full_block_hashes(self.block_size)
         match = self.tree.match_prefix(hashes, request.all_token_ids, max_blocks)
         num_device = len(match.block_ids)
@@ -136,13 +138,22 @@ class KVCacheManager:
             if fetched is None:
                 return PENDING_HIT
             loaded = fetched
-        if not match.block_ids and not loaded:
+        tail, tail_tokens = None, 0
+        if not loaded:  # a tail continues the device blocks; the tiers keep full blocks only
+            start = num_device * self.block_size
+            found = self.tree.take_tail(match.node, request.all_token_ids[start : request.num_tokens - 1],
+                                        request.hash_extra)
+            if found is not None:
+                tail, tail_tokens = found
+                self.pool.acquire([tail.block_id])
+        if not match.block_ids and not loaded and tail is None:
             return EMPTY_HIT
         node = None
         if match.block_ids:
             self.tree.lock(match.node)
             node = match.node
-        return PrefixHit((num_device + len(loaded)) * self.block_size, match.block_ids, node, loaded)
+        return PrefixHit((num_device + len(loaded)) * self.block_size + tail_tokens, match.block_ids, node, loaded,
+                         tail=tail, tail_tokens=tail_tokens)
 
     def _tier_lookup(
         self, request: Request, hashes: list[BlockHash], start: int, stop: int
@@ -189,6 +200,9 @@ class KVCacheManager:
         """Give back a hit that was not used (the request could not be admitted)."""
         if hit.node is not None and self.tree is not None:
             self.tree.unlock(hit.node)
+        if hit.tail is not None and self.tree is not None:
+            self.tree.restore_tail(hit.tail)
+            self.pool.release([hit.tail.block_id])
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
         """Count a first admission's prefix lookup (re-admissions after preemption are not cache hits) and
@@ -211,7 +225,7 @@ class KVCacheManager:
         for loading and inserted into the tree. Returns False (and changes nothing, loads nothing) when the
         pool cannot provide the blocks even after evicting; the caller then releases the hit.
         """
-        num_existing = len(request.block_ids) + len(hit.block_ids)
+        num_existing = len(request.block_ids) + len(hit.block_ids) + (hit.tail is not None)
         num_computed = request.num_computed_tokens + hit.num_tokens
         num_needed = request.num_blocks_needed(num_computed + num_new_tokens, self.block_size) - num_existing
         if num_needed > 0 and not self._make_room(num_needed, hit):
@@ -220,6 +234,10 @@ class KVCacheManager:
             self.pool.acquire(hit.block_ids)
             request.block_ids.extend(hit.block_ids)
             request.cache_handle = hit.node
+        if hit.tail is not None:
+            # The request writes its own tokens into the rest of the block: it is the request's alone now.
+            self.pool.uncache(hit.tail.block_id)
+            request.block_ids.append(hit.tail.block_id)
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
         request.num_computed_tokens += hit.num_tokens
@@ -311,12 +329,31 @@ class KVCacheManager:
         """Release a finished, aborted or preempted request's blocks. Cached blocks stay, evictable."""
         self._fetches.pop(request.request_id, None)
         self.cache_blocks(request)
+        self._keep_tail(request)
         self.pool.release(request.block_ids)
         if request.cache_handle is not None and self.tree is not None:
             self.tree.unlock(request.cache_handle)  # type: ignore[arg-type]
         request.cache_handle = None
         request.block_ids = []
         request.num_computed_tokens = 0
+
+    def _keep_tail(self, request: Request) -> None:
+        """Hand the tree the request's last, partly filled block of computed KV (see ``TailBlock``): the
+        next turn of a conversation starts with those tokens."""
+        if self.tree is None:
+            return
+        computed = request.num_computed_tokens
+        num_full, num_tail = divmod(computed, self.block_size)
+        if num_tail == 0 or len(request.block_ids) <= num_full:
+            return
+        block_id = request.block_ids[num_full]
+        if self.pool.ref_counts[block_id] != 1 or self.pool.cached[block_id]:
+            return  # shared with another request, which may still write into it
+        node = request.cache_handle if num_full else self.tree.root
+        if not isinstance(node, RadixNode) or node.depth != num_full:
+            return  # the tree does not hold this request's full blocks up to the tail
+        start = num_full * self.block_size
+        self.tree.add_tail(node, request.all_token_ids[start:computed], block_id, request.hash_extra)
 
     # --- transfers to and from the tiers --------------------------------------------------------------------
     def _offload_evicted(self, block_id: int, block_hash: BlockHash) -> None:
@@ -351,7 +388,8 @@ class KVCacheManager:
     # --- observability ------------------------------------------------------------------------------------
     @property
     def num_cached_blocks(self) -> int:
-        return self.tree.num_cached_blocks if self.tree is not None else 0
+        """Blocks the prefix cache holds: full blocks in the tree and partly filled tails."""
+        return self.tree.num_cached_blocks + self.tree.num_tail_blocks if self.tree is not None else 0
 
     @property
     def num_evicted_blocks(self) -> int:

@@ -11,6 +11,12 @@ and including its block, and a hit is confirmed on the token ids, never on the h
 node's count is always >= the sum of its children's. Only leaves with ``lock_ref == 0`` are evicted,
 least recently used first, block by block from their tail; a parent that becomes an unlocked leaf is
 next in line. The tree owns the blocks it holds (``BlockPool.cached``); running requests add references.
+
+A node may also keep *tails*: partly filled blocks that finished requests left after the node's last full
+block (``TailBlock``). The next turn of a conversation resends the previous reply, whose last block was
+never full; a request whose tokens continue the same way takes the block over and computes on from where
+the tokens part, instead of recomputing up to a block of tokens. Each tail is used by one request at most
+(it writes its own tokens into the rest of the block), and tails are evicted like leaves, by LRU.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from kvserve.request import BlockHash
 
 class RadixNode:
     __slots__ = ("node_id", "parent", "children", "block_hashes", "token_ids", "block_ids", "lock_ref",
-                 "last_access", "depth")
+                 "last_access", "depth", "tails")
 
     def __init__(self, node_id: int, parent: RadixNode | None, depth: int, now: float) -> None:
         self.node_id = node_id
@@ -39,6 +45,7 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = now
         self.depth = depth  # blocks from the root to the END of this node
+        self.tails: list[TailBlock] = []  # partly filled blocks continuing from the end of this node
 
     @property
     def start_depth(self) -> int:
@@ -52,6 +59,19 @@ class RadixNode:
         return f"RadixNode(id={self.node_id}, blocks={self.block_ids}, lock_ref={self.lock_ref}, depth={self.depth})"
 
 
+@dataclass(slots=True, eq=False)
+class TailBlock:
+    """A partly filled block holding the KV of ``token_ids`` (fewer than a block), which follow the last
+    full block of ``node``. ``salt`` is the request's hash salt: tails at the root have no hash chain."""
+
+    node: RadixNode
+    token_ids: tuple[int, ...]
+    block_id: int
+    salt: bytes
+    last_access: float
+    tail_id: int
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """The longest cached run of blocks for a token sequence, ending at ``node`` (a block boundary)."""
@@ -61,6 +81,10 @@ class PrefixMatch:
 
 
 EvictHook = Callable[[int, BlockHash], None]
+
+# Tails kept per node: a node is where one conversation's turn ended; a few differing continuations
+# (retries, n > 1) are worth keeping, more is mostly memory held for nothing.
+MAX_TAILS_PER_NODE = 4
 
 
 class RadixCache:
@@ -79,8 +103,9 @@ class RadixCache:
         self.on_evict = on_evict
         self._ids = itertools.count()
         self.root = RadixNode(next(self._ids), None, 0, clock())
-        self.num_cached_blocks = 0
+        self.num_cached_blocks = 0  # full blocks in nodes (tails not included)
         self.num_evicted_blocks = 0
+        self._tails: dict[int, TailBlock] = {}  # every tail attached to a node, by tail_id
 
     # --- lookup -------------------------------------------------------------------------------------------
     def match_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], max_blocks: int) -> PrefixMatch:
@@ -199,8 +224,9 @@ class RadixCache:
             for block_id in new_blocks:
                 self.pool.mark_cached(block_id)
             self.num_cached_blocks += len(new_blocks)
-            if node is start and node is not self.root and node.is_leaf and node.lock_ref == 1:
-                # Extend a leaf that only its inserter holds, instead of growing a chain of one-block nodes.
+            if node is start and node is not self.root and node.is_leaf and node.lock_ref == 1 and not node.tails:
+                # Extend a leaf that only its inserter holds, instead of growing a chain of one-block nodes
+                # (not one with tails: they follow the node's current end).
                 node.block_hashes.extend(new_hashes)
                 node.token_ids.extend(new_tokens)
                 node.block_ids.extend(new_blocks)
@@ -214,16 +240,95 @@ class RadixCache:
             return child
         return node
 
+    # --- tails: partly filled blocks ------------------------------------------------------------------------
+    @property
+    def num_tail_blocks(self) -> int:
+        return len(self._tails)
+
+    def tail_blocks(self) -> list[TailBlock]:
+        return list(self._tails.values())
+
+    def add_tail(self, node: RadixNode, token_ids: Sequence[int], block_id: int, salt: bytes) -> bool:
+        """Keep the partly filled block a request leaves after ``node`` (its KV of ``token_ids``, which
+        continue from the node's end). The block must be held by that request alone; the tree takes it
+        over (the caller then drops its reference). False, keeping nothing, when a tail already holds the
+        same tokens or more."""
+        assert 0 < len(token_ids) < self.block_size, "a tail is a partly filled block"
+        tokens = tuple(token_ids)
+        now = self.clock()
+        for tail in list(node.tails):
+            if tail.salt != salt:
+                continue
+            if tail.token_ids[: len(tokens)] == tokens:
+                tail.last_access = now
+                return False
+            if tokens[: len(tail.token_ids)] == tail.token_ids:  # the new one holds this one and more
+                self._drop_tail(tail)
+        self.pool.mark_cached(block_id)
+        tail = TailBlock(node, tokens, block_id, salt, now, next(self._ids))
+        node.tails.append(tail)
+        self._tails[tail.tail_id] = tail
+        if len(node.tails) > MAX_TAILS_PER_NODE:
+            self._drop_tail(min(node.tails[:-1], key=lambda t: t.last_access))
+        return True
+
+    def take_tail(self, node: RadixNode, token_ids: Sequence[int], salt: bytes) -> tuple[TailBlock, int] | None:
+        """The tail after ``node`` whose tokens share the longest start with ``token_ids``, and that length,
+        detached from the tree for one request; None if no tail shares a first token. The caller adds a
+        reference to its block at once, then either adopts the block or gives the tail back with
+        ``restore_tail``."""
+        best, best_len = None, 0
+        for tail in node.tails:
+            if tail.salt != salt:
+                continue
+            n = 0
+            for a, b in zip(tail.token_ids, token_ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = tail, n
+        if best is None:
+            return None
+        node.tails.remove(best)
+        del self._tails[best.tail_id]
+        return best, best_len
+
+    def restore_tail(self, tail: TailBlock) -> None:
+        """Attach again a tail that ``take_tail`` detached and nobody adopted."""
+        tail.node.tails.append(tail)
+        self._tails[tail.tail_id] = tail
+
+    def _drop_tail(self, tail: TailBlock) -> None:
+        """Give an unreferenced tail's block back to the free list."""
+        tail.node.tails.remove(tail)
+        del self._tails[tail.tail_id]
+        self.pool.reclaim(tail.block_id)
+        self.num_evicted_blocks += 1
+
     # --- eviction -----------------------------------------------------------------------------------------
     def evict(self, num_blocks: int) -> int:
-        """Reclaim up to ``num_blocks`` blocks from unlocked leaves, least recently used first; reports each
-        one to ``on_evict``. Returns how many were reclaimed."""
-        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
+        """Reclaim up to ``num_blocks`` blocks from unlocked leaves and tails, least recently used first;
+        reports each full block to ``on_evict`` (tails are device-only). Returns how many were reclaimed."""
+        heap: list[tuple[float, int, RadixNode | TailBlock]] = [
+            (leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
+        heap.extend((tail.last_access, tail.tail_id, tail) for tail in self._tails.values())
         heapq.heapify(heap)
         evicted = 0
         while evicted < num_blocks and heap:
-            _, _, leaf = heapq.heappop(heap)
+            _, _, entry = heapq.heappop(heap)
+            if isinstance(entry, TailBlock):
+                if entry.tail_id in self._tails:  # not already dropped with its node
+                    self._drop_tail(entry)
+                    evicted += 1
+                continue
+            leaf = entry
+            while leaf.tails and evicted < num_blocks:  # they follow the blocks about to go
+                self._drop_tail(leaf.tails[-1])
+                evicted += 1
             take = min(num_blocks - evicted, len(leaf.block_ids))
+            if take == 0:
+                break
             cut = len(leaf.block_ids) - take
             if self.on_evict is not None:
                 for block_id, block_hash in zip(leaf.block_ids[cut:], leaf.block_hashes[cut:], strict=True):
@@ -235,14 +340,14 @@ class RadixCache:
             del leaf.token_ids[len(leaf.block_ids) * self.block_size :]
             leaf.depth -= take
             evicted += take
+            self.num_cached_blocks -= take
+            self.num_evicted_blocks += take
             if not leaf.block_ids:
                 parent = leaf.parent
                 assert parent is not None
                 del parent.children[next(k for k, v in parent.children.items() if v is leaf)]
                 if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
                     heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
-        self.num_cached_blocks -= evicted
-        self.num_evicted_blocks += evicted
         return evicted
 
     def _evictable_leaves(self) -> list[RadixNode]:
@@ -256,8 +361,8 @@ class RadixCache:
         return leaves
 
     def num_evictable_blocks(self) -> int:
-        """Blocks in subtrees no request locks (all of them reclaimable by repeated leaf eviction)."""
-        total, stack = 0, list(self.root.children.values())
+        """Blocks in subtrees no request locks (all of them reclaimable by repeated leaf eviction), and tails."""
+        total, stack = len(self._tails), list(self.root.children.values())
         while stack:
             node = stack.pop()
             if node.lock_ref == 0:
@@ -298,4 +403,13 @@ class RadixCache:
                 assert child.parent is node and child.block_hashes[0] == key
                 stack.append(child)
         assert len(seen) == self.num_cached_blocks, f"{len(seen)} blocks in tree, counter {self.num_cached_blocks}"
+        for tail in self._tails.values():
+            node = tail.node
+            assert tail in node.tails and 0 < len(tail.token_ids) < self.block_size, f"bad tail {tail.tail_id}"
+            assert node is self.root or (node.parent is not None and node.parent.children.get(node.block_hashes[0]) is node), (
+                f"tail {tail.tail_id} hangs off a detached node")
+            assert tail.block_id not in seen, f"tail block {tail.block_id} is also a full block of the tree"
+            seen.add(tail.block_id)
+            assert self.pool.cached[tail.block_id] and self.pool.ref_counts[tail.block_id] == 0, (
+                f"tail block {tail.block_id} is not an unreferenced cached block")
         assert sum(self.pool.cached) == len(seen), "pool's cached flags disagree with the tree"

@@ -1,8 +1,11 @@
 """Random insert / match / lock / unlock / evict sequences against a naive model of the prefix cache.
 
-The naive model is a set of cached prefixes (tuples of tokens, block-aligned). After every operation:
-the pool and tree invariants hold; a lookup finds exactly the longest cached prefix the model predicts;
-eviction removes only prefixes no running request uses, and never a prefix while keeping its extension.
+The naive model is a set of cached prefixes (tuples of tokens, block-aligned) and the set of sequences
+finished requests computed (what a partly filled tail may hold). After every operation: the pool and
+tree invariants hold; a lookup finds exactly the longest cached prefix the model predicts, plus the
+longest start of a tail the tree keeps after it; every tail holds what some finished request computed,
+and a finished request leaves one; eviction removes only prefixes no running request uses, and never a
+prefix while keeping its extension.
 """
 
 from __future__ import annotations
@@ -23,6 +26,25 @@ def make_request(rid: int, tokens: list[int]) -> Request:
     return Request(f"r{rid}", tokens, SamplingParams(max_tokens=1), max_total_tokens=len(tokens) + 1)
 
 
+def tree_tails(kv: KVCacheManager) -> set[tuple[int, ...]]:
+    """The sequence each tail holds KV for: its node's prefix, then its own tokens."""
+    out: set[tuple[int, ...]] = set()
+    stack = [(kv.tree.root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        full = prefix + tuple(node.token_ids)
+        out.update(full + tail.token_ids for tail in node.tails)
+        stack.extend((child, full) for child in node.children.values())
+    return out
+
+
+def common_start(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def tree_prefixes(kv: KVCacheManager) -> set[tuple[int, ...]]:
     """Every block-aligned prefix the tree holds."""
     out: set[tuple[int, ...]] = set()
@@ -41,24 +63,33 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_prefix_caching=True)
         self.model: set[tuple[int, ...]] = set()
+        self.computed: set[tuple[int, ...]] = set()  # what finished requests computed
         self.running: dict[int, Request] = {}
         self.next_id = 0
 
-    def expected_match(self, tokens: list[int]) -> int:
+    def expected_blocks(self, tokens: list[int]) -> int:
         max_blocks = (len(tokens) - 1) // BLOCK
         n = 0
         while n < max_blocks and tuple(tokens[: (n + 1) * BLOCK]) in self.model:
             n += 1
         return n * BLOCK
 
+    def expected_match(self, tokens: list[int]) -> int:
+        """Full blocks, then the longest start a kept tail after them shares (leaving the last token)."""
+        full = self.expected_blocks(tokens)
+        rest = tokens[full : len(tokens) - 1]
+        tails = [t[full:] for t in tree_tails(self.kv) if len(t) // BLOCK == full // BLOCK and list(t[:full]) == tokens[:full]]
+        return full + max((common_start(t, rest) for t in tails), default=0)
+
     @rule(tokens=token_lists)
     def admit(self, tokens: list[int]) -> None:
         """lookup + allocate + compute everything + insert: a request that prefilled and keeps running."""
         request = make_request(self.next_id, tokens)
         self.next_id += 1
-        assert self.kv.cached_prefix_length(request) == self.expected_match(tokens)
+        assert self.kv.cached_prefix_length(request) == self.expected_blocks(tokens)  # tails not counted
+        expected = self.expected_match(tokens)
         hit = self.kv.lookup(request)
-        assert hit.num_tokens == self.expected_match(tokens)
+        assert hit.num_tokens == expected
         if not self.kv.allocate(request, request.num_tokens - hit.num_tokens, hit):
             self.kv.release_hit(hit)
             self.sync_after_eviction()
@@ -74,7 +105,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.running)))
-        self.kv.free(self.running.pop(key))
+        request = self.running.pop(key)
+        computed = tuple(request.all_token_ids[: request.num_computed_tokens])
+        self.kv.free(request)
+        if len(computed) % BLOCK:
+            self.computed.add(computed)
+            assert any(t[: len(computed)] == computed for t in tree_tails(self.kv)), "the tail was not kept"
 
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n: int) -> None:
@@ -86,9 +122,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(tokens=token_lists)
     def match_only(self, tokens: list[int]) -> None:
         request = make_request(-1, tokens)
+        expected = self.expected_match(tokens)
+        tails = tree_tails(self.kv)
         hit = self.kv.lookup(request)
-        assert hit.num_tokens == self.expected_match(tokens)
+        assert hit.num_tokens == expected
         self.kv.release_hit(hit)
+        assert tree_tails(self.kv) == tails, "a lookup given back changed the tails"
 
     def sync_after_eviction(self) -> None:
         now = tree_prefixes(self.kv)
@@ -101,6 +140,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             for k in range(BLOCK, len(prefix), BLOCK):
                 assert prefix[:k] in now, "kept a prefix whose parent was evicted"
         self.model = now
+        assert all(any(c[: len(t)] == t for c in self.computed) for t in tree_tails(self.kv)), (
+            "a tail holds tokens no finished request computed")
 
     @invariant()
     def invariants_hold(self) -> None:

@@ -270,7 +270,10 @@ def test_device_hit_continues_into_the_host_tier() -> None:
     shared = prompt_of(3, 32)
     hx.add(shared + [1])
     hx.run()
-    hx.kv.tree.evict(3)  # the last three blocks of the prefix leave the device (LRU tail first)
+    # The partly filled block after the prefix (the request's 33rd token and output) goes first, then the
+    # last three blocks of the prefix (LRU tail first).
+    assert hx.kv.tree.num_tail_blocks == 1
+    hx.kv.tree.evict(4)
     hx.run()  # nothing runs: the queued offloads are flushed as Engine does when idle
     second = hx.add(shared + [5])
     hx.run()

@@ -87,6 +87,35 @@ def test_second_request_computes_only_its_suffix_and_shares_blocks(system_prompt
         engine.check_invariants()
 
 
+def test_next_turn_takes_over_the_partly_filled_last_block(system_prompt_ids) -> None:
+    """A conversation's next turn resends the reply, whose last block was never full: the request takes
+    that block over and computes only what follows the previous turn's KV, with the same output."""
+    llm = make_llm(True)
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    first = system_prompt_ids + tok.encode(" Question: what comes next?", add_special_tokens=False)
+    assert len(first) % 16 != 0
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    a = engine.add_request({"prompt_token_ids": first}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    computed = len(first) + 8  # the last output token is never fed back
+    (tail,) = engine.kv_manager.tree.tail_blocks()
+    assert list(tail.token_ids) == a.all_token_ids[computed // 16 * 16 : computed]
+    second = first + list(a.output_token_ids) + tok.encode(" And after that?", add_special_tokens=False)
+    b = engine.add_request({"prompt_token_ids": second}, params)
+    engine.step()
+    assert b.num_cached_tokens == computed  # 16-token blocks alone would give computed // 16 * 16
+    assert b.block_ids[computed // 16] == tail.block_id
+    assert engine.kv_manager.tree.num_tail_blocks == 0
+    engine.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    expected = make_llm(False).generate([{"prompt_token_ids": second}], params)
+    assert list(b.output_token_ids) == expected[0].outputs[0].token_ids
+
+
 def test_memory_pressure_evicts_lru_never_locked_and_stays_correct(system_prompt_ids) -> None:
     tok = make_llm(False, num_kv_blocks=16).get_tokenizer()
     prompts = [{"prompt_token_ids": tok.encode(f"Topic {i}: " + LONG_DOCUMENT[i * 97 : i * 97 + 900],

@@ -107,7 +107,9 @@ def test_host_tier_computed_device_and_host_hits_give_identical_outputs(prompts,
     evict_with_fillers(llm, prompts)
     host = gen(llm, prompts["P"])
     assert by_tier(computed) == {}
-    assert by_tier(device) == {"device": 64}
+    # Four full blocks and the first computation's partly filled fifth: all but the last token (a tail
+    # stays in device memory; the tiers below keep full blocks only).
+    assert by_tier(device) == {"device": len(prompts["P"]) - 1}
     assert by_tier(host) == {"host": 64} and host.num_cached_tokens == 64
     for out in (computed, device, host):
         assert out.outputs[0].token_ids == reference["P"]
