@@ -340,6 +340,40 @@ def test_paged_attention_amx_on_packed_keys_is_bit_identical(kv_len) -> None:
 
 
 @amx_only
+@pytest.mark.parametrize("fp32_out", [True, False])
+def test_prefill_chunks_on_a_packed_shared_prefix_are_bit_identical(fp32_out) -> None:
+    """Causal chunks that share their leading blocks, with those keys passed packed (shared_keys): the same
+    result, bit for bit, as packing every key inside the kernel. One chunk computes inside the shared part
+    (the request that brings the system prompt), the others attend past it to keys of their own."""
+    torch.manual_seed(7)
+    heads, kv_heads, dim, block_size, shared_keys = 9, 3, 64, 16, 96
+    cache = random_cache(120, block_size, kv_heads, dim, torch.bfloat16)
+    cache[:, 110:] = float("nan")
+    free = iter(torch.randperm(110).tolist())
+    shared = [next(free) for _ in range(7)]  # 112 keys of blocks in common; 96 of them packed
+    shapes = [(40, 100), (33, 150), (1, 113), (70, 300)]  # (queries, keys); the first ends inside block 7
+    tables = [shared + [next(free) for _ in range(-(-kv_len // block_size) - len(shared))] for _, kv_len in shapes]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [119] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q_lens = [q_len for q_len, _ in shapes]
+    kv_lens = torch.tensor([kv_len for _, kv_len in shapes], dtype=torch.int32)
+    q_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), heads, dim, dtype=torch.bfloat16)
+    args = (q, cache[0], cache[1], block_tables, kv_lens, q_starts, dim**-0.5, True, fp32_out)
+    packed = torch.ops.kvserve.pack_kv_amx(cache[0], cache[1], torch.tensor(shared[:6], dtype=torch.int32),
+                                           shared_keys)
+    out, lse = torch.ops.kvserve.paged_attention_amx(*args)
+    out_shared, lse_shared = torch.ops.kvserve.paged_attention_amx(*args, packed, shared_keys)
+    assert torch.equal(out_shared, out) and torch.equal(lse_shared, lse)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.kvserve.paged_attention_amx(*args, packed, 80)
+    other = block_tables.clone()
+    other[2, 3] = 119  # a chunk that does not hold the shared blocks
+    with pytest.raises(RuntimeError, match="span 2 does not hold the shared keys' blocks"):
+        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], other, *args[4:], packed, shared_keys)
+
+
+@amx_only
 def test_packed_keys_are_refused_where_they_do_not_fit() -> None:
     cache = random_cache(8, 16, 1, 64, torch.bfloat16)
     q = torch.randn(2, 2, 64, dtype=torch.bfloat16)

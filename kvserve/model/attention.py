@@ -70,6 +70,11 @@ class AttentionMetadata:
     # Names the shared prefix's KV contents (its block ids and their write versions): equal keys, equal KV.
     # None when nobody tracks the writes; a backend then keeps nothing derived from the prefix across steps.
     decode_prefix_key: tuple[int, ...] | None = None
+    # The leading keys every prefill chunk holds in the same blocks (a system prompt), a multiple of 32, for
+    # kernels that pack keys once and keep them across steps: their blocks and the key of their contents.
+    prefill_prefix_keys: int = 0
+    prefill_prefix_table: torch.Tensor | None = None  # int32 [blocks holding prefill_prefix_keys]
+    prefill_prefix_key: tuple[int, ...] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -218,6 +223,10 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         # packing it took about a third of the prefix half's time, and a packed prefix also lets the kernel
         # split its rows into more work items (one layer holds ~1.2 MB for a 1,568-token prefix).
         self._packed_prefix: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        # The same for the keys every prefill chunk of a step shares (the system prompt of concurrent agent
+        # turns): each chunk's work items then pack only their own keys after it. Kept apart from the decode
+        # prefix, which may cover a different run of blocks in the same steps.
+        self._packed_prefill_prefix: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def _uses_amx(self, q: torch.Tensor) -> bool:
         return self.amx and q.dtype == torch.bfloat16
@@ -234,9 +243,14 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         runs = meta.prefill_runs
         if runs is None or not self._uses_amx(q):
             return super()._prefill(q, k, v, k_cache, v_cache, meta)
+        packed, shared_keys = None, 0
+        if meta.prefill_prefix_table is not None and meta.prefill_prefix_key is not None:
+            shared_keys = meta.prefill_prefix_keys
+            packed = self._kept_or_packed(self._packed_prefill_prefix, k_cache, v_cache, meta.prefill_prefix_table,
+                                          shared_keys, meta.prefill_prefix_key)
         out, _ = torch.ops.kvserve.paged_attention_amx(
             q[meta.num_decode_tokens :], k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts,
-            self.scale, True, False,
+            self.scale, True, False, packed, shared_keys,
         )
         return out
 
@@ -276,12 +290,20 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         """The layer's packed prefix: kept while its key holds, packed again when the key changes."""
         if key is None:
             return None
-        kept = self.kept_prefix(k_cache, key)
-        if kept is not None:
-            return kept
+        return self._kept_or_packed(self._packed_prefix, k_cache, v_cache, runs.block_tables[0],
+                                    int(runs.kv_lens[0]), key)
+
+    @staticmethod
+    def _kept_or_packed(kept: dict[int, tuple[tuple[int, ...], torch.Tensor]], k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, table: torch.Tensor, num_keys: int,
+                        key: tuple[int, ...]) -> torch.Tensor:
+        """This layer's entry of ``kept`` if it was packed from the same contents, else packed now and kept."""
         layer = k_cache.data_ptr()
-        packed = torch.ops.kvserve.pack_kv_amx(k_cache, v_cache, runs.block_tables[0], int(runs.kv_lens[0]))
-        self._packed_prefix[layer] = (key, packed)
+        entry = kept.get(layer)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        packed = torch.ops.kvserve.pack_kv_amx(k_cache, v_cache, table, num_keys)
+        kept[layer] = (key, packed)
         return packed
 
     def _shared_prefix_flash(

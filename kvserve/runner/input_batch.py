@@ -18,6 +18,9 @@ from kvserve.batch import ScheduledRequest, SchedulerOutput
 from kvserve.model.attention import AttentionMetadata, PagedRuns, PrefillSpan
 from kvserve.runner.block_versions import BlockVersions
 
+# The AMX attention kernel takes keys in steps of 32: a shared prefix it keeps packed is a whole number of them.
+PREFIX_KEY_STEP = 32
+
 
 @dataclass(slots=True)
 class ModelInputs:
@@ -31,7 +34,7 @@ class ModelInputs:
 
 def build_inputs(
     out: SchedulerOutput, block_size: int, device: torch.device, cascade_min_tokens: int = 256,
-    block_versions: BlockVersions | None = None,
+    block_versions: BlockVersions | None = None, shared_prefill_min_tokens: int = 256,
 ) -> ModelInputs:
     singles = [s for s in out.scheduled if len(s.token_ids) == 1]
     chunks = [s for s in out.scheduled if len(s.token_ids) > 1]
@@ -113,9 +116,19 @@ def build_inputs(
     for span in spans:
         span.block_ids = dev(span.block_ids)
     prefill_runs = None
+    prefill_prefix_keys, prefill_prefix_table, prefill_prefix_key = 0, None, None
     if spans:
         prefill_runs = _paged_runs(run_tables, [span.kv_len for span in spans], [span.q_len for span in spans],
                                    device)
+        # Keys every chunk holds in the same blocks, in whole 32-key steps of the AMX kernel: packed once per
+        # layer and kept while the blocks are unchanged, instead of once per chunk and head every step.
+        shared_blocks = _shared_prefix_blocks(run_tables, [span.kv_len for span in spans], block_size)
+        shared_keys = shared_blocks * block_size // PREFIX_KEY_STEP * PREFIX_KEY_STEP
+        if shared_keys >= shared_prefill_min_tokens and block_versions is not None:
+            shared = run_tables[0][: -(-shared_keys // block_size)]
+            prefill_prefix_keys = shared_keys
+            prefill_prefix_table = torch.tensor(shared, dtype=torch.int32, device=device)
+            prefill_prefix_key = (shared_keys, *block_versions.key(shared))
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decode_tokens=num_decode_rows,
@@ -127,6 +140,9 @@ def build_inputs(
         prefill_runs=prefill_runs,
         decode_prefix_runs=decode_prefix_runs,
         decode_prefix_key=decode_prefix_key,
+        prefill_prefix_keys=prefill_prefix_keys,
+        prefill_prefix_table=prefill_prefix_table,
+        prefill_prefix_key=prefill_prefix_key,
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -149,7 +165,8 @@ def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int], 
 
 
 def _shared_prefix_blocks(tables: list[list[int]], kv_lens: list[int], block_size: int) -> int:
-    """Leading blocks all decode rows hold in common (the same physical blocks), full in every one of them."""
+    """Leading blocks all rows (decode rows, or prefill chunks) hold in common (the same physical blocks),
+    full in every one of them."""
     if len(tables) < 2:
         return 0
     limit = min(kv_len // block_size for kv_len in kv_lens)

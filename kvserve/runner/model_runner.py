@@ -30,6 +30,8 @@ class ModelRunner:
         self.sampler = sampler
         # Decodes sharing at least this many prefix tokens read the shared KV once (cascade attention).
         self.cascade_min_tokens = cascade_min_tokens
+        # Prefill chunks sharing at least this many keys in the same blocks get them packed once per layer.
+        self.shared_prefill_min_tokens = cascade_min_tokens
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
         # Drafts for each request's next step (speculative decoding); None: no speculation.
@@ -64,7 +66,8 @@ class ModelRunner:
         if out.is_empty:
             return result
 
-        inputs = build_inputs(out, self.block_size, self.device, self.cascade_min_tokens, self.block_versions)
+        inputs = build_inputs(out, self.block_size, self.device, self.cascade_min_tokens, self.block_versions,
+                              self.shared_prefill_min_tokens)
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
             if not inputs.sample_request_ids:

@@ -56,3 +56,42 @@ def test_kept_packed_prefix_gives_the_tokens_of_packing_every_step(monkeypatch) 
     assert all(key is not None for key in keys)
     assert len(set(keys)) >= 2, "both prefixes should have been packed"
     assert reused > 0, "a packed prefix should have been reused across steps"
+
+
+
+def shared_prefix_prefill(share: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[tuple]]:
+    """Greedy tokens of prompts that arrive together with a common 300-token prefix, in two waves, and the
+    (shared keys, key) of every prefill attention call that had a shared prefix to keep packed. Not
+    sharing: the runner's threshold is out of reach, so every work item packs all its keys."""
+    calls: list[tuple] = []
+    original_prefill = CpuKernelPagedAttention._prefill
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta):
+        if meta.prefill_prefix_table is not None:
+            calls.append((meta.prefill_prefix_keys, meta.prefill_prefix_key))
+        return original_prefill(self, q, k, v, k_cache, v_cache, meta)
+
+    monkeypatch.setattr(CpuKernelPagedAttention, "_prefill", prefill)
+    llm = LLM(dtype="bfloat16", max_num_batched_tokens=512)
+    if not share:
+        llm.engine.runner.shared_prefill_min_tokens = 1 << 30
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prefix = list(range(3000, 3300))
+    outputs = []
+    for wave in range(2):  # the second wave finds the prefix cached, and packed since the first
+        prompts = [{"prompt_token_ids": prefix + list(range(4000 + 100 * i + 40 * wave, 4040 + 100 * i + 40 * wave))}
+                   for i in range(4)]
+        outputs += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.engine.check_invariants()
+    return outputs, calls
+
+
+def test_prefill_chunks_on_a_kept_shared_prefix_give_the_tokens_of_packing_per_chunk(monkeypatch) -> None:
+    shared, calls = shared_prefix_prefill(share=True, monkeypatch=monkeypatch)
+    per_chunk, no_calls = shared_prefix_prefill(share=False, monkeypatch=monkeypatch)
+    assert shared == per_chunk
+    assert not no_calls
+    # 18 full blocks of 16 in common, in whole steps of 32, in both waves' steps (30 layers each), under one
+    # key: the second wave's chunks use the packing the first made.
+    assert {keys for keys, _ in calls} == {288} and len(calls) >= 60
+    assert len({key for _, key in calls}) == 1

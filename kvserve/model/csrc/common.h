@@ -180,7 +180,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
                                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                        const at::Tensor& kv_lens, const at::Tensor& q_starts,
                                                        double scale, bool causal, bool fp32_out,
-                                                       const c10::optional<at::Tensor>& packed);
+                                                       const c10::optional<at::Tensor>& packed,
+                                                       int64_t shared_keys = 0);
 at::Tensor pack_kv_amx(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                        int64_t kv_len);
 

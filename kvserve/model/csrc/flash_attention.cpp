@@ -54,19 +54,20 @@ inline void transpose16_epi32(const __m512i* in, uint32_t* dst) {
   }
 }
 
-// Keys [0, n) of one head in the tile layouts; keys from n up to the next multiple of kKeys are zero.
+// Keys [first, n) of one head in the tile layouts (first a multiple of kKeys; kt and vt start at key
+// first); keys from n up to the next multiple of kKeys are zero.
 //   kt: per 16 keys, the B operand of S = Q·K^T for dims 0-31 then 32-63: [32 dim pairs][16 keys] of
 //       (bf16, bf16) pairs, i.e. the key rows transposed at 32-bit granularity.
 //   vt: per 32 keys, the B operands of O += P·V for dims 16c..16c+15 (c = 0..3): [16 key pairs][16 dims]
 //       of (key 2j, key 2j+1) pairs.
 void pack_keys(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks, int64_t block_size,
-               int64_t token_stride, int64_t head, int64_t n, uint32_t* kt, uint32_t* vt) {
+               int64_t token_stride, int64_t head, int64_t first, int64_t n, uint32_t* kt, uint32_t* vt) {
   const int64_t padded = (n + kKeys - 1) / kKeys * kKeys;
   auto row = [&](const uint16_t* cache, int64_t t) {
     return cache + (static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size) * token_stride +
            head * kDim;
   };
-  for (int64_t k0 = 0; k0 < padded; k0 += 16) {
+  for (int64_t k0 = first; k0 < padded; k0 += 16) {
     __m512i lo[16], hi[16];  // dim pairs 0-15 and 16-31 of each key
     for (int64_t i = 0; i < 16; ++i) {
       const bool valid = k0 + i < n;
@@ -74,7 +75,7 @@ void pack_keys(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* 
       lo[i] = valid ? _mm512_loadu_si512(src) : _mm512_setzero_si512();
       hi[i] = valid ? _mm512_loadu_si512(src + 32) : _mm512_setzero_si512();
     }
-    uint32_t* dst = kt + k0 * (kDim / 2);
+    uint32_t* dst = kt + (k0 - first) * (kDim / 2);
     transpose16_epi32(lo, dst);
     transpose16_epi32(hi, dst + 256);
   }
@@ -82,8 +83,8 @@ void pack_keys(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* 
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
                                           38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t k0 = 0; k0 < padded; k0 += kKeys) {
-    uint32_t* dst = vt + k0 * kDim / 2;  // 32 keys x 64 dims of bf16 = 1024 u32: four 256-u32 tiles
+  for (int64_t k0 = first; k0 < padded; k0 += kKeys) {
+    uint32_t* dst = vt + (k0 - first) * kDim / 2;  // 32 keys x 64 dims of bf16 = 1024 u32: four 256-u32 tiles
     for (int64_t j = 0; j < kKeys / 2; ++j) {
       const int64_t t = k0 + 2 * j;
       const __m512i a = t < n ? _mm512_loadu_si512(row(v_cache, t)) : _mm512_setzero_si512();
@@ -112,14 +113,13 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// S for keys k0..k0+31 of one row tile into tiles SA (the first 16 keys) and SB, stored to s [16 rows][ld]
-// fp32 at column k0. Q stays in tmm0 (dims 0-31) and tmm1 (dims 32-63); the key tiles alternate between
-// tmm2 and tmm3, and callers alternate the S pair, so consecutive steps do not wait on each other. (A
-// macro: the tile intrinsics take register numbers as literal tokens.)
-#define KVSERVE_SCORE_TILES(NAME, SA, SB)                                   \
-  inline void NAME(const uint32_t* kt, int64_t k0, float* s, int64_t ld) { \
-    const uint32_t* k_first = kt + k0 * (kDim / 2);                         \
-    const uint32_t* k_second = k_first + 16 * (kDim / 2);                   \
+// S for keys k0..k0+31 of one row tile (their K^T tiles at k_first) into tiles SA (the first 16 keys) and
+// SB, stored to s [16 rows][ld] fp32 at column k0. Q stays in tmm0 (dims 0-31) and tmm1 (dims 32-63); the
+// key tiles alternate between tmm2 and tmm3, and callers alternate the S pair, so consecutive steps do not
+// wait on each other. (A macro: the tile intrinsics take register numbers as literal tokens.)
+#define KVSERVE_SCORE_TILES(NAME, SA, SB)                                             \
+  inline void NAME(const uint32_t* k_first, int64_t k0, float* s, int64_t ld) {      \
+    const uint32_t* k_second = k_first + 16 * (kDim / 2);                             \
     _tile_zero(SA);                                                         \
     _tile_zero(SB);                                                         \
     _tile_loadd(2, k_first, 64);                                            \
@@ -162,26 +162,28 @@ template <typename Out>
 void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_stride, int64_t num_heads, int64_t group, int64_t q_start,
               int64_t q_len, int64_t kv_len, bool causal, const uint16_t* k_cache, const uint16_t* v_cache,
               const int32_t* blocks, int64_t block_size, int64_t kv_heads, float scale, Out* out, float* lse,
-              const uint32_t* packed, Scratch& scratch) {
+              const uint32_t* packed, int64_t packed_count, Scratch& scratch) {
   // Row r of this KV head is (token r / group, query head head * group + r % group).
   auto position = [&](int64_t r) { return causal ? kv_len - q_len + r / group : kv_len - 1; };
   const int64_t last_row = item.first_row + item.num_rows - 1;
   const int64_t num_keys = position(last_row) + 1;
   const int64_t padded = packed_keys(num_keys);
   scratch.scores.resize(kRows * padded);
-  const uint32_t* kt;
-  const uint32_t* vt;
-  if (packed != nullptr) {  // pack_kv_amx's layout: per head, kt then vt, each padded * kDim / 2
-    kt = packed + item.head * 2 * padded * (kDim / 2);
-    vt = kt + padded * (kDim / 2);
-  } else {
-    scratch.kt.resize(padded * kDim / 2);
-    scratch.vt.resize(padded * kDim / 2);
-    pack_keys(k_cache, v_cache, blocks, block_size, kv_heads * kDim, item.head, num_keys, scratch.kt.data(),
+  // Keys below `split` come packed (pack_kv_amx's layout: per head, kt then vt, each packed_count * kDim / 2
+  // u32); the item packs the rest itself.
+  const int64_t split = packed != nullptr ? std::min(packed_count, padded) : 0;
+  const uint32_t* shared_kt = packed != nullptr ? packed + item.head * 2 * packed_count * (kDim / 2) : nullptr;
+  const uint32_t* shared_vt = packed != nullptr ? shared_kt + packed_count * (kDim / 2) : nullptr;
+  if (split < padded) {
+    scratch.kt.resize((padded - split) * kDim / 2);
+    scratch.vt.resize((padded - split) * kDim / 2);
+    pack_keys(k_cache, v_cache, blocks, block_size, kv_heads * kDim, item.head, split, num_keys, scratch.kt.data(),
               scratch.vt.data());
-    kt = scratch.kt.data();
-    vt = scratch.vt.data();
   }
+  const uint32_t* own_kt = scratch.kt.data();
+  const uint32_t* own_vt = scratch.vt.data();
+  auto kt_at = [&](int64_t k0) { return k0 < split ? shared_kt + k0 * (kDim / 2) : own_kt + (k0 - split) * (kDim / 2); };
+  auto vt_at = [&](int64_t k0) { return k0 < split ? shared_vt + k0 * (kDim / 2) : own_vt + (k0 - split) * (kDim / 2); };
   float* const sc = scratch.scores.data();
   const int64_t ld = padded;
 
@@ -229,9 +231,9 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
     _tile_loadd(1, qbuf + 32, kDim * 2);
     for (int64_t k0 = 0; k0 <= last_k0; k0 += kKeys) {
       if ((k0 / kKeys) & 1)
-        score_tiles_67(kt, k0, sc, ld);
+        score_tiles_67(kt_at(k0), k0, sc, ld);
       else
-        score_tiles_45(kt, k0, sc, ld);
+        score_tiles_45(kt_at(k0), k0, sc, ld);
       if (k0 >= kLag * kKeys) fold_max(k0 - kLag * kKeys);
     }
     for (int64_t k0 = std::max<int64_t>(0, last_k0 - (kLag - 1) * kKeys); k0 <= last_k0; k0 += kKeys) fold_max(k0);
@@ -276,7 +278,7 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
     weights(0);
     for (int64_t k0 = 0; k0 <= last_k0; k0 += kKeys) {
       if (k0 < last_k0) weights(k0 + kKeys);
-      const uint32_t* v = vt + k0 * kDim / 2;
+      const uint32_t* v = vt_at(k0);
       // V chunks alternate between tmm1 and tmm3 so consecutive multiplies accumulate into different
       // tiles instead of waiting on each other.
       _tile_loadd(0, p_hi[(k0 / kKeys) & 1], kKeys * 2);
@@ -323,11 +325,16 @@ void run_item(const WorkItem& item, const at::BFloat16* q, int64_t q_token_strid
 // q_starts[s] .. q_starts[s+1]-1). causal: a span's last query token sits at position kv_len - 1 and each
 // token sees keys up to its own position; otherwise every token sees all kv_len keys. Returns out [T, H, 64]
 // (fp32 if fp32_out, else bf16) and the log-sum-exp of the scaled scores, fp32 [T, H].
+// packed (from pack_kv_amx): with shared_keys == 0, all the keys of a single non-causal span (cascade
+// decode's shared prefix); with shared_keys > 0 (a multiple of 32), the first shared_keys keys, held in the
+// same blocks by every span (a system prompt several prefill chunks attend to): the items pack only the
+// keys after them, and the packing can be kept across steps.
 std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                        const at::Tensor& kv_lens, const at::Tensor& q_starts,
                                                        double scale, bool causal, bool fp32_out,
-                                                       const c10::optional<at::Tensor>& packed) {
+                                                       const c10::optional<at::Tensor>& packed,
+                                                       int64_t shared_keys) {
   TORCH_CHECK(request_amx(), "paged_attention_amx: the kernel did not grant AMX");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kDim && q.stride(2) == 1 &&
                   q.stride(1) == kDim,
@@ -349,14 +356,30 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
   const int32_t* starts = q_starts.data_ptr<int32_t>();
   TORCH_CHECK(starts[0] == 0 && starts[num_spans] == q.size(0), "paged_attention_amx: q_starts must cover q");
   const bool prepacked = packed.has_value() && packed->defined();
-  if (prepacked) {
+  TORCH_CHECK(shared_keys >= 0 && shared_keys % kKeys == 0 && (shared_keys == 0 || prepacked),
+              "paged_attention_amx: shared_keys must be a multiple of 32, with the packed keys");
+  int64_t packed_count = 0;  // keys per head in `packed`
+  if (prepacked && shared_keys == 0) {
     TORCH_CHECK(num_spans == 1 && !causal, "paged_attention_amx: packed keys serve one non-causal span");
-    TORCH_CHECK(packed->scalar_type() == at::kInt && packed->is_contiguous() &&
-                    packed->numel() == kv_heads * 2 * packed_keys(lens[0]) * (kDim / 2),
-                "paged_attention_amx: packed keys must come from pack_kv_amx for these ", lens[0], " keys");
+    packed_count = packed_keys(lens[0]);
+  } else if (prepacked) {
+    packed_count = shared_keys;
+    for (int64_t s = 0; s < num_spans; ++s) {
+      TORCH_CHECK(lens[s] >= shared_keys, "paged_attention_amx: span ", s, " has fewer keys than the shared ones");
+      TORCH_CHECK(std::equal(block_tables.data_ptr<int32_t>() + s * max_blocks,
+                             block_tables.data_ptr<int32_t>() + s * max_blocks + (shared_keys + block_size - 1) / block_size,
+                             block_tables.data_ptr<int32_t>()),
+                  "paged_attention_amx: span ", s, " does not hold the shared keys' blocks");
+    }
   }
-  // Pre-packed keys cost nothing to share, so the rows then split into single tiles: more items to balance.
-  const int64_t tiles_per_item = prepacked ? 1 : kTilesPerItem;
+  if (prepacked)
+    TORCH_CHECK(packed->scalar_type() == at::kInt && packed->is_contiguous() &&
+                    packed->numel() == kv_heads * 2 * packed_count * (kDim / 2),
+                "paged_attention_amx: packed keys must come from pack_kv_amx for these ",
+                shared_keys > 0 ? shared_keys : static_cast<int64_t>(lens[0]), " keys");
+  // Keys packed for the whole span cost nothing to share, so the rows then split into single tiles: more
+  // items to balance.
+  const int64_t tiles_per_item = prepacked && shared_keys == 0 ? 1 : kTilesPerItem;
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_spans; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
@@ -393,11 +416,11 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
       if (fp32_out)
         run_item<float>(item, qp, q.stride(0), num_heads, group, starts[s], q_len, lens[s], causal, kp, vp,
                         tables + s * max_blocks, block_size, kv_heads, fscale, out.data_ptr<float>(), lp, pk,
-                        scratch);
+                        packed_count, scratch);
       else
         run_item<at::BFloat16>(item, qp, q.stride(0), num_heads, group, starts[s], q_len, lens[s], causal, kp, vp,
                                tables + s * max_blocks, block_size, kv_heads, fscale,
-                               out.data_ptr<at::BFloat16>(), lp, pk, scratch);
+                               out.data_ptr<at::BFloat16>(), lp, pk, packed_count, scratch);
     }
     _tile_release();
   });
@@ -429,7 +452,7 @@ at::Tensor pack_kv_amx(const at::Tensor& k_cache, const at::Tensor& v_cache, con
   parallel_claim(kv_heads, [&](auto&& claim) {
     for (int64_t h; (h = claim()) >= 0;) {
       uint32_t* kt = dst + h * 2 * padded * (kDim / 2);
-      pack_keys(kp, vp, blocks, block_size, kv_heads * kDim, h, kv_len, kt, kt + padded * (kDim / 2));
+      pack_keys(kp, vp, blocks, block_size, kv_heads * kDim, h, 0, kv_len, kt, kt + padded * (kDim / 2));
     }
   });
   return packed;
@@ -439,7 +462,8 @@ at::Tensor pack_kv_amx(const at::Tensor& k_cache, const at::Tensor& v_cache, con
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                       double, bool, bool, const c10::optional<at::Tensor>&) {
+                                                       double, bool, bool, const c10::optional<at::Tensor>&,
+                                                       int64_t) {
   TORCH_CHECK(false, "paged_attention_amx: this build has no AMX");
 }
 at::Tensor pack_kv_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {

@@ -31,7 +31,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor", &kvserve::rotary);
   m.def("paged_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
-        "Tensor q_starts, float scale, bool causal, bool fp32_out, Tensor? packed=None) -> (Tensor, Tensor)",
+        "Tensor q_starts, float scale, bool causal, bool fp32_out, Tensor? packed=None, int shared_keys=0) -> "
+        "(Tensor, Tensor)",
         &kvserve::paged_attention_amx);
   m.def("pack_kv_amx(Tensor k_cache, Tensor v_cache, Tensor block_table, int kv_len) -> Tensor",
         &kvserve::pack_kv_amx);
