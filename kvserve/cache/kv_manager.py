@@ -139,10 +139,10 @@ class KVCacheManager:
                 return PENDING_HIT
             loaded = fetched
         tail, tail_tokens = None, 0
-        if not loaded:  # a tail continues the device blocks; the tiers keep full blocks only
+        if not loaded and match.node.tails:  # a tail continues the device blocks; the tiers keep full blocks only
             start = num_device * self.block_size
-            found = self.tree.take_tail(match.node, request.all_token_ids[start : request.num_tokens - 1],
-                                        request.hash_extra)
+            stop = min(start + self.block_size - 1, request.num_tokens - 1)  # a tail holds less than a block
+            found = self.tree.take_tail(match.node, request.all_token_ids[start:stop], request.hash_extra)
             if found is not None:
                 tail, tail_tokens = found
                 self.pool.acquire([tail.block_id])

@@ -282,8 +282,7 @@ class CpuKernelPagedAttention(TorchPagedAttention):
 
     def kept_prefix(self, k_cache: torch.Tensor, key: tuple[int, ...] | None) -> torch.Tensor | None:
         """The layer's packed prefix if one is kept for these contents, else None."""
-        kept = self._packed_prefix.get(k_cache.data_ptr())
-        return kept[1] if kept is not None and key is not None and kept[0] == key else None
+        return self._kept(self._packed_prefix, k_cache, key) if key is not None else None
 
     def packed_prefix_for(self, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: PagedRuns,
                           key: tuple[int, ...] | None) -> torch.Tensor | None:
@@ -298,13 +297,18 @@ class CpuKernelPagedAttention(TorchPagedAttention):
                         v_cache: torch.Tensor, table: torch.Tensor, num_keys: int,
                         key: tuple[int, ...]) -> torch.Tensor:
         """This layer's entry of ``kept`` if it was packed from the same contents, else packed now and kept."""
-        layer = k_cache.data_ptr()
-        entry = kept.get(layer)
-        if entry is not None and entry[0] == key:
-            return entry[1]
-        packed = torch.ops.kvserve.pack_kv_amx(k_cache, v_cache, table, num_keys)
-        kept[layer] = (key, packed)
+        packed = CpuKernelPagedAttention._kept(kept, k_cache, key)
+        if packed is None:
+            packed = torch.ops.kvserve.pack_kv_amx(k_cache, v_cache, table, num_keys)
+            kept[k_cache.data_ptr()] = (key, packed)
         return packed
+
+    @staticmethod
+    def _kept(kept: dict[int, tuple[tuple[int, ...], torch.Tensor]], k_cache: torch.Tensor,
+              key: tuple[int, ...]) -> torch.Tensor | None:
+        """The layer's entry of ``kept`` (keyed by its K cache's address) if packed from these contents."""
+        entry = kept.get(k_cache.data_ptr())
+        return entry[1] if entry is not None and entry[0] == key else None
 
     def _shared_prefix_flash(
         self,
