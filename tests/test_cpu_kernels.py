@@ -15,9 +15,10 @@ from kvserve.model.attention import (
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.ops import (
-    AmxGateUpSilu,
-    AmxLinear,
     DecodeRows,
+    PackedGateUpSilu,
+    PackedKernels,
+    PackedLinear,
     select_ops,
     torch_add_rms_norm,
     torch_silu_mul,
@@ -25,6 +26,14 @@ from kvserve.model.ops import (
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
+# The packed projection kernels this CPU runs: AMX tiles, and AVX-512 (which AMX machines have too).
+packed_families = [pytest.param(name, marks=pytest.mark.skipif(
+    kernels is None or not getattr(kernels, name), reason=f"no {name} on this CPU (or the kernel refused it)"))
+    for name in ("amx", "avx512")]
+
+
+def family(name: str) -> PackedKernels:
+    return getattr(PackedKernels, name)()
 
 
 def random_cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -177,33 +186,56 @@ def test_amx_linear_matches_float_matmul(rows, out_features, in_features) -> Non
     torch.testing.assert_close(got.double(), expected, atol=1e-2 * expected.abs().max().item(), rtol=2**-7)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
+@pytest.mark.parametrize("name", packed_families)
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (576, 1536)])
-def test_amx_linear_rows_do_not_depend_on_the_batch(out_features, in_features) -> None:
-    """Many rows take the blocked path, a few the per-task one: a row's output is bit-identical either way
-    (the same tile multiplies in the same order; the blocked path's fp32 round trips between depth blocks
-    are exact), so a token's result does not depend on what else is in the step."""
+def test_packed_linear_rows_do_not_depend_on_the_batch(name, out_features, in_features) -> None:
+    """AMX: many rows take the blocked path, a few the per-task one; AVX-512: rows go in micro-tiles of up
+    to twelve. A row's output is bit-identical either way (the same multiplies in the same order; AMX's fp32
+    round trips between depth blocks are exact), so a token's result does not depend on what else is in
+    the step."""
     torch.manual_seed(out_features)
+    kernels_ = family(name)
     x = torch.randn(300, in_features, dtype=torch.bfloat16)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16)
-    packed = torch.ops.kvserve.amx_pack(weight)
-    whole = torch.ops.kvserve.amx_linear(x, packed, bias)
-    for start, stop in ((0, 16), (16, 48), (280, 300), (299, 300)):
-        assert torch.equal(whole[start:stop], torch.ops.kvserve.amx_linear(x[start:stop], packed, bias))
+    packed = kernels_.pack(weight)
+    whole = kernels_.linear(x, packed, bias)
+    for start, stop in ((0, 16), (16, 48), (280, 300), (299, 300), (5, 18)):
+        assert torch.equal(whole[start:stop], kernels_.linear(x[start:stop], packed, bias))
 
 
-@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
-@pytest.mark.parametrize("rows", [2, 16, 17, 45, 140, 300])
+@pytest.mark.parametrize("name", packed_families)
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 576, 576), (3, 960, 576), (13, 48, 1536), (100, 16, 64), (257, 1552, 578)])
+def test_packed_linear_matches_an_fp32_reference(name, rows, out_features, in_features) -> None:
+    """Every product of two bf16 values is exact in fp32 and the sums stay fp32: the output is the fp32
+    product rounded once, up to the order of the additions. 1,552 columns end in a lone block of 16; 578 is
+    not a multiple of 32 (AVX-512 only: AMX needs whole 32-deep tiles)."""
+    if in_features % family(name).depth_multiple:
+        pytest.skip(f"{name} packs only depths that are multiples of {family(name).depth_multiple}")
+    torch.manual_seed(rows + out_features)
+    kernels_ = family(name)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    got = kernels_.linear(x.view(1, rows, in_features), kernels_.pack(weight), bias)
+    assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
+    reference = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(got[0].double(), reference, atol=1e-3, rtol=2**-8)  # one bf16 rounding
+
+
+@pytest.mark.parametrize("name", packed_families)
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 45, 140, 300])
 @pytest.mark.parametrize("intermediate", [32, 48, 1536])
-def test_fused_gate_up_silu_is_bit_identical_to_the_unfused_pair(rows, intermediate) -> None:
+def test_fused_gate_up_silu_is_bit_identical_to_the_unfused_pair(name, rows, intermediate) -> None:
     """Few rows and the blocked path; 48 columns = 3 gate/up pairs, a ragged four-block task."""
     torch.manual_seed(rows + intermediate)
+    kernels_ = family(name)
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
     weight = torch.randn(2 * intermediate, 576, dtype=torch.bfloat16) * 0.1  # [gate | up]
-    fused = AmxGateUpSilu(fallback=lambda *_: pytest.fail("the fused kernel should take these"))
+    fused = PackedGateUpSilu(kernels_, fallback=lambda *_: pytest.fail("the fused kernel should take these"))
     fused.prepare(weight)
-    unfused = torch.ops.kvserve.silu_mul(torch.ops.kvserve.amx_linear(x, torch.ops.kvserve.amx_pack(weight), None))
+    unfused = torch.ops.kvserve.silu_mul(kernels_.linear(x, kernels_.pack(weight), None))
     assert torch.equal(fused(x, weight), unfused)
     torch.testing.assert_close(fused(x, weight).float(), torch_silu_mul(F.linear(x.float(), weight.float())),
                                atol=0.05, rtol=0.02)
@@ -228,11 +260,28 @@ def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
                                        torch_silu_mul(F.linear(x.float(), weight.float())), atol=0.05, rtol=0.02)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")
-def test_amx_linear_falls_back_for_weights_it_cannot_pack() -> None:
-    linear = AmxLinear(fallback=F.linear)
+@pytest.mark.skipif(kernels is None or not kernels.avx512 or kernels.gemv_bf16 or kernels.amx,
+                    reason="for AVX-512 CPUs without the BF16 instructions")
+def test_model_ops_take_the_avx512_kernels_at_every_width_without_bf16_instructions() -> None:
+    ops = select_ops(torch.bfloat16, cpu_kernels=True)
+    assert isinstance(ops.linear, PackedLinear) and ops.linear.kernels.name == "avx512"
+    assert ops.amx_linear is None and ops.amx_gate_up is None  # the fused decode stack is AMX's alone
+    weight = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
+    ops.prepare_weight(weight)
+    ops.prepare_gate_up(weight)
+    for rows in (1, 2, 200):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(ops.gate_up_silu(x, weight).float(),
+                                   torch_silu_mul(F.linear(x.float(), weight.float())), atol=0.05, rtol=0.02)
+        assert torch.equal(ops.linear(x, weight, None), torch.ops.kvserve.avx512_linear(
+            x, ops.linear.packed[weight.data_ptr()], None))
+
+
+@pytest.mark.parametrize("name", packed_families)
+def test_packed_linear_falls_back_for_weights_it_cannot_pack(name) -> None:
+    linear = PackedLinear(family(name), fallback=F.linear)
     weight = torch.randn(32, 64, dtype=torch.bfloat16)
-    odd = torch.randn(10, 64, dtype=torch.bfloat16)  # 10 rows: not a whole tile, stays unpacked
+    odd = torch.randn(10, 64, dtype=torch.bfloat16)  # 10 rows: not a whole block, stays unpacked
     linear.prepare(weight)
     linear.prepare(odd)
     assert list(linear.packed) == [weight.data_ptr()]

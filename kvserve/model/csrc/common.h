@@ -16,7 +16,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// AVX-512 F and BW: the floor of every vector path here (bf16 widens by a shift, rounds in integer ops).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVSERVE_HAS_AVX512 1
+#else
+#define KVSERVE_HAS_AVX512 0
+#endif
+#if KVSERVE_HAS_AVX512 && defined(__AVX512BF16__)
 #define KVSERVE_HAS_AVX512_BF16 1
 #else
 #define KVSERVE_HAS_AVX512_BF16 0
@@ -138,14 +144,29 @@ inline __m512 exp2_512(__m512 x) {
 }
 #endif
 
+#if KVSERVE_HAS_AVX512
+// 16 floats to bf16 bits, rounded to nearest even: the BF16 instruction where the CPU has it, else the same
+// rounding in integer ops (add 0x7FFF plus the kept lowest bit, drop the low half; NaN stays a quiet NaN).
+inline __m256i cvt16_bf16(__m512 v) {
 #if KVSERVE_HAS_AVX512_BF16
-// 16 floats rounded to bf16 (nearest even) and stored; and rounded but kept as floats.
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+// 16 bf16 values (as cvt16_bf16 gives them) widened back to floats.
+inline __m512 widen16_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+// 16 floats rounded to bf16 and stored; and rounded but kept as floats.
 inline void store16_bf16(at::BFloat16* dst, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), cvt16_bf16(v));
 }
-inline __m512 round16_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+inline __m512 round16_bf16(__m512 v) { return widen16_bf16(cvt16_bf16(v)); }
 #endif
 
 #if KVSERVE_HAS_AMX
@@ -167,6 +188,12 @@ at::Tensor amx_pack(const at::Tensor& w);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
 bool has_amx();
+
+// linear_avx512.cpp
+at::Tensor avx512_pack(const at::Tensor& w);
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
+bool has_avx512();
 
 // attention.cpp
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,

@@ -33,14 +33,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
     for (int64_t r = r0; r < r1; ++r) {
       int64_t i = 0;
       float sumsq = 0.f;
-#if KVSERVE_HAS_AVX512_BF16
+#if KVSERVE_HAS_AVX512
       __m512 sq = _mm512_setzero_ps();
       for (; i + 16 <= H; i += 16) {
         __m512 v = load16(xp + r * H + i);
         if (has_residual) {
-          const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(v, load16(rp + r * H + i)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(sp + r * H + i), (__m256i)rounded);
-          v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16));
+          const __m256i rounded = cvt16_bf16(_mm512_add_ps(v, load16(rp + r * H + i)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(sp + r * H + i), rounded);
+          v = widen16_bf16(rounded);
         }
         _mm512_storeu_ps(row.data() + i, v);
         sq = _mm512_fmadd_ps(v, v, sq);
@@ -58,12 +58,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
       }
       const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(H) + static_cast<float>(eps));
       i = 0;
-#if KVSERVE_HAS_AVX512_BF16
+#if KVSERVE_HAS_AVX512
       for (; i + 16 <= H; i += 16) {
-        const __m256bh normed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
-        const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)normed), 16));
-        const __m256bh scaled = _mm512_cvtneps_pbh(_mm512_mul_ps(n, load16(wp + i)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + r * H + i), (__m256i)scaled);
+        const __m512 n = round16_bf16(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
+        store16_bf16(op + r * H + i, _mm512_mul_ps(n, load16(wp + i)));
       }
 #endif
       for (; i < H; ++i)
@@ -91,16 +89,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
       const at::BFloat16* u_row = g_row + I;
       at::BFloat16* o_row = op + r * I;
       int64_t i = 0;
-#if KVSERVE_HAS_AVX512_BF16
+#if KVSERVE_HAS_AVX512
       // silu(g) = g / (1 + exp(-g)); each product rounded to bf16 (round-to-nearest-even) like torch.
       for (; i + 16 <= I; i += 16) {
         const __m512 g = load16(g_row + i);
         const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(
                                                               _mm512_setzero_ps(), g))));
-        const __m512 silu_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
-        const __m256bh prod = _mm512_cvtneps_pbh(_mm512_mul_ps(silu_rounded, load16(u_row + i)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row + i), (__m256i)prod);
+        store16_bf16(o_row + i, _mm512_mul_ps(round16_bf16(silu), load16(u_row + i)));
       }
 #endif
       for (; i < I; ++i) {
@@ -138,7 +133,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Tenso
       const at::BFloat16* s = sp + t * D;
       at::BFloat16* o = op + i * D;
       int64_t d = 0;
-#if KVSERVE_HAS_AVX512_BF16
+#if KVSERVE_HAS_AVX512
       if (half % 16 == 0) {
         for (; d < D; d += 16) {
           const int64_t partner = d < half ? d + half : d - half;

@@ -4,6 +4,8 @@
 //
 //   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections; amx_linear_silu_mul: the MLP's
 //                    gate/up projection and its activation in one
+//   linear_avx512.cpp avx512_pack, avx512_linear, avx512_linear_silu_mul: the same projections on AVX-512
+//                    without BF16 instructions or AMX (fp32 FMAs on bf16 weights widened in registers)
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
 //                    merge_attention: two attention halves into one by their log-sum-exps
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
@@ -26,6 +28,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("amx_pack(Tensor w) -> Tensor", &kvserve::amx_pack);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::amx_linear);
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::amx_linear_silu_mul);
+  m.def("has_avx512() -> bool", &kvserve::has_avx512);
+  m.def("avx512_pack(Tensor w) -> Tensor", &kvserve::avx512_pack);
+  m.def("avx512_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::avx512_linear);
+  m.def("avx512_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::avx512_linear_silu_mul);
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &kvserve::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);

@@ -11,7 +11,7 @@ namespace {
 // largest (torch's rule), so the result equals torch.argmax.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
-#if KVSERVE_HAS_AVX512_BF16
+#if KVSERVE_HAS_AVX512
   int64_t i = 0;
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (; i + 16 <= n; i += 16) {

@@ -1,0 +1,225 @@
+// The projections on AVX-512 machines without the BF16 instructions or AMX (Ice Lake, Skylake and
+// Cascade Lake servers, Zen 4 without bf16 in the compiler's -march): out[M, N] = x[M, K] @ w[N, K]^T.
+//
+// torch's bf16 linear on such a CPU converts and multiplies at ~40 GFLOP/s at decode widths and about a
+// third of its fp32 rate at prefill widths. Here the weight stays bf16 in memory (half the bytes of fp32,
+// which is what decode is bound by) in a layout packed once at load, widens to fp32 in registers with one
+// integer op per 16 values, and meets fp32 activations in FMAs: every product of two bf16 values is exact
+// in fp32 and sums are kept in fp32, as the BF16 dot-product instruction keeps them.
+//
+// avx512_pack: w [N, K] -> [N / 16, K / 2, 32]: for each block of 16 output rows and each pair of k, the 16
+//              rows' (w[n][k], w[n][k + 1]) side by side. One 64-byte load then holds two k steps of a
+//              block: a shift left by 16 gives step k as fp32, a mask of the high half gives step k + 1.
+// avx512_linear: out (+ bias) in bf16; avx512_linear_silu_mul: silu(gate) * up for the MLP's [gate | up]
+//              weight packed with its gate and up rows interleaved 16 at a time.
+
+#include "common.h"
+
+namespace kvserve {
+
+#if KVSERVE_HAS_AVX512
+
+namespace {
+
+constexpr int64_t kBlock = 16;     // output columns per packed block (one zmm of fp32)
+constexpr int kMaxRows = 12;       // activation rows per micro-tile: 24 accumulators for two blocks
+constexpr int64_t kRowChunk = 96;  // activation rows per work item (fp32, kept in L2 across its panels)
+
+struct Operands {
+  const float* x;       // [M, K] fp32
+  int64_t M, K;
+  const uint16_t* w;    // packed
+  at::BFloat16* out;
+  int64_t ld_out;
+  const at::BFloat16* bias;  // N values or nullptr
+  bool silu;            // blocks come in (gate, up) pairs; out holds silu(gate) * up, one block per pair
+};
+
+// Rows m0 .. m0 + MR - 1 against NT consecutive blocks starting at block nb. Templated so the accumulators
+// stay in registers (a runtime-sized tile spills them on every FMA).
+template <int MR, int NT>
+inline void micro_tile(const Operands& op, int64_t m0, int64_t nb) {
+  const int64_t pairs = op.K / 2;
+  const float* x = op.x + m0 * op.K;
+  const uint16_t* w[NT];
+#pragma GCC unroll 2
+  for (int j = 0; j < NT; ++j) w[j] = op.w + (nb + j) * pairs * 32;
+  __m512 acc[MR][NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i raw[NT];
+    __m512 step[NT];
+#pragma GCC unroll 2
+    for (int j = 0; j < NT; ++j) {
+      raw[j] = _mm512_loadu_si512(w[j] + p * 32);
+      step[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw[j], 16));
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * op.K + 2 * p]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, step[j], acc[i][j]);
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < NT; ++j) step[j] = _mm512_castsi512_ps(_mm512_and_si512(raw[j], high_half));
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * op.K + 2 * p + 1]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, step[j], acc[i][j]);
+    }
+  }
+  if (op.silu) {
+    static_assert(NT == 2 || NT == 1, "a silu tile is one (gate, up) pair");
+    if constexpr (NT == 2) {
+      // Rounded at every step as silu_mul(linear(...)) rounds: gate and up to bf16, silu to bf16, product.
+      for (int i = 0; i < MR; ++i) {
+        const __m512 gate = round16_bf16(acc[i][0]);
+        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                               exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+        store16_bf16(op.out + (m0 + i) * op.ld_out + nb / 2 * kBlock,
+                     _mm512_mul_ps(round16_bf16(silu), round16_bf16(acc[i][1])));
+      }
+    }
+    return;
+  }
+  for (int j = 0; j < NT; ++j) {
+    const __m512 b = op.bias ? load16(op.bias + (nb + j) * kBlock) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+      store16_bf16(op.out + (m0 + i) * op.ld_out + (nb + j) * kBlock, _mm512_add_ps(acc[i][j], b));
+  }
+}
+
+template <int NT, int MR = kMaxRows>
+inline void rows_tile(const Operands& op, int64_t m0, int64_t rows, int64_t nb) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return rows_tile<NT, MR - 1>(op, m0, rows, nb);
+  }
+  micro_tile<MR, NT>(op, m0, nb);
+}
+
+// Every row of the work item's chunk against its run of block pairs; the pair's weights (2 x 16 x K bf16)
+// stay in L1/L2 while the chunk's rows go by.
+void run_item(const Operands& op, int64_t m_begin, int64_t m_end, int64_t nb_begin, int64_t nb_end) {
+  for (int64_t nb = nb_begin; nb < nb_end; nb += 2) {
+    const bool pair = nb + 1 < nb_end;
+    for (int64_t m = m_begin; m < m_end; m += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, m_end - m);
+      if (pair)
+        rows_tile<2>(op, m, rows, nb);
+      else
+        rows_tile<1>(op, m, rows, nb);
+    }
+  }
+}
+
+void matmul(const Operands& op, int64_t num_blocks) {
+  const int64_t chunks = (op.M + kRowChunk - 1) / kRowChunk;
+  const int64_t pairs = (num_blocks + 1) / 2;
+  // About four items per thread for each row chunk, so a thread that loses its core costs little.
+  const int64_t per_item = std::max<int64_t>(1, pairs / (4 * kernel_threads()));
+  const int64_t groups = (pairs + per_item - 1) / per_item;
+  const int64_t work = op.M * num_blocks * op.K / 32;  // in units of a 16 x 32 multiply-accumulate
+  auto item = [&](int64_t i) {
+    const int64_t c = i / groups, g = i % groups;
+    run_item(op, c * kRowChunk, std::min(op.M, (c + 1) * kRowChunk), g * per_item * 2,
+             std::min(num_blocks, (g + 1) * per_item * 2));
+  };
+  if (work < kSerialWork * 8) {  // a few microseconds: not worth waking the other threads
+    for (int64_t i = 0; i < chunks * groups; ++i) item(i);
+    return;
+  }
+  parallel_claim(chunks * groups, [&](auto&& claim) {
+    for (int64_t i; (i = claim()) >= 0;) item(i);
+  });
+}
+
+// x (any leading dims, last K, bf16) widened to an fp32 [M, K] copy, and out's sizes. Widened here, on the
+// kernels' threads: torch's own conversion would wake OpenMP's team, whose spinning threads then take the
+// cores the matmul's workers need.
+std::tuple<at::Tensor, std::vector<int64_t>> widened_rows(const at::Tensor& x_in, int64_t K, int64_t width,
+                                                         const char* op) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, op, ": bf16 activations only");
+  TORCH_CHECK(x_in.size(-1) == K, op, ": inner dimensions differ");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor wide = at::empty({M, K}, x.options().dtype(at::kFloat));
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  float* dst = wide.data_ptr<float>();
+  parallel_range(0, M, kSerialRows, [&](int64_t r0, int64_t r1) {
+    int64_t i = r0 * K;
+    for (; i + 16 <= r1 * K; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+    for (; i < r1 * K; ++i) dst[i] = static_cast<float>(src[i]);
+  });
+  auto out_sizes = x_in.sizes().vec();
+  out_sizes.back() = width;
+  return {wide, out_sizes};
+}
+
+}  // namespace
+
+at::Tensor avx512_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "avx512_pack: bf16 [N, K] only");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "avx512_pack: N must be a multiple of 16 and K even");
+  at::Tensor src = w.contiguous();
+  at::Tensor packed = at::empty({N / kBlock, K / 2, 2 * kBlock}, w.options());
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>());
+  uint16_t* d = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  parallel_range(0, N / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t p = 0; p < K / 2; ++p)
+        for (int64_t n = 0; n < kBlock; ++n)
+          for (int64_t e = 0; e < 2; ++e)
+            d[((nb * (K / 2) + p) * kBlock + n) * 2 + e] = s[(nb * kBlock + n) * K + 2 * p + e];
+  });
+  return packed;
+}
+
+at::Tensor avx512_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const int64_t blocks = packed.size(0), K = packed.size(1) * 2, N = blocks * kBlock;
+  auto [x, out_sizes] = widened_rows(x_in, K, N, "avx512_linear");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N, "avx512_linear: the bias must be bf16 "
+                "with ", N, " values");
+    b = bias->contiguous();
+  }
+  at::Tensor out = at::empty({x.size(0), N}, x_in.options());
+  matmul({x.data_ptr<float>(), x.size(0), K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+          out.data_ptr<at::BFloat16>(), N, b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, false},
+         blocks);
+  return out.view(out_sizes);
+}
+
+at::Tensor avx512_linear_silu_mul(const at::Tensor& x_in, const at::Tensor& packed) {
+  const int64_t blocks = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(blocks % 2 == 0, "avx512_linear_silu_mul: the packed weight must hold gate and up blocks in pairs");
+  const int64_t width = blocks / 2 * kBlock;
+  auto [x, out_sizes] = widened_rows(x_in, K, width, "avx512_linear_silu_mul");
+  at::Tensor out = at::empty({x.size(0), width}, x_in.options());
+  matmul({x.data_ptr<float>(), x.size(0), K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+          out.data_ptr<at::BFloat16>(), width, nullptr, true},
+         blocks);
+  return out.view(out_sizes);
+}
+
+#else
+
+at::Tensor avx512_pack(const at::Tensor&) { TORCH_CHECK(false, "avx512_pack: this build has no AVX-512"); }
+at::Tensor avx512_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "avx512_linear: this build has no AVX-512");
+}
+at::Tensor avx512_linear_silu_mul(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "avx512_linear_silu_mul: this build has no AVX-512");
+}
+
+#endif
+
+bool has_avx512() { return KVSERVE_HAS_AVX512; }
+
+}  // namespace kvserve
