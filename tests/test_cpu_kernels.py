@@ -325,12 +325,14 @@ def reference_runs(q, k_cache, v_cache, tables, kv_lens, q_lens, scale, causal):
     return torch.cat(outs), torch.cat(lses)
 
 
-@amx_only
+@pytest.mark.parametrize("kernel", [pytest.param("paged_attention_amx", marks=amx_only), pytest.param(
+    "paged_attention_avx512", marks=pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512"))])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("fp32_out", [True, False])
-def test_paged_attention_amx_matches_reference(causal, fp32_out) -> None:
+def test_paged_attention_kernels_match_reference(kernel, causal, fp32_out) -> None:
     """Runs of every shape the row tiles and key steps meet: one token, partial tiles and key blocks, many
-    tiles per work item, a query tensor with a token stride (Q and K heads side by side, as the model has)."""
+    tiles per work item, a query tensor with a token stride (Q and K heads side by side, as the model has).
+    The AVX-512 kernel is the AMX one's stand-in on CPUs without tiles: the same contract, fp32 weights."""
     torch.manual_seed(int(causal) * 2 + int(fp32_out))
     heads, kv_heads, dim, block_size = 6, 2, 64, 16
     cache = random_cache(200, block_size, kv_heads, dim, torch.bfloat16)
@@ -344,9 +346,9 @@ def test_paged_attention_amx_matches_reference(causal, fp32_out) -> None:
     kv_lens = [kv_len for _, kv_len in shapes]
     q_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), heads + kv_heads, dim, dtype=torch.bfloat16)[:, :heads]  # strided tokens
-    out, lse = torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], block_tables,
-                                                     torch.tensor(kv_lens, dtype=torch.int32), q_starts,
-                                                     dim**-0.5, causal, fp32_out)
+    out, lse = getattr(torch.ops.kvserve, kernel)(q, cache[0], cache[1], block_tables,
+                                                  torch.tensor(kv_lens, dtype=torch.int32), q_starts,
+                                                  dim**-0.5, causal, fp32_out)
     assert out.dtype == (torch.float32 if fp32_out else torch.bfloat16)
     ref_out, ref_lse = reference_runs(q, cache[0], cache[1], tables, kv_lens, q_lens, dim**-0.5, causal)
     tol = 2e-3 if fp32_out else 8e-3  # bf16 output: one rounding of values up to ~2

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
-from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, CpuKernelPagedAttention
 from kvserve.model.cpu_kernels import KernelThreadScope
 from kvserve.model.decode_stack import FusedDecodeStack
 from kvserve.model.layers import RotaryEmbedding, rms_norm
-from kvserve.model.ops import ModelOps
+from kvserve.model.ops import ModelOps, PackedLinear
 
 
 class DecoderLayer:
@@ -158,7 +158,11 @@ class LlamaForCausalLM:
             self.ops.prepare_gate_up(layer.gate_up_weight)
         self.ops.prepare_weight(self.lm_head)
         self.fused_decode = FusedDecodeStack.build(arch, self.attention, self.ops, self.layers)
-        if self.fused_decode is not None:  # the kernels carry every heavy op of a step
+        # The kernels carry every heavy op of a step: the fused AMX decode stack, or (without AMX) the AVX-512
+        # projections and attention. torch's ops then run on the calling thread alone (KernelThreadScope).
+        avx512_carries = (isinstance(self.attention, CpuKernelPagedAttention) and self.attention.avx512
+                          and isinstance(self.ops.linear, PackedLinear))
+        if self.fused_decode is not None or avx512_carries:
             self.thread_scope = KernelThreadScope()
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]

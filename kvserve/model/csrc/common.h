@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -162,6 +163,31 @@ inline __m256i cvt16_bf16(__m512 v) {
 inline __m512 widen16_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+// dst[j * 16 + i] = in[i][j] for a 16 x 16 matrix of 32-bit values: pairs, then quads within 128-bit
+// lanes, then the lanes themselves.
+inline void transpose16_epi32(const __m512i* in, uint32_t* dst) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3 of column 4L + c, in lane L
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v_hi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i w_lo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i w_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    _mm512_storeu_si512(dst + (0 + c) * 16, _mm512_shuffle_i32x4(v_lo, w_lo, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * 16, _mm512_shuffle_i32x4(v_lo, w_lo, 0xDD));
+    _mm512_storeu_si512(dst + (8 + c) * 16, _mm512_shuffle_i32x4(v_hi, w_hi, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * 16, _mm512_shuffle_i32x4(v_hi, w_hi, 0xDD));
+  }
+}
+
 // 16 floats rounded to bf16 and stored; and rounded but kept as floats.
 inline void store16_bf16(at::BFloat16* dst, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), cvt16_bf16(v));
@@ -201,6 +227,12 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
                                                 const at::Tensor& seq_lens, double scale, int64_t split_size);
 at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
                            const at::Tensor& lse_b, bool bf16_out);
+
+// flash_attention_avx512.cpp
+std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                          const at::Tensor& kv_lens, const at::Tensor& q_starts,
+                                                          double scale, bool causal, bool fp32_out);
 
 // flash_attention.cpp
 std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,

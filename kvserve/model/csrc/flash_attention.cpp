@@ -29,31 +29,6 @@ struct WorkItem {
 // Keys padded to whole pass-2 steps: the length of a packed K^T or V run.
 inline int64_t packed_keys(int64_t num_keys) { return (num_keys + kKeys - 1) / kKeys * kKeys; }
 
-// dst[j * 16 + i] = in[i][j] for a 16 x 16 matrix of 32-bit values: pairs, then quads within 128-bit
-// lanes, then the lanes themselves.
-inline void transpose16_epi32(const __m512i* in, uint32_t* dst) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3 of column 4L + c, in lane L
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v_hi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i w_lo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i w_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    _mm512_storeu_si512(dst + (0 + c) * 16, _mm512_shuffle_i32x4(v_lo, w_lo, 0x88));
-    _mm512_storeu_si512(dst + (4 + c) * 16, _mm512_shuffle_i32x4(v_lo, w_lo, 0xDD));
-    _mm512_storeu_si512(dst + (8 + c) * 16, _mm512_shuffle_i32x4(v_hi, w_hi, 0x88));
-    _mm512_storeu_si512(dst + (12 + c) * 16, _mm512_shuffle_i32x4(v_hi, w_hi, 0xDD));
-  }
-}
-
 // Keys [first, n) of one head in the tile layouts (first a multiple of kKeys; kt and vt start at key
 // first); keys from n up to the next multiple of kKeys are zero.
 //   kt: per 16 keys, the B operand of S = Q·K^T for dims 0-31 then 32-63: [32 dim pairs][16 keys] of

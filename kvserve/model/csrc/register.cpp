@@ -10,6 +10,7 @@
 //                    merge_attention: two attention halves into one by their log-sum-exps
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
 //                    pack_kv_amx: a run of blocks in its tile layouts, for reuse across steps
+//   flash_attention_avx512.cpp  paged_attention_avx512: the same many-row attention on plain AVX-512
 //   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
 //   sampling.cpp     argmax_rows: greedy sampling's reduction
 //   decode_stack.cpp decode_stack: a decode step's whole decoder stack (the kernels above) in one call
@@ -40,6 +41,9 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor q_starts, float scale, bool causal, bool fp32_out, Tensor? packed=None, int shared_keys=0) -> "
         "(Tensor, Tensor)",
         &kvserve::paged_attention_amx);
+  m.def("paged_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
+        "Tensor q_starts, float scale, bool causal, bool fp32_out) -> (Tensor, Tensor)",
+        &kvserve::paged_attention_avx512);
   m.def("pack_kv_amx(Tensor k_cache, Tensor v_cache, Tensor block_table, int kv_len) -> Tensor",
         &kvserve::pack_kv_amx);
   m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool bf16_out) -> Tensor",

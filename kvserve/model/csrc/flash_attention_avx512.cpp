@@ -1,0 +1,260 @@
+// Paged attention for many query rows at once on plain AVX-512 (no AMX): prefill chunks over their cached
+// history, and the shared-prefix half of cascade decode. The same contract as paged_attention_amx
+// (flash_attention.cpp) without its packed-key arguments, for CPUs the AMX kernel cannot run on.
+//
+// K/V are read from the paged cache in place. A work item is (span, KV head, up to kItemRows query rows);
+// the query rows of a KV head are its (token, group head) pairs, so grouped-query attention reads each key
+// once for the whole group. Keys go by 32 at a time: the item widens them to fp32 once (K transposed, so a
+// row's 32 scores are two vectors of FMAs over the head dimension), then every group of six rows takes an
+// online-softmax step: scores, running max, weights exp2(s - max) in fp32, weights . V into the rows'
+// accumulators. Everything after the bf16 inputs stays fp32.
+
+#include "common.h"
+
+namespace kvserve {
+
+#if KVSERVE_HAS_AVX512
+
+namespace {
+
+constexpr int64_t kDim = 64;       // head size handled (four vectors per row)
+constexpr int64_t kKeys = 32;      // keys per step: two vectors of scores per row
+constexpr int kRowGroup = 6;       // rows whose scores (12 vectors) or outputs (24) sit in registers together
+constexpr int64_t kItemRows = 48;  // most rows sharing one widening of the keys
+
+struct Span {
+  int64_t q_start, q_len, kv_len;
+  const int32_t* blocks;
+};
+
+struct Inputs {
+  const at::BFloat16* q;
+  int64_t q_stride;  // between tokens
+  const at::BFloat16* k;
+  const at::BFloat16* v;
+  int64_t block_size, kv_heads, group, num_heads;
+  float scale_log2;  // softmax scale times log2(e): the weights are exp2 of scaled scores
+  bool causal;
+};
+
+// Per thread: the item's query rows, accumulators and softmax state, and one step's keys.
+struct alignas(64) Scratch {
+  float q[kItemRows * kDim];
+  float acc[kItemRows * kDim];
+  float kt[2][kDim * 16];  // kt[half][d * 16 + j] = K[key 16 * half + j][d]
+  float v[kKeys * kDim];
+  float weights[kRowGroup][kKeys];
+  float m[kItemRows], l[kItemRows];
+  int64_t last_key[kItemRows];  // causal: the last key each row sees
+};
+
+// Keys [start, start + n) of head h, widened: K transposed into s.kt, V row-major into s.v; keys past n zero.
+inline void load_keys(const Inputs& in, const Span& span, int64_t h, int64_t start, int64_t n, Scratch& s) {
+  alignas(64) __m512i rows[16];
+  const int64_t token_stride = in.kv_heads * kDim;
+  for (int64_t half = 0; half < 2; ++half)
+    for (int64_t c = 0; c < kDim / 16; ++c) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t key = 16 * half + j;
+        float* v_row = s.v + key * kDim + 16 * c;
+        if (key < n) {
+          const int64_t pos = start + key;
+          const int64_t slot = static_cast<int64_t>(span.blocks[pos / in.block_size]) * in.block_size + pos % in.block_size;
+          const int64_t at = slot * token_stride + h * kDim + 16 * c;
+          rows[j] = _mm512_castps_si512(load16(in.k + at));
+          _mm512_store_ps(v_row, load16(in.v + at));
+        } else {
+          rows[j] = _mm512_setzero_si512();
+          _mm512_store_ps(v_row, _mm512_setzero_ps());
+        }
+      }
+      transpose16_epi32(rows, reinterpret_cast<uint32_t*>(s.kt[half] + 16 * c * 16));
+    }
+}
+
+// One online-softmax step for rows [r, r + R) of the item against the keys in scratch.
+template <int R>
+inline void step_rows(Scratch& s, int64_t r, int64_t start, int64_t n) {
+  __m512 lo[R], hi[R];  // scores of keys 0-15 and 16-31
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < kDim; ++d) {
+    const __m512 k0 = _mm512_load_ps(s.kt[0] + d * 16), k1 = _mm512_load_ps(s.kt[1] + d * 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 qd = _mm512_set1_ps(s.q[(r + i) * kDim + d]);
+      lo[i] = _mm512_fmadd_ps(qd, k0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(qd, k1, hi[i]);
+    }
+  }
+  const __m512i index_lo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(start)),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i index_hi = _mm512_add_epi32(index_lo, _mm512_set1_epi32(16));
+  __m512 alpha[R];
+  for (int i = 0; i < R; ++i) {
+    const __m512i last = _mm512_set1_epi32(static_cast<int>(std::min(s.last_key[r + i], start + n - 1)));
+    const __mmask16 see_lo = _mm512_cmple_epi32_mask(index_lo, last), see_hi = _mm512_cmple_epi32_mask(index_hi, last);
+    if ((see_lo | see_hi) == 0) {  // this row sees none of these keys (causal): nothing changes
+      alpha[i] = _mm512_set1_ps(1.f);
+      _mm512_store_ps(s.weights[i], _mm512_setzero_ps());
+      _mm512_store_ps(s.weights[i] + 16, _mm512_setzero_ps());
+      continue;
+    }
+    const float old_max = s.m[r + i];
+    const float new_max = std::max({old_max, _mm512_mask_reduce_max_ps(see_lo, lo[i]),
+                                    _mm512_mask_reduce_max_ps(see_hi, hi[i])});
+    const __m512 top = _mm512_set1_ps(new_max);
+    const __m512 p_lo = _mm512_maskz_mov_ps(see_lo, exp2_512(_mm512_sub_ps(lo[i], top)));
+    const __m512 p_hi = _mm512_maskz_mov_ps(see_hi, exp2_512(_mm512_sub_ps(hi[i], top)));
+    const float a = old_max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp2(old_max - new_max);
+    s.l[r + i] = s.l[r + i] * a + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+    s.m[r + i] = new_max;
+    alpha[i] = _mm512_set1_ps(a);
+    _mm512_store_ps(s.weights[i], p_lo);
+    _mm512_store_ps(s.weights[i] + 16, p_hi);
+  }
+  __m512 acc[R][kDim / 16];
+  for (int i = 0; i < R; ++i)
+    for (int64_t c = 0; c < kDim / 16; ++c)
+      acc[i][c] = _mm512_mul_ps(_mm512_load_ps(s.acc + (r + i) * kDim + 16 * c), alpha[i]);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vj[kDim / 16];
+    for (int64_t c = 0; c < kDim / 16; ++c) vj[c] = _mm512_load_ps(s.v + j * kDim + 16 * c);
+    for (int i = 0; i < R; ++i) {
+      const __m512 w = _mm512_set1_ps(s.weights[i][j]);
+      for (int64_t c = 0; c < kDim / 16; ++c) acc[i][c] = _mm512_fmadd_ps(w, vj[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(s.acc + (r + i) * kDim + 16 * c, acc[i][c]);
+}
+
+template <int R = kRowGroup>
+inline void step_tail(Scratch& s, int64_t r, int64_t rows, int64_t start, int64_t n) {
+  if constexpr (R > 1) {
+    if (rows < R) return step_tail<R - 1>(s, r, rows, start, n);
+  }
+  step_rows<R>(s, r, start, n);
+}
+
+template <typename Out>
+void run_item(const Inputs& in, const Span& span, int64_t h, int64_t first_row, int64_t num_rows, Out* out,
+              float* lse, Scratch& s) {
+  const float log2_scale = in.scale_log2;
+  int64_t key_end = 0;
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t row = first_row + i, token = row / in.group, head = h * in.group + row % in.group;
+    const at::BFloat16* qr = in.q + (span.q_start + token) * in.q_stride + head * kDim;
+    for (int64_t c = 0; c < kDim / 16; ++c) {
+      _mm512_store_ps(s.q + i * kDim + 16 * c, _mm512_mul_ps(load16(qr + 16 * c), _mm512_set1_ps(log2_scale)));
+      _mm512_store_ps(s.acc + i * kDim + 16 * c, _mm512_setzero_ps());
+    }
+    s.m[i] = -std::numeric_limits<float>::infinity();
+    s.l[i] = 0.f;
+    s.last_key[i] = in.causal ? span.kv_len - span.q_len + token : span.kv_len - 1;
+    key_end = std::max(key_end, s.last_key[i] + 1);
+  }
+  for (int64_t start = 0; start < key_end; start += kKeys) {
+    const int64_t n = std::min(kKeys, key_end - start);
+    load_keys(in, span, h, start, n, s);
+    for (int64_t i = 0; i < num_rows; i += kRowGroup)
+      step_tail(s, i, std::min<int64_t>(kRowGroup, num_rows - i), start, n);
+  }
+  constexpr float kLn2 = 0.693147180559945f;
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t row = first_row + i, token = span.q_start + row / in.group, head = h * in.group + row % in.group;
+    const __m512 inv = _mm512_set1_ps(1.f / s.l[i]);
+    Out* o = out + (token * in.num_heads + head) * kDim;
+    for (int64_t c = 0; c < kDim / 16; ++c) {
+      const __m512 value = _mm512_mul_ps(_mm512_load_ps(s.acc + i * kDim + 16 * c), inv);
+      if constexpr (std::is_same_v<Out, float>)
+        _mm512_storeu_ps(o + 16 * c, value);
+      else
+        store16_bf16(o + 16 * c, value);
+    }
+    lse[token * in.num_heads + head] = (s.m[i] + std::log2(s.l[i])) * kLn2;
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                          const at::Tensor& kv_lens, const at::Tensor& q_starts,
+                                                          double scale, bool causal, bool fp32_out) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kDim && q.stride(2) == 1 &&
+                  q.stride(1) == kDim,
+              "paged_attention_avx512: q must be bf16 [T, H, 64] with each token's heads contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.size(3) == kDim && k_cache.sizes() == v_cache.sizes(),
+              "paged_attention_avx512: caches must be contiguous bf16 [num_blocks, block_size, H_kv, 64]");
+  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(num_heads % kv_heads == 0, "paged_attention_avx512: query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "paged_attention_avx512: block_tables must be contiguous int32 [S, max_blocks]");
+  const int64_t num_spans = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.numel() == num_spans && q_starts.scalar_type() == at::kInt &&
+                  q_starts.numel() == num_spans + 1,
+              "paged_attention_avx512: kv_lens int32 [S] and q_starts int32 [S + 1]");
+  const int64_t group = num_heads / kv_heads;
+  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  const int32_t* starts = q_starts.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_spans] == q.size(0), "paged_attention_avx512: q_starts must cover q");
+  std::vector<Span> spans;
+  int64_t total_rows = 0;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 0 && lens[s] <= max_blocks * block_size && (q_len == 0 || lens[s] >= 1) &&
+                    (!causal || q_len <= lens[s]),
+                "paged_attention_avx512: span ", s, " has ", q_len, " queries and ", lens[s], " keys");
+    const int32_t* blocks = tables + s * max_blocks;
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(blocks[b] >= 0 && blocks[b] < k_cache.size(0), "paged_attention_avx512: block id out of range");
+    spans.push_back({starts[s], q_len, lens[s], blocks});
+    total_rows += q_len * group;
+  }
+  // Rows per item: at most kItemRows (they share one widening of each key step), fewer when that leaves
+  // too few items to keep every thread busy (cascade decode: 16 decodes x 3 heads per KV head).
+  const int64_t wanted_items = 4 * kernel_threads();
+  const int64_t item_rows = std::clamp<int64_t>(
+      (total_rows * kv_heads + wanted_items - 1) / wanted_items / kRowGroup * kRowGroup, kRowGroup, kItemRows);
+  struct Item {
+    int64_t span, head, first_row, num_rows;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t rows = spans[s].q_len * group;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < rows; r += item_rows) items.push_back({s, h, r, std::min(item_rows, rows - r)});
+  }
+  at::Tensor out = at::empty({q.size(0), num_heads, kDim}, q.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  at::Tensor lse = at::empty({q.size(0), num_heads}, q.options().dtype(at::kFloat));
+  const Inputs in{q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(),
+                  v_cache.data_ptr<at::BFloat16>(), block_size, kv_heads, group, num_heads,
+                  static_cast<float>(scale) * 1.44269504088896341f, causal};
+  float* lp = lse.data_ptr<float>();
+  parallel_claim(static_cast<int64_t>(items.size()), [&](auto&& claim) {
+    auto scratch = std::make_unique<Scratch>();
+    for (int64_t i; (i = claim()) >= 0;) {
+      const Item& item = items[i];
+      if (fp32_out)
+        run_item(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<float>(), lp, *scratch);
+      else
+        run_item(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<at::BFloat16>(), lp,
+                 *scratch);
+    }
+  });
+  return {out, lse};
+}
+
+#else
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          double, bool, bool) {
+  TORCH_CHECK(false, "paged_attention_avx512: this build has no AVX-512");
+}
+
+#endif
+
+}  // namespace kvserve
