@@ -5,10 +5,13 @@
 - Projections: SmolLM2-135M's 30 layers (q/k/v, o, gate/up, down) and its 49,152-row LM head, at 1-32
   activation rows, bf16: torch's linear, the AVX512-BF16 GEMV and the AMX tile matmul (weights packed
   once). Reported as GB/s of weights read: decode is bound by that read.
+- Projections on plain AVX-512 (CPUs without the BF16 instructions or AMX): the same 30 layers at 1-512
+  rows, torch's bf16 linear against the AVX-512 kernel (fp32 FMAs on bf16 weights packed once), in
+  GFLOP/s; torch's fp32 linear on fp32 copies of the weights for scale.
 - Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, SmolLM2's
   head layout (9 query heads over 3 KV heads, head_dim 64). The torch path gathers each sequence's blocks
   and calls scaled_dot_product_attention; the kernel reads the blocks in place.
-- Many-row attention on AMX tiles: all prefill chunks of a step in one call (the agentic shape: ten
+- Many-row attention on AMX tiles (or, without AMX, the AVX-512 kernel of the same contract): all prefill chunks of a step in one call (the agentic shape: ten
   100-token turns on ~1,570 cached tokens; one cold 1,024-token prompt), and the shared-prefix half of
   cascade decode (16 decodes against a 1,568-token prefix), also with the prefix's keys pre-packed as
   cascade decode keeps them across steps. The torch path is the one it replaces: per chunk, gather the
@@ -81,6 +84,27 @@ def bench_gemv(rows_list: list[int], amx: bool) -> list[dict]:
     return results
 
 
+def bench_avx512_projections(rows_list: list[int]) -> list[dict]:
+    shapes = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
+              (HIDDEN, INTERMEDIATE)]
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(LAYERS) for n, k in shapes]
+    packed = {w.data_ptr(): torch.ops.kvserve.avx512_pack(w) for w in weights}
+    weights_fp32 = [w.float() for w in weights]
+    flops_per_row = sum(2 * w.numel() for w in weights)
+    results = []
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+        inputs_fp32 = {k: x.float() for k, x in inputs.items()}
+        t_torch = seconds_per_call(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])  # noqa: B023
+        t_kernel = seconds_per_call(lambda: [torch.ops.kvserve.avx512_linear(  # noqa: B023
+            inputs[w.shape[1]], packed[w.data_ptr()], None) for w in weights])  # noqa: B023
+        t_fp32 = seconds_per_call(lambda: [F.linear(inputs_fp32[w.shape[1]], w) for w in weights_fp32])  # noqa: B023
+        gflops = rows * flops_per_row / 1e9
+        results.append({"rows": rows, "torch_bf16_gflops": gflops / t_torch, "kernel_gflops": gflops / t_kernel,
+                        "torch_fp32_gflops": gflops / t_fp32, "speedup": t_torch / t_kernel})
+    return results
+
+
 def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
     bf16 = torch.bfloat16
     group = HEADS // KV_HEADS
@@ -108,8 +132,10 @@ def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
     return results
 
 
-def bench_many_row_attention() -> list[dict]:
-    """(label, [(queries, keys) per run], causal) through paged_attention_amx and through the torch path."""
+def bench_many_row_attention(kernel_name: str) -> list[dict]:
+    """(label, [(queries, keys) per run], causal) through the kernel (paged_attention_amx or
+    paged_attention_avx512) and through the torch path."""
+    many_rows = getattr(torch.ops.kvserve, kernel_name)
     bf16 = torch.bfloat16
     cases = [("prefill 10 x 100 on 1,568 cached", [(100, 1668)] * 10, True),
              ("prefill 1,024 cold", [(1024, 1024)], True),
@@ -134,14 +160,14 @@ def bench_many_row_attention() -> list[dict]:
                                                enable_gqa=True)
 
         def kernel() -> object:
-            return torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], block_tables, kv_lens,  # noqa: B023
-                                                         q_starts, HEAD_DIM**-0.5, causal, not causal)  # noqa: B023
+            return many_rows(q, cache[0], cache[1], block_tables, kv_lens, q_starts, HEAD_DIM**-0.5,  # noqa: B023
+                             causal, not causal)  # noqa: B023
 
         t_torch, t_kernel = seconds_per_call(reference), seconds_per_call(kernel)
         flops = sum(4 * n * (kv - (n - 1) / 2 if causal else kv) * HEADS * HEAD_DIM for n, kv in runs)
         result = {"case": label, "torch_ms": t_torch * 1e3, "kernel_ms": t_kernel * 1e3,
                   "speedup": t_torch / t_kernel, "kernel_gflops": flops / t_kernel / 1e9}
-        if not causal:  # cascade decode keeps the prefix packed across steps (pack_kv_amx)
+        if not causal and kernel_name == "paged_attention_amx":  # the prefix stays packed across steps
             packed = torch.ops.kvserve.pack_kv_amx(cache[0], cache[1], block_tables[0], runs[0][1])
 
             def kernel_prepacked() -> object:
@@ -195,15 +221,23 @@ def main() -> None:
             print(f"  {r['rows']:4d}  {r['layers_torch_gbps']:6.1f} {r['layers_kernel_gbps']:6.1f}  "
                   f"{r['layers_speedup']:4.2f}x {r['layers_amx_gbps']:6.1f}  {r['layers_amx_speedup']:4.2f}x  |"
                   f"    {r['lm_head_torch_ms']:8.2f} {r['lm_head_kernel_ms']:6.2f}  {r['lm_head_speedup']:4.2f}x")
+    if kernels.avx512 and not kernels.gemv_bf16:
+        report["avx512_projections"] = bench_avx512_projections([1, 4, 16, 64, 512])
+        print("Projections, bf16, SmolLM2-135M's 30 layers, GFLOP/s (no BF16 instructions on this CPU):")
+        print("  rows  torch bf16  avx512 kernel  ratio  | torch fp32 (fp32 weights)")
+        for r in report["avx512_projections"]:
+            print(f"  {r['rows']:4d}  {r['torch_bf16_gflops']:10.1f}  {r['kernel_gflops']:13.1f}  {r['speedup']:4.2f}x  |"
+                  f"  {r['torch_fp32_gflops']:6.1f}")
     report["attention"] = bench_attention([(1, 512), (1, 2000), (16, 512), (16, 2000), (32, 300)])
     print("\nDecode attention, bf16, one layer (9 query / 3 KV heads, head_dim 64), time per call:")
     print("  batch  keys    torch us  kernel us  ratio  kernel KV GB/s")
     for r in report["attention"]:
         print(f"  {r['batch']:5d}  {r['keys']:5d}  {r['torch_us']:9.0f}  {r['kernel_us']:9.0f}  {r['speedup']:4.2f}x"
               f"  {r['kernel_kv_gbps']:8.1f}")
-    if kernels.amx:
-        report["many_row_attention"] = bench_many_row_attention()
-        print("\nMany-row attention on AMX tiles, bf16, one layer, time per call:")
+    if kernels.amx or kernels.avx512:
+        name = "paged_attention_amx" if kernels.amx else "paged_attention_avx512"
+        report["many_row_attention"] = bench_many_row_attention(name)
+        print(f"\nMany-row attention ({name}), bf16, one layer, time per call:")
         for r in report["many_row_attention"]:
             print(f"  {r['case']:34s} torch {r['torch_ms']:6.2f} ms  kernel {r['kernel_ms']:6.2f} ms  "
                   f"{r['speedup']:4.2f}x  ({r['kernel_gflops']:.0f} GFLOP/s)")

