@@ -325,8 +325,11 @@ def reference_runs(q, k_cache, v_cache, tables, kv_lens, q_lens, scale, causal):
     return torch.cat(outs), torch.cat(lses)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("paged_attention_amx", marks=amx_only), pytest.param(
-    "paged_attention_avx512", marks=pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512"))])
+many_row_kernels = [pytest.param("paged_attention_amx", marks=amx_only), pytest.param(
+    "paged_attention_avx512", marks=pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512"))]
+
+
+@pytest.mark.parametrize("kernel", many_row_kernels)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("fp32_out", [True, False])
 def test_paged_attention_kernels_match_reference(kernel, causal, fp32_out) -> None:
@@ -356,17 +359,18 @@ def test_paged_attention_kernels_match_reference(kernel, causal, fp32_out) -> No
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
 
 
-@amx_only
-def test_paged_attention_amx_refuses_bad_runs() -> None:
+@pytest.mark.parametrize("kernel", many_row_kernels)
+def test_paged_attention_kernels_refuse_bad_runs(kernel) -> None:
+    many_rows = getattr(torch.ops.kvserve, kernel)
     cache = random_cache(4, 16, 1, 64, torch.bfloat16)
     q = torch.randn(3, 2, 64, dtype=torch.bfloat16)
     table = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="has 3 queries and 2 keys"):  # causal needs a key per query
-        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], table, torch.tensor([2], dtype=torch.int32),
-                                              torch.tensor([0, 3], dtype=torch.int32), 0.125, True, False)
+        many_rows(q, cache[0], cache[1], table, torch.tensor([2], dtype=torch.int32),
+                  torch.tensor([0, 3], dtype=torch.int32), 0.125, True, False)
     with pytest.raises(RuntimeError, match="must cover q"):
-        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], table, torch.tensor([2], dtype=torch.int32),
-                                              torch.tensor([0, 2], dtype=torch.int32), 0.125, False, False)
+        many_rows(q, cache[0], cache[1], table, torch.tensor([2], dtype=torch.int32),
+                  torch.tensor([0, 2], dtype=torch.int32), 0.125, False, False)
 
 
 @amx_only
@@ -481,10 +485,11 @@ def test_kernel_backend_keeps_the_packed_prefix_only_while_its_key_holds() -> No
     assert torch.equal(backend.forward(q, empty, empty, cache, meta((2,))), fresh)
 
 
-@amx_only
-def test_kernel_backend_mixed_step_matches_torch_backend() -> None:
+@pytest.mark.parametrize("name", packed_families)
+def test_kernel_backend_mixed_step_matches_torch_backend(name) -> None:
     """One bf16 step as the runner builds it: decodes sharing a cached prefix (cascade), a prefill chunk from
-    position 0 and one on cached history, through the AMX kernels and through the reference backend."""
+    position 0 and one on cached history, through the AMX (or AVX-512) kernels and through the reference
+    backend."""
     from kvserve.batch import ScheduledRequest, SchedulerOutput
     from kvserve.runner.input_batch import build_inputs
 
@@ -502,8 +507,8 @@ def test_kernel_backend_mixed_step_matches_torch_backend() -> None:
     k = torch.randn(num_tokens, kv_heads, dim, dtype=torch.bfloat16)
     v = torch.randn(num_tokens, kv_heads, dim, dtype=torch.bfloat16)
     expected = TorchPagedAttention(heads, kv_heads, dim).forward(q, k, v, cache.clone(), inputs.attn)
-    backend = CpuKernelPagedAttention(heads, kv_heads, dim, amx=True)
-    assert backend.amx
+    backend = CpuKernelPagedAttention(heads, kv_heads, dim, amx=name == "amx", avx512=name == "avx512")
+    assert getattr(backend, name)
     got = backend.forward(q, k, v, cache.clone(), inputs.attn)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
