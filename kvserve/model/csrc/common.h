@@ -228,6 +228,15 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
                            const at::Tensor& lse_b, bool bf16_out);
 
+// paged_runs.cpp: the many-row attention kernels' arguments (q [T, H, 64], the paged caches, one run of
+// query tokens per row of block_tables), checked; their shape.
+struct PagedRunsShape {
+  int64_t num_heads, kv_heads, block_size, group, num_spans, max_blocks;
+};
+PagedRunsShape check_paged_runs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& kv_lens,
+                                const at::Tensor& q_starts, bool causal);
+
 // flash_attention_avx512.cpp
 std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache, const at::Tensor& block_tables,

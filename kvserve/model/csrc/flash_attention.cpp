@@ -311,25 +311,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
                                                        const c10::optional<at::Tensor>& packed,
                                                        int64_t shared_keys) {
   TORCH_CHECK(request_amx(), "paged_attention_amx: the kernel did not grant AMX");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kDim && q.stride(2) == 1 &&
-                  q.stride(1) == kDim,
-              "paged_attention_amx: q must be bf16 [T, H, 64] with each token's heads contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-                  k_cache.size(3) == kDim && k_cache.sizes() == v_cache.sizes(),
-              "paged_attention_amx: caches must be contiguous bf16 [num_blocks, block_size, H_kv, 64]");
-  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(num_heads % kv_heads == 0, "paged_attention_amx: query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
-              "paged_attention_amx: block_tables must be contiguous int32 [S, max_blocks]");
-  const int64_t num_spans = block_tables.size(0), max_blocks = block_tables.size(1);
-  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.numel() == num_spans && q_starts.scalar_type() == at::kInt &&
-                  q_starts.numel() == num_spans + 1,
-              "paged_attention_amx: kv_lens int32 [S] and q_starts int32 [S + 1]");
-  const int64_t group = num_heads / kv_heads;
+  const PagedRunsShape shape =
+      check_paged_runs("paged_attention_amx", q, k_cache, v_cache, block_tables, kv_lens, q_starts, causal);
+  const int64_t num_heads = shape.num_heads, kv_heads = shape.kv_heads, block_size = shape.block_size;
+  const int64_t group = shape.group, num_spans = shape.num_spans, max_blocks = shape.max_blocks;
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
   const int32_t* starts = q_starts.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_spans] == q.size(0), "paged_attention_amx: q_starts must cover q");
   const bool prepacked = packed.has_value() && packed->defined();
   TORCH_CHECK(shared_keys >= 0 && shared_keys % kKeys == 0 && (shared_keys == 0 || prepacked),
               "paged_attention_amx: shared_keys must be a multiple of 32, with the packed keys");
@@ -357,11 +344,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_amx(const at::Tensor& q, cons
   const int64_t tiles_per_item = prepacked && shared_keys == 0 ? 1 : kTilesPerItem;
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t q_len = starts[s + 1] - starts[s];
-    TORCH_CHECK(q_len >= 0 && lens[s] <= max_blocks * block_size && (q_len == 0 || lens[s] >= 1) &&
-                    (!causal || q_len <= lens[s]),
-                "paged_attention_amx: span ", s, " has ", q_len, " queries and ", lens[s], " keys");
-    const int64_t rows = q_len * group;
+    const int64_t rows = (starts[s + 1] - starts[s]) * group;
     // The rows of a (span, head) split into near-equal items of whole tiles, at most kTilesPerItem each.
     const int64_t tiles = (rows + kRows - 1) / kRows;
     const int64_t num_items = (tiles + tiles_per_item - 1) / tiles_per_item;

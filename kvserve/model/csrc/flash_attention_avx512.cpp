@@ -180,37 +180,18 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor& q, c
                                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                           const at::Tensor& kv_lens, const at::Tensor& q_starts,
                                                           double scale, bool causal, bool fp32_out) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kDim && q.stride(2) == 1 &&
-                  q.stride(1) == kDim,
-              "paged_attention_avx512: q must be bf16 [T, H, 64] with each token's heads contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-                  k_cache.size(3) == kDim && k_cache.sizes() == v_cache.sizes(),
-              "paged_attention_avx512: caches must be contiguous bf16 [num_blocks, block_size, H_kv, 64]");
-  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(num_heads % kv_heads == 0, "paged_attention_avx512: query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
-              "paged_attention_avx512: block_tables must be contiguous int32 [S, max_blocks]");
-  const int64_t num_spans = block_tables.size(0), max_blocks = block_tables.size(1);
-  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.numel() == num_spans && q_starts.scalar_type() == at::kInt &&
-                  q_starts.numel() == num_spans + 1,
-              "paged_attention_avx512: kv_lens int32 [S] and q_starts int32 [S + 1]");
-  const int64_t group = num_heads / kv_heads;
+  const PagedRunsShape shape =
+      check_paged_runs("paged_attention_avx512", q, k_cache, v_cache, block_tables, kv_lens, q_starts, causal);
+  const int64_t num_heads = shape.num_heads, kv_heads = shape.kv_heads, block_size = shape.block_size;
+  const int64_t group = shape.group, num_spans = shape.num_spans, max_blocks = shape.max_blocks;
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
   const int32_t* starts = q_starts.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_spans] == q.size(0), "paged_attention_avx512: q_starts must cover q");
   std::vector<Span> spans;
   int64_t total_rows = 0;
   for (int64_t s = 0; s < num_spans; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
-    TORCH_CHECK(q_len >= 0 && lens[s] <= max_blocks * block_size && (q_len == 0 || lens[s] >= 1) &&
-                    (!causal || q_len <= lens[s]),
-                "paged_attention_avx512: span ", s, " has ", q_len, " queries and ", lens[s], " keys");
-    const int32_t* blocks = tables + s * max_blocks;
-    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
-      TORCH_CHECK(blocks[b] >= 0 && blocks[b] < k_cache.size(0), "paged_attention_avx512: block id out of range");
-    spans.push_back({starts[s], q_len, lens[s], blocks});
+    spans.push_back({starts[s], q_len, lens[s], tables + s * max_blocks});
     total_rows += q_len * group;
   }
   // Rows per item: at most kItemRows (they share one widening of each key step), fewer when that leaves

@@ -11,6 +11,7 @@
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
 //                    pack_kv_amx: a run of blocks in its tile layouts, for reuse across steps
 //   flash_attention_avx512.cpp  paged_attention_avx512: the same many-row attention on plain AVX-512
+//   paged_runs.cpp   check_paged_runs: the argument checks both many-row kernels share
 //   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
 //   sampling.cpp     argmax_rows: greedy sampling's reduction
 //   decode_stack.cpp decode_stack: a decode step's whole decoder stack (the kernels above) in one call
