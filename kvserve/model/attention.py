@@ -277,19 +277,14 @@ class CpuKernelPagedAttention(TorchPagedAttention):
             query, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale, self.split_size
         )
         if meta.decode_prefix_blocks is not None:
-            if meta.decode_prefix_runs is not None and self._uses_amx(q):
-                runs = meta.decode_prefix_runs
-                out_p, lse_p = torch.ops.kvserve.paged_attention_amx(
-                    q, k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts, self.scale, False, True,
-                    self.packed_prefix_for(k_cache, v_cache, runs, meta.decode_prefix_key),
-                )
-                out_p = out_p.view(out.shape)
-                lse_p = lse_p.view(lse.shape)
-            elif meta.decode_prefix_runs is not None and self._uses_avx512(q):
-                runs = meta.decode_prefix_runs
-                out_p, lse_p = torch.ops.kvserve.paged_attention_avx512(
-                    q, k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts, self.scale, False, True,
-                )
+            runs = meta.decode_prefix_runs
+            if runs is not None and (self._uses_amx(q) or self._uses_avx512(q)):
+                args = (q, k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts, self.scale, False, True)
+                if self._uses_amx(q):
+                    packed = self.packed_prefix_for(k_cache, v_cache, runs, meta.decode_prefix_key)
+                    out_p, lse_p = torch.ops.kvserve.paged_attention_amx(*args, packed)
+                else:
+                    out_p, lse_p = torch.ops.kvserve.paged_attention_avx512(*args)
                 out_p = out_p.view(out.shape)
                 lse_p = lse_p.view(lse.shape)
             else:
