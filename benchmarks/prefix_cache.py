@@ -105,7 +105,7 @@ def measure(workload: str, prefix_caching: bool, args: argparse.Namespace, keep_
     llm = LLM(dtype=args.dtype, enable_prefix_caching=prefix_caching, scheduling_policy=args.policy,
               kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens)
     if not keep_tails:  # full blocks only: the manager never hands the tree a partly filled block
-        llm.engine.kv_manager._keep_tail = lambda request: None  # type: ignore[method-assign]
+        llm.engine.kv_manager.prefix_cache.keep_tails = False  # type: ignore[attr-defined]
     start_computed = llm.engine.stats().num_prompt_tokens_computed
     t0 = time.perf_counter()
     if workload == "agentic":

@@ -147,7 +147,7 @@ def ttft_of_prefix(args: argparse.Namespace, source: str, disk_dir: str) -> list
         if source != "recompute":
             other = tok.encode(f" Another question {i}?", add_special_tokens=False)
             llm.generate({"prompt_token_ids": prefix + other}, one)  # computes the prefix
-            engine.kv_manager.tree.evict(engine.kv_manager.num_blocks)  # out of device memory...
+            engine.kv_manager.prefix_cache.tree.evict(engine.kv_manager.num_blocks)  # out of device memory...
             engine.step()  # ...and copied down to the tier now, not during the timed request
         result = llm.generate({"prompt_token_ids": prefix + question}, one)[0]
         tiers_hit = {t: n for t, n in result.metrics.cached_tokens_by_tier.items() if n}

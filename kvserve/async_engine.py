@@ -2,12 +2,14 @@
 
     asyncio side (server)                       engine thread
     ─────────────────────                       ─────────────
-    generate() ── validate, tokenize ──► commands (add / abort) ──► Engine.add_request / abort_request
+    prepare() ── validate, tokenize (once)
+    generate() ──────────────────────► commands (add / abort) ──► Engine.add_processed / abort_request
         ▲                                                            Engine.step()
         └── per-request asyncio.Queue ◄── loop.call_soon_threadsafe ◄── RequestOutput
 
-Validation happens on the caller's side before anything is queued, so bad input raises at once with a
-typed error. If the loop dies, every open stream and every later request gets EngineDeadError.
+Validation and tokenisation happen once, on the caller's side, before anything is queued (the engine's
+input processor), so bad input raises at once with a typed error and the engine thread only queues.
+If the loop dies, every open stream and every later request gets EngineDeadError.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from kvserve.engine import Engine, EngineStats, PromptType
 from kvserve.errors import CapacityError, EngineDeadError, KVServeError
-from kvserve.request import RequestOutput, SamplingParams
+from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +32,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    prompt: str | None
-    params: SamplingParams
+    prompt: ProcessedPrompt
     stream: _Stream
 
 
@@ -85,20 +85,21 @@ class AsyncEngine:
 
     def check_text_fits(self, text: str) -> None:
         """Raise ContextLengthExceeded for a text that cannot fit the context, without tokenizing it."""
-        self.engine.check_text_fits(text)
+        self.engine.input_processor.check_text_fits(text)
 
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
         """Tokenize and validate without queueing anything: raises the typed error the caller reports."""
         self._check_alive()
-        self.engine.check_params(params)
-        token_ids, text = self.engine.tokenize_prompt(prompt)
-        self.engine.check_context(len(token_ids), params.max_tokens)
-        return token_ids, text
+        processed = self.engine.input_processor.process(prompt, params)
+        return processed.prompt_token_ids, processed.prompt
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the iteration early (client gone) aborts the request."""
+        """Stream a request's outputs; leaving the iteration early (client gone) aborts the request.
+
+        ``prompt_token_ids`` must come from ``prepare`` with the same parameters (``params`` may differ from
+        them only in ``n`` and ``seed``, as the fan-out of n > 1 does): they are not checked again."""
         self._check_alive()
         with self._lock:
             if self.max_waiting_requests is not None:
@@ -110,7 +111,7 @@ class AsyncEngine:
             self._num_pending_adds += 1
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._send(_Add(request_id, prompt_token_ids, prompt, params, stream))
+        self._send(_Add(request_id, ProcessedPrompt(prompt_token_ids, prompt, params), stream))
         if not self.is_alive:
             # The loop died after the check above, possibly before it could see this stream to fail it:
             # nothing would ever answer it. (A stream registered before the loop sets ``dead`` is failed by it.)
@@ -197,9 +198,7 @@ class AsyncEngine:
             with self._lock:
                 self._num_pending_adds -= 1
             try:
-                self.engine.add_request({"prompt_token_ids": command.prompt_token_ids}, command.params,
-                                        request_id=command.request_id)
-                self.engine.scheduler.requests[command.request_id].prompt = command.prompt
+                self.engine.add_processed(command.prompt, request_id=command.request_id)
             except KVServeError as exc:  # one request's problem, never the loop's
                 command.stream.put(exc)
             except ValueError as exc:
@@ -207,5 +206,5 @@ class AsyncEngine:
             self._stats = self.engine.stats()
 
     def _abort_everything(self) -> None:
-        for request_id in list(self.engine.scheduler.requests):
+        for request_id in self.engine.unfinished_request_ids():
             self.engine.abort_request(request_id)

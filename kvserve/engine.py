@@ -1,7 +1,13 @@
 """The engine step loop (the only joint of scheduler and runner) and the offline ``LLM`` API.
 
-One step:  out = scheduler.schedule();  result = runner.execute(out);  scheduler.update(out, result);
-then detokenise the new tokens, apply stop strings, and hand back a RequestOutput per updated request.
+One step::
+
+    out = scheduler.schedule()                  what runs, and the KV transfers to and from the tiers
+    result = runner.execute(out)                the forward, sampling and speculative verification
+    step = output_processor.process(scheduler.update(out, result))    tokens in; text, stop strings out
+    scheduler.finish_requests(step.updates)     every request that ends, ends here
+
+Requests come in through the input processor, which validates and tokenises them on the caller's side.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from typing import Any
 
 import torch
 
-from kvserve.batch import SchedulerOutput
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import TieredKVStore
 from kvserve.config import (
@@ -25,12 +30,13 @@ from kvserve.config import (
     StorageConfig,
     speculative_config_from_dict,
 )
-from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest, InvalidSamplingParams
+from kvserve.errors import InvalidRequest
+from kvserve.input_processor import InputProcessor, PromptType
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.ops import select_argmax
 from kvserve.model.registry import build_model
-from kvserve.request import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
+from kvserve.output_processor import OutputProcessor
+from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams
 from kvserve.runner.device import resolve_device, resolve_dtype
 from kvserve.runner.kv_memory import allocate_kv_caches, num_blocks_for
 from kvserve.runner.kv_transfer import block_nbytes, block_shape
@@ -43,7 +49,7 @@ from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
+__all__ = ["LLM", "Engine", "EngineStats", "PromptType", "expand_n"]
 
 
 @dataclass(slots=True)
@@ -107,13 +113,9 @@ class Engine:
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self._num_prompt_tokens_computed = 0
-        self._num_generated_tokens = 0
-        self._num_steps = 0
-        self._busy_time = 0.0
-        self._next_sweep = time.monotonic() + (self.tiers.sweep_interval_s if self.tiers else 0.0)
 
     def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
         """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""
@@ -142,41 +144,6 @@ class Engine:
         return limit
 
     # --- requests -------------------------------------------------------------------------------------------
-    def check_text_fits(self, text: str) -> None:
-        """Refuse, before tokenizing it, a text too long to fit the context however it tokenizes: megabytes
-        of prompt took seconds to tokenize only to be refused. The factor 4 leaves room for normalizers
-        that compose characters (NFC) before the tokens are cut."""
-        limit = self.max_model_len
-        most = 4 * limit * self.tokenizer.max_token_chars
-        if len(text) > most:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(text)} characters; this model's maximum context length is {limit} tokens, "
-                f"and no more than {most} characters can fit in them"
-            )
-
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise EmptyPrompt()
-            self.check_text_fits(prompt)
-            return self.tokenizer.encode(prompt), prompt
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                token_ids = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
-            else:
-                raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-        else:
-            token_ids = prompt
-        token_ids = list(token_ids)
-        if not token_ids:
-            raise EmptyPrompt()
-        vocab = self.arch.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        return token_ids, None
-
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:
@@ -184,9 +151,11 @@ class Engine:
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidRequest("Engine.add_request takes n == 1; use LLM.generate or the server for n > 1", "n")
-        self.check_params(params)
-        token_ids, text = self.tokenize_prompt(prompt)
-        self.check_context(len(token_ids), params.max_tokens)
+        return self.add_processed(self.input_processor.process(prompt, params), request_id)
+
+    def add_processed(self, processed: ProcessedPrompt, request_id: str | None = None) -> Request:
+        """Queue a prompt the input processor has validated and tokenised (n == 1)."""
+        token_ids, params = processed.prompt_token_ids, processed.sampling_params
         max_total = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
         order = next(self._ids)
         request = Request(
@@ -197,164 +166,39 @@ class Engine:
             max_total_tokens=max_total,
             arrival_order=order,
             hash_extra=self._hash_extra,
-            prompt=text,
+            prompt=processed.prompt,
         )
         self.scheduler.add_request(request)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
+        self.output_processor.add_request(request)
         return request
-
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check on its own: token ids against this model's vocabulary."""
-        vocab = self.arch.vocab_size
-        outside = [token for token, _ in params.logit_bias if token >= vocab]
-        if outside:
-            raise InvalidSamplingParams(f"logit_bias token ids must be < {vocab} (the vocabulary size), got "
-                                        f"{outside[0]}", param="logit_bias")
-
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise ContextLengthExceeded(
-                f"the prompt has {num_prompt_tokens} tokens but this model's maximum context length is {limit} "
-                f"tokens, which must also fit at least one generated token"
-            )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise ContextLengthExceeded(
-                f"this model's maximum context length is {limit} tokens; the prompt has {num_prompt_tokens} "
-                f"tokens and max_tokens asks for {max_tokens} more ({num_prompt_tokens + max_tokens} in total)",
-                param="max_tokens",
-            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id)
-        if request is None:
-            return None
-        if self.tiers is not None:
-            self._tier_upkeep()
-        # Text held back for a possible stop string is final now: send it, so the streamed deltas add up
-        # to the output's text, as they do for every other way a request ends.
-        return self._make_output(request, [], self._detokenizers[request.request_id].flush())
+        return self.output_processor.abort(request) if request is not None else None
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.unfinished_request_ids()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or KV still to copy out for the tiers (the next step does it)."""
+        return self.scheduler.has_unfinished() or self.kv_manager.has_pending_transfers
 
     # --- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if out.is_empty:
-            if out.kv_offloads:
-                self._transfer_only(out)
-            # Only requests whose prefix is still being read from disk or Redis: wait for it, don't spin.
-            self.kv_manager.wait_for_fetches(timeout_s=0.01)
-            return []
-        t0 = time.perf_counter()
         result = self.runner.execute(out)
-        self._busy_time += time.perf_counter() - t0
-        self._num_steps += 1
-        if result.offloaded:
-            self.kv_manager.store_offloaded(result.offloaded)
-        updated = self.scheduler.update(out, result)
-        for scheduled in out.scheduled:
-            request = self.scheduler.requests.get(scheduled.request_id)
-            prompt_left = (request.num_prompt_tokens if request else 0) - scheduled.start_position
-            self._num_prompt_tokens_computed += max(0, min(len(scheduled.token_ids), prompt_left))
-        outputs = [self._process_new_tokens(request, num_new) for request, num_new in updated]
-        self._num_generated_tokens += sum(len(output.delta_token_ids) for output in outputs)
-        if self.tiers is not None:
-            self._tier_upkeep()  # after stop strings: they finish requests too
-        return outputs
+        step = self.output_processor.process(self.scheduler.update(out, result))
+        self.scheduler.finish_requests(step.updates)
+        return step.outputs
 
-    def _tier_upkeep(self) -> None:
-        """After a step: with nothing left to run, copy out what is queued for the tiers now (write_through
-        queues blocks as they fill; they would otherwise wait for the next request); now and then, drop
-        expired entries."""
-        if self.kv_manager.has_pending_transfers and not self.scheduler.has_unfinished():
-            loads, offloads = self.kv_manager.take_transfers()
-            assert not loads, "loads are only queued by an admission"
-            self._transfer_only(SchedulerOutput(kv_offloads=offloads))
-        now = time.monotonic()
-        if now >= self._next_sweep:
-            assert self.tiers is not None
-            self.tiers.sweep()
-            self._next_sweep = now + self.tiers.sweep_interval_s
-
-    def _transfer_only(self, out: SchedulerOutput) -> None:
-        result = self.runner.execute(out)
-        self.kv_manager.store_offloaded(result.offloaded)
+    def wait_for_tier_writes(self) -> None:
+        """Block until the KV queued for disk and Redis is written (offline callers; tests)."""
+        self.kv_manager.wait_for_tier_writes()
 
     def close(self) -> None:
         """Persist cached KV to the tiers that outlive the process (disk, Redis), then release the tiers,
         so a restarted server finds today's prefixes even under the write_back policy."""
-        if self.tiers is None:
-            return
-        t0 = time.perf_counter()
-        blocks = self.kv_manager.blocks_to_persist()
-        payloads = self.runner.read_blocks([block_id for block_id, _ in blocks]) if blocks else []
-        self.tiers.persist([(block_hash, payload) for (_, block_hash), payload in zip(blocks, payloads, strict=True)])
-        logger.info("persisted %d cached blocks in %.1fs", len(blocks), time.perf_counter() - t0)
-        self.tiers.close()
-
-    def _process_new_tokens(self, request: Request, num_new: int) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
-        new_ids = request.all_token_ids[-num_new:]
-        # One token at a time (a step may bring accepted drafts), so a stop string ends the output where
-        # plain decoding would.
-        delta = ""
-        # Stop strings count only from min_tokens on (as in vLLM); stop tokens are held back by the sampler.
-        num_before = request.num_output_tokens - num_new
-        min_tokens = request.sampling_params.min_tokens
-        ended_later = False
-        for i, token_id in enumerate(new_ids):
-            delta += detok.add_tokens([token_id], check_stop=num_before + i + 1 >= min_tokens)
-            if detok.stopped is not None:
-                # A later token of the step (an accepted draft) may have ended the request (length, EOS):
-                # plain decoding would have stopped at the string first.
-                ended_later = i + 1 < num_new
-                if ended_later:
-                    request.truncate(request.num_tokens - (num_new - i - 1))
-                    new_ids = new_ids[: i + 1]
-                break
-        if detok.stopped is not None:
-            if not request.is_finished:
-                self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop_reason=detok.stopped)
-            elif ended_later or request.finish_reason == FinishReason.LENGTH:
-                # The string ended on the token that also reached max_tokens: a stop string wins over the
-                # length limit, as in vLLM. (A stop token on that same token keeps its own stop_reason.)
-                request.finish_reason, request.stop_reason = FinishReason.STOP, detok.stopped
-        if request.is_finished and detok.stopped is None:
-            delta += detok.flush()
-        return self._make_output(request, new_ids, delta)
-
-    def _make_output(self, request: Request, new_ids: list[int], delta: str) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
-        if request.is_finished:
-            del self._detokenizers[request.request_id]
-        reason = request.finish_reason.value if request.finish_reason is not None else None
-        completion = CompletionOutput(
-            index=0,
-            text=detok.text,
-            token_ids=request.output_token_ids,
-            finish_reason=reason,
-            stop_reason=request.stop_reason,
-            logprobs=request.output_logprobs,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=request.metrics,
-            delta_text=delta,
-            delta_token_ids=new_ids,
-        )
+        self.kv_manager.close(self.runner.read_blocks)
 
     # --- observability ----------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -372,13 +216,13 @@ class Engine:
             num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
-            num_prompt_tokens_computed=self._num_prompt_tokens_computed,
-            num_generated_tokens=self._num_generated_tokens,
-            num_steps=self._num_steps,
-            busy_time_s=self._busy_time,
+            num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            num_generated_tokens=self.output_processor.num_generated_tokens,
+            num_steps=self.runner.num_steps,
+            busy_time_s=self.runner.busy_time_s,
             cached_tokens_by_tier=dict(kv.stats.hits_by_tier),
-            tiers=self.tiers.stats() if self.tiers is not None else {},
-            tiers_healthy=self.tiers.healthy() if self.tiers is not None else {},
+            tiers=kv.tiers.stats(),
+            tiers_healthy=kv.tiers.healthy(),
         )
 
     def check_invariants(self) -> None:
@@ -480,10 +324,12 @@ class LLM:
             raise
 
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(added):
+        while len(final) < len(added) or self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:
                     final[output.request_id] = output
+        # An offline batch is done when its KV is where the tiers keep it, as after a synchronous write.
+        self.engine.wait_for_tier_writes()
         return [self._merge([final[rid] for rid in ids]) for ids in groups]
 
     @staticmethod

@@ -280,6 +280,36 @@ class Request:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    """A prompt validated and tokenised once, on the caller's side, ready for the engine to queue."""
+
+    prompt_token_ids: list[int]
+    prompt: str | None  # the text it came from, when it came as text
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """How a request ends. ``num_tokens``: the sequence is cut to its first ``num_tokens`` tokens first (a stop
+    string ended it before the last token a step brought)."""
+
+    reason: FinishReason
+    stop_reason: int | str | None = None
+    num_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """A request that got tokens this step: how many, and how it ends if it does (the scheduler's own checks:
+    EOS, stop tokens, length; the output processor may replace it with a stop string's). Nothing is finished
+    until the scheduler applies the final decisions."""
+
+    request: Request
+    num_new_tokens: int
+    finish: Finish | None = None
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int

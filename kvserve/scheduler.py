@@ -9,6 +9,10 @@ admitted request has its tokens, and only the accepted ones count as computed.
 
 When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue to be recomputed, so the oldest request always makes progress.
+
+A step is ``schedule()`` -> the runner -> ``update(out, result)``, which appends the sampled tokens and says
+how each request would end (EOS, stop tokens, length); the output processor may replace that with a stop
+string's decision, and ``finish_requests`` applies the final ones: every request ends here, in one place.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from kvserve.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.cache.kv_manager import EMPTY_HIT, KVCacheManager, PrefixHit
 from kvserve.config import SchedulerConfig
-from kvserve.request import FinishReason, Request, RequestStatus
+from kvserve.request import Finish, FinishReason, Request, RequestStatus, StepUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._forget: list[str] = []  # request ids the runner must drop at the next step
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens whose KV was computed (recomputations included)
         self.num_draft_tokens = 0  # speculative tokens verified, and of those accepted
         self.num_accepted_draft_tokens = 0
 
@@ -61,6 +66,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
     def abort_request(self, request_id: str) -> Request | None:
         """Stop a request wherever it is; its blocks are freed at once."""
         request = self.requests.get(request_id)
@@ -69,12 +77,17 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return request
 
-    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        """Finish a request from outside (a stop string matched in the detokenised text)."""
-        request = self.requests.get(request_id)
-        if request is not None:
-            request.stop_reason = stop_reason
-            self._finish(request, reason)
+    def finish_requests(self, updates: list[StepUpdate]) -> None:
+        """Apply a step's final decisions: every update that carries a ``Finish`` ends its request."""
+        for update in updates:
+            finish = update.finish
+            request = update.request
+            if finish is None or request.is_finished:
+                continue
+            if finish.num_tokens is not None and finish.num_tokens < request.num_tokens:
+                request.truncate(finish.num_tokens)
+            request.stop_reason = finish.stop_reason
+            self._finish(request, finish.reason)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -185,6 +198,7 @@ class Scheduler:
             drafts = request.draft_token_ids[: min(budget, request.max_draft_tokens(), room)]
             if drafts and self.kv.allocate(request, 1 + len(drafts)):
                 scheduled.draft_token_ids = drafts
+                scheduled.block_ids = list(request.block_ids)  # with the blocks the drafts' KV goes into
                 budget -= len(drafts)
                 if budget == 0:
                     return
@@ -207,7 +221,7 @@ class Scheduler:
                 request.request_id,
                 request.all_token_ids[start : start + num_new],
                 start,
-                request.block_ids,
+                list(request.block_ids),  # a copy: the runner sees this step's table, whatever changes after
                 start + num_new == request.num_tokens,
             )
         )
@@ -225,22 +239,28 @@ class Scheduler:
         self._drop_from_runner(request.request_id)
 
     # --- results --------------------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
-        """Apply a step's results; returns the requests that got new tokens (some now finished), each with
-        how many it got (more than one when drafts were accepted)."""
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[StepUpdate]:
+        """Apply a step's results: computed tokens, sampled and accepted tokens, the KV the runner copied out
+        for the tiers. Returns the requests that got new tokens, each with how many (more than one when
+        drafts were accepted) and how it ends, if it does; ``finish_requests`` applies the endings."""
         now = self.clock()
-        self.kv.mark_step_computed()
-        updated: list[tuple[Request, int]] = []
+        self.kv.step_done(result.offloaded)
+        if out.is_empty:
+            # Nothing ran: only prefixes being read from disk or Redis are left. Wait for one, don't spin.
+            self.kv.wait_for_fetches(timeout_s=0.01)
+        updates: list[StepUpdate] = []
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             num_new = len(scheduled.token_ids)
-            request.num_computed_tokens += num_new
             metrics = request.metrics
-            if request.num_computed_tokens - num_new < request.num_prompt_tokens:
+            prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+            if prompt_left > 0:
                 metrics.num_prefill_chunks += 1
                 metrics.num_prefill_tokens_computed += num_new
+                self.num_prompt_tokens_computed += min(num_new, prompt_left)
+            request.num_computed_tokens += num_new
             if not scheduled.sample:
                 continue
             rid = request.request_id
@@ -260,34 +280,32 @@ class Scheduler:
                 metrics.num_decode_steps += 1
             metrics.last_token_time = now
             metrics.token_times.append(now)
-            updated.append((request, self._append_tokens(request, new_token_ids, result.logprobs.get(rid, {}))))
-        return updated
+            updates.append(self._append_tokens(request, new_token_ids, result.logprobs.get(rid, {})))
+        return updates
 
-    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, float]) -> int:
-        """Append a step's new tokens up to the first one that ends the request; returns how many went in."""
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, float]) -> StepUpdate:
+        """Append a step's new tokens up to the first one that ends the request."""
         for count, token_id in enumerate(token_ids, 1):
             request.append_token(token_id)
             if request.output_logprobs is not None:
                 request.output_logprobs.append(logprobs)  # logprob requests get one token a step
-            reason = self._check_stop(request, token_id)
-            if reason is not None:
+            finish = self._check_stop(request, token_id)
+            if finish is not None:
                 # Tokens after a stop are dropped; the KV of accepted drafts past it with them.
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                self._finish(request, reason)
-                return count
-        return len(token_ids)
+                return StepUpdate(request, count, finish)
+        return StepUpdate(request, len(token_ids))
 
     @staticmethod
-    def _check_stop(request: Request, token_id: int) -> FinishReason | None:
+    def _check_stop(request: Request, token_id: int) -> Finish | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
-                return FinishReason.STOP
+                return Finish(FinishReason.STOP)
             if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return FinishReason.STOP
+                return Finish(FinishReason.STOP, stop_reason=token_id)
         if request.num_tokens >= request.max_total_tokens:
-            return FinishReason.LENGTH
+            return Finish(FinishReason.LENGTH)
         return None
 
     def check_invariants(self) -> None:

@@ -26,7 +26,7 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
     steps = 0
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
         steps += 1
         assert steps < max_steps, "no progress"
@@ -46,7 +46,7 @@ def test_chunked_prefill_respects_budget_and_mixes_decodes() -> None:
         lens = {s.request_id: len(s.token_ids) for s in out.scheduled}
         if lens.get("short") == 1 and lens.get("long", 0) > 1:
             mixed = True
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
     assert mixed, "a decode never shared a step with a prefill chunk"
     assert short.output_token_ids == reference_continuation([1, 2, 3], 10)
@@ -62,7 +62,7 @@ def test_preemption_recomputes_and_oldest_finishes_first() -> None:
     finished_order = []
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
         finished_order += [r.request_id for r in requests if r.is_finished and r.request_id not in finished_order]
     assert scheduler.num_preemptions > 0
@@ -94,11 +94,11 @@ def test_running_requests_share_blocks_physically() -> None:
     scheduler.add_request(first)
     for _ in range(2):  # prefill + one decode: first's prompt blocks are now in the tree
         out = scheduler.schedule()
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     second = make_request("b", shared + [2], 20, order=1)
     scheduler.add_request(second)
     out = scheduler.schedule()
-    scheduler.update(out, runner.execute(out))
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     assert second.num_cached_tokens == 32
     assert first.block_ids[:8] == second.block_ids[:8]
     assert all(scheduler.kv.pool.ref_counts[b] == 2 for b in first.block_ids[:8])
@@ -115,11 +115,11 @@ def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:
         scheduler.add_request(request)
     out = scheduler.schedule()
     assert [(s.request_id, s.start_position, len(s.token_ids)) for s in out.scheduled] == [("r0", 0, 48)]
-    scheduler.update(out, runner.execute(out))
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     out = scheduler.schedule()  # r0's last 14 tokens, then the others on the blocks r0 fills in this step
     assert [(s.request_id, s.start_position) for s in out.scheduled] == [("r0", 48), ("r1", 60), ("r2", 60),
                                                                         ("r3", 60)]
-    scheduler.update(out, runner.execute(out))
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     run_to_completion(scheduler, runner)
     assert [r.num_cached_tokens for r in requests] == [0, 60, 60, 60]
     assert runner.num_computed_tokens == 62 + 3 * 2 + 4 * 1  # the prefix once, the suffixes, one decode each
@@ -132,7 +132,7 @@ def test_abort_frees_blocks_immediately() -> None:
     request = make_request("a", list(range(10)), 50)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    scheduler.update(out, runner.execute(out))
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     assert scheduler.kv.pool.num_used > 0
     scheduler.abort_request("a")
     assert scheduler.kv.pool.num_used == 0
@@ -151,7 +151,7 @@ def test_lpm_prefers_cached_prefix_but_ages() -> None:
         scheduler.add_request(request)
     out = scheduler.schedule()
     assert [s.request_id for s in out.scheduled] == ["hot"]
-    scheduler.update(out, runner.execute(out))
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     run_to_completion(scheduler, runner)
     assert all(r.is_finished for r in cold)
 
@@ -183,7 +183,7 @@ def test_random_add_abort_step_keeps_accounting_and_outputs(ops, num_blocks, bud
         else:
             for _ in range(a):
                 out = scheduler.schedule()
-                scheduler.update(out, runner.execute(out))
+                scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
     run_to_completion(scheduler, runner)
     pool = scheduler.kv.pool

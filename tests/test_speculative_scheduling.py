@@ -32,7 +32,7 @@ def run(scheduler: Scheduler, runner: FakeRunner) -> int:
             scheduler.config.max_num_batched_tokens)
         for s in out.scheduled:
             assert not s.draft_token_ids or len(s.token_ids) == 1, "drafts only ride on a decode"
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
         steps += 1
         assert steps < 10_000
@@ -78,7 +78,7 @@ def test_max_tokens_caps_the_drafts() -> None:
             out = scheduler.schedule()
             for s in out.scheduled:
                 assert r.num_tokens + len(s.draft_token_ids) < r.max_total_tokens or not s.draft_token_ids
-            scheduler.update(out, runner.execute(out))
+            scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
             scheduler.check_invariants()
         assert r.output_token_ids == reference_continuation([1, 2, 3, 4, 5], max_tokens)
         assert r.finish_reason is FinishReason.LENGTH
@@ -111,7 +111,7 @@ def test_a_small_budget_cuts_drafts_not_decodes(budget: int) -> None:
         assert {s.request_id for s in out.scheduled} == {r.request_id for r in scheduler.running}
         assert out.num_batched_tokens + sum(len(s.draft_token_ids) for s in out.scheduled) <= budget
         num_drafts += sum(len(s.draft_token_ids) for s in out.scheduled)
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
     assert (num_drafts > 0) == (budget > 3)
     assert [r.output_token_ids for r in requests] == [reference_continuation([i + 1], 12) for i in range(3)]
@@ -138,7 +138,7 @@ def test_drafts_never_preempt_another_request() -> None:
         scheduler.add_request(r)
     for _ in range(2):
         out = scheduler.schedule()
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
     assert all(r.draft_token_ids for r in requests), "the runner proposed drafts"
     assert not any(s.draft_token_ids for s in out.scheduled) and len(out.scheduled) == 2
@@ -156,7 +156,7 @@ def test_drafts_never_take_the_block_another_decode_needs() -> None:
         scheduler.add_request(r)
     for _ in range(2):
         out = scheduler.schedule()
-        scheduler.update(out, runner.execute(out))
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
         scheduler.check_invariants()
     assert a.metrics.num_draft_tokens == 0 and b.num_output_tokens >= 2, "b decoded; a's drafts got no block"
     assert scheduler.num_preemptions == 0

@@ -18,7 +18,11 @@ framing accepted, e.g. from an in-process host tier fed by a buggy writer) is a 
 A lower-tier hit is trusted on the 128-bit chained block hash plus the namespace (model fingerprint,
 dtype, block size, layout): unlike the device tree, the token ids are not stored with the payload.
 
-Single-threaded by design: the engine loop is the only caller.
+Each tier store guards itself with its own lock, so the methods that touch only the stores (``fetch``,
+``locate``, ``write_lower``, ``write_down``, ``sweep``) may run on worker threads while the engine loop
+goes on; the rest (``put_host``, ``finish``, the admission counters) belong to the engine loop
+(cache/tier_coordinator.py says which thread does what). ``put_blocks`` and ``lookup_run`` do it all at
+once, synchronously.
 """
 
 from __future__ import annotations
@@ -86,25 +90,37 @@ class TieredKVStore:
 
     # --- writes -------------------------------------------------------------------------------------------
     def put_blocks(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
-        """Store blocks offloaded from device memory (see the module map for where they go)."""
+        """Store blocks offloaded from device memory (see the module map for where they go), synchronously."""
+        self.write_lower(self.put_host(items))
+        self.write_down(self.take_handed_down())
+
+    def put_host(self, items: Sequence[tuple[BlockHash, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The host tier's share of ``put_blocks``; returns the entries that go straight to the lower tiers
+        (``write_lower``). What the host evicts meanwhile waits in ``take_handed_down``."""
         if not items:
-            return
+            return []
         entries = [(make_key(block_hash, self.namespace), payload) for block_hash, payload in items]
         if self.host is not None:
             self.host.put_many(entries)
-        if self.write_through or self.host is None:
-            for tier in self.lower:
-                tier.put_many(entries)
-        self._write_down()
+        return entries if (self.write_through or self.host is None) and self.lower else []
+
+    def write_lower(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
+        for tier in self.lower:
+            tier.put_many(entries)
 
     def _on_host_evict(self, key: bytes, value: bytes) -> None:
         # Called synchronously inside host.put_many; batched into one put_many per lower tier afterwards.
         self._handed_down.append((key, value))
 
-    def _write_down(self) -> None:
-        if not self._handed_down:
-            return
+    def take_handed_down(self) -> list[tuple[bytes, bytes]]:
+        """Entries the host tier evicted since the last call, for ``write_down``."""
         items, self._handed_down = self._handed_down, []
+        return items
+
+    def write_down(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Write entries the host tier evicted to the lower tiers."""
+        if not items:
+            return
         for tier in self.lower:
             if tier is self.disk:
                 # A block promoted from disk into the host is still on disk: don't rewrite the file.
@@ -116,6 +132,11 @@ class TieredKVStore:
                 tier.put_many(todo)
 
     # --- reads --------------------------------------------------------------------------------------------
+    @property
+    def remote(self) -> bool:
+        """Whether a tier is across the network (Redis): even asking it for presence is a round trip."""
+        return self.redis is not None
+
     def holds(self, block_hash: BlockHash) -> bool:
         """Whether the first local tier already holds a block (cheap, no I/O): an eviction can skip it."""
         tier = self.host if self.host is not None else self.disk
@@ -125,7 +146,9 @@ class TieredKVStore:
         """The longest run of blocks, from ``block_hashes[0]`` on, that the tiers can load: (tier, payload)
         per block. Synchronous: ``locate``, ``fetch``, ``finish``."""
         owners = self.locate(block_hashes)
-        return self.finish(block_hashes, owners, self.fetch(block_hashes, owners)) if owners else []
+        found = self.finish(block_hashes, owners, self.fetch(block_hashes, owners)) if owners else []
+        self.write_down(self.take_handed_down())
+        return found
 
     def locate(self, block_hashes: Sequence[BlockHash]) -> list[KVStore]:
         """Which tier holds each block of the longest present run (presence asked of each tier in order,
@@ -164,7 +187,8 @@ class TieredKVStore:
     def finish(self, block_hashes: Sequence[BlockHash], owners: Sequence[KVStore],
                payloads: Sequence[bytes | None]) -> list[tuple[str, bytes]]:
         """On the engine loop: drop payloads of the wrong size, cut the run at the first missing block, and
-        promote what came from below into the host tier."""
+        promote what came from below into the host tier (what that pushes out waits in
+        ``take_handed_down``)."""
         keys = [make_key(h, self.namespace) for h in block_hashes[: len(owners)]]
         checked: list[bytes | None] = list(payloads)
         for i, payload in enumerate(checked):
@@ -181,7 +205,6 @@ class TieredKVStore:
             promote = [(keys[i], checked[i]) for i in range(end) if owners[i] is not self.host]
             if promote:
                 self.host.put_many(promote)  # type: ignore[arg-type]
-                self._write_down()
         return found  # type: ignore[return-value]
 
     def record_admission(self, num_query_tokens: int, tokens_by_tier: dict[str, int]) -> None:
@@ -229,13 +252,14 @@ class TieredKVStore:
         tier holds: called at shutdown so that write-back KV survives a restart."""
         if not self.lower:
             return
+        entries = self.take_handed_down()
         if self.host is not None:
             keys = self.host.keys()
-            self._handed_down.extend(
+            entries.extend(
                 (key, value) for key, value in zip(keys, self.host.get_many(keys), strict=True) if value is not None
             )
-        self._handed_down.extend((make_key(block_hash, self.namespace), payload) for block_hash, payload in items)
-        self._write_down()
+        entries.extend((make_key(block_hash, self.namespace), payload) for block_hash, payload in items)
+        self.write_down(entries)
 
     def close(self) -> None:
         for tier in self.tiers:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvserve.batch import RunnerOutput, SchedulerOutput
@@ -38,14 +40,26 @@ class ModelRunner:
         self.proposer = proposer
         self.propose_below_batch_size = propose_below_batch_size  # None: at any batch size
         self.block_versions = BlockVersions()
+        self.num_steps = 0  # steps that ran a forward, and the time they took
+        self.busy_time_s = 0.0
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """KV of whole blocks as bytes (for the storage tiers)."""
         return read_blocks(self.kv_caches, block_ids)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """KV transfers, then the forward and sampling of the scheduled tokens (none: transfers only)."""
+        if out.is_empty:
+            return self._execute(out)
+        t0 = time.perf_counter()
+        result = self._execute(out)
+        self.busy_time_s += time.perf_counter() - t0
+        self.num_steps += 1
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         result = RunnerOutput()
         # KV transfers first, in this order: an offloaded block may be reused by a load or by this forward.
         if out.kv_offloads:

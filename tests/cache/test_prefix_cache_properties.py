@@ -29,7 +29,7 @@ def make_request(rid: int, tokens: list[int]) -> Request:
 def tree_tails(kv: KVCacheManager) -> set[tuple[int, ...]]:
     """The sequence each tail holds KV for: its node's prefix, then its own tokens."""
     out: set[tuple[int, ...]] = set()
-    stack = [(kv.tree.root, ())]
+    stack = [(kv.prefix_cache.tree.root, ())]
     while stack:
         node, prefix = stack.pop()
         full = prefix + tuple(node.token_ids)
@@ -48,7 +48,7 @@ def common_start(a: tuple[int, ...], b: list[int]) -> int:
 def tree_prefixes(kv: KVCacheManager) -> set[tuple[int, ...]]:
     """Every block-aligned prefix the tree holds."""
     out: set[tuple[int, ...]] = set()
-    stack = [(kv.tree.root, ())]
+    stack = [(kv.prefix_cache.tree.root, ())]
     while stack:
         node, prefix = stack.pop()
         for i in range(len(node.block_ids)):
@@ -114,8 +114,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n: int) -> None:
-        evictable = self.kv.tree.num_evictable_blocks()
-        evicted = self.kv.tree.evict(n)
+        evictable = self.kv.prefix_cache.tree.num_evictable_blocks()
+        evicted = self.kv.prefix_cache.tree.evict(n)
         assert evicted == min(n, evictable)
         self.sync_after_eviction()
 

@@ -187,24 +187,19 @@ class Harness:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        if out.is_empty:
-            self.kv.wait_for_fetches(0.01)  # as Engine.step does: only lower-tier reads are in flight
         result = self.runner.execute(out)
-        self.kv.store_offloaded(result.offloaded)
-        self.scheduler.update(out, result)
+        self.scheduler.finish_requests(self.scheduler.update(out, result))
         self.scheduler.check_invariants()
         return out
 
     def run(self, max_steps: int = 5_000) -> None:
         steps = 0
-        while self.scheduler.has_unfinished():
+        # Until nothing is left to run and nothing to copy out for the tiers, as Engine.has_unfinished_requests
+        while self.scheduler.has_unfinished() or self.kv.has_pending_transfers:
             self.step()
             steps += 1
             assert steps < max_steps, "no progress"
-        if self.kv.has_pending_transfers:  # what Engine does when it goes idle
-            loads, offloads = self.kv.take_transfers()
-            assert not loads
-            self.kv.store_offloaded(self.runner.execute(SchedulerOutput(kv_offloads=offloads)).offloaded)
+        self.kv.wait_for_tier_writes()
 
 
 def prompt_of(seed: int, length: int) -> list[int]:
@@ -272,8 +267,8 @@ def test_device_hit_continues_into_the_host_tier() -> None:
     hx.run()
     # The partly filled block after the prefix (the request's 33rd token and output) goes first, then the
     # last three blocks of the prefix (LRU tail first).
-    assert hx.kv.tree.num_tail_blocks == 1
-    hx.kv.tree.evict(4)
+    assert hx.kv.prefix_cache.tree.num_tail_blocks == 1
+    hx.kv.prefix_cache.tree.evict(4)
     hx.run()  # nothing runs: the queued offloads are flushed as Engine does when idle
     second = hx.add(shared + [5])
     hx.run()
@@ -335,7 +330,7 @@ def test_allocation_failure_with_a_tier_hit_releases_everything_and_loads_nothin
     reads = tiers.host.stats().load_count
     out = hx.step()
     assert waiting.status.value == "waiting" and not out.kv_loads
-    assert not hx.kv.pending_loads and waiting.block_ids == []
+    assert not hx.kv.tiers.pending_load_block_ids() and waiting.block_ids == []
     hx.step()
     assert waiting.status.value == "waiting"
     assert tiers.host.stats().load_count == reads + 1  # looked up at every step, read from the tier once
@@ -377,7 +372,7 @@ def test_concurrent_requests_share_loaded_blocks() -> None:
     shared = prompt_of(10, 24)
     hx.add(shared + [1])
     hx.run()
-    hx.kv.tree.evict(100)
+    hx.kv.prefix_cache.tree.evict(100)
     hx.run()
     a, b = hx.add(shared + [2]), hx.add(shared + [3])
     out = hx.step()

@@ -100,14 +100,14 @@ def test_next_turn_takes_over_the_partly_filled_last_block(system_prompt_ids) ->
     while engine.has_unfinished_requests():
         engine.step()
     computed = len(first) + 8  # the last output token is never fed back
-    (tail,) = engine.kv_manager.tree.tail_blocks()
+    (tail,) = engine.kv_manager.prefix_cache.tree.tail_blocks()
     assert list(tail.token_ids) == a.all_token_ids[computed // 16 * 16 : computed]
     second = first + list(a.output_token_ids) + tok.encode(" And after that?", add_special_tokens=False)
     b = engine.add_request({"prompt_token_ids": second}, params)
     engine.step()
     assert b.num_cached_tokens == computed  # 16-token blocks alone would give computed // 16 * 16
     assert b.block_ids[computed // 16] == tail.block_id
-    assert engine.kv_manager.tree.num_tail_blocks == 0
+    assert engine.kv_manager.prefix_cache.tree.num_tail_blocks == 0
     engine.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()

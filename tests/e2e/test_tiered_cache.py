@@ -223,7 +223,7 @@ def test_retention_expires_entries_in_every_tier(prompts, reference, tmp_path, r
     assert stats["host"].entries == 0 and stats["disk"].entries == 0
     assert stats["host"].expirations == 4 and stats["disk"].expirations == 4
     assert not list(disk_dir.rglob("*.kv")) and client.keys("kvserve:*") == []
-    llm.engine.kv_manager.tree.evict(POOL_BLOCKS)
+    llm.engine.kv_manager.prefix_cache.tree.evict(POOL_BLOCKS)
     out = gen(llm, prompts["P"])
     assert by_tier(out) == {} and out.outputs[0].token_ids == reference["P"]
     client.close()

@@ -17,8 +17,21 @@ import pytest
 from kvserve.async_engine import AsyncEngine
 from kvserve.config import ServerConfig
 from kvserve.engine import EngineStats
-from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from kvserve.request import CompletionOutput, ProcessedPrompt, RequestMetrics, RequestOutput, SamplingParams
 from kvserve.server.openai_api import build_app
+
+
+class PassThroughInputs:
+    """Token-id prompts taken as they are: this engine has no tokenizer."""
+
+    def process(self, prompt: object, params: SamplingParams) -> ProcessedPrompt:
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt_token_ids"]
+        assert isinstance(prompt, list)
+        return ProcessedPrompt(list(prompt), None, params)
+
+    def check_text_fits(self, text: str) -> None:
+        pass
 
 
 class FailingEngine:
@@ -30,6 +43,7 @@ class FailingEngine:
         self.fail_after = fail_after
         self.num_steps = 0
         self.scheduler = SimpleNamespace(requests={})
+        self.input_processor = PassThroughInputs()
 
     def stats(self) -> EngineStats:
         n = len(self.scheduler.requests)
@@ -38,24 +52,14 @@ class FailingEngine:
                            prefix_cache_queries=0, prefix_cache_hits=0, num_prompt_tokens_computed=0,
                            num_generated_tokens=0, num_steps=self.num_steps, busy_time_s=0.0)
 
-    def tokenize_prompt(self, prompt: object) -> tuple[list[int], str | None]:
-        if isinstance(prompt, dict):
-            prompt = prompt["prompt_token_ids"]
-        assert isinstance(prompt, list)
-        return list(prompt), None
-
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        pass
-
-    def check_params(self, params: SamplingParams) -> None:
-        pass
-
-    def add_request(self, prompt: object, params: SamplingParams, request_id: str) -> None:
-        token_ids, _ = self.tokenize_prompt(prompt)
-        self.scheduler.requests[request_id] = SimpleNamespace(prompt=None, token_ids=token_ids)
+    def add_processed(self, processed: ProcessedPrompt, request_id: str) -> None:
+        self.scheduler.requests[request_id] = SimpleNamespace(prompt=None, token_ids=processed.prompt_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
 
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1

@@ -1,0 +1,86 @@
+"""Validate and tokenise a request once, on the caller's side, before anything is queued.
+
+Bad input raises a typed error here, in the caller's thread (the HTTP handler's, or ``LLM.generate``'s), and
+the engine loop only ever sees a ``ProcessedPrompt`` it can queue as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest, InvalidSamplingParams
+from kvserve.request import ProcessedPrompt, SamplingParams
+from kvserve.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Check the parameters against this model, tokenise the prompt and check that it fits."""
+        self.check_params(params)
+        token_ids, text = self.tokenize_prompt(prompt)
+        self.check_context(len(token_ids), params.max_tokens)
+        return ProcessedPrompt(token_ids, text, params)
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context however it tokenizes: megabytes
+        of prompt took seconds to tokenize only to be refused. The factor 4 leaves room for normalizers
+        that compose characters (NFC) before the tokens are cut."""
+        limit = self.max_model_len
+        most = 4 * limit * self.tokenizer.max_token_chars
+        if len(text) > most:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(text)} characters; this model's maximum context length is {limit} tokens, "
+                f"and no more than {most} characters can fit in them"
+            )
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EmptyPrompt()
+            self.check_text_fits(prompt)
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        else:
+            token_ids = prompt
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise EmptyPrompt()
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        return token_ids, None
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check on its own: token ids against this model's vocabulary."""
+        vocab = self.vocab_size
+        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        if outside:
+            raise InvalidSamplingParams(f"logit_bias token ids must be < {vocab} (the vocabulary size), got "
+                                        f"{outside[0]}", param="logit_bias")
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthExceeded(
+                f"the prompt has {num_prompt_tokens} tokens but this model's maximum context length is {limit} "
+                f"tokens, which must also fit at least one generated token"
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {limit} tokens; the prompt has {num_prompt_tokens} "
+                f"tokens and max_tokens asks for {max_tokens} more ({num_prompt_tokens + max_tokens} in total)",
+                param="max_tokens",
+            )

@@ -1,0 +1,103 @@
+"""The tier coordinator keeps disk and Redis I/O off the step loop: a Redis that stops answering costs only
+the lookups and writes queued for it, never a decode step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import redis as redis_client
+
+from kvserve.cache.kv_manager import KVCacheManager
+from kvserve.cache.tier_coordinator import TierWriter
+from kvserve.cache.tiers import TieredKVStore
+from kvserve.config import SchedulerConfig, StorageConfig
+from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.scheduler import Scheduler
+from kvserve.storage.base import KeyNamespace
+from tests.conftest import RedisServer
+from tests.fake_runner import FakeRunner, payload_nbytes, reference_continuation
+
+BS = 4
+NAMESPACE = KeyNamespace("fake-model@1", "int32", BS)
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int, order: int) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   max_total_tokens=len(prompt) + max_tokens, arrival_order=order)
+
+
+def step(scheduler: Scheduler, runner: FakeRunner) -> None:
+    out = scheduler.schedule()
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
+    scheduler.check_invariants()
+
+
+def test_a_redis_that_stops_answering_does_not_stall_decoding(redis_server: RedisServer) -> None:
+    # A socket timeout far beyond the test: a call that waits for the stopped server would hang the step.
+    store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
+                          (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
+    kv = KVCacheManager(64, BS, True, store)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    runner = FakeRunner(64, BS)
+    decoding = make_request("decoding", list(range(10)), max_tokens=40, order=0)
+    scheduler.add_request(decoding)
+    while decoding.num_output_tokens < 2:  # admitted (its lookup answered) and decoding
+        step(scheduler, runner)
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        waiting = make_request("waiting", list(range(20, 32)), max_tokens=4, order=1)
+        scheduler.add_request(waiting)
+        while not decoding.is_finished:
+            step(scheduler, runner)
+        # Every decode step ran while the write-through copies (a full block every 4 tokens) and the new
+        # request's lookup were stuck on the stopped server.
+        assert decoding.output_token_ids == reference_continuation(list(range(10)), 40)
+        assert kv.tiers.num_pending_writes > 0  # type: ignore[attr-defined]
+        assert waiting.status is RequestStatus.WAITING and waiting.num_computed_tokens == 0
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    while not waiting.is_finished:
+        step(scheduler, runner)
+    assert waiting.output_token_ids == reference_continuation(list(range(20, 32)), 4)
+    assert kv.wait_for_tier_writes(timeout_s=60)
+    client = redis_client.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        # Every full block of computed KV of both requests (all tokens but the last sampled one) reached
+        # Redis once it answered again.
+        assert len(client.keys("kvserve:*")) == (10 + 40 - 1) // BS + (12 + 4 - 1) // BS
+    finally:
+        client.close()
+    kv.close(lambda block_ids: [runner.read_block(b) for b in block_ids])
+
+
+def test_tier_writer_runs_jobs_in_order_and_drain_waits_for_them() -> None:
+    release = threading.Event()
+    done: list[int] = []
+    writer = TierWriter()
+    try:
+        writer.submit(release.wait)
+        for i in range(3):
+            writer.submit(lambda i=i: done.append(i))
+        assert not writer.drain(timeout_s=0.05)  # the first job holds the rest back
+        assert writer.num_pending == 4 and done == []
+        release.set()
+        assert writer.drain(timeout_s=30)
+        assert done == [0, 1, 2] and writer.num_pending == 0
+    finally:
+        release.set()
+        writer.stop(timeout_s=5)
+
+
+def test_a_failing_write_job_is_logged_and_the_writer_goes_on(caplog) -> None:
+    writer = TierWriter()
+    done: list[str] = []
+    try:
+        writer.submit(lambda: 1 / 0)
+        writer.submit(lambda: done.append("next"))
+        assert writer.drain(timeout_s=30)
+        assert done == ["next"] and "tier write failed" in caplog.text
+    finally:
+        writer.stop(timeout_s=5)
