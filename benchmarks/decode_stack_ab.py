@@ -1,8 +1,8 @@
 """Decode steps with the fused C++ decoder stack against the Python layers, interleaved step by step; or
 (``--compare pool``) the kernels' worker threads against OpenMP's team.
 
-    python benchmarks/decode_stack_ab.py [--concurrency 1 4 16] [--output docs/decode_stack_ab.json]
-    python benchmarks/decode_stack_ab.py --compare pool [--output docs/worker_pool_ab.json]
+    python benchmarks/decode_stack_ab.py [--concurrency 1 4 16] [--output docs/results/decode-stack-ab-CPU-DATE.json]
+    python benchmarks/decode_stack_ab.py --compare pool [--output docs/results/worker-pool-ab-CPU-DATE.json]
 
 Replays the agentic workload offline (the sessions ``kvserve bench --workload agentic`` sends: one long
 system prompt with tool schemas, 64-token messages): each session's first turn with 32 output tokens, then

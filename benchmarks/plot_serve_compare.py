@@ -1,6 +1,7 @@
 """Plots and a markdown table from benchmarks/serve_compare.py's summary.json.
 
-    python benchmarks/plot_serve_compare.py bench_results/serve/summary.json docs/serve_compare.png
+    python benchmarks/plot_serve_compare.py bench_results/serve/summary.json \
+        docs/results/serve-compare-vs-vllm-llamacpp-CPU-DATE.png
 """
 
 from __future__ import annotations
