@@ -102,10 +102,10 @@ def run_chat(llm: LLM, num_requests: int, output_len: int, seed: int) -> tuple[i
 
 
 def measure(workload: str, prefix_caching: bool, args: argparse.Namespace, keep_tails: bool = True) -> RunResult:
+    # keep_tails=False: full blocks only, the prefix cache never keeps a partly filled block.
     llm = LLM(dtype=args.dtype, enable_prefix_caching=prefix_caching, scheduling_policy=args.policy,
-              kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens)
-    if not keep_tails:  # full blocks only: the manager never hands the tree a partly filled block
-        llm.engine.kv_manager.prefix_cache.keep_tails = False  # type: ignore[attr-defined]
+              kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+              keep_tails=keep_tails)
     start_computed = llm.engine.stats().num_prompt_tokens_computed
     t0 = time.perf_counter()
     if workload == "agentic":

@@ -3,102 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    StorageConfig,
-    speculative_config_from_dict,
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config_args import (
+    add_engine_arguments,
+    add_server_arguments,
+    engine_config_from_args,
+    parse_duration,
+    parse_speculative_config,
+    server_config_from_args,
 )
-from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.errors import KVServeError
+
+__all__ = ["build_parser", "engine_config_from_args", "main", "parse_duration", "parse_speculative_config"]
 
 SERVE_GIL_SWITCH_INTERVAL_S = 0.0001
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine options, spelled as vLLM spells them where the same option exists."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size in GiB")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="lpm")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
-                   help="C++ CPU kernels for decode attention, the bf16 projections and the norms (built on "
-                        "first use); --no-cpu-kernels runs the torch reference paths")
-    g.add_argument("--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (exact: outputs do not change)')
-    t = parser.add_argument_group("KV storage tiers (below device memory; all off by default)")
-    t.add_argument("--kv-host-gb", type=float, default=0.0, help="host DRAM tier size in GiB")
-    t.add_argument("--kv-disk-gb", type=float, default=0.0, help="disk tier size in GiB (needs --kv-disk-dir)")
-    t.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (survives restarts)")
-    t.add_argument("--kv-redis-url", default=None, help="Redis tier, e.g. redis://127.0.0.1:6379/0 (shareable)")
-    t.add_argument("--kv-retention", type=parse_duration, default=72 * 3600.0, metavar="DURATION",
-                   help="how long tier entries live: 72h, 30m, 5s or plain seconds (default 72h)")
-    t.add_argument("--kv-write-policy", choices=["write_back", "write_through"], default="write_back",
-                   help="write_back: blocks go down as they are evicted; write_through: as soon as they fill")
-
-
-_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in "72h", "30m", "5s", "2d" or a plain number of seconds."""
-    value = text.strip().lower()
-    scale = _DURATION_UNITS.get(value[-1:], None)
-    number = value[:-1] if scale is not None else value
-    try:
-        seconds = float(number) * (scale or 1.0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 72h, 30m, 5s or 3600)") from None
-    if not seconds > 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text!r}")
-    return seconds
-
-
-def parse_speculative_config(text: str) -> SpeculativeConfig:
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--speculative-config is not JSON: {exc}") from None
-    if not isinstance(fields, dict):
-        raise argparse.ArgumentTypeError("--speculative-config must be a JSON object")
-    try:
-        return speculative_config_from_dict(fields)
-    except (InvalidRequest, TypeError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed, num_threads=args.num_threads, cpu_kernels=args.cpu_kernels),
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=args.scheduling_policy),
-        storage=StorageConfig(host_gb=args.kv_host_gb, disk_gb=args.kv_disk_gb, disk_dir=args.kv_disk_dir,
-                              redis_url=args.kv_redis_url, retention_s=args.kv_retention,
-                              write_policy=args.kv_write_policy),
-        speculative=args.speculative_config or SpeculativeConfig(),
-    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -188,14 +111,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # 5 ms by default. At 0.1 ms, 16-request decode steps in the server ran ~10% faster on agentic 16
     # (step profiles, alternating runs); an engine process of its own would remove the wait altogether.
     sys.setswitchinterval(SERVE_GIL_SWITCH_INTERVAL_S)
-    from kvserve.config import ServerConfig
     from kvserve.server.openai_api import serve
 
-    server_config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                                 api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                                 max_request_body_bytes=args.max_request_body_bytes)
-    return serve(engine_config_from_args(args), server_config, shutdown_grace_s=args.shutdown_grace_period,
-                 log_level=args.uvicorn_log_level)
+    return serve(engine_config_from_args(args), server_config_from_args(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -232,18 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, models, health, metrics)")
     add_engine_arguments(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
-    p.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests allowed to wait for a batch slot; more get 429")
-    p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
-                   help="request bodies larger than this get 413")
-    p.add_argument("--shutdown-grace-period", type=float, default=5.0,
-                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
-    p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_server_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")

@@ -1,14 +1,75 @@
-"""Frozen configuration dataclasses. Each component takes its own sub-config; EngineConfig composes them."""
+"""Frozen configuration dataclasses. Each component takes its own sub-config; EngineConfig composes them.
+
+These dataclasses are the one source of every engine and server option: a field's ``Setting`` metadata names
+its CLI flag and ``LLM(...)`` keyword and carries its help text; ``kvserve/config_args.py`` builds the argparse
+flags, the keywords and the README's flags table from them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
 
-from kvserve.errors import InvalidRequest
+from kvserve.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
+UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+SETTING = "kvserve.setting"  # the metadata key of a field's Setting (or an EngineConfig field's Section)
+DERIVED = ""  # Setting.flag / Setting.keyword: spelled from the field name
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """How a config field is set from outside. ``flag`` and ``keyword`` default to the field's name
+    (``max_num_seqs`` -> ``--max-num-seqs``, ``max_num_seqs=``); ``None`` means there is none. A bool gets
+    the pair ``--x/--no-x``, a Literal its choices; ``parse`` turns the flag's text into a value where the
+    type alone does not say how; ``default_text`` shows the default in help and the flags table."""
+
+    help: str = ""
+    flag: str | None = DERIVED
+    keyword: str | None = DERIVED
+    parse: Callable[[str], Any] | None = None
+    metavar: str | None = None
+    default_text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """On an EngineConfig field holding a sub-config: each of the sub-config's fields is an option of its own,
+    its flags under the argparse group ``group``. An EngineConfig field without metadata is a Section named
+    after the field."""
+
+    group: str
+
+
+def setting(default: Any, help: str = "", **options: Any) -> Any:
+    """A dataclass field with a default and its Setting."""
+    return field(default=default, metadata={SETTING: Setting(help=help, **options)})
+
+
+def section(factory: Callable[[], Any], group: str) -> Any:
+    return field(default_factory=factory, metadata={SETTING: Section(group)})
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds in "72h", "30m", "5s", "2d" or a plain number of seconds."""
+    value = text.strip().lower()
+    scale = _DURATION_UNITS.get(value[-1:], None)
+    number = value[:-1] if scale is not None else value
+    try:
+        seconds = float(number) * (scale or 1.0)
+    except ValueError:
+        raise ConfigError(f"not a duration: {text!r} (try 72h, 30m, 5s or 3600)") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"a duration must be > 0, got {text!r}")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,53 +113,64 @@ class ArchConfig:
 class ModelConfig:
     """Which weights to load and how. ``model=None`` means the default SmolLM2-135M-Instruct GGUF."""
 
-    model: str | None = None
-    dtype: DType = "bfloat16"
-    device: str = "auto"  # "auto" picks CUDA when available, else CPU
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
-    num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
-    # The C++ CPU kernels (decode attention, bf16 projections, norms) when they build; False: torch paths only.
-    cpu_kernels: bool = True
-    show_progress: bool = True
+    model: str | None = setting(None, "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    dtype: DType = setting("bfloat16", "dtype of the weights, the activations and the KV cache")
+    device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
+    max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "
+                                              "context length, capped by the KV pool)")
+    seed: int = setting(0, "seed of the sampler")
+    num_threads: int | None = setting(None, "CPU threads for torch (default: torch's own choice)")
+    cpu_kernels: bool = setting(True, "C++ CPU kernels for decode attention, the bf16 projections and the norms "
+                                      "(built on first use); --no-cpu-kernels runs the torch reference paths")
+    # LLM(...) turns it off unless asked for: offline scripts print their own output.
+    show_progress: bool = setting(True, "a progress bar while the weights load (LLM(...): off unless asked for)",
+                                  flag=None)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit block count wins over kv_cache_gb
-    kv_cache_gb: float = 1.0
-    enable_prefix_caching: bool = True
-    # Extra keys mixed into every block hash (model fingerprint, adapter, tenant salt).
-    hash_salt: str = ""
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = setting(None, "KV pool size in blocks (overrides --kv-cache-gb)")
+    kv_cache_gb: float = setting(1.0, "KV pool size in GiB")
+    enable_prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes computed before")
+    keep_tails: bool = setting(True, "the prefix cache also keeps a finished request's partly filled last block "
+                                     "(--no-keep-tails: full blocks only)")
+    hash_salt: str = setting("", "extra key mixed into every block hash (an adapter or tenant salt): engines "
+                                 "with different salts never share cached KV")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise InvalidRequest(f"block_size must be a power of two >= 1, got {self.block_size}", "block_size")
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}", "block_size")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise InvalidRequest(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}", "num_kv_blocks")
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}", "num_kv_blocks")
         if self.kv_cache_gb <= 0:
-            raise InvalidRequest(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}", "kv_cache_gb")
+            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}", "kv_cache_gb")
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    policy: SchedulingPolicy = "lpm"  # measured better on the agentic workload (README)
-    # lpm only: a waiting request passed over this many times is served next regardless of its hit.
-    lpm_max_skips: int = 8
-    max_waiting_requests: int | None = None  # None: unbounded (the server sets a bound)
+    max_num_seqs: int = setting(64, "most requests in one batch")
+    max_num_batched_tokens: int = setting(1024, "most tokens one step computes (prefill chunks and decodes)")
+    # lpm by default: lower TTFT and higher throughput than fcfs on the agentic workload, same hit rate
+    # (benchmarks/prefix_cache.py).
+    policy: SchedulingPolicy = setting("lpm", "fcfs: arrival order; lpm: longest cached prefix first",
+                                       flag="--scheduling-policy", keyword="scheduling_policy")
+    lpm_max_skips: int = setting(8, "lpm only: a waiting request passed over this many times is served next "
+                                    "regardless of its cached prefix")
+    lpm_window: int = setting(64, "lpm only: how many waiting requests, from the head of the queue, are "
+                                  "compared by cached prefix")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise InvalidRequest(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
         if self.max_num_batched_tokens < 1:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}", "max_num_batched_tokens"
             )
         if self.policy not in ("fcfs", "lpm"):
-            raise InvalidRequest(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}", "policy")
+            raise ConfigError(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}", "policy")
+        if self.lpm_window < 1:
+            raise ConfigError(f"lpm_window must be >= 1, got {self.lpm_window}", "lpm_window")
 
 
 WritePolicy = Literal["write_back", "write_through"]
@@ -113,26 +185,34 @@ class StorageConfig:
     computed (what survives a restart or is shared between engines does not wait for an eviction).
     """
 
-    host_gb: float = 0.0
-    disk_gb: float = 0.0
-    disk_dir: str | None = None
-    redis_url: str | None = None
-    retention_s: float = 72 * 3600.0
-    write_policy: WritePolicy = "write_back"
+    host_gb: float = setting(0.0, "host DRAM tier size in GiB", flag="--kv-host-gb", keyword="kv_host_gb")
+    disk_gb: float = setting(0.0, "disk tier size in GiB (needs --kv-disk-dir)", flag="--kv-disk-gb",
+                             keyword="kv_disk_gb")
+    disk_dir: str | None = setting(None, "directory of the disk tier (survives restarts)", flag="--kv-disk-dir",
+                                   keyword="kv_disk_dir")
+    redis_url: str | None = setting(None, "Redis tier, e.g. redis://127.0.0.1:6379/0 (shareable)",
+                                    flag="--kv-redis-url", keyword="kv_redis_url")
+    retention_s: float = setting(72 * 3600.0, "how long tier entries live: 72h, 30m, 5s or plain seconds "
+                                              "(LLM(...): seconds)", flag="--kv-retention",
+                                 keyword="kv_retention_s", parse=duration_seconds, metavar="DURATION",
+                                 default_text="72h")
+    write_policy: WritePolicy = setting("write_back", "write_back: blocks go down as they are evicted; "
+                                                      "write_through: as soon as they fill",
+                                        flag="--kv-write-policy", keyword="kv_write_policy")
 
     def __post_init__(self) -> None:
         for name in ("host_gb", "disk_gb"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0:
-                raise InvalidRequest(f"{name} must be a number >= 0, got {value!r}", name)
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}", name)
         if self.disk_gb > 0 and not self.disk_dir:
-            raise InvalidRequest("disk_gb > 0 needs disk_dir (where the disk tier keeps its files)", "disk_dir")
+            raise ConfigError("disk_gb > 0 needs disk_dir (where the disk tier keeps its files)", "disk_dir")
         if self.disk_dir and self.disk_gb <= 0:
-            raise InvalidRequest("disk_dir needs disk_gb > 0 (the disk tier's capacity)", "disk_gb")
+            raise ConfigError("disk_dir needs disk_gb > 0 (the disk tier's capacity)", "disk_gb")
         if not 0 < self.retention_s < float("inf"):
-            raise InvalidRequest(f"retention_s must be a finite number > 0, got {self.retention_s!r}", "retention_s")
+            raise ConfigError(f"retention_s must be a finite number > 0, got {self.retention_s!r}", "retention_s")
         if self.write_policy not in ("write_back", "write_through"):
-            raise InvalidRequest(
+            raise ConfigError(
                 f"write_policy must be 'write_back' or 'write_through', got {self.write_policy!r}", "write_policy"
             )
 
@@ -161,17 +241,17 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "ngram"):
-            raise InvalidRequest(f"speculative method must be 'none' or 'ngram', got {self.method!r}", "method")
+            raise ConfigError(f"speculative method must be 'none' or 'ngram', got {self.method!r}", "method")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", name)
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", name)
         limit = self.disable_by_batch_size
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise InvalidRequest(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}",
-                                 "disable_by_batch_size")
+            raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}",
+                              "disable_by_batch_size")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})", "prompt_lookup_min")
 
@@ -180,31 +260,59 @@ class SpeculativeConfig:
         return self.method != "none"
 
 
-def speculative_config_from_dict(fields: dict[str, object]) -> SpeculativeConfig:
-    """vLLM's spelling, e.g. ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``."""
-    known = set(SpeculativeConfig.__dataclass_fields__)
-    unknown = sorted(set(fields) - known)
+C = TypeVar("C")
+
+
+def config_from_dict(cls: type[C], values: Mapping[str, object], label: str) -> C:
+    """A sub-config from a mapping of its field names, e.g. vLLM's speculative config
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
     if unknown:
-        raise InvalidRequest(f"unknown speculative config field(s) {', '.join(unknown)}; expected some of "
-                             f"{', '.join(sorted(known))}", unknown[0])
-    return SpeculativeConfig(**fields)  # type: ignore[arg-type]
+        raise ConfigError(f"unknown {label} config field(s) {', '.join(unknown)}; expected some of "
+                          f"{', '.join(sorted(known))}", unknown[0])
+    return cls(**values)
+
+
+def speculative_config_from_json(text: str) -> SpeculativeConfig:
+    """``--speculative-config``: vLLM's JSON spelling of SpeculativeConfig."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not JSON: {exc}", "speculative_config") from None
+    if not isinstance(values, dict):
+        raise ConfigError("--speculative-config must be a JSON object", "speculative_config")
+    return config_from_dict(SpeculativeConfig, values, "speculative")
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_waiting_requests: int = 256
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    served_model_name: str | None = setting(None, "the model name clients send (default: --model)")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes")
+    max_waiting_requests: int = setting(256, "requests allowed to wait for a batch slot; more get 429 (a single "
+                                             "request with more sequences than that, prompts × n, is a 400)")
     # Larger bodies get 413 before they are read: parsing and tokenizing megabytes stalls every request.
-    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_request_body_bytes: int = setting(16 * 1024 * 1024, "request bodies larger than this get 413",
+                                          default_text="16777216 (16 MiB)")
+    shutdown_grace_period_s: float = setting(5.0, "seconds in-flight requests get to finish after SIGTERM "
+                                                  "before they are aborted", flag="--shutdown-grace-period")
+    uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    storage: StorageConfig = field(default_factory=StorageConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Every engine option. A field holding a sub-config is a Section (each sub-config field is an option);
+    ``speculative`` is one option, set whole (vLLM's ``--speculative-config`` JSON)."""
+
+    model: ModelConfig = section(ModelConfig, "engine")
+    cache: CacheConfig = section(CacheConfig, "engine")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "engine")
+    storage: StorageConfig = section(StorageConfig, "KV storage tiers (below device memory; all off by default)")
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig, metadata={SETTING: Setting(
+        help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (exact: outputs do not change); LLM(...) also '
+             'takes a dict or a SpeculativeConfig',
+        flag="--speculative-config", keyword="speculative_config", parse=speculative_config_from_json,
+        metavar="JSON", default_text="off")})

@@ -23,13 +23,8 @@ import torch
 
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import TieredKVStore
-from kvserve.config import (
-    ArchConfig,
-    EngineConfig,
-    SpeculativeConfig,
-    StorageConfig,
-    speculative_config_from_dict,
-)
+from kvserve.config import ArchConfig, EngineConfig, StorageConfig
+from kvserve.config_args import engine_config_from_keywords
 from kvserve.errors import InvalidRequest
 from kvserve.input_processor import InputProcessor, PromptType
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
@@ -102,7 +97,8 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len(num_blocks * cc.block_size)
         kv_caches = allocate_kv_caches(self.arch, num_blocks, cc.block_size, self.dtype, self.device)
         self.tiers = self._build_tiers(config.storage, kv_caches)
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers)
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers,
+                                         keep_tails=cc.keep_tails)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=select_argmax(self.device, mc.cpu_kernels))
         spec = config.speculative
@@ -239,50 +235,12 @@ def expand_n(params: SamplingParams) -> list[SamplingParams]:
 class LLM:
     """Offline batch generation, shaped like vLLM's ``LLM``."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "bfloat16",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_gb: float = 1.0,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "lpm",
-        seed: int = 0,
-        num_threads: int | None = None,
-        cpu_kernels: bool = True,
-        show_progress: bool = False,
-        kv_host_gb: float = 0.0,
-        kv_disk_gb: float = 0.0,
-        kv_disk_dir: str | None = None,
-        kv_redis_url: str | None = None,
-        kv_retention_s: float = 72 * 3600.0,
-        kv_write_policy: str = "write_back",
-        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
-    ) -> None:
-        from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-
-        if isinstance(speculative_config, dict):
-            speculative_config = speculative_config_from_dict(speculative_config)
-
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
-                              num_threads=num_threads, cpu_kernels=cpu_kernels,
-                              show_progress=show_progress),  # type: ignore[arg-type]
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      policy=scheduling_policy),  # type: ignore[arg-type]
-            storage=StorageConfig(host_gb=kv_host_gb, disk_gb=kv_disk_gb, disk_dir=kv_disk_dir,
-                                  redis_url=kv_redis_url, retention_s=kv_retention_s,
-                                  write_policy=kv_write_policy),  # type: ignore[arg-type]
-            speculative=speculative_config or SpeculativeConfig(),
-        )
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """``options`` are the keywords of kvserve/config.py's settings (``max_num_seqs``, ``kv_host_gb``,
+        ``scheduling_policy``, ``speculative_config`` as a dict or a SpeculativeConfig, ...; the README's
+        flags table lists them); an unknown one is a ConfigError. No progress bar unless asked for."""
+        options.setdefault("show_progress", False)
+        config = engine_config_from_keywords({"model": model, **options})
         self.engine = Engine(config)
         self._batch_ids = itertools.count()
 

@@ -27,6 +27,17 @@ class InvalidRequest(KVServeError):
             self.code = code
 
 
+class ConfigError(KVServeError):
+    """A configuration value is out of range, inconsistent or unknown (a CLI flag, an ``LLM(...)`` keyword or a
+    config field). ``param`` names the field."""
+
+    error_type = "config_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class InvalidSamplingParams(InvalidRequest):
     """A sampling parameter is out of range (negative temperature, top_p outside (0, 1], ...)."""
 

@@ -169,7 +169,8 @@ class Scheduler:
     def _next_waiting(self, skip: set[str]) -> Request | None:
         """FCFS: the head of the queue. LPM: the longest cached prefix, unless a request has waited too long.
         Requests in ``skip`` (their prefix is still being fetched) wait; the ones behind them go ahead."""
-        candidates = list(itertools.islice((r for r in self.waiting if r.request_id not in skip), 64))
+        candidates = list(itertools.islice((r for r in self.waiting if r.request_id not in skip),
+                                           self.config.lpm_window))
         if not candidates:
             return None
         if self.config.policy == "fcfs" or len(candidates) == 1:

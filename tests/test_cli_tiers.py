@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvserve.cli import build_parser, engine_config_from_args, parse_duration
-from kvserve.errors import InvalidRequest
+from kvserve.errors import ConfigError
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("72h", 259200.0), ("30m", 1800.0), ("5s", 5.0), ("3600", 3600.0),
@@ -35,5 +35,5 @@ def test_tier_options_reach_the_storage_config() -> None:
 
 
 def test_disk_dir_without_a_size_is_an_error() -> None:
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ConfigError):
         engine_config_from_args(build_parser().parse_args(["serve", "--kv-disk-dir", "/var/kv"]))

@@ -11,9 +11,10 @@ from tests.fake_runner import FakeRunner, reference_continuation
 
 
 def make_engine(num_blocks: int, block_size: int = 4, budget: int = 16, max_seqs: int = 8, prefix: bool = True,
-                policy: str = "fcfs"):
+                policy: str = "fcfs", lpm_window: int = 64):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy), kv)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy,
+                                          lpm_window=lpm_window), kv)
     return scheduler, FakeRunner(num_blocks, block_size)
 
 
@@ -154,6 +155,24 @@ def test_lpm_prefers_cached_prefix_but_ages() -> None:
     scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     run_to_completion(scheduler, runner)
     assert all(r.is_finished for r in cold)
+
+
+def test_lpm_compares_only_its_window_of_waiting_requests() -> None:
+    scheduler, runner = make_engine(num_blocks=64, budget=32, max_seqs=1, policy="lpm", lpm_window=3)
+    shared = list(range(16))
+    scheduler.add_request(make_request("warm", shared + [0], 1))
+    run_to_completion(scheduler, runner)
+    cold = [make_request(f"cold{i}", [50 + i] * 8, 1, order=i + 1) for i in range(3)]
+    hot = make_request("hot", shared + [7], 1, order=10)  # fourth in the queue: outside the window of 3
+    for request in cold + [hot]:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.scheduled] == ["cold0"]
+    scheduler.update(out, runner.execute(out))
+    out = scheduler.schedule()  # now in the window: its cached prefix wins
+    assert [s.request_id for s in out.scheduled] == ["hot"]
+    scheduler.update(out, runner.execute(out))
+    run_to_completion(scheduler, runner)
 
 
 ops = st.lists(

@@ -53,10 +53,6 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
 
 @dataclass(frozen=True, slots=True)
 class RequestOptions:

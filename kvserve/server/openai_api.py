@@ -11,7 +11,7 @@ One HTTP request becomes one engine request per (prompt, sample)::
 A client that disconnects (mid-stream or while waiting for a JSON body) cancels its RequestRun, which
 closes its generators, which aborts its engine requests: their KV blocks are freed at the next step.
 
-Shutdown (SIGTERM or SIGINT): new requests get 503 at once, in-flight ones get ``shutdown_grace_s`` to
+Shutdown (SIGTERM or SIGINT): new requests get 503 at once, in-flight ones get ``shutdown_grace_period_s`` to
 finish and are then aborted (they end with finish_reason "abort"), and the process exits with status 0.
 """
 
@@ -514,17 +514,17 @@ class _GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig, *, shutdown_grace_s: float = 5.0,
-          log_level: str = "info") -> int:
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Load the model, start the engine thread and serve until SIGTERM/SIGINT. Returns the exit status."""
     engine = Engine(engine_config)
     async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
     name = server_config.served_model_name or engine_config.model.model or engine.model_path.stem
     app = build_app(async_engine, server_config, engine.tokenizer, model_name=name,
                     max_model_len=engine.max_model_len, model_root=str(engine.model_path))
-    uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=log_level,
+    uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                               log_level=server_config.uvicorn_log_level,
                                lifespan="off", timeout_graceful_shutdown=2)
-    server = _GracefulServer(uv_config, app.state.kvserve, shutdown_grace_s)
+    server = _GracefulServer(uv_config, app.state.kvserve, server_config.shutdown_grace_period_s)
     logger.info("serving %s on http://%s:%d", name, server_config.host, server_config.port)
     try:
         server.run()

@@ -20,7 +20,7 @@ from kvserve.batch import SchedulerOutput
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import GIB, TieredKVStore
 from kvserve.config import SchedulerConfig, StorageConfig
-from kvserve.errors import InvalidRequest
+from kvserve.errors import ConfigError
 from kvserve.request import Request, SamplingParams, hash_block
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace, make_key
@@ -154,14 +154,14 @@ def test_record_admission_counts_tokens_per_tier() -> None:
 
 
 def test_storage_config_validation() -> None:
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ConfigError):
         StorageConfig(disk_gb=1.0)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ConfigError):
         StorageConfig(disk_dir="/tmp/x")
     for retention in (0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(ConfigError):
             StorageConfig(retention_s=retention)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ConfigError):
         StorageConfig(write_policy="sometimes")  # type: ignore[arg-type]
     assert not StorageConfig().enabled and StorageConfig(redis_url="redis://x").enabled
 

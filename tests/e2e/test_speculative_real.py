@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.request import Request
+from kvserve.output_processor import OutputProcessor, ProcessedStep
+from kvserve.request import StepUpdate
 from tests.e2e.conftest import LONG_DOCUMENT
 
 pytestmark = pytest.mark.slow
@@ -44,10 +45,17 @@ def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypa
              for word in dict.fromkeys(text.split()[2:14])]
     prompts = [prompt for prompt, _ in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[word]) for _, word in cases]
-    truncations = []  # whether the scheduler had already finished the request (length) when it was cut
-    original = Request.truncate
-    monkeypatch.setattr(Request, "truncate",
-                        lambda self, n: (truncations.append(self.is_finished), original(self, n))[1])
+    truncations = []  # per cut at a stop string: whether the scheduler had decided an end (length) already
+    original = OutputProcessor.process
+
+    def spy(self: OutputProcessor, updates: list[StepUpdate]) -> ProcessedStep:
+        step = original(self, updates)
+        for before, after in zip(updates, step.updates, strict=True):
+            if after.finish is not None and after.finish.num_tokens is not None:
+                truncations.append(before.finish is not None)
+        return step
+
+    monkeypatch.setattr(OutputProcessor, "process", spy)
     want = plain.generate(prompts, params)
     # Again with max_tokens just past where the string stops plain decoding: a step whose accepted drafts
     # run into max_tokens after the string must still finish with "stop", as plain decoding does.

@@ -1,0 +1,266 @@
+"""The CLI flags, the LLM(...) keywords and the README's flags table, all generated from kvserve/config.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvserve import config_args
+from kvserve.cli import build_parser, engine_config_from_args
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+    StorageConfig,
+    setting,
+)
+from kvserve.config_args import (
+    engine_config_from_keywords,
+    engine_options,
+    flags_table,
+    server_config_from_args,
+    server_options,
+)
+from kvserve.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every flag the CLI had before its flags were generated, spelled as users type them.
+ENGINE_FLAGS = [
+    "--model", "--dtype", "--device", "--block-size", "--num-kv-blocks", "--kv-cache-gb", "--max-num-seqs",
+    "--max-num-batched-tokens", "--max-model-len", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--scheduling-policy", "--seed", "--num-threads", "--cpu-kernels", "--no-cpu-kernels", "--speculative-config",
+    "--kv-host-gb", "--kv-disk-gb", "--kv-disk-dir", "--kv-redis-url", "--kv-retention", "--kv-write-policy",
+]
+SERVE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-waiting-requests",
+               "--max-request-body-bytes", "--shutdown-grace-period", "--uvicorn-log-level"]
+# Every keyword LLM(...) took before its keywords were generated.
+LLM_KEYWORDS = [
+    "model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_gb", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "scheduling_policy", "seed", "num_threads",
+    "cpu_kernels", "show_progress", "kv_host_gb", "kv_disk_gb", "kv_disk_dir", "kv_redis_url", "kv_retention_s",
+    "kv_write_policy", "speculative_config",
+]
+
+
+def subcommand_flags(name: str) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[name]  # type: ignore[union-attr]
+    return {flag for action in sub._actions for flag in action.option_strings}
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_every_flag_keeps_its_spelling(command: str) -> None:
+    flags = subcommand_flags(command)
+    assert set(ENGINE_FLAGS) <= flags
+    assert (set(SERVE_FLAGS) <= flags) == (command == "serve")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_parser_defaults_are_the_dataclass_defaults(command: str) -> None:
+    args = parse(command)
+    assert engine_config_from_args(args) == EngineConfig()
+    for option in engine_options() + (server_options() if command == "serve" else []):
+        if option.flag is not None:
+            assert getattr(args, option.dest) == option.default, option.flag
+    if command == "serve":
+        assert server_config_from_args(args) == ServerConfig()
+
+
+def test_the_defaults_once_written_three_times() -> None:
+    config = engine_config_from_args(parse("serve"))
+    assert config.scheduler.max_num_batched_tokens == 1024 and config.scheduler.policy == "lpm"
+    assert config.storage.retention_s == 72 * 3600 and config.model.show_progress
+    assert ServerConfig().shutdown_grace_period_s == 5.0 and ServerConfig().uvicorn_log_level == "info"
+
+
+def test_every_flag_reaches_its_field() -> None:
+    args = parse(
+        "serve", "--model", "/m.gguf", "--dtype", "float32", "--device", "cpu", "--block-size", "32",
+        "--num-kv-blocks", "100", "--kv-cache-gb", "2.5", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--max-model-len", "2048", "--no-enable-prefix-caching", "--scheduling-policy", "fcfs", "--seed", "7",
+        "--num-threads", "3", "--no-cpu-kernels", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--kv-host-gb", "4", "--kv-disk-gb", "20", "--kv-disk-dir", "/var/kv", "--kv-redis-url", "redis://h:1/0",
+        "--kv-retention", "30m", "--kv-write-policy", "write_through", "--no-keep-tails", "--hash-salt", "tenant",
+        "--lpm-max-skips", "3", "--lpm-window", "16",
+        "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "m", "--api-key", "k",
+        "--max-waiting-requests", "3", "--max-request-body-bytes", "1000", "--shutdown-grace-period", "2.5",
+        "--uvicorn-log-level", "debug",
+    )
+    assert engine_config_from_args(args) == EngineConfig(
+        model=ModelConfig(model="/m.gguf", dtype="float32", device="cpu", max_model_len=2048, seed=7, num_threads=3,
+                          cpu_kernels=False),
+        cache=CacheConfig(block_size=32, num_kv_blocks=100, kv_cache_gb=2.5, enable_prefix_caching=False,
+                          keep_tails=False, hash_salt="tenant"),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, policy="fcfs", lpm_max_skips=3,
+                                  lpm_window=16),
+        storage=StorageConfig(host_gb=4.0, disk_gb=20.0, disk_dir="/var/kv", redis_url="redis://h:1/0",
+                              retention_s=1800.0, write_policy="write_through"),
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    )
+    assert server_config_from_args(args) == ServerConfig(
+        host="0.0.0.0", port=9000, served_model_name="m", api_key="k", max_waiting_requests=3,
+        max_request_body_bytes=1000, shutdown_grace_period_s=2.5, uvicorn_log_level="debug")
+
+
+def test_boolean_pairs() -> None:
+    for flag, path in (("enable-prefix-caching", ("cache", "enable_prefix_caching")),
+                       ("cpu-kernels", ("model", "cpu_kernels"))):
+        on = engine_config_from_args(parse("generate", f"--{flag}"))
+        off = engine_config_from_args(parse("generate", f"--no-{flag}"))
+        assert getattr(getattr(on, path[0]), path[1]) is True
+        assert getattr(getattr(off, path[0]), path[1]) is False
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30m", 1800.0), ("72h", 259200.0), ("5s", 5.0), ("90", 90.0)])
+def test_retention_takes_a_duration(text: str, seconds: float) -> None:
+    assert engine_config_from_args(parse("serve", "--kv-retention", text)).storage.retention_s == seconds
+
+
+def test_bad_flag_values_are_usage_errors(capsys) -> None:
+    for argv in (["--kv-retention", "soon"], ["--scheduling-policy", "random"], ["--speculative-config", "[1]"],
+                 ["--block-size", "big"]):
+        with pytest.raises(SystemExit) as info:
+            parse("generate", *argv)
+        assert info.value.code == 2
+    assert "not a duration: 'soon'" in capsys.readouterr().err
+
+
+def test_a_config_error_from_flags_exits_2(capsys) -> None:
+    from kvserve.cli import main
+
+    assert main(["generate", "--block-size", "12"]) == 2
+    assert "kvserve: error: block_size must be a power of two >= 1, got 12" in capsys.readouterr().err
+
+
+# --- LLM(...) keywords ---------------------------------------------------------------------------------------
+def test_every_llm_keyword_is_kept_and_unique() -> None:
+    keywords = [o.keyword for o in engine_options() if o.keyword is not None]
+    assert len(keywords) == len(set(keywords))
+    assert set(LLM_KEYWORDS) <= set(keywords)
+
+
+def test_keywords_map_to_their_fields() -> None:
+    config = engine_config_from_keywords({
+        "model": "/m.gguf", "dtype": "float32", "device": "cpu", "block_size": 8, "num_kv_blocks": 64,
+        "kv_cache_gb": 0.5, "max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 512,
+        "enable_prefix_caching": False, "scheduling_policy": "fcfs", "seed": 3, "num_threads": 2,
+        "cpu_kernels": False, "show_progress": False, "kv_host_gb": 1.0, "kv_disk_gb": 2.0, "kv_disk_dir": "/d",
+        "kv_redis_url": "redis://r", "kv_retention_s": 60.0, "kv_write_policy": "write_through",
+        "keep_tails": False, "lpm_window": 4, "speculative_config": {"method": "ngram"},
+    })
+    assert config == EngineConfig(
+        model=ModelConfig(model="/m.gguf", dtype="float32", device="cpu", max_model_len=512, seed=3, num_threads=2,
+                          cpu_kernels=False, show_progress=False),
+        cache=CacheConfig(block_size=8, num_kv_blocks=64, kv_cache_gb=0.5, enable_prefix_caching=False,
+                          keep_tails=False),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, policy="fcfs", lpm_window=4),
+        storage=StorageConfig(host_gb=1.0, disk_gb=2.0, disk_dir="/d", redis_url="redis://r", retention_s=60.0,
+                              write_policy="write_through"),
+        speculative=SpeculativeConfig(method="ngram"),
+    )
+    assert engine_config_from_keywords({}) == EngineConfig()
+
+
+def test_speculative_config_takes_a_dict_the_dataclass_or_none() -> None:
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert engine_config_from_keywords({"speculative_config": spec}).speculative is spec
+    assert engine_config_from_keywords({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+                                       ).speculative == spec
+    assert engine_config_from_keywords({"speculative_config": None}).speculative == SpeculativeConfig()
+    with pytest.raises(ConfigError, match=re.escape("unknown speculative config field(s) draft_model")):
+        engine_config_from_keywords({"speculative_config": {"draft_model": "x"}})
+    with pytest.raises(ConfigError, match="speculative_config must be a SpeculativeConfig"):
+        engine_config_from_keywords({"speculative_config": "ngram"})
+
+
+def test_unknown_keywords_name_the_valid_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        engine_config_from_keywords({"max_num_seq": 4, "kv_host_gb": 1.0})
+    assert info.value.param == "max_num_seq"
+    assert "unknown LLM keyword(s) max_num_seq" in str(info.value)
+    assert "max_num_seqs" in str(info.value) and "kv_retention_s" in str(info.value)
+
+
+def test_llm_refuses_an_unknown_keyword_before_loading_anything() -> None:
+    from kvserve.engine import LLM
+
+    with pytest.raises(ConfigError, match="unknown LLM keyword"):
+        LLM(dtype="float32", polcy="fcfs")
+    with pytest.raises(ConfigError, match="max_num_seqs must be >= 1"):
+        LLM(max_num_seqs=0)
+
+
+def test_config_validation_raises_config_error() -> None:
+    for make, param in ((lambda: CacheConfig(block_size=3), "block_size"),
+                        (lambda: SchedulerConfig(policy="random"), "policy"),  # type: ignore[arg-type]
+                        (lambda: SchedulerConfig(lpm_window=0), "lpm_window"),
+                        (lambda: StorageConfig(disk_gb=1.0), "disk_dir"),
+                        (lambda: SpeculativeConfig(method="eagle"), "method")):  # type: ignore[arg-type]
+        with pytest.raises(ConfigError) as info:
+            make()
+        assert info.value.param == param
+
+
+# --- a sub-config added later gets its flags and keywords as it is -------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ExtraConfig:
+    split_size: int = setting(32, "rows per split")
+    fast: bool = True  # no metadata: a flag and a keyword spelled from the name
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfigWithExtra:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    extra: ExtraConfig = field(default_factory=ExtraConfig)
+
+
+def test_a_new_sub_config_gets_flags_and_keywords(monkeypatch) -> None:
+    monkeypatch.setattr(config_args, "EngineConfig", EngineConfigWithExtra)
+    args = parse("generate", "--split-size", "8", "--no-fast")
+    assert engine_config_from_args(args) == EngineConfigWithExtra(extra=ExtraConfig(split_size=8, fast=False))
+    assert engine_config_from_keywords({"split_size": 4}).extra == ExtraConfig(split_size=4)  # type: ignore[attr-defined]
+    assert "| `--split-size` | `split_size` | `32` | rows per split |" in flags_table()
+
+
+# --- the README's table --------------------------------------------------------------------------------------
+def test_readme_flags_table_is_the_generated_one() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- flags-table:start -->\n(.*?)<!-- flags-table:end -->", text, re.S)
+    assert match, "README.md lacks the flags-table markers"
+    assert match.group(1) == flags_table(), "stale: run python3 scripts/flags_table.py"
+
+
+def test_flags_table_script_check() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "flags_table.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_flags_table_script_check_finds_a_stale_table(tmp_path) -> None:
+    stale = tmp_path / "README.md"
+    stale.write_text("intro\n<!-- flags-table:start -->\n| old |\n<!-- flags-table:end -->\nrest\n")
+    script = str(ROOT / "scripts" / "flags_table.py")
+    check = subprocess.run([sys.executable, script, "--check", "--readme", str(stale)], capture_output=True, text=True)
+    assert check.returncode == 1 and "stale" in check.stderr
+    assert subprocess.run([sys.executable, script, "--readme", str(stale)]).returncode == 0
+    assert stale.read_text() == f"intro\n<!-- flags-table:start -->\n{flags_table()}<!-- flags-table:end -->\nrest\n"
+
+
+def test_every_option_has_help() -> None:
+    for option in engine_options() + server_options():
+        assert option.setting.help, ".".join(option.path)
+    assert all(dataclasses.is_dataclass(o.type) for o in engine_options() if len(o.path) == 1)
