@@ -168,10 +168,10 @@ def test_lpm_compares_only_its_window_of_waiting_requests() -> None:
         scheduler.add_request(request)
     out = scheduler.schedule()
     assert [s.request_id for s in out.scheduled] == ["cold0"]
-    scheduler.update(out, runner.execute(out))
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     out = scheduler.schedule()  # now in the window: its cached prefix wins
     assert [s.request_id for s in out.scheduled] == ["hot"]
-    scheduler.update(out, runner.execute(out))
+    scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
     run_to_completion(scheduler, runner)
 
 
