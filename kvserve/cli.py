@@ -102,14 +102,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     # The HTTP event loop (and, on small machines, the clients) share the cores with torch's OpenMP
-    # workers, whose default spin-waiting then collapses: with a load generator on the same 2 cores,
-    # serving ran 1.5-2.5x slower with spinning than with passive waiting (benchmarks/serve_compare.py).
-    # Must be set before torch loads; an explicit setting wins.
+    # workers, whose default spin-waiting then collapses under load (benchmarks/serve_compare.py measures
+    # it). Must be set before torch loads; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # The engine thread takes the GIL back after every kernel (hundreds of times a step) while the HTTP
-    # thread writes the streams; a waiting thread only asks the holder to let go after the switch interval,
-    # 5 ms by default. At 0.1 ms, 16-request decode steps in the server ran ~10% faster on agentic 16
-    # (step profiles, alternating runs); an engine process of its own would remove the wait altogether.
+    # thread writes the streams; a waiting thread only asks the holder to let go after the switch interval
+    # (5 ms by default), so a short one keeps steps from waiting on it (benchmarks/server_step_profile.py
+    # times the server's steps); an engine process of its own would remove the wait altogether.
     sys.setswitchinterval(SERVE_GIL_SWITCH_INTERVAL_S)
     from kvserve.server.openai_api import serve
 
