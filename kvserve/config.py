@@ -208,3 +208,25 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    backend: BackendConfig = field(default_factory=lambda: BackendConfig())  # defined below
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """Knobs of the kernel backends (model/backends/)."""
+
+    # Decodes sharing at least this many prefix tokens read the shared KV once (cascade attention).
+    cascade_min_tokens: int = 256
+    # Prefill chunks sharing at least this many keys in the same blocks get them packed once per layer and
+    # kept across steps (the AMX attention kernel); None: cascade_min_tokens.
+    shared_prefill_min_tokens: int | None = None
+    # Keys per decode-kernel work item: short enough that one long sequence still spreads over every core.
+    decode_split_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("cascade_min_tokens", "shared_prefill_min_tokens", "decode_split_size"):
+            value = getattr(self, name)
+            if value is None and name == "shared_prefill_min_tokens":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", name)

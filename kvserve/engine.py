@@ -27,8 +27,8 @@ from kvserve.config import (
 )
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest, InvalidSamplingParams
+from kvserve.model.backends.select import select_backend
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
-from kvserve.model.ops import select_argmax
 from kvserve.model.registry import build_model
 from kvserve.request import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
 from kvserve.runner.device import resolve_device, resolve_dtype
@@ -87,7 +87,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
 
         t0 = time.perf_counter()
-        self.model = build_model(self.arch, self.dtype, self.device, cpu_kernels=mc.cpu_kernels)
+        self.backend = select_backend(self.device, self.dtype, self.arch, mc.cpu_kernels, config.backend)
+        self.model = build_model(self.arch, self.dtype, self.device, self.backend)
         self.model.load_weights(iter_weights(self.model_path, self.arch, self.dtype, show_progress=mc.show_progress))
         logger.info("loaded %s (%s) in %.1fs", self.model_path.name, self.arch.architecture, time.perf_counter() - t0)
 
@@ -98,11 +99,11 @@ class Engine:
         self.tiers = self._build_tiers(config.storage, kv_caches)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=select_argmax(self.device, mc.cpu_kernels))
+        sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax)
         spec = config.speculative
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                     if spec.enabled else None)
-        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, sampler, proposer=proposer,
+        self.runner = ModelRunner(self.model, self.backend, kv_caches, cc.block_size, sampler, proposer=proposer,
                                   propose_below_batch_size=spec.disable_by_batch_size)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
@@ -420,8 +421,10 @@ class LLM:
         kv_retention_s: float = 72 * 3600.0,
         kv_write_policy: str = "write_back",
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        cascade_min_tokens: int = 256,
+        shared_prefill_min_tokens: int | None = None,
     ) -> None:
-        from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+        from kvserve.config import BackendConfig, CacheConfig, ModelConfig, SchedulerConfig
 
         if isinstance(speculative_config, dict):
             speculative_config = speculative_config_from_dict(speculative_config)
@@ -438,6 +441,8 @@ class LLM:
                                   redis_url=kv_redis_url, retention_s=kv_retention_s,
                                   write_policy=kv_write_policy),  # type: ignore[arg-type]
             speculative=speculative_config or SpeculativeConfig(),
+            backend=BackendConfig(cascade_min_tokens=cascade_min_tokens,
+                                  shared_prefill_min_tokens=shared_prefill_min_tokens),
         )
         self.engine = Engine(config)
         self._batch_ids = itertools.count()
