@@ -179,3 +179,34 @@ def test_the_cpu_metadata_adds_only_what_its_kernels_read() -> None:
         # 18 shared full blocks of 16 keys: 288, a whole number of 32-key steps.
         assert meta.prefill_prefix_keys == (288 if packs else 0)
         assert (meta.prefill_prefix_key is not None) == packs
+
+
+def test_the_runner_tells_the_backend_every_block_a_step_writes() -> None:
+    """Tier loads rewrite blocks too, even in a step with no forward; the backend hears of them."""
+    from types import SimpleNamespace
+
+    from kvserve.batch import ScheduledRequest, SchedulerOutput
+    from kvserve.runner.kv_transfer import block_nbytes
+    from kvserve.runner.model_runner import ModelRunner
+    from kvserve.runner.sampler import Sampler
+
+    class Recording:
+        def __init__(self) -> None:
+            self.written: list[list[int]] = []
+
+        def build_metadata(self, rows: StepRows) -> None:
+            self.written.append(rows.written_block_ids)
+
+    def no_forward(*args: object) -> None:
+        raise AssertionError("a step without tokens runs no forward")
+
+    backend = Recording()
+    model = SimpleNamespace(device=CPU, thread_scope=nullcontext(), forward=no_forward)
+    kv_caches = [torch.zeros(2, 4, 4, 1, 2)]
+    runner = ModelRunner(model, backend, kv_caches, 4, Sampler(8))  # type: ignore[arg-type]
+    runner.execute(SchedulerOutput(kv_offloads=[(2, b"hash")]))  # a copy out writes nothing
+    runner.execute(SchedulerOutput(kv_loads=[(1, bytes(block_nbytes(kv_caches)))]))
+    assert backend.written == [[1]]
+    with pytest.raises(AssertionError, match="no forward"):  # this one has tokens: the forward runs
+        runner.execute(SchedulerOutput(scheduled=[ScheduledRequest("r", [3, 4], 3, [0, 3], sample=True)]))
+    assert backend.written == [[1], [0, 3]]
