@@ -15,9 +15,8 @@ import time
 from kvserve import LLM, SamplingParams
 
 
-def decode_ms_per_step(llm: LLM, prompts: list[dict], threshold: int, new_tokens: int) -> float:
+def decode_ms_per_step(llm: LLM, prompts: list[dict], new_tokens: int) -> float:
     engine = llm.engine
-    engine.runner.cascade_min_tokens = threshold
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in prompts]
     while any(r.num_output_tokens == 0 for r in requests):  # prefill (mostly cache hits) and first tokens
@@ -37,15 +36,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    llm = LLM(dtype=args.dtype, enable_prefix_caching=True, max_num_batched_tokens=2048)
+    # The same engine twice but for the cascade threshold: never, and the default.
+    llms = {name: LLM(dtype=args.dtype, enable_prefix_caching=True, max_num_batched_tokens=2048,
+                      cascade_min_tokens=threshold, shared_prefill_min_tokens=256)
+            for name, threshold in (("plain", 10**9), ("cascade", 256))}
     shared = list(range(1000, 1000 + args.prefix))
     prompts = [{"prompt_token_ids": shared + list(range(5000 + args.suffix * i, 5000 + args.suffix * (i + 1)))}
                for i in range(args.requests)]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # cache the prefix
+    for llm in llms.values():  # cache the prefix
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     results: dict[str, list[float]] = {"plain": [], "cascade": []}
     for _ in range(2):
-        results["plain"].append(decode_ms_per_step(llm, prompts, 10**9, args.new_tokens))
-        results["cascade"].append(decode_ms_per_step(llm, prompts, 256, args.new_tokens))
+        for name in ("plain", "cascade"):
+            results[name].append(decode_ms_per_step(llms[name], prompts, args.new_tokens))
     plain, cascade = min(results["plain"]), min(results["cascade"])
     print(f"{args.requests} requests, {args.prefix}-token shared prefix + {args.suffix} own tokens, {args.dtype}:")
     print(f"  plain paged attention : {plain:7.1f} ms/step   (runs: {results['plain']})")

@@ -302,6 +302,28 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """Thresholds of the kernel backends (model/backends/); outputs do not depend on them."""
+
+    cascade_min_tokens: int = setting(
+        256, "decodes sharing at least this many prefix tokens read the shared KV once (cascade attention)")
+    shared_prefill_min_tokens: int | None = setting(
+        None, "prefill chunks sharing at least this many keys in the same blocks get them packed once per layer "
+              "and kept across steps (AMX attention)", default_text="--cascade-min-tokens")
+    decode_split_size: int = setting(
+        256, "keys per work item of the decode attention kernel: short enough that one long sequence still "
+             "spreads over every core")
+
+    def __post_init__(self) -> None:
+        for name in ("cascade_min_tokens", "shared_prefill_min_tokens", "decode_split_size"):
+            value = getattr(self, name)
+            if value is None and name == "shared_prefill_min_tokens":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", name)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Every engine option. A field holding a sub-config is a Section (each sub-config field is an option);
     ``speculative`` is one option, set whole (vLLM's ``--speculative-config`` JSON)."""
@@ -316,3 +338,4 @@ class EngineConfig:
              'takes a dict or a SpeculativeConfig',
         flag="--speculative-config", keyword="speculative_config", parse=speculative_config_from_json,
         metavar="JSON", default_text="off")})
+    backend: BackendConfig = section(BackendConfig, "kernel backend")

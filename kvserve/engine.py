@@ -27,8 +27,8 @@ from kvserve.config import ArchConfig, EngineConfig, StorageConfig
 from kvserve.config_args import engine_config_from_keywords
 from kvserve.errors import InvalidRequest
 from kvserve.input_processor import InputProcessor, PromptType
+from kvserve.model.backends.select import select_backend
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
-from kvserve.model.ops import select_argmax
 from kvserve.model.registry import build_model
 from kvserve.output_processor import OutputProcessor
 from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams
@@ -88,7 +88,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
 
         t0 = time.perf_counter()
-        self.model = build_model(self.arch, self.dtype, self.device, cpu_kernels=mc.cpu_kernels)
+        self.backend = select_backend(self.device, self.dtype, self.arch, mc.cpu_kernels, config.backend)
+        self.model = build_model(self.arch, self.dtype, self.device, self.backend)
         self.model.load_weights(iter_weights(self.model_path, self.arch, self.dtype, show_progress=mc.show_progress))
         logger.info("loaded %s (%s) in %.1fs", self.model_path.name, self.arch.architecture, time.perf_counter() - t0)
 
@@ -100,11 +101,11 @@ class Engine:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers,
                                          keep_tails=cc.keep_tails)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=select_argmax(self.device, mc.cpu_kernels))
+        sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax)
         spec = config.speculative
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                     if spec.enabled else None)
-        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, sampler, proposer=proposer,
+        self.runner = ModelRunner(self.model, self.backend, kv_caches, cc.block_size, sampler, proposer=proposer,
                                   propose_below_batch_size=spec.disable_by_batch_size)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()

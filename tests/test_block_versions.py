@@ -1,9 +1,15 @@
-"""The runner's per-block write counts: what makes a packed shared prefix safe to keep across steps."""
+"""Per-block write counts (the cpu_kernels backend's, from the blocks the runner says each step writes):
+what makes a packed shared prefix safe to keep across steps."""
 
 from __future__ import annotations
 
 from kvserve.batch import ScheduledRequest, SchedulerOutput
-from kvserve.runner.block_versions import BlockVersions
+from kvserve.model.backends.block_versions import BlockVersions
+from kvserve.runner.input_batch import written_block_ids
+
+
+def bump_written(versions: BlockVersions, out: SchedulerOutput, block_size: int) -> None:
+    versions.bump(written_block_ids(out, block_size))
 
 
 def scheduled(block_ids: list[int], start: int, num_tokens: int) -> ScheduledRequest:
@@ -26,15 +32,15 @@ def test_a_step_bumps_its_loads_and_every_block_its_tokens_land_in() -> None:
     key = versions.key(prefix)
     # Decodes writing past the prefix, and a chunk of 20 tokens from position 40 (blocks 2 and 3 of 16).
     decode = scheduled([0, 1, 5], 32, 1)
-    versions.bump_written(SchedulerOutput(scheduled=[decode]), block_size=16)
+    bump_written(versions, SchedulerOutput(scheduled=[decode]), block_size=16)
     assert versions.key(prefix) == key
     chunk = scheduled([0, 1, 2, 3], 40, 20)
-    versions.bump_written(SchedulerOutput(scheduled=[chunk]), block_size=16)
+    bump_written(versions, SchedulerOutput(scheduled=[chunk]), block_size=16)
     assert versions.key([0, 1]) == key[:2] + key[3:5]
     assert versions.key(prefix) != key and versions.key([3]) != (3, 0)
     # A payload loaded from a lower tier rewrites its block too.
     key = versions.key(prefix)
-    versions.bump_written(SchedulerOutput(kv_loads=[(1, b"kv")]), block_size=16)
+    bump_written(versions, SchedulerOutput(kv_loads=[(1, b"kv")]), block_size=16)
     assert versions.key(prefix) != key
 
 
@@ -42,6 +48,6 @@ def test_drafts_bump_the_blocks_they_are_written_into() -> None:
     versions = BlockVersions()
     # A decode at position 30 (block 1 of 16) with 3 drafts at 31..33: they reach block 2.
     decode = ScheduledRequest("r", [7], 30, [0, 1, 2], sample=True, draft_token_ids=[8, 9, 10])
-    versions.bump_written(SchedulerOutput(scheduled=[decode]), block_size=16)
+    bump_written(versions, SchedulerOutput(scheduled=[decode]), block_size=16)
     assert versions.key([0]) == (0, 0)
     assert versions.key([1, 2]) == (1, 2, 1, 1)

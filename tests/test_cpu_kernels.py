@@ -6,23 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention import (
-    AttentionMetadata,
-    CpuKernelPagedAttention,
-    PagedRuns,
-    TorchPagedAttention,
-    merge_by_lse,
-)
-from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.ops import (
-    DecodeRows,
-    PackedGateUpSilu,
-    PackedKernels,
-    PackedLinear,
-    select_ops,
-    torch_add_rms_norm,
-    torch_silu_mul,
-)
+from kvserve.config import ArchConfig, BackendConfig
+from kvserve.model.attention import TorchAttentionMetadata, TorchPagedAttention, merge_by_lse
+from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention, PagedRuns
+from kvserve.model.backends.cpu_kernels import CpuKernelsBackend, plan_kernels
+from kvserve.model.backends.cpu_ops import DecodeRows, PackedGateUpSilu, PackedKernels, PackedLinear
+from kvserve.model.backends.select import select_backend
+from kvserve.model.backends.torch_ref import TorchRefBackend
+from kvserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
+from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
@@ -34,6 +26,21 @@ packed_families = [pytest.param(name, marks=pytest.mark.skipif(
 
 def family(name: str) -> PackedKernels:
     return getattr(PackedKernels, name)()
+
+
+def arch(heads: int = 9, kv_heads: int = 3, dim: int = 64) -> ArchConfig:
+    return ArchConfig("llama", vocab_size=256, hidden_size=heads * dim, intermediate_size=256, num_layers=2,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, max_position_embeddings=4096)
+
+
+def kernel_backend(name: str | None, heads: int = 9, kv_heads: int = 3, dim: int = 64) -> CpuKernelsBackend:
+    """The cpu_kernels backend as it plans for a bf16 model on a CPU whose many-row attention kernel is
+    ``name`` ("amx", "avx512"; None: this machine's)."""
+    offered = {"amx": CpuKernels(gemv_bf16=True, amx=True, avx512=True),
+               "avx512": CpuKernels(gemv_bf16=False, amx=False, avx512=True)}.get(name, kernels)
+    shape = arch(heads, kv_heads, dim)
+    return CpuKernelsBackend(plan_kernels(offered, torch.bfloat16, shape), shape, torch.device("cpu"),
+                             BackendConfig())
 
 
 def random_cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -106,15 +113,16 @@ def test_kernel_backend_decode_matches_torch_backend(dtype, shared_blocks) -> No
     max_blocks = -(-max(suffix) // block_size)
     table = torch.tensor([t[shared_blocks : shared_blocks + max_blocks] for t in tables], dtype=torch.int32)
     mask = (torch.arange(max_blocks * block_size)[None, :] < torch.tensor(suffix)[:, None])[:, None, None, :]
-    meta = AttentionMetadata(
+    layout = dict(
         slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=batch, decode_block_table=table,
-        decode_seq_lens=torch.tensor(suffix, dtype=torch.int32), decode_mask=mask,
+        decode_seq_lens=torch.tensor(suffix, dtype=torch.int32),
         decode_prefix_blocks=torch.arange(shared_blocks) if shared_blocks else None,
     )
     q = torch.randn(batch, heads, dim, dtype=dtype)
     empty = torch.empty(0, kv_heads, dim, dtype=dtype)
-    expected = TorchPagedAttention(heads, kv_heads, dim).forward(q, empty, empty, cache, meta)
-    got = CpuKernelPagedAttention(heads, kv_heads, dim).forward(q, empty, empty, cache, meta)
+    expected = TorchPagedAttention(heads, kv_heads, dim).forward(q, empty, empty, cache,
+                                                                 TorchAttentionMetadata(**layout, decode_mask=mask))
+    got = CpuKernelPagedAttention(heads, kv_heads, dim).forward(q, empty, empty, cache, CpuAttentionMetadata(**layout))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -246,7 +254,7 @@ def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
     """One row takes the GEMV and silu_mul; a weight the kernel cannot interleave (rows not a multiple of
     32) gets the plain projection's packing and takes the unfused pair at every width; the results agree
     with the reference either way."""
-    ops = select_ops(torch.bfloat16, cpu_kernels=True)
+    ops = select_backend(torch.device("cpu"), torch.bfloat16, arch(), True, BackendConfig()).ops
     packable = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
     odd = torch.randn(48, 64, dtype=torch.bfloat16) * 0.1
     ops.prepare_gate_up(packable)
@@ -263,9 +271,10 @@ def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
 @pytest.mark.skipif(kernels is None or not kernels.avx512 or kernels.gemv_bf16 or kernels.amx,
                     reason="for AVX-512 CPUs without the BF16 instructions")
 def test_model_ops_take_the_avx512_kernels_at_every_width_without_bf16_instructions() -> None:
-    ops = select_ops(torch.bfloat16, cpu_kernels=True)
+    backend = select_backend(torch.device("cpu"), torch.bfloat16, arch(), True, BackendConfig())
+    ops = backend.ops
     assert isinstance(ops.linear, PackedLinear) and ops.linear.kernels.name == "avx512"
-    assert ops.amx_linear is None and ops.amx_gate_up is None  # the fused decode stack is AMX's alone
+    assert not backend.plan.fused_decode  # the fused decode stack is AMX's alone
     weight = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
     ops.prepare_weight(weight)
     ops.prepare_gate_up(weight)
@@ -458,25 +467,24 @@ def test_kernel_backend_keeps_the_packed_prefix_only_while_its_key_holds() -> No
     tables = [list(range(shared)) + list(range(shared + 4 * i, shared + 4 * i + 4)) for i in range(batch)]
     suffix = [5, 16, 30, 64]
     table = torch.tensor([t[shared:] for t in tables], dtype=torch.int32)
-    mask = (torch.arange(4 * block_size)[None, :] < torch.tensor(suffix)[:, None])[:, None, None, :]
     runs = PagedRuns(torch.arange(shared, dtype=torch.int32)[None], torch.tensor([shared * block_size], dtype=torch.int32),
                      torch.tensor([0, batch], dtype=torch.int32))
 
     def meta(key):
-        return AttentionMetadata(
+        return CpuAttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=batch, decode_block_table=table,
-            decode_seq_lens=torch.tensor(suffix, dtype=torch.int32), decode_mask=mask,
+            decode_seq_lens=torch.tensor(suffix, dtype=torch.int32),
             decode_prefix_blocks=torch.arange(shared), decode_prefix_runs=runs, decode_prefix_key=key)
 
     backend = CpuKernelPagedAttention(heads, kv_heads, dim, amx=True)
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16)
     empty = torch.empty(0, kv_heads, dim, dtype=torch.bfloat16)
     unpacked = backend.forward(q, empty, empty, cache, meta(None))
-    assert backend._packed_prefix == {}  # no key: nothing kept
+    assert backend._packed_prefix is None  # no key: nothing kept
     first = backend.forward(q, empty, empty, cache, meta((1,)))
-    kept = backend._packed_prefix[cache[0].data_ptr()][1]
+    kept = backend._packed_prefix[1]
     again = backend.forward(q, empty, empty, cache, meta((1,)))
-    assert backend._packed_prefix[cache[0].data_ptr()][1] is kept
+    assert backend._packed_prefix[1] is kept
     assert torch.equal(first, unpacked) and torch.equal(again, unpacked)
 
     cache[:, 7] = torch.randn_like(cache[:, 7])  # a prefix block rewritten: the runner gives a new key
@@ -501,15 +509,19 @@ def test_kernel_backend_mixed_step_matches_torch_backend(name) -> None:
     scheduled.append(ScheduledRequest("p0", [1] * 40, 0, [40, 41, 42], True))
     scheduled.append(ScheduledRequest("p1", [1] * 50, 100, [50, 51, 52, 53, 54, 55, 56, 57, 58, 59], True))
     inputs = build_inputs(SchedulerOutput(scheduled=scheduled), block_size, torch.device("cpu"))
-    assert inputs.attn.decode_prefix_runs is not None and inputs.attn.prefill_runs is not None
+    backend = kernel_backend(name, heads, kv_heads, dim)
+    reference = TorchRefBackend(arch(heads, kv_heads, dim), torch.device("cpu"), BackendConfig())
+    meta = backend.build_metadata(inputs.rows)
+    assert meta.decode_prefix_runs is not None and meta.prefill_runs is not None
+    assert not hasattr(meta, "decode_mask")  # the reference's alone
     num_tokens = inputs.input_ids.shape[0]
     q = torch.randn(num_tokens, heads, dim, dtype=torch.bfloat16)
     k = torch.randn(num_tokens, kv_heads, dim, dtype=torch.bfloat16)
     v = torch.randn(num_tokens, kv_heads, dim, dtype=torch.bfloat16)
-    expected = TorchPagedAttention(heads, kv_heads, dim).forward(q, k, v, cache.clone(), inputs.attn)
-    backend = CpuKernelPagedAttention(heads, kv_heads, dim, amx=name == "amx", avx512=name == "avx512")
-    assert getattr(backend, name)
-    got = backend.forward(q, k, v, cache.clone(), inputs.attn)
+    expected = reference.make_attention(0).forward(q, k, v, cache.clone(), reference.build_metadata(inputs.rows))
+    attention = backend.make_attention(0)
+    assert type(attention) is CpuKernelPagedAttention and getattr(attention, name)
+    got = attention.forward(q, k, v, cache.clone(), meta)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 

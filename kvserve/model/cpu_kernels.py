@@ -76,7 +76,7 @@ class KernelThreadScope:
     """Within it, the kernels' parallel regions run on all of torch's threads (on the kernels' own worker
     pool, csrc/worker_pool.cpp) and torch's own ops on the calling thread alone.
 
-    For a model the kernels carry (model/decode_stack.py's condition), what is left to torch in a step is
+    For a model the kernels carry (backends/cpu_kernels.py's plan), what is left to torch in a step is
     small: the embedding gather, the KV write, a concatenation, sampling. Letting those wake OpenMP's team
     put three busy threads (the caller, the pool's worker, OpenMP's) on two cores: 1,024-token prefills ran
     a median 7% slower than on OpenMP alone (seven A/Bs), and 2-6% faster with torch's ops kept on the

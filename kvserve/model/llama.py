@@ -13,15 +13,13 @@ import torch.nn.functional as F
 
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
-from kvserve.model.attention import AttentionBackend, AttentionMetadata, CpuKernelPagedAttention
-from kvserve.model.cpu_kernels import KernelThreadScope
-from kvserve.model.decode_stack import FusedDecodeStack
+from kvserve.model.backends.base import AttentionMetadata, Backend, FusedDecode, PagedAttention
 from kvserve.model.layers import RotaryEmbedding, rms_norm
-from kvserve.model.ops import ModelOps, PackedLinear
+from kvserve.model.ops import ModelOps
 
 
 class DecoderLayer:
-    def __init__(self, arch: ArchConfig, attention: AttentionBackend, ops: ModelOps) -> None:
+    def __init__(self, arch: ArchConfig, attention: PagedAttention, ops: ModelOps) -> None:
         self.arch = arch
         self.attention = attention
         self.ops = ops
@@ -67,27 +65,21 @@ class DecoderLayer:
 
 
 class LlamaForCausalLM:
-    def __init__(
-        self,
-        arch: ArchConfig,
-        attention: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        ops: ModelOps | None = None,
-    ):
+    def __init__(self, arch: ArchConfig, backend: Backend, dtype: torch.dtype, device: torch.device) -> None:
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.ops = ops or ModelOps()
-        self.layers = [DecoderLayer(arch, attention, self.ops) for _ in range(arch.num_layers)]
+        self.backend = backend
+        self.ops = backend.ops
+        # One attention object per layer: what a kernel keeps across steps is that layer's own.
+        self.layers = [DecoderLayer(arch, backend.make_attention(i), self.ops) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
         self.embed_tokens: torch.Tensor  # [vocab, hidden]
         self.final_norm: torch.Tensor
         self.lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
-        self.attention = attention
-        # Decode steps' layers in one C++ call where the kernels allow it (set once the weights are packed).
-        self.fused_decode: FusedDecodeStack | None = None
-        # Entered around each step's forward and sampling (set once the weights are packed).
+        # Decode steps' layers in one call where the backend has one (set once the weights are prepared).
+        self.fused_decode: FusedDecode | None = None
+        # Entered around each step's forward and sampling (the backend's, set once the weights are prepared).
         self.thread_scope: AbstractContextManager[None] = nullcontext()
 
     def forward(
@@ -157,13 +149,8 @@ class LlamaForCausalLM:
                 self.ops.prepare_weight(weight)
             self.ops.prepare_gate_up(layer.gate_up_weight)
         self.ops.prepare_weight(self.lm_head)
-        self.fused_decode = FusedDecodeStack.build(arch, self.attention, self.ops, self.layers)
-        # The kernels carry every heavy op of a step: the fused AMX decode stack, or (without AMX) the AVX-512
-        # projections and attention. torch's ops then run on the calling thread alone (KernelThreadScope).
-        avx512_carries = (isinstance(self.attention, CpuKernelPagedAttention) and self.attention.avx512
-                          and isinstance(self.ops.linear, PackedLinear))
-        if self.fused_decode is not None or avx512_carries:
-            self.thread_scope = KernelThreadScope()
+        self.fused_decode = self.backend.build_fused_decode(self.layers)
+        self.thread_scope = self.backend.step_scope()
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]
         if leftover:

@@ -6,9 +6,8 @@ import torch
 
 from kvserve.config import ArchConfig
 from kvserve.errors import UnsupportedModel
-from kvserve.model.attention import get_attention_backend
+from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.ops import select_ops
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -18,15 +17,12 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(
-    arch: ArchConfig, dtype: torch.dtype, device: torch.device, cpu_kernels: bool = True
-) -> LlamaForCausalLM:
+def build_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device, backend: Backend) -> LlamaForCausalLM:
+    """The model of ``arch``'s family, running on ``backend`` (model/backends/select.py chooses it)."""
     try:
         cls = MODEL_CLASSES[arch.architecture]
     except KeyError:
         raise UnsupportedModel(
             f"architecture {arch.architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}"
         ) from None
-    kernels = cpu_kernels and device.type == "cpu"
-    attention = get_attention_backend(device, arch.num_heads, arch.num_kv_heads, arch.head_dim, kernels)
-    return cls(arch, attention, dtype, device, select_ops(dtype, kernels))
+    return cls(arch, backend, dtype, device)

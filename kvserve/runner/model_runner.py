@@ -7,8 +7,8 @@ import time
 import torch
 
 from kvserve.batch import RunnerOutput, SchedulerOutput
+from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.runner.block_versions import BlockVersions
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.kv_transfer import read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
@@ -19,27 +19,23 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        backend: Backend,
         kv_caches: list[torch.Tensor],
         block_size: int,
         sampler: Sampler,
-        cascade_min_tokens: int = 256,
         proposer: Proposer | None = None,
         propose_below_batch_size: int | None = None,
     ) -> None:
         self.model = model
+        self.backend = backend  # the model's: it turns each step's rows into its attention metadata
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
-        # Decodes sharing at least this many prefix tokens read the shared KV once (cascade attention).
-        self.cascade_min_tokens = cascade_min_tokens
-        # Prefill chunks sharing at least this many keys in the same blocks get them packed once per layer.
-        self.shared_prefill_min_tokens = cascade_min_tokens
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
         # Drafts for each request's next step (speculative decoding); None: no speculation.
         self.proposer = proposer
         self.propose_below_batch_size = propose_below_batch_size  # None: at any batch size
-        self.block_versions = BlockVersions()
         self.num_steps = 0  # steps that ran a forward, and the time they took
         self.busy_time_s = 0.0
 
@@ -68,7 +64,6 @@ class ModelRunner:
                                 for (_, block_hash), payload in zip(out.kv_offloads, payloads, strict=True)]
         if out.kv_loads:
             write_blocks(self.kv_caches, out.kv_loads)
-        self.block_versions.bump_written(out, self.block_size)
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
             if self.proposer is not None:
@@ -77,13 +72,16 @@ class ModelRunner:
             self.states[new.request_id] = SamplingState(
                 new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids
             )
-        if out.is_empty:
+        if out.is_empty and not out.kv_loads:
             return result
 
-        inputs = build_inputs(out, self.block_size, self.device, self.cascade_min_tokens, self.block_versions,
-                              self.shared_prefill_min_tokens)
+        inputs = build_inputs(out, self.block_size, self.device)
+        # Also how the backend learns which blocks this step rewrites, loads included.
+        meta = self.backend.build_metadata(inputs.rows)
+        if out.is_empty:
+            return result
         with self.model.thread_scope:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches)
             if not inputs.sample_request_ids:
                 return result
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]

@@ -42,9 +42,8 @@ def shared_prefix_greedy_ids(cascade: bool) -> list[list[int]]:
     cascade on, attention splits into the shared prefix for all 16 x 9 query heads at once (the AMX kernel)
     and each request's own suffix, merged by log-sum-exp; with it off, each request reads its whole
     context. The prefill is the same either way, so the two must agree but for rounding near-ties."""
-    llm = LLM(dtype="bfloat16", num_kv_blocks=512, cpu_kernels=True)
-    if not cascade:
-        llm.engine.runner.cascade_min_tokens = 1 << 30
+    llm = LLM(dtype="bfloat16", num_kv_blocks=512, cpu_kernels=True, cascade_min_tokens=256 if cascade else 1 << 30,
+              shared_prefill_min_tokens=256)
     tok = llm.get_tokenizer()
     questions = (CHAT_QUESTIONS * 16)[:16]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM},

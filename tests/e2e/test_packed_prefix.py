@@ -2,7 +2,7 @@
 bits with pre-packed keys as when it packs them itself, so an engine that keeps them must produce exactly
 the tokens of one that packs every step: here over two rounds with different prefixes in a pool so small
 that the second round evicts the first's blocks. (That a block rewritten under the same id gets a new key
-is tested on BlockVersions and on the backend, in tests/test_block_versions.py and test_cpu_kernels.py:
+is tested on BlockVersions and on the attention, in tests/test_block_versions.py and test_cpu_kernels.py:
 the allocator does not hand the same ids back in the same order here.)"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.attention import CpuKernelPagedAttention
+from kvserve.model.backends.cpu_attention import CpuKernelPagedAttention
 from kvserve.model.cpu_kernels import load_cpu_kernels
 
 kernels = load_cpu_kernels()
@@ -28,9 +28,9 @@ def two_rounds(keep_packed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list
         keys.append(key)
         return original_pack(self, k_cache, v_cache, runs, key) if keep_packed else None
 
-    def kept(self, k_cache, key):
+    def kept(self, key):
         nonlocal reused
-        found = original_kept(self, k_cache, key)
+        found = original_kept(self, key)
         reused += found is not None
         return found
 
@@ -62,7 +62,7 @@ def test_kept_packed_prefix_gives_the_tokens_of_packing_every_step(monkeypatch) 
 def shared_prefix_prefill(share: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[tuple]]:
     """Greedy tokens of prompts that arrive together with a common 300-token prefix, in two waves, and the
     (shared keys, key) of every prefill attention call that had a shared prefix to keep packed. Not
-    sharing: the runner's threshold is out of reach, so every work item packs all its keys."""
+    sharing: the backend's threshold is out of reach, so every work item packs all its keys."""
     calls: list[tuple] = []
     original_prefill = CpuKernelPagedAttention._prefill
 
@@ -72,9 +72,7 @@ def shared_prefix_prefill(share: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
         return original_prefill(self, q, k, v, k_cache, v_cache, meta)
 
     monkeypatch.setattr(CpuKernelPagedAttention, "_prefill", prefill)
-    llm = LLM(dtype="bfloat16", max_num_batched_tokens=512)
-    if not share:
-        llm.engine.runner.shared_prefill_min_tokens = 1 << 30
+    llm = LLM(dtype="bfloat16", max_num_batched_tokens=512, shared_prefill_min_tokens=None if share else 1 << 30)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prefix = list(range(3000, 3300))
     outputs = []

@@ -41,7 +41,8 @@ def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatc
     """Requests whose prompts share cached blocks decode with the shared-prefix (cascade) attention path."""
     import transformers
 
-    from kvserve.model.attention import CpuKernelPagedAttention, TorchPagedAttention
+    from kvserve.model.attention import TorchPagedAttention
+    from kvserve.model.backends.cpu_attention import CpuKernelPagedAttention
 
     model_dir = make_tiny_model(tmp_path, "qwen3", tie=False)
     reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -50,8 +51,7 @@ def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatc
     reference = [hf_greedy(reference_model, p, MAX_TOKENS) for p in prompts]
 
     llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128, enable_prefix_caching=True,
-              cpu_kernels=cpu_kernels)
-    llm.engine.runner.cascade_min_tokens = 8
+              cpu_kernels=cpu_kernels, cascade_min_tokens=8)
     calls = []
     backend, method = ((CpuKernelPagedAttention, "_shared_prefix_flash") if cpu_kernels
                        else (TorchPagedAttention, "_decode_shared_prefix"))

@@ -15,18 +15,19 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.config import ArchConfig
-from kvserve.model.attention import AttentionMetadata, CpuKernelPagedAttention
-from kvserve.model.ops import DecodeRows, ModelOps
+from kvserve.model.backends.base import DecoderWeights
+from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention
+from kvserve.model.backends.cpu_ops import PackedGateUpSilu, PackedLinear
 
 
 class FusedDecodeStack:
     """The model's layers as one ``torch.ops.kvserve.decode_stack`` call, for steps ``accepts`` takes."""
 
-    def __init__(self, arch: ArchConfig, attention: CpuKernelPagedAttention, input_norms: list[torch.Tensor],
+    def __init__(self, arch: ArchConfig, attentions: list[CpuKernelPagedAttention], input_norms: list[torch.Tensor],
                  post_norms: list[torch.Tensor], packed: dict[str, list[torch.Tensor]],
                  single_row_weights: list[torch.Tensor]) -> None:
         self.arch = arch
-        self.attention = attention
+        self.attentions = attentions  # per layer: its packed shared prefix is kept there
         self.input_norms = input_norms
         self.post_norms = post_norms
         self.packed = packed  # "qkv", "o", "gate_up", "down": one packed weight per layer
@@ -34,45 +35,39 @@ class FusedDecodeStack:
         self.single_row_weights = single_row_weights
 
     @classmethod
-    def build(cls, arch: ArchConfig, attention: object, ops: ModelOps,
-              layers: Sequence[object]) -> FusedDecodeStack | None:
-        """The stack for these layers, or None where the fused path does not apply (no AMX kernels, a
-        layout it does not handle, a weight the kernels could not pack)."""
-        if not isinstance(attention, CpuKernelPagedAttention) or not attention.amx:
-            return None
-        amx, gate_up = ops.amx_linear, ops.amx_gate_up
-        if amx is None or gate_up is None or arch.qkv_bias or arch.qk_norm or arch.head_dim != 64:
-            return None
-        # Which kernel a single row takes must be the Python layer's: the GEMV for every projection (the
-        # gate/up then through silu_mul), or AMX for all of them.
-        single_row_gemv = isinstance(ops.linear, DecodeRows)
-        if single_row_gemv != (gate_up.min_rows == 2) or (single_row_gemv and ops.linear.max_rows != 1):  # type: ignore[union-attr]
-            return None
+    def build(cls, arch: ArchConfig, layers: Sequence[DecoderWeights], linear: PackedLinear,
+              gate_up: PackedGateUpSilu, single_row_gemv: bool) -> FusedDecodeStack | None:
+        """The stack for these layers, whose projections the AMX kernels ``linear`` and ``gate_up`` take
+        (a single row on the GEMV when ``single_row_gemv``, as the Python layer does), or None where a
+        weight could not be packed. The backend decides that the stack applies (cpu_kernels.py's plan)."""
+        attentions = [layer.attention for layer in layers]
+        assert all(isinstance(a, CpuKernelPagedAttention) and a.amx for a in attentions)
+        attentions = [a for a in attentions if isinstance(a, CpuKernelPagedAttention)]
         packed: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
         for layer in layers:
-            weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.down_weight}  # type: ignore[attr-defined]
+            weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.down_weight}
             for name, weight in weights.items():
-                found = amx.packed.get(weight.data_ptr())
+                found = linear.packed.get(weight.data_ptr())
                 if found is None:
                     return None
                 packed[name].append(found)
-            interleaved = gate_up.packed.get(layer.gate_up_weight.data_ptr())  # type: ignore[attr-defined]
+            interleaved = gate_up.packed.get(layer.gate_up_weight.data_ptr())
             if interleaved is None:
                 return None
             packed["gate_up"].append(interleaved)
-        single_row = [weight for layer in layers for weight in (  # type: ignore[attr-defined]
+        single_row = [weight for layer in layers for weight in (
             layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)] if single_row_gemv else []
-        return cls(arch, attention, [layer.input_norm for layer in layers],  # type: ignore[attr-defined]
-                   [layer.post_attention_norm for layer in layers], packed, single_row)  # type: ignore[attr-defined]
+        return cls(arch, attentions, [layer.input_norm for layer in layers],
+                   [layer.post_attention_norm for layer in layers], packed, single_row)
 
-    def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
         rows = hidden.shape[0]
         return (rows >= 1 and meta.num_decode_tokens == rows and not meta.prefills
                 and hidden.dtype == torch.bfloat16 and meta.decode_block_table is not None
                 and meta.decode_seq_lens is not None
                 and (meta.decode_prefix_blocks is None or meta.decode_prefix_runs is not None))
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: CpuAttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, as the layers' own forwards would leave them."""
         runs = meta.decode_prefix_runs if meta.decode_prefix_blocks is not None else None
@@ -82,8 +77,8 @@ class FusedDecodeStack:
             # A layer whose packed prefix is not kept (first step on this prefix, or no key) packs it inside
             # the kernel, after this step's KV write, as the Python path does; it is kept afterwards.
             empty = torch.empty(0, dtype=torch.int32)
-            for i, cache in enumerate(kv_caches):
-                kept = self.attention.kept_prefix(cache[0], meta.decode_prefix_key)
+            for i, attention in enumerate(self.attentions):
+                kept = attention.kept_prefix(meta.decode_prefix_key)
                 if kept is None:
                     missing.append(i)
                 prefix_packed.append(empty if kept is None else kept)
@@ -93,9 +88,9 @@ class FusedDecodeStack:
             self.packed["gate_up"], self.packed["down"], kv_caches, meta.slot_mapping, meta.decode_block_table,
             meta.decode_seq_lens, None if runs is None else runs.block_tables, None if runs is None else runs.kv_lens,
             None if runs is None else runs.q_starts, prefix_packed, self.single_row_weights, arch.num_heads, arch.num_kv_heads,
-            arch.rms_norm_eps, self.attention.scale, self.attention.split_size,
+            arch.rms_norm_eps, self.attentions[0].scale, self.attentions[0].split_size,
         )
         if runs is not None and meta.decode_prefix_key is not None:
             for i in missing:
-                self.attention.packed_prefix_for(kv_caches[i][0], kv_caches[i][1], runs, meta.decode_prefix_key)
+                self.attentions[i].packed_prefix_for(kv_caches[i][0], kv_caches[i][1], runs, meta.decode_prefix_key)
         return hidden, residual

@@ -1,0 +1,160 @@
+"""The boundary between the model and the kernels that run it.
+
+A ``Backend`` is chosen once per engine (``select.py``, the only module that names one) and gives the model
+everything kernel-specific: one attention object per layer (each owning what it keeps across steps), the
+per-token ops, the greedy sampler's argmax, an optional fused decode stack and the scope a step runs in.
+
+Each step the runner describes its tokens in generic rows (``StepRows``); the backend turns them into the
+metadata its own attention reads (``AttentionMetadata`` or a subclass of it). The runner never knows a
+kernel's tile size, nor what a backend derives from the KV and keeps across steps. Token order in a step:
+
+    [ d0 d1 ... d(B-1) | prefill chunk a (q_len_a) | prefill chunk b | ... ]
+
+where the d's are single-token queries (decodes, their speculative drafts, one-token prefill chunks).
+KV memory per layer is one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
+``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvserve.model.ops import ModelOps
+
+# Row-wise argmax of [B, V] logits -> int64 [B], ties to the lowest index (as torch's).
+ArgMax = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One request's prefill chunk: step rows q_start..q_start+q_len-1 attend to keys 0..kv_len-1."""
+
+    q_start: int
+    q_len: int
+    kv_len: int
+    block_ids: list[int]  # the blocks holding keys 0..kv_len-1
+
+
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """A step's tokens as the runner lays them out, the same for every backend."""
+
+    block_size: int
+    slot_mapping: torch.Tensor  # [num_tokens] on the device: where each new token's K/V is written
+    # Per decode row: its request's block table (the rows of one request share the same list) and the
+    # keys it sees (its own position + 1).
+    decode_block_ids: list[list[int]] = field(default_factory=list)
+    decode_kv_lens: list[int] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Every block whose KV this step rewrites (tier loads, then the blocks its tokens land in; repeats
+    # allowed). A backend that keeps something derived from blocks' contents tells stale copies by it.
+    written_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self.decode_kv_lens)
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One request's prefill chunk: queries q_start..q_start+q_len attend to keys 0..kv_len-1."""
+
+    q_start: int
+    q_len: int
+    kv_len: int
+    # None when the chunk starts at position 0: keys are exactly this chunk's, plain causal attention.
+    block_ids: torch.Tensor | None = None  # [num_blocks] blocks holding keys 0..kv_len-1
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def history_mask(self) -> torch.Tensor:
+        """[q_len, kv_len] bool, True = attend: each query sees the keys up to its own position. Built on
+        first use and kept for the step's other layers; kernels that take the paged runs never build it."""
+        if self._mask is None:
+            assert self.block_ids is not None, "a chunk from position 0 is plain causal attention"
+            device = self.block_ids.device
+            positions = torch.arange(self.kv_len - self.q_len, self.kv_len, device=device)
+            self._mask = torch.arange(self.kv_len, device=device)[None, :] <= positions[:, None]
+        return self._mask
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A step's attention layout, built once by the backend and reused by every layer. These fields are
+    what the torch reference attention reads (every backend may fall back to it); a backend subclasses it
+    with what its own kernels need."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    num_decode_tokens: int = 0
+    decode_block_table: torch.Tensor | None = None  # int32 [num_decodes, max_blocks], padded with block 0
+    decode_seq_lens: torch.Tensor | None = None  # int32 [num_decodes]: keys the table above covers
+    # Blocks every decode shares, read once for all of them (cascade attention); the table above then
+    # covers only the blocks after them. None: no shared prefix (or too short to be worth it).
+    decode_prefix_blocks: torch.Tensor | None = None  # [num_shared_blocks]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class PagedAttention(Protocol):
+    """One layer's attention: writes the new K/V into their slots and attends over each request's blocks."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        ...
+
+
+class DecoderWeights(Protocol):
+    """What a fused decode stack reads of each decoder layer, once its weights are loaded and prepared."""
+
+    attention: PagedAttention
+    qkv_weight: torch.Tensor
+    o_weight: torch.Tensor
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+
+
+class FusedDecode(Protocol):
+    """Every decoder layer of the steps it accepts in one call, bit for bit what the layers would give."""
+
+    def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the last layer."""
+        ...
+
+
+class Backend(Protocol):
+    """Everything kernel-specific a model and its runner use; one per engine."""
+
+    name: str
+    description: str  # the name and what it picked, for the log
+    ops: ModelOps
+    argmax: ArgMax | None  # None: torch's
+
+    def build_metadata(self, rows: StepRows) -> AttentionMetadata:
+        """This step's layout for this backend's attention (called once per step that writes KV)."""
+        ...
+
+    def make_attention(self, layer_index: int) -> PagedAttention:
+        """The attention of one layer; it keeps its own state across steps."""
+        ...
+
+    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
+        """The fused decode stack for these layers, or None; called once their weights are prepared."""
+        ...
+
+    def step_scope(self) -> AbstractContextManager[None]:
+        """Entered around each step's forward and sampling; asked once the fused stack is built."""
+        ...

@@ -1,0 +1,166 @@
+"""The C++ CPU kernel backend (model/csrc/): AMX, AVX512-BF16 and AVX-512 variants, chosen once per engine.
+
+``plan_kernels`` is the one place that decides, from what the loaded build offers on this CPU, the model's
+dtype and its shape, which kernel takes each part of a step. Everything else here follows the plan: the
+model's ops (cpu_ops.py), one attention object per layer (cpu_attention.py), the fused decode stack
+(cpu_decode_stack.py), and the step metadata those kernels read, which adds to the common layout the
+one-call runs, the packed prefixes' 32-key steps and the block write versions that name their contents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvserve.config import ArchConfig, BackendConfig
+from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
+from kvserve.model.backends.block_versions import BlockVersions
+from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention, PagedRuns
+from kvserve.model.backends.cpu_decode_stack import FusedDecodeStack
+from kvserve.model.backends.cpu_ops import build_cpu_ops
+from kvserve.model.backends.layout import prefill_spans, shared_prefix_blocks, split_decodes
+from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope
+
+# The AMX attention kernel takes keys in steps of 32: a shared prefix it keeps packed is a whole number of them.
+PREFIX_KEY_STEP = 32
+
+Family = Literal["amx", "avx512"]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """Which kernel takes each part of a step. The paged decode kernel takes every decode, in any dtype."""
+
+    projections: Family | None  # the packed projection kernels; None: torch's linear
+    gemv_max_rows: int  # inputs of at most this many rows take the BF16 GEMV instead; 0: never
+    elementwise: bool  # add+RMSNorm, SiLU-and-multiply and rotary through the kernels (bf16 models)
+    attention: Family | None  # the many-row kernel for prefill chunks and cascade prefixes; None: torch's
+    fused_decode: bool  # decode steps' layers in one C++ call (when every weight packs)
+    # Projections and attention both on the AVX-512 kernels: they carry a step's heavy ops.
+    avx512_carries_step: bool
+
+    @property
+    def description(self) -> str:
+        parts = [f"{self.projections or 'torch'} projections"]
+        if self.gemv_max_rows:
+            parts.append(f"bf16 gemv up to {self.gemv_max_rows} row{'s' if self.gemv_max_rows > 1 else ''}")
+        parts.append(f"{self.attention} attention" if self.attention else "decode-kernel attention")
+        if self.fused_decode:
+            parts.append("fused decode stack")
+        return ", ".join(parts)
+
+
+def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> KernelPlan:
+    bf16 = dtype == torch.bfloat16
+    # Measured in benchmarks/cpu_kernels.py: the BF16 GEMV streams weights fastest at one row (single-stream
+    # decode), AMX wins from two rows on; without AMX it hands wider inputs to torch (oneDNN), which has the
+    # BF16 instructions too. Without those instructions torch's bf16 linear is slow at every width and the
+    # AVX-512 kernel takes them all.
+    projections: Family | None = None
+    if bf16 and kernels.amx:
+        projections = "amx"
+    elif bf16 and kernels.avx512 and not kernels.gemv_bf16:
+        projections = "avx512"
+    gemv_max_rows = (1 if kernels.amx else 4) if bf16 and kernels.gemv_bf16 else 0
+    # The many-row attention kernels are written for head size 64 and take bf16.
+    attention: Family | None = None
+    if bf16 and arch.head_dim == 64:
+        attention = "amx" if kernels.amx else "avx512" if kernels.avx512 else None
+    # The fused stack runs the Python layer's kernels in its order: AMX for the projections and attention,
+    # a layout without QKV bias or QK-norm.
+    fused_decode = (projections == "amx" and attention == "amx" and gemv_max_rows <= 1
+                    and not arch.qkv_bias and not arch.qk_norm)
+    return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
+                      fused_decode=fused_decode,
+                      avx512_carries_step=projections == "avx512" and attention == "avx512" and gemv_max_rows == 0)
+
+
+class CpuKernelsBackend:
+    name = "cpu_kernels"
+
+    def __init__(self, plan: KernelPlan, arch: ArchConfig, device: torch.device, config: BackendConfig) -> None:
+        self.plan = plan
+        self.arch = arch
+        self.device = device
+        self.config = config
+        self.description = f"{self.name} ({plan.description})"
+        cpu_ops = build_cpu_ops(plan.projections, plan.gemv_max_rows, plan.elementwise)
+        self.ops = cpu_ops.ops
+        self._packed_linear, self._packed_gate_up = cpu_ops.packed_linear, cpu_ops.packed_gate_up
+        # torch's argmax walks a bf16 row one element at a time; the kernel takes bf16 and float32.
+        self.argmax = torch.ops.kvserve.argmax_rows
+        # Only the AMX attention keeps packed KV across steps, so only it needs to know which blocks changed.
+        self._versions = BlockVersions() if plan.attention == "amx" else None
+        self._shared_prefill_min_tokens = (config.cascade_min_tokens if config.shared_prefill_min_tokens is None
+                                           else config.shared_prefill_min_tokens)
+        self._carries_step = plan.avx512_carries_step
+
+    def make_attention(self, layer_index: int) -> CpuKernelPagedAttention:
+        arch, plan = self.arch, self.plan
+        return CpuKernelPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, amx=plan.attention == "amx",
+                                       avx512=plan.attention == "avx512", split_size=self.config.decode_split_size)
+
+    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
+        if not self.plan.fused_decode:
+            return None
+        assert self._packed_linear is not None and self._packed_gate_up is not None
+        stack = FusedDecodeStack.build(self.arch, layers, self._packed_linear, self._packed_gate_up,
+                                       single_row_gemv=self.plan.gemv_max_rows == 1)
+        if stack is not None:
+            self._carries_step = True
+        return stack
+
+    def step_scope(self) -> AbstractContextManager[None]:
+        # The kernels carry every heavy op of a step (the fused decode stack, or the AVX-512 projections and
+        # attention): torch's ops then run on the calling thread alone (KernelThreadScope says why).
+        return KernelThreadScope() if self._carries_step else nullcontext()
+
+    def build_metadata(self, rows: StepRows) -> CpuAttentionMetadata:
+        versions = self._versions
+        if versions is not None:
+            versions.bump(rows.written_block_ids)
+        device, block_size = self.device, rows.block_size
+        many_rows = self.plan.attention is not None
+        meta = CpuAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
+                                    prefills=prefill_spans(rows, device))
+        split = split_decodes(rows, self.config.cascade_min_tokens)
+        if split is not None:
+            meta.decode_block_table = split.block_table.to(device, non_blocking=True)
+            meta.decode_seq_lens = split.seq_lens.to(device, non_blocking=True)
+            shared = split.shared_block_ids
+            if shared:
+                meta.decode_prefix_blocks = torch.tensor(shared, dtype=torch.long).to(device, non_blocking=True)
+                if many_rows:
+                    meta.decode_prefix_runs = _paged_runs([shared], [len(shared) * block_size],
+                                                          [rows.num_decode_rows], device)
+                if versions is not None:
+                    meta.decode_prefix_key = versions.key(shared)
+        if rows.prefills and many_rows:
+            tables = [chunk.block_ids for chunk in rows.prefills]
+            kv_lens = [chunk.kv_len for chunk in rows.prefills]
+            meta.prefill_runs = _paged_runs(tables, kv_lens, [chunk.q_len for chunk in rows.prefills], device)
+            if versions is not None:
+                # Keys every chunk holds in the same blocks, in whole key steps: packed once per layer and
+                # kept while the blocks are unchanged, instead of once per chunk and head every step.
+                shared_keys = shared_prefix_blocks(tables, kv_lens, block_size) * block_size
+                shared_keys = shared_keys // PREFIX_KEY_STEP * PREFIX_KEY_STEP
+                if shared_keys >= self._shared_prefill_min_tokens:
+                    shared = tables[0][: -(-shared_keys // block_size)]
+                    meta.prefill_prefix_keys = shared_keys
+                    meta.prefill_prefix_table = torch.tensor(shared, dtype=torch.int32, device=device)
+                    meta.prefill_prefix_key = (shared_keys, *versions.key(shared))
+        return meta
+
+
+def _paged_runs(tables: list[list[int]], kv_lens: list[int], q_lens: list[int], device: torch.device) -> PagedRuns:
+    width = max(len(table) for table in tables)
+    q_starts = [0]
+    for q_len in q_lens:
+        q_starts.append(q_starts[-1] + q_len)
+    tensors = (torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32),
+               torch.tensor(kv_lens, dtype=torch.int32), torch.tensor(q_starts, dtype=torch.int32))
+    return PagedRuns(*(t.to(device, non_blocking=True) for t in tensors))

@@ -1,0 +1,161 @@
+"""The projection kernels of the cpu_kernels backend, and the ``ModelOps`` its plan gives a model.
+
+With the C++ CPU kernels loaded and a bf16 model, the projections, the add+RMSNorm, the SiLU-and-multiply
+(with AMX or AVX-512: fused into the gate/up projection) and the rotary embedding go through them
+(benchmarks/cpu_kernels.py measures each against the torch version, side by side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.ops import Linear, ModelOps
+
+
+class DecodeRows:
+    """Calls ``kernel`` on inputs of at most ``max_rows`` rows, ``wider`` on the rest.
+
+    The bf16 GEMV kernel streams weights at close to memory bandwidth at a row or two, where torch's bf16
+    linear is bound by its own arithmetic; from a few rows on, the AMX tiles or torch do better.
+    """
+
+    def __init__(self, kernel: Callable[..., torch.Tensor], wider: Callable[..., torch.Tensor],
+                 max_rows: int = 4) -> None:
+        self.kernel = kernel
+        self.wider = wider
+        self.max_rows = max_rows
+
+    def __call__(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            return self.kernel(x, *args)
+        return self.wider(x, *args)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedKernels:
+    """A family of projection kernels that read each weight in a layout of their own, packed once."""
+
+    name: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # silu(gate) * up from a [gate | up] weight packed with its gate and up rows interleaved 16 at a time
+    linear_silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    depth_multiple: int  # the weight's inner size must be a multiple of this (its rows always of 16)
+
+    @classmethod
+    def amx(cls) -> PackedKernels:
+        """AMX tile multiplies (csrc/projections.cpp): faster than torch's bf16 linear at decode widths, on
+        par at prefill widths (benchmarks/cpu_kernels.py)."""
+        kvserve = torch.ops.kvserve
+        return cls("amx", kvserve.amx_pack, kvserve.amx_linear, kvserve.amx_linear_silu_mul, 32)
+
+    @classmethod
+    def avx512(cls) -> PackedKernels:
+        """fp32 FMAs on bf16 weights widened in registers (csrc/linear_avx512.cpp), for AVX-512 CPUs
+        without the BF16 instructions, where torch's bf16 linear is slowest."""
+        kvserve = torch.ops.kvserve
+        return cls("avx512", kvserve.avx512_pack, kvserve.avx512_linear, kvserve.avx512_linear_silu_mul, 2)
+
+
+class PackedLinear:
+    """bf16 projections through a ``PackedKernels`` family, at every width; weights it could not pack go
+    to ``fallback``.
+
+    Each projection weight gets a packed copy once, at load (``prepare``); that costs a second copy of the
+    weights in memory. A weight is found again by its storage address, which model weights never change
+    after load.
+    """
+
+    def __init__(self, kernels: PackedKernels, fallback: Linear = F.linear) -> None:
+        self.kernels = kernels
+        self.fallback = fallback
+        self.packed: dict[int, torch.Tensor] = {}
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        rows, depth = weight.shape
+        if weight.dtype == torch.bfloat16 and rows % 16 == 0 and depth % self.kernels.depth_multiple == 0:
+            self.packed.setdefault(weight.data_ptr(), self.kernels.pack(weight))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self.packed.get(weight.data_ptr())
+        if packed is None or x.dtype != torch.bfloat16:
+            return self.fallback(x, weight, bias)
+        return self.kernels.linear(x, packed, bias)
+
+
+class PackedGateUpSilu:
+    """The MLP's gate/up projection and its activation in one kernel (``linear_silu_mul``): silu(gate) * up
+    comes straight from the accumulators, so the [rows, 2 x intermediate] product is never written to
+    memory and read back by silu_mul. Bit for bit what silu_mul(linear(...)) gives.
+
+    The weight [gate | up] is packed with its gate and up rows interleaved 16 at a time, so each pair of
+    output blocks the kernel finishes holds the gate and the up of the same 16 columns. Inputs of fewer
+    than ``min_rows`` rows (the GEMV's single row), other dtypes and weights it could not pack go to
+    ``fallback``; a weight it cannot interleave is handed to ``prepare_fallback`` (the plain projection's
+    packing) so that the unfused pair keeps its kernels.
+    """
+
+    def __init__(self, kernels: PackedKernels, fallback: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 min_rows: int = 1, prepare_fallback: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.kernels = kernels
+        self.fallback = fallback
+        self.min_rows = min_rows
+        self.prepare_fallback = prepare_fallback
+        self.packed: dict[int, torch.Tensor] = {}
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        rows, depth = weight.shape
+        if weight.dtype == torch.bfloat16 and rows % 32 == 0 and depth % self.kernels.depth_multiple == 0:
+            interleaved = weight.view(2, rows // 32, 16, depth).transpose(0, 1).reshape(rows, depth)
+            self.packed.setdefault(weight.data_ptr(), self.kernels.pack(interleaved.contiguous()))
+        elif self.prepare_fallback is not None:
+            self.prepare_fallback(weight)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        packed = self.packed.get(weight.data_ptr())
+        if packed is None or x.dtype != torch.bfloat16 or x.shape[0] < self.min_rows:
+            return self.fallback(x, weight)
+        return self.kernels.linear_silu_mul(x, packed)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuOps:
+    """A model's ops, and the AMX projections' packed weights the fused decode stack reads."""
+
+    ops: ModelOps
+    packed_linear: PackedLinear | None = None
+    packed_gate_up: PackedGateUpSilu | None = None
+
+
+def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:
+    """The ops for a plan: ``projections`` names the packed family ("amx", "avx512" or None: torch's
+    linear), inputs of at most ``gemv_max_rows`` rows take the BF16 GEMV (0: none), and ``elementwise``
+    puts the norms, SiLU-and-multiply and rotary on the kernels (a bf16 model)."""
+    if not elementwise:
+        return CpuOps(ModelOps())
+    family = {"amx": PackedKernels.amx, "avx512": PackedKernels.avx512}[projections]() if projections else None
+    linear: Linear = F.linear
+    packed_linear = PackedLinear(family, fallback=F.linear) if family is not None else None
+    if packed_linear is not None:
+        linear = packed_linear
+    if gemv_max_rows:
+        linear = DecodeRows(torch.ops.kvserve.gemv_bf16, linear, max_rows=gemv_max_rows)
+    kernels = torch.ops.kvserve
+    if packed_linear is None:
+        return CpuOps(ModelOps(linear=linear, add_rms_norm=kernels.add_rms_norm, silu_mul=kernels.silu_mul,
+                               rotary=kernels.rotary))
+
+    def gate_up_then_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvserve.silu_mul(linear(x, weight, None))
+
+    # The rows the GEMV takes stay on it (it reads the weight in its own layout), then silu_mul.
+    gate_up = PackedGateUpSilu(packed_linear.kernels, gate_up_then_silu, min_rows=gemv_max_rows + 1,
+                               prepare_fallback=packed_linear.prepare)
+    ops = ModelOps(linear=linear, prepare_weight=packed_linear.prepare, fused_gate_up_silu=gate_up,
+                   prepare_gate_up=gate_up.prepare, add_rms_norm=kernels.add_rms_norm, silu_mul=kernels.silu_mul,
+                   rotary=kernels.rotary)
+    return CpuOps(ops, packed_linear, gate_up)

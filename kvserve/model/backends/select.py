@@ -1,0 +1,29 @@
+"""The one place a backend is chosen, and the only module that names the concrete ones."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.config import ArchConfig, BackendConfig
+from kvserve.model.backends.base import Backend
+from kvserve.model.backends.cpu_kernels import CpuKernelsBackend, plan_kernels
+from kvserve.model.backends.torch_ref import TorchRefBackend
+from kvserve.model.cpu_kernels import load_cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, arch: ArchConfig, want_kernels: bool,
+                   config: BackendConfig) -> Backend:
+    """The C++ kernels on a CPU where they build and load (unless ``want_kernels`` is False), else the torch
+    reference. What each kernel takes is decided by the backend's own plan, from the CPU, dtype and shape."""
+    kernels = load_cpu_kernels() if want_kernels and device.type == "cpu" else None
+    backend: Backend
+    if kernels is not None:
+        backend = CpuKernelsBackend(plan_kernels(kernels, dtype, arch), arch, device, config)
+    else:
+        backend = TorchRefBackend(arch, device, config)
+    logger.info("backend: %s", backend.description)
+    return backend

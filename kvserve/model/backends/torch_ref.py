@@ -1,0 +1,53 @@
+"""The torch reference backend: torch ops and scaled_dot_product_attention, on any device. It is the
+correctness oracle for every faster backend, and what runs where no kernel loads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from kvserve.config import ArchConfig, BackendConfig
+from kvserve.model.attention import TorchAttentionMetadata, TorchPagedAttention
+from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
+from kvserve.model.backends.layout import prefill_spans, split_decodes
+from kvserve.model.ops import ModelOps
+
+
+class TorchRefBackend:
+    name = "torch_ref"
+
+    def __init__(self, arch: ArchConfig, device: torch.device, config: BackendConfig) -> None:
+        self.arch = arch
+        self.device = device
+        self.config = config
+        self.description = f"{self.name} (torch projections, torch attention)"
+        self.ops = ModelOps()
+        self.argmax = None
+
+    def make_attention(self, layer_index: int) -> TorchPagedAttention:
+        return TorchPagedAttention(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim)
+
+    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
+        return None
+
+    def step_scope(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def build_metadata(self, rows: StepRows) -> TorchAttentionMetadata:
+        device = self.device
+        meta = TorchAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
+                                      prefills=prefill_spans(rows, device))
+        split = split_decodes(rows, self.config.cascade_min_tokens)
+        if split is not None:
+            num_keys = split.block_table.shape[1] * rows.block_size
+            # [num_decodes, 1, 1, max_blocks * block_size]: True where the key exists
+            mask = (torch.arange(num_keys)[None, :] < split.seq_lens[:, None])[:, None, None, :]
+            meta.decode_block_table = split.block_table.to(device, non_blocking=True)
+            meta.decode_seq_lens = split.seq_lens.to(device, non_blocking=True)
+            meta.decode_mask = mask.to(device, non_blocking=True)
+            if split.shared_block_ids:
+                meta.decode_prefix_blocks = torch.tensor(split.shared_block_ids, dtype=torch.long).to(
+                    device, non_blocking=True)
+        return meta

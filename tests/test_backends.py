@@ -1,0 +1,212 @@
+"""select_backend: which backend and which kernels each CPU, dtype and head size get; per-layer kernel state."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ArchConfig, BackendConfig
+from kvserve.errors import InvalidRequest
+from kvserve.model.attention import TorchPagedAttention
+from kvserve.model.backends import select
+from kvserve.model.backends.base import PrefillChunk, StepRows
+from kvserve.model.backends.cpu_attention import CpuKernelPagedAttention
+from kvserve.model.backends.cpu_kernels import CpuKernelsBackend, KernelPlan, plan_kernels
+from kvserve.model.backends.cpu_ops import DecodeRows, PackedLinear
+from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope, load_cpu_kernels
+from kvserve.model.ops import ModelOps
+
+CPU = torch.device("cpu")
+AMX = CpuKernels(gemv_bf16=True, amx=True, avx512=True)  # Sapphire Rapids and later
+BF16_ONLY = CpuKernels(gemv_bf16=True, amx=False, avx512=True)  # AVX512-BF16 without AMX (Cooper Lake, Zen 4)
+AVX512_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=True)  # Skylake-X, Cascade Lake
+NONE = CpuKernels(gemv_bf16=False, amx=False, avx512=False)  # the kernels build, no vector extension they use
+
+
+def arch(head_dim: int = 64, family: str = "llama", **extra: object) -> ArchConfig:
+    return ArchConfig(family, vocab_size=256, hidden_size=9 * head_dim, intermediate_size=256, num_layers=2,
+                      num_heads=9, num_kv_heads=3, head_dim=head_dim, max_position_embeddings=4096,
+                      **extra)  # type: ignore[arg-type]
+
+
+def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=False, elementwise=True) -> KernelPlan:
+    return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=elementwise,
+                      attention=attention, fused_decode=fused, avx512_carries_step=avx512_carries)
+
+
+TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False)
+# What each CPU got before the backends existed (select_ops, get_attention_backend, FusedDecodeStack.build
+# and the thread scope in LlamaForCausalLM.load_weights), per dtype and head size.
+EXPECTED = [
+    (AMX, torch.bfloat16, 64, plan("amx", 1, "amx", fused=True)),
+    (AMX, torch.bfloat16, 128, plan("amx", 1, None)),
+    (BF16_ONLY, torch.bfloat16, 64, plan(None, 4, "avx512")),
+    (BF16_ONLY, torch.bfloat16, 128, plan(None, 4, None)),
+    (AVX512_ONLY, torch.bfloat16, 64, plan("avx512", 0, "avx512", avx512_carries=True)),
+    (AVX512_ONLY, torch.bfloat16, 128, plan("avx512", 0, None)),
+    (NONE, torch.bfloat16, 64, plan(None, 0, None)),
+    (NONE, torch.bfloat16, 128, plan(None, 0, None)),
+    *[(kernels, torch.float32, head_dim, TORCH_OPS_ONLY) for kernels in (AMX, BF16_ONLY, AVX512_ONLY, NONE)
+      for head_dim in (64, 128)],
+]
+IDS = [f"{name}-{str(dtype)[6:]}-head{head}" for name in ("amx", "bf16", "avx512", "none")
+       for dtype, head in ((torch.bfloat16, 64), (torch.bfloat16, 128))]
+IDS += [f"{name}-float32-head{head}" for name in ("amx", "bf16", "avx512", "none") for head in (64, 128)]
+
+
+@pytest.mark.parametrize(("kernels", "dtype", "head_dim", "expected"), EXPECTED, ids=IDS)
+def test_the_plan_is_the_kernel_choice_of_each_cpu_dtype_and_head_size(kernels, dtype, head_dim, expected) -> None:
+    assert plan_kernels(kernels, dtype, arch(head_dim)) == expected
+
+
+@pytest.mark.parametrize("layout", [{"qkv_bias": True}, {"qk_norm": True}], ids=["qkv-bias", "qk-norm"])
+def test_the_fused_decode_stack_takes_only_the_plain_layout(layout) -> None:
+    assert plan_kernels(AMX, torch.bfloat16, arch(64, **layout)) == plan("amx", 1, "amx")
+
+
+def test_the_torch_reference_where_kernels_are_not_wanted_or_not_there(monkeypatch) -> None:
+    built: list[bool] = []
+    monkeypatch.setattr(select, "load_cpu_kernels", lambda: built.append(True) or AMX)
+    for device, want in ((CPU, False), (torch.device("cuda"), True)):
+        backend = select.select_backend(device, torch.bfloat16, arch(), want, BackendConfig())
+        assert backend.name == "torch_ref" and backend.argmax is None and backend.ops == ModelOps()
+        assert type(backend.make_attention(0)) is TorchPagedAttention
+        assert isinstance(backend.step_scope(), nullcontext)
+        assert backend.build_fused_decode([]) is None
+    assert not built, "the kernels are not even built where they are not wanted"
+    monkeypatch.setattr(select, "load_cpu_kernels", lambda: None)  # they did not build
+    assert select.select_backend(CPU, torch.bfloat16, arch(), True, BackendConfig()).name == "torch_ref"
+
+
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels did not build here")
+
+
+@needs_kernels
+@pytest.mark.parametrize(("kernels", "dtype", "head_dim", "expected"), EXPECTED, ids=IDS)
+def test_select_backend_builds_what_its_plan_says(monkeypatch, caplog, kernels, dtype, head_dim, expected) -> None:
+    """The backend's objects follow the plan (the kernels' op handles exist on any CPU once they load)."""
+    monkeypatch.setattr(select, "load_cpu_kernels", lambda: kernels)
+    with caplog.at_level(logging.INFO, logger=select.__name__):
+        backend = select.select_backend(CPU, dtype, arch(head_dim), True, BackendConfig(decode_split_size=64))
+    assert backend.name == "cpu_kernels" and backend.plan == expected
+    assert [r.getMessage() for r in caplog.records] == [f"backend: {backend.description}"]
+    assert backend.argmax is torch.ops.kvserve.argmax_rows  # in any dtype
+    ops = backend.ops
+    linear = ops.linear
+    if expected.gemv_max_rows:
+        assert isinstance(linear, DecodeRows) and linear.max_rows == expected.gemv_max_rows
+        linear = linear.wider
+    if expected.projections:
+        assert isinstance(linear, PackedLinear) and linear.kernels.name == expected.projections
+        assert ops.fused_gate_up_silu.min_rows == expected.gemv_max_rows + 1  # the GEMV's rows stay on it
+    else:
+        assert linear is F.linear and ops.fused_gate_up_silu is None
+    assert (ops.add_rms_norm is torch.ops.kvserve.add_rms_norm) == expected.elementwise
+    attention = backend.make_attention(0)
+    assert type(attention) is CpuKernelPagedAttention and attention.split_size == 64
+    assert (attention.amx, attention.avx512) == (expected.attention == "amx", expected.attention == "avx512")
+    # Before a fused stack is built, only the AVX-512 kernels carry a step's heavy ops.
+    assert isinstance(backend.step_scope(), KernelThreadScope) == expected.avx512_carries_step
+    assert backend.description.startswith(f"cpu_kernels ({expected.projections or 'torch'} projections")
+    assert ("fused decode stack" in backend.description) == expected.fused_decode
+
+
+def test_backend_config_refuses_what_the_kernels_cannot_take() -> None:
+    for bad in ({"cascade_min_tokens": 0}, {"decode_split_size": 0}, {"shared_prefill_min_tokens": -1},
+                {"cascade_min_tokens": True}):
+        with pytest.raises(InvalidRequest):
+            BackendConfig(**bad)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None or not load_cpu_kernels().amx, reason="no AMX on this CPU")
+def test_each_layer_keeps_its_own_packed_prefix() -> None:
+    """Two layers' attention objects on the same step: each packs its own cache's shared prefix and keeps
+    it; a later step on the same blocks finds it kept; a step that rewrites a prefix block repacks it."""
+    torch.manual_seed(1)
+    backend = select.select_backend(CPU, torch.bfloat16, arch(), True, BackendConfig(cascade_min_tokens=16))
+    block_size, shared, batch = 16, [0, 1, 2], 4
+    tables = [shared + [3 + i] for i in range(batch)]
+    rows = StepRows(block_size, torch.tensor([(3 + i) * block_size + 2 for i in range(batch)]),
+                    decode_block_ids=tables, decode_kv_lens=[3 * block_size + 3] * batch,
+                    written_block_ids=[3 + i for i in range(batch)])
+    caches = [torch.randn(2, 8, block_size, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    layers = [backend.make_attention(i) for i in range(2)]
+    q = torch.randn(batch, 9, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, batch, 3, 64, dtype=torch.bfloat16)
+
+    def step(written: list[int]) -> list[torch.Tensor]:
+        meta = backend.build_metadata(StepRows(rows.block_size, rows.slot_mapping, rows.decode_block_ids,
+                                               rows.decode_kv_lens, written_block_ids=written))
+        assert meta.decode_prefix_key is not None
+        return [layer.forward(q, k, v, cache, meta) for layer, cache in zip(layers, caches, strict=True)]
+
+    first = step(rows.written_block_ids)
+    packed = [layer._packed_prefix[1] for layer in layers]
+    for cache, kept in zip(caches, packed, strict=True):
+        assert torch.equal(kept, torch.ops.kvserve.pack_kv_amx(cache[0], cache[1], torch.tensor(shared,
+                                                               dtype=torch.int32), 3 * block_size))
+    assert not torch.equal(packed[0], packed[1])
+    assert [torch.equal(a, b) for a, b in zip(step(rows.written_block_ids), first, strict=True)] == [True, True]
+    assert all(layer._packed_prefix[1] is kept for layer, kept in zip(layers, packed, strict=True))
+    caches[1][:, 1] = torch.randn_like(caches[1][:, 1])  # a tier load rewrites a prefix block
+    step([1])
+    assert layers[0]._packed_prefix[1] is not packed[0] and layers[1]._packed_prefix[1] is not packed[1]
+    assert torch.equal(layers[0]._packed_prefix[1], packed[0])
+    assert not torch.equal(layers[1]._packed_prefix[1], packed[1])
+
+
+@needs_kernels
+def test_the_cpu_metadata_adds_only_what_its_kernels_read() -> None:
+    """The common layout on both backends; the decode mask only on the reference; the runs and packed
+    prefix keys only where a many-row kernel takes them."""
+    chunk_blocks = [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18 + i] for i in range(2)]
+    rows = StepRows(16, torch.arange(2 * 300), prefills=[PrefillChunk(300 * i, 300, 300 + 1, chunk_blocks[i])
+                                                          for i in range(2)], written_block_ids=[18, 19])
+    reference = select.select_backend(CPU, torch.bfloat16, arch(), False, BackendConfig())
+    kernels = load_cpu_kernels()
+    for offered, runs, packs in ((NONE, False, False), (AVX512_ONLY, True, False), (AMX, True, True)):
+        if offered.amx and not kernels.amx:
+            continue
+        backend = CpuKernelsBackend(plan_kernels(offered, torch.bfloat16, arch()), arch(), CPU, BackendConfig())
+        meta = backend.build_metadata(rows)
+        assert [(s.q_start, s.q_len, s.kv_len) for s in meta.prefills] == [
+            (s.q_start, s.q_len, s.kv_len) for s in reference.build_metadata(rows).prefills]
+        assert (meta.prefill_runs is not None) == runs
+        # 18 shared full blocks of 16 keys: 288, a whole number of 32-key steps.
+        assert meta.prefill_prefix_keys == (288 if packs else 0)
+        assert (meta.prefill_prefix_key is not None) == packs
+
+
+def test_the_runner_tells_the_backend_every_block_a_step_writes() -> None:
+    """Tier loads rewrite blocks too, even in a step with no forward; the backend hears of them."""
+    from types import SimpleNamespace
+
+    from kvserve.batch import ScheduledRequest, SchedulerOutput
+    from kvserve.runner.kv_transfer import block_nbytes
+    from kvserve.runner.model_runner import ModelRunner
+    from kvserve.runner.sampler import Sampler
+
+    class Recording:
+        def __init__(self) -> None:
+            self.written: list[list[int]] = []
+
+        def build_metadata(self, rows: StepRows) -> None:
+            self.written.append(rows.written_block_ids)
+
+    def no_forward(*args: object) -> None:
+        raise AssertionError("a step without tokens runs no forward")
+
+    backend = Recording()
+    model = SimpleNamespace(device=CPU, thread_scope=nullcontext(), forward=no_forward)
+    kv_caches = [torch.zeros(2, 4, 4, 1, 2)]
+    runner = ModelRunner(model, backend, kv_caches, 4, Sampler(8))  # type: ignore[arg-type]
+    runner.execute(SchedulerOutput(kv_offloads=[(2, b"hash")]))  # a copy out writes nothing
+    runner.execute(SchedulerOutput(kv_loads=[(1, bytes(block_nbytes(kv_caches)))]))
+    assert backend.written == [[1]]
+    with pytest.raises(AssertionError, match="no forward"):  # this one has tokens: the forward runs
+        runner.execute(SchedulerOutput(scheduled=[ScheduledRequest("r", [3, 4], 3, [0, 3], sample=True)]))
+    assert backend.written == [[1], [0, 3]]
