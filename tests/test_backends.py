@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ArchConfig, BackendConfig
-from kvserve.errors import InvalidRequest
+from kvserve.errors import ConfigError
 from kvserve.model.attention import TorchPagedAttention
 from kvserve.model.backends import select
 from kvserve.model.backends.base import PrefillChunk, StepRows
@@ -118,7 +118,7 @@ def test_select_backend_builds_what_its_plan_says(monkeypatch, caplog, kernels, 
 def test_backend_config_refuses_what_the_kernels_cannot_take() -> None:
     for bad in ({"cascade_min_tokens": 0}, {"decode_split_size": 0}, {"shared_prefill_min_tokens": -1},
                 {"cascade_min_tokens": True}):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(ConfigError):
             BackendConfig(**bad)
 
 
