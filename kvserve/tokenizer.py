@@ -237,7 +237,8 @@ class Tokenizer:
         """
         if len(text) > LONG_TEXT_CHARS:
             # encode_batch lets go of the GIL while it works (encode holds it): other threads, the engine
-            # stepping and the HTTP loop serving streams, run meanwhile. Same ids, ~15% more time.
+            # stepping and the HTTP loop serving streams, run meanwhile. Same ids, at some cost in time
+            # (benchmarks/host_side_costs.py).
             ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         else:
             ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids

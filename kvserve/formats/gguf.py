@@ -1,9 +1,9 @@
 """A GGUF file's header, parsed directly (no torch): metadata, tensor directory, the architecture.
 
-``gguf.GGUFReader`` builds a numpy view per string and takes seconds on a 49k-token vocabulary; this
-parser reads the same header in a fraction of a second. The loader, the tokenizer and the cost model
-all read GGUF files through ``read_gguf_header``; ``arch_from_gguf`` turns the metadata into an
-``ArchConfig``.
+``gguf.GGUFReader`` builds a numpy view per string, which is slow on a large vocabulary; this parser
+decodes the strings straight from the mapped file (benchmarks/host_side_costs.py times both). The
+loader, the tokenizer and the cost model all read GGUF files through ``read_gguf_header``;
+``arch_from_gguf`` turns the metadata into an ``ArchConfig``.
 """
 
 from __future__ import annotations

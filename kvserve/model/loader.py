@@ -363,7 +363,8 @@ def model_fingerprint(path: Path) -> str:
     """A short stable hex id of the weights: same bytes, same id, wherever the files live.
 
     Hashes each weight file's size, its first 4 MiB (the whole GGUF header for small models), its
-    last MiB and 16 evenly spaced 64 KiB samples, plus ``config.json`` for a directory. A few ms.
+    last MiB and 16 evenly spaced 64 KiB samples, plus ``config.json`` for a directory: the same reading
+    whatever the model's size (benchmarks/host_side_costs.py times it).
     """
     path = Path(path)
     digest = hashlib.blake2b(digest_size=8)
