@@ -130,8 +130,8 @@ class AppState:
 
 
 async def _off_loop_if_long(prompt: object, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``, in a worker thread when ``prompt`` is a long text: tokenizing it takes milliseconds
-    per few thousand characters, during which the event loop would serve no stream."""
+    """``fn(*args)``, in a worker thread when ``prompt`` is a long text: while it is tokenized the event
+    loop would serve no stream (benchmarks/host_side_costs.py times tokenizing)."""
     if isinstance(prompt, str) and len(prompt) > LONG_TEXT_CHARS:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
