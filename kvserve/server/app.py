@@ -62,13 +62,12 @@ class AppState:
         self.draining = False
         self.created = int(time.time())
 
-    def check_ready(self) -> None:
+    def check_admissible(self, name: str | None) -> None:
+        """What a generation route checks first: the server is up and ``name`` (if given) is its model."""
         if self.draining:
             raise ServerShuttingDown("the server is shutting down; retry on another replica")
         if not self.engine.is_alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.engine.dead!r}")
-
-    def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             error = ModelNotFound(f"the model '{name}' does not exist; this server serves '{self.model_name}'")
             error.param = "model"  # type: ignore[attr-defined]
@@ -180,8 +179,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Response:
         received_at = time.monotonic()
-        state.check_ready()
-        state.check_model(body.model)
+        state.check_admissible(body.model)
         params = body.sampling_params()
         text = tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True)
         try:
@@ -196,8 +194,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
         received_at = time.monotonic()
-        state.check_ready()
-        state.check_model(body.model)
+        state.check_admissible(body.model)
         params = body.sampling_params()
         prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in body.prompts()]
         return await state.respond(http, body, prompts, params, False, received_at)
