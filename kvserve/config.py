@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
+from kvserve.arch import ArchConfig as ArchConfig  # re-exported: the model description lives in kvserve.arch
 from kvserve.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -70,43 +71,6 @@ def duration_seconds(text: str) -> float:
     if not seconds > 0 or seconds == float("inf"):
         raise ConfigError(f"a duration must be > 0, got {text!r}")
     return seconds
-
-
-@dataclass(frozen=True, slots=True)
-class ArchConfig:
-    """A model's shape, read from GGUF metadata or a Hugging Face ``config.json``."""
-
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3
-    # Mixture-of-experts (used by the cost model only; the engine runs dense models).
-    num_experts: int = 0
-    num_experts_per_token: int = 0
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """The performance and cost model: FLOPs and bytes per token, MFU / MBU, cost per token, inference vs training.
 
-Everything here is arithmetic on a model's shape (``kvserve.model_shape.ModelShape``, built from an
-``ArchConfig``, a preset or a GGUF / Hugging Face directory) and on hardware numbers; nothing loads
-weights or touches the engine.
+Everything here is arithmetic on a model's shape (an ``ArchConfig``: read from a GGUF / Hugging Face
+directory or a preset by ``kvserve.bench.model_presets``) and on hardware numbers; nothing loads
+weights or touches the engine. A worked example: ``kvserve.bench.deepseek_v3``.
 
 Conventions (the ones vLLM, SGLang and the scaling-law papers use):
 
@@ -29,9 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import ArchConfig
+from kvserve.arch import ArchConfig
 from kvserve.errors import InvalidRequest
-from kvserve.model_shape import ModelShape, as_shape
 
 # --------------------------------------------------------------------------------------------------
 # FLOPs and bytes
@@ -63,7 +62,7 @@ class Cost:
         return Cost(self.flops + other.flops, self.bytes + other.bytes, self.num_tokens + other.num_tokens)
 
 
-def expected_experts_touched(shape: ModelShape, num_tokens: int) -> float:
+def expected_experts_touched(shape: ArchConfig, num_tokens: int) -> float:
     """Distinct routed experts per MoE layer that ``num_tokens`` tokens hit, under uniform routing."""
     if not shape.is_moe:
         return 0.0
@@ -71,9 +70,8 @@ def expected_experts_touched(shape: ModelShape, num_tokens: int) -> float:
     return e * (1.0 - (1.0 - k / e) ** max(num_tokens, 0))
 
 
-def weight_bytes_read(model: ModelShape | ArchConfig, num_tokens: int, weight_bytes: float = 2) -> float:
+def weight_bytes_read(shape: ArchConfig, num_tokens: int, weight_bytes: float = 2) -> float:
     """Bytes of weights one forward pass over ``num_tokens`` tokens reads (MoE: touched experts only)."""
-    shape = as_shape(model)
     params = shape.num_layers * shape.attention_params() + shape.vocab_size * shape.hidden_size  # + LM head
     for layer, dense in enumerate(shape.layer_mlp_params(active=False)):
         if not shape.is_moe or layer < shape.num_dense_layers:
@@ -84,18 +82,17 @@ def weight_bytes_read(model: ModelShape | ArchConfig, num_tokens: int, weight_by
     return params * weight_bytes
 
 
-def linear_flops_per_token(model: ModelShape | ArchConfig) -> float:
-    return 2.0 * as_shape(model).matmul_params_per_token()
+def linear_flops_per_token(shape: ArchConfig) -> float:
+    return 2.0 * shape.matmul_params_per_token()
 
 
-def prefill_cost(model: ModelShape | ArchConfig, num_tokens: int, num_cached_tokens: int = 0, *,
+def prefill_cost(shape: ArchConfig, num_tokens: int, num_cached_tokens: int = 0, *,
                  weight_bytes: float = 2, kv_bytes: float = 2) -> Cost:
     """One prefill of ``num_tokens`` new tokens after ``num_cached_tokens`` found in the cache.
 
     FLOPs = 2·active·n + pairs·attention_per_pair, pairs = n·p + n(n+1)/2. Bytes: the weights once, the
     cached KV read once, the new KV written once.
     """
-    shape = as_shape(model)
     n, p = num_tokens, num_cached_tokens
     pairs = n * p + n * (n + 1) / 2
     flops = n * linear_flops_per_token(shape) + pairs * shape.attention_flops_per_pair()
@@ -103,28 +100,26 @@ def prefill_cost(model: ModelShape | ArchConfig, num_tokens: int, num_cached_tok
     return Cost(flops, moved, n)
 
 
-def decode_cost(model: ModelShape | ArchConfig, batch_size: int, context_len: int, *,
+def decode_cost(shape: ArchConfig, batch_size: int, context_len: int, *,
                 weight_bytes: float = 2, kv_bytes: float = 2) -> Cost:
     """One decode step: ``batch_size`` requests each at ``context_len`` tokens (the new one included).
 
     FLOPs = B·(2·active + L·attention_per_pair). Bytes: the weights once per step (shared by the batch),
     each request's KV read, one new KV entry written per request.
     """
-    shape = as_shape(model)
     b, ctx = batch_size, context_len
     flops = b * (linear_flops_per_token(shape) + ctx * shape.attention_flops_per_pair())
     moved = weight_bytes_read(shape, b, weight_bytes) + b * (ctx + 1) * shape.kv_bytes_per_token(kv_bytes)
     return Cost(flops, moved, b)
 
 
-def request_flops(model: ModelShape | ArchConfig, prompt_tokens: int, cached_tokens: int,
+def request_flops(shape: ArchConfig, prompt_tokens: int, cached_tokens: int,
                   output_tokens: int) -> tuple[float, float]:
     """(prefill FLOPs, decode FLOPs) of one whole request, attention included.
 
     The first output token comes out of the prefill pass; each later one is a decode token at context
     ``prompt + i`` for i = 1 .. output_tokens − 1.
     """
-    shape = as_shape(model)
     n = max(prompt_tokens - cached_tokens, 0)
     prefill = prefill_cost(shape, n, cached_tokens).flops
     k = max(output_tokens - 1, 0)
@@ -277,43 +272,19 @@ class Lifecycle:
         return 1.0 / self.ratio_after(1.0)
 
 
-def training_flops(model: ModelShape | ArchConfig, num_tokens: float) -> float:
+def training_flops(shape: ArchConfig, num_tokens: float) -> float:
     """≈ 6 × active parameters × training tokens."""
-    return 6.0 * as_shape(model).active_params() * num_tokens
+    return 6.0 * shape.active_params() * num_tokens
 
 
-def inference_flops_for_tokens(model: ModelShape | ArchConfig, prefill_tokens: float, decode_tokens: float,
+def inference_flops_for_tokens(shape: ArchConfig, prefill_tokens: float, decode_tokens: float,
                                context_len: int = 0) -> float:
     """FLOPs to serve so many cache-miss prompt tokens and output tokens at an average context."""
-    shape = as_shape(model)
     per_pair = shape.attention_flops_per_pair()
     # a token at average position ~context/2 in its prompt attends over that many keys; decode over context
     prefill = prefill_tokens * (linear_flops_per_token(shape) + per_pair * context_len / 2)
     decode = decode_tokens * (linear_flops_per_token(shape) + per_pair * context_len)
     return prefill + decode
-
-
-# DeepSeek-V3 technical report (arXiv 2412.19437), Table 1: 2.664M H800 GPU-hours pre-training + 119K
-# context extension + 5K post-training = 2.788M H800 GPU-hours; 14.8T training tokens.
-# DeepSeek "Day 6" inference-system overview (open-infra-index, 2025-03-01): over 24 h an average of
-# 226.75 nodes of 8 H800 GPUs were busy serving V3/R1 (cost $87,072 at $2/GPU-hour); 608B input tokens
-# of which 342B (56.3%) hit the on-disk KV cache, and 168B output tokens; each H800 node averaged ~73.7k
-# input tokens/s (cache hits included) while prefilling, or ~14.8k output tokens/s while decoding.
-DEEPSEEK_V3_TRAINING_GPU_HOURS = 2.788e6
-DEEPSEEK_V3_TRAINING_TOKENS = 14.8e12
-DEEPSEEK_V3_INFERENCE_NODES = 226.75
-DEEPSEEK_V3_INFERENCE_GPU_HOURS_PER_DAY = DEEPSEEK_V3_INFERENCE_NODES * 8 * 24  # 43,536
-DEEPSEEK_V3_DAY_INPUT_TOKENS = 608e9
-DEEPSEEK_V3_DAY_CACHED_TOKENS = 342e9
-DEEPSEEK_V3_DAY_OUTPUT_TOKENS = 168e9
-DEEPSEEK_V3_GPU_HOUR_PRICE = 2.0
-DEEPSEEK_V3_NODE_PREFILL_TOK_S = 73.7e3
-DEEPSEEK_V3_NODE_DECODE_TOK_S = 14.8e3
-
-LIFECYCLE_PRESETS: dict[str, Lifecycle] = {
-    "deepseek-v3": Lifecycle("deepseek-v3", training_gpu_hours=DEEPSEEK_V3_TRAINING_GPU_HOURS,
-                             inference_gpu_hours_per_day=DEEPSEEK_V3_INFERENCE_GPU_HOURS_PER_DAY),
-}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -363,14 +334,13 @@ def split_throughput(duration_s: float, miss_tokens: float, hit_tokens: float, o
     return rates[0], rates[1], rates[2]
 
 
-def modelled_seconds_per_token(model: ModelShape | ArchConfig, hardware: Hardware, *, context_len: int = 2048,
+def modelled_seconds_per_token(shape: ArchConfig, hardware: Hardware, *, context_len: int = 2048,
                                batch_size: int = 32, weight_bytes: float = 2) -> tuple[float, float, float]:
     """Roofline time of one (cache-miss prompt, cache-hit prompt, output) token on ``hardware``.
 
     A miss token costs its prefill FLOPs; a hit token only its KV read back; an output token the larger
     of its share of a decode step's FLOPs and bytes at ``batch_size``.
     """
-    shape = as_shape(model)
     flops_s, bw = hardware.peak_flops(), hardware.memory_bandwidth
     chunk = prefill_cost(shape, context_len, 0, weight_bytes=weight_bytes)
     miss = max(chunk.flops / flops_s, chunk.bytes / bw) / max(context_len, 1)

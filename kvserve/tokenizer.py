@@ -22,14 +22,15 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.errors import InvalidRequest, ModelLoadError, ModelNotFound, UnsupportedModel
-from kvserve.gguf_vocab import (
+from kvserve.formats.gguf import read_gguf_header
+from kvserve.formats.gguf_vocab import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_USER_DEFINED,
     byte_level_backend,
     sentencepiece_backend,
 )
-from kvserve.model.gguf_file import read_gguf_header
+from kvserve.formats.hf_config import read_hf_json
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +237,8 @@ class Tokenizer:
         """
         if len(text) > LONG_TEXT_CHARS:
             # encode_batch lets go of the GIL while it works (encode holds it): other threads, the engine
-            # stepping and the HTTP loop serving streams, run meanwhile. Same ids, ~15% more time.
+            # stepping and the HTTP loop serving streams, run meanwhile. Same ids, at some cost in time
+            # (benchmarks/host_side_costs.py).
             ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         else:
             ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -340,13 +342,7 @@ def _token_content(token: Any) -> str | None:
 
 
 def _read_json_if_exists(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from None
-    return data if isinstance(data, dict) else {}
+    return read_hf_json(path) if path.is_file() else {}
 
 
 # ---- chat template helpers ---------------------------------------------------------------------

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
+from kvserve.formats.gguf import read_gguf_header
 from kvserve.model import loader
-from kvserve.model.gguf_file import read_gguf_header
 from kvserve.model.loader import (
     iter_weights,
     model_fingerprint,

@@ -215,7 +215,8 @@ def add_cost_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cost_command(args: argparse.Namespace) -> int:
-    from kvserve import costs, model_shape
+    from kvserve import costs
+    from kvserve.bench.model_presets import load_arch
 
     out: list[str] = []
     if args.measure_peak:
@@ -223,13 +224,15 @@ def run_cost_command(args: argparse.Namespace) -> int:
         out.append(f"measured peak ({hw.name}): {hw.peak_flops() / 1e12:.3f} TFLOP/s matmul, "
                    f"{hw.memory_bandwidth / 1e9:.1f} GB/s memory copy")
     if args.preset == "deepseek-v3":
+        from kvserve.bench.deepseek_v3 import deepseek_v3_report
+
         out.append(deepseek_v3_report())
     elif args.compare:
         if args.inference_flops_per_day is None:
             raise InvalidRequest("--compare needs --inference-flops-per-day", "inference_flops_per_day")
         out.append(compare_report(args.compare, args.inference_flops_per_day, args.context))
     else:
-        shape = model_shape.load_model_shape(args.model)
+        shape = load_arch(args.model)
         hardware = costs.get_hardware(args.hardware) if args.hardware else None
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
         out.append(model_report(shape, args.context, batch_sizes, hardware, args.weight_bytes, args.kv_bytes))
@@ -333,14 +336,15 @@ def format_prices(prices: Any, gpu_hour_price: float, num_gpus: int, rates: tupl
 
 
 def compare_report(models: list[str], flops_per_day: float, context: int) -> str:
-    from kvserve import costs, model_shape
+    from kvserve import costs
+    from kvserve.bench.model_presets import load_arch
 
     lines = [f"tokens served per day for {flops_per_day:.3g} FLOP/day (context {context}):",
              f"  {'model':<16} {'active B':>9} {'GFLOP/prefill tok':>18} {'GFLOP/decode tok':>17} "
              f"{'prefill tok/day':>16} {'decode tok/day':>15}"]
     served = []
     for spec in models:
-        shape = model_shape.load_model_shape(spec)
+        shape = load_arch(spec)
         pre = costs.inference_flops_for_tokens(shape, 1, 0, context)
         dec = costs.inference_flops_for_tokens(shape, 0, 1, context)
         served.append((shape.name, flops_per_day / pre, flops_per_day / dec))
@@ -349,54 +353,4 @@ def compare_report(models: list[str], flops_per_day: float, context: int) -> str
     (a, pa, da), (b, pb, db) = served
     lines.append(f"  {a} serves {pa / pb:.3g}x the prefill tokens and {da / db:.3g}x the decode tokens of {b}")
     lines.append("  (FLOPs only: decode at small batch is bound by memory bandwidth, see `kvserve cost --hardware`)")
-    return "\n".join(lines)
-
-
-def deepseek_v3_report() -> str:
-    """DeepSeek-V3's published training cost against its published day of inference."""
-    from kvserve import costs, model_shape
-
-    shape = model_shape.PRESETS["deepseek-v3"]
-    life = costs.LIFECYCLE_PRESETS["deepseek-v3"]
-    h800 = costs.get_hardware("h800")
-    train_flops = costs.training_flops(shape, costs.DEEPSEEK_V3_TRAINING_TOKENS)
-    train_gpu_s = costs.DEEPSEEK_V3_TRAINING_GPU_HOURS * 3600
-    miss = costs.DEEPSEEK_V3_DAY_INPUT_TOKENS - costs.DEEPSEEK_V3_DAY_CACHED_TOKENS
-    out_tokens = costs.DEEPSEEK_V3_DAY_OUTPUT_TOKENS
-    day_flops = costs.inference_flops_for_tokens(shape, miss, out_tokens, context_len=4096)
-    flops_life = costs.Lifecycle("deepseek-v3 (FLOPs)", training_flops=train_flops, inference_flops_per_day=day_flops)
-    lines = [
-        f"DeepSeek-V3: {shape.total_params() / 1e9:.0f}B parameters, {shape.active_params() / 1e9:.1f}B active, "
-        f"KV {shape.kv_bytes_per_token() / 1024:.1f} KiB/token (MLA)",
-        f"training: {costs.DEEPSEEK_V3_TRAINING_GPU_HOURS / 1e6:.3f}M H800 GPU-hours "
-        f"(${costs.DEEPSEEK_V3_TRAINING_GPU_HOURS * costs.DEEPSEEK_V3_GPU_HOUR_PRICE / 1e6:.3f}M at $2/GPU-hour), "
-        f"{costs.DEEPSEEK_V3_TRAINING_TOKENS / 1e12:.1f}T tokens",
-        f"  6 x active x tokens = {train_flops:.3g} FLOPs = {train_flops / train_gpu_s / h800.peak_flops() * 100:.0f}%"
-        f" of H800 bf16 peak over those hours (FP8 training: {train_flops / train_gpu_s / h800.peak_flops('fp8') * 100:.0f}%)",
-        f"inference: {costs.DEEPSEEK_V3_INFERENCE_NODES} nodes x 8 H800 x 24 h = "
-        f"{costs.DEEPSEEK_V3_INFERENCE_GPU_HOURS_PER_DAY:,.0f} GPU-hours/day "
-        f"(${costs.DEEPSEEK_V3_INFERENCE_GPU_HOURS_PER_DAY * costs.DEEPSEEK_V3_GPU_HOUR_PRICE:,.0f}/day)",
-        f"  inference/training (GPU-hours): {life.ratio_after(365):.1f}x after one year, "
-        f"{life.ratio_after(730):.1f}x after two years; equal after {life.breakeven_days():.0f} days",
-        f"  tokens that day: {costs.DEEPSEEK_V3_DAY_INPUT_TOKENS / 1e9:.0f}B input "
-        f"({costs.DEEPSEEK_V3_DAY_CACHED_TOKENS / costs.DEEPSEEK_V3_DAY_INPUT_TOKENS:.1%} cache hits), "
-        f"{out_tokens / 1e9:.0f}B output",
-        f"  FLOPs those tokens need (2 x active, attention at 4k context): {day_flops:.3g}/day, "
-        f"{flops_life.ratio_after(365):.1f}x training per year: inference runs at "
-        f"{day_flops / (costs.DEEPSEEK_V3_INFERENCE_GPU_HOURS_PER_DAY * 3600 * h800.peak_flops()) * 100:.0f}% "
-        f"of bf16 peak (training: {train_flops / train_gpu_s / h800.peak_flops() * 100:.0f}%)",
-    ]
-    # Cost per million tokens from the published per-node throughputs; the prefill node's time is split
-    # between cache-miss and cache-hit tokens by modelled cost (a hit costs only its KV read).
-    miss_s, hit_s, _ = costs.modelled_seconds_per_token(shape, h800, context_len=4096)
-    hit_share = costs.DEEPSEEK_V3_DAY_CACHED_TOKENS / costs.DEEPSEEK_V3_DAY_INPUT_TOKENS
-    prefill = costs.DEEPSEEK_V3_NODE_PREFILL_TOK_S
-    miss_rate, hit_rate, _ = costs.split_throughput(1.0, prefill * (1 - hit_share), prefill * hit_share, 0.0,
-                                                    (miss_s, hit_s, 0.0))
-    rates = (miss_rate, hit_rate, costs.DEEPSEEK_V3_NODE_DECODE_TOK_S)
-    prices = costs.token_prices(costs.DEEPSEEK_V3_GPU_HOUR_PRICE, miss_tok_s=rates[0], hit_tok_s=rates[1],
-                                output_tok_s=rates[2], num_gpus=8)
-    lines.append(format_prices(prices, costs.DEEPSEEK_V3_GPU_HOUR_PRICE, 8, rates,
-                               "one H800 node at its published 73.7k input / 14.8k output tok/s"))
-    lines.append("  (DeepSeek's V3 list prices then: $0.07 hit / $0.27 miss / $1.10 output per M tokens)")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from kvserve import costs, model_shape
+from kvserve import costs
+from kvserve.arch import ArchConfig
 from kvserve.bench.client import RequestRecord
 
 STEPS = "kvserve:engine_steps_total"
@@ -36,7 +37,7 @@ def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | Non
     return out
 
 
-def run_compute(shape: model_shape.ModelShape, records: Iterable[RequestRecord], delta: dict[str, float],
+def run_compute(shape: ArchConfig, records: Iterable[RequestRecord], delta: dict[str, float],
                 duration_s: float, hardware: costs.Hardware | None, *, weight_bytes: float = 2,
                 kv_bytes: float = 2) -> dict[str, Any]:
     prefill_flops = decode_flops = 0.0

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kvserve import costs, model_shape
+from kvserve import costs
 from kvserve.bench import compute
 from kvserve.bench.client import (
     RequestOptions,
@@ -35,6 +35,7 @@ from kvserve.bench.client import (
     fetch_models,
     send_request,
 )
+from kvserve.bench.model_presets import load_arch
 from kvserve.bench.report import SLO, summarize
 from kvserve.bench.workloads import (
     Conversation,
@@ -256,7 +257,7 @@ def _compute_section(config: BenchConfig, models: list[dict[str, Any]], records:
         logger.warning("no model shape for MFU/MBU: pass --model-config (a preset, GGUF or HF directory)")
         return None
     try:
-        shape = model_shape.load_model_shape(source)
+        shape = load_arch(source)
     except InvalidRequest as exc:
         logger.warning("cannot read the model shape from %s: %s", source, exc)
         return None

@@ -2,11 +2,13 @@
 
 Two formats:
 
-- **GGUF** (one file). The header is parsed here directly (``read_gguf_header``): ``gguf.GGUFReader``
-  builds a numpy view per string and takes seconds on a 49k-token vocabulary, while this parser takes
-  a fraction of a second. Tensor bytes are dequantised by ``gguf.quants.dequantize``, so every type
-  the ``gguf`` package can dequantise is supported.
-- **Hugging Face directories**: ``config.json`` plus ``*.safetensors``.
+- **GGUF** (one file). The header and the architecture come from ``kvserve.formats.gguf``; tensor
+  bytes are dequantised here by ``gguf.quants.dequantize``, so every type the ``gguf`` package can
+  dequantise is supported.
+- **Hugging Face directories**: ``config.json`` (read by ``kvserve.formats.hf_config``) plus
+  ``*.safetensors``.
+
+Both readers describe any architecture; this module refuses what the engine cannot run.
 
 No model code lives here: ``iter_weights`` yields ``(hf_name, tensor)`` pairs and the model maps them.
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -30,7 +31,8 @@ from tqdm import tqdm
 
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
-from kvserve.model.gguf_file import GGUFHeader, GGUFTensorInfo, read_gguf_header
+from kvserve.formats.gguf import GGUFHeader, GGUFTensorInfo, arch_from_gguf, read_gguf_header
+from kvserve.formats.hf_config import arch_from_hf_config, read_hf_json, rope_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -108,83 +110,34 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def read_arch_config(path: Path) -> ArchConfig:
-    """The model's shape, from GGUF metadata or a Hugging Face ``config.json``."""
+    """The model's shape, from GGUF metadata or a Hugging Face ``config.json``.
+
+    Raises ``UnsupportedModel`` for what the engine cannot run (another family, mixture of experts).
+    """
     path = Path(path)
-    if path.is_dir():
-        return _arch_from_hf_config(path)
-    return _arch_from_gguf(read_gguf_header(path))
+    arch = _hf_arch(path) if path.is_dir() else _gguf_arch(read_gguf_header(path))
+    if arch.is_moe or arch.is_mla:
+        raise UnsupportedModel(f"{path}: mixture-of-experts and latent-attention models are not supported")
+    return arch
 
 
-def _shortest_float(value: float) -> float:
-    """GGUF stores floats as float32: 1e-5 reads back as 9.99999974738e-06. Keep the intended value."""
-    return float(np.format_float_positional(np.float32(value), unique=True, trim="0"))
-
-
-def _arch_from_gguf(header: GGUFHeader) -> ArchConfig:
-    meta, path = header.metadata, header.path
-    arch = header.architecture
-    if arch not in ("llama", "qwen2", "qwen3"):
+def _gguf_arch(header: GGUFHeader) -> ArchConfig:
+    if header.architecture not in ("llama", "qwen2", "qwen3"):
         raise UnsupportedModel(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, mistral, qwen2, qwen3)"
+            f"{header.path}: GGUF architecture {header.architecture!r} is not supported "
+            f"(supported: llama, mistral, qwen2, qwen3)"
         )
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if required and value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
-        return value
-
-    name = str(meta.get("general.name", ""))
-    architecture = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
-    hidden_size = int(key("embedding_length", required=True))
-    num_heads = int(key("attention.head_count", required=True))
-    num_kv_heads = int(key("attention.head_count_kv", num_heads))
-    head_dim = int(key("attention.key_length", hidden_size // num_heads))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    embed = header.tensors.get("token_embd.weight")
-    vocab_size = key("vocab_size") or (len(tokens) if tokens else None) or (embed.shape[0] if embed else None)
-    if vocab_size is None:
-        raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
-    scaling = key("rope.scaling.type")
+    scaling = header.metadata.get(f"{header.architecture}.rope.scaling.type")
     if scaling not in (None, "none"):
-        logger.warning("%s: rope scaling %r is not implemented; long contexts may degrade", path, scaling)
-
-    eos_ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
-    return ArchConfig(
-        architecture=architecture,
-        vocab_size=int(vocab_size),
-        hidden_size=hidden_size,
-        intermediate_size=int(key("feed_forward_length", required=True)),
-        num_layers=int(key("block_count", required=True)),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(key("context_length", 2048)),
-        rope_theta=_shortest_float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=_shortest_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings="output.weight" not in header.tensors,
-        qkv_bias="blk.0.attn_q.bias" in header.tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
-    )
+        logger.warning("%s: rope scaling %r is not implemented; long contexts may degrade", header.path, scaling)
+    return arch_from_gguf(header)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} is not a JSON object")
-    return data
-
-
-def _arch_from_hf_config(model_dir: Path) -> ArchConfig:
+def _hf_arch(model_dir: Path) -> ArchConfig:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ModelNotFound(f"{model_dir} has no config.json")
-    cfg = _read_json(config_path)
+    cfg = read_hf_json(config_path)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
@@ -192,50 +145,18 @@ def _arch_from_hf_config(model_dir: Path) -> ArchConfig:
         )
     if cfg.get("attention_bias") and model_type != "qwen2":
         raise UnsupportedModel(f"{config_path}: attention_bias=true is not supported for {model_type}")
-    try:
-        hidden_size = int(cfg["hidden_size"])
-        num_heads = int(cfg["num_attention_heads"])
-        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
-        head_dim = int(cfg.get("head_dim") or hidden_size // num_heads)
-        intermediate_size = int(cfg["intermediate_size"])
-        num_layers = int(cfg["num_hidden_layers"])
-        vocab_size = int(cfg["vocab_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{config_path}: missing or bad field {e}") from None
-
-    rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+    arch = arch_from_hf_config(cfg, config_path)
+    rope_params = rope_parameters(cfg)
     rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
     if rope_type not in (None, "default"):
         logger.warning(
             "%s: rope scaling %r is not implemented; long contexts may degrade", config_path, rope_type
         )
     window = cfg.get("sliding_window")
-    max_positions = int(cfg.get("max_position_embeddings", 2048))
     uses_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
-    if uses_window and window is not None and window < max_positions:
+    if uses_window and window is not None and window < arch.max_position_embeddings:
         logger.warning("%s: sliding_window=%d is ignored; attention is full", config_path, window)
-
-    eos = cfg.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else [eos]
-    return ArchConfig(
-        architecture=model_type,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_positions,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
-    )
+    return arch
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,7 +363,8 @@ def model_fingerprint(path: Path) -> str:
     """A short stable hex id of the weights: same bytes, same id, wherever the files live.
 
     Hashes each weight file's size, its first 4 MiB (the whole GGUF header for small models), its
-    last MiB and 16 evenly spaced 64 KiB samples, plus ``config.json`` for a directory. A few ms.
+    last MiB and 16 evenly spaced 64 KiB samples, plus ``config.json`` for a directory: the same reading
+    whatever the model's size (benchmarks/host_side_costs.py times it).
     """
     path = Path(path)
     digest = hashlib.blake2b(digest_size=8)

@@ -28,9 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.storage.base import (
@@ -41,18 +39,13 @@ from kvserve.storage.base import (
     decode_entry_with_header,
     encode_entry,
 )
+from kvserve.storage.lru_index import IndexEntry, LRUIndex
 
 logger = logging.getLogger(__name__)
 
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _MAX_KEY_BYTES = 100  # hex name + suffix must fit in a 255-byte file name
-
-
-@dataclass(slots=True)
-class _DiskEntry:
-    size: int  # bytes on disk (header + payload)
-    created_at: float
 
 
 class DiskKVStore:
@@ -70,21 +63,15 @@ class DiskKVStore:
         backoff: Backoff | None = None,
         name: str = "disk",
     ) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        if retention_s <= 0:
-            raise ValueError(f"retention_s must be > 0, got {retention_s}")
+        # Sizes are bytes on disk (header + payload); the payloads stay in the files.
+        self._index: LRUIndex[None] = LRUIndex(capacity_bytes, retention_s)
         self.name = name
         self.directory = Path(directory)
         self.meta = meta
-        self._capacity = capacity_bytes
-        self._retention_s = retention_s
         self._clock = clock
         self._fsync = fsync
         self._backoff = backoff or Backoff(name, log=logger)
         self._lock = threading.RLock()
-        self._index: OrderedDict[bytes, _DiskEntry] = OrderedDict()  # least recently used first
-        self._used = 0
         self._stats = TierStats()
         self._index_ready = False
         with self._lock:
@@ -93,11 +80,11 @@ class DiskKVStore:
     # --- sizes ------------------------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        return self._index.capacity_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used_bytes
 
     @property
     def num_entries(self) -> int:
@@ -110,7 +97,7 @@ class DiskKVStore:
     def keys(self) -> list[bytes]:
         """Indexed keys from least to most recently used (for tests and debugging)."""
         with self._lock:
-            return list(self._index)
+            return self._index.keys()
 
     # --- paths ------------------------------------------------------------------------------------------
     def path_for(self, key: bytes) -> Path:
@@ -130,18 +117,17 @@ class DiskKVStore:
         # LRU order = last access (atime); ties broken by name for a deterministic order.
         found.sort(key=lambda item: (item[2], item[0]))
         self._index.clear()
-        self._used = 0
         for key, size, _atime_ns, created_at in found:
-            if now - created_at >= self._retention_s:
+            entry = IndexEntry(size, created_at, None)
+            if self._index.is_expired(entry, now):
                 self._unlink(self.path_for(key))
                 self._stats.expirations += 1
                 continue
-            self._index[key] = _DiskEntry(size, created_at)
-            self._used += size
+            self._index.put(key, entry)
         self._index_ready = True
         self._backoff.record_success()
         self._evict_to_fit(0)  # the capacity may have shrunk since the last run
-        logger.info("%s: indexed %d entries (%d bytes) in %s", self.name, len(self._index), self._used,
+        logger.info("%s: indexed %d entries (%d bytes) in %s", self.name, len(self._index), self._index.used_bytes,
                     self.directory)
         return True
 
@@ -193,14 +179,12 @@ class DiskKVStore:
         return True
 
     # --- reads ------------------------------------------------------------------------------------------
-    def _indexed(self, key: bytes, now: float) -> _DiskEntry | None:
-        entry = self._index.get(key)
-        if entry is not None and now - entry.created_at >= self._retention_s:
-            self._drop(key)
+    def _indexed(self, key: bytes, now: float) -> IndexEntry[None] | None:
+        if self._index.pop_if_expired(key, now):
             self._unlink(self.path_for(key))
             self._stats.expirations += 1
             return None
-        return entry
+        return self._index.get(key)
 
     def contains(self, key: bytes) -> bool:
         """Index lookup only (no disk access); False while the tier is down."""
@@ -237,7 +221,7 @@ class DiskKVStore:
             with open(path, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
-            self._drop(key)  # deleted behind our back: a plain miss
+            self._index.remove(key)  # deleted behind our back: a plain miss
             self._stats.misses += 1
             return None
         except OSError as e:
@@ -250,11 +234,11 @@ class DiskKVStore:
             logger.warning("%s: deleting corrupt entry %s: %s", self.name, path, e.reason)
             self._stats.corrupt += 1
             self._stats.misses += 1
-            self._drop(key)
+            self._index.remove(key)
             self._unlink(path)
             return None
         self._backoff.record_success()
-        self._index.move_to_end(key)
+        self._index.touch(key)
         try:
             os.utime(path, (now, header.created_at))  # atime = last read, mtime = written
         except OSError:
@@ -286,7 +270,7 @@ class DiskKVStore:
             return False
         now = self._clock()
         blob = encode_entry(value, self.meta, created_at=now)
-        if len(blob) > self._capacity:
+        if len(blob) > self._index.capacity_bytes:
             return False
         old = self._index.get(key)
         self._evict_to_fit(len(blob) - (old.size if old else 0), keep=key)
@@ -304,9 +288,7 @@ class DiskKVStore:
             self._fail(e)
             return False
         self._backoff.record_success()
-        self._drop(key)
-        self._index[key] = _DiskEntry(len(blob), now)
-        self._used += len(blob)
+        self._index.put(key, IndexEntry(len(blob), now, None))
         self._stats.bytes_written += len(value)
         return True
 
@@ -325,36 +307,22 @@ class DiskKVStore:
     def delete(self, key: bytes) -> None:
         with self._lock:
             if self._index_ready:
-                self._drop(key)
+                self._index.remove(key)
             self._unlink(self.path_for(key))
 
     def sweep(self) -> int:
         """Delete every expired entry; returns how many."""
         with self._lock:
-            now = self._clock()
-            expired = [k for k, e in self._index.items() if now - e.created_at >= self._retention_s]
+            expired = self._index.pop_expired(self._clock())
             for key in expired:
-                self._drop(key)
                 self._unlink(self.path_for(key))
             self._stats.expirations += len(expired)
             return len(expired)
 
     # --- internals (caller holds the lock) ---------------------------------------------------------------
-    def _drop(self, key: bytes) -> None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used -= entry.size
-
     def _evict_to_fit(self, incoming: int, keep: bytes | None = None) -> None:
         """Delete LRU files until ``incoming`` more bytes fit under capacity (never the key ``keep``)."""
-        while self._index and self._used + incoming > self._capacity:
-            key = next(iter(self._index))
-            if key == keep:
-                if len(self._index) == 1:
-                    return
-                self._index.move_to_end(key)
-                continue
-            self._drop(key)
+        for key, _ in self._index.pop_lru_until_fits(incoming, keep):
             self._unlink(self.path_for(key))
             self._stats.evictions += 1
 
@@ -375,7 +343,7 @@ class DiskKVStore:
         with self._lock:
             snapshot = self._stats.copy()
             snapshot.entries = len(self._index)
-            snapshot.bytes_held = self._used
+            snapshot.bytes_held = self._index.used_bytes
             return snapshot
 
     def close(self) -> None:

@@ -11,21 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvserve.storage.base import TierStats
+from kvserve.storage.lru_index import IndexEntry, LRUIndex
 
 logger = logging.getLogger(__name__)
 
 EvictCallback = Callable[[bytes, bytes], None]
-
-
-@dataclass(slots=True)
-class _HostEntry:
-    value: bytes
-    created_at: float
 
 
 class HostKVStore:
@@ -43,32 +36,25 @@ class HostKVStore:
         on_evict: EvictCallback | None = None,
         name: str = "host",
     ) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        if retention_s <= 0:
-            raise ValueError(f"retention_s must be > 0, got {retention_s}")
+        self._index: LRUIndex[bytes] = LRUIndex(capacity_bytes, retention_s)  # entries hold the payloads
         self.name = name
         self.on_evict = on_evict
-        self._capacity = capacity_bytes
-        self._retention_s = retention_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _HostEntry] = OrderedDict()  # least recently used first
-        self._used = 0
         self._stats = TierStats()
 
     # --- sizes ------------------------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        return self._index.capacity_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used_bytes
 
     @property
     def num_entries(self) -> int:
-        return len(self._entries)
+        return len(self._index)
 
     @property
     def healthy(self) -> bool:
@@ -77,19 +63,15 @@ class HostKVStore:
     def keys(self) -> list[bytes]:
         """Keys from least to most recently used (for tests and debugging)."""
         with self._lock:
-            return list(self._entries)
+            return self._index.keys()
 
     # --- reads ------------------------------------------------------------------------------------------
-    def _live(self, key: bytes, now: float) -> _HostEntry | None:
+    def _live(self, key: bytes, now: float) -> IndexEntry[bytes] | None:
         """The entry under ``key`` if present and not expired; drops it if expired. Caller holds the lock."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        if now - entry.created_at >= self._retention_s:
-            self._remove(key)
+        if self._index.pop_if_expired(key, now):
             self._stats.expirations += 1
             return None
-        return entry
+        return self._index.get(key)
 
     def contains(self, key: bytes) -> bool:
         """Presence without touching LRU order."""
@@ -115,7 +97,7 @@ class HostKVStore:
                     self._stats.misses += 1
                     out.append(None)
                     continue
-                self._entries.move_to_end(key)
+                self._index.touch(key)
                 self._stats.hits += 1
                 self._stats.bytes_read += len(entry.value)
                 out.append(entry.value)
@@ -135,11 +117,9 @@ class HostKVStore:
             for key, value in items:
                 if not isinstance(value, bytes):
                     value = bytes(value)  # own the memory: the caller may reuse its buffer
-                if len(value) > self._capacity:
+                if len(value) > self._index.capacity_bytes:
                     continue
-                self._remove(key)
-                self._entries[key] = _HostEntry(value, now)
-                self._used += len(value)
+                self._index.put(key, IndexEntry(len(value), now, value))
                 self._stats.bytes_written += len(value)
                 num_stored += 1
                 evicted.extend(self._evict_over_capacity(now))
@@ -148,36 +128,25 @@ class HostKVStore:
 
     def delete(self, key: bytes) -> None:
         with self._lock:
-            self._remove(key)
+            self._index.remove(key)
 
     def sweep(self) -> int:
         """Drop every expired entry; returns how many."""
         with self._lock:
-            now = self._clock()
-            expired = [k for k, e in self._entries.items() if now - e.created_at >= self._retention_s]
-            for key in expired:
-                self._remove(key)
+            expired = self._index.pop_expired(self._clock())
             self._stats.expirations += len(expired)
             return len(expired)
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
-            self._used = 0
+            self._index.clear()
 
     # --- internals --------------------------------------------------------------------------------------
-    def _remove(self, key: bytes) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._used -= len(entry.value)
-
     def _evict_over_capacity(self, now: float) -> list[tuple[bytes, bytes]]:
         """Pop LRU entries until within capacity; returns the live ones to hand down. Caller holds the lock."""
         evicted: list[tuple[bytes, bytes]] = []
-        while self._used > self._capacity:
-            key, entry = self._entries.popitem(last=False)
-            self._used -= len(entry.value)
-            if now - entry.created_at >= self._retention_s:
+        for key, entry in self._index.pop_lru_until_fits():
+            if self._index.is_expired(entry, now):
                 self._stats.expirations += 1
             else:
                 self._stats.evictions += 1
@@ -200,8 +169,8 @@ class HostKVStore:
     def stats(self) -> TierStats:
         with self._lock:
             snapshot = self._stats.copy()
-            snapshot.entries = len(self._entries)
-            snapshot.bytes_held = self._used
+            snapshot.entries = len(self._index)
+            snapshot.bytes_held = self._index.used_bytes
             return snapshot
 
     def close(self) -> None:

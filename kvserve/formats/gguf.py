@@ -1,7 +1,9 @@
-"""The GGUF file header: metadata and tensor directory, parsed directly (no torch).
+"""A GGUF file's header, parsed directly (no torch): metadata, tensor directory, the architecture.
 
-``gguf.GGUFReader`` builds a numpy view per string and takes seconds on a 49k-token vocabulary; this
-parser reads the same header in a fraction of a second. The tokenizer reads its vocabulary from here.
+``gguf.GGUFReader`` builds a numpy view per string, which is slow on a large vocabulary; this parser
+decodes the strings straight from the mapped file (benchmarks/host_side_costs.py times both). The
+loader, the tokenizer and the cost model all read GGUF files through ``read_gguf_header``;
+``arch_from_gguf`` turns the metadata into an ``ArchConfig``.
 """
 
 from __future__ import annotations
@@ -16,11 +18,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvserve.arch import ArchConfig
 from kvserve.errors import ModelLoadError, UnsupportedModel
-
-
-def is_gguf(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() == ".gguf"
 
 # --------------------------------------------------------------------------------------------------
 # GGUF header
@@ -250,3 +249,69 @@ def _tensor_num_bytes(path: Path, name: str, dims: tuple[int, ...], ggml_type: i
     return num_elements // block_size * type_size
 
 
+# --------------------------------------------------------------------------------------------------
+# Architecture
+# --------------------------------------------------------------------------------------------------
+
+
+def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
+    """The ``ArchConfig`` a GGUF file's ``{arch}.*`` metadata describes, for any architecture.
+
+    Raises ``ModelLoadError`` (naming the file) when a key every model has is missing or malformed.
+    """
+    meta, path = header.metadata, header.path
+    arch = header.architecture
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if required and value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    name = str(meta.get("general.name", ""))
+    try:
+        hidden_size = int(key("embedding_length", required=True))
+        num_heads = int(key("attention.head_count", required=True))
+        kv_heads = key("attention.head_count_kv", num_heads)
+        tokens = meta.get("tokenizer.ggml.tokens")
+        embed = header.tensors.get("token_embd.weight")
+        vocab_size = key("vocab_size") or (len(tokens) if tokens else None) or (embed.shape[0] if embed else None)
+        if vocab_size is None:
+            raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
+        kv_lora_rank = int(key("attention.kv_lora_rank", 0))
+        eos_ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+        return ArchConfig(
+            architecture="mistral" if arch == "llama" and "mistral" in name.lower() else arch,
+            name=name or path.stem,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden_size,
+            intermediate_size=int(key("feed_forward_length", required=True)),
+            num_layers=int(key("block_count", required=True)),
+            num_heads=num_heads,
+            # Some architectures give a count per layer; the largest one bounds the KV cache.
+            num_kv_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
+            head_dim=int(key("attention.key_length", hidden_size // num_heads)),
+            max_position_embeddings=int(key("context_length", 2048)),
+            rope_theta=_shortest_float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=_shortest_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            tie_word_embeddings="output.weight" not in header.tensors,
+            qkv_bias="blk.0.attn_q.bias" in header.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
+            num_experts=int(key("expert_count", 0)),
+            num_experts_per_token=int(key("expert_used_count", 0)),
+            moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
+            num_shared_experts=int(key("expert_shared_count", 0)),
+            num_dense_layers=int(key("leading_dense_block_count", 0)),
+            kv_lora_rank=kv_lora_rank,
+            q_lora_rank=int(key("attention.q_lora_rank", 0)),
+            qk_rope_head_dim=int(key("rope.dimension_count", 0)) if kv_lora_rank else 0,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: malformed GGUF metadata ({e})") from None
+
+
+def _shortest_float(value: float) -> float:
+    """GGUF stores floats as float32: 1e-5 reads back as 9.99999974738e-06. Keep the intended value."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="0"))

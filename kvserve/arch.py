@@ -1,0 +1,154 @@
+"""A model's architecture: the one description the loader, the runner and the cost model all read.
+
+``kvserve.formats`` reads it from a model's files (GGUF metadata, a Hugging Face ``config.json``);
+``kvserve.model_presets`` writes it out for published models. The engine runs dense llama-like models
+(the first block of fields); the mixture-of-experts and multi-head-latent-attention fields stay zero
+for those and are read by the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ArchConfig:
+    """A model's shape and the counts FLOPs and bytes per token depend on.
+
+    Mixture of experts: ``num_dense_layers`` leading layers use a dense MLP of ``intermediate_size``;
+    the rest route each token to ``num_experts_per_token`` of ``num_experts`` experts of
+    ``moe_intermediate_size`` plus ``num_shared_experts`` always-on ones. Multi-head latent attention
+    (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
+    """
+
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3" (the engine's); any model_type for the cost model
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    # Mixture of experts (0: a dense MLP in every layer).
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # 0: intermediate_size
+    num_shared_experts: int = 0
+    num_dense_layers: int = 0
+    # Multi-head latent attention (0: ordinary multi-head / grouped-query attention).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""  # what the model calls itself (GGUF general.name, a preset's key); "" when unknown
+
+    # ---- attention sizes ---------------------------------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and self.num_experts_per_token > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    # ---- the KV cache ------------------------------------------------------------------------------
+
+    def kv_elements_per_token(self) -> int:
+        """Cached values per token across all layers (K and V; MLA: the latent and the rope key)."""
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return 2 * self.num_layers * self.kv_size
+
+    def kv_bytes_per_token(self, dtype_bytes: float = 2) -> float:
+        """Bytes of KV one token occupies across all layers (an int for a whole ``dtype_bytes``)."""
+        return self.kv_elements_per_token() * dtype_bytes
+
+    # ---- parameter counts --------------------------------------------------------------------------
+
+    def attention_params(self) -> int:
+        """Weights of one layer's attention projections."""
+        h, n = self.hidden_size, self.num_heads
+        if self.is_mla:
+            q = (h * self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim) if self.q_lora_rank else (
+                h * n * self.qk_head_dim)
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * n * (
+                self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + n * self.v_head_dim * h
+        q, kv = self.q_size, self.kv_size
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * (q + 2 * kv) + q * h + bias
+
+    def mlp_params(self, intermediate: int) -> int:
+        """A gated (SwiGLU) MLP: gate, up and down projections."""
+        return 3 * self.hidden_size * intermediate
+
+    def layer_mlp_params(self, active: bool) -> list[int]:
+        """MLP weights per layer: all of them, or the ones one token uses (``active``)."""
+        out = []
+        for layer in range(self.num_layers):
+            if not self.is_moe or layer < self.num_dense_layers:
+                out.append(self.mlp_params(self.intermediate_size))
+                continue
+            routed = self.num_experts_per_token if active else self.num_experts
+            experts = (routed + self.num_shared_experts) * self.mlp_params(self.expert_size)
+            out.append(experts + self.hidden_size * self.num_experts)  # + the router
+        return out
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def total_params(self) -> int:
+        """All weights (norm vectors included), the number a model card quotes."""
+        return self._params(active=False)
+
+    def active_params(self) -> int:
+        """Weights one token uses (MoE: the routed experts it goes to), embeddings included."""
+        return self._params(active=True)
+
+    def _params(self, active: bool) -> int:
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return self.num_layers * self.attention_params() + sum(self.layer_mlp_params(active)) + \
+            self.embedding_params() + norms
+
+    def matmul_params_per_token(self) -> int:
+        """Weights that take part in a matmul for one token: active layers plus the LM head."""
+        return self.num_layers * self.attention_params() + sum(self.layer_mlp_params(True)) + \
+            self.vocab_size * self.hidden_size
+
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair over all layers: QKᵀ and P·V."""
+        return 2 * self.num_heads * (self.qk_head_dim + self.v_dim) * self.num_layers

@@ -1,0 +1,74 @@
+"""A Hugging Face checkpoint's JSON files, and the ``ArchConfig`` its ``config.json`` describes (no torch).
+
+Reads llama-like families and, for the cost model, the mixture-of-experts (Mixtral, Qwen MoE) and
+multi-head-latent-attention (DeepSeek-V2/V3) fields too. What the engine can run is checked by the
+loader.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvserve.arch import ArchConfig
+from kvserve.errors import ModelLoadError
+
+
+def read_hf_json(path: Path) -> dict[str, Any]:
+    """One of a checkpoint's JSON files (``config.json``, ``generation_config.json``,
+    ``tokenizer_config.json``) as a dict; ``ModelLoadError`` (naming the file) when it cannot be read."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return data
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope block: ``rope_parameters`` (newer transformers) or ``rope_scaling``; {} when neither."""
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
+    """The ``ArchConfig`` of a parsed ``config.json`` read from ``source`` (named in errors)."""
+    model_type = str(cfg.get("model_type") or "")
+    try:
+        hidden_size = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        return ArchConfig(
+            architecture=model_type,
+            name=model_type or Path(source).parent.name,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=float(cfg.get("rope_theta") or rope_parameters(cfg).get("rope_theta") or 10000.0),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            num_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+            num_experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            num_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+            kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
+            q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+            v_head_dim=int(cfg.get("v_head_dim") or 0),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{source}: missing or bad field {e}") from None

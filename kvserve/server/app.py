@@ -1,0 +1,222 @@
+"""The FastAPI app: the OpenAI routes over an AsyncEngine, and the state one server keeps.
+
+A route validates its body, tokenizes its prompt(s) and hands them to ``AppState.respond``, which starts
+a RequestRun (one engine request per prompt x n), waits for every engine request's first output, and
+answers with the stream or the JSON body ``responses.ResponseBuilder`` builds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvserve.async_engine import AsyncEngine
+from kvserve.config import ServerConfig
+from kvserve.engine import expand_n
+from kvserve.errors import (
+    ContextLengthExceeded,
+    EngineDeadError,
+    InvalidRequest,
+    ModelNotFound,
+    ServerShuttingDown,
+)
+from kvserve.request import SamplingParams
+from kvserve.server import protocol as p
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.middleware import GateMiddleware, add_error_handlers
+from kvserve.server.request_run import EngineRequest, RequestRun
+from kvserve.server.responses import ResponseBuilder
+from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class AppState:
+    """One server's engine, model identity, in-flight requests and drain flag."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer: Tokenizer, model_name: str,
+                 max_model_len: int | None, model_root: str | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.model_root = model_root
+        self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
+        self.responses = ResponseBuilder(tokenizer, self.metrics)
+        self.runs: set[RequestRun] = set()
+        self.draining = False
+        self.created = int(time.time())
+
+    def check_admissible(self, name: str | None) -> None:
+        """What a generation route checks first: the server is up and ``name`` (if given) is its model."""
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down; retry on another replica")
+        if not self.engine.is_alive:
+            raise EngineDeadError(f"the engine loop has stopped: {self.engine.dead!r}")
+        if name is not None and name != self.model_name:
+            error = ModelNotFound(f"the model '{name}' does not exist; this server serves '{self.model_name}'")
+            error.param = "model"  # type: ignore[attr-defined]
+            raise error
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, give in-flight ones ``grace_s`` to finish, then abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.runs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.runs:
+            logger.warning("aborting %d in-flight request(s) after the %.1fs grace period", len(self.runs), grace_s)
+            for run in list(self.runs):
+                run.abort()
+            deadline = time.monotonic() + 2.0  # time for the aborted streams to send their last chunk
+            while self.runs and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+    # --- one request, end to end ----------------------------------------------------------------------------
+    async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
+                      prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
+                      received_at: float) -> Response:
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        queue_limit = self.engine.max_waiting_requests
+        if queue_limit is not None and len(prompts) * params.n > queue_limit:
+            # Not a 429: retrying cannot help a request larger than the whole queue.
+            raise InvalidRequest(
+                f"this request needs {len(prompts) * params.n} sequences ({len(prompts)} prompt(s) x n={params.n}), "
+                f"more than the {queue_limit} the server queues at once (--max-waiting-requests)",
+                param="n" if params.n > 1 else "prompt")
+        children = [
+            EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
+            for i, (ids, text) in enumerate(prompts)
+            for j, child_params in enumerate(expand_n(params))
+        ]
+        run = RequestRun(self.engine, self.metrics, self.runs, children, received_at)
+        try:
+            await _until_disconnected(http, run.start())
+        except _ClientGone:
+            run.close()
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+        want_timings = body.return_timings or http.headers.get("x-kvserve-timings", "").lower() in ("1", "true")
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            stream = self.responses.stream(run, body, chat, head, want_timings)
+            return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(run.close),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            await _until_disconnected(http, run.wait())
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            run.close()
+        response = self.responses.full_response(run, body, chat, head)
+        if want_timings:
+            response.timings = run.timings()
+        return Response(response.to_json(), media_type="application/json")
+
+
+async def _off_loop_if_long(prompt: object, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when ``prompt`` is a long text: while it is tokenized the event
+    loop would serve no stream (benchmarks/host_side_costs.py times tokenizing)."""
+    if isinstance(prompt, str) and len(prompt) > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+async def _until_disconnected(http: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client disconnects first: then cancel it and raise _ClientGone."""
+    task = asyncio.ensure_future(awaitable)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves
+        task.cancel()
+        listener.cancel()
+        raise
+    listener.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # let it run its cleanup (which aborts)
+    raise _ClientGone()
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    config: ServerConfig,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str | None = None,
+    max_model_len: int | None = None,
+    model_root: str | None = None,
+) -> FastAPI:
+    """A FastAPI app over a running AsyncEngine. The caller owns the engine (and shuts it down)."""
+    name = model_name or config.served_model_name or "kvserve"
+    state = AppState(async_engine, config, tokenizer, name, max_model_len, model_root)
+    app = FastAPI(title="kvserve", version="0.1.0")
+    app.state.kvserve = state
+    app.add_middleware(GateMiddleware, config=config, metrics=state.metrics, draining=lambda: state.draining)
+    add_error_handlers(app, state.metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Response:
+        received_at = time.monotonic()
+        state.check_admissible(body.model)
+        params = body.sampling_params()
+        text = tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True)
+        try:
+            async_engine.check_text_fits(text)
+            # The template already holds any BOS token: don't add special tokens twice.
+            ids = await _off_loop_if_long(text, tokenizer.encode, text, False)
+            token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
+        except ContextLengthExceeded as exc:
+            raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
+        return await state.respond(http, body, [(token_ids, None)], params, True, received_at)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, http: Request) -> Response:
+        received_at = time.monotonic()
+        state.check_admissible(body.model)
+        params = body.sampling_params()
+        prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in body.prompts()]
+        return await state.respond(http, body, prompts, params, False, received_at)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = p.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
+                           max_model_len=state.max_model_len)
+        return Response(p.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "dead", "error": f"the engine loop has stopped: {async_engine.dead!r}"},
+                                status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, content_type = state.metrics.render()
+        return Response(content, media_type=content_type)
+
+    return app

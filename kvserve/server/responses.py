@@ -1,0 +1,163 @@
+"""OpenAI response bodies built from a RequestRun's outputs: one JSON body, or the chunks of an SSE stream.
+
+Logprobs are rendered here too (chat: ``content`` entries with bytes; completions: parallel lists with
+text offsets); the engine's ``-inf`` becomes ``MIN_LOGPROB`` because JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvserve.errors import KVServeError
+from kvserve.request import RequestOutput
+from kvserve.server import protocol as p
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.request_run import EngineRequest, RequestRun
+from kvserve.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class ResponseBuilder:
+    """Turns the outputs of a RequestRun into OpenAI chat or completion bodies.
+
+    Keeps each token's text and bytes once decoded: logprobs name the same tokens over and over.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, metrics: ServerMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes; for part of a character, not the U+FFFD its text decodes to alone."""
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self._token_bytes[token_id] = list(self.tokenizer.token_bytes(token_id))
+        return data
+
+    # --- one JSON body ----------------------------------------------------------------------------------
+    def full_response(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any]) -> p._Response:
+        usage = run.usage()
+        if chat:
+            choices = []
+            for c in run.children:
+                assert c.last is not None
+                completion = c.last.outputs[0]
+                logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0)
+                choices.append(p.ChatChoice(index=c.index, message=p.ChatMessageOut(content=completion.text),
+                                            logprobs=logprobs, finish_reason=completion.finish_reason))
+            return p.ChatCompletionResponse(**head, choices=choices, usage=usage)
+        completion_choices = []
+        for c in run.children:
+            assert c.last is not None
+            completion = c.last.outputs[0]
+            logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, 0)
+            completion_choices.append(p.CompletionChoice(index=c.index, text=completion.text, logprobs=logprobs,
+                                                         finish_reason=completion.finish_reason))
+        return p.CompletionResponse(**head, choices=completion_choices, usage=usage)
+
+    # --- an SSE stream ----------------------------------------------------------------------------------
+    async def stream(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
+                     want_timings: bool) -> AsyncIterator[str]:
+        chunk_type = p.ChatCompletionChunk if chat else p.CompletionResponse
+        try:
+            try:
+                if chat:  # OpenAI opens each choice with the role
+                    for c in run.children:
+                        role = p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))
+                        yield _sse(p.ChatCompletionChunk(**head, choices=[role]).to_json())
+                while (item := await run.next()) is not None:
+                    child, output = item
+                    choice = self._chunk_choice(child, output, body, chat)
+                    if choice is None:
+                        continue
+                    chunk = chunk_type(**head, choices=[choice])
+                    if run.exhausted and want_timings and not body.include_usage:
+                        chunk.timings = run.timings()
+                    yield _sse(chunk.to_json())
+                if body.include_usage:
+                    chunk = chunk_type(**head, choices=[], usage=run.usage())
+                    if want_timings:
+                        chunk.timings = run.timings()
+                    yield _sse(chunk.to_json())
+            except KVServeError as exc:  # the engine died mid-stream: tell the client, then end the stream
+                self.metrics.observe_error(exc.http_status, exc.code)
+                yield _sse(_error_json(exc))
+            yield "data: [DONE]\n\n"
+        finally:
+            run.close()
+
+    def _chunk_choice(self, child: EngineRequest, output: RequestOutput, body: Any, chat: bool) -> Any:
+        """The streamed choice for one output, or None when it carries nothing (text held back)."""
+        completion = output.outputs[0]
+        num_tokens = len(completion.token_ids)
+        start = num_tokens - len(output.delta_token_ids)
+        finish = completion.finish_reason if output.finished else None
+        if chat:
+            logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0)
+            if not output.delta_text and finish is None and logprobs is None:
+                return None
+            return p.ChatChunkChoice(index=child.index, delta=p.DeltaMessage(content=output.delta_text),
+                                     logprobs=logprobs, finish_reason=finish)
+        logprobs = self._completion_logprobs(child, start, num_tokens, body.logprobs, child.num_chars_sent)
+        child.num_chars_sent += len(output.delta_text)
+        if not output.delta_text and finish is None and logprobs is None:
+            return None
+        return p.CompletionChoice(index=child.index, text=output.delta_text, logprobs=logprobs, finish_reason=finish)
+
+    # --- logprobs: entries [start, end) of the child's output tokens ---------------------------------------
+    def _token_logprobs(self, child: EngineRequest, start: int, end: int) -> list[tuple[int, dict[int, float]]]:
+        assert child.last is not None
+        completion = child.last.outputs[0]
+        entries = completion.logprobs or []
+        # The engine appends to ``entries`` as it samples; positions below len(token_ids) are final.
+        return [(completion.token_ids[i], entries[i] if i < len(entries) else {}) for i in range(start, end)]
+
+    def _chat_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int) -> p.ChatLogprobs | None:
+        if child.params.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in self._token_logprobs(child, start, end):
+            text = self.token_text(token_id)
+            top = [p.TopLogprob(token=self.token_text(t), logprob=_finite(lp), bytes=self.token_bytes(t))
+                   for t, lp in list(entry.items())[:num_top]]
+            content.append(p.TokenLogprob(token=text, logprob=_finite(entry.get(token_id, MIN_LOGPROB)),
+                                          bytes=self.token_bytes(token_id), top_logprobs=top))
+        return p.ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int | None,
+                             offset: int) -> p.CompletionLogprobs | None:
+        if child.params.logprobs is None:
+            return None
+        out = p.CompletionLogprobs()
+        for token_id, entry in self._token_logprobs(child, start, end):
+            text = self.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(entry.get(token_id, MIN_LOGPROB)))
+            out.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in list(entry.items())[:num_top or 0]})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def _error_json(exc: KVServeError) -> str:
+    return json.dumps(p.error_body(str(exc), exc.error_type, getattr(exc, "param", None), exc.code))

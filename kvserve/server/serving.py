@@ -1,0 +1,110 @@
+"""Running the server: ``serve`` (uvicorn in this process until a signal) and ``BackgroundServer`` (a
+thread on a free loopback port).
+
+Shutdown (SIGTERM or SIGINT): new requests get 503 at once, in-flight ones get ``shutdown_grace_period_s`` to
+finish and are then aborted (they end with finish_reason "abort"), and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+from types import FrameType
+
+import uvicorn
+
+from kvserve.async_engine import AsyncEngine
+from kvserve.config import EngineConfig, ServerConfig
+from kvserve.engine import Engine
+from kvserve.server.app import AppState, build_app
+
+logger = logging.getLogger(__name__)
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, with a drain before the shutdown: the first SIGTERM/SIGINT refuses new requests and
+    waits (up to the grace period) for in-flight ones; a second one stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState, grace_s: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._grace_s = grace_s
+        self._drain_requested = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn re-raises those after shutdown, and the process would
+        # then die by the signal (status 143) instead of exiting cleanly with 0.
+        if self._drain_requested:
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        logger.warning("signal %d: draining (grace period %.1fs)", sig, self._grace_s)
+        self._drain_requested = True
+        self._state.draining = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        await self._state.drain(self._grace_s)
+        self.should_exit = True
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the model, start the engine thread and serve until SIGTERM/SIGINT. Returns the exit status."""
+    engine = Engine(engine_config)
+    async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
+    name = server_config.served_model_name or engine_config.model.model or engine.model_path.stem
+    app = build_app(async_engine, server_config, engine.tokenizer, model_name=name,
+                    max_model_len=engine.max_model_len, model_root=str(engine.model_path))
+    uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                               log_level=server_config.uvicorn_log_level,
+                               lifespan="off", timeout_graceful_shutdown=2)
+    server = _GracefulServer(uv_config, app.state.kvserve, server_config.shutdown_grace_period_s)
+    logger.info("serving %s on http://%s:%d", name, server_config.host, server_config.port)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+        engine.close()
+    return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """The server on a free loopback port in a thread of this process (``kvserve trace --in-process``)."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None) -> None:
+        config = server_config or ServerConfig()
+        if config.port == 0 or server_config is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                config = ServerConfig(host="127.0.0.1", port=s.getsockname()[1],
+                                      served_model_name=config.served_model_name)
+        self.engine = Engine(engine_config)
+        self.async_engine = AsyncEngine(self.engine, max_waiting_requests=config.max_waiting_requests)
+        app = build_app(self.async_engine, config, self.engine.tokenizer,
+                        model_name=config.served_model_name or self.engine.model_path.stem,
+                        max_model_len=self.engine.max_model_len, model_root=str(self.engine.model_path))
+        self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                     lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, name="kvserve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        self.base_url = f"http://{config.host}:{config.port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.async_engine.shutdown()
+        self.engine.close()
