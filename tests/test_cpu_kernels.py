@@ -447,8 +447,10 @@ def test_packed_keys_are_refused_where_they_do_not_fit() -> None:
             torch.tensor([0, 2], dtype=torch.int32), 0.125)
     with pytest.raises(RuntimeError, match="one non-causal span"):
         torch.ops.kvserve.paged_attention_amx(*args, True, False, packed)
+    # Three blocks hold 40 keys, but the packed copy holds the first 20.
+    wider = torch.tensor([[3, 5, 6]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="must come from pack_kv_amx for these 40 keys"):
-        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], table[None].contiguous(),
+        torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], wider,
                                               torch.tensor([40], dtype=torch.int32),
                                               torch.tensor([0, 2], dtype=torch.int32), 0.125, False, True, packed)
     with pytest.raises(RuntimeError, match="covering kv_len"):
