@@ -78,9 +78,9 @@ class KernelThreadScope:
 
     For a model the kernels carry (backends/cpu_kernels.py's plan), what is left to torch in a step is
     small: the embedding gather, the KV write, a concatenation, sampling. Letting those wake OpenMP's team
-    put three busy threads (the caller, the pool's worker, OpenMP's) on two cores: 1,024-token prefills ran
-    a median 7% slower than on OpenMP alone (seven A/Bs), and 2-6% faster with torch's ops kept on the
-    caller (benchmarks/decode_stack_ab.py --compare pool). Torch's thread count is restored on leaving, so
+    puts three busy threads (the caller, the pool's worker, OpenMP's) on two cores, which slows prefills;
+    keeping torch's ops on the caller does not (benchmarks/decode_stack_ab.py --compare pool measures both).
+    Torch's thread count is restored on leaving, so
     code between steps (a reference model in a test, a user's own torch work) keeps its threads.
     """
 
