@@ -80,6 +80,10 @@ class AsyncEngine:
         """The snapshot the engine thread took after its last step (never races the step itself)."""
         return self._stats
 
+    def num_unfinished(self) -> int:
+        """Requests with an open stream (queued, running, or finishing)."""
+        return len(self._streams)
+
     def check_text_fits(self, text: str) -> None:
         """Raise ContextLengthExceeded for a text that cannot fit the context, without tokenizing it."""
         self.engine.input_processor.check_text_fits(text)

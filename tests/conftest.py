@@ -1,4 +1,5 @@
-"""Fixtures shared by every test directory: a real redis-server on a free loopback port."""
+"""Fixtures shared by every test directory: a real redis-server on a free loopback port, and a spy on the
+sockets to one port (how often a client reaches the network, and with which timeout)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,80 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
+
+
+@dataclass(slots=True)
+class SocketCall:
+    op: str  # "connect", "send" or "recv"
+    timeout: float | None  # the socket's timeout when the call began (None: it could block forever)
+    timed_out: bool = False
+
+
+class SocketSpy:
+    """Every connect, send and read this process makes to one loopback port, with the socket's timeout.
+
+    Tests assert on these instead of timing a call: a client that retries shows a second connect or a
+    second timed-out read; a call that short-circuits adds nothing. A call on a socket without a timeout
+    (one that could block forever) fails the test at once instead of hanging it.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.calls: list[SocketCall] = []
+
+    @classmethod
+    def install(cls, monkeypatch: pytest.MonkeyPatch, port: int) -> SocketSpy:
+        spy = cls(port)
+        for name, op in (("connect", "connect"), ("sendall", "send"), ("send", "send"), ("recv", "recv"),
+                         ("recv_into", "recv")):
+            monkeypatch.setattr(socket.socket, name, spy._wrap(getattr(socket.socket, name), op))
+        return spy
+
+    def _watches(self, sock: socket.socket, op: str, args: tuple[object, ...]) -> bool:
+        if op == "connect":
+            address = args[0]
+            return isinstance(address, tuple) and address[1] == self.port
+        try:
+            return sock.getpeername()[1] == self.port
+        except (OSError, IndexError, TypeError):
+            return False
+
+    def _wrap(self, real: Callable[..., object], op: str) -> Callable[..., object]:
+        def spied(sock: socket.socket, *args: object, **kwargs: object) -> object:
+            if not self._watches(sock, op, args):
+                return real(sock, *args, **kwargs)
+            call = SocketCall(op, sock.gettimeout())
+            self.calls.append(call)
+            if call.timeout is None:
+                raise AssertionError(f"{op} to port {self.port} on a socket without a timeout")
+            try:
+                return real(sock, *args, **kwargs)
+            except TimeoutError:
+                call.timed_out = True
+                raise
+
+        return spied
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls)
+
+    def connects(self, since: int = 0) -> list[float | None]:
+        """The timeout of each connect attempt (from call number ``since`` on)."""
+        return [c.timeout for c in self.calls[since:] if c.op == "connect"]
+
+    def num_timed_out(self, since: int = 0) -> int:
+        return sum(c.timed_out for c in self.calls[since:])
+
+    def bounded_by(self, timeout_s: float, since: int = 0) -> bool:
+        """Whether every call (from ``since`` on) could wait at most ``timeout_s``."""
+        return all(c.timeout is not None and c.timeout <= timeout_s for c in self.calls[since:])
 
 
 def free_port() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,18 +16,22 @@ from kvserve.bench.report import SLO
 from kvserve.bench.runner import BenchConfig, ComputeOptions, run_bench_async
 from kvserve.bench.trace import render_timeline, timeline_stages
 from kvserve.bench.workloads import WorkloadConfig
+from tests.storage.conftest import FakeClock
 
 
 class FakeServer:
     """Streams ``max_tokens`` one-word chunks after a role chunk; usage counts words; cached = common prefix."""
 
-    def __init__(self, *, fail_every: int = 0, kvserve: bool = False, delay_s: float = 0.0) -> None:
+    def __init__(self, *, fail_every: int = 0, kvserve: bool = False, delay_s: float = 0.0,
+                 clock: FakeClock | None = None, token_s: float = 0.0) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.fail_every = fail_every
         self.kvserve = kvserve
         self.delay_s = delay_s
+        self.clock = clock  # moved on by ``token_s`` per streamed token, when given
+        self.token_s = token_s
         self.previous: list[list[str]] = []
         self.counters = {"prompt_tokens_total": 0, "engine_steps_total": 0, "engine_busy_seconds_total": 0.0}
 
@@ -65,6 +70,8 @@ class FakeServer:
             yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         for i in range(n):
             await asyncio.sleep(self.delay_s)
+            if self.clock is not None:
+                self.clock.advance(self.token_s)
             piece = f" w{i}" if i else f"w{i}"
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             yield _sse({"choices": [choice]})
@@ -148,12 +155,17 @@ def test_failures_are_counted_and_end_their_session() -> None:
             assert nxt["turn"] == 0 and nxt["session_id"] == prev["session_id"] + 1
 
 
-def test_duration_bound() -> None:
-    server = FakeServer(delay_s=0.01)
+def test_duration_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runner's clock moves only as the server streams (10 ms a token), so the deadline falls at a known
+    # point of the run, whatever the machine's load.
+    clock = FakeClock(start=0.0)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    server = FakeServer(clock=clock, token_s=0.01)
     result = run(server, workload=WorkloadConfig(name="chat", output_len=5), concurrency=2, duration_s=0.3)
     starts = [r["start_s"] for r in result["requests"]]
     assert starts and max(starts) < 0.3
     assert result["summary"]["successful_requests"] == len(starts)
+    assert clock() >= 0.3  # the run stopped because its time was up, not for want of requests
 
 
 def test_kvserve_server_gets_timings_and_a_compute_section() -> None:

@@ -5,10 +5,13 @@ finished requests computed (what a partly filled tail may hold). After every ope
 tree invariants hold; a lookup finds exactly the longest cached prefix the model predicts, plus the
 longest start of a tail the tree keeps after it; every tail holds what some finished request computed,
 and a finished request leaves one; eviction removes only prefixes no running request uses, and never a
-prefix while keeping its extension.
+prefix while keeping its extension. The pool's free / used / evictable counts match the model's own
+count of the blocks live requests hold (recorded when each was admitted) and the blocks the tree holds.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -45,6 +48,18 @@ def common_start(a: tuple[int, ...], b: list[int]) -> int:
     return n
 
 
+def tree_block_ids(kv: KVCacheManager) -> set[int]:
+    """Every block the tree holds: the full blocks of its nodes and the blocks of its tails."""
+    out: set[int] = set()
+    stack = [kv.tree.root]
+    while stack:
+        node = stack.pop()
+        out.update(node.block_ids)
+        out.update(tail.block_id for tail in node.tails)
+        stack.extend(node.children.values())
+    return out
+
+
 def tree_prefixes(kv: KVCacheManager) -> set[tuple[int, ...]]:
     """Every block-aligned prefix the tree holds."""
     out: set[tuple[int, ...]] = set()
@@ -65,6 +80,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.model: set[tuple[int, ...]] = set()
         self.computed: set[tuple[int, ...]] = set()  # what finished requests computed
         self.running: dict[int, Request] = {}
+        self.held: dict[int, list[int]] = {}  # the blocks each running request was given when admitted
         self.next_id = 0
 
     def expected_blocks(self, tokens: list[int]) -> int:
@@ -100,12 +116,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for i in range(1, len(tokens) // BLOCK + 1):
             self.model.add(tuple(tokens[: i * BLOCK]))
         self.running[int(request.request_id[1:])] = request
+        self.held[int(request.request_id[1:])] = list(request.block_ids)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.running)))
         request = self.running.pop(key)
+        del self.held[key]
         computed = tuple(request.all_token_ids[: request.num_computed_tokens])
         self.kv.free(request)
         if len(computed) % BLOCK:
@@ -150,6 +168,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert pool.num_free + pool.num_used + pool.num_evictable == NUM_BLOCKS
         for request in self.running.values():
             assert all(pool.ref_counts[b] > 0 for b in request.block_ids)
+        # The model's own count (no lookup is outstanding between operations): a block is used while a running
+        # request holds it, evictable while only the tree does, free otherwise.
+        holders = Counter(b for blocks in self.held.values() for b in blocks)
+        used = set(holders)
+        cached = tree_block_ids(self.kv)
+        assert pool.num_used == len(used), f"pool counts {pool.num_used} used blocks, requests hold {len(used)}"
+        assert pool.num_evictable == len(cached - used), (
+            f"pool counts {pool.num_evictable} evictable blocks, the tree alone holds {len(cached - used)}")
+        assert pool.num_free == NUM_BLOCKS - len(used | cached), (
+            f"pool counts {pool.num_free} free blocks, nobody holds {NUM_BLOCKS - len(used | cached)}")
+        assert self.kv.num_cached_blocks == len(cached)
+        assert [pool.ref_counts[b] for b in range(NUM_BLOCKS)] == [holders[b] for b in range(NUM_BLOCKS)], (
+            "a block's reference count differs from the number of running requests holding it")
 
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

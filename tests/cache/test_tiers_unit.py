@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvserve.storage.redis as redis_store
 from kvserve.batch import SchedulerOutput
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import GIB, TieredKVStore
@@ -23,8 +24,9 @@ from kvserve.config import SchedulerConfig, StorageConfig
 from kvserve.errors import ConfigError
 from kvserve.request import Request, SamplingParams, hash_block
 from kvserve.scheduler import Scheduler
-from kvserve.storage.base import KeyNamespace, make_key
-from tests.conftest import free_port
+from kvserve.storage.base import Backoff, KeyNamespace, make_key
+from kvserve.storage.redis import RedisKVStore
+from tests.conftest import SocketSpy, free_port
 from tests.fake_runner import FakeRunner, payload_nbytes, reference_continuation
 from tests.storage.conftest import FakeClock
 
@@ -115,34 +117,56 @@ def test_retention_sweeps_host_and_disk(tmp_path: Path) -> None:
     assert tiers.lookup_run([h(0)]) == []
 
 
-def test_dead_redis_is_a_bounded_miss_and_other_tiers_still_serve() -> None:
-    tiers = make_tiers(host_gb=gb(10), redis_url=f"redis://127.0.0.1:{free_port()}/0")
-    assert tiers.redis is not None and not tiers.redis.healthy  # the constructor's PING failed
-    t0 = time.perf_counter()
+def redis_backoff_on(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> list[RedisKVStore]:
+    """The tiers build their Redis store themselves: give it a backoff on ``clock``, so that a probe goes
+    through only when the test moves the clock. Returns the stores built (the test checks it took)."""
+    built: list[RedisKVStore] = []
+
+    def make(*args: Any, **kwargs: Any) -> RedisKVStore:
+        kwargs.setdefault("backoff", Backoff("redis", initial_s=1.0, clock=clock))
+        built.append(RedisKVStore(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(redis_store, "RedisKVStore", make)
+    return built
+
+
+def test_dead_redis_is_a_bounded_miss_and_other_tiers_still_serve(monkeypatch) -> None:
+    port = free_port()
+    built = redis_backoff_on(monkeypatch, FakeClock(start=0.0))
+    spy = SocketSpy.install(monkeypatch, port)
+    tiers = make_tiers(host_gb=gb(10), redis_url=f"redis://127.0.0.1:{port}/0")
+    assert tiers.redis is not None and built == [tiers.redis]
+    assert not tiers.redis.healthy  # the constructor's PING failed
+    assert spy.connects() == [0.5]  # once, bounded by the socket timeout
     tiers.put_blocks([(h(0), payload(0))])
     assert tiers.lookup_run([h(0), h(1)]) == [("host", payload(0))]
-    assert time.perf_counter() - t0 < 1.0
+    assert spy.num_calls == 1  # Redis is skipped until the backoff lets a probe through
     assert tiers.stats()["redis"].errors >= 1
 
 
-def test_a_hung_redis_blocks_one_call_for_at_most_the_socket_timeout_then_is_skipped(redis_server) -> None:
+def test_a_hung_redis_blocks_one_call_for_at_most_the_socket_timeout_then_is_skipped(redis_server,
+                                                                                    monkeypatch) -> None:
+    built = redis_backoff_on(monkeypatch, FakeClock(start=0.0))
+    spy = SocketSpy.install(monkeypatch, redis_server.port)
     tiers = make_tiers(host_gb=gb(1), redis_url=redis_server.url)
+    assert built == [tiers.redis]
     tiers.put_blocks([(h(i), payload(i)) for i in range(3)])  # host keeps one, the rest go to Redis
     assert [t for t, _ in tiers.lookup_run([h(0), h(1)])] == ["redis", "redis"]
     assert redis_server.proc is not None
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # alive but silent: every read would wait forever
     try:
-        t0 = time.perf_counter()
+        before = spy.num_calls
         assert tiers.lookup_run([h(0), h(1)]) == []
-        first = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        # One read waited out the 0.5 s socket timeout (no retry), then the backoff skips Redis entirely.
+        assert spy.num_timed_out(before) == 1 and spy.bounded_by(0.5, before)
+        after_first = spy.num_calls
         for _ in range(20):
             tiers.lookup_run([h(0), h(1)])
             tiers.put_blocks([(h(9), payload(9))])
-        later = time.perf_counter() - t0
+        assert spy.num_calls == after_first
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    assert first < 1.2 and later < 0.5, (first, later)  # 0.5 s socket timeout once, then backoff skips it
     assert tiers.healthy()["redis"] is False and tiers.stats()["redis"].errors >= 1
 
 

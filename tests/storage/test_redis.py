@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import socket
 import time
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -13,8 +14,10 @@ import redis
 from kvserve.errors import InvalidRequest
 from kvserve.storage.base import Backoff, KVStore
 from kvserve.storage.redis import RedisKVStore, redact_url
+from tests.conftest import SocketSpy
 
 PAYLOAD = b"kv" * 200
+REDIS_LOG = logging.getLogger("kvserve.storage.redis")
 
 
 def k(i: int) -> bytes:
@@ -23,6 +26,12 @@ def k(i: int) -> bytes:
 
 def raw_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=1.0)
+
+
+def port_of(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None
+    return port
 
 
 @pytest.fixture
@@ -101,56 +110,63 @@ def test_entry_of_another_model_is_a_miss(redis_server, meta) -> None:
     assert theirs.stats().corrupt == 1
 
 
-def test_never_started_is_fast_miss_without_exceptions(closed_port_url, meta, caplog) -> None:
-    start = time.monotonic()
+def test_never_started_is_fast_miss_without_exceptions(closed_port_url, meta, backoff_clock, caplog,
+                                                       monkeypatch) -> None:
+    spy = SocketSpy.install(monkeypatch, port_of(closed_port_url))
     with caplog.at_level(logging.WARNING, logger="kvserve.storage.redis"):
-        store = RedisKVStore(closed_port_url, 60.0, meta=meta, socket_timeout=0.2)
+        store = RedisKVStore(closed_port_url, 60.0, meta=meta, socket_timeout=0.2,
+                             backoff=Backoff("redis", initial_s=1.0, clock=backoff_clock, log=REDIS_LOG))
         assert not store.healthy
+        assert spy.connects() == [0.2]  # the constructor's PING: one attempt, bounded, no client-side retry
         for _ in range(20):
             assert store.get(k(1)) is None
             assert not store.put(k(1), PAYLOAD)
             assert store.contains_many([k(1), k(2)]) == [False, False]
             store.delete(k(1))
-    assert time.monotonic() - start < 1.5
+    assert spy.num_calls == 1  # the rest short-circuited without touching the network
     assert store.stats().errors == 1  # the constructor's PING; the rest short-circuited
     assert store.stats().misses == 20
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
 
-def test_probe_is_bounded_by_socket_timeout_when_server_hangs(meta, backoff_clock) -> None:
+def test_probe_is_bounded_by_socket_timeout_when_server_hangs(meta, backoff_clock, monkeypatch) -> None:
     # A listener that never accepts or answers: connect succeeds (backlog), reads time out.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(16)
         url = f"redis://127.0.0.1:{hung.getsockname()[1]}/0"
-        t0 = time.monotonic()
+        spy = SocketSpy.install(monkeypatch, hung.getsockname()[1])
         store = RedisKVStore(url, 60.0, meta=meta, socket_timeout=0.3,
                              backoff=Backoff("redis", initial_s=1.0, clock=backoff_clock))
-        # One socket timeout per call: a client-side retry would take >= 0.6 s.
-        assert time.monotonic() - t0 < 0.55 and not store.healthy
+        # One connection and one read that waits out the socket timeout per call: a client-side retry would
+        # show a second of each.
+        assert not store.healthy
+        assert (len(spy.connects()), spy.num_timed_out()) == (1, 1)
         backoff_clock.advance(1.0)
-        t1 = time.monotonic()
         assert store.get(k(1)) is None  # the probe itself
-        assert time.monotonic() - t1 < 0.55
+        assert (len(spy.connects()), spy.num_timed_out()) == (2, 2)
         backoff_clock.advance(2.0)
-        t2 = time.monotonic()
         assert not store.put_many([(k(1), PAYLOAD), (k(2), PAYLOAD)])
-        assert time.monotonic() - t2 < 0.55
+        assert (len(spy.connects()), spy.num_timed_out()) == (3, 3)
         assert store.stats().errors == 3
+        assert spy.bounded_by(0.3)  # no connect or read could wait longer than the socket timeout
 
 
-def test_killed_mid_run_then_recovers(redis_server, meta, backoff_clock, caplog) -> None:
+def test_killed_mid_run_then_recovers(redis_server, meta, backoff_clock, caplog, monkeypatch) -> None:
     store = RedisKVStore(redis_server.url, 60.0, meta=meta, socket_timeout=0.3,
                          backoff=Backoff("redis", initial_s=1.0, clock=backoff_clock))
     assert store.put(k(1), PAYLOAD) and store.get(k(1)) == PAYLOAD
 
     redis_server.kill()
+    spy = SocketSpy.install(monkeypatch, redis_server.port)
     with caplog.at_level(logging.INFO, logger="kvserve.storage.base"):
-        t0 = time.monotonic()
         assert store.get(k(1)) is None
+        # The failing call reconnects at most once, bounded by the socket timeout; the next ones short-circuit.
+        assert len(spy.connects()) <= 1 and spy.bounded_by(0.3) and spy.num_timed_out() == 0
+        after_failure = spy.num_calls
         assert not store.put(k(2), PAYLOAD)
         assert store.contains_many([k(1)]) == [False]
-        assert time.monotonic() - t0 < 1.5
+        assert spy.num_calls == after_failure
         assert not store.healthy and store.stats().errors == 1
 
         backoff_clock.advance(1.0)
