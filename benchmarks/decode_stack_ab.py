@@ -15,7 +15,7 @@ minimum per side). Greedy outputs are the same either way (tests/e2e/test_fused_
 the kernels' parallel regions on their worker threads (csrc/worker_pool.cpp) with torch's own ops on the
 calling thread (``KernelThreadScope``, the default), or everything on OpenMP's team; on the same decode
 steps, then on prefill steps (1,024-token prompts without the prefix cache, alternating too). The outputs
-are bit for bit the same (tests/test_worker_pool.py).
+are bit for bit the same (tests/model/test_worker_pool.py).
 """
 
 from __future__ import annotations

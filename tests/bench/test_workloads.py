@@ -67,7 +67,7 @@ def test_agent_system_prompt_is_about_1500_tokens_of_json_tools() -> None:
     text = agent_system_prompt()
     schemas = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert len(schemas) >= 8 and all(s["type"] == "function" and "parameters" in s["function"] for s in schemas)
-    from tests.helpers.tiny_models import smollm2_tokenizer
+    from tests.support.tiny_models import smollm2_tokenizer
 
     num_tokens = len(smollm2_tokenizer().encode(text, add_special_tokens=False))
     assert 1300 <= num_tokens <= 1800, num_tokens
@@ -83,7 +83,7 @@ def test_chat_requests_share_no_prefix() -> None:
 
 
 def test_prompt_lengths_follow_the_config() -> None:
-    from tests.helpers.tiny_models import smollm2_tokenizer
+    from tests.support.tiny_models import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
     chat = Workload(WorkloadConfig(name="chat", input_len=200)).session(0)

@@ -17,7 +17,7 @@ from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace
 from tests.conftest import RedisServer
-from tests.fake_runner import FakeRunner, payload_nbytes, reference_continuation
+from tests.support.fake_runner import FakeRunner, payload_nbytes, reference_continuation
 
 BS = 4
 NAMESPACE = KeyNamespace("fake-model@1", "int32", BS)

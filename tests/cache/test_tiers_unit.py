@@ -27,8 +27,8 @@ from kvserve.scheduler import Scheduler
 from kvserve.storage.base import Backoff, KeyNamespace, make_key
 from kvserve.storage.redis import RedisKVStore
 from tests.conftest import SocketSpy, free_port
-from tests.fake_runner import FakeRunner, payload_nbytes, reference_continuation
 from tests.storage.conftest import FakeClock
+from tests.support.fake_runner import FakeRunner, payload_nbytes, reference_continuation
 
 BS = 4
 NBYTES = payload_nbytes(BS)

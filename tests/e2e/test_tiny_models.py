@@ -8,7 +8,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from tests.e2e.conftest import hf_greedy
-from tests.helpers.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 PROMPTS = [[5, 17, 230, 4000, 12], list(range(100, 161)), [9] * 23, list(range(3000, 3200, 3))]
 MAX_TOKENS = 12

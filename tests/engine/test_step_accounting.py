@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.helpers.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
 from kvserve.request import FinishReason, Request, SamplingParams
 from kvserve.scheduler import Scheduler
-from tests.fake_runner import FakeRunner, reference_continuation
+from tests.support.fake_runner import FakeRunner, reference_continuation
 
 
 def make_engine(num_blocks: int, block_size: int = 4, budget: int = 16, max_seqs: int = 8, prefix: bool = True,

@@ -13,7 +13,7 @@ from kvserve.errors import (
     ModelLoadError,
     ModelNotFound,
 )
-from tests.helpers.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

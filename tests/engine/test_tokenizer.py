@@ -15,7 +15,7 @@ from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.errors import InvalidRequest
 from kvserve.model.loader import resolve_model_path
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
-from tests.helpers.tiny_models import smollm2_tokenizer
+from tests.support.tiny_models import smollm2_tokenizer
 
 TRICKY = [
     "Hello, world!",

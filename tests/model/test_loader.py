@@ -27,7 +27,7 @@ from kvserve.model.loader import (
     weight_names,
 )
 from kvserve.tokenizer import Tokenizer
-from tests.helpers.tiny_models import FAMILIES, TINY_SHAPE, make_tiny_gguf, make_tiny_model
+from tests.support.tiny_models import FAMILIES, TINY_SHAPE, make_tiny_gguf, make_tiny_model
 
 # ---- resolving the model -------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from kvserve.config_args import (
 )
 from kvserve.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Every flag the CLI had before its flags were generated, spelled as users type them.
 ENGINE_FLAGS = [

@@ -9,7 +9,7 @@ from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
 from kvserve.request import FinishReason, Request, SamplingParams
 from kvserve.scheduler import Scheduler
-from tests.fake_runner import FakeRunner, noisy_drafts, reference_continuation
+from tests.support.fake_runner import FakeRunner, noisy_drafts, reference_continuation
 
 
 def make(num_blocks: int = 64, block_size: int = 4, budget: int = 32, prefix: bool = True, drafts: bool = True):

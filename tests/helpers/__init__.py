@@ -1,1 +1,0 @@
-"""Shared test helpers: tiny models and GGUF writers."""
