@@ -51,7 +51,7 @@ def common_start(a: tuple[int, ...], b: list[int]) -> int:
 def tree_block_ids(kv: KVCacheManager) -> set[int]:
     """Every block the tree holds: the full blocks of its nodes and the blocks of its tails."""
     out: set[int] = set()
-    stack = [kv.tree.root]
+    stack = [kv.prefix_cache.tree.root]
     while stack:
         node = stack.pop()
         out.update(node.block_ids)
