@@ -215,9 +215,6 @@ class KVCacheManager:
         """More tokens of KV the request could take from its own blocks and the free ones, evicting nothing."""
         return (len(request.block_ids) + self.pool.num_free) * self.block_size - request.num_computed_tokens
 
-    def can_fit(self, num_blocks: int) -> bool:
-        return num_blocks <= self.pool.num_free + self.pool.num_evictable
-
     # --- caching and freeing ------------------------------------------------------------------------------
     def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Insert the request's full blocks up to ``num_tokens`` (default: its computed tokens) into the prefix

@@ -40,7 +40,6 @@ from kvserve.storage.host import HostKVStore
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-TIER_NAMES = ("host", "disk", "redis")
 
 
 class TieredKVStore:
