@@ -1,4 +1,4 @@
-"""`kvserve serve | generate | chat | bench | cost | trace` — the command line. The CLI may print."""
+"""`kvserve serve | generate | chat | models | bench | cost | trace` — the command line. The CLI may print."""
 
 from __future__ import annotations
 
@@ -142,6 +142,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
         server.stop()
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from kvserve.model_store.commands import run_models_command
+
+    return run_models_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference serving engine.")
     parser.add_argument("--log-level", default="WARNING")
@@ -167,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     from kvserve.bench import commands as bench_commands  # argparse only; heavy imports wait for the command
+
+    from kvserve.model_store.commands import add_models_arguments
+
+    p = sub.add_parser("models", help="known models: list, pull (download and check), rm, path")
+    add_models_arguments(p)
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible server (kvserve, vLLM, SGLang, llama.cpp)")
     bench_commands.add_bench_arguments(p)

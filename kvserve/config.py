@@ -77,7 +77,10 @@ def duration_seconds(text: str) -> float:
 class ModelConfig:
     """Which weights to load and how. ``model=None`` means the default SmolLM2-135M-Instruct GGUF."""
 
-    model: str | None = setting(None, "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    model: str | None = setting(None, "GGUF file, Hugging Face directory or known model name (`kvserve models "
+                                      "list`; default: SmolLM2-135M-Instruct)")
+    pull: bool = setting(False, "download a known model named by --model into the model store if it is not "
+                                "there yet (`kvserve models pull`)")
     dtype: DType = setting("bfloat16", "dtype of the weights, the activations and the KV cache")
     device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
     max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "

@@ -82,7 +82,7 @@ class Engine:
             torch.set_num_threads(mc.num_threads)
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        self.model_path = resolve_model_path(mc.model)
+        self.model_path = resolve_model_path(mc.model, pull=mc.pull, show_progress=mc.show_progress)
         self.arch: ArchConfig = read_arch_config(self.model_path)
         self.fingerprint = model_fingerprint(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)

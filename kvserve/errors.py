@@ -116,6 +116,12 @@ class UnsupportedModel(ModelLoadError):
     """The architecture or tensor type is one kvserve does not implement."""
 
 
+class ModelPullError(KVServeError):
+    """Downloading or assembling a known model failed (pip failed, a part is missing, the hash differs)."""
+
+    error_type = "model_pull_error"
+
+
 class StorageError(KVServeError):
     """A KV storage tier failed (connection lost, corrupt entry). Callers degrade to a cache miss."""
 

