@@ -129,6 +129,10 @@ class Tokenizer:
                 special_tokens=[(bos_token, int(meta["tokenizer.ggml.bos_token_id"]))],
             )
         extra_eos = [meta.get(f"tokenizer.ggml.{k}") for k in ("eot_token_id", "eom_token_id")]
+        if not add_bos and bos_token in END_OF_TURN_TOKENS:
+            # A BOS never prepended that reads as an end token (Qwen's <|endoftext|>) separates documents:
+            # the model writes it when a completion ends, and its generation config stops there.
+            extra_eos.append(meta["tokenizer.ggml.bos_token_id"])
         return cls(
             backend,
             bos_token=bos_token,

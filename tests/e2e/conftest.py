@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,7 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def hf_reference(default_model_path: Path):
     """transformers' own GGUF loader (independent dequantisation and Q/K un-permutation), float32."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
-    )
-    model.eval()
-    return model
+    return hf_from_gguf(default_model_path)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -58,3 +54,28 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             out.append(token)
             ids = torch.tensor([[token]])
     return out
+
+
+# Set in CI (.ci/run pulls the models first): a known model that is not installed fails its tests instead of
+# skipping them.
+REQUIRE_MODELS_ENV = "KVSERVE_REQUIRE_MODELS"
+
+
+def installed_model(name: str) -> Path:
+    """The file of a known model from the store; skips the test when it is not pulled (fails in CI)."""
+    from kvserve.errors import ModelNotFound
+
+    try:
+        return resolve_model_path(name)
+    except ModelNotFound as e:
+        if os.environ.get(REQUIRE_MODELS_ENV):
+            pytest.fail(f"{REQUIRE_MODELS_ENV} is set and {name} is missing: {e}")
+        pytest.skip(f"{name} is not pulled: {e}")
+
+
+def hf_from_gguf(path: Path):
+    """transformers' own GGUF loader on ``path`` in float32 (its dequantisation, its model code)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    return model.eval()
