@@ -173,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     from kvserve.bench import commands as bench_commands  # argparse only; heavy imports wait for the command
-
     from kvserve.model_store.commands import add_models_arguments
 
     p = sub.add_parser("models", help="known models: list, pull (download and check), rm, path")
