@@ -21,7 +21,7 @@ class ArchConfig:
     (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
     """
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3" (the engine's); any model_type for the cost model
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3" (the engine's); any model_type for the cost model
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,7 +34,14 @@ class ArchConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3
+    qk_norm: bool = False  # Qwen3, Gemma 3
+    # Sliding-window attention (Gemma 3): the layers in ``sliding_layers`` see only the last ``sliding_window``
+    # keys and rotate with their own rope base; the others attend to everything.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0  # rope base of the sliding layers (0: rope_theta)
+    query_pre_attn_scalar: float = 0.0  # attention scale is this ** -0.5 (0: head_dim, the usual)
+    final_logit_softcapping: float = 0.0  # logits -> cap * tanh(logits / cap) (0: none)
     # Mixture of experts (0: a dense MLP in every layer).
     num_experts: int = 0
     num_experts_per_token: int = 0
@@ -60,6 +67,14 @@ class ArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The keys a layer's queries see back from their own position (None: all of them)."""
+        return self.sliding_window if self.sliding_window and layer_index in self.sliding_layers else None
 
     @property
     def is_moe(self) -> bool:

@@ -280,13 +280,15 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
         kv_lora_rank = int(key("attention.kv_lora_rank", 0))
         eos_ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+        num_layers = int(key("block_count", required=True))
+        window = int(key("attention.sliding_window", 0))
         return ArchConfig(
             architecture="mistral" if arch == "llama" and "mistral" in name.lower() else arch,
             name=name or path.stem,
             vocab_size=int(vocab_size),
             hidden_size=hidden_size,
             intermediate_size=int(key("feed_forward_length", required=True)),
-            num_layers=int(key("block_count", required=True)),
+            num_layers=num_layers,
             num_heads=num_heads,
             # Some architectures give a count per layer; the largest one bounds the KV cache.
             num_kv_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
@@ -297,6 +299,12 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             tie_word_embeddings="output.weight" not in header.tensors,
             qkv_bias="blk.0.attn_q.bias" in header.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
+            sliding_window=window,
+            sliding_layers=_gguf_sliding_layers(arch, num_layers) if window else (),
+            # llama.cpp's values for Gemma 3, which its GGUF files do not carry.
+            rope_local_theta=10000.0 if arch == "gemma3" else 0.0,
+            query_pre_attn_scalar=float(key("attention.key_length", 0)) if arch == "gemma3" else 0.0,
+            final_logit_softcapping=float(key("final_logit_softcapping", 0.0) or 0.0),
             num_experts=int(key("expert_count", 0)),
             num_experts_per_token=int(key("expert_used_count", 0)),
             moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
@@ -310,6 +318,14 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
         )
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: malformed GGUF metadata ({e})") from None
+
+
+def _gguf_sliding_layers(arch: str, num_layers: int) -> tuple[int, ...]:
+    """Which layers use the sliding window. Gemma 3 files do not say: llama.cpp and transformers both take
+    every sixth layer as global and the rest as sliding."""
+    if arch == "gemma3":
+        return tuple(i for i in range(num_layers) if (i + 1) % 6)
+    return tuple(range(num_layers))
 
 
 def _shortest_float(value: float) -> float:

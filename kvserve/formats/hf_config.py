@@ -33,15 +33,38 @@ def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
 
 
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's sliding layers, its two rope bases and its attention scale, in the config's old and new forms."""
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    rope = cfg.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    return {
+        "architecture": "gemma3",
+        "sliding_window": int(cfg.get("sliding_window") or 0),
+        "sliding_layers": tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        "rope_theta": float(full.get("rope_theta") or cfg.get("rope_theta") or 1000000.0),
+        "rope_local_theta": float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+        "qk_norm": True,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+    }
+
+
 def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
     """The ``ArchConfig`` of a parsed ``config.json`` read from ``source`` (named in errors)."""
     model_type = str(cfg.get("model_type") or "")
     try:
+        family = _gemma3_fields(cfg) if model_type in ("gemma3", "gemma3_text") else {}
         hidden_size = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else [eos]
-        return ArchConfig(
+        fields: dict[str, Any] = dict(
             architecture=model_type,
             name=model_type or Path(source).parent.name,
             vocab_size=int(cfg["vocab_size"]),
@@ -70,5 +93,6 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         )
+        return ArchConfig(**{**fields, **family})
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelLoadError(f"{source}: missing or bad field {e}") from None

@@ -34,12 +34,18 @@ class TorchPagedAttention:
     repeated and the padding mask is the only mask.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale if scale is not None else head_dim**-0.5
+        # This layer's queries see only the last sliding_window keys (None: all of them).
+        self.sliding_window = sliding_window
+
+    def _window_binds(self, meta: AttentionMetadata) -> bool:
+        return self.sliding_window is not None and meta.window is not None
 
     def forward(
         self,
@@ -55,13 +61,48 @@ class TorchPagedAttention:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
+        windowed = self._window_binds(meta)
+        decode = self._decode_windowed if windowed else self._decode
+        prefill = self._prefill_windowed if windowed else self._prefill
         nd = meta.num_decode_tokens
         if nd == num_tokens:
-            return self._decode(q, k_cache, v_cache, meta).view(num_tokens, -1)
-        prefill_out = self._prefill(q, k, v, k_cache, v_cache, meta)  # [num_tokens - nd, num_heads, head_dim]
+            return decode(q, k_cache, v_cache, meta).view(num_tokens, -1)
+        prefill_out = prefill(q, k, v, k_cache, v_cache, meta)  # [num_tokens - nd, num_heads, head_dim]
         if not nd:
             return prefill_out.view(num_tokens, -1)
-        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta), prefill_out)).view(num_tokens, -1)
+        return torch.cat((decode(q[:nd], k_cache, v_cache, meta), prefill_out)).view(num_tokens, -1)
+
+    def _prefill_windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Each chunk's queries against the keys within the window behind them (explicit mask)."""
+        assert self.sliding_window is not None
+        nd = meta.num_decode_tokens
+        out = torch.empty_like(q[nd:])
+        for span in meta.prefills:
+            qs = slice(span.q_start, span.q_start + span.q_len)
+            query = q[qs].transpose(0, 1).unsqueeze(0)
+            if span.block_ids is None:
+                key, value = k[qs], v[qs]
+            else:
+                key = k_cache[span.block_ids].flatten(0, 1)[: span.kv_len]
+                value = v_cache[span.block_ids].flatten(0, 1)[: span.kv_len]
+            o = F.scaled_dot_product_attention(
+                query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
+                attn_mask=span.window_mask(self.sliding_window), scale=self.scale, enable_gqa=True,
+            )
+            out[span.q_start - nd : span.q_start - nd + span.q_len] = o[0].transpose(0, 1)
+        return out
+
+    def _decode_windowed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        window = meta.window
+        assert window is not None and window.decode_block_table is not None and window.decode_mask is not None
+        batch = q.shape[0]
+        query = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim)
+        key = k_cache[window.decode_block_table].flatten(1, 2).transpose(1, 2)
+        value = v_cache[window.decode_block_table].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=window.decode_mask, scale=self.scale)
+        return o.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(
         self,

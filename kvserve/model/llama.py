@@ -42,11 +42,16 @@ class DecoderLayer:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        arch = self.arch
-        eps = arch.rms_norm_eps
-        ops = self.ops
+        eps, ops = self.arch.rms_norm_eps, self.ops
         x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, eps)
+        attn = self.attend(x, cos, sin, meta, kv_cache)
+        x, residual = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), residual, self.post_attention_norm, eps)
+        return ops.linear(ops.gate_up_silu(x, self.gate_up_weight), self.down_weight, None), residual
 
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        """QKV projection, QK-norm, rotary and paged attention: [num_tokens, hidden] -> [num_tokens, q_size]."""
+        arch, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
         num_tokens = x.shape[0]
         num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
@@ -58,13 +63,13 @@ class DecoderLayer:
                             rms_norm(qk[:, num_heads:], self.k_norm, eps)), dim=1)
         qk = ops.rotary(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
-        attn = self.attention.forward(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
-
-        x, residual = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), residual, self.post_attention_norm, eps)
-        return ops.linear(ops.gate_up_silu(x, self.gate_up_weight), self.down_weight, None), residual
+        return self.attention.forward(q, k, v, kv_cache, meta)
 
 
 class LlamaForCausalLM:
+    # The layer layout the backend's fused decode stack runs (a family with another layout says False).
+    fused_decode_layout = True
+
     def __init__(self, arch: ArchConfig, backend: Backend, dtype: torch.dtype, device: torch.device) -> None:
         self.arch = arch
         self.dtype = dtype
@@ -72,7 +77,7 @@ class LlamaForCausalLM:
         self.backend = backend
         self.ops = backend.ops
         # One attention object per layer: what a kernel keeps across steps is that layer's own.
-        self.layers = [DecoderLayer(arch, backend.make_attention(i), self.ops) for i in range(arch.num_layers)]
+        self.layers = [self.make_layer(i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
         self.embed_tokens: torch.Tensor  # [vocab, hidden]
         self.final_norm: torch.Tensor
@@ -81,6 +86,9 @@ class LlamaForCausalLM:
         self.fused_decode: FusedDecode | None = None
         # Entered around each step's forward and sampling (the backend's, set once the weights are prepared).
         self.thread_scope: AbstractContextManager[None] = nullcontext()
+
+    def make_layer(self, layer_index: int) -> DecoderLayer:
+        return DecoderLayer(self.arch, self.backend.make_attention(layer_index), self.ops)
 
     def forward(
         self,
@@ -147,14 +155,18 @@ class LlamaForCausalLM:
         for layer in self.layers:
             for weight in (layer.qkv_weight, layer.o_weight, layer.down_weight):
                 self.ops.prepare_weight(weight)
-            self.ops.prepare_gate_up(layer.gate_up_weight)
+            self.prepare_gate_up(layer.gate_up_weight)
         self.ops.prepare_weight(self.lm_head)
-        self.fused_decode = self.backend.build_fused_decode(self.layers)
+        self.fused_decode = self.backend.build_fused_decode(self.layers) if self.fused_decode_layout else None
         self.thread_scope = self.backend.step_scope()
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]
         if leftover:
             raise ModelLoadError(f"unexpected weights for {arch.architecture}: {sorted(leftover)[:5]}")
+
+    def prepare_gate_up(self, weight: torch.Tensor) -> None:
+        """Let the backend lay out a fused [gate | up] weight for its SiLU-and-multiply kernel."""
+        self.ops.prepare_gate_up(weight)
 
     @property
     def num_parameters(self) -> int:

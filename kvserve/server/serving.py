@@ -57,18 +57,23 @@ class _GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
+def served_name(engine: Engine, server_config: ServerConfig) -> str:
+    """The model name clients send: --served-model-name, else what --model said (a path or a known name)."""
+    return server_config.served_model_name or engine.config.model.model or engine.model_path.stem
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Load the model, start the engine thread and serve until SIGTERM/SIGINT. Returns the exit status."""
     engine = Engine(engine_config)
     async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
-    name = server_config.served_model_name or engine_config.model.model or engine.model_path.stem
-    app = build_app(async_engine, server_config, engine.tokenizer, model_name=name,
+    app = build_app(async_engine, server_config, engine.tokenizer, model_name=served_name(engine, server_config),
                     max_model_len=engine.max_model_len, model_root=str(engine.model_path))
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level=server_config.uvicorn_log_level,
                                lifespan="off", timeout_graceful_shutdown=2)
     server = _GracefulServer(uv_config, app.state.kvserve, server_config.shutdown_grace_period_s)
-    logger.info("serving %s on http://%s:%d", name, server_config.host, server_config.port)
+    logger.info("serving %s on http://%s:%d", served_name(engine, server_config), server_config.host,
+                server_config.port)
     try:
         server.run()
     finally:
@@ -90,7 +95,7 @@ class BackgroundServer:
         self.engine = Engine(engine_config)
         self.async_engine = AsyncEngine(self.engine, max_waiting_requests=config.max_waiting_requests)
         app = build_app(self.async_engine, config, self.engine.tokenizer,
-                        model_name=config.served_model_name or self.engine.model_path.stem,
+                        model_name=served_name(self.engine, config),
                         max_model_len=self.engine.max_model_len, model_root=str(self.engine.model_path))
         self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                      lifespan="off"))

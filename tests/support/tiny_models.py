@@ -17,7 +17,7 @@ import torch
 from kvserve.model.loader import resolve_model_path
 from kvserve.tokenizer import Tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 TINY_SHAPE = {
     "hidden_size": 64,
@@ -27,7 +27,9 @@ TINY_SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 512,
 }
-_ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0}
+_ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0, "gemma3": 1000000.0}
+# Gemma 3's window, shorter than most test prompts so the window hides keys.
+TINY_GEMMA3_WINDOW = 8
 
 
 @functools.cache
@@ -57,6 +59,13 @@ def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_
     if family == "qwen3":
         # An explicit head_dim unlike hidden_size // num_heads (16), as real Qwen3 checkpoints have.
         return transformers.Qwen3Config(**common, head_dim=32)
+    if family == "gemma3":
+        # Three layers, two of them sliding; a query_pre_attn_scalar unlike head_dim, as the larger Gemmas have.
+        common.update(num_hidden_layers=3, pad_token_id=0)
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_GEMMA3_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        )
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

@@ -70,6 +70,16 @@ class PrefillSpan:
     # None when the chunk starts at position 0: keys are exactly this chunk's, plain causal attention.
     block_ids: torch.Tensor | None = None  # [num_blocks] blocks holding keys 0..kv_len-1
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _window_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[q_len, kv_len] bool: causal and within ``window`` keys back (a sliding-window layer's view)."""
+        if self._window_mask is None:
+            device = self.block_ids.device if self.block_ids is not None else None
+            positions = torch.arange(self.kv_len - self.q_len, self.kv_len, device=device)[:, None]
+            keys = torch.arange(self.kv_len, device=device)[None, :]
+            self._window_mask = (keys <= positions) & (keys > positions - window)
+        return self._window_mask
 
     def history_mask(self) -> torch.Tensor:
         """[q_len, kv_len] bool, True = attend: each query sees the keys up to its own position. Built on
@@ -80,6 +90,16 @@ class PrefillSpan:
             positions = torch.arange(self.kv_len - self.q_len, self.kv_len, device=device)
             self._mask = torch.arange(self.kv_len, device=device)[None, :] <= positions[:, None]
         return self._mask
+
+
+@dataclass(frozen=True, slots=True)
+class WindowLayout:
+    """A step in which some row holds more keys than the model's sliding window: what its sliding-window
+    layers read instead of the fast layout (the decodes' whole tables, unsplit, and which keys they see)."""
+
+    window: int
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] every block of each decode row
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]: True = in the window
 
 
 @dataclass(slots=True)
@@ -96,6 +116,9 @@ class AttentionMetadata:
     # covers only the blocks after them. None: no shared prefix (or too short to be worth it).
     decode_prefix_blocks: torch.Tensor | None = None  # [num_shared_blocks]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Set when the window binds this step (a sliding-window model); its window layers then take the
+    # reference path over it, its other layers the usual one.
+    window: WindowLayout | None = None
 
 
 class PagedAttention(Protocol):

@@ -54,8 +54,11 @@ class CpuKernelPagedAttention(TorchPagedAttention):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 amx: bool = False, avx512: bool = False, split_size: int = 256) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+                 sliding_window: int | None = None, amx: bool = False, avx512: bool = False,
+                 split_size: int = 256) -> None:
+        # A sliding-window layer takes the kernels in steps where the window hides no key, and the reference
+        # path (explicit window mask) in the steps where it does.
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         assert not (amx and avx512), "one many-row kernel at a time"
         assert head_dim == 64 or not (amx or avx512), "the many-row kernels take head size 64"
         self.amx = amx

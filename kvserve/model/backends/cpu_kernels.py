@@ -22,7 +22,7 @@ from kvserve.model.backends.block_versions import BlockVersions
 from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention, PagedRuns
 from kvserve.model.backends.cpu_decode_stack import FusedDecodeStack
 from kvserve.model.backends.cpu_ops import build_cpu_ops
-from kvserve.model.backends.layout import prefill_spans, shared_prefix_blocks, split_decodes
+from kvserve.model.backends.layout import prefill_spans, shared_prefix_blocks, split_decodes, window_layout
 from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope
 
 # The AMX attention kernel takes keys in steps of 32: a shared prefix it keeps packed is a whole number of them.
@@ -101,7 +101,8 @@ class CpuKernelsBackend:
 
     def make_attention(self, layer_index: int) -> CpuKernelPagedAttention:
         arch, plan = self.arch, self.plan
-        return CpuKernelPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, amx=plan.attention == "amx",
+        return CpuKernelPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
+                                       arch.layer_window(layer_index), amx=plan.attention == "amx",
                                        avx512=plan.attention == "avx512", split_size=self.config.decode_split_size)
 
     def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
@@ -126,7 +127,8 @@ class CpuKernelsBackend:
         device, block_size = self.device, rows.block_size
         many_rows = self.plan.attention is not None
         meta = CpuAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
-                                    prefills=prefill_spans(rows, device))
+                                    prefills=prefill_spans(rows, device),
+                                    window=window_layout(rows, self.arch.sliding_window, device))
         split = split_decodes(rows, self.config.cascade_min_tokens)
         if split is not None:
             meta.decode_block_table = split.block_table.to(device, non_blocking=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.backends.base import PrefillSpan, StepRows
+from kvserve.model.backends.base import PrefillSpan, StepRows, WindowLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +64,21 @@ def shared_prefix_blocks(tables: list[list[int]], kv_lens: list[int], block_size
     while n < limit and all(table is first or table[n] == first[n] for table in tables):
         n += 1
     return n
+
+
+def window_layout(rows: StepRows, window: int, device: torch.device) -> WindowLayout | None:
+    """What a sliding-window layer reads this step, or None when no row holds more than ``window`` keys (the
+    window then hides nothing and the layer runs like any other)."""
+    longest = max([*rows.decode_kv_lens, *(chunk.kv_len for chunk in rows.prefills)], default=0)
+    if not window or longest <= window:
+        return None
+    if not rows.num_decode_rows:
+        return WindowLayout(window, None, None)
+    max_blocks = -(-max(rows.decode_kv_lens) // rows.block_size)
+    table = torch.tensor([blocks[:max_blocks] + [0] * (max_blocks - len(blocks[:max_blocks]))
+                          for blocks in rows.decode_block_ids], dtype=torch.long)
+    kv_lens = torch.tensor(rows.decode_kv_lens)[:, None]
+    keys = torch.arange(max_blocks * rows.block_size)[None, :]
+    # A decode row's query is at position kv_len - 1 and sees keys kv_len - window .. kv_len - 1.
+    mask = ((keys < kv_lens) & (keys >= kv_lens - window))[:, None, None, :]
+    return WindowLayout(window, table.to(device, non_blocking=True), mask.to(device, non_blocking=True))

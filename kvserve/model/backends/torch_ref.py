@@ -11,7 +11,7 @@ import torch
 from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.attention import TorchAttentionMetadata, TorchPagedAttention
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
-from kvserve.model.backends.layout import prefill_spans, split_decodes
+from kvserve.model.backends.layout import prefill_spans, split_decodes, window_layout
 from kvserve.model.ops import ModelOps
 
 
@@ -27,7 +27,9 @@ class TorchRefBackend:
         self.argmax = None
 
     def make_attention(self, layer_index: int) -> TorchPagedAttention:
-        return TorchPagedAttention(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim)
+        arch = self.arch
+        return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
+                                   arch.layer_window(layer_index))
 
     def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
         return None
@@ -38,7 +40,8 @@ class TorchRefBackend:
     def build_metadata(self, rows: StepRows) -> TorchAttentionMetadata:
         device = self.device
         meta = TorchAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
-                                      prefills=prefill_spans(rows, device))
+                                      prefills=prefill_spans(rows, device),
+                                      window=window_layout(rows, self.arch.sliding_window, device))
         split = split_decodes(rows, self.config.cascade_min_tokens)
         if split is not None:
             num_keys = split.block_table.shape[1] * rows.block_size
