@@ -1,0 +1,171 @@
+"""Prefill and decode tokens/s of each real model: kvserve against transformers and llama.cpp, side by side.
+
+    python benchmarks/models.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,gemma-3-270m]
+        [--dtype bfloat16] [--threads 2] [--prompt-len 256] [--gen-len 64] [--concurrency 16]
+        [--llama-bench /path/to/llama-bench] [--json out.json]
+
+For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF,
+dtype and thread count:
+
+- **kvserve** (``LLM``, prefix cache off so every prompt is computed): single-stream prefill (a prompt of
+  ``--prompt-len`` tokens, time to its first token) and decode (the next ``--gen-len`` tokens); then
+  ``--concurrency`` requests at once: prefill tokens/s until the last first token, decode tokens/s after it.
+- **transformers**, its model class built from the same dequantised weights: one forward over the prompts
+  (prefill), then ``generate`` with its KV cache (decode: the generate time less the prefill), batch 1 and
+  a batch of ``--concurrency`` prompts of equal length (no padding).
+- **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench``'s
+  single-stream pp/tg at the same lengths and threads. llama-bench has no concurrent mode.
+
+Ratios are printed per model; the machines are shared, so compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.loader import iter_weights, resolve_model_path
+from kvserve.model_store import KNOWN_MODELS
+
+
+@dataclass
+class Speed:
+    engine: str
+    model: str
+    concurrency: int
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def _prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    # Random ids away from the special tokens at both ends of every vocabulary: distinct prompts, no cache hits.
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, min(vocab_size, 30000), (count, length), generator=generator).tolist()
+
+
+def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int) -> Speed:
+    llm = LLM(model=name, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=4096,
+              max_num_seqs=max(len(prompts), 1), num_kv_blocks=max(64, len(prompts) * 40))
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4))  # warm-up
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    first = max(o.metrics.first_token_time for o in outputs)
+    last = max(o.metrics.finished_time for o in outputs)
+    arrival = min(o.metrics.arrival_time for o in outputs)
+    prefill = sum(len(p) for p in prompts) / (first - arrival)
+    decode = len(prompts) * (gen_len - 1) / (last - first)
+    return Speed("kvserve", name, len(prompts), prefill, decode)
+
+
+def _hf_config(arch):
+    import transformers
+
+    common = dict(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+                  num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
+                  num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                  max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.rms_norm_eps,
+                  tie_word_embeddings=arch.tie_word_embeddings)
+    if arch.architecture == "gemma3":
+        kinds = ["sliding_attention" if i in arch.sliding_layers else "full_attention" for i in range(arch.num_layers)]
+        return transformers.Gemma3TextConfig(**common, sliding_window=arch.sliding_window, layer_types=kinds,
+                                             query_pre_attn_scalar=int(arch.query_pre_attn_scalar or arch.head_dim),
+                                             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": arch.rope_theta},
+                                                              "sliding_attention": {"rope_type": "default", "rope_theta": arch.rope_local_theta}})
+    if arch.architecture == "qwen2":
+        return transformers.Qwen2Config(**common, rope_theta=arch.rope_theta)
+    return transformers.LlamaConfig(**common, rope_theta=arch.rope_theta)
+
+
+def load_transformers(name: str, torch_dtype: torch.dtype):
+    """transformers' model class on the same dequantised GGUF weights kvserve loads (no second GGUF parse)."""
+    import transformers
+
+    from kvserve.model.loader import read_arch_config
+
+    path = resolve_model_path(name)
+    arch = read_arch_config(path)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config(arch), dtype=torch_dtype)
+    state = dict(iter_weights(path, arch, torch_dtype, show_progress=False))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    return model.eval(), arch
+
+
+def bench_transformers(model, name: str, prompts: list[list[int]], gen_len: int) -> Speed:
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        model(ids[:, :16])  # warm-up
+        start = time.perf_counter()
+        model(ids)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False)
+        generate_s = time.perf_counter() - start
+    decode_s = max(generate_s - prefill_s, 1e-9)
+    return Speed("transformers", name, len(prompts), ids.numel() / prefill_s, len(prompts) * (gen_len - 1) / decode_s)
+
+
+def bench_llama_cpp(binary: str, name: str, threads: int, prompt_len: int, gen_len: int) -> Speed:
+    path = resolve_model_path(name)
+    out = subprocess.run([binary, "-m", str(path), "-t", str(threads), "-p", str(prompt_len), "-n", str(gen_len),
+                          "-r", "2", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
+    return Speed("llama.cpp", name, 1, pp, tg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(m.name for m in KNOWN_MODELS))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--gen-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", default=None, help="write the figures here too")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch_dtype = getattr(torch, args.dtype)
+
+    results: list[Speed] = []
+    for name in args.models.split(","):
+        from kvserve.model.loader import read_arch_config
+
+        vocab = read_arch_config(resolve_model_path(name)).vocab_size
+        single = _prompts(vocab, 1, args.prompt_len, seed=1)
+        many = _prompts(vocab, args.concurrency, args.prompt_len, seed=2)
+        rows = [bench_kvserve(name, args.dtype, single, args.gen_len),
+                bench_kvserve(name, args.dtype, many, args.gen_len)]
+        if not args.skip_transformers:
+            model, _ = load_transformers(name, torch_dtype)
+            rows += [bench_transformers(model, name, single, args.gen_len),
+                     bench_transformers(model, name, many, args.gen_len)]
+            del model
+        if args.llama_bench:
+            rows.append(bench_llama_cpp(args.llama_bench, name, args.threads, args.prompt_len, args.gen_len))
+        for row in rows:
+            print(f"{row.model:20s} {row.engine:13s} c={row.concurrency:<3d} prefill {row.prefill_tok_s:9.1f} tok/s  "
+                  f"decode {row.decode_tok_s:8.1f} tok/s", flush=True)
+        ours = {r.concurrency: r for r in rows if r.engine == "kvserve"}
+        for row in rows:
+            if row.engine != "kvserve":
+                mine = ours[row.concurrency]
+                print(f"{'':20s} kvserve / {row.engine} at c={row.concurrency}: prefill "
+                      f"{mine.prefill_tok_s / row.prefill_tok_s:.2f}x, decode {mine.decode_tok_s / row.decode_tok_s:.2f}x")
+        results += rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
