@@ -88,7 +88,7 @@ class TorchPagedAttention:
                 value = v_cache[span.block_ids].flatten(0, 1)[: span.kv_len]
             o = F.scaled_dot_product_attention(
                 query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
-                attn_mask=span.window_mask(self.sliding_window), scale=self.scale, enable_gqa=True,
+                attn_mask=span.window_mask(self.sliding_window, q.device), scale=self.scale, enable_gqa=True,
             )
             out[span.q_start - nd : span.q_start - nd + span.q_len] = o[0].transpose(0, 1)
         return out
@@ -97,12 +97,7 @@ class TorchPagedAttention:
                          meta: AttentionMetadata) -> torch.Tensor:
         window = meta.window
         assert window is not None and window.decode_block_table is not None and window.decode_mask is not None
-        batch = q.shape[0]
-        query = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim)
-        key = k_cache[window.decode_block_table].flatten(1, 2).transpose(1, 2)
-        value = v_cache[window.decode_block_table].flatten(1, 2).transpose(1, 2)
-        o = F.scaled_dot_product_attention(query, key, value, attn_mask=window.decode_mask, scale=self.scale)
-        return o.reshape(batch, self.num_heads, self.head_dim)
+        return self._gathered_decode(q, k_cache, v_cache, window.decode_block_table, window.decode_mask)
 
     def _prefill(
         self,
@@ -139,12 +134,17 @@ class TorchPagedAttention:
         assert meta.decode_block_table is not None
         if meta.decode_prefix_blocks is not None:
             return self._decode_shared_prefix(q, k_cache, v_cache, meta)
+        return self._gathered_decode(q, k_cache, v_cache, meta.decode_block_table, meta.decode_mask)
+
+    def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_table: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Every decode row against the keys of its row of ``block_table`` that ``mask`` lets through."""
         batch = q.shape[0]
         query = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim)
         # [batch, max_blocks, block_size, kv_heads, head_dim] -> [batch, kv_heads, max_blocks * block_size, head_dim]
-        key = k_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
-        value = v_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
-        o = F.scaled_dot_product_attention(query, key, value, attn_mask=meta.decode_mask, scale=self.scale)
+        key = k_cache[block_table].flatten(1, 2).transpose(1, 2)
+        value = v_cache[block_table].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
         return o.reshape(batch, self.num_heads, self.head_dim)
 
     def _decode_shared_prefix(

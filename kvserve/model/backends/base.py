@@ -72,10 +72,9 @@ class PrefillSpan:
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _window_mask: torch.Tensor | None = field(default=None, repr=False)
 
-    def window_mask(self, window: int) -> torch.Tensor:
+    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
         """[q_len, kv_len] bool: causal and within ``window`` keys back (a sliding-window layer's view)."""
         if self._window_mask is None:
-            device = self.block_ids.device if self.block_ids is not None else None
             positions = torch.arange(self.kv_len - self.q_len, self.kv_len, device=device)[:, None]
             keys = torch.arange(self.kv_len, device=device)[None, :]
             self._window_mask = (keys <= positions) & (keys > positions - window)

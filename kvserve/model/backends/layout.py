@@ -69,8 +69,10 @@ def shared_prefix_blocks(tables: list[list[int]], kv_lens: list[int], block_size
 def window_layout(rows: StepRows, window: int, device: torch.device) -> WindowLayout | None:
     """What a sliding-window layer reads this step, or None when no row holds more than ``window`` keys (the
     window then hides nothing and the layer runs like any other)."""
+    if not window:
+        return None
     longest = max([*rows.decode_kv_lens, *(chunk.kv_len for chunk in rows.prefills)], default=0)
-    if not window or longest <= window:
+    if longest <= window:
         return None
     if not rows.num_decode_rows:
         return WindowLayout(window, None, None)
