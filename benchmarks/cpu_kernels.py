@@ -8,14 +8,16 @@
 - Projections on plain AVX-512 (CPUs without the BF16 instructions or AMX): the same 30 layers at 1-512
   rows, torch's bf16 linear against the AVX-512 kernel (fp32 FMAs on bf16 weights packed once), in
   GFLOP/s; torch's fp32 linear on fp32 copies of the weights for scale.
-- Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, SmolLM2's
-  head layout (9 query heads over 3 KV heads, head_dim 64). The torch path gathers each sequence's blocks
-  and calls scaled_dot_product_attention; the kernel reads the blocks in place.
+- Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, in each
+  head layout of ``ATTENTION_LAYOUTS`` (SmolLM2's 9 query heads over 3 KV heads at head_dim 64;
+  Qwen2.5-Coder-1.5B's 12 over 2 at 128; Gemma 3 270M's 4 over 1 at 256). The torch path gathers each
+  sequence's blocks and calls scaled_dot_product_attention; the kernel reads the blocks in place.
 - Many-row attention on AMX tiles (or, without AMX, the AVX-512 kernel of the same contract): all prefill chunks of a step in one call (the agentic shape: ten
   100-token turns on ~1,570 cached tokens; one cold 1,024-token prompt), and the shared-prefix half of
   cascade decode (16 decodes against a 1,568-token prefix), also with the prefix's keys pre-packed as
-  cascade decode keeps them across steps. The torch path is the one it replaces: per chunk, gather the
-  blocks and call scaled_dot_product_attention (a flash-attention call for the prefix).
+  cascade decode keeps them across steps; in the same head layouts. The torch path is the one it replaces:
+  per chunk, gather the blocks and call scaled_dot_product_attention (a flash-attention call for the
+  prefix).
 - Add + RMSNorm, SiLU-and-multiply and the rotary embedding at one token: the torch ops they replace are
   dispatch-bound there.
 """
@@ -36,6 +38,8 @@ from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+# (query heads, KV heads, head size) of the attention cases: SmolLM2-135M, Qwen2.5-Coder-1.5B, Gemma 3 270M.
+ATTENTION_LAYOUTS = {"smollm2": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128), "gemma3-270m": (4, 1, 256)}
 
 
 def seconds_per_call(fn: Callable[[], object], min_time: float = 0.5) -> float:
@@ -105,16 +109,16 @@ def bench_avx512_projections(rows_list: list[int]) -> list[dict]:
     return results
 
 
-def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
+def bench_attention(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int) -> list[dict]:
     bf16 = torch.bfloat16
-    group = HEADS // KV_HEADS
+    group = heads // kv_heads
     results = []
     for batch, length in cases:
         blocks_per_seq = -(-length // BLOCK)
-        cache = torch.randn(2, batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM, dtype=bf16)
+        cache = torch.randn(2, batch * blocks_per_seq, BLOCK, kv_heads, head_dim, dtype=bf16)
         table = torch.randperm(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
         lens = torch.full((batch,), length, dtype=torch.int32)
-        query = torch.randn(batch, KV_HEADS, group, HEAD_DIM, dtype=bf16)
+        query = torch.randn(batch, kv_heads, group, head_dim, dtype=bf16)
         mask = (torch.arange(blocks_per_seq * BLOCK)[None, :] < lens[:, None])[:, None, None, :]
 
         def reference() -> torch.Tensor:
@@ -123,18 +127,18 @@ def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
             return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)  # noqa: B023
 
         def kernel() -> object:
-            return torch.ops.kvserve.paged_decode(query, cache[0], cache[1], table, lens, HEAD_DIM**-0.5, 256)  # noqa: B023
+            return torch.ops.kvserve.paged_decode(query, cache[0], cache[1], table, lens, head_dim**-0.5, 256)  # noqa: B023
 
         t_torch, t_kernel = seconds_per_call(reference), seconds_per_call(kernel)
-        kv_bytes = batch * length * KV_HEADS * HEAD_DIM * 2 * 2
+        kv_bytes = batch * length * kv_heads * head_dim * 2 * 2
         results.append({"batch": batch, "keys": length, "torch_us": t_torch * 1e6, "kernel_us": t_kernel * 1e6,
                         "speedup": t_torch / t_kernel, "kernel_kv_gbps": kv_bytes / t_kernel / 1e9})
     return results
 
 
-def bench_many_row_attention(kernel_name: str) -> list[dict]:
+def bench_many_row_attention(kernel_name: str, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
     """(label, [(queries, keys) per run], causal) through the kernel (paged_attention_amx or
-    paged_attention_avx512) and through the torch path."""
+    paged_attention_avx512) and through the torch path, in one head layout."""
     many_rows = getattr(torch.ops.kvserve, kernel_name)
     bf16 = torch.bfloat16
     cases = [("prefill 10 x 100 on 1,568 cached", [(100, 1668)] * 10, True),
@@ -143,8 +147,8 @@ def bench_many_row_attention(kernel_name: str) -> list[dict]:
     results = []
     for label, runs, causal in cases:
         tables = [torch.randperm(4096)[: -(-kv // BLOCK)].to(torch.int32) for _, kv in runs]
-        cache = torch.randn(2, 4096, BLOCK, KV_HEADS, HEAD_DIM, dtype=bf16)
-        queries = [torch.randn(q_len, HEADS, HEAD_DIM, dtype=bf16) for q_len, _ in runs]
+        cache = torch.randn(2, 4096, BLOCK, kv_heads, head_dim, dtype=bf16)
+        queries = [torch.randn(q_len, heads, head_dim, dtype=bf16) for q_len, _ in runs]
         q = torch.cat(queries)
         width = max(len(t) for t in tables)
         block_tables = torch.stack([F.pad(t, (0, width - len(t))) for t in tables])
@@ -160,11 +164,11 @@ def bench_many_row_attention(kernel_name: str) -> list[dict]:
                                                enable_gqa=True)
 
         def kernel() -> object:
-            return many_rows(q, cache[0], cache[1], block_tables, kv_lens, q_starts, HEAD_DIM**-0.5,  # noqa: B023
+            return many_rows(q, cache[0], cache[1], block_tables, kv_lens, q_starts, head_dim**-0.5,  # noqa: B023
                              causal, not causal)  # noqa: B023
 
         t_torch, t_kernel = seconds_per_call(reference), seconds_per_call(kernel)
-        flops = sum(4 * n * (kv - (n - 1) / 2 if causal else kv) * HEADS * HEAD_DIM for n, kv in runs)
+        flops = sum(4 * n * (kv - (n - 1) / 2 if causal else kv) * heads * head_dim for n, kv in runs)
         result = {"case": label, "torch_ms": t_torch * 1e3, "kernel_ms": t_kernel * 1e3,
                   "speedup": t_torch / t_kernel, "kernel_gflops": flops / t_kernel / 1e9}
         if not causal and kernel_name == "paged_attention_amx":  # the prefix stays packed across steps
@@ -172,7 +176,7 @@ def bench_many_row_attention(kernel_name: str) -> list[dict]:
 
             def kernel_prepacked() -> object:
                 return torch.ops.kvserve.paged_attention_amx(q, cache[0], cache[1], block_tables, kv_lens,  # noqa: B023
-                                                             q_starts, HEAD_DIM**-0.5, False, True, packed)  # noqa: B023
+                                                             q_starts, head_dim**-0.5, False, True, packed)  # noqa: B023
 
             result["kernel_prepacked_ms"] = seconds_per_call(kernel_prepacked) * 1e3
         results.append(result)
@@ -206,6 +210,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=None, help="write the figures as JSON")
+    parser.add_argument("--layouts", default=",".join(ATTENTION_LAYOUTS),
+                        help=f"attention head layouts, comma-separated, of {', '.join(ATTENTION_LAYOUTS)}")
+    parser.add_argument("--only-attention", action="store_true", help="skip the projection and element-wise cases")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -213,7 +220,8 @@ def main() -> None:
         raise SystemExit("the C++ CPU kernels did not build on this machine (see the warning above)")
 
     report: dict[str, list[dict]] = {}
-    if kernels.gemv_bf16:
+    layouts = args.layouts.split(",")
+    if kernels.gemv_bf16 and not args.only_attention:
         report["gemv"] = bench_gemv([1, 2, 4, 8, 16, 32], kernels.amx)
         print("Projections, bf16, SmolLM2-135M's 30 layers (GB/s of weights read), and its LM head (ms):")
         print("  rows   torch   gemv  ratio    amx  ratio  | lm_head torch  gemv  ratio")
@@ -221,33 +229,41 @@ def main() -> None:
             print(f"  {r['rows']:4d}  {r['layers_torch_gbps']:6.1f} {r['layers_kernel_gbps']:6.1f}  "
                   f"{r['layers_speedup']:4.2f}x {r['layers_amx_gbps']:6.1f}  {r['layers_amx_speedup']:4.2f}x  |"
                   f"    {r['lm_head_torch_ms']:8.2f} {r['lm_head_kernel_ms']:6.2f}  {r['lm_head_speedup']:4.2f}x")
-    if kernels.avx512 and not kernels.gemv_bf16:
+    if kernels.avx512 and not kernels.gemv_bf16 and not args.only_attention:
         report["avx512_projections"] = bench_avx512_projections([1, 4, 16, 64, 512])
         print("Projections, bf16, SmolLM2-135M's 30 layers, GFLOP/s (no BF16 instructions on this CPU):")
         print("  rows  torch bf16  avx512 kernel  ratio  | torch fp32 (fp32 weights)")
         for r in report["avx512_projections"]:
             print(f"  {r['rows']:4d}  {r['torch_bf16_gflops']:10.1f}  {r['kernel_gflops']:13.1f}  {r['speedup']:4.2f}x  |"
                   f"  {r['torch_fp32_gflops']:6.1f}")
-    report["attention"] = bench_attention([(1, 512), (1, 2000), (16, 512), (16, 2000), (32, 300)])
-    print("\nDecode attention, bf16, one layer (9 query / 3 KV heads, head_dim 64), time per call:")
-    print("  batch  keys    torch us  kernel us  ratio  kernel KV GB/s")
-    for r in report["attention"]:
-        print(f"  {r['batch']:5d}  {r['keys']:5d}  {r['torch_us']:9.0f}  {r['kernel_us']:9.0f}  {r['speedup']:4.2f}x"
-              f"  {r['kernel_kv_gbps']:8.1f}")
-    if kernels.amx or kernels.avx512:
-        name = "paged_attention_amx" if kernels.amx else "paged_attention_avx512"
-        report["many_row_attention"] = bench_many_row_attention(name)
-        print(f"\nMany-row attention ({name}), bf16, one layer, time per call:")
-        for r in report["many_row_attention"]:
-            print(f"  {r['case']:34s} torch {r['torch_ms']:6.2f} ms  kernel {r['kernel_ms']:6.2f} ms  "
-                  f"{r['speedup']:4.2f}x  ({r['kernel_gflops']:.0f} GFLOP/s)")
-            if "kernel_prepacked_ms" in r:
-                print(f"  {'  keys pre-packed (kept across steps)':34s} kernel {r['kernel_prepacked_ms']:6.2f} ms  "
-                      f"{r['torch_ms'] / r['kernel_prepacked_ms']:4.2f}x")
-    report["elementwise"] = bench_elementwise()
-    print("\nOne-token element-wise ops, bf16:")
-    for r in report["elementwise"]:
-        print(f"  {r['op']:14s} torch {r['torch_us']:6.1f} us  kernel {r['kernel_us']:6.1f} us  {r['speedup']:4.2f}x")
+    for layout in layouts:
+        heads, kv_heads, head_dim = ATTENTION_LAYOUTS[layout]
+        shape = f"{heads} query / {kv_heads} KV heads, head_dim {head_dim}"
+        key = "attention" if layout == "smollm2" else f"attention_{layout}"
+        report[key] = bench_attention([(1, 512), (1, 2000), (16, 512), (16, 2000), (32, 300)], heads, kv_heads,
+                                      head_dim)
+        print(f"\nDecode attention, bf16, one layer ({layout}: {shape}), time per call:")
+        print("  batch  keys    torch us  kernel us  ratio  kernel KV GB/s")
+        for r in report[key]:
+            print(f"  {r['batch']:5d}  {r['keys']:5d}  {r['torch_us']:9.0f}  {r['kernel_us']:9.0f}  "
+                  f"{r['speedup']:4.2f}x  {r['kernel_kv_gbps']:8.1f}")
+        if kernels.amx or kernels.avx512:
+            name = "paged_attention_amx" if kernels.amx else "paged_attention_avx512"
+            key = "many_row_attention" if layout == "smollm2" else f"many_row_attention_{layout}"
+            report[key] = bench_many_row_attention(name, heads, kv_heads, head_dim)
+            print(f"\nMany-row attention ({name}), bf16, one layer ({layout}: {shape}), time per call:")
+            for r in report[key]:
+                print(f"  {r['case']:34s} torch {r['torch_ms']:6.2f} ms  kernel {r['kernel_ms']:6.2f} ms  "
+                      f"{r['speedup']:4.2f}x  ({r['kernel_gflops']:.0f} GFLOP/s)")
+                if "kernel_prepacked_ms" in r:
+                    print(f"  {'  keys pre-packed (kept across steps)':34s} kernel {r['kernel_prepacked_ms']:6.2f} ms"
+                          f"  {r['torch_ms'] / r['kernel_prepacked_ms']:4.2f}x")
+    if not args.only_attention:
+        report["elementwise"] = bench_elementwise()
+        print("\nOne-token element-wise ops, bf16:")
+        for r in report["elementwise"]:
+            print(f"  {r['op']:14s} torch {r['torch_us']:6.1f} us  kernel {r['kernel_us']:6.1f} us  "
+                  f"{r['speedup']:4.2f}x")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)

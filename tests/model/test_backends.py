@@ -33,29 +33,47 @@ def arch(head_dim: int = 64, family: str = "llama", **extra: object) -> ArchConf
                       **extra)  # type: ignore[arg-type]
 
 
-def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=False, elementwise=True) -> KernelPlan:
+def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=False, elementwise=True,
+         fallbacks=()) -> KernelPlan:
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=elementwise,
-                      attention=attention, fused_decode=fused, avx512_carries_step=avx512_carries)
+                      attention=attention, fused_decode=fused, avx512_carries_step=avx512_carries,
+                      fallbacks=tuple(fallbacks))
 
 
-TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False)
-# What each CPU got before the backends existed (select_ops, get_attention_backend, FusedDecodeStack.build
-# and the thread scope in LlamaForCausalLM.load_weights), per dtype and head size.
+HEAD_SIZES = (64, 128, 256)  # the many-row kernels and the fused stack take these; 80 stands for any other
+NO_AMX_STACK = "no fused decode stack: no AMX on this CPU"
+WIDE_ON_TORCH = "torch projections above 4 rows: no AMX on this CPU"
+NO_VECTOR_UNITS = ("torch projections: no AVX-512 on this CPU", "torch prefill attention: no AMX or AVX-512 on this CPU")
+FLOAT32 = ("torch projections and element-wise ops: float32 model (those kernels take bf16)",
+           "torch prefill attention: float32 model (the many-row kernels take bf16)",
+           "no fused decode stack: float32 model")
+
+
+def head80(*before: str) -> tuple[str, ...]:
+    return (*before, "torch prefill attention: head size 80 has no many-row kernel (64, 128, 256)",
+            "portable decode attention loop: head size 80 has no vectorised path")
+
+
+TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False, fallbacks=FLOAT32)
+# Per CPU, dtype and head size: each part's kernel, and why each part without one fell back.
 EXPECTED = [
-    (AMX, torch.bfloat16, 64, plan("amx", 1, "amx", fused=True)),
-    (AMX, torch.bfloat16, 128, plan("amx", 1, None)),
-    (BF16_ONLY, torch.bfloat16, 64, plan(None, 4, "avx512")),
-    (BF16_ONLY, torch.bfloat16, 128, plan(None, 4, None)),
-    (AVX512_ONLY, torch.bfloat16, 64, plan("avx512", 0, "avx512", avx512_carries=True)),
-    (AVX512_ONLY, torch.bfloat16, 128, plan("avx512", 0, None)),
-    (NONE, torch.bfloat16, 64, plan(None, 0, None)),
-    (NONE, torch.bfloat16, 128, plan(None, 0, None)),
+    *[(AMX, torch.bfloat16, head, plan("amx", 1, "amx", fused=True)) for head in HEAD_SIZES],
+    (AMX, torch.bfloat16, 80, plan("amx", 1, None, fallbacks=(
+        *head80(), "no fused decode stack: head size 80 has no many-row kernel"))),
+    *[(BF16_ONLY, torch.bfloat16, head, plan(None, 4, "avx512", fallbacks=(WIDE_ON_TORCH, NO_AMX_STACK)))
+      for head in HEAD_SIZES],
+    (BF16_ONLY, torch.bfloat16, 80, plan(None, 4, None, fallbacks=(*head80(WIDE_ON_TORCH), NO_AMX_STACK))),
+    *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", avx512_carries=True,
+                                                fallbacks=(NO_AMX_STACK,))) for head in HEAD_SIZES],
+    (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), NO_AMX_STACK))),
+    *[(NONE, torch.bfloat16, head, plan(None, 0, None, fallbacks=(*NO_VECTOR_UNITS, NO_AMX_STACK)))
+      for head in HEAD_SIZES],
+    (NONE, torch.bfloat16, 80, plan(None, 0, None, fallbacks=(NO_VECTOR_UNITS[0], *head80(), NO_AMX_STACK))),
     *[(kernels, torch.float32, head_dim, TORCH_OPS_ONLY) for kernels in (AMX, BF16_ONLY, AVX512_ONLY, NONE)
       for head_dim in (64, 128)],
 ]
-IDS = [f"{name}-{str(dtype)[6:]}-head{head}" for name in ("amx", "bf16", "avx512", "none")
-       for dtype, head in ((torch.bfloat16, 64), (torch.bfloat16, 128))]
-IDS += [f"{name}-float32-head{head}" for name in ("amx", "bf16", "avx512", "none") for head in (64, 128)]
+CPU_NAMES = {AMX: "amx", BF16_ONLY: "bf16", AVX512_ONLY: "avx512", NONE: "none"}
+IDS = [f"{CPU_NAMES[kernels]}-{str(dtype)[6:]}-head{head}" for kernels, dtype, head, _ in EXPECTED]
 
 
 @pytest.mark.parametrize(("kernels", "dtype", "head_dim", "expected"), EXPECTED, ids=IDS)
@@ -64,15 +82,40 @@ def test_the_plan_is_the_kernel_choice_of_each_cpu_dtype_and_head_size(kernels, 
 
 
 @pytest.mark.parametrize("layout", [{"qkv_bias": True}, {"qk_norm": True}], ids=["qkv-bias", "qk-norm"])
-def test_the_fused_decode_stack_takes_only_the_plain_layout(layout) -> None:
-    assert plan_kernels(AMX, torch.bfloat16, arch(64, **layout)) == plan("amx", 1, "amx")
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+def test_the_fused_decode_stack_takes_qkv_bias_and_qk_norm(layout, head_dim) -> None:
+    assert plan_kernels(AMX, torch.bfloat16, arch(head_dim, **layout)) == plan("amx", 1, "amx", fused=True)
 
 
-def test_the_torch_reference_where_kernels_are_not_wanted_or_not_there(monkeypatch) -> None:
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_a_head_size_without_kernels_falls_back_and_says_why(head_dim) -> None:
+    """Qwen2.5-Coder-1.5B's layout (12 query heads over 2 KV heads, QKV bias) at a head size the many-row
+    kernels were not written for: prefill attention and the fused stack fall back, each with its reason,
+    and the description (the start-up log line) carries them."""
+    shape = ArchConfig("qwen2", vocab_size=256, hidden_size=12 * head_dim, intermediate_size=256, num_layers=2,
+                       num_heads=12, num_kv_heads=2, head_dim=head_dim, max_position_embeddings=4096,
+                       qkv_bias=True)
+    got = plan_kernels(AMX, torch.bfloat16, shape)
+    assert (got.projections, got.attention, got.fused_decode) == ("amx", None, False)
+    assert got.fallbacks == (
+        f"torch prefill attention: head size {head_dim} has no many-row kernel (64, 128, 256)",
+        f"portable decode attention loop: head size {head_dim} has no vectorised path",
+        f"no fused decode stack: head size {head_dim} has no many-row kernel",
+    )
+    assert got.description == ("amx projections, bf16 gemv up to 1 row, decode-kernel attention; fell back: "
+                               + "; ".join(got.fallbacks))
+    assert plan_kernels(AMX, torch.bfloat16, arch(128)).description == (
+        "amx projections, bf16 gemv up to 1 row, amx attention, fused decode stack")
+
+
+def test_the_torch_reference_where_kernels_are_not_wanted_or_not_there(monkeypatch, caplog) -> None:
     built: list[bool] = []
     monkeypatch.setattr(select, "load_cpu_kernels", lambda: built.append(True) or AMX)
-    for device, want in ((CPU, False), (torch.device("cuda"), True)):
-        backend = select.select_backend(device, torch.bfloat16, arch(), want, BackendConfig())
+    for device, want, why in ((CPU, False, "not wanted"), (torch.device("cuda"), True, "none for cuda")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=select.__name__):
+            backend = select.select_backend(device, torch.bfloat16, arch(), want, BackendConfig())
+        assert [r.getMessage() for r in caplog.records] == [f"backend: {backend.description}; no C++ kernels: {why}"]
         assert backend.name == "torch_ref" and backend.argmax is None and backend.ops == ModelOps()
         assert type(backend.make_attention(0)) is TorchPagedAttention
         assert isinstance(backend.step_scope(), nullcontext)
@@ -112,7 +155,8 @@ def test_select_backend_builds_what_its_plan_says(monkeypatch, caplog, kernels, 
     # Before a fused stack is built, only the AVX-512 kernels carry a step's heavy ops.
     assert isinstance(backend.step_scope(), KernelThreadScope) == expected.avx512_carries_step
     assert backend.description.startswith(f"cpu_kernels ({expected.projections or 'torch'} projections")
-    assert ("fused decode stack" in backend.description) == expected.fused_decode
+    assert (", fused decode stack" in backend.description) == expected.fused_decode
+    assert all(reason in backend.description for reason in expected.fallbacks)
 
 
 def test_backend_config_refuses_what_the_kernels_cannot_take() -> None:

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels against the torch reference: paged decode attention, its cascade merge, bf16 GEMV."""
+"""The C++ CPU kernels against the torch reference: paged decode attention, its cascade merge, bf16 GEMV,
+the many-row attention kernels at every head size they take, and the fused decode stack against the layers."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def reference_attention(q, k_cache, v_cache, table, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 128, 40])  # two vectorised head sizes and the portable loop
+@pytest.mark.parametrize("dim", [64, 128, 256, 40])  # the vectorised head sizes and the portable loop
 # group: query heads per KV head; the kernel takes them in runs of at most four (8 = 4 + 4, 7 = 4 + 3).
 @pytest.mark.parametrize(("split_size", "group"), [(16, 3), (48, 3), (1024, 3), (48, 1), (48, 8), (48, 7)])
 def test_paged_decode_matches_reference(dtype, dim, split_size, group) -> None:
@@ -338,15 +339,23 @@ many_row_kernels = [pytest.param("paged_attention_amx", marks=amx_only), pytest.
     "paged_attention_avx512", marks=pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512"))]
 
 
+# (query heads, KV heads, head size): SmolLM2's 3:1 at 64, Qwen2.5-Coder-1.5B's 6:1 at 128, Gemma 3 270M's
+# 4:1 at 256, and the other ratios at each size.
+HEAD_LAYOUTS = [(6, 2, 64), (12, 2, 64), (4, 1, 128), (12, 2, 128), (4, 1, 256), (6, 1, 256)]
+LAYOUT_IDS = [f"{h}q{kv}kv-head{d}" for h, kv, d in HEAD_LAYOUTS]
+
+
 @pytest.mark.parametrize("kernel", many_row_kernels)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), HEAD_LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("fp32_out", [True, False])
-def test_paged_attention_kernels_match_reference(kernel, causal, fp32_out) -> None:
+def test_paged_attention_kernels_match_reference(kernel, heads, kv_heads, dim, causal, fp32_out) -> None:
     """Runs of every shape the row tiles and key steps meet: one token, partial tiles and key blocks, many
     tiles per work item, a query tensor with a token stride (Q and K heads side by side, as the model has).
-    The AVX-512 kernel is the AMX one's stand-in on CPUs without tiles: the same contract, fp32 weights."""
-    torch.manual_seed(int(causal) * 2 + int(fp32_out))
-    heads, kv_heads, dim, block_size = 6, 2, 64, 16
+    The AVX-512 kernel is the AMX one's stand-in on CPUs without tiles: the same contract, fp32 weights.
+    At every head size the kernels take, with grouped-query ratios from 3:1 to 6:1."""
+    torch.manual_seed(int(causal) * 2 + int(fp32_out) + dim + heads)
+    block_size = 16
     cache = random_cache(200, block_size, kv_heads, dim, torch.bfloat16)
     cache[:, 150:] = float("nan")  # never-written blocks: padding reads of them must not leak into results
     shapes = [(1, 1), (5, 40), (17, 17), (33, 300), (16, 16), (250, 260)]  # (queries, keys)
@@ -369,6 +378,16 @@ def test_paged_attention_kernels_match_reference(kernel, causal, fp32_out) -> No
 
 
 @pytest.mark.parametrize("kernel", many_row_kernels)
+def test_paged_attention_kernels_refuse_head_sizes_they_do_not_take(kernel) -> None:
+    cache = random_cache(4, 16, 1, 80, torch.bfloat16)
+    q = torch.randn(2, 2, 80, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"D = 64, 128 or 256"):
+        getattr(torch.ops.kvserve, kernel)(q, cache[0], cache[1], torch.zeros(1, 1, dtype=torch.int32),
+                                           torch.tensor([2], dtype=torch.int32),
+                                           torch.tensor([0, 2], dtype=torch.int32), 0.125, True, False)
+
+
+@pytest.mark.parametrize("kernel", many_row_kernels)
 def test_paged_attention_kernels_refuse_bad_runs(kernel) -> None:
     many_rows = getattr(torch.ops.kvserve, kernel)
     cache = random_cache(4, 16, 1, 64, torch.bfloat16)
@@ -384,11 +403,13 @@ def test_paged_attention_kernels_refuse_bad_runs(kernel) -> None:
 
 @amx_only
 @pytest.mark.parametrize("kv_len", [1, 300, 1568])
-def test_paged_attention_amx_on_packed_keys_is_bit_identical(kv_len) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128), (4, 1, 256)],
+                         ids=["head64", "head128", "head256"])
+def test_paged_attention_amx_on_packed_keys_is_bit_identical(kv_len, heads, kv_heads, dim) -> None:
     """pack_kv_amx's tile layouts, passed back in, give exactly the result of packing inside the kernel (the
-    packed call also splits rows into more work items)."""
-    torch.manual_seed(kv_len)
-    heads, kv_heads, dim, block_size, decodes = 9, 3, 64, 16, 16
+    packed call also splits rows into more work items): cascade decode's shared prefix."""
+    torch.manual_seed(kv_len + dim)
+    block_size, decodes = 16, 16
     cache = random_cache(120, block_size, kv_heads, dim, torch.bfloat16)
     cache[:, 110:] = float("nan")  # past the run: padding must not read them
     table = torch.randperm(110)[: -(-kv_len // block_size)].to(torch.int32)
@@ -405,12 +426,14 @@ def test_paged_attention_amx_on_packed_keys_is_bit_identical(kv_len) -> None:
 
 @amx_only
 @pytest.mark.parametrize("fp32_out", [True, False])
-def test_prefill_chunks_on_a_packed_shared_prefix_are_bit_identical(fp32_out) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128), (4, 1, 256)],
+                         ids=["head64", "head128", "head256"])
+def test_prefill_chunks_on_a_packed_shared_prefix_are_bit_identical(fp32_out, heads, kv_heads, dim) -> None:
     """Causal chunks that share their leading blocks, with those keys passed packed (shared_keys): the same
     result, bit for bit, as packing every key inside the kernel. One chunk computes inside the shared part
     (the request that brings the system prompt), the others attend past it to keys of their own."""
-    torch.manual_seed(7)
-    heads, kv_heads, dim, block_size, shared_keys = 9, 3, 64, 16, 96
+    torch.manual_seed(7 + dim)
+    block_size, shared_keys = 16, 96
     cache = random_cache(120, block_size, kv_heads, dim, torch.bfloat16)
     cache[:, 110:] = float("nan")
     free = iter(torch.randperm(110).tolist())
@@ -429,6 +452,9 @@ def test_prefill_chunks_on_a_packed_shared_prefix_are_bit_identical(fp32_out) ->
     out, lse = torch.ops.kvserve.paged_attention_amx(*args)
     out_shared, lse_shared = torch.ops.kvserve.paged_attention_amx(*args, packed, shared_keys)
     assert torch.equal(out_shared, out) and torch.equal(lse_shared, lse)
+    ref_out, _ = reference_runs(q, cache[0], cache[1], tables, kv_lens.tolist(), q_lens, dim**-0.5, True)
+    torch.testing.assert_close(out_shared.double(), ref_out, atol=2e-3 if fp32_out else 8e-3,
+                               rtol=2e-3 if fp32_out else 8e-3)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.kvserve.paged_attention_amx(*args, packed, 80)
     other = block_tables.clone()
@@ -496,15 +522,17 @@ def test_kernel_backend_keeps_the_packed_prefix_only_while_its_key_holds() -> No
 
 
 @pytest.mark.parametrize("name", packed_families)
-def test_kernel_backend_mixed_step_matches_torch_backend(name) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128), (4, 1, 256)],
+                         ids=["head64", "head128", "head256"])
+def test_kernel_backend_mixed_step_matches_torch_backend(name, heads, kv_heads, dim) -> None:
     """One bf16 step as the runner builds it: decodes sharing a cached prefix (cascade), a prefill chunk from
     position 0 and one on cached history, through the AMX (or AVX-512) kernels and through the reference
-    backend."""
+    backend, at each head size the many-row kernels take."""
     from kvserve.batch import ScheduledRequest, SchedulerOutput
     from kvserve.runner.input_batch import build_inputs
 
-    torch.manual_seed(5)
-    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    torch.manual_seed(5 + dim)
+    block_size = 16
     cache = random_cache(64, block_size, kv_heads, dim, torch.bfloat16)
     shared = list(range(20))  # 320 tokens every decode shares: above the cascade threshold
     scheduled = [ScheduledRequest(f"d{i}", [1], 320 + 5 * i, shared + [20 + i, 30 + i], True) for i in range(4)]
@@ -563,3 +591,88 @@ def test_merge_attention_matches_merge_by_lse(bf16_out: bool, batch: int) -> Non
     both_empty = torch.full((1, 1), float("-inf"))
     assert torch.ops.kvserve.merge_attention(out_a[:1, :1, 0], both_empty, out_b[:1, :1, 0], both_empty,
                                              False).abs().max() == 0
+
+
+def random_decoder_weights(shape: ArchConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A model's weights under Hugging Face names, bf16-representable, scaled so activations stay near 1."""
+
+    def w(*size: int, scale: float = 0.05) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * scale).to(torch.bfloat16)
+
+    def norm(size: int) -> torch.Tensor:
+        return (1 + torch.randn(size, generator=gen) * 0.1).to(torch.bfloat16)
+
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    weights = {"model.embed_tokens.weight": w(shape.vocab_size, hidden, scale=1.0),
+               "model.norm.weight": norm(hidden)}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        for name, rows in (("q", shape.q_size), ("k", shape.kv_size), ("v", shape.kv_size)):
+            weights[f"{p}self_attn.{name}_proj.weight"] = w(rows, hidden)
+            if shape.qkv_bias:
+                weights[f"{p}self_attn.{name}_proj.bias"] = w(rows, scale=0.5)
+        if shape.qk_norm:
+            weights[f"{p}self_attn.q_norm.weight"] = norm(shape.head_dim)
+            weights[f"{p}self_attn.k_norm.weight"] = norm(shape.head_dim)
+        weights[f"{p}self_attn.o_proj.weight"] = w(hidden, shape.q_size)
+        weights[f"{p}mlp.gate_proj.weight"] = w(inter, hidden)
+        weights[f"{p}mlp.up_proj.weight"] = w(inter, hidden)
+        weights[f"{p}mlp.down_proj.weight"] = w(hidden, inter)
+        weights[f"{p}input_layernorm.weight"] = norm(hidden)
+        weights[f"{p}post_attention_layernorm.weight"] = norm(hidden)
+    return weights
+
+
+@amx_only
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128), (4, 1, 256)],
+                         ids=["head64", "head128", "head256"])
+@pytest.mark.parametrize("layout", ["plain", "qkv_bias", "qk_norm"])
+def test_fused_decode_stack_is_bit_identical_to_the_layers(heads, kv_heads, dim, layout) -> None:
+    """The fused decode stack against the same model's Python layers, layer by layer, on the same caches:
+    one row (the GEMV, with the QKV bias where there is one), several rows, and decodes sharing a prefix
+    (cascade: its packing made inside the stack's first step, kept for the next). Both paths run the same
+    kernels in the same order, so hidden states and the KV written must match bit for bit."""
+    from kvserve.batch import ScheduledRequest, SchedulerOutput
+    from kvserve.model.llama import LlamaForCausalLM
+    from kvserve.runner.input_batch import build_inputs
+
+    gen = torch.Generator().manual_seed(dim + len(layout))
+    shape = ArchConfig("llama", vocab_size=512, hidden_size=256, intermediate_size=256, num_layers=2,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, max_position_embeddings=4096,
+                       tie_word_embeddings=True, qkv_bias=layout == "qkv_bias", qk_norm=layout == "qk_norm")
+    plan = plan_kernels(kernels, torch.bfloat16, shape)
+    assert plan.fused_decode and plan.attention == "amx", plan.description
+    backend = CpuKernelsBackend(plan, shape, torch.device("cpu"), BackendConfig(cascade_min_tokens=32))
+    model = LlamaForCausalLM(shape, backend, torch.bfloat16, torch.device("cpu"))
+    model.load_weights(random_decoder_weights(shape, gen).items())
+    stack = model.fused_decode
+    assert stack is not None
+    block_size, num_blocks = 16, 48
+    caches = [(torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)).to(torch.bfloat16)
+              for _ in range(shape.num_layers)]
+    shared = [0, 1, 2, 3]  # 64 keys every request of the cascade steps holds
+    steps = {
+        "one row": [ScheduledRequest("a", [7], 40, [10, 11, 12], True)],
+        "several rows": [ScheduledRequest(f"r{i}", [3 + i], 20 + 9 * i, list(range(13 + 4 * i, 17 + 4 * i)), True)
+                         for i in range(5)],
+        "cascade": [ScheduledRequest(f"c{i}", [9 + i], 64 + 5 * i, shared + [40 + i], True) for i in range(4)],
+    }
+    cascade_steps = 0
+    for label, scheduled in [*steps.items(), ("cascade, prefix kept", steps["cascade"])]:
+        inputs = build_inputs(SchedulerOutput(scheduled=scheduled), block_size, torch.device("cpu"))
+        meta = backend.build_metadata(inputs.rows)
+        python_caches = [cache.clone() for cache in caches]
+        assert stack.accepts(torch.empty(len(scheduled), shape.hidden_size, dtype=torch.bfloat16), meta), label
+        with model.thread_scope:
+            fused = model.forward(inputs.input_ids, inputs.positions, meta, caches)
+            model.fused_decode = None
+            try:
+                hidden = model.forward(inputs.input_ids, inputs.positions, meta, python_caches)
+            finally:
+                model.fused_decode = stack
+        assert torch.equal(fused, hidden), f"{label}: the fused stack's hidden states differ"
+        assert all(torch.equal(a, b) for a, b in zip(caches, python_caches, strict=True)), f"{label}: KV differs"
+        cascade_steps += meta.decode_prefix_runs is not None
+    assert cascade_steps == 2
+    kept = [attention.kept_prefix(meta.decode_prefix_key) for attention in stack.attentions]
+    assert all(packing is not None for packing in kept)

@@ -139,6 +139,9 @@ class DecoderWeights(Protocol):
 
     attention: PagedAttention
     qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None  # Qwen2
+    q_norm: torch.Tensor | None  # QK-norm weights (Qwen3); both or neither
+    k_norm: torch.Tensor | None
     o_weight: torch.Tensor
     gate_up_weight: torch.Tensor
     down_weight: torch.Tensor

@@ -45,9 +45,9 @@ class CpuAttentionMetadata(AttentionMetadata):
 class CpuKernelPagedAttention(TorchPagedAttention):
     """Attention through the C++ kernels, which read each request's KV blocks in place.
 
-    Decodes go through the split-KV decode kernel. With AMX (bf16, head size 64), every prefill chunk of
-    the step is one tile-matmul call, and so is the shared-prefix half of cascade decode: every decode's
-    query heads against the prefix they share. Without AMX, the AVX-512 kernel of the same contract takes
+    Decodes go through the split-KV decode kernel. With AMX (bf16, head size 64, 128 or 256), every prefill
+    chunk of the step is one tile-matmul call, and so is the shared-prefix half of cascade decode: every
+    decode's query heads against the prefix they share. Without AMX, the AVX-512 kernel of the same contract takes
     those calls (fp32 FMAs, no packed keys kept across steps); without either, they stay on the reference
     path (the prefix part is then one flash-attention call for the whole batch). The prefix and suffix
     halves merge exactly through their log-sum-exps.
@@ -60,7 +60,7 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         # path (explicit window mask) in the steps where it does.
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         assert not (amx and avx512), "one many-row kernel at a time"
-        assert head_dim == 64 or not (amx or avx512), "the many-row kernels take head size 64"
+        assert head_dim in (64, 128, 256) or not (amx or avx512), "the many-row kernels take head sizes 64, 128, 256"
         self.amx = amx
         # Without AMX: the AVX-512 kernel of the same contract, against torch's flash attention per chunk
         # (gather copy, explicit mask) in benchmarks/cpu_kernels.py's many-row cases.

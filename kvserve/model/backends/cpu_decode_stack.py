@@ -5,7 +5,8 @@ attention halves and their merge, views and copies between them): ~450 per 30-la
 costing Python and dispatcher time on the engine thread while the kernels' other thread waits. The C++
 stack calls the same kernels in the same order (a single row on the GEMV, as the Python layer does), so
 its output is bit for bit the Python path's. It takes steps whose every token is a decode, on a model
-whose every projection weight the AMX kernels packed.
+whose every projection weight the AMX kernels packed, at head sizes 64, 128 and 256, with or without a QKV
+bias (Qwen2) and QK-norm (Qwen3).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class FusedDecodeStack:
 
     def __init__(self, arch: ArchConfig, attentions: list[CpuKernelPagedAttention], input_norms: list[torch.Tensor],
                  post_norms: list[torch.Tensor], packed: dict[str, list[torch.Tensor]],
-                 single_row_weights: list[torch.Tensor]) -> None:
+                 single_row_weights: list[torch.Tensor], qkv_biases: list[torch.Tensor],
+                 qk_norms: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
         self.arch = arch
         self.attentions = attentions  # per layer: its packed shared prefix is kept there
         self.input_norms = input_norms
@@ -33,6 +35,8 @@ class FusedDecodeStack:
         self.packed = packed  # "qkv", "o", "gate_up", "down": one packed weight per layer
         # Per layer the raw QKV, O, gate/up and down weights, for a one-row step's GEMV; empty: AMX there too.
         self.single_row_weights = single_row_weights
+        self.qkv_biases = qkv_biases  # per layer, or empty: no QKV bias
+        self.q_norms, self.k_norms = qk_norms  # per layer each, or both empty: no QK-norm
 
     @classmethod
     def build(cls, arch: ArchConfig, layers: Sequence[DecoderWeights], linear: PackedLinear,
@@ -57,8 +61,12 @@ class FusedDecodeStack:
             packed["gate_up"].append(interleaved)
         single_row = [weight for layer in layers for weight in (
             layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)] if single_row_gemv else []
+        biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
+        q_norms = [layer.q_norm for layer in layers if layer.q_norm is not None]
+        k_norms = [layer.k_norm for layer in layers if layer.k_norm is not None]
+        assert len(biases) in (0, len(layers)) and len(q_norms) == len(k_norms) in (0, len(layers))
         return cls(arch, attentions, [layer.input_norm for layer in layers],
-                   [layer.post_attention_norm for layer in layers], packed, single_row)
+                   [layer.post_attention_norm for layer in layers], packed, single_row, biases, (q_norms, k_norms))
 
     def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
         rows = hidden.shape[0]
@@ -87,8 +95,9 @@ class FusedDecodeStack:
             hidden, cos, sin, self.input_norms, self.post_norms, self.packed["qkv"], self.packed["o"],
             self.packed["gate_up"], self.packed["down"], kv_caches, meta.slot_mapping, meta.decode_block_table,
             meta.decode_seq_lens, None if runs is None else runs.block_tables, None if runs is None else runs.kv_lens,
-            None if runs is None else runs.q_starts, prefix_packed, self.single_row_weights, arch.num_heads, arch.num_kv_heads,
-            arch.rms_norm_eps, self.attentions[0].scale, self.attentions[0].split_size,
+            None if runs is None else runs.q_starts, prefix_packed, self.single_row_weights, self.qkv_biases,
+            self.q_norms, self.k_norms, arch.num_heads, arch.num_kv_heads, arch.rms_norm_eps, self.attentions[0].scale,
+            self.attentions[0].split_size,
         )
         if runs is not None and meta.decode_prefix_key is not None:
             for i in missing:

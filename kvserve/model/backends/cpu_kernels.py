@@ -1,7 +1,8 @@
 """The C++ CPU kernel backend (model/csrc/): AMX, AVX512-BF16 and AVX-512 variants, chosen once per engine.
 
 ``plan_kernels`` is the one place that decides, from what the loaded build offers on this CPU, the model's
-dtype and its shape, which kernel takes each part of a step. Everything else here follows the plan: the
+dtype and its shape, which kernel takes each part of a step, and says why a part falls back where it does.
+Everything else here follows the plan: the
 model's ops (cpu_ops.py), one attention object per layer (cpu_attention.py), the fused decode stack
 (cpu_decode_stack.py), and the step metadata those kernels read, which adds to the common layout the
 one-call runs, the packed prefixes' 32-key steps and the block write versions that name their contents.
@@ -9,6 +10,7 @@ one-call runs, the packed prefixes' 32-key steps and the block write versions th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -25,8 +27,15 @@ from kvserve.model.backends.cpu_ops import build_cpu_ops
 from kvserve.model.backends.layout import prefill_spans, shared_prefix_blocks, split_decodes, window_layout
 from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope
 
+logger = logging.getLogger(__name__)
+
 # The AMX attention kernel takes keys in steps of 32: a shared prefix it keeps packed is a whole number of them.
 PREFIX_KEY_STEP = 32
+# Head sizes the many-row attention kernels and the fused decode stack take (csrc/common.h,
+# many_row_head_size), and those the paged decode kernel has a vectorised path for (csrc/attention.cpp;
+# any other size takes its portable loop).
+MANY_ROW_HEAD_SIZES = (64, 128, 256)
+VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 
 Family = Literal["amx", "avx512"]
 
@@ -42,6 +51,9 @@ class KernelPlan:
     fused_decode: bool  # decode steps' layers in one C++ call (when every weight packs)
     # Projections and attention both on the AVX-512 kernels: they carry a step's heavy ops.
     avx512_carries_step: bool
+    # What each part that stays off the kernels gets instead, and why ("torch prefill attention: head size
+    # 80 has no many-row kernel"), in the order of the description; empty when every part has its kernel.
+    fallbacks: tuple[str, ...] = ()
 
     @property
     def description(self) -> str:
@@ -51,11 +63,15 @@ class KernelPlan:
         parts.append(f"{self.attention} attention" if self.attention else "decode-kernel attention")
         if self.fused_decode:
             parts.append("fused decode stack")
-        return ", ".join(parts)
+        text = ", ".join(parts)
+        return f"{text}; fell back: {'; '.join(self.fallbacks)}" if self.fallbacks else text
 
 
 def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> KernelPlan:
     bf16 = dtype == torch.bfloat16
+    head_dim = arch.head_dim
+    dtype_name = str(dtype).removeprefix("torch.")
+    fallbacks: list[str] = []
     # Measured in benchmarks/cpu_kernels.py: the BF16 GEMV streams weights fastest at one row (single-stream
     # decode), AMX wins from two rows on; without AMX it hands wider inputs to torch (oneDNN), which has the
     # BF16 instructions too. Without those instructions torch's bf16 linear is slow at every width and the
@@ -66,17 +82,36 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     elif bf16 and kernels.avx512 and not kernels.gemv_bf16:
         projections = "avx512"
     gemv_max_rows = (1 if kernels.amx else 4) if bf16 and kernels.gemv_bf16 else 0
-    # The many-row attention kernels are written for head size 64 and take bf16.
+    if not bf16:
+        fallbacks.append(f"torch projections and element-wise ops: {dtype_name} model (those kernels take bf16)")
+    elif projections is None and gemv_max_rows:
+        fallbacks.append(f"torch projections above {gemv_max_rows} rows: no AMX on this CPU")
+    elif projections is None:
+        fallbacks.append("torch projections: no AVX-512 on this CPU")
+    # The many-row attention kernels take bf16 at the head sizes they are templated on.
     attention: Family | None = None
-    if bf16 and arch.head_dim == 64:
-        attention = "amx" if kernels.amx else "avx512" if kernels.avx512 else None
-    # The fused stack runs the Python layer's kernels in its order: AMX for the projections and attention,
-    # a layout without QKV bias or QK-norm.
-    fused_decode = (projections == "amx" and attention == "amx" and gemv_max_rows <= 1
-                    and not arch.qkv_bias and not arch.qk_norm)
+    if not bf16:
+        fallbacks.append(f"torch prefill attention: {dtype_name} model (the many-row kernels take bf16)")
+    elif head_dim not in MANY_ROW_HEAD_SIZES:
+        fallbacks.append(f"torch prefill attention: head size {head_dim} has no many-row kernel "
+                         f"({', '.join(map(str, MANY_ROW_HEAD_SIZES))})")
+    elif kernels.amx or kernels.avx512:
+        attention = "amx" if kernels.amx else "avx512"
+    else:
+        fallbacks.append("torch prefill attention: no AMX or AVX-512 on this CPU")
+    if head_dim not in VECTOR_DECODE_HEAD_SIZES:
+        fallbacks.append(f"portable decode attention loop: head size {head_dim} has no vectorised path")
+    # The fused stack runs the Python layer's kernels in its order: AMX for the projections and attention
+    # (QKV bias and QK-norm included).
+    fused_decode = projections == "amx" and attention == "amx" and gemv_max_rows <= 1
+    if not fused_decode:
+        why = (f"{dtype_name} model" if not bf16 else "no AMX on this CPU" if not kernels.amx
+               else f"head size {head_dim} has no many-row kernel")
+        fallbacks.append(f"no fused decode stack: {why}")
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
                       fused_decode=fused_decode,
-                      avx512_carries_step=projections == "avx512" and attention == "avx512" and gemv_max_rows == 0)
+                      avx512_carries_step=projections == "avx512" and attention == "avx512" and gemv_max_rows == 0,
+                      fallbacks=tuple(fallbacks))
 
 
 class CpuKernelsBackend:
@@ -111,7 +146,10 @@ class CpuKernelsBackend:
         assert self._packed_linear is not None and self._packed_gate_up is not None
         stack = FusedDecodeStack.build(self.arch, layers, self._packed_linear, self._packed_gate_up,
                                        single_row_gemv=self.plan.gemv_max_rows == 1)
-        if stack is not None:
+        if stack is None:
+            # Decided at load, after the start-up line that named the stack: say that it is off after all.
+            logger.info("no fused decode stack: a projection weight did not pack for the AMX kernels")
+        else:
             self._carries_step = True
         return stack
 

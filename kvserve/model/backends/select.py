@@ -20,10 +20,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, arch: ArchConfig, w
     """The C++ kernels on a CPU where they build and load (unless ``want_kernels`` is False), else the torch
     reference. What each kernel takes is decided by the backend's own plan, from the CPU, dtype and shape."""
     kernels = load_cpu_kernels() if want_kernels and device.type == "cpu" else None
-    backend: Backend
     if kernels is not None:
-        backend = CpuKernelsBackend(plan_kernels(kernels, dtype, arch), arch, device, config)
-    else:
-        backend = TorchRefBackend(arch, device, config)
-    logger.info("backend: %s", backend.description)
+        # Its description names each part's kernel and why any part fell back (the plan's reasons).
+        backend: Backend = CpuKernelsBackend(plan_kernels(kernels, dtype, arch), arch, device, config)
+        logger.info("backend: %s", backend.description)
+        return backend
+    why = ("not wanted" if not want_kernels else f"none for {device.type}" if device.type != "cpu"
+           else "they did not build or load here")
+    backend = TorchRefBackend(arch, device, config)
+    logger.info("backend: %s; no C++ kernels: %s", backend.description, why)
     return backend

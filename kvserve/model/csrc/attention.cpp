@@ -181,17 +181,19 @@ void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const i
 }
 
 // The query heads of a KV head in runs of at most four through attend_split_avx512 (a later run finds the
-// keys in cache); four heads' accumulators and a key row fit the 32 vector registers at head_dim 64.
+// keys in cache); four heads' accumulators and a key row fit the 32 vector registers at head_dim 64. At
+// head_dim 256 a single head's accumulators take 16 of them: runs of one.
 template <typename T, int C>
 void attend_groups_avx512(const T* q, int64_t G, const T* k_cache, const T* v_cache, const int32_t* blocks,
                           int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
                           float scale, float* acc, float* m, float* l) {
   constexpr int64_t D = 16 * C;
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+  constexpr int64_t kRun = C >= 16 ? 1 : 4;
+  for (int64_t g0 = 0; g0 < G; g0 += kRun) {
     const bool prefetch = head == 0 && g0 == 0;
     const T* qg = q + g0 * D;
     float *ag = acc + g0 * D, *mg = m + g0, *lg = l + g0;
-    switch (std::min<int64_t>(4, G - g0)) {
+    switch (std::min<int64_t>(kRun, G - g0)) {
       case 1:
         attend_split_avx512<T, C, 1>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
                                      scale, ag, mg, lg, prefetch);
@@ -227,6 +229,9 @@ void attend(const T* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache
       case 128:
         return attend_groups_avx512<T, 8>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
                                          key_end, scale, acc, m, l);
+      case 256:
+        return attend_groups_avx512<T, 16>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+                                          key_end, scale, acc, m, l);
       default:
         break;
     }

@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -228,10 +229,26 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
                            const at::Tensor& lse_b, bool bf16_out);
 
-// paged_runs.cpp: the many-row attention kernels' arguments (q [T, H, 64], the paged caches, one run of
+// The head sizes the many-row attention kernels (and the fused decode stack, which calls one) take:
+// whole 64-wide chunks of the head dimension, templated on the size. plan_kernels
+// (backends/cpu_kernels.py) names the same sizes.
+inline bool many_row_head_size(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+// f(std::integral_constant<int64_t, D>) for a head size many_row_head_size takes; refuses any other.
+template <typename F>
+inline void with_head_size(int64_t d, const F& f) {
+  switch (d) {
+    case 64: return f(std::integral_constant<int64_t, 64>{});
+    case 128: return f(std::integral_constant<int64_t, 128>{});
+    case 256: return f(std::integral_constant<int64_t, 256>{});
+    default: TORCH_CHECK(false, "head size ", d, " has no many-row kernel (64, 128 or 256)");
+  }
+}
+
+// paged_runs.cpp: the many-row attention kernels' arguments (q [T, H, D], the paged caches, one run of
 // query tokens per row of block_tables), checked; their shape.
 struct PagedRunsShape {
-  int64_t num_heads, kv_heads, block_size, group, num_spans, max_blocks;
+  int64_t num_heads, kv_heads, head_dim, block_size, group, num_spans, max_blocks;
 };
 PagedRunsShape check_paged_runs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& kv_lens,
@@ -260,8 +277,9 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::TensorList down_packed, at::TensorList kv_caches, const at::Tensor& slot_mapping,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& prefix_block_tables,
     const c10::optional<at::Tensor>& prefix_kv_lens, const c10::optional<at::Tensor>& prefix_q_starts,
-    at::TensorList prefix_packed, at::TensorList single_row_weights, int64_t num_heads, int64_t num_kv_heads,
-    double eps, double scale, int64_t split_size);
+    at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
+    at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
+    double scale, int64_t split_size);
 
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& x);

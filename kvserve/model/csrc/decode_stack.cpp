@@ -22,10 +22,17 @@ void write_slots(const at::Tensor& src, const at::Tensor& cache, const int64_t* 
   }
 }
 
-// x · W^T as the Python layer computes it: on the GEMV when given the raw weight (one row), else on the
-// AMX tiles with the packed one.
-at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* raw) {
-  return raw != nullptr ? gemv_bf16(x, *raw, c10::nullopt) : amx_linear(x, packed, c10::nullopt);
+// x · W^T (+ bias) as the Python layer computes it: on the GEMV when given the raw weight (one row), else
+// on the AMX tiles with the packed one.
+at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* raw,
+                   const c10::optional<at::Tensor>& bias = c10::nullopt) {
+  return raw != nullptr ? gemv_bf16(x, *raw, bias) : amx_linear(x, packed, bias);
+}
+
+// layers.rms_norm on [T, H, D] heads, op for op as the Python layer calls it (QK-norm): normalised in
+// float32 without a weight, rounded back to bf16, then scaled by the bf16 weight.
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return at::rms_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, eps).to(at::kBFloat16) * weight;
 }
 
 }  // namespace
@@ -33,19 +40,23 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 // hidden [T, hidden] bf16: the step's embedded decode rows (each request's token and any drafts). Per layer
 // l, in the lists: input/post-attention norm weights, the amx_pack'ed QKV, O and down weights, the gate/up
 // weight packed gate/up-interleaved (amx_linear_silu_mul's layout), and the KV cache [2, blocks,
-// block_size, H_kv, 64]. Attention: decode over block_table/seq_lens (the keys after any shared prefix)
-// and, when prefix_block_tables is given, the shared prefix through paged_attention_amx with
-// prefix_packed[l] (an empty tensor: pack on the fly), merged by log-sum-exp. single_row_weights: empty,
+// block_size, H_kv, D] (D = 64, 128 or 256, the same in every layer). Attention: decode over
+// block_table/seq_lens (the keys after any shared prefix) and, when prefix_block_tables is given, the
+// shared prefix through paged_attention_amx with prefix_packed[l] (an empty tensor: pack on the fly),
+// merged by log-sum-exp. single_row_weights: empty,
 // or per layer the raw QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on
-// the GEMV, as the Python layer does. Returns (hidden, residual) after the last layer.
+// the GEMV, as the Python layer does. qkv_biases: empty, or per layer the QKV projection's bias (Qwen2).
+// q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). Returns (hidden, residual) after
+// the last layer.
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList input_norms,
     at::TensorList post_norms, at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
     at::TensorList down_packed, at::TensorList kv_caches, const at::Tensor& slot_mapping,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& prefix_block_tables,
     const c10::optional<at::Tensor>& prefix_kv_lens, const c10::optional<at::Tensor>& prefix_q_starts,
-    at::TensorList prefix_packed, at::TensorList single_row_weights, int64_t num_heads, int64_t num_kv_heads,
-    double eps, double scale, int64_t split_size) {
+    at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
+    at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
+    double scale, int64_t split_size) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(input_norms.size() == kv_caches.size() && post_norms.size() == kv_caches.size() &&
                   qkv_packed.size() == kv_caches.size() && o_packed.size() == kv_caches.size() &&
@@ -57,10 +68,17 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
               "decode_stack: a shared prefix needs its lengths, query starts and one packed entry per layer");
   TORCH_CHECK(single_row_weights.empty() || static_cast<int64_t>(single_row_weights.size()) == 4 * num_layers,
               "decode_stack: single_row_weights needs the 4 raw weights of every layer");
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == num_layers,
+              "decode_stack: qkv_biases needs one bias per layer, or none");
+  TORCH_CHECK(q_norms.size() == k_norms.size() &&
+                  (q_norms.empty() || static_cast<int64_t>(q_norms.size()) == num_layers),
+              "decode_stack: q_norms and k_norms need one weight per layer each, or none");
+  TORCH_CHECK(num_layers > 0, "decode_stack: no layers");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kBFloat16,
               "decode_stack: hidden must be bf16 [T, hidden]");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "decode_stack: query heads must be a multiple of KV heads");
-  constexpr int64_t kDim = 64;
+  const int64_t kDim = kv_caches[0].size(-1);
+  TORCH_CHECK(many_row_head_size(kDim), "decode_stack: head size ", kDim, " has no many-row kernel");
   const int64_t T = hidden_in.size(0), group = num_heads / num_kv_heads;
   const int64_t q_size = num_heads * kDim, kv_size = num_kv_heads * kDim;
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
@@ -73,16 +91,20 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& cache = kv_caches[l];
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && cache.size(3) == num_kv_heads &&
                     cache.size(4) == kDim && cache.scalar_type() == at::kBFloat16,
-                "decode_stack: KV caches must be contiguous bf16 [2, blocks, block_size, H_kv, 64]");
+                "decode_stack: KV caches must be contiguous bf16 [2, blocks, block_size, H_kv, D], one D");
     const at::Tensor k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
 
     auto [x, res] = add_rms_norm(hidden, residual, input_norms[l], eps);
     const bool gemv = !single_row_weights.empty() && T == 1;
     auto raw = [&](int64_t i) -> const at::Tensor* { return gemv ? &single_row_weights[4 * l + i] : nullptr; };
-    const at::Tensor qkv = project(x, qkv_packed[l], raw(0));  // [T, q + 2 kv]
+    const at::Tensor qkv = project(x, qkv_packed[l], raw(0),
+                                   qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[l]));
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_stack: the QKV weight does not match the heads");
-    const at::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, kDim}),
-                                 cos, signed_sin);
+    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, kDim});
+    if (!q_norms.empty())
+      qk = at::cat({head_rms_norm(qk.narrow(1, 0, num_heads), q_norms[l], eps),
+                    head_rms_norm(qk.narrow(1, num_heads, num_kv_heads), k_norms[l], eps)}, 1);
+    qk = rotary(qk, cos, signed_sin);
     const at::Tensor q = qk.narrow(1, 0, num_heads);
     write_slots(qk.narrow(1, num_heads, num_kv_heads), k_cache, slots, T);
     write_slots(qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, kDim}), v_cache, slots, T);
@@ -107,7 +129,6 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     hidden = project(h, down_packed[l], raw(3));
     residual = res2;
   }
-  TORCH_CHECK(residual.has_value(), "decode_stack: no layers");
   return {hidden, *residual};
 }
 

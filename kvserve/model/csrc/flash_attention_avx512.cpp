@@ -7,7 +7,8 @@
 // once for the whole group. Keys go by 32 at a time: the item widens them to fp32 once (K transposed, so a
 // row's 32 scores are two vectors of FMAs over the head dimension), then every group of six rows takes an
 // online-softmax step: scores, running max, weights exp2(s - max) in fp32, weights . V into the rows'
-// accumulators. Everything after the bf16 inputs stays fp32.
+// accumulators. Everything after the bf16 inputs stays fp32. Templated on the head size (64, 128, 256): the
+// weights . V step goes over the head 64 dims at a time, so its accumulators fit the registers at any size.
 
 #include "common.h"
 
@@ -17,7 +18,6 @@ namespace kvserve {
 
 namespace {
 
-constexpr int64_t kDim = 64;       // head size handled (four vectors per row)
 constexpr int64_t kKeys = 32;      // keys per step: two vectors of scores per row
 constexpr int kRowGroup = 6;       // rows whose scores (12 vectors) or outputs (24) sit in registers together
 constexpr int64_t kItemRows = 48;  // most rows sharing one widening of the keys
@@ -37,30 +37,32 @@ struct Inputs {
   bool causal;
 };
 
-// Per thread: the item's query rows, accumulators and softmax state, and one step's keys.
+// Per thread: the item's query rows, accumulators and softmax state, and one step's keys (head size D).
+template <int64_t D>
 struct alignas(64) Scratch {
-  float q[kItemRows * kDim];
-  float acc[kItemRows * kDim];
-  float kt[2][kDim * 16];  // kt[half][d * 16 + j] = K[key 16 * half + j][d]
-  float v[kKeys * kDim];
+  float q[kItemRows * D];
+  float acc[kItemRows * D];
+  float kt[2][D * 16];  // kt[half][d * 16 + j] = K[key 16 * half + j][d]
+  float v[kKeys * D];
   float weights[kRowGroup][kKeys];
   float m[kItemRows], l[kItemRows];
   int64_t last_key[kItemRows];  // causal: the last key each row sees
 };
 
 // Keys [start, start + n) of head h, widened: K transposed into s.kt, V row-major into s.v; keys past n zero.
-inline void load_keys(const Inputs& in, const Span& span, int64_t h, int64_t start, int64_t n, Scratch& s) {
+template <int64_t D>
+inline void load_keys(const Inputs& in, const Span& span, int64_t h, int64_t start, int64_t n, Scratch<D>& s) {
   alignas(64) __m512i rows[16];
-  const int64_t token_stride = in.kv_heads * kDim;
+  const int64_t token_stride = in.kv_heads * D;
   for (int64_t half = 0; half < 2; ++half)
-    for (int64_t c = 0; c < kDim / 16; ++c) {
+    for (int64_t c = 0; c < D / 16; ++c) {
       for (int64_t j = 0; j < 16; ++j) {
         const int64_t key = 16 * half + j;
-        float* v_row = s.v + key * kDim + 16 * c;
+        float* v_row = s.v + key * D + 16 * c;
         if (key < n) {
           const int64_t pos = start + key;
           const int64_t slot = static_cast<int64_t>(span.blocks[pos / in.block_size]) * in.block_size + pos % in.block_size;
-          const int64_t at = slot * token_stride + h * kDim + 16 * c;
+          const int64_t at = slot * token_stride + h * D + 16 * c;
           rows[j] = _mm512_castps_si512(load16(in.k + at));
           _mm512_store_ps(v_row, load16(in.v + at));
         } else {
@@ -73,14 +75,14 @@ inline void load_keys(const Inputs& in, const Span& span, int64_t h, int64_t sta
 }
 
 // One online-softmax step for rows [r, r + R) of the item against the keys in scratch.
-template <int R>
-inline void step_rows(Scratch& s, int64_t r, int64_t start, int64_t n) {
+template <int64_t D, int R>
+inline void step_rows(Scratch<D>& s, int64_t r, int64_t start, int64_t n) {
   __m512 lo[R], hi[R];  // scores of keys 0-15 and 16-31
   for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < kDim; ++d) {
+  for (int64_t d = 0; d < D; ++d) {
     const __m512 k0 = _mm512_load_ps(s.kt[0] + d * 16), k1 = _mm512_load_ps(s.kt[1] + d * 16);
     for (int i = 0; i < R; ++i) {
-      const __m512 qd = _mm512_set1_ps(s.q[(r + i) * kDim + d]);
+      const __m512 qd = _mm512_set1_ps(s.q[(r + i) * D + d]);
       lo[i] = _mm512_fmadd_ps(qd, k0, lo[i]);
       hi[i] = _mm512_fmadd_ps(qd, k1, hi[i]);
     }
@@ -111,41 +113,45 @@ inline void step_rows(Scratch& s, int64_t r, int64_t start, int64_t n) {
     _mm512_store_ps(s.weights[i], p_lo);
     _mm512_store_ps(s.weights[i] + 16, p_hi);
   }
-  __m512 acc[R][kDim / 16];
-  for (int i = 0; i < R; ++i)
-    for (int64_t c = 0; c < kDim / 16; ++c)
-      acc[i][c] = _mm512_mul_ps(_mm512_load_ps(s.acc + (r + i) * kDim + 16 * c), alpha[i]);
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 vj[kDim / 16];
-    for (int64_t c = 0; c < kDim / 16; ++c) vj[c] = _mm512_load_ps(s.v + j * kDim + 16 * c);
-    for (int i = 0; i < R; ++i) {
-      const __m512 w = _mm512_set1_ps(s.weights[i][j]);
-      for (int64_t c = 0; c < kDim / 16; ++c) acc[i][c] = _mm512_fmadd_ps(w, vj[c], acc[i][c]);
+  // 64 dims at a time: R rows' four accumulators each and a value row's four vectors stay in registers.
+  constexpr int64_t kChunk = 4;
+  for (int64_t c0 = 0; c0 < D / 16; c0 += kChunk) {
+    __m512 acc[R][kChunk];
+    for (int i = 0; i < R; ++i)
+      for (int64_t c = 0; c < kChunk; ++c)
+        acc[i][c] = _mm512_mul_ps(_mm512_load_ps(s.acc + (r + i) * D + 16 * (c0 + c)), alpha[i]);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vj[kChunk];
+      for (int64_t c = 0; c < kChunk; ++c) vj[c] = _mm512_load_ps(s.v + j * D + 16 * (c0 + c));
+      for (int i = 0; i < R; ++i) {
+        const __m512 w = _mm512_set1_ps(s.weights[i][j]);
+        for (int64_t c = 0; c < kChunk; ++c) acc[i][c] = _mm512_fmadd_ps(w, vj[c], acc[i][c]);
+      }
     }
+    for (int i = 0; i < R; ++i)
+      for (int64_t c = 0; c < kChunk; ++c) _mm512_store_ps(s.acc + (r + i) * D + 16 * (c0 + c), acc[i][c]);
   }
-  for (int i = 0; i < R; ++i)
-    for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(s.acc + (r + i) * kDim + 16 * c, acc[i][c]);
 }
 
-template <int R = kRowGroup>
-inline void step_tail(Scratch& s, int64_t r, int64_t rows, int64_t start, int64_t n) {
+template <int64_t D, int R = kRowGroup>
+inline void step_tail(Scratch<D>& s, int64_t r, int64_t rows, int64_t start, int64_t n) {
   if constexpr (R > 1) {
-    if (rows < R) return step_tail<R - 1>(s, r, rows, start, n);
+    if (rows < R) return step_tail<D, R - 1>(s, r, rows, start, n);
   }
-  step_rows<R>(s, r, start, n);
+  step_rows<D, R>(s, r, start, n);
 }
 
-template <typename Out>
+template <int64_t D, typename Out>
 void run_item(const Inputs& in, const Span& span, int64_t h, int64_t first_row, int64_t num_rows, Out* out,
-              float* lse, Scratch& s) {
+              float* lse, Scratch<D>& s) {
   const float log2_scale = in.scale_log2;
   int64_t key_end = 0;
   for (int64_t i = 0; i < num_rows; ++i) {
     const int64_t row = first_row + i, token = row / in.group, head = h * in.group + row % in.group;
-    const at::BFloat16* qr = in.q + (span.q_start + token) * in.q_stride + head * kDim;
-    for (int64_t c = 0; c < kDim / 16; ++c) {
-      _mm512_store_ps(s.q + i * kDim + 16 * c, _mm512_mul_ps(load16(qr + 16 * c), _mm512_set1_ps(log2_scale)));
-      _mm512_store_ps(s.acc + i * kDim + 16 * c, _mm512_setzero_ps());
+    const at::BFloat16* qr = in.q + (span.q_start + token) * in.q_stride + head * D;
+    for (int64_t c = 0; c < D / 16; ++c) {
+      _mm512_store_ps(s.q + i * D + 16 * c, _mm512_mul_ps(load16(qr + 16 * c), _mm512_set1_ps(log2_scale)));
+      _mm512_store_ps(s.acc + i * D + 16 * c, _mm512_setzero_ps());
     }
     s.m[i] = -std::numeric_limits<float>::infinity();
     s.l[i] = 0.f;
@@ -162,9 +168,9 @@ void run_item(const Inputs& in, const Span& span, int64_t h, int64_t first_row, 
   for (int64_t i = 0; i < num_rows; ++i) {
     const int64_t row = first_row + i, token = span.q_start + row / in.group, head = h * in.group + row % in.group;
     const __m512 inv = _mm512_set1_ps(1.f / s.l[i]);
-    Out* o = out + (token * in.num_heads + head) * kDim;
-    for (int64_t c = 0; c < kDim / 16; ++c) {
-      const __m512 value = _mm512_mul_ps(_mm512_load_ps(s.acc + i * kDim + 16 * c), inv);
+    Out* o = out + (token * in.num_heads + head) * D;
+    for (int64_t c = 0; c < D / 16; ++c) {
+      const __m512 value = _mm512_mul_ps(_mm512_load_ps(s.acc + i * D + 16 * c), inv);
       if constexpr (std::is_same_v<Out, float>)
         _mm512_storeu_ps(o + 16 * c, value);
       else
@@ -208,22 +214,26 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor& q, c
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t r = 0; r < rows; r += item_rows) items.push_back({s, h, r, std::min(item_rows, rows - r)});
   }
-  at::Tensor out = at::empty({q.size(0), num_heads, kDim}, q.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  at::Tensor out = at::empty({q.size(0), num_heads, shape.head_dim}, q.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   at::Tensor lse = at::empty({q.size(0), num_heads}, q.options().dtype(at::kFloat));
   const Inputs in{q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(),
                   v_cache.data_ptr<at::BFloat16>(), block_size, kv_heads, group, num_heads,
                   static_cast<float>(scale) * 1.44269504088896341f, causal};
   float* lp = lse.data_ptr<float>();
-  parallel_claim(static_cast<int64_t>(items.size()), [&](auto&& claim) {
-    auto scratch = std::make_unique<Scratch>();
-    for (int64_t i; (i = claim()) >= 0;) {
-      const Item& item = items[i];
-      if (fp32_out)
-        run_item(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<float>(), lp, *scratch);
-      else
-        run_item(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<at::BFloat16>(), lp,
-                 *scratch);
-    }
+  with_head_size(shape.head_dim, [&](auto head_size) {
+    constexpr int64_t D = decltype(head_size)::value;
+    parallel_claim(static_cast<int64_t>(items.size()), [&](auto&& claim) {
+      auto scratch = std::make_unique<Scratch<D>>();
+      for (int64_t i; (i = claim()) >= 0;) {
+        const Item& item = items[i];
+        if (fp32_out)
+          run_item<D>(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<float>(), lp,
+                      *scratch);
+        else
+          run_item<D>(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<at::BFloat16>(),
+                      lp, *scratch);
+      }
+    });
   });
   return {out, lse};
 }

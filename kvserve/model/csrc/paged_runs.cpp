@@ -8,15 +8,15 @@ namespace kvserve {
 PagedRunsShape check_paged_runs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& kv_lens,
                                 const at::Tensor& q_starts, bool causal) {
-  constexpr int64_t kDim = 64;
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kDim && q.stride(2) == 1 &&
-                  q.stride(1) == kDim,
-              op, ": q must be bf16 [T, H, 64] with each token's heads contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && many_row_head_size(q.size(2)) &&
+                  q.stride(2) == 1 && q.stride(1) == q.size(2),
+              op, ": q must be bf16 [T, H, D] (D = 64, 128 or 256) with each token's heads contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-                  k_cache.size(3) == kDim && k_cache.sizes() == v_cache.sizes(),
-              op, ": caches must be contiguous bf16 [num_blocks, block_size, H_kv, 64]");
+                  k_cache.size(3) == q.size(2) && k_cache.sizes() == v_cache.sizes(),
+              op, ": caches must be contiguous bf16 [num_blocks, block_size, H_kv, D] with q's head size");
   PagedRunsShape shape;
+  shape.head_dim = q.size(2);
   shape.num_heads = q.size(1);
   shape.kv_heads = k_cache.size(2);
   shape.block_size = k_cache.size(1);

@@ -54,7 +54,7 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor[] qkv_packed, Tensor[] o_packed, Tensor[] gate_up_packed, Tensor[] down_packed, Tensor[] kv_caches, "
         "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor? prefix_block_tables, "
         "Tensor? prefix_kv_lens, Tensor? prefix_q_starts, Tensor[] prefix_packed, Tensor[] single_row_weights, "
-        "int num_heads, int num_kv_heads, "
+        "Tensor[] qkv_biases, Tensor[] q_norms, Tensor[] k_norms, int num_heads, int num_kv_heads, "
         "float eps, float scale, int split_size) -> (Tensor, Tensor)",
         &kvserve::decode_stack);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
