@@ -1,9 +1,9 @@
 """A model's architecture: the one description the loader, the runner and the cost model all read.
 
 ``kvserve.formats`` reads it from a model's files (GGUF metadata, a Hugging Face ``config.json``);
-``kvserve.model_presets`` writes it out for published models. The engine runs dense llama-like models
-(the first block of fields); the mixture-of-experts and multi-head-latent-attention fields stay zero
-for those and are read by the cost model.
+``kvserve.model_presets`` writes it out for published models. The engine runs llama-like models (the
+first block of fields), dense or mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE); the
+multi-head-latent-attention fields are read by the cost model only.
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from dataclasses import dataclass
 class ArchConfig:
     """A model's shape and the counts FLOPs and bytes per token depend on.
 
-    Mixture of experts: ``num_dense_layers`` leading layers use a dense MLP of ``intermediate_size``;
-    the rest route each token to ``num_experts_per_token`` of ``num_experts`` experts of
-    ``moe_intermediate_size`` plus ``num_shared_experts`` always-on ones. Multi-head latent attention
+    Mixture of experts: a layer ``is_moe_layer`` routes each token to ``num_experts_per_token`` of
+    ``num_experts`` experts of ``moe_intermediate_size`` plus ``num_shared_experts`` always-on ones; the
+    others (``num_dense_layers`` leading ones, ``mlp_only_layers``, those ``decoder_sparse_step`` skips)
+    use a dense MLP of ``intermediate_size``. Multi-head latent attention
     (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
     """
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3" (the engine's); any model_type for the cost model
+    # The engine's: "llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"
+    # (Hugging Face model_type names); any model_type for the cost model.
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,7 +50,12 @@ class ArchConfig:
     num_experts_per_token: int = 0
     moe_intermediate_size: int = 0  # 0: intermediate_size
     num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: moe_intermediate_size
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output scaled by sigmoid(gate(x))
+    norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one (Mixtral: always)
     num_dense_layers: int = 0
+    decoder_sparse_step: int = 1  # Qwen MoE: every decoder_sparse_step-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen MoE: layers that stay dense
     # Multi-head latent attention (0: ordinary multi-head / grouped-query attention).
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -97,8 +105,17 @@ class ArchConfig:
         return self.moe_intermediate_size or self.intermediate_size
 
     @property
+    def shared_expert_size(self) -> int:
+        return self.shared_expert_intermediate_size or self.expert_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` routes tokens to experts (the rule of Hugging Face's Qwen MoE decoder layer)."""
+        return (self.is_moe and layer >= self.num_dense_layers and layer not in self.mlp_only_layers
+                and (layer + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+    @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+        return sum(self.is_moe_layer(layer) for layer in range(self.num_layers))
 
     # ---- the KV cache ------------------------------------------------------------------------------
 
@@ -133,15 +150,17 @@ class ArchConfig:
 
     def layer_mlp_params(self, active: bool) -> list[int]:
         """MLP weights per layer: all of them, or the ones one token uses (``active``)."""
-        out = []
-        for layer in range(self.num_layers):
-            if not self.is_moe or layer < self.num_dense_layers:
-                out.append(self.mlp_params(self.intermediate_size))
-                continue
-            routed = self.num_experts_per_token if active else self.num_experts
-            experts = (routed + self.num_shared_experts) * self.mlp_params(self.expert_size)
-            out.append(experts + self.hidden_size * self.num_experts)  # + the router
-        return out
+        routed = self.num_experts_per_token if active else self.num_experts
+        dense = self.mlp_params(self.intermediate_size)
+        return [int(self.moe_mlp_params(routed)) if self.is_moe_layer(layer) else dense
+                for layer in range(self.num_layers)]
+
+    def moe_mlp_params(self, num_routed: float) -> float:
+        """One MoE layer's MLP weights with ``num_routed`` routed experts: those, the shared ones, the router."""
+        experts = num_routed * self.mlp_params(self.expert_size)
+        shared = self.num_shared_experts * self.mlp_params(self.shared_expert_size)
+        gates = self.hidden_size * (self.num_experts + (1 if self.shared_expert_gate else 0))
+        return experts + shared + gates
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)

@@ -74,11 +74,10 @@ def weight_bytes_read(shape: ArchConfig, num_tokens: int, weight_bytes: float = 
     """Bytes of weights one forward pass over ``num_tokens`` tokens reads (MoE: touched experts only)."""
     params = shape.num_layers * shape.attention_params() + shape.vocab_size * shape.hidden_size  # + LM head
     for layer, dense in enumerate(shape.layer_mlp_params(active=False)):
-        if not shape.is_moe or layer < shape.num_dense_layers:
-            params += dense
+        if shape.is_moe_layer(layer):
+            params += shape.moe_mlp_params(expected_experts_touched(shape, num_tokens))
         else:
-            touched = expected_experts_touched(shape, num_tokens) + shape.num_shared_experts
-            params += touched * shape.mlp_params(shape.expert_size) + shape.hidden_size * shape.num_experts
+            params += dense
     return params * weight_bytes
 
 

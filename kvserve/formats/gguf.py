@@ -281,9 +281,12 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
         kv_lora_rank = int(key("attention.kv_lora_rank", 0))
         eos_ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
         num_layers = int(key("block_count", required=True))
+        num_experts = int(key("expert_count", 0))
+        num_dense_layers = int(key("leading_dense_block_count", 0))
+        shared = "ffn_up_shexp.weight"
         window = int(key("attention.sliding_window", 0))
         return ArchConfig(
-            architecture="mistral" if arch == "llama" and "mistral" in name.lower() else arch,
+            architecture=_architecture(arch, name, num_experts),
             name=name or path.stem,
             vocab_size=int(vocab_size),
             hidden_size=hidden_size,
@@ -305,11 +308,19 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             rope_local_theta=10000.0 if arch == "gemma3" else 0.0,
             query_pre_attn_scalar=float(key("attention.key_length", 0)) if arch == "gemma3" else 0.0,
             final_logit_softcapping=float(key("final_logit_softcapping", 0.0) or 0.0),
-            num_experts=int(key("expert_count", 0)),
+            num_experts=num_experts,
             num_experts_per_token=int(key("expert_used_count", 0)),
             moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
-            num_shared_experts=int(key("expert_shared_count", 0)),
-            num_dense_layers=int(key("leading_dense_block_count", 0)),
+            # llama.cpp's Qwen2-MoE files have one shared expert and no count for it.
+            num_shared_experts=int(key("expert_shared_count", 0)) or int(
+                any(t.endswith(shared) for t in header.tensors)),
+            shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
+            shared_expert_gate=any(t.endswith("ffn_gate_inp_shexp.weight") for t in header.tensors),
+            norm_topk_prob=bool(key("expert_weights_norm", _NORMALISED_TOP_K.get(arch, False))),
+            num_dense_layers=num_dense_layers,
+            # Layers without a router are dense (llama.cpp has no sparse-step key; the tensors tell).
+            mlp_only_layers=tuple(i for i in range(num_dense_layers, num_layers)
+                                  if num_experts and f"blk.{i}.ffn_gate_inp.weight" not in header.tensors),
             kv_lora_rank=kv_lora_rank,
             q_lora_rank=int(key("attention.q_lora_rank", 0)),
             qk_rope_head_dim=int(key("rope.dimension_count", 0)) if kv_lora_rank else 0,
@@ -318,6 +329,22 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
         )
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: malformed GGUF metadata ({e})") from None
+
+
+# Whether llama.cpp renormalises the top-k routing weights, for files without expert_weights_norm
+# (build_moe_ffn's norm_w: true for Mixtral, stored as "llama", and Qwen3-MoE; false for Qwen2-MoE).
+_NORMALISED_TOP_K = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+# GGUF architecture -> the Hugging Face model_type the engine names it by.
+_MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+
+def _architecture(arch: str, name: str, num_experts: int) -> str:
+    """llama.cpp stores Mistral and Mixtral as "llama"; its MoE names lack Hugging Face's underscore."""
+    if arch == "llama" and num_experts > 0:
+        return "mixtral"
+    if arch == "llama" and "mistral" in name.lower():
+        return "mistral"
+    return _MOE_ARCHITECTURES.get(arch, arch)
 
 
 def _gguf_sliding_layers(arch: str, num_layers: int) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint's JSON files, and the ``ArchConfig`` its ``config.json`` describes (no torch).
 
-Reads llama-like families and, for the cost model, the mixture-of-experts (Mixtral, Qwen MoE) and
-multi-head-latent-attention (DeepSeek-V2/V3) fields too. What the engine can run is checked by the
+Reads llama-like families, dense and mixture-of-experts (Mixtral, Qwen MoE), and, for the cost model,
+the multi-head-latent-attention (DeepSeek-V2/V3) fields too. What the engine can run is checked by the
 loader.
 """
 
@@ -64,6 +64,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
         num_heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else [eos]
+        shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
         fields: dict[str, Any] = dict(
             architecture=model_type,
             name=model_type or Path(source).parent.name,
@@ -78,13 +79,22 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
             rope_theta=float(cfg.get("rope_theta") or rope_parameters(cfg).get("rope_theta") or 10000.0),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            # Qwen2-MoE's configs name their QKV bias qkv_bias (true when absent, as in the original checkpoints).
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+            or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             num_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
             num_experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            # Qwen2-MoE has one shared expert of its own size, gated; DeepSeek n_shared_experts of the routed size.
+            num_shared_experts=int(cfg.get("n_shared_experts") or (1 if shared_size else 0)),
+            shared_expert_intermediate_size=shared_size,
+            shared_expert_gate=model_type == "qwen2_moe" and shared_size > 0,
+            # Mixtral always renormalises its top-k (its config has no switch).
+            norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
             num_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ())),
             kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
             q_lora_rank=int(cfg.get("q_lora_rank") or 0),
             qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),

@@ -19,6 +19,7 @@ from kvserve.config import ArchConfig
 from kvserve.model.backends.base import AttentionMetadata, Backend, PagedAttention
 from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
+from kvserve.model.mlp import FeedForward, GeluGatedMLP, Take
 from kvserve.model.ops import ModelOps
 
 
@@ -44,9 +45,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         attn = self.attend(x, cos, sin, meta, kv_cache)
         attn = rms_norm(ops.linear(attn, self.o_weight, None), self.post_attention_norm, eps)
         x, residual = ops.add_rms_norm(attn, residual, self.pre_feedforward_norm, eps)
-        gate, up = ops.linear(x, self.gate_up_weight, None).chunk(2, dim=-1)
-        mlp = ops.linear(F.gelu(gate, approximate="tanh") * up, self.down_weight, None)
-        return rms_norm(mlp, self.post_feedforward_norm, eps), residual
+        return rms_norm(self.mlp.forward(x), self.post_feedforward_norm, eps), residual
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -100,9 +99,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 layer.q_norm, layer.k_norm = self._one_plus(layer.q_norm), self._one_plus(layer.k_norm)
         self.final_norm = self._one_plus(self.final_norm)
 
-    def prepare_gate_up(self, weight: torch.Tensor) -> None:
-        # GELU, not SiLU: the fused weight is an ordinary projection here.
-        self.ops.prepare_weight(weight)
+    def load_mlp(self, layer_index: int, prefix: str, take: Take) -> FeedForward:
+        return GeluGatedMLP.load(self.ops, prefix, take)
 
     @staticmethod
     def _take_extra_norms(weights: Iterable[tuple[str, torch.Tensor]],

@@ -1,4 +1,5 @@
-"""The Llama family: Llama / SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (QK-norm), one implementation.
+"""The Llama family: Llama / SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (QK-norm), one implementation;
+with a mixture-of-experts MLP (model/moe.py) in the layers that route, Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Weights arrive under Hugging Face names; Q/K/V and gate/up are fused into one matmul each at load time.
 """
@@ -15,6 +16,8 @@ from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
 from kvserve.model.backends.base import AttentionMetadata, Backend, FusedDecode, PagedAttention
 from kvserve.model.layers import RotaryEmbedding, rms_norm
+from kvserve.model.mlp import FeedForward, GatedMLP, Take
+from kvserve.model.moe import MoeMLP
 from kvserve.model.ops import ModelOps
 
 
@@ -28,8 +31,7 @@ class DecoderLayer:
         self.o_weight: torch.Tensor  # [hidden, q_size]
         self.q_norm: torch.Tensor | None = None  # [head_dim]
         self.k_norm: torch.Tensor | None = None
-        self.gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
-        self.down_weight: torch.Tensor  # [hidden, intermediate]
+        self.mlp: FeedForward  # dense (GatedMLP) or mixture of experts (MoeMLP)
         self.input_norm: torch.Tensor  # [hidden]
         self.post_attention_norm: torch.Tensor
 
@@ -46,7 +48,7 @@ class DecoderLayer:
         x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, eps)
         attn = self.attend(x, cos, sin, meta, kv_cache)
         x, residual = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), residual, self.post_attention_norm, eps)
-        return ops.linear(ops.gate_up_silu(x, self.gate_up_weight), self.down_weight, None), residual
+        return self.mlp.forward(x), residual
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                kv_cache: torch.Tensor) -> torch.Tensor:
@@ -148,14 +150,13 @@ class LlamaForCausalLM:
             if arch.qk_norm:
                 layer.q_norm = take(attn + "q_norm.weight")
                 layer.k_norm = take(attn + "k_norm.weight")
-            layer.gate_up_weight = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous()
-            layer.down_weight = take(mlp + "down_proj.weight")
+            layer.mlp = self.load_mlp(i, mlp, take)
             layer.input_norm = take(p + "input_layernorm.weight")
             layer.post_attention_norm = take(p + "post_attention_layernorm.weight")
         for layer in self.layers:
-            for weight in (layer.qkv_weight, layer.o_weight, layer.down_weight):
+            for weight in (layer.qkv_weight, layer.o_weight):
                 self.ops.prepare_weight(weight)
-            self.prepare_gate_up(layer.gate_up_weight)
+            layer.mlp.prepare()
         self.ops.prepare_weight(self.lm_head)
         self.fused_decode = self.backend.build_fused_decode(self.layers) if self.fused_decode_layout else None
         self.thread_scope = self.backend.step_scope()
@@ -164,9 +165,11 @@ class LlamaForCausalLM:
         if leftover:
             raise ModelLoadError(f"unexpected weights for {arch.architecture}: {sorted(leftover)[:5]}")
 
-    def prepare_gate_up(self, weight: torch.Tensor) -> None:
-        """Let the backend lay out a fused [gate | up] weight for its SiLU-and-multiply kernel."""
-        self.ops.prepare_gate_up(weight)
+    def load_mlp(self, layer_index: int, prefix: str, take: Take) -> FeedForward:
+        """Layer ``layer_index``'s feed-forward block from the weights under ``prefix``."""
+        if self.arch.is_moe_layer(layer_index):
+            return MoeMLP.load(self.arch, self.ops, prefix, take)
+        return GatedMLP.load(self.ops, prefix, take)
 
     @property
     def num_parameters(self) -> int:
@@ -174,6 +177,6 @@ class LlamaForCausalLM:
         if self.lm_head is not self.embed_tokens:
             tensors.append(self.lm_head)
         for layer in self.layers:
-            tensors += [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight,
-                        layer.input_norm, layer.post_attention_norm]
+            tensors += [layer.qkv_weight, layer.o_weight, *layer.mlp.tensors(), layer.input_norm,
+                        layer.post_attention_norm]
         return sum(t.numel() for t in tensors)

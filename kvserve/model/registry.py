@@ -16,6 +16,10 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    # The same decoder with a mixture-of-experts MLP (model/moe.py) in the layers that route.
+    "mixtral": LlamaForCausalLM,
+    "qwen2_moe": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
 }
 
 

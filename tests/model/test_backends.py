@@ -87,6 +87,12 @@ def test_the_fused_decode_stack_takes_qkv_bias_and_qk_norm(layout, head_dim) -> 
     assert plan_kernels(AMX, torch.bfloat16, arch(head_dim, **layout)) == plan("amx", 1, "amx", fused=True)
 
 
+def test_the_fused_decode_stack_refuses_a_mixture_of_experts() -> None:
+    got = plan_kernels(AMX, torch.bfloat16, arch(64, num_experts=8, num_experts_per_token=2))
+    assert (got.projections, got.attention, got.fused_decode) == ("amx", "amx", False)
+    assert got.fallbacks == ("no fused decode stack: a mixture of experts (its routing runs on the host)",)
+
+
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_a_head_size_without_kernels_falls_back_and_says_why(head_dim) -> None:
     """Qwen2.5-Coder-1.5B's layout (12 query heads over 2 KV heads, QKV bias) at a head size the many-row

@@ -1,9 +1,12 @@
 """Tiny random-weight models for tests.
 
 - ``make_tiny_model``: a transformers checkpoint directory (safetensors, float32) with the SmolLM2
-  tokenizer, for any supported family; compare kvserve against transformers on it.
+  tokenizer, for any supported family, dense (``FAMILIES``) or mixture of experts (``MOE_FAMILIES``);
+  compare kvserve against transformers on it.
 - ``make_tiny_gguf``: a small GGUF written the way llama.cpp writes one (Q/K rows permuted for the
   llama family), optionally quantised; no tokenizer metadata.
+- ``gguf_from_tiny_model``: the GGUF llama.cpp's converter would write from a tiny (MoE) checkpoint
+  directory, with the SmolLM2 tokenizer's metadata, so the engine runs it as it runs the directory.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kvserve.model.loader import resolve_model_path
 from kvserve.tokenizer import Tokenizer
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # make_tiny_model also builds "gemma3"
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 TINY_SHAPE = {
     "hidden_size": 64,
@@ -27,7 +31,12 @@ TINY_SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 512,
 }
-_ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0, "gemma3": 1000000.0}
+_ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0, "gemma3": 1000000.0,
+               "mixtral": 1000000.0, "qwen2_moe": 1000000.0, "qwen3_moe": 50000.0}
+# Mixture of experts: 8 experts, 2 per token, on three layers; the dense layers keep TINY_SHAPE's MLP.
+TINY_MOE_SHAPE = {"num_hidden_layers": 3, "num_experts_per_tok": 2}
+TINY_NUM_EXPERTS = 8
+TINY_EXPERT_SIZE = 32
 # Gemma 3's window, shorter than most test prompts so the window hides keys.
 TINY_GEMMA3_WINDOW = 8
 
@@ -38,11 +47,13 @@ def smollm2_tokenizer() -> Tokenizer:
     return Tokenizer.from_model_path(resolve_model_path(None))
 
 
-def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_id: int | None):
+def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_id: int | None,
+               **overrides: object):
     import transformers
 
     common = dict(
         TINY_SHAPE,
+        **(TINY_MOE_SHAPE if family in MOE_FAMILIES else {}),
         vocab_size=vocab_size,
         tie_word_embeddings=tie,
         rms_norm_eps=1e-5,
@@ -50,6 +61,7 @@ def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_
         bos_token_id=bos_id,
         eos_token_id=eos_id,
     )
+    common.update(overrides)
     if family == "llama":
         return transformers.LlamaConfig(**common)
     if family == "mistral":
@@ -59,6 +71,15 @@ def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_
     if family == "qwen3":
         # An explicit head_dim unlike hidden_size // num_heads (16), as real Qwen3 checkpoints have.
         return transformers.Qwen3Config(**common, head_dim=32)
+    if family == "mixtral":  # its intermediate_size is the experts'; every layer routes, top-k renormalised
+        return transformers.MixtralConfig(**dict(common, intermediate_size=TINY_EXPERT_SIZE),
+                                          num_local_experts=TINY_NUM_EXPERTS, sliding_window=None)
+    moe = dict(num_experts=TINY_NUM_EXPERTS, moe_intermediate_size=TINY_EXPERT_SIZE)
+    if family == "qwen2_moe":  # a gated shared expert, raw top-k weights, layer 1 dense
+        return transformers.Qwen2MoeConfig(**{"mlp_only_layers": [1], **common}, **moe,
+                                           shared_expert_intermediate_size=48, norm_topk_prob=False)
+    if family == "qwen3_moe":  # QK-norm, renormalised top-k
+        return transformers.Qwen3MoeConfig(**{"norm_topk_prob": True, **common}, **moe, head_dim=32)
     if family == "gemma3":
         # Three layers, two of them sliding; a query_pre_attn_scalar unlike head_dim, as the larger Gemmas have.
         common.update(num_hidden_layers=3, pad_token_id=0)
@@ -66,25 +87,29 @@ def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_
             **common, head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_GEMMA3_WINDOW,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         )
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES} or gemma3")
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES} or gemma3")
 
 
-def make_tiny_model(tmp_dir: Path, family: str, *, tie: bool = True, seed: int = 0) -> Path:
-    """Build, save and return ``tmp_dir/tiny-{family}-{tied|untied}-{seed}``.
+def make_tiny_model(tmp_dir: Path, family: str, *, tie: bool = True, seed: int = 0, **config: object) -> Path:
+    """Build, save and return ``tmp_dir/tiny-{family}-{tied|untied}-{seed}`` (plus ``-{key}{value}`` for
+    each ``config`` override of the transformers config).
 
     hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, vocab = SmolLM2's (49152), so the
     SmolLM2 tokenizer and chat template (saved alongside) work with it. Norm weights and biases are
     randomised too (transformers initialises them to 1 and 0), so a model that skips a norm or a
-    bias, or swaps two of them, gives different logits.
+    bias, or swaps two of them, gives different logits. Mixture-of-experts families get 3 layers of
+    8 experts of 32, 2 per token (``TINY_MOE_SHAPE``), with routers and experts scaled up so that
+    tokens prefer experts clearly and which experts run changes the output (``_sharpen_experts``).
     """
     import transformers
 
     tokenizer = smollm2_tokenizer()
-    model_dir = Path(tmp_dir) / f"tiny-{family}-{'tied' if tie else 'untied'}-{seed}"
+    suffix = "".join(f"-{key}{value}" for key, value in sorted(config.items())).replace(" ", "")
+    model_dir = Path(tmp_dir) / f"tiny-{family}-{'tied' if tie else 'untied'}-{seed}{suffix}"
     eos_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
-    config = _hf_config(family, tie, tokenizer.vocab_size, tokenizer.bos_token_id, eos_id)
+    hf_config = _hf_config(family, tie, tokenizer.vocab_size, tokenizer.bos_token_id, eos_id, **config)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -92,9 +117,23 @@ def make_tiny_model(tmp_dir: Path, family: str, *, tie: bool = True, seed: int =
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(".bias"):
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+            else:
+                _sharpen_experts(name, param, generator)
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save(model_dir)
     return model_dir
+
+
+def _sharpen_experts(name: str, param: torch.nn.Parameter, generator: torch.Generator) -> None:
+    """transformers' init (std 0.02) gives a router near-uniform probabilities and experts whose output is
+    lost in the residual: a wrong routing would go unnoticed. Routers get logits of a few units (clear
+    preferences, no near-ties for rounding to flip), experts' and shared experts' weights a std of 0.15."""
+    # In memory (transformers 5): mlp.gate.weight (the router, all three families), mlp.experts.gate_up_proj
+    # and down_proj ([num_experts, ...]), mlp.shared_expert.*, mlp.shared_expert_gate.weight.
+    if name.endswith("mlp.gate.weight"):
+        param.copy_(torch.randn(param.shape, generator=generator) * 4 / param.shape[-1] ** 0.5)
+    elif ".mlp.experts." in name or ".mlp.shared_expert" in name:
+        param.copy_(0.15 * torch.randn(param.shape, generator=generator))
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------
@@ -284,3 +323,104 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return weights
+
+
+# ---- GGUF from a tiny checkpoint -------------------------------------------------------------------
+
+# Hugging Face model_type -> llama.cpp's GGUF architecture (Mixtral is written as "llama").
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
+              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_MOE_SUFFIXES = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+# An expert's projection (Qwen MoE and Mixtral spellings) -> the stacked tensor it goes into.
+_EXPERT_PROJECTIONS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                       "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _tiny_model_gguf_tensors(tensors: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """Checkpoint tensors under llama.cpp's names, experts stacked [num_experts, ...] per layer and projection."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    permuted = config["model_type"] in ("llama", "mistral", "mixtral")
+    for name, value in tensors.items():
+        if permuted and name.endswith("q_proj.weight"):
+            value = llama_cpp_permute(value, config["num_attention_heads"])
+        elif permuted and name.endswith("k_proj.weight"):
+            value = llama_cpp_permute(value, config["num_key_value_heads"])
+        if ".experts." in name:  # model.layers.{i}.{mlp|block_sparse_moe}.experts.{e}.{projection}.weight
+            parts = name.split(".")
+            stacked = f"blk.{parts[2]}.{_EXPERT_PROJECTIONS[parts[-2]]}.weight"
+            experts.setdefault(stacked, {})[int(parts[-3])] = value
+            continue
+        rest = name.removeprefix("model.layers.").split(".", 1)[-1]
+        moe = _MOE_SUFFIXES.get(rest)
+        out[f"blk.{name.split('.')[2]}.{moe}" if moe else _gguf_name(name)] = value
+    for stacked, by_expert in experts.items():
+        out[stacked] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def gguf_from_tiny_model(model_dir: Path, path: Path) -> Path:
+    """Write the F32 GGUF llama.cpp's convert_hf_to_gguf.py would make of a tiny checkpoint directory
+    (dense or mixture of experts; Q/K rows permuted for the llama family, experts stacked), with the
+    SmolLM2 GGUF's tokenizer metadata so that the engine can run it. Returns ``path``."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    writer = gguf.GGUFWriter(str(path), _GGUF_ARCH[config["model_type"]])
+    writer.add_name(f"tiny {config['model_type']}")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    _add_smollm2_tokenizer(writer)
+    for name, value in _tiny_model_gguf_tensors(tensors, config).items():
+        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_smollm2_tokenizer(writer) -> None:
+    """The default model's GGUF tokenizer metadata (byte-level BPE), as a converter would write it."""
+    from kvserve.formats.gguf import read_gguf_header
+
+    meta = read_gguf_header(resolve_model_path(None)).metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])

@@ -134,6 +134,11 @@ class PagedAttention(Protocol):
         ...
 
 
+class DenseMLPWeights(Protocol):
+    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+    down_weight: torch.Tensor  # [hidden, intermediate]
+
+
 class DecoderWeights(Protocol):
     """What a fused decode stack reads of each decoder layer, once its weights are loaded and prepared."""
 
@@ -143,8 +148,7 @@ class DecoderWeights(Protocol):
     q_norm: torch.Tensor | None  # QK-norm weights (Qwen3); both or neither
     k_norm: torch.Tensor | None
     o_weight: torch.Tensor
-    gate_up_weight: torch.Tensor
-    down_weight: torch.Tensor
+    mlp: DenseMLPWeights  # a dense MLP: backends refuse the fused stack for mixtures of experts
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
 

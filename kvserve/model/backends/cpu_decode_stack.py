@@ -43,24 +43,28 @@ class FusedDecodeStack:
               gate_up: PackedGateUpSilu, single_row_gemv: bool) -> FusedDecodeStack | None:
         """The stack for these layers, whose projections the AMX kernels ``linear`` and ``gate_up`` take
         (a single row on the GEMV when ``single_row_gemv``, as the Python layer does), or None where a
-        weight could not be packed. The backend decides that the stack applies (cpu_kernels.py's plan)."""
+        weight could not be packed. The backend decides that the stack applies (cpu_kernels.py's plan); a
+        mixture of experts, which the C++ stack has no routing for, gets None here too."""
+        if arch.is_moe:
+            return None
         attentions = [layer.attention for layer in layers]
         assert all(isinstance(a, CpuKernelPagedAttention) and a.amx for a in attentions)
         attentions = [a for a in attentions if isinstance(a, CpuKernelPagedAttention)]
         packed: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
         for layer in layers:
-            weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.down_weight}
+            weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.mlp.down_weight}
             for name, weight in weights.items():
                 found = linear.packed.get(weight.data_ptr())
                 if found is None:
                     return None
                 packed[name].append(found)
-            interleaved = gate_up.packed.get(layer.gate_up_weight.data_ptr())
+            interleaved = gate_up.packed.get(layer.mlp.gate_up_weight.data_ptr())
             if interleaved is None:
                 return None
             packed["gate_up"].append(interleaved)
         single_row = [weight for layer in layers for weight in (
-            layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)] if single_row_gemv else []
+            layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
+        ] if single_row_gemv else []
         biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
         q_norms = [layer.q_norm for layer in layers if layer.q_norm is not None]
         k_norms = [layer.k_norm for layer in layers if layer.k_norm is not None]

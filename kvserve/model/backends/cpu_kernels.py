@@ -102,11 +102,12 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     if head_dim not in VECTOR_DECODE_HEAD_SIZES:
         fallbacks.append(f"portable decode attention loop: head size {head_dim} has no vectorised path")
     # The fused stack runs the Python layer's kernels in its order: AMX for the projections and attention
-    # (QKV bias and QK-norm included).
-    fused_decode = projections == "amx" and attention == "amx" and gemv_max_rows <= 1
+    # (QKV bias and QK-norm included), a dense MLP in every layer (a mixture of experts routes on the host).
+    fused_decode = projections == "amx" and attention == "amx" and gemv_max_rows <= 1 and not arch.is_moe
     if not fused_decode:
         why = (f"{dtype_name} model" if not bf16 else "no AMX on this CPU" if not kernels.amx
-               else f"head size {head_dim} has no many-row kernel")
+               else f"head size {head_dim} has no many-row kernel" if attention is None
+               else "a mixture of experts (its routing runs on the host)")
         fallbacks.append(f"no fused decode stack: {why}")
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
                       fused_decode=fused_decode,
