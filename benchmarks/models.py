@@ -2,7 +2,7 @@
 
     python benchmarks/models.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,gemma-3-270m]
         [--dtype bfloat16] [--threads 2] [--prompt-len 256] [--gen-len 64] [--concurrency 16]
-        [--llama-bench /path/to/llama-bench] [--json out.json]
+        [--llama-bench /path/to/llama-bench] [--llama-server /path/to/llama-server] [--json out.json]
 
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF,
 dtype and thread count:
@@ -14,7 +14,9 @@ dtype and thread count:
   (prefill), then ``generate`` with its KV cache (decode: the generate time less the prefill), batch 1 and
   a batch of ``--concurrency`` prompts of equal length (no padding).
 - **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench``'s
-  single-stream pp/tg at the same lengths and threads. llama-bench has no concurrent mode.
+  single-stream pp/tg at the same lengths and threads; and when ``--llama-server`` names that binary, the
+  ``--concurrency`` requests at once through ``llama-server -np N -cb`` (continuous batching), timed as
+  kvserve's are: the same token ids streamed from ``/completion``, prompt cache off, EOS ignored.
 
 Ratios are printed per model; the machines are shared, so compare within one run.
 """
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -121,6 +125,67 @@ def bench_llama_cpp(binary: str, name: str, threads: int, prompt_len: int, gen_l
     return Speed("llama.cpp", name, 1, pp, tg)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def bench_llama_server(binary: str, name: str, threads: int, prompts: list[list[int]], gen_len: int) -> Speed:
+    """``len(prompts)`` streamed completions at once from llama-server's continuous batching, one slot each."""
+    import httpx
+
+    path = resolve_model_path(name)
+    port = _free_port()
+    slots = len(prompts)
+    context = slots * (len(prompts[0]) + gen_len + 16)
+    server = subprocess.Popen([binary, "-m", str(path), "-t", str(threads), "-c", str(context), "-np", str(slots),
+                               "-cb", "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=600) as client:
+            for _ in range(600):
+                try:
+                    if client.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            else:
+                raise RuntimeError("llama-server did not come up")
+            body = {"n_predict": 4, "ignore_eos": True, "cache_prompt": False, "temperature": 0}
+            client.post(f"{url}/completion", json={**body, "prompt": prompts[0][:32]})  # warm-up
+        first: list[float] = []
+        last: list[float] = []
+        lock = threading.Lock()
+
+        def one(prompt: list[int]) -> None:
+            request = {**body, "prompt": prompt, "n_predict": gen_len, "stream": True}
+            got_first = None
+            with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/completion", json=request) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and got_first is None:
+                        got_first = time.perf_counter()
+            with lock:
+                first.append(got_first or time.perf_counter())
+                last.append(time.perf_counter())
+
+        start = time.perf_counter()
+        workers = [threading.Thread(target=one, args=(p,)) for p in prompts]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    prefill = sum(len(p) for p in prompts) / (max(first) - start)
+    decode = slots * (gen_len - 1) / (max(last) - max(first))
+    return Speed("llama.cpp", name, slots, prefill, decode)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(m.name for m in KNOWN_MODELS))
@@ -130,6 +195,7 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="write the figures here too")
     args = parser.parse_args()
@@ -152,6 +218,8 @@ def main() -> None:
             del model
         if args.llama_bench:
             rows.append(bench_llama_cpp(args.llama_bench, name, args.threads, args.prompt_len, args.gen_len))
+        if args.llama_server:
+            rows.append(bench_llama_server(args.llama_server, name, args.threads, many, args.gen_len))
         for row in rows:
             print(f"{row.model:20s} {row.engine:13s} c={row.concurrency:<3d} prefill {row.prefill_tok_s:9.1f} tok/s  "
                   f"decode {row.decode_tok_s:8.1f} tok/s", flush=True)
