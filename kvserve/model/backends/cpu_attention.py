@@ -9,6 +9,9 @@ import torch
 from kvserve.model.attention import TorchPagedAttention, merge_by_lse
 from kvserve.model.backends.base import AttentionMetadata
 
+# Head sizes the many-row attention kernels and the fused decode stack take (csrc/common.h, many_row_head_size).
+MANY_ROW_HEAD_SIZES = (64, 128, 256)
+
 # What a layer keeps of a run of blocks: the key naming the contents it was packed from, and the packing.
 Kept = tuple[tuple[int, ...], torch.Tensor]
 
@@ -60,7 +63,7 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         # path (explicit window mask) in the steps where it does.
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         assert not (amx and avx512), "one many-row kernel at a time"
-        assert head_dim in (64, 128, 256) or not (amx or avx512), "the many-row kernels take head sizes 64, 128, 256"
+        assert head_dim in MANY_ROW_HEAD_SIZES or not (amx or avx512), f"many-row kernels take {MANY_ROW_HEAD_SIZES}"
         self.amx = amx
         # Without AMX: the AVX-512 kernel of the same contract, against torch's flash attention per chunk
         # (gather copy, explicit mask) in benchmarks/cpu_kernels.py's many-row cases.

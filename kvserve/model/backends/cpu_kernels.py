@@ -21,7 +21,12 @@ import torch
 from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.block_versions import BlockVersions
-from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention, PagedRuns
+from kvserve.model.backends.cpu_attention import (
+    MANY_ROW_HEAD_SIZES,
+    CpuAttentionMetadata,
+    CpuKernelPagedAttention,
+    PagedRuns,
+)
 from kvserve.model.backends.cpu_decode_stack import FusedDecodeStack
 from kvserve.model.backends.cpu_ops import build_cpu_ops
 from kvserve.model.backends.layout import prefill_spans, shared_prefix_blocks, split_decodes, window_layout
@@ -31,10 +36,8 @@ logger = logging.getLogger(__name__)
 
 # The AMX attention kernel takes keys in steps of 32: a shared prefix it keeps packed is a whole number of them.
 PREFIX_KEY_STEP = 32
-# Head sizes the many-row attention kernels and the fused decode stack take (csrc/common.h,
-# many_row_head_size), and those the paged decode kernel has a vectorised path for (csrc/attention.cpp;
-# any other size takes its portable loop).
-MANY_ROW_HEAD_SIZES = (64, 128, 256)
+# Head sizes the paged decode kernel has a vectorised path for (csrc/attention.cpp; any other size takes its
+# portable loop).
 VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 
 Family = Literal["amx", "avx512"]
