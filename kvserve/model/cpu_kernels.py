@@ -32,6 +32,9 @@ class CpuKernels:
     gemv_bf16: bool  # AVX512-BF16 weight GEMV (the attention and element-wise kernels build everywhere)
     amx: bool = False  # AMX tile matmuls for the projections (CPU support and the OS's permission)
     avx512: bool = False  # AVX-512 F/BW: fp32-FMA projections on bf16 weights (linear_avx512.cpp)
+    # AVX512-VNNI: int8 dot products on GGUF-quantised weights for few rows (quantized.cpp; the dequantising
+    # many-row path builds everywhere)
+    quantized_gemv: bool = False
 
 
 class _Loader:
@@ -66,7 +69,8 @@ class _Loader:
             )
             return CpuKernels(gemv_bf16=bool(torch.ops.kvserve.has_avx512_bf16()),
                               amx=bool(torch.ops.kvserve.has_amx()),
-                              avx512=bool(torch.ops.kvserve.has_avx512()))
+                              avx512=bool(torch.ops.kvserve.has_avx512()),
+                              quantized_gemv=bool(torch.ops.kvserve.has_quantized_gemv()))
         except Exception as exc:  # a missing compiler or ninja must not stop serving
             log.warning("kvserve CPU kernels unavailable, using the torch reference paths: %s", exc)
             return None

@@ -222,6 +222,15 @@ at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
 bool has_avx512();
 
+// quantized.cpp
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
+                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows);
+at::Tensor quant_linear_silu_mul(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
+                                 int64_t gemv_max_rows);
+at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, const at::Tensor& rows,
+                            at::ScalarType dtype);
+bool has_quantized_gemv();
+
 // attention.cpp
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                 const at::Tensor& v_cache, const at::Tensor& block_table,

@@ -6,6 +6,8 @@
 //                    gate/up projection and its activation in one
 //   linear_avx512.cpp avx512_pack, avx512_linear, avx512_linear_silu_mul: the same projections on AVX-512
 //                    without BF16 instructions or AMX (fp32 FMAs on bf16 weights widened in registers)
+//   quantized.cpp    quant_linear, quant_linear_silu_mul: projections on GGUF-quantised weights (int8 VNNI
+//                    dot products for few rows, bf16 panels on AMX for many); quant_dequantize: their values
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
 //                    merge_attention: two attention halves into one by their log-sum-exps
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
@@ -31,6 +33,13 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::amx_linear);
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::amx_linear_silu_mul);
   m.def("has_avx512() -> bool", &kvserve::has_avx512);
+  m.def("quant_linear(Tensor x, Tensor[] data, int[] types, int cols, Tensor? bias, int gemv_max_rows) -> Tensor",
+        &kvserve::quant_linear);
+  m.def("quant_linear_silu_mul(Tensor x, Tensor[] data, int[] types, int cols, int gemv_max_rows) -> Tensor",
+        &kvserve::quant_linear_silu_mul);
+  m.def("quant_dequantize(Tensor data, int type, int cols, Tensor rows, ScalarType dtype) -> Tensor",
+        &kvserve::quant_dequantize);
+  m.def("has_quantized_gemv() -> bool", &kvserve::has_quantized_gemv);
   m.def("avx512_pack(Tensor w) -> Tensor", &kvserve::avx512_pack);
   m.def("avx512_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::avx512_linear);
   m.def("avx512_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::avx512_linear_silu_mul);

@@ -1,0 +1,733 @@
+// Projections on weights kept in their GGUF block formats: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bf16 in
+// and out, W given as row segments (a fused QKV weight may hold Q and K in one format and V in another).
+//
+// Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256). Every
+// format is read through one decoder per 32-weight chunk that yields the chunk's weights as 32 unsigned
+// bytes q and, for each half of 16, a scale d and an offset m with w = d * q + m (Q8_0's signed bytes are
+// shifted by 128, Q6_K's sub-blocks of 16 are the halves). Both paths below use that decoder only:
+//
+// few rows (decode): the activations are quantised per chunk of 32 to int8 with one fp32 scale (as
+//   llama.cpp's Q8 activation blocks), and each chunk's dot product is one VNNI dpbusd of q against them;
+//   the offsets are applied through the activations' per-half sums. Weights are read once, packed.
+// many rows (prefill chunks, wide decode batches): weight rows are dequantised 32 at a time into a bf16
+//   panel that stays in L2 and multiplied on the AMX tiles against all the activation rows (which are
+//   packed once into the tiles' pair layout), so prefill runs on the same tile multiplies as bf16 weights.
+//   Without AMX the panels go through torch's matmul.
+//
+// quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
+
+#include "common.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && KVSERVE_HAS_AVX512
+#define KVSERVE_HAS_VNNI 1
+#else
+#define KVSERVE_HAS_VNNI 0
+#endif
+
+namespace kvserve {
+namespace {
+
+// ggml's type ids.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct BlockShape {
+  int64_t values;  // weights per block
+  int64_t bytes;   // bytes per block
+};
+
+bool known_type(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+BlockShape block_shape(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no kernel");
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes.
+inline void scale_min_k4(int64_t j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// A 32-weight chunk: w[i] = d[i / 16] * q[i] + m[i / 16].
+struct ChunkScales {
+  float d[2];
+  float m[2];
+};
+
+// Chunk c of a row: its scales, and (bytes != nullptr) its 32 unsigned weight bytes. Scalar, every format;
+// the vector decoders below must agree with it (the tests compare both against gguf's own dequantiser).
+ChunkScales decode_chunk_scalar(int64_t type, const uint8_t* row, int64_t c, uint8_t* bytes) {
+  ChunkScales s{};
+  auto nibbles = [&](const uint8_t* qs, const uint8_t* high_bits) {  // 16 bytes: low nibbles, then high
+    uint32_t qh = 0;
+    if (high_bits) std::memcpy(&qh, high_bits, 4);
+    for (int i = 0; i < 16; ++i) {
+      bytes[i] = (qs[i] & 0xF) | (high_bits ? ((qh >> i) & 1) << 4 : 0);
+      bytes[i + 16] = (qs[i] >> 4) | (high_bits ? ((qh >> (i + 16)) & 1) << 4 : 0);
+    }
+  };
+  switch (type) {
+    case kQ4_0: case kQ5_0: case kQ8_0: {
+      const int64_t size = type == kQ4_0 ? 18 : type == kQ5_0 ? 22 : 34;
+      const uint8_t* b = row + c * size;
+      const float d = half_at(b);
+      const float offset = type == kQ4_0 ? -8.f : type == kQ5_0 ? -16.f : -128.f;
+      s = {{d, d}, {offset * d, offset * d}};
+      if (!bytes) break;
+      if (type == kQ8_0) {
+        for (int i = 0; i < 32; ++i) bytes[i] = static_cast<uint8_t>(b[2 + i] ^ 0x80);
+      } else {
+        nibbles(type == kQ4_0 ? b + 2 : b + 6, type == kQ5_0 ? b + 2 : nullptr);
+      }
+      break;
+    }
+    case kQ4_1: case kQ5_1: {
+      const uint8_t* b = row + c * (type == kQ4_1 ? 20 : 24);
+      const float d = half_at(b), m = half_at(b + 2);
+      s = {{d, d}, {m, m}};
+      if (bytes) nibbles(type == kQ4_1 ? b + 4 : b + 8, type == kQ5_1 ? b + 4 : nullptr);
+      break;
+    }
+    case kQ4_K: case kQ5_K: {
+      const int64_t j = c % 8;
+      const uint8_t* b = row + (c / 8) * (type == kQ4_K ? 144 : 176);
+      int scale, min;
+      scale_min_k4(j, b + 4, &scale, &min);
+      const float d = half_at(b) * scale, m = -half_at(b + 2) * min;
+      s = {{d, d}, {m, m}};
+      if (!bytes) break;
+      const uint8_t* qs = b + (type == kQ4_K ? 16 : 48) + 32 * (j / 2);
+      for (int i = 0; i < 32; ++i) {
+        bytes[i] = (j % 2 == 0 ? qs[i] & 0xF : qs[i] >> 4);
+        if (type == kQ5_K) bytes[i] |= ((b[16 + i] >> j) & 1) << 4;
+      }
+      break;
+    }
+    case kQ6_K: {
+      const int64_t j = c % 8, n = j / 4, k = j % 4;
+      const uint8_t* b = row + (c / 8) * 210;
+      const float d = half_at(b + 208);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * n + 2 * k;
+      s = {{d * scales[0], d * scales[1]}, {-32.f * d * scales[0], -32.f * d * scales[1]}};
+      if (!bytes) break;
+      const uint8_t* ql = b + 64 * n + 32 * (k % 2);
+      const uint8_t* qh = b + 128 + 32 * n;
+      for (int i = 0; i < 32; ++i)
+        bytes[i] = static_cast<uint8_t>((k < 2 ? ql[i] & 0xF : ql[i] >> 4) | (((qh[i] >> (2 * k)) & 3) << 4));
+      break;
+    }
+    default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no kernel");
+  }
+  return s;
+}
+
+#if KVSERVE_HAS_AVX512
+inline float half_bits(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// One format, vectorised, a block at a time: its chunks' scales, and a chunk's 32 weight bytes. A
+// symmetric format's offset is -2^kOffsetShift * d (the few-row path applies it in the integer dot
+// product); the others carry an offset per chunk.
+template <int64_t Type>
+struct Format {
+  static constexpr int64_t kValues = (Type == kQ4_K || Type == kQ5_K || Type == kQ6_K) ? 256 : 32;
+  static constexpr int64_t kChunks = kValues / 32;
+  static constexpr int64_t kBytes = Type == kQ4_0 ? 18 : Type == kQ4_1 ? 20 : Type == kQ5_0 ? 22
+                                  : Type == kQ5_1 ? 24 : Type == kQ8_0 ? 34 : Type == kQ4_K ? 144
+                                  : Type == kQ5_K ? 176 : 210;
+  static constexpr bool kSymmetric = Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0 || Type == kQ6_K;
+  static constexpr int kOffsetShift = Type == kQ4_0 ? 3 : Type == kQ5_0 ? 4 : Type == kQ8_0 ? 7 : 5;
+  static constexpr bool kHalfScales = Type == kQ6_K;  // a scale per half of 16 (else one per chunk)
+
+  // d[2 * j + h]: chunk j's scale for half h; m[j]: chunk j's offset (asymmetric formats).
+  static inline void scales(const uint8_t* b, float* d, float* m) {
+    if constexpr (Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0) {
+      d[0] = d[1] = half_bits(b);
+    } else if constexpr (Type == kQ4_1 || Type == kQ5_1) {
+      d[0] = d[1] = half_bits(b);
+      m[0] = half_bits(b + 2);
+    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      const float dd = half_bits(b), dmin = half_bits(b + 2);
+      for (int64_t j = 0; j < 8; ++j) {
+        int scale, min;
+        scale_min_k4(j, b + 4, &scale, &min);
+        d[2 * j] = d[2 * j + 1] = dd * scale;
+        m[j] = -dmin * min;
+      }
+    } else {
+      const float dd = half_bits(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int64_t j = 0; j < 8; ++j) {  // chunk j = 4n + k: scales 8n + 2k and 8n + 2k + 1
+        d[2 * j] = dd * sc[8 * (j / 4) + 2 * (j % 4)];
+        d[2 * j + 1] = dd * sc[8 * (j / 4) + 2 * (j % 4) + 1];
+      }
+    }
+  }
+  static inline float offset(const float* d, const float* m, int64_t j, int64_t h) {
+    if constexpr (kSymmetric) return -static_cast<float>(1 << kOffsetShift) * d[2 * j + h];
+    else return m[j];
+  }
+
+  static inline __m256i bytes(const uint8_t* b, int64_t j) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    auto split = [&](const uint8_t* qs) {  // 16 bytes -> their low nibbles, then their high nibbles
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+    };
+    if constexpr (Type == kQ4_0) {
+      return split(b + 2);
+    } else if constexpr (Type == kQ4_1) {
+      return split(b + 4);
+    } else if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+      uint32_t qh;
+      std::memcpy(&qh, b + (Type == kQ5_0 ? 2 : 4), 4);
+      return _mm256_or_si256(split(b + (Type == kQ5_0 ? 6 : 8)), _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
+    } else if constexpr (Type == kQ8_0) {
+      return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                              _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
+      __m256i q = _mm256_and_si256(j % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
+      if constexpr (Type == kQ5_K) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(j)), _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+      }
+      return q;
+    } else {  // Q6_K
+      const int64_t n = j / 4, k = j % 4;
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (k % 2)));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+      const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(2 * k)), _mm256_set1_epi8(3));
+      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+  }
+
+  // The row's K values, a chunk of 32 at a time, handed to store(chunk, first 16, last 16) as floats.
+  template <typename Store>
+  static inline void for_each_chunk(const uint8_t* row, int64_t K, const Store& store) {
+    float d[16], m[8];
+    for (int64_t blk = 0; blk < K / kValues; ++blk) {
+      const uint8_t* b = row + blk * kBytes;
+      scales(b, d, m);
+      for (int64_t j = 0; j < kChunks; ++j) {
+        const __m256i q = bytes(b, j);
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+        store(blk * kChunks + j, _mm512_fmadd_ps(q0, _mm512_set1_ps(d[2 * j]), _mm512_set1_ps(offset(d, m, j, 0))),
+              _mm512_fmadd_ps(q1, _mm512_set1_ps(d[2 * j + 1]), _mm512_set1_ps(offset(d, m, j, 1))));
+      }
+    }
+  }
+};
+#endif
+
+// f(std::integral_constant<int64_t, Type>) for a runtime type id.
+template <typename F>
+inline void with_type(int64_t type, const F& f) {
+  switch (type) {
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQ5_1: f(std::integral_constant<int64_t, kQ5_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
+    case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
+    default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no kernel");
+  }
+}
+
+// One row of K weights as floats.
+void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
+  const int64_t chunks = K / 32;
+#if KVSERVE_HAS_AVX512
+  (void)chunks;
+  with_type(type, [&](auto tag) {
+    Format<decltype(tag)::value>::for_each_chunk(row, K, [&](int64_t c, __m512 lo, __m512 hi) {
+      _mm512_storeu_ps(out + 32 * c, lo);
+      _mm512_storeu_ps(out + 32 * c + 16, hi);
+    });
+  });
+#else
+  uint8_t q[32];
+  for (int64_t c = 0; c < chunks; ++c) {
+    const ChunkScales s = decode_chunk_scalar(type, row, c, q);
+    for (int i = 0; i < 32; ++i) out[32 * c + i] = s.d[i / 16] * q[i] + s.m[i / 16];
+  }
+#endif
+}
+
+// One row of K weights as bf16.
+void dequantize_row_bf16(int64_t type, const uint8_t* row, int64_t K, at::BFloat16* out) {
+#if KVSERVE_HAS_AVX512
+  with_type(type, [&](auto tag) {
+    Format<decltype(tag)::value>::for_each_chunk(row, K, [&](int64_t c, __m512 lo, __m512 hi) {
+#if KVSERVE_HAS_AVX512_BF16
+      _mm512_storeu_si512(out + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+      store16_bf16(out + 32 * c, lo);
+      store16_bf16(out + 32 * c + 16, hi);
+#endif
+    });
+  });
+#else
+  std::vector<float> values(K);
+  dequantize_row(type, row, K, values.data());
+  for (int64_t k = 0; k < K; ++k) out[k] = at::BFloat16(values[k]);
+#endif
+}
+
+// The weight's row segments: which segment holds global row n, and where.
+struct Segments {
+  std::vector<const uint8_t*> data;
+  std::vector<int64_t> types, starts, row_bytes;  // starts: first global row of each segment, then N
+  int64_t K = 0;
+
+  Segments(at::TensorList tensors, at::IntArrayRef type_ids, int64_t cols, const char* op) : K(cols) {
+    TORCH_CHECK(!tensors.empty() && tensors.size() == type_ids.size(), op, ": one type per weight segment");
+    TORCH_CHECK(cols > 0 && cols % 32 == 0, op, ": the inner size must be a multiple of 32, got ", cols);
+    int64_t rows = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = tensors[i];
+      const int64_t type = type_ids[i];
+      TORCH_CHECK(known_type(type), op, ": GGML type ", type, " has no kernel");
+      const BlockShape shape = block_shape(type);
+      TORCH_CHECK(cols % shape.values == 0, op, ": ", cols, " columns are not whole blocks of ", shape.values);
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() &&
+                      t.size(1) == cols / shape.values * shape.bytes,
+                  op, ": segment ", i, " must be contiguous uint8 [rows, ", cols / shape.values * shape.bytes, "]");
+      data.push_back(t.data_ptr<uint8_t>());
+      types.push_back(type);
+      starts.push_back(rows);
+      row_bytes.push_back(t.size(1));
+      rows += t.size(0);
+    }
+    starts.push_back(rows);
+  }
+  int64_t rows() const { return starts.back(); }
+  int64_t segment_of(int64_t n) const {
+    int64_t s = 0;
+    while (n >= starts[s + 1]) ++s;
+    return s;
+  }
+  const uint8_t* row(int64_t s, int64_t n) const { return data[s] + (n - starts[s]) * row_bytes[s]; }
+};
+
+// ------------------------------------------------------------------------------------------------------
+// Few rows: int8 activations, VNNI dot products.
+// ------------------------------------------------------------------------------------------------------
+#if KVSERVE_HAS_VNNI
+constexpr int64_t kGemvTile = 4;  // activation rows per pass over a weight row
+constexpr int64_t kMaxChunks = 1024;  // the few-row path's widest input: 32K values
+
+// x rows quantised per chunk of 32: q = round(x / scale), scale = max|x| / 127. Per chunk also: sums, the
+// negated sums of q over each half of 16 in lanes 0 and 4 of 8 (a symmetric format's offset enters the
+// integer dot product through them), and scale * sum(q) (what an asymmetric format's offset multiplies).
+struct QuantizedActivations {
+  std::vector<int8_t> q;
+  std::vector<int32_t> neg_half_sums;  // [M, chunks, 8]
+  std::vector<float> scale, scaled_sums;
+  int64_t chunks;
+
+  QuantizedActivations(const at::BFloat16* x, int64_t M, int64_t K)
+      : q(M * K), neg_half_sums(M * K / 4, 0), scale(M * (K / 32)), scaled_sums(M * (K / 32)), chunks(K / 32) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const at::BFloat16* xc = x + m * K + 32 * c;
+        const __m512 a = load16(xc), b = load16(xc + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        int8_t* dst = q.data() + m * K + 32 * c;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+        const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
+        const int64_t i = m * chunks + c;
+        scale[i] = d;
+        scaled_sums[i] = d * static_cast<float>(sa + sb);
+        neg_half_sums[8 * i] = -sa;
+        neg_half_sums[8 * i + 4] = -sb;
+      }
+  }
+};
+
+// out[i] = dot(weight row, activation row m0 + i) for MT rows. A first pass over the row's blocks gathers
+// each chunk's (half's) weight scale times the activation chunk's, and the asymmetric offsets' total; the
+// second runs two chunks per 512-bit dpbusd.
+template <int64_t Type, int MT>
+inline void dot_row(const uint8_t* row, const QuantizedActivations& xq, int64_t m0, int64_t K, float* out) {
+  using F = Format<Type>;
+  const int64_t chunks = xq.chunks, blocks = K / F::kValues;
+  // scales[i][S * c + h]: chunk c's (half h's) weight scale times activation row i's chunk scale.
+  constexpr int64_t S = F::kHalfScales ? 2 : 1;
+  alignas(64) float scales[MT][kMaxChunks * 2];
+  float offsets[MT] = {};
+  if constexpr (F::kChunks == 1) {
+    // Blocks of 32: sixteen blocks' fp16 scales (and offsets) at once, gathered at the block stride.
+    const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(static_cast<int>(F::kBytes)));
+    for (int64_t c0 = 0; c0 < chunks; c0 += 16) {
+      const __mmask16 live = static_cast<__mmask16>(chunks - c0 >= 16 ? 0xFFFF : (1u << (chunks - c0)) - 1);
+      const uint8_t* base = row + c0 * F::kBytes;
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, stride, base, 1)));
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (!F::kSymmetric)
+        m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, stride, base + 2, 1)));
+      for (int i = 0; i < MT; ++i) {
+        const int64_t r = (m0 + i) * chunks + c0;
+        _mm512_mask_storeu_ps(scales[i] + c0, live, _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xq.scale.data() + r)));
+        if constexpr (!F::kSymmetric)
+          offsets[i] += _mm512_reduce_add_ps(_mm512_mul_ps(m, _mm512_maskz_loadu_ps(live, xq.scaled_sums.data() + r)));
+      }
+    }
+  } else {
+    float d[16], m[8];
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      F::scales(row + blk * F::kBytes, d, m);
+      for (int64_t j = 0; j < F::kChunks; ++j) {
+        const int64_t c = blk * F::kChunks + j;
+        for (int i = 0; i < MT; ++i) {
+          const int64_t r = (m0 + i) * chunks + c;
+          for (int64_t h = 0; h < S; ++h) scales[i][S * c + h] = d[2 * j + h] * xq.scale[r];
+          if constexpr (!F::kSymmetric) offsets[i] += m[j] * xq.scaled_sums[r];
+        }
+      }
+    }
+  }
+  // The scales of a chunk pair over its 16 dot lanes: S == 2, lanes 4h .. 4h + 3 <- element h of 4; S == 1,
+  // lanes 8h .. 8h + 7 <- element h of 2.
+  const __m512i spread = S == 2 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  auto pair_scales = [&](const float* p) {
+    if constexpr (S == 2) return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(p)));
+    else return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)))));
+  };
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  auto chunk_at = [&](int64_t c) { return F::bytes(row + (c / F::kChunks) * F::kBytes, c % F::kChunks); };
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(chunk_at(c)), chunk_at(c + 1), 1);
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) {
+      const int64_t r = (m0 + i) * chunks + c;
+      __m512i init = _mm512_setzero_si512();
+      if constexpr (F::kSymmetric)
+        init = _mm512_slli_epi32(_mm512_loadu_si512(xq.neg_half_sums.data() + 8 * r), F::kOffsetShift);
+      const __m512i dot = _mm512_dpbusd_epi32(init, q, _mm512_loadu_si512(xq.q.data() + (m0 + i) * K + 32 * c));
+      const __m512 scale = pair_scales(scales[i] + S * c);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+    }
+  }
+  for (; c < chunks; ++c) {  // an odd last chunk
+    const __m512i q = _mm512_castsi256_si512(chunk_at(c));
+    for (int i = 0; i < MT; ++i) {
+      const int64_t r = (m0 + i) * chunks + c;
+      __m512i init = _mm512_setzero_si512();
+      if constexpr (F::kSymmetric)
+        init = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(0xFF, xq.neg_half_sums.data() + 8 * r), F::kOffsetShift);
+      const __m512i xv = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq.q.data() + (m0 + i) * K + 32 * c);
+      const __m512i dot = _mm512_dpbusd_epi32(init, q, xv);
+      const __m512 scale = _mm512_permutexvar_ps(
+          spread, _mm512_castps128_ps512(_mm_setr_ps(scales[i][S * c], scales[i][S * c + S - 1], 0.f, 0.f)));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + offsets[i];
+}
+
+void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const at::BFloat16* bias, at::BFloat16* out) {
+  const int64_t K = w.K, N = w.rows();
+  const QuantizedActivations xq(x, M, K);
+  parallel_range(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float res[kGemvTile];
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t s = w.segment_of(n);
+      const uint8_t* row = w.row(s, n);
+      with_type(w.types[s], [&](auto tag) {
+    constexpr int64_t Type = decltype(tag)::value;
+        for (int64_t m0 = 0; m0 < M; m0 += kGemvTile) {
+          const int64_t mt = std::min<int64_t>(kGemvTile, M - m0);
+          switch (mt) {
+            case 1: dot_row<Type, 1>(row, xq, m0, K, res); break;
+            case 2: dot_row<Type, 2>(row, xq, m0, K, res); break;
+            case 3: dot_row<Type, 3>(row, xq, m0, K, res); break;
+            default: dot_row<Type, 4>(row, xq, m0, K, res); break;
+          }
+          for (int64_t i = 0; i < mt; ++i)
+            out[(m0 + i) * N + n] = at::BFloat16(res[i] + (bias ? static_cast<float>(bias[n]) : 0.f));
+        }
+      });
+    }
+  });
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------------
+// Many rows: weight panels dequantised to bf16, multiplied on the AMX tiles (or by torch).
+// ------------------------------------------------------------------------------------------------------
+constexpr int64_t kPanelRows = 32;
+
+// Rows of the panel: panel row r holds global weight row row_of(r) (-1: zeros, past the end).
+template <typename RowOf>
+void fill_panel(const Segments& w, const RowOf& row_of, int64_t rows, at::BFloat16* panel) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = row_of(r);
+    if (n < 0) {
+      std::memset(panel + r * w.K, 0, w.K * sizeof(at::BFloat16));
+      continue;
+    }
+    const int64_t s = w.segment_of(n);
+    dequantize_row_bf16(w.types[s], w.row(s, n), w.K, panel + r * w.K);
+  }
+}
+
+// Output column n of panel row r for the plain projection, and the gate row of the fused gate/up one: the
+// panel holds gate rows j0..j0+15 in its first half and the matching up rows in its second.
+struct PanelRows {
+  int64_t N;      // weight rows
+  bool silu_mul;  // [gate | up]: panel p covers gate and up rows of output columns 16p .. 16p + 15
+  int64_t panels() const { return silu_mul ? (N / 2 + 15) / 16 : (N + kPanelRows - 1) / kPanelRows; }
+  int64_t row_of(int64_t p, int64_t r) const {
+    if (!silu_mul) {
+      const int64_t n = p * kPanelRows + r;
+      return n < N ? n : -1;
+    }
+    const int64_t j = p * 16 + r % 16;
+    return j < N / 2 ? j + (r < 16 ? 0 : N / 2) : -1;
+  }
+};
+
+inline float silu_rounded(float gate) {
+  gate = round_bf16(gate);
+  return round_bf16(gate / (1.f + std::exp(-gate)));
+}
+
+#if KVSERVE_HAS_AMX
+// x [M, K] -> [M16, K/32, 16, 32]: per block of 16 rows and 32 columns, the tile layout of the B operand
+// (per column pair p, the 16 rows' (x[m][2p], x[m][2p+1])); rows past M are zeros.
+std::vector<uint16_t> pack_activations(const at::BFloat16* x, int64_t M, int64_t K) {
+  const int64_t MB = (M + 15) / 16, KB = K / 32;
+  std::vector<uint16_t> packed(MB * KB * 512, 0);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+  parallel_range(0, MB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t mb = b0; mb < b1; ++mb)
+      for (int64_t m = 0; m < 16 && mb * 16 + m < M; ++m)
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          uint16_t* tile = packed.data() + (mb * KB + kb) * 512;
+          const uint16_t* src = xs + (mb * 16 + m) * K + kb * 32;
+          for (int64_t p = 0; p < 16; ++p) {
+            tile[(p * 16 + m) * 2] = src[2 * p];
+            tile[(p * 16 + m) * 2 + 1] = src[2 * p + 1];
+          }
+        }
+  });
+  return packed;
+}
+
+void matmul_panels_amx(const at::BFloat16* x, int64_t M, const Segments& w, const PanelRows& layout,
+                       const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+  TORCH_CHECK(request_amx(), "quant_linear: the kernel did not grant AMX");
+  const int64_t K = w.K, KB = K / 32, MB = (M + 15) / 16;
+  const std::vector<uint16_t> xp = pack_activations(x, M, K);
+  parallel_claim(layout.panels(), [&](auto&& claim) {
+    std::vector<at::BFloat16> panel(kPanelRows * K);
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    asm volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+    alignas(64) float acc[4][256];
+    for (int64_t p; (p = claim()) >= 0;) {
+      fill_panel(w, [&](int64_t r) { return layout.row_of(p, r); }, kPanelRows, panel.data());
+      const at::BFloat16* a0 = panel.data();
+      const at::BFloat16* a1 = panel.data() + 16 * K;
+      for (int64_t mb = 0; mb < MB; mb += 2) {
+        const int64_t mb1 = std::min(mb + 1, MB - 1);
+        _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          _tile_loadd(0, a0 + kb * 32, K * 2);
+          _tile_loadd(1, a1 + kb * 32, K * 2);
+          _tile_loadd(6, xp.data() + (mb * KB + kb) * 512, 64);
+          _tile_loadd(7, xp.data() + (mb1 * KB + kb) * 512, 64);
+          _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 1, 6);
+          _tile_dpbf16ps(4, 0, 7); _tile_dpbf16ps(5, 1, 7);
+        }
+        // acc[0]: panel rows 0-15 x m-block mb; [1]: rows 16-31 x mb; [2], [3]: the same for mb1.
+        _tile_stored(2, acc[0], 64); _tile_stored(3, acc[1], 64);
+        _tile_stored(4, acc[2], 64); _tile_stored(5, acc[3], 64);
+        for (int64_t half = 0; half < (mb1 > mb ? 2 : 1); ++half) {
+          const float* lo = acc[2 * half];
+          const float* hi = acc[2 * half + 1];
+          for (int64_t i = 0; i < 16; ++i) {
+            const int64_t m = (mb + half) * 16 + i;
+            if (m >= M) break;
+            at::BFloat16* dst = out + m * ld;
+            if (layout.silu_mul) {
+              for (int64_t r = 0; r < 16; ++r) {
+                const int64_t j = p * 16 + r;
+                if (j >= layout.N / 2) break;
+                dst[j] = at::BFloat16(silu_rounded(lo[r * 16 + i]) * round_bf16(hi[r * 16 + i]));
+              }
+              continue;
+            }
+            for (int64_t r = 0; r < kPanelRows; ++r) {
+              const int64_t n = layout.row_of(p, r);
+              if (n < 0) break;
+              const float v = (r < 16 ? lo[r * 16 + i] : hi[(r - 16) * 16 + i]);
+              dst[n] = at::BFloat16(v + (bias ? static_cast<float>(bias[n]) : 0.f));
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Without AMX: panels of weight rows dequantised, then torch's matmul.
+void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows& layout, const at::Tensor& bias,
+                         const at::Tensor& out) {
+  const int64_t K = w.K;
+  const int64_t group = std::max<int64_t>(1, 2048 / kPanelRows);  // panels dequantised per matmul
+  const int64_t panels = layout.panels();
+  for (int64_t p0 = 0; p0 < panels; p0 += group) {
+    const int64_t np = std::min(group, panels - p0);
+    at::Tensor weights = at::empty({np * kPanelRows, K}, x.options());
+    at::BFloat16* wp = weights.data_ptr<at::BFloat16>();
+    parallel_range(0, np, 1, [&](int64_t a, int64_t b) {
+      for (int64_t p = a; p < b; ++p)
+        fill_panel(w, [&](int64_t r) { return layout.row_of(p0 + p, r); }, kPanelRows, wp + p * kPanelRows * K);
+    });
+    const at::Tensor y = at::matmul(x, weights.t()).view({x.size(0), np, kPanelRows});  // [M, np, 32]
+    if (layout.silu_mul) {
+      const int64_t j0 = p0 * 16, width = std::min<int64_t>(np * 16, layout.N / 2 - j0);
+      const at::Tensor gate = y.narrow(2, 0, 16).reshape({x.size(0), np * 16}).narrow(1, 0, width);
+      const at::Tensor up = y.narrow(2, 16, 16).reshape({x.size(0), np * 16}).narrow(1, 0, width);
+      out.narrow(1, j0, width).copy_((at::silu(gate) * up));
+      continue;
+    }
+    const int64_t n0 = p0 * kPanelRows, width = std::min<int64_t>(np * kPanelRows, layout.N - n0);
+    at::Tensor part = y.reshape({x.size(0), np * kPanelRows}).narrow(1, 0, width);
+    if (bias.defined()) part = part + bias.narrow(0, n0, width);
+    out.narrow(1, n0, width).copy_(part);
+  }
+}
+
+at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArrayRef types, int64_t cols,
+                         const c10::optional<at::Tensor>& bias_in, bool fused_silu, int64_t gemv_max_rows,
+                         const char* op) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, op, ": bf16 activations only");
+  const Segments w(data, types, cols, op);
+  const int64_t K = cols, N = w.rows();
+  TORCH_CHECK(x_in.size(-1) == K, op, ": inner dimensions differ (", x_in.size(-1), " vs ", K, ")");
+  TORCH_CHECK(!fused_silu || N % 2 == 0, op, ": a [gate | up] weight has an even number of rows");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0), width = fused_silu ? N / 2 : N;
+  auto out_sizes = x_in.sizes().vec();
+  out_sizes.back() = width;
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(!fused_silu, op, ": no bias on a fused gate/up weight");
+    TORCH_CHECK(bias_in->scalar_type() == at::kBFloat16 && bias_in->numel() == N, op, ": the bias must be bf16 with ",
+                N, " values");
+    bias = bias_in->contiguous();
+  }
+  const at::BFloat16* bp = bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr;
+  at::Tensor out = at::empty({M, width}, x.options());
+  if (M == 0) return out.view(out_sizes);
+#if KVSERVE_HAS_VNNI
+  if (M <= gemv_max_rows && K / 32 <= kMaxChunks) {
+    if (!fused_silu) {
+      gemv_quantized(x.data_ptr<at::BFloat16>(), M, w, bp, out.data_ptr<at::BFloat16>());
+      return out.view(out_sizes);
+    }
+    at::Tensor gate_up = at::empty({M, N}, x.options());
+    gemv_quantized(x.data_ptr<at::BFloat16>(), M, w, nullptr, gate_up.data_ptr<at::BFloat16>());
+    return silu_mul(gate_up).view(out_sizes);
+  }
+#endif
+  const PanelRows layout{N, fused_silu};
+#if KVSERVE_HAS_AMX
+  if (request_amx()) {
+    matmul_panels_amx(x.data_ptr<at::BFloat16>(), M, w, layout, bp, out.data_ptr<at::BFloat16>(), width);
+    return out.view(out_sizes);
+  }
+#endif
+  matmul_panels_torch(x, w, layout, bias, out);
+  return out.view(out_sizes);
+}
+
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
+                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
+  return quant_forward(x, data, types, cols, bias, false, gemv_max_rows, "quant_linear");
+}
+
+at::Tensor quant_linear_silu_mul(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
+                                 int64_t gemv_max_rows) {
+  return quant_forward(x, data, types, cols, c10::nullopt, true, gemv_max_rows, "quant_linear_silu_mul");
+}
+
+// Rows `rows` (int64) of one quantised segment [N, row_bytes] as `dtype` (float32 or bf16) [len(rows), cols].
+at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, const at::Tensor& rows,
+                            at::ScalarType dtype) {
+  const Segments w({data}, {type}, cols, "quant_dequantize");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: float32 or bf16 out");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "quant_dequantize: rows must be int64 [R]");
+  const at::Tensor ids = rows.contiguous();
+  const int64_t R = ids.size(0), N = w.rows();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < N, "quant_dequantize: row ", id[r], " of ", N);
+  at::Tensor out = at::empty({R, cols}, data.options().dtype(dtype));
+  parallel_range(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (dtype == at::kFloat)
+        dequantize_row(type, w.row(0, id[r]), cols, out.data_ptr<float>() + r * cols);
+      else
+        dequantize_row_bf16(type, w.row(0, id[r]), cols, out.data_ptr<at::BFloat16>() + r * cols);
+    }
+  });
+  return out;
+}
+
+bool has_quantized_gemv() { return KVSERVE_HAS_VNNI; }
+
+}  // namespace kvserve
