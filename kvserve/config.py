@@ -16,6 +16,7 @@ from kvserve.arch import ArchConfig as ArchConfig  # re-exported: the model desc
 from kvserve.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["gguf", "none"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -82,6 +83,10 @@ class ModelConfig:
     pull: bool = setting(False, "download a known model named by --model into the model store if it is not "
                                 "there yet (`kvserve models pull`)")
     dtype: DType = setting("bfloat16", "dtype of the weights, the activations and the KV cache")
+    quantization: Quantization = setting(
+        "gguf", "how a quantised GGUF file's weights run: gguf keeps its projection and embedding matrices in "
+                "their blocks where the backend has kernels for their types (the rest is dequantised to --dtype); "
+                "none dequantises every weight to --dtype at load")
     device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
     max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "
                                               "context length, capped by the KV pool)")

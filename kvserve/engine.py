@@ -90,8 +90,11 @@ class Engine:
         t0 = time.perf_counter()
         self.backend = select_backend(self.device, self.dtype, self.arch, mc.cpu_kernels, config.backend)
         self.model = build_model(self.arch, self.dtype, self.device, self.backend)
-        self.model.load_weights(iter_weights(self.model_path, self.arch, self.dtype, show_progress=mc.show_progress))
-        logger.info("loaded %s (%s) in %.1fs", self.model_path.name, self.arch.architecture, time.perf_counter() - t0)
+        quantized_types = self.backend.quantized_types if mc.quantization == "gguf" else frozenset()
+        self.model.load_weights(iter_weights(self.model_path, self.arch, self.dtype, show_progress=mc.show_progress,
+                                             quantized_types=quantized_types))
+        logger.info("loaded %s (%s) in %.1fs; weights: %s", self.model_path.name, self.arch.architecture,
+                    time.perf_counter() - t0, self.model.weight_summary())
 
         cc = config.cache
         num_blocks = num_blocks_for(self.arch, cc, self.dtype)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import ArchConfig
 from kvserve.model.backends.base import AttentionMetadata, Backend, PagedAttention
@@ -71,7 +70,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        hidden = self.ops.embedding(input_ids, self.embed_tokens) * self.embed_scale
         global_cos, global_sin = self.rotary.lookup(positions)
         local_cos, local_sin = self.local_rotary.lookup(positions)
         residual: torch.Tensor | None = None

@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
@@ -19,6 +18,7 @@ from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.mlp import FeedForward, GatedMLP, Take
 from kvserve.model.moe import MoeMLP
 from kvserve.model.ops import ModelOps
+from kvserve.model.quantized import QuantizedWeight, Weight, concat_rows, type_name
 
 
 class DecoderLayer:
@@ -26,9 +26,9 @@ class DecoderLayer:
         self.arch = arch
         self.attention = attention
         self.ops = ops
-        self.qkv_weight: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+        self.qkv_weight: Weight  # [q_size + 2 * kv_size, hidden]
         self.qkv_bias: torch.Tensor | None = None
-        self.o_weight: torch.Tensor  # [hidden, q_size]
+        self.o_weight: Weight  # [hidden, q_size]
         self.q_norm: torch.Tensor | None = None  # [head_dim]
         self.k_norm: torch.Tensor | None = None
         self.mlp: FeedForward  # dense (GatedMLP) or mixture of experts (MoeMLP)
@@ -81,9 +81,9 @@ class LlamaForCausalLM:
         # One attention object per layer: what a kernel keeps across steps is that layer's own.
         self.layers = [self.make_layer(i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
-        self.embed_tokens: torch.Tensor  # [vocab, hidden]
+        self.embed_tokens: Weight  # [vocab, hidden]
         self.final_norm: torch.Tensor
-        self.lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+        self.lm_head: Weight  # [vocab, hidden]; the embedding itself when tied
         # Decode steps' layers in one call where the backend has one (set once the weights are prepared).
         self.fused_decode: FusedDecode | None = None
         # Entered around each step's forward and sampling (the backend's, set once the weights are prepared).
@@ -99,7 +99,7 @@ class LlamaForCausalLM:
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.ops.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.lookup(positions)
         if self.fused_decode is not None and self.fused_decode.accepts(hidden, meta):
             last_hidden, last_residual = self.fused_decode(hidden, cos, sin, meta, kv_caches)
@@ -118,14 +118,15 @@ class LlamaForCausalLM:
         return self.ops.linear(x, self.lm_head, None)
 
     # --- weights --------------------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take tensors under Hugging Face names; fuse Q/K/V and gate/up; check nothing is missing."""
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        """Take tensors under Hugging Face names; fuse Q/K/V and gate/up; check nothing is missing. Quantised
+        weights (model/quantized.py) stay as they come: the backend's ops run them."""
         arch = self.arch
-        parts: dict[str, torch.Tensor] = {}
+        parts: dict[str, Weight] = {}
         for name, tensor in weights:
-            parts[name] = tensor.to(device=self.device, dtype=self.dtype)
+            parts[name] = tensor.to(device=self.device, dtype=self.dtype) if isinstance(tensor, torch.Tensor) else tensor
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             try:
                 return parts.pop(name)
             except KeyError:
@@ -141,8 +142,8 @@ class LlamaForCausalLM:
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            layer.qkv_weight = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
-                                          take(attn + "v_proj.weight")]).contiguous()
+            layer.qkv_weight = concat_rows([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                            take(attn + "v_proj.weight")])
             if arch.qkv_bias:
                 layer.qkv_bias = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"),
                                             take(attn + "v_proj.bias")]).contiguous()
@@ -171,12 +172,28 @@ class LlamaForCausalLM:
             return MoeMLP.load(self.arch, self.ops, prefix, take)
         return GatedMLP.load(self.ops, prefix, take)
 
-    @property
-    def num_parameters(self) -> int:
+    def weights(self) -> list[Weight]:
+        """Every weight the model holds, each once."""
         tensors = [self.embed_tokens, self.final_norm]
         if self.lm_head is not self.embed_tokens:
             tensors.append(self.lm_head)
         for layer in self.layers:
             tensors += [layer.qkv_weight, layer.o_weight, *layer.mlp.tensors(), layer.input_norm,
                         layer.post_attention_norm]
-        return sum(t.numel() for t in tensors)
+        return tensors
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.weights())
+
+    def weight_summary(self) -> str:
+        """What the weights are held as and how many bytes they take (before any kernel's packed copies),
+        for the start-up log: "412.3 MiB; 97 matrices in GGUF blocks (Q5_0, Q6_K, Q8_0), the rest bfloat16"."""
+        weights = self.weights()
+        quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+        nbytes = sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in weights)
+        dtype = str(self.dtype).removeprefix("torch.")
+        if not quantized:
+            return f"{nbytes / 2**20:.1f} MiB, all {dtype}"
+        types = sorted({type_name(t) for w in quantized for t in w.types})
+        return f"{nbytes / 2**20:.1f} MiB; {len(quantized)} matrices in GGUF blocks ({', '.join(types)}), the rest {dtype}"

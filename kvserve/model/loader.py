@@ -2,9 +2,10 @@
 
 Two formats:
 
-- **GGUF** (one file). The header and the architecture come from ``kvserve.formats.gguf``; tensor
-  bytes are dequantised here by ``gguf.quants.dequantize``, so every type the ``gguf`` package can
-  dequantise is supported.
+- **GGUF** (one file). The header and the architecture come from ``kvserve.formats.gguf``. A projection
+  or embedding matrix in a type the backend runs packed stays in its blocks (``model/quantized.py``);
+  every other tensor is dequantised here by ``gguf.quants.dequantize``, so every type the ``gguf``
+  package can dequantise is supported.
 - **Hugging Face directories**: ``config.json`` (read by ``kvserve.formats.hf_config``) plus
   ``*.safetensors``.
 
@@ -33,6 +34,7 @@ from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.formats.gguf import GGUFHeader, GGUFTensorInfo, arch_from_gguf, read_gguf_header
 from kvserve.formats.hf_config import arch_from_hf_config, read_hf_json, rope_parameters
+from kvserve.model.quantized import QuantizedWeight, Weight
 from kvserve.model_store import ModelStore, known_model, pull_command
 from kvserve.model_store.catalog import SMOLLM2_135M
 
@@ -294,18 +296,34 @@ def weight_names(arch: ArchConfig) -> list[str]:
 
 
 def iter_weights(
-    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool = True,
+    quantized_types: frozenset[int] = frozenset(),
+) -> Iterator[tuple[str, Weight]]:
     """Yield ``(hf_name, tensor)`` for every name in ``weight_names(arch)``, converted to ``dtype``.
 
-    Matrices are [out_features, in_features] as in torch. Missing tensors raise ``ModelLoadError``
-    before anything is yielded.
+    Matrices are [out_features, in_features] as in torch. A GGUF projection or embedding matrix whose type
+    is in ``quantized_types`` comes as a ``QuantizedWeight`` instead, its blocks as in the file. Missing
+    tensors raise ``ModelLoadError`` before anything is yielded.
     """
     path = Path(path)
     if path.is_dir():
         yield from _iter_safetensors(path, arch, dtype, show_progress)
     else:
-        yield from _iter_gguf(path, arch, dtype, show_progress)
+        yield from _iter_gguf(path, arch, dtype, show_progress, quantized_types)
+
+
+# The matrices a model multiplies through its backend's projections (or looks rows up in): the ones that may
+# stay quantised. A mixture of experts' MLP weights are dequantised (its experts run on torch's matmul).
+_PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                        "up_proj.weight", "down_proj.weight")
+
+
+def _may_stay_quantized(name: str, arch: ArchConfig) -> bool:
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return True
+    if arch.is_moe and ".mlp." in name:
+        return False
+    return name.endswith(_PROJECTION_SUFFIXES)
 
 
 def _progress(total: int, desc: str, show_progress: bool) -> tqdm:
@@ -315,8 +333,8 @@ def _progress(total: int, desc: str, show_progress: bool) -> tqdm:
 
 
 def _iter_gguf(
-    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool, quantized_types: frozenset[int]
+) -> Iterator[tuple[str, Weight]]:
     header = read_gguf_header(path)
     by_hf_name: dict[str, GGUFTensorInfo] = {}
     expert_of: dict[str, int] = {}  # a name's index in its stacked [n_expert, ...] tensor
@@ -344,6 +362,10 @@ def _iter_gguf(
     try:
         for name in names:
             info = by_hf_name[name]
+            if info.ggml_type in quantized_types and name not in expert_of and _may_stay_quantized(name, arch):
+                yield name, _quantized(path, info, data, arch, name, unpermute)
+                progress.update(1)
+                continue
             if name in expert_of:
                 if stacked is None or stacked[0] != info.name:
                     stacked = (info.name, _dequantize(path, info, data))
@@ -363,15 +385,31 @@ def _iter_gguf(
         del data
 
 
-def _dequantize(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
-    """A tensor's bytes as a writable float32 array of ``info.shape``."""
-    qtype = GGMLQuantizationType(info.ggml_type)
+def _tensor_rows(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
+    """A tensor's bytes as [rows, bytes_per_row] (a view of the file)."""
     raw = data[info.offset : info.offset + info.num_bytes]
     if len(raw) != info.num_bytes:  # the header check makes this unreachable unless the file shrank
         raise ModelLoadError(f"GGUF file {path} is truncated inside tensor {info.name!r}")
     num_rows = int(np.prod(info.shape[:-1], dtype=np.int64))
-    # [num_rows, bytes_per_row] -> [num_rows, row_length]
-    rows = np.asarray(raw).reshape(num_rows, info.num_bytes // max(num_rows, 1))
+    return np.asarray(raw).reshape(num_rows, info.num_bytes // max(num_rows, 1))
+
+
+def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchConfig, name: str,
+               unpermute: bool) -> QuantizedWeight:
+    """A matrix's blocks as they are in the file (its rows put back in Hugging Face's order where the
+    converter permuted them): a copy, so the model never holds the file's mapping."""
+    rows = _tensor_rows(path, info, data)
+    if unpermute and ".self_attn.q_proj." in name:
+        rows = _unpermute_rope(rows, arch.num_heads)
+    elif unpermute and ".self_attn.k_proj." in name:
+        rows = _unpermute_rope(rows, arch.num_kv_heads)
+    return QuantizedWeight.from_blocks(info.ggml_type, rows, info.shape[-1])
+
+
+def _dequantize(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
+    """A tensor's bytes as a writable float32 array of ``info.shape``."""
+    qtype = GGMLQuantizationType(info.ggml_type)
+    rows = _tensor_rows(path, info, data)  # [num_rows, bytes_per_row] -> [num_rows, row_length] below
     try:
         if qtype == GGMLQuantizationType.F64:
             values = rows.view(np.float64).astype(np.float32)

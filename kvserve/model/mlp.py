@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.ops import ModelOps
+from kvserve.model.quantized import Weight, concat_rows
 
-Take = Callable[[str], torch.Tensor]
+Take = Callable[[str], Weight]
 
 
 class FeedForward(Protocol):
@@ -35,7 +36,7 @@ class FeedForward(Protocol):
 class GatedMLP:
     """down(silu(gate(x)) * up(x)), gate and up fused into one [2 * intermediate, hidden] weight."""
 
-    def __init__(self, ops: ModelOps, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
+    def __init__(self, ops: ModelOps, gate_up_weight: Weight, down_weight: Weight) -> None:
         self.ops = ops
         self.gate_up_weight = gate_up_weight  # [2 * intermediate, hidden]
         self.down_weight = down_weight  # [hidden, intermediate]
@@ -43,8 +44,8 @@ class GatedMLP:
     @classmethod
     def load(cls, ops: ModelOps, prefix: str, take: Take) -> Self:
         """From ``{prefix}gate_proj.weight``, ``up_proj`` and ``down_proj``."""
-        gate_up = torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")]).contiguous()
-        return cls(ops, gate_up, take(prefix + "down_proj.weight").contiguous())
+        gate_up = concat_rows([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")])
+        return cls(ops, gate_up, take(prefix + "down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(self.ops.gate_up_silu(x, self.gate_up_weight), self.down_weight, None)
@@ -53,7 +54,7 @@ class GatedMLP:
         self.ops.prepare_gate_up(self.gate_up_weight)
         self.ops.prepare_weight(self.down_weight)
 
-    def tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[Weight]:
         return [self.gate_up_weight, self.down_weight]
 
 

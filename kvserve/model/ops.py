@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers import apply_rotary, rms_norm
+from kvserve.model.quantized import Weight
 
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Linear = Callable[[torch.Tensor, Weight, torch.Tensor | None], torch.Tensor]
 # (x, residual or None, weight, eps) -> (rms_norm(x + residual) * weight, x + residual)
 AddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
@@ -30,7 +31,7 @@ def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _nothing_to_prepare(weight: torch.Tensor) -> None:
+def _nothing_to_prepare(weight: Weight) -> None:
     return None
 
 
@@ -38,19 +39,21 @@ def _nothing_to_prepare(weight: torch.Tensor) -> None:
 class ModelOps:
     """The functions a model's layers call; the defaults are the torch reference versions."""
 
-    linear: Linear = F.linear
+    linear: Linear = F.linear  # type: ignore[assignment]  # dense weights only: see model/quantized.py
+    # (token ids [T], the embedding table) -> its rows [T, hidden]
+    embedding: Callable[[torch.Tensor, Weight], torch.Tensor] = F.embedding  # type: ignore[assignment]
     add_rms_norm: AddRmsNorm = torch_add_rms_norm
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
     # (x [T, H, D], cos [T, 1, D], signed_sin [T, 1, D]) -> rotated x
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
     # Called once per projection weight after loading (a kernel may keep its own layout of it).
-    prepare_weight: Callable[[torch.Tensor], None] = _nothing_to_prepare
+    prepare_weight: Callable[[Weight], None] = _nothing_to_prepare
     # (x, fused [gate | up] weight) -> silu(gate) * up in one kernel; None: silu_mul(linear(x, weight)).
-    fused_gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    fused_gate_up_silu: Callable[[torch.Tensor, Weight], torch.Tensor] | None = None
     # Called once per fused gate/up weight after loading, instead of prepare_weight.
-    prepare_gate_up: Callable[[torch.Tensor], None] = _nothing_to_prepare
+    prepare_gate_up: Callable[[Weight], None] = _nothing_to_prepare
 
-    def gate_up_silu(self, x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    def gate_up_silu(self, x: torch.Tensor, gate_up_weight: Weight) -> torch.Tensor:
         if self.fused_gate_up_silu is not None:
             return self.fused_gate_up_silu(x, gate_up_weight)
         return self.silu_mul(self.linear(x, gate_up_weight, None))

@@ -171,6 +171,9 @@ class Backend(Protocol):
     description: str  # the name and what it picked, for the log
     ops: ModelOps
     argmax: ArgMax | None  # None: torch's
+    # The GGML types whose weights ``ops`` runs in their blocks (model/quantized.py); the loader dequantises
+    # every other type. Empty: every weight is dequantised at load.
+    quantized_types: frozenset[int]
 
     def build_metadata(self, rows: StepRows) -> AttentionMetadata:
         """This step's layout for this backend's attention (called once per step that writes KV)."""

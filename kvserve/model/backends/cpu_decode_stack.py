@@ -54,11 +54,11 @@ class FusedDecodeStack:
         for layer in layers:
             weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.mlp.down_weight}
             for name, weight in weights.items():
-                found = linear.packed.get(weight.data_ptr())
+                found = linear.packed_for(weight)
                 if found is None:
                     return None
                 packed[name].append(found)
-            interleaved = gate_up.packed.get(layer.mlp.gate_up_weight.data_ptr())
+            interleaved = gate_up.packed_for(layer.mlp.gate_up_weight)
             if interleaved is None:
                 return None
             packed["gate_up"].append(interleaved)

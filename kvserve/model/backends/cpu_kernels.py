@@ -31,6 +31,7 @@ from kvserve.model.backends.cpu_decode_stack import FusedDecodeStack
 from kvserve.model.backends.cpu_ops import build_cpu_ops
 from kvserve.model.backends.layout import prefill_spans, shared_prefix_blocks, split_decodes, window_layout
 from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope
+from kvserve.model.quantized import KERNEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,10 @@ PREFIX_KEY_STEP = 32
 # Head sizes the paged decode kernel has a vectorised path for (csrc/attention.cpp; any other size takes its
 # portable loop).
 VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
+
+# Inputs of at most this many rows take the quantised weights' int8 dot products, wider ones their
+# dequantised panels (benchmarks/quantized.py).
+QUANTIZED_GEMV_MAX_ROWS = 4
 
 Family = Literal["amx", "avx512"]
 
@@ -54,6 +59,9 @@ class KernelPlan:
     fused_decode: bool  # decode steps' layers in one C++ call (when every weight packs)
     # Projections and attention both on the AVX-512 kernels: they carry a step's heavy ops.
     avx512_carries_step: bool
+    # GGUF-quantised weights run in their blocks, inputs of at most this many rows on the int8 dot products
+    # (0: none, every width on the dequantised panels); None: quantised weights are dequantised at load.
+    quantized_gemv_max_rows: int | None = None
     # What each part that stays off the kernels gets instead, and why ("torch prefill attention: head size
     # 80 has no many-row kernel"), in the order of the description; empty when every part has its kernel.
     fallbacks: tuple[str, ...] = ()
@@ -66,6 +74,9 @@ class KernelPlan:
         parts.append(f"{self.attention} attention" if self.attention else "decode-kernel attention")
         if self.fused_decode:
             parts.append("fused decode stack")
+        if self.quantized_gemv_max_rows is not None:
+            parts.append("quantised weights packed" + (f" (int8 dot products up to {self.quantized_gemv_max_rows} rows)"
+                                                        if self.quantized_gemv_max_rows else ""))
         text = ", ".join(parts)
         return f"{text}; fell back: {'; '.join(self.fallbacks)}" if self.fallbacks else text
 
@@ -112,8 +123,19 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
                else f"head size {head_dim} has no many-row kernel" if attention is None
                else "a mixture of experts (its routing runs on the host)")
         fallbacks.append(f"no fused decode stack: {why}")
+    # Quantised weights: the dequantising panels need AVX-512 to keep up with bf16 weights; the int8 dot
+    # products need AVX512-VNNI. Measured in benchmarks/quantized.py: the dot products win up to a few rows.
+    quantized_gemv_max_rows: int | None = None
+    if not bf16:
+        fallbacks.append(f"quantised weights dequantised at load: {dtype_name} model (those kernels take bf16)")
+    elif not kernels.avx512:
+        fallbacks.append("quantised weights dequantised at load: no AVX-512 on this CPU")
+    else:
+        quantized_gemv_max_rows = QUANTIZED_GEMV_MAX_ROWS if kernels.quantized_gemv else 0
+        if not kernels.quantized_gemv:
+            fallbacks.append("quantised decode on dequantised panels: no AVX512-VNNI on this CPU")
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
-                      fused_decode=fused_decode,
+                      fused_decode=fused_decode, quantized_gemv_max_rows=quantized_gemv_max_rows,
                       avx512_carries_step=projections == "avx512" and attention == "avx512" and gemv_max_rows == 0,
                       fallbacks=tuple(fallbacks))
 
@@ -127,7 +149,8 @@ class CpuKernelsBackend:
         self.device = device
         self.config = config
         self.description = f"{self.name} ({plan.description})"
-        cpu_ops = build_cpu_ops(plan.projections, plan.gemv_max_rows, plan.elementwise)
+        cpu_ops = build_cpu_ops(plan.projections, plan.gemv_max_rows, plan.elementwise, plan.quantized_gemv_max_rows)
+        self.quantized_types = KERNEL_TYPES if plan.quantized_gemv_max_rows is not None else frozenset()
         self.ops = cpu_ops.ops
         self._packed_linear, self._packed_gate_up = cpu_ops.packed_linear, cpu_ops.packed_gate_up
         # torch's argmax walks a bf16 row one element at a time; the kernel takes bf16 and float32.
@@ -152,7 +175,7 @@ class CpuKernelsBackend:
                                        single_row_gemv=self.plan.gemv_max_rows == 1)
         if stack is None:
             # Decided at load, after the start-up line that named the stack: say that it is off after all.
-            logger.info("no fused decode stack: a projection weight did not pack for the AMX kernels")
+            logger.info("no fused decode stack: a projection weight is quantised or did not pack for the AMX kernels")
         else:
             self._carries_step = True
         return stack

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.ops import Linear, ModelOps
+from kvserve.model.quantized import QuantizedWeight, Weight
 
 
 class DecodeRows:
@@ -80,6 +81,10 @@ class PackedLinear:
         if weight.dtype == torch.bfloat16 and rows % 16 == 0 and depth % self.kernels.depth_multiple == 0:
             self.packed.setdefault(weight.data_ptr(), self.kernels.pack(weight))
 
+    def packed_for(self, weight: Weight) -> torch.Tensor | None:
+        """The packed copy of a dense weight; None for one it did not pack (or a quantised one)."""
+        return self.packed.get(weight.data_ptr()) if type(weight) is not QuantizedWeight else None
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed.get(weight.data_ptr())
         if packed is None or x.dtype != torch.bfloat16:
@@ -115,11 +120,61 @@ class PackedGateUpSilu:
         elif self.prepare_fallback is not None:
             self.prepare_fallback(weight)
 
+    def packed_for(self, weight: Weight) -> torch.Tensor | None:
+        """The interleaved packed copy of a dense [gate | up] weight; None if it has none."""
+        return self.packed.get(weight.data_ptr()) if type(weight) is not QuantizedWeight else None
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         packed = self.packed.get(weight.data_ptr())
         if packed is None or x.dtype != torch.bfloat16 or x.shape[0] < self.min_rows:
             return self.fallback(x, weight)
         return self.kernels.linear_silu_mul(x, packed)
+
+
+class QuantizedKernels:
+    """Projections, the MLP's fused gate/up and embedding lookups on GGUF-quantised weights
+    (``QuantizedWeight``, csrc/quantized.cpp), each wrapped around the dense op that takes every other
+    weight. Inputs of at most ``gemv_max_rows`` rows take the int8 VNNI dot products (where the CPU has
+    them), wider ones the weight dequantised panel by panel onto the AMX tiles (or torch's matmul)."""
+
+    def __init__(self, gemv_max_rows: int) -> None:
+        self.gemv_max_rows = gemv_max_rows
+
+    def linear(self, dense: Linear) -> Linear:
+        kernel, rows = torch.ops.kvserve.quant_linear, self.gemv_max_rows
+
+        def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+            if type(weight) is QuantizedWeight:
+                return kernel(x, weight.data, weight.types, weight.cols, bias, rows)
+            return dense(x, weight, bias)
+        return linear
+
+    def gate_up_silu(self, dense: Callable[[torch.Tensor, Weight], torch.Tensor]
+                     ) -> Callable[[torch.Tensor, Weight], torch.Tensor]:
+        kernel, rows = torch.ops.kvserve.quant_linear_silu_mul, self.gemv_max_rows
+
+        def gate_up_silu(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+            if type(weight) is QuantizedWeight:
+                return kernel(x, weight.data, weight.types, weight.cols, rows)
+            return dense(x, weight)
+        return gate_up_silu
+
+    @staticmethod
+    def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
+        if type(table) is QuantizedWeight:
+            (segment,) = table.segments  # the loader keeps a table in one segment
+            return torch.ops.kvserve.quant_dequantize(segment.data, segment.ggml_type, table.cols, ids.reshape(-1),
+                                                      torch.bfloat16).view(*ids.shape, table.cols)
+        return F.embedding(ids, table)  # type: ignore[arg-type]
+
+    @staticmethod
+    def dense_only(prepare: Callable[[torch.Tensor], None]) -> Callable[[Weight], None]:
+        """A dense kernel's prepare hook, which a quantised weight skips (its kernels read the blocks as
+        they are)."""
+        def prepare_dense(weight: Weight) -> None:
+            if type(weight) is not QuantizedWeight:
+                prepare(weight)  # type: ignore[arg-type]
+        return prepare_dense
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +186,26 @@ class CpuOps:
     packed_gate_up: PackedGateUpSilu | None = None
 
 
-def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:
+def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool,
+                  quantized_gemv_max_rows: int | None = None) -> CpuOps:
     """The ops for a plan: ``projections`` names the packed family ("amx", "avx512" or None: torch's
-    linear), inputs of at most ``gemv_max_rows`` rows take the BF16 GEMV (0: none), and ``elementwise``
-    puts the norms, SiLU-and-multiply and rotary on the kernels (a bf16 model)."""
+    linear), inputs of at most ``gemv_max_rows`` rows take the BF16 GEMV (0: none), ``elementwise``
+    puts the norms, SiLU-and-multiply and rotary on the kernels (a bf16 model), and
+    ``quantized_gemv_max_rows`` (None: no quantised weights) is the few-row limit of the quantised kernels."""
+    ops = _build_dense_ops(projections, gemv_max_rows, elementwise)
+    if quantized_gemv_max_rows is None:
+        return ops
+    quantized = QuantizedKernels(quantized_gemv_max_rows)
+    dense = ops.ops
+    gate_up = quantized.gate_up_silu(dense.fused_gate_up_silu) if dense.fused_gate_up_silu is not None else None
+    return CpuOps(ModelOps(linear=quantized.linear(dense.linear), embedding=quantized.embedding,
+                           add_rms_norm=dense.add_rms_norm, silu_mul=dense.silu_mul, rotary=dense.rotary,
+                           prepare_weight=quantized.dense_only(dense.prepare_weight), fused_gate_up_silu=gate_up,
+                           prepare_gate_up=quantized.dense_only(dense.prepare_gate_up)),
+                  ops.packed_linear, ops.packed_gate_up)
+
+
+def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:
     if not elementwise:
         return CpuOps(ModelOps())
     family = {"amx": PackedKernels.amx, "avx512": PackedKernels.avx512}[projections]() if projections else None

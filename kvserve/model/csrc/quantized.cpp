@@ -79,9 +79,32 @@ struct ChunkScales {
   float m[2];
 };
 
+// The formats with blocks of 32 are held planar (model/quantized.py lays them out at load): per row of nb
+// blocks, every block's fp16 scale, then (Q4_1, Q5_1) every offset, then (Q5_0, Q5_1) every 32-bit high-bit
+// word, then every block's quants (16 bytes of nibbles, or Q8_0's 32 signed bytes). The same bytes as the
+// file's, so that a chunk pair's quants, or sixteen chunks' scales, are one contiguous load. The K-quants
+// keep the file's super-blocks.
+struct Planes {
+  const uint8_t* d;
+  const uint8_t* m;
+  const uint8_t* qh;
+  const uint8_t* qs;
+};
+
+inline Planes planes_of(int64_t type, const uint8_t* row, int64_t K) {
+  const int64_t nb = K / 32;
+  const bool offsets = type == kQ4_1 || type == kQ5_1, high = type == kQ5_0 || type == kQ5_1;
+  Planes p{row, nullptr, nullptr, nullptr};
+  const uint8_t* at = row + 2 * nb;
+  if (offsets) { p.m = at; at += 2 * nb; }
+  if (high) { p.qh = at; at += 4 * nb; }
+  p.qs = at;
+  return p;
+}
+
 // Chunk c of a row: its scales, and (bytes != nullptr) its 32 unsigned weight bytes. Scalar, every format;
 // the vector decoders below must agree with it (the tests compare both against gguf's own dequantiser).
-ChunkScales decode_chunk_scalar(int64_t type, const uint8_t* row, int64_t c, uint8_t* bytes) {
+ChunkScales decode_chunk_scalar(int64_t type, const uint8_t* row, int64_t K, int64_t c, uint8_t* bytes) {
   ChunkScales s{};
   auto nibbles = [&](const uint8_t* qs, const uint8_t* high_bits) {  // 16 bytes: low nibbles, then high
     uint32_t qh = 0;
@@ -92,25 +115,18 @@ ChunkScales decode_chunk_scalar(int64_t type, const uint8_t* row, int64_t c, uin
     }
   };
   switch (type) {
-    case kQ4_0: case kQ5_0: case kQ8_0: {
-      const int64_t size = type == kQ4_0 ? 18 : type == kQ5_0 ? 22 : 34;
-      const uint8_t* b = row + c * size;
-      const float d = half_at(b);
-      const float offset = type == kQ4_0 ? -8.f : type == kQ5_0 ? -16.f : -128.f;
-      s = {{d, d}, {offset * d, offset * d}};
+    case kQ4_0: case kQ5_0: case kQ8_0: case kQ4_1: case kQ5_1: {
+      const Planes p = planes_of(type, row, K);
+      const float d = half_at(p.d + 2 * c);
+      const float offset = type == kQ4_0 ? -8.f * d : type == kQ5_0 ? -16.f * d : type == kQ8_0 ? -128.f * d
+                                                                                 : half_at(p.m + 2 * c);
+      s = {{d, d}, {offset, offset}};
       if (!bytes) break;
       if (type == kQ8_0) {
-        for (int i = 0; i < 32; ++i) bytes[i] = static_cast<uint8_t>(b[2 + i] ^ 0x80);
+        for (int i = 0; i < 32; ++i) bytes[i] = static_cast<uint8_t>(p.qs[32 * c + i] ^ 0x80);
       } else {
-        nibbles(type == kQ4_0 ? b + 2 : b + 6, type == kQ5_0 ? b + 2 : nullptr);
+        nibbles(p.qs + 16 * c, p.qh ? p.qh + 4 * c : nullptr);
       }
-      break;
-    }
-    case kQ4_1: case kQ5_1: {
-      const uint8_t* b = row + c * (type == kQ4_1 ? 20 : 24);
-      const float d = half_at(b), m = half_at(b + 2);
-      s = {{d, d}, {m, m}};
-      if (bytes) nibbles(type == kQ4_1 ? b + 4 : b + 8, type == kQ5_1 ? b + 4 : nullptr);
       break;
     }
     case kQ4_K: case kQ5_K: {
@@ -153,28 +169,20 @@ inline float half_bits(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-// One format, vectorised, a block at a time: its chunks' scales, and a chunk's 32 weight bytes. A
-// symmetric format's offset is -2^kOffsetShift * d (the few-row path applies it in the integer dot
-// product); the others carry an offset per chunk.
+// One format, vectorised: its chunks' scales, and the weight bytes of one chunk (32) or of a chunk pair
+// (64, chunks c and c + 1 for an even c). A symmetric format's offset is -2^kOffsetShift * d (the few-row
+// path applies it in the integer dot product); the others carry an offset per chunk.
 template <int64_t Type>
 struct Format {
-  static constexpr int64_t kValues = (Type == kQ4_K || Type == kQ5_K || Type == kQ6_K) ? 256 : 32;
-  static constexpr int64_t kChunks = kValues / 32;
-  static constexpr int64_t kBytes = Type == kQ4_0 ? 18 : Type == kQ4_1 ? 20 : Type == kQ5_0 ? 22
-                                  : Type == kQ5_1 ? 24 : Type == kQ8_0 ? 34 : Type == kQ4_K ? 144
-                                  : Type == kQ5_K ? 176 : 210;
+  static constexpr bool kSuper = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;  // super-blocks of 256
+  static constexpr int64_t kBytes = Type == kQ4_K ? 144 : Type == kQ5_K ? 176 : 210;  // per super-block
   static constexpr bool kSymmetric = Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0 || Type == kQ6_K;
   static constexpr int kOffsetShift = Type == kQ4_0 ? 3 : Type == kQ5_0 ? 4 : Type == kQ8_0 ? 7 : 5;
   static constexpr bool kHalfScales = Type == kQ6_K;  // a scale per half of 16 (else one per chunk)
 
-  // d[2 * j + h]: chunk j's scale for half h; m[j]: chunk j's offset (asymmetric formats).
-  static inline void scales(const uint8_t* b, float* d, float* m) {
-    if constexpr (Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0) {
-      d[0] = d[1] = half_bits(b);
-    } else if constexpr (Type == kQ4_1 || Type == kQ5_1) {
-      d[0] = d[1] = half_bits(b);
-      m[0] = half_bits(b + 2);
-    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+  // A super-block's d[2 * j + h]: chunk j's scale for half h; m[j]: chunk j's offset (Q4_K, Q5_K).
+  static inline void super_scales(const uint8_t* b, float* d, float* m) {
+    if constexpr (Type == kQ4_K || Type == kQ5_K) {
       const float dd = half_bits(b), dmin = half_bits(b + 2);
       for (int64_t j = 0; j < 8; ++j) {
         int scale, min;
@@ -191,60 +199,122 @@ struct Format {
       }
     }
   }
-  static inline float offset(const float* d, const float* m, int64_t j, int64_t h) {
-    if constexpr (kSymmetric) return -static_cast<float>(1 << kOffsetShift) * d[2 * j + h];
-    else return m[j];
-  }
 
-  static inline __m256i bytes(const uint8_t* b, int64_t j) {
+  // 32 weight bytes of chunk c.
+  static inline __m256i bytes(const uint8_t* row, int64_t K, int64_t c) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    auto split = [&](const uint8_t* qs) {  // 16 bytes -> their low nibbles, then their high nibbles
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-    };
-    if constexpr (Type == kQ4_0) {
-      return split(b + 2);
-    } else if constexpr (Type == kQ4_1) {
-      return split(b + 4);
-    } else if constexpr (Type == kQ5_0 || Type == kQ5_1) {
-      uint32_t qh;
-      std::memcpy(&qh, b + (Type == kQ5_0 ? 2 : 4), 4);
-      return _mm256_or_si256(split(b + (Type == kQ5_0 ? 6 : 8)), _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
-    } else if constexpr (Type == kQ8_0) {
-      return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
-                              _mm256_set1_epi8(static_cast<char>(0x80)));
-    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
-      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
-      __m256i q = _mm256_and_si256(j % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
-      if constexpr (Type == kQ5_K) {
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(j)), _mm256_set1_epi8(1));
-        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    if constexpr (!kSuper) {
+      const Planes p = planes_of(Type, row, K);
+      if constexpr (Type == kQ8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 32 * c)),
+                                _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.qs + 16 * c));
+      __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+      if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+        uint32_t qh;
+        std::memcpy(&qh, p.qh + 4 * c, 4);
+        q = _mm256_or_si256(q, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
       }
       return q;
-    } else {  // Q6_K
-      const int64_t n = j / 4, k = j % 4;
-      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (k % 2)));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
-      const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(2 * k)), _mm256_set1_epi8(3));
-      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    } else {
+      const int64_t j = c % 8;
+      const uint8_t* b = row + (c / 8) * kBytes;
+      if constexpr (Type == kQ4_K || Type == kQ5_K) {
+        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
+        __m256i q = _mm256_and_si256(j % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
+        if constexpr (Type == kQ5_K) {
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(j)), _mm256_set1_epi8(1));
+          q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+        }
+        return q;
+      } else {  // Q6_K
+        const int64_t n = j / 4, k = j % 4;
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (k % 2)));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+        const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(2 * k)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+      }
+    }
+  }
+
+  // 64 weight bytes of chunks c and c + 1 (c even): each format's pair is one or two contiguous loads.
+  static inline __m512i pair_bytes(const uint8_t* row, int64_t K, int64_t c) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    // 128-bit lanes [a, a, b, b] of a 256-bit v = [a, b], the odd lanes' 16-bit words shifted right by 4:
+    // the low then the high nibbles of each half of v.
+    auto nibble_halves = [&](__m256i v) {
+      const __m512i wide = _mm512_castsi256_si512(v);
+      const __m512i lanes = _mm512_shuffle_i64x2(wide, wide, _MM_SHUFFLE(1, 1, 0, 0));
+      return _mm512_and_si512(_mm512_mask_srli_epi16(lanes, 0xFF00FF00u, lanes, 4), low4);
+    };
+    // [v, v] with the upper copy's 16-bit words shifted right by `upper`: two chunks from one plane.
+    auto twice = [](__m256i v, unsigned lower, unsigned upper) {
+      const __m512i wide = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+      return _mm512_srlv_epi16(wide, _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(lower)),
+                                                        _mm256_set1_epi16(static_cast<short>(upper)), 1));
+    };
+    if constexpr (!kSuper) {
+      const Planes p = planes_of(Type, row, K);
+      if constexpr (Type == kQ8_0)
+        return _mm512_xor_si512(_mm512_loadu_si512(p.qs + 32 * c), _mm512_set1_epi8(static_cast<char>(0x80)));
+      __m512i q = nibble_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 16 * c)));
+      if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+        uint64_t qh;
+        std::memcpy(&qh, p.qh + 4 * c, 8);
+        q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(qh, _mm512_set1_epi8(0x10)));
+      }
+      return q;
+    } else {
+      const int64_t j = c % 8;
+      const uint8_t* b = row + (c / 8) * kBytes;
+      if constexpr (Type == kQ4_K || Type == kQ5_K) {
+        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
+        __m512i q = _mm512_and_si512(twice(qs, 0, 4), low4);
+        if constexpr (Type == kQ5_K) {
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const __m512i bits = _mm512_and_si512(twice(qh, j, j + 1), _mm512_set1_epi8(1));
+          q = _mm512_or_si512(q, _mm512_slli_epi16(bits, 4));
+        }
+        return q;
+      } else {  // Q6_K: chunks 4n + k and 4n + k + 1, k even
+        const int64_t n = j / 4, k = j % 4;
+        __m512i lo = _mm512_loadu_si512(b + 64 * n);
+        if (k == 2) lo = _mm512_srli_epi16(lo, 4);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+        const __m512i hi = _mm512_and_si512(twice(qh, 2 * k, 2 * k + 2), _mm512_set1_epi8(3));
+        return _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_slli_epi16(hi, 4));
+      }
     }
   }
 
   // The row's K values, a chunk of 32 at a time, handed to store(chunk, first 16, last 16) as floats.
   template <typename Store>
   static inline void for_each_chunk(const uint8_t* row, int64_t K, const Store& store) {
-    float d[16], m[8];
-    for (int64_t blk = 0; blk < K / kValues; ++blk) {
-      const uint8_t* b = row + blk * kBytes;
-      scales(b, d, m);
-      for (int64_t j = 0; j < kChunks; ++j) {
-        const __m256i q = bytes(b, j);
-        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
-        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
-        store(blk * kChunks + j, _mm512_fmadd_ps(q0, _mm512_set1_ps(d[2 * j]), _mm512_set1_ps(offset(d, m, j, 0))),
-              _mm512_fmadd_ps(q1, _mm512_set1_ps(d[2 * j + 1]), _mm512_set1_ps(offset(d, m, j, 1))));
+    auto emit = [&](int64_t c, float d0, float d1, float m0, float m1) {
+      const __m256i q = bytes(row, K, c);
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+      store(c, _mm512_fmadd_ps(q0, _mm512_set1_ps(d0), _mm512_set1_ps(m0)),
+            _mm512_fmadd_ps(q1, _mm512_set1_ps(d1), _mm512_set1_ps(m1)));
+    };
+    const float shift = -static_cast<float>(1 << kOffsetShift);
+    if constexpr (!kSuper) {
+      const Planes p = planes_of(Type, row, K);
+      for (int64_t c = 0; c < K / 32; ++c) {
+        const float d = half_bits(p.d + 2 * c);
+        const float m = kSymmetric ? shift * d : half_bits(p.m + 2 * c);
+        emit(c, d, d, m, m);
+      }
+    } else {
+      float d[16], m[8];
+      for (int64_t blk = 0; blk < K / 256; ++blk) {
+        super_scales(row + blk * kBytes, d, m);
+        for (int64_t j = 0; j < 8; ++j) {
+          if constexpr (kSymmetric) emit(8 * blk + j, d[2 * j], d[2 * j + 1], shift * d[2 * j], shift * d[2 * j + 1]);
+          else emit(8 * blk + j, d[2 * j], d[2 * j + 1], m[j], m[j]);
+        }
       }
     }
   }
@@ -281,29 +351,29 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 #else
   uint8_t q[32];
   for (int64_t c = 0; c < chunks; ++c) {
-    const ChunkScales s = decode_chunk_scalar(type, row, c, q);
+    const ChunkScales s = decode_chunk_scalar(type, row, K, c, q);
     for (int i = 0; i < 32; ++i) out[32 * c + i] = s.d[i / 16] * q[i] + s.m[i / 16];
   }
 #endif
 }
 
-// One row of K weights as bf16.
-void dequantize_row_bf16(int64_t type, const uint8_t* row, int64_t K, at::BFloat16* out) {
+// One row of K weights as bf16, its chunk c of 32 at out + c * chunk_stride (32: contiguous).
+void dequantize_row_bf16(int64_t type, const uint8_t* row, int64_t K, at::BFloat16* out, int64_t chunk_stride = 32) {
 #if KVSERVE_HAS_AVX512
   with_type(type, [&](auto tag) {
     Format<decltype(tag)::value>::for_each_chunk(row, K, [&](int64_t c, __m512 lo, __m512 hi) {
 #if KVSERVE_HAS_AVX512_BF16
-      _mm512_storeu_si512(out + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(out + chunk_stride * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 #else
-      store16_bf16(out + 32 * c, lo);
-      store16_bf16(out + 32 * c + 16, hi);
+      store16_bf16(out + chunk_stride * c, lo);
+      store16_bf16(out + chunk_stride * c + 16, hi);
 #endif
     });
   });
 #else
   std::vector<float> values(K);
   dequantize_row(type, row, K, values.data());
-  for (int64_t k = 0; k < K; ++k) out[k] = at::BFloat16(values[k]);
+  for (int64_t k = 0; k < K; ++k) out[k / 32 * chunk_stride + k % 32] = at::BFloat16(values[k]);
 #endif
 }
 
@@ -388,24 +458,19 @@ struct QuantizedActivations {
 template <int64_t Type, int MT>
 inline void dot_row(const uint8_t* row, const QuantizedActivations& xq, int64_t m0, int64_t K, float* out) {
   using F = Format<Type>;
-  const int64_t chunks = xq.chunks, blocks = K / F::kValues;
+  const int64_t chunks = xq.chunks;
   // scales[i][S * c + h]: chunk c's (half h's) weight scale times activation row i's chunk scale.
   constexpr int64_t S = F::kHalfScales ? 2 : 1;
   alignas(64) float scales[MT][kMaxChunks * 2];
   float offsets[MT] = {};
-  if constexpr (F::kChunks == 1) {
-    // Blocks of 32: sixteen blocks' fp16 scales (and offsets) at once, gathered at the block stride.
-    const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(static_cast<int>(F::kBytes)));
+  if constexpr (!F::kSuper) {
+    // Blocks of 32: sixteen blocks' fp16 scales (and offsets) in one load from their plane.
+    const Planes p = planes_of(Type, row, K);
     for (int64_t c0 = 0; c0 < chunks; c0 += 16) {
       const __mmask16 live = static_cast<__mmask16>(chunks - c0 >= 16 ? 0xFFFF : (1u << (chunks - c0)) - 1);
-      const uint8_t* base = row + c0 * F::kBytes;
-      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, stride, base, 1)));
+      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.d + 2 * c0));
       __m512 m = _mm512_setzero_ps();
-      if constexpr (!F::kSymmetric)
-        m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, stride, base + 2, 1)));
+      if constexpr (!F::kSymmetric) m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.m + 2 * c0));
       for (int i = 0; i < MT; ++i) {
         const int64_t r = (m0 + i) * chunks + c0;
         _mm512_mask_storeu_ps(scales[i] + c0, live, _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xq.scale.data() + r)));
@@ -415,10 +480,10 @@ inline void dot_row(const uint8_t* row, const QuantizedActivations& xq, int64_t 
     }
   } else {
     float d[16], m[8];
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      F::scales(row + blk * F::kBytes, d, m);
-      for (int64_t j = 0; j < F::kChunks; ++j) {
-        const int64_t c = blk * F::kChunks + j;
+    for (int64_t blk = 0; blk < K / 256; ++blk) {
+      F::super_scales(row + blk * F::kBytes, d, m);
+      for (int64_t j = 0; j < 8; ++j) {
+        const int64_t c = blk * 8 + j;
         for (int i = 0; i < MT; ++i) {
           const int64_t r = (m0 + i) * chunks + c;
           for (int64_t h = 0; h < S; ++h) scales[i][S * c + h] = d[2 * j + h] * xq.scale[r];
@@ -437,10 +502,9 @@ inline void dot_row(const uint8_t* row, const QuantizedActivations& xq, int64_t 
   };
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  auto chunk_at = [&](int64_t c) { return F::bytes(row + (c / F::kChunks) * F::kBytes, c % F::kChunks); };
   int64_t c = 0;
   for (; c + 2 <= chunks; c += 2) {
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(chunk_at(c)), chunk_at(c + 1), 1);
+    const __m512i q = F::pair_bytes(row, K, c);
 #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) {
       const int64_t r = (m0 + i) * chunks + c;
@@ -453,7 +517,7 @@ inline void dot_row(const uint8_t* row, const QuantizedActivations& xq, int64_t 
     }
   }
   for (; c < chunks; ++c) {  // an odd last chunk
-    const __m512i q = _mm512_castsi256_si512(chunk_at(c));
+    const __m512i q = _mm512_castsi256_si512(F::bytes(row, K, c));
     for (int i = 0; i < MT; ++i) {
       const int64_t r = (m0 + i) * chunks + c;
       __m512i init = _mm512_setzero_si512();
@@ -500,18 +564,25 @@ void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const a
 // Many rows: weight panels dequantised to bf16, multiplied on the AMX tiles (or by torch).
 // ------------------------------------------------------------------------------------------------------
 constexpr int64_t kPanelRows = 32;
+constexpr int64_t kPanelBytesPerTask = 768 * 1024;  // a task's dequantised panels, beside its x slice in L2
+constexpr int64_t kDepthTiles = 9;
 
-// Rows of the panel: panel row r holds global weight row row_of(r) (-1: zeros, past the end).
+// Rows of the panel: panel row r holds global weight row row_of(r) (-1: zeros, past the end). tiled: the
+// panel is [K / 32][rows][32], so that 16 rows of a 32-column block are one contiguous 1 KB tile; else
+// [rows][K].
 template <typename RowOf>
-void fill_panel(const Segments& w, const RowOf& row_of, int64_t rows, at::BFloat16* panel) {
+void fill_panel(const Segments& w, const RowOf& row_of, int64_t rows, at::BFloat16* panel, bool tiled) {
+  const int64_t K = w.K;
   for (int64_t r = 0; r < rows; ++r) {
+    at::BFloat16* dst = tiled ? panel + r * 32 : panel + r * K;
+    const int64_t stride = tiled ? rows * 32 : 32;
     const int64_t n = row_of(r);
     if (n < 0) {
-      std::memset(panel + r * w.K, 0, w.K * sizeof(at::BFloat16));
+      for (int64_t c = 0; c < K / 32; ++c) std::memset(dst + c * stride, 0, 32 * sizeof(at::BFloat16));
       continue;
     }
     const int64_t s = w.segment_of(n);
-    dequantize_row_bf16(w.types[s], w.row(s, n), w.K, panel + r * w.K);
+    dequantize_row_bf16(w.types[s], w.row(s, n), K, dst, stride);
   }
 }
 
@@ -531,11 +602,6 @@ struct PanelRows {
   }
 };
 
-inline float silu_rounded(float gate) {
-  gate = round_bf16(gate);
-  return round_bf16(gate / (1.f + std::exp(-gate)));
-}
-
 #if KVSERVE_HAS_AMX
 // x [M, K] -> [M16, K/32, 16, 32]: per block of 16 rows and 32 columns, the tile layout of the B operand
 // (per column pair p, the 16 rows' (x[m][2p], x[m][2p+1])); rows past M are zeros.
@@ -544,18 +610,48 @@ std::vector<uint16_t> pack_activations(const at::BFloat16* x, int64_t M, int64_t
   std::vector<uint16_t> packed(MB * KB * 512, 0);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
   parallel_range(0, MB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t mb = b0; mb < b1; ++mb)
-      for (int64_t m = 0; m < 16 && mb * 16 + m < M; ++m)
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          uint16_t* tile = packed.data() + (mb * KB + kb) * 512;
-          const uint16_t* src = xs + (mb * 16 + m) * K + kb * 32;
-          for (int64_t p = 0; p < 16; ++p) {
-            tile[(p * 16 + m) * 2] = src[2 * p];
-            tile[(p * 16 + m) * 2 + 1] = src[2 * p + 1];
-          }
-        }
+    for (int64_t mb = b0; mb < b1; ++mb) {
+      const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        __m512i pairs[16];  // row m's 16 column pairs of this block; transposed, the tile's 16 pair rows
+        for (int64_t m = 0; m < 16; ++m)
+          pairs[m] = m < rows ? _mm512_loadu_si512(xs + (mb * 16 + m) * K + kb * 32) : _mm512_setzero_si512();
+        transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(packed.data() + (mb * KB + kb) * 512));
+      }
+    }
   });
   return packed;
+}
+
+// Output rows m0 .. m0 + rows - 1 of panel p from its accumulators, transposed: lo[i * 16 + r] is row m0 + i
+// of panel row r, hi of panel row 16 + r. Plain: columns 32p .. (+ bias); fused gate/up: columns 16p ..,
+// silu(gate) * up rounded at every step as the unfused projection and silu_mul round.
+void write_panel(const float* lo, const float* hi, int64_t rows, int64_t m0, int64_t p, const PanelRows& layout,
+                 const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+  auto mask_of = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
+  if (layout.silu_mul) {
+    const int64_t j0 = p * 16;
+    const __mmask16 live = mask_of(layout.N / 2 - j0);
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 gate = round16_bf16(_mm512_load_ps(lo + 16 * i));
+      const __m512 up = round16_bf16(_mm512_load_ps(hi + 16 * i));
+      const __m512 act = round16_bf16(_mm512_div_ps(
+          gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+      _mm256_mask_storeu_epi16(out + (m0 + i) * ld + j0, live, cvt16_bf16(_mm512_mul_ps(act, up)));
+    }
+    return;
+  }
+  const int64_t n0 = p * kPanelRows;
+  const __mmask16 live_lo = mask_of(layout.N - n0), live_hi = mask_of(layout.N - n0 - 16);
+  const __m512 bias_lo = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_maskz_loadu_epi16(live_lo, bias + n0)), 16)) : _mm512_setzero_ps();
+  const __m512 bias_hi = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_maskz_loadu_epi16(live_hi, bias + n0 + 16)), 16)) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < rows; ++i) {
+    at::BFloat16* dst = out + (m0 + i) * ld + n0;
+    _mm256_mask_storeu_epi16(dst, live_lo, cvt16_bf16(_mm512_add_ps(_mm512_load_ps(lo + 16 * i), bias_lo)));
+    if (live_hi) _mm256_mask_storeu_epi16(dst + 16, live_hi, cvt16_bf16(_mm512_add_ps(_mm512_load_ps(hi + 16 * i), bias_hi)));
+  }
 }
 
 void matmul_panels_amx(const at::BFloat16* x, int64_t M, const Segments& w, const PanelRows& layout,
@@ -563,8 +659,14 @@ void matmul_panels_amx(const at::BFloat16* x, int64_t M, const Segments& w, cons
   TORCH_CHECK(request_amx(), "quant_linear: the kernel did not grant AMX");
   const int64_t K = w.K, KB = K / 32, MB = (M + 15) / 16;
   const std::vector<uint16_t> xp = pack_activations(x, M, K);
-  parallel_claim(layout.panels(), [&](auto&& claim) {
-    std::vector<at::BFloat16> panel(kPanelRows * K);
+  // A task is a group of panels, dequantised first; the activation rows then go through 32 at a time, each
+  // slice of x read from memory once for the whole group and from L2 for its later panels (with one panel
+  // per pass, x streamed from L3 for every panel and the tile unit waited on it).
+  const int64_t panels = layout.panels(), threads = kernel_threads();
+  const int64_t group = std::clamp<int64_t>(
+      std::min<int64_t>(kPanelBytesPerTask / (kPanelRows * K * 2), (panels + 3 * threads - 1) / (3 * threads)), 1, 8);
+  parallel_claim((panels + group - 1) / group, [&](auto&& claim) {
+    std::vector<at::BFloat16> buffer(group * kPanelRows * K);
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
@@ -572,45 +674,49 @@ void matmul_panels_amx(const at::BFloat16* x, int64_t M, const Segments& w, cons
     }
     asm volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
-    alignas(64) float acc[4][256];
-    for (int64_t p; (p = claim()) >= 0;) {
-      fill_panel(w, [&](int64_t r) { return layout.row_of(p, r); }, kPanelRows, panel.data());
-      const at::BFloat16* a0 = panel.data();
-      const at::BFloat16* a1 = panel.data() + 16 * K;
+    // 64-byte aligned (the transposes read it as vectors): [group][4 tiles][256]
+    std::vector<float> partial_storage(group * 4 * 256 + 16);
+    float* const partial = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_storage.data()) + 63) & ~uintptr_t{63});
+    for (int64_t task; (task = claim()) >= 0;) {
+      const int64_t p0 = task * group, np = std::min(group, panels - p0);
+      for (int64_t g = 0; g < np; ++g)
+        fill_panel(w, [&](int64_t r) { return layout.row_of(p0 + g, r); }, kPanelRows,
+                   buffer.data() + g * kPanelRows * K, true);
       for (int64_t mb = 0; mb < MB; mb += 2) {
         const int64_t mb1 = std::min(mb + 1, MB - 1);
-        _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          _tile_loadd(0, a0 + kb * 32, K * 2);
-          _tile_loadd(1, a1 + kb * 32, K * 2);
-          _tile_loadd(6, xp.data() + (mb * KB + kb) * 512, 64);
-          _tile_loadd(7, xp.data() + (mb1 * KB + kb) * 512, 64);
-          _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 1, 6);
-          _tile_dpbf16ps(4, 0, 7); _tile_dpbf16ps(5, 1, 7);
-        }
-        // acc[0]: panel rows 0-15 x m-block mb; [1]: rows 16-31 x mb; [2], [3]: the same for mb1.
-        _tile_stored(2, acc[0], 64); _tile_stored(3, acc[1], 64);
-        _tile_stored(4, acc[2], 64); _tile_stored(5, acc[3], 64);
-        for (int64_t half = 0; half < (mb1 > mb ? 2 : 1); ++half) {
-          const float* lo = acc[2 * half];
-          const float* hi = acc[2 * half + 1];
-          for (int64_t i = 0; i < 16; ++i) {
-            const int64_t m = (mb + half) * 16 + i;
-            if (m >= M) break;
-            at::BFloat16* dst = out + m * ld;
-            if (layout.silu_mul) {
-              for (int64_t r = 0; r < 16; ++r) {
-                const int64_t j = p * 16 + r;
-                if (j >= layout.N / 2) break;
-                dst[j] = at::BFloat16(silu_rounded(lo[r * 16 + i]) * round_bf16(hi[r * 16 + i]));
-              }
-              continue;
+        // Depth blocks: the x slice of kDepthTiles k-steps (<= 18 KB) stays in L1 across the group's panels,
+        // whose accumulators wait in `partial` between blocks.
+        for (int64_t kb0 = 0; kb0 < KB; kb0 += kDepthTiles) {
+          const int64_t kb1 = std::min(KB, kb0 + kDepthTiles);
+          for (int64_t g = 0; g < np; ++g) {
+            const at::BFloat16* a0 = buffer.data() + g * kPanelRows * K;  // tile (kb, rows 0-15) at a0 + kb * 1024
+            float* part = partial + g * 4 * 256;
+            if (kb0 == 0) {
+              _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+            } else {
+              _tile_loadd(2, part, 64); _tile_loadd(3, part + 256, 64);
+              _tile_loadd(4, part + 512, 64); _tile_loadd(5, part + 768, 64);
             }
-            for (int64_t r = 0; r < kPanelRows; ++r) {
-              const int64_t n = layout.row_of(p, r);
-              if (n < 0) break;
-              const float v = (r < 16 ? lo[r * 16 + i] : hi[(r - 16) * 16 + i]);
-              dst[n] = at::BFloat16(v + (bias ? static_cast<float>(bias[n]) : 0.f));
+            for (int64_t kb = kb0; kb < kb1; ++kb) {
+              _tile_loadd(6, xp.data() + (mb * KB + kb) * 512, 64);
+              _tile_loadd(7, xp.data() + (mb1 * KB + kb) * 512, 64);
+              _tile_loadd(0, a0 + kb * kPanelRows * 32, 64);
+              _tile_loadd(1, a0 + kb * kPanelRows * 32 + 16 * 32, 64);
+              _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 1, 6);
+              _tile_dpbf16ps(4, 0, 7); _tile_dpbf16ps(5, 1, 7);
+            }
+            // part[0]: panel rows 0-15 x m-block mb; [1]: rows 16-31 x mb; [2], [3]: the same for mb1.
+            _tile_stored(2, part, 64); _tile_stored(3, part + 256, 64);
+            _tile_stored(4, part + 512, 64); _tile_stored(5, part + 768, 64);
+            if (kb1 < KB) continue;
+            for (int64_t half = 0; half < (mb1 > mb ? 2 : 1); ++half) {
+              // The tiles are [panel row][m]; transposed, a row m of the output is 16 contiguous columns each.
+              alignas(64) float lo[256], hi[256];
+              transpose16_epi32(reinterpret_cast<const __m512i*>(part + 512 * half), reinterpret_cast<uint32_t*>(lo));
+              transpose16_epi32(reinterpret_cast<const __m512i*>(part + 512 * half + 256),
+                                reinterpret_cast<uint32_t*>(hi));
+              const int64_t rows = std::min<int64_t>(16, M - (mb + half) * 16);
+              write_panel(lo, hi, rows, (mb + half) * 16, p0 + g, layout, bias, out, ld);
             }
           }
         }
@@ -633,7 +739,8 @@ void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows
     at::BFloat16* wp = weights.data_ptr<at::BFloat16>();
     parallel_range(0, np, 1, [&](int64_t a, int64_t b) {
       for (int64_t p = a; p < b; ++p)
-        fill_panel(w, [&](int64_t r) { return layout.row_of(p0 + p, r); }, kPanelRows, wp + p * kPanelRows * K);
+        fill_panel(w, [&](int64_t r) { return layout.row_of(p0 + p, r); }, kPanelRows, wp + p * kPanelRows * K,
+                   false);
     });
     const at::Tensor y = at::matmul(x, weights.t()).view({x.size(0), np, kPanelRows});  // [M, np, 32]
     if (layout.silu_mul) {

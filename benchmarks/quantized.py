@@ -1,0 +1,112 @@
+"""Quantised weights run in their GGUF blocks against the same file dequantised to bf16, and against llama.cpp.
+
+    python benchmarks/quantized.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b]
+        [--threads 2] [--prompt-len 512] [--gen-len 128] [--llama-bench /path/to/llama-bench] [--json out.json]
+
+For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF
+and thread count:
+
+- **kvserve, quantised** (``--quantization gguf``, the default) and **kvserve, bf16** (``--quantization
+  none``): single-stream prefill tokens/s (a prompt of ``--prompt-len`` random tokens, to its first token)
+  and decode tokens/s (the next ``--gen-len`` tokens), the best of ``--repeats`` runs; and the weights'
+  resident memory: the process's resident set after loading less before, less the KV pool.
+- **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench -p
+  PROMPT -n GEN -t THREADS``, which reads the file as it is.
+
+Ratios are printed per model; the machines are shared, so compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from models import _prompts, bench_llama_cpp  # benchmarks/models.py
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.loader import read_arch_config, resolve_model_path
+
+NUM_KV_BLOCKS = 96
+
+
+@dataclass
+class Row:
+    engine: str
+    model: str
+    prefill_tok_s: float
+    decode_tok_s: float
+    weight_mib: float | None  # resident weight memory; None where not measured
+    file_mib: float
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int, repeats: int) -> Row:
+    gc.collect()
+    before = _rss_bytes()
+    llm = LLM(model=name, quantization=quantization, enable_prefix_caching=False, max_num_batched_tokens=4096,
+              max_num_seqs=1, num_kv_blocks=NUM_KV_BLOCKS)
+    kv_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+    weight_mib = (_rss_bytes() - before - kv_bytes) / 2**20
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt[:32]}], SamplingParams(max_tokens=4))  # warm-up
+    prefill = decode = 0.0
+    for _ in range(repeats):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+        m = out.metrics
+        prefill = max(prefill, len(prompt) / (m.first_token_time - m.arrival_time))
+        decode = max(decode, (gen_len - 1) / (m.finished_time - m.first_token_time))
+    file_mib = resolve_model_path(name).stat().st_size / 2**20
+    del llm
+    gc.collect()
+    engine = "kvserve-gguf" if quantization == "gguf" else "kvserve-bf16"
+    return Row(engine, name, prefill, decode, weight_mib, file_mib)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--json", default=None, help="write the figures here too")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    results: list[Row] = []
+    for name in args.models.split(","):
+        path = resolve_model_path(name)
+        prompt = _prompts(read_arch_config(path).vocab_size, 1, args.prompt_len, seed=1)[0]
+        rows = [bench_kvserve(name, "gguf", prompt, args.gen_len, args.repeats),
+                bench_kvserve(name, "none", prompt, args.gen_len, args.repeats)]
+        if args.llama_bench:
+            speed = bench_llama_cpp(args.llama_bench, name, args.threads, args.prompt_len, args.gen_len)
+            rows.append(Row("llama.cpp", name, speed.prefill_tok_s, speed.decode_tok_s, None,
+                            path.stat().st_size / 2**20))
+        for row in rows:
+            memory = f"weights {row.weight_mib:7.1f} MiB (file {row.file_mib:.1f})" if row.weight_mib else ""
+            print(f"{row.model:20s} {row.engine:13s} prefill {row.prefill_tok_s:8.1f} tok/s  decode "
+                  f"{row.decode_tok_s:7.1f} tok/s  {memory}", flush=True)
+        quantized = rows[0]
+        for row in rows[1:]:
+            print(f"{'':20s} kvserve-gguf / {row.engine}: prefill {quantized.prefill_tok_s / row.prefill_tok_s:.2f}x, "
+                  f"decode {quantized.decode_tok_s / row.decode_tok_s:.2f}x", flush=True)
+        results += rows
+        time.sleep(1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
