@@ -419,6 +419,7 @@ struct Segments {
 #if KVSERVE_HAS_VNNI
 constexpr int64_t kGemvTile = 4;  // activation rows per pass over a weight row
 constexpr int64_t kMaxChunks = 1024;  // the few-row path's widest input: 32K values
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the row in hand the few-row path fetches
 
 // x rows quantised per chunk of 32: q = round(x / scale), scale = max|x| / 127. Per chunk also: sums, the
 // negated sums of q over each half of 16 in lanes 0 and 4 of 8 (a symmetric format's offset enters the
@@ -538,21 +539,30 @@ void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const a
   const QuantizedActivations xq(x, M, K);
   parallel_range(0, N, 16, [&](int64_t n0, int64_t n1) {
     float res[kGemvTile];
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t s = w.segment_of(n);
-      const uint8_t* row = w.row(s, n);
+    // Segment by segment, so that the format is dispatched once per run of rows, not per row.
+    for (int64_t s = w.segment_of(n0), n = n0; n < n1; ++s) {
+      const int64_t end = std::min(n1, w.starts[s + 1]);
+      const int64_t stride = w.row_bytes[s];
+      const int64_t ahead = std::max<int64_t>(1, (kPrefetchBytes + stride - 1) / stride);
       with_type(w.types[s], [&](auto tag) {
-    constexpr int64_t Type = decltype(tag)::value;
-        for (int64_t m0 = 0; m0 < M; m0 += kGemvTile) {
-          const int64_t mt = std::min<int64_t>(kGemvTile, M - m0);
-          switch (mt) {
-            case 1: dot_row<Type, 1>(row, xq, m0, K, res); break;
-            case 2: dot_row<Type, 2>(row, xq, m0, K, res); break;
-            case 3: dot_row<Type, 3>(row, xq, m0, K, res); break;
-            default: dot_row<Type, 4>(row, xq, m0, K, res); break;
+        constexpr int64_t Type = decltype(tag)::value;
+        for (; n < end; ++n) {
+          const uint8_t* row = w.row(s, n);
+          // The rows stream from memory (a model's weights do not fit in cache): fetch a few KB ahead
+          // while this row computes; the hardware prefetcher alone left much of the bandwidth unused.
+          if (n + ahead < end)
+            for (int64_t b = 0; b < stride; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row + ahead * stride + b), _MM_HINT_T0);
+          for (int64_t m0 = 0; m0 < M; m0 += kGemvTile) {
+            const int64_t mt = std::min<int64_t>(kGemvTile, M - m0);
+            switch (mt) {
+              case 1: dot_row<Type, 1>(row, xq, m0, K, res); break;
+              case 2: dot_row<Type, 2>(row, xq, m0, K, res); break;
+              case 3: dot_row<Type, 3>(row, xq, m0, K, res); break;
+              default: dot_row<Type, 4>(row, xq, m0, K, res); break;
+            }
+            for (int64_t i = 0; i < mt; ++i)
+              out[(m0 + i) * N + n] = at::BFloat16(res[i] + (bias ? static_cast<float>(bias[n]) : 0.f));
           }
-          for (int64_t i = 0; i < mt; ++i)
-            out[(m0 + i) * N + n] = at::BFloat16(res[i] + (bias ? static_cast<float>(bias[n]) : 0.f));
         }
       });
     }
