@@ -186,12 +186,15 @@ class LlamaForCausalLM:
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.weights())
 
+    def weight_nbytes(self) -> int:
+        """The bytes the weights are held in (before any kernel's packed copies)."""
+        return sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in self.weights())
+
     def weight_summary(self) -> str:
         """What the weights are held as and how many bytes they take (before any kernel's packed copies),
         for the start-up log: "412.3 MiB; 97 matrices in GGUF blocks (Q5_0, Q6_K, Q8_0), the rest bfloat16"."""
-        weights = self.weights()
-        quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
-        nbytes = sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in weights)
+        quantized = [w for w in self.weights() if isinstance(w, QuantizedWeight)]
+        nbytes = self.weight_nbytes()
         dtype = str(self.dtype).removeprefix("torch.")
         if not quantized:
             return f"{nbytes / 2**20:.1f} MiB, all {dtype}"

@@ -42,7 +42,7 @@ def to_planar(ggml_type: int, blocks: np.ndarray) -> np.ndarray:
     rows, width = blocks.shape
     per_block = blocks.reshape(rows, width // sum(parts), sum(parts))
     starts = np.cumsum((0, *parts))
-    return np.concatenate([per_block[:, :, a:b].reshape(rows, -1) for a, b in zip(starts, starts[1:])], axis=1)
+    return np.concatenate([per_block[:, :, a:b].reshape(rows, -1) for a, b in zip(starts[:-1], starts[1:], strict=True)], axis=1)
 
 
 def from_planar(ggml_type: int, held: np.ndarray) -> np.ndarray:
@@ -53,7 +53,7 @@ def from_planar(ggml_type: int, held: np.ndarray) -> np.ndarray:
     rows, width = held.shape
     num_blocks = width // sum(parts)
     starts = np.cumsum((0, *(p * num_blocks for p in parts)))
-    pieces = [held[:, a:b].reshape(rows, num_blocks, -1) for a, b in zip(starts, starts[1:])]
+    pieces = [held[:, a:b].reshape(rows, num_blocks, -1) for a, b in zip(starts[:-1], starts[1:], strict=True)]
     return np.concatenate(pieces, axis=2).reshape(rows, width)
 
 

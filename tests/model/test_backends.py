@@ -16,14 +16,15 @@ from kvserve.model.backends import select
 from kvserve.model.backends.base import PrefillChunk, StepRows
 from kvserve.model.backends.cpu_attention import CpuKernelPagedAttention
 from kvserve.model.backends.cpu_kernels import CpuKernelsBackend, KernelPlan, plan_kernels
-from kvserve.model.backends.cpu_ops import DecodeRows, PackedLinear
+from kvserve.model.backends.cpu_ops import DecodeRows, PackedLinear, QuantizedOrDense
 from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope, load_cpu_kernels
 from kvserve.model.ops import ModelOps
 
 CPU = torch.device("cpu")
-AMX = CpuKernels(gemv_bf16=True, amx=True, avx512=True)  # Sapphire Rapids and later
-BF16_ONLY = CpuKernels(gemv_bf16=True, amx=False, avx512=True)  # AVX512-BF16 without AMX (Cooper Lake, Zen 4)
-AVX512_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=True)  # Skylake-X, Cascade Lake
+AMX = CpuKernels(gemv_bf16=True, amx=True, avx512=True, quantized_gemv=True)  # Sapphire Rapids and later
+# AVX512-BF16 without AMX (Cooper Lake, Zen 4)
+BF16_ONLY = CpuKernels(gemv_bf16=True, amx=False, avx512=True, quantized_gemv=True)
+AVX512_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=True)  # Skylake-X (no VNNI)
 NONE = CpuKernels(gemv_bf16=False, amx=False, avx512=False)  # the kernels build, no vector extension they use
 
 
@@ -34,10 +35,10 @@ def arch(head_dim: int = 64, family: str = "llama", **extra: object) -> ArchConf
 
 
 def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=False, elementwise=True,
-         fallbacks=()) -> KernelPlan:
+         fallbacks=(), quantized: int | None = 4) -> KernelPlan:
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=elementwise,
                       attention=attention, fused_decode=fused, avx512_carries_step=avx512_carries,
-                      fallbacks=tuple(fallbacks))
+                      quantized_gemv_max_rows=quantized, fallbacks=tuple(fallbacks))
 
 
 HEAD_SIZES = (64, 128, 256)  # the many-row kernels and the fused stack take these; 80 stands for any other
@@ -46,7 +47,10 @@ WIDE_ON_TORCH = "torch projections above 4 rows: no AMX on this CPU"
 NO_VECTOR_UNITS = ("torch projections: no AVX-512 on this CPU", "torch prefill attention: no AMX or AVX-512 on this CPU")
 FLOAT32 = ("torch projections and element-wise ops: float32 model (those kernels take bf16)",
            "torch prefill attention: float32 model (the many-row kernels take bf16)",
-           "no fused decode stack: float32 model")
+           "no fused decode stack: float32 model",
+           "quantised weights dequantised at load: float32 model (those kernels take bf16)")
+NO_VNNI = "quantised decode on dequantised panels: no AVX512-VNNI on this CPU"
+QUANTIZED_DEQUANTISED = "quantised weights dequantised at load: no AVX-512 on this CPU"
 
 
 def head80(*before: str) -> tuple[str, ...]:
@@ -54,7 +58,7 @@ def head80(*before: str) -> tuple[str, ...]:
             "portable decode attention loop: head size 80 has no vectorised path")
 
 
-TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False, fallbacks=FLOAT32)
+TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False, fallbacks=FLOAT32, quantized=None)
 # Per CPU, dtype and head size: each part's kernel, and why each part without one fell back.
 EXPECTED = [
     *[(AMX, torch.bfloat16, head, plan("amx", 1, "amx", fused=True)) for head in HEAD_SIZES],
@@ -64,11 +68,13 @@ EXPECTED = [
       for head in HEAD_SIZES],
     (BF16_ONLY, torch.bfloat16, 80, plan(None, 4, None, fallbacks=(*head80(WIDE_ON_TORCH), NO_AMX_STACK))),
     *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", avx512_carries=True,
-                                                fallbacks=(NO_AMX_STACK,))) for head in HEAD_SIZES],
-    (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), NO_AMX_STACK))),
-    *[(NONE, torch.bfloat16, head, plan(None, 0, None, fallbacks=(*NO_VECTOR_UNITS, NO_AMX_STACK)))
+                                                fallbacks=(NO_AMX_STACK, NO_VNNI), quantized=0)) for head in HEAD_SIZES],
+    (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), NO_AMX_STACK, NO_VNNI), quantized=0)),
+    *[(NONE, torch.bfloat16, head, plan(None, 0, None, fallbacks=(*NO_VECTOR_UNITS, NO_AMX_STACK, QUANTIZED_DEQUANTISED),
+                                        quantized=None))
       for head in HEAD_SIZES],
-    (NONE, torch.bfloat16, 80, plan(None, 0, None, fallbacks=(NO_VECTOR_UNITS[0], *head80(), NO_AMX_STACK))),
+    (NONE, torch.bfloat16, 80, plan(None, 0, None, fallbacks=(NO_VECTOR_UNITS[0], *head80(), NO_AMX_STACK,
+                                                              QUANTIZED_DEQUANTISED), quantized=None)),
     *[(kernels, torch.float32, head_dim, TORCH_OPS_ONLY) for kernels in (AMX, BF16_ONLY, AVX512_ONLY, NONE)
       for head_dim in (64, 128)],
 ]
@@ -108,10 +114,11 @@ def test_a_head_size_without_kernels_falls_back_and_says_why(head_dim) -> None:
         f"portable decode attention loop: head size {head_dim} has no vectorised path",
         f"no fused decode stack: head size {head_dim} has no many-row kernel",
     )
-    assert got.description == ("amx projections, bf16 gemv up to 1 row, decode-kernel attention; fell back: "
-                               + "; ".join(got.fallbacks))
+    assert got.description == ("amx projections, bf16 gemv up to 1 row, decode-kernel attention, quantised weights "
+                               "packed (int8 dot products up to 4 rows); fell back: " + "; ".join(got.fallbacks))
     assert plan_kernels(AMX, torch.bfloat16, arch(128)).description == (
-        "amx projections, bf16 gemv up to 1 row, amx attention, fused decode stack")
+        "amx projections, bf16 gemv up to 1 row, amx attention, fused decode stack, quantised weights packed "
+        "(int8 dot products up to 4 rows)")
 
 
 def test_the_torch_reference_where_kernels_are_not_wanted_or_not_there(monkeypatch, caplog) -> None:
@@ -145,15 +152,20 @@ def test_select_backend_builds_what_its_plan_says(monkeypatch, caplog, kernels, 
     assert [r.getMessage() for r in caplog.records] == [f"backend: {backend.description}"]
     assert backend.argmax is torch.ops.kvserve.argmax_rows  # in any dtype
     ops = backend.ops
-    linear = ops.linear
+    linear, gate_up = ops.linear, ops.fused_gate_up_silu
+    if expected.quantized_gemv_max_rows is not None:  # the quantised kernels in front of the dense plan
+        assert isinstance(linear, QuantizedOrDense) and isinstance(gate_up, QuantizedOrDense)
+        linear, gate_up = linear.dense, gate_up.dense
     if expected.gemv_max_rows:
         assert isinstance(linear, DecodeRows) and linear.max_rows == expected.gemv_max_rows
         linear = linear.wider
     if expected.projections:
         assert isinstance(linear, PackedLinear) and linear.kernels.name == expected.projections
-        assert ops.fused_gate_up_silu.min_rows == expected.gemv_max_rows + 1  # the GEMV's rows stay on it
+        assert gate_up.min_rows == expected.gemv_max_rows + 1  # the GEMV's rows stay on it
+    elif expected.quantized_gemv_max_rows is None:
+        assert linear is F.linear and gate_up is None
     else:
-        assert linear is F.linear and ops.fused_gate_up_silu is None
+        assert linear is F.linear
     assert (ops.add_rms_norm is torch.ops.kvserve.add_rms_norm) == expected.elementwise
     attention = backend.make_attention(0)
     assert type(attention) is CpuKernelPagedAttention and attention.split_size == 64

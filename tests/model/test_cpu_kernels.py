@@ -260,8 +260,8 @@ def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
     odd = torch.randn(48, 64, dtype=torch.bfloat16) * 0.1
     ops.prepare_gate_up(packable)
     ops.prepare_gate_up(odd)
-    assert list(ops.fused_gate_up_silu.packed) == [packable.data_ptr()]
-    assert list(ops.linear.wider.packed) == [odd.data_ptr()]  # the unfused pair keeps the AMX projection
+    assert list(ops.fused_gate_up_silu.dense.packed) == [packable.data_ptr()]
+    assert list(ops.linear.dense.wider.packed) == [odd.data_ptr()]  # the unfused pair keeps the AMX projection
     for weight in (packable, odd):
         for rows in (1, 2, 200):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
@@ -274,7 +274,8 @@ def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
 def test_model_ops_take_the_avx512_kernels_at_every_width_without_bf16_instructions() -> None:
     backend = select_backend(torch.device("cpu"), torch.bfloat16, arch(), True, BackendConfig())
     ops = backend.ops
-    assert isinstance(ops.linear, PackedLinear) and ops.linear.kernels.name == "avx512"
+    linear = ops.linear.dense  # behind the quantised kernels
+    assert isinstance(linear, PackedLinear) and linear.kernels.name == "avx512"
     assert not backend.plan.fused_decode  # the fused decode stack is AMX's alone
     weight = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
     ops.prepare_weight(weight)
@@ -284,7 +285,7 @@ def test_model_ops_take_the_avx512_kernels_at_every_width_without_bf16_instructi
         torch.testing.assert_close(ops.gate_up_silu(x, weight).float(),
                                    torch_silu_mul(F.linear(x.float(), weight.float())), atol=0.05, rtol=0.02)
         assert torch.equal(ops.linear(x, weight, None), torch.ops.kvserve.avx512_linear(
-            x, ops.linear.packed[weight.data_ptr()], None))
+            x, linear.packed[weight.data_ptr()], None))
 
 
 @pytest.mark.parametrize("name", packed_families)

@@ -19,6 +19,20 @@ from kvserve.config import ArchConfig
 from kvserve.model.backends.base import DecoderWeights
 from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention
 from kvserve.model.backends.cpu_ops import PackedGateUpSilu, PackedLinear
+from kvserve.model.quantized import QuantizedWeight
+
+
+class QuantizedStackWeights:
+    """The stack's projections on GGUF-quantised weights: per layer the QKV, O, gate/up and down weights'
+    segment counts and inner sizes, and every segment's blocks and type in that order (decode_stack's
+    quant_* arguments)."""
+
+    def __init__(self, weights: list[QuantizedWeight], gemv_max_rows: int) -> None:
+        self.data = [d for w in weights for d in w.data]
+        self.types = [t for w in weights for t in w.types]
+        self.segments = [len(w.segments) for w in weights]
+        self.cols = [w.cols for w in weights]
+        self.gemv_max_rows = gemv_max_rows
 
 
 class FusedDecodeStack:
@@ -27,7 +41,8 @@ class FusedDecodeStack:
     def __init__(self, arch: ArchConfig, attentions: list[CpuKernelPagedAttention], input_norms: list[torch.Tensor],
                  post_norms: list[torch.Tensor], packed: dict[str, list[torch.Tensor]],
                  single_row_weights: list[torch.Tensor], qkv_biases: list[torch.Tensor],
-                 qk_norms: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+                 qk_norms: tuple[list[torch.Tensor], list[torch.Tensor]],
+                 quantized: QuantizedStackWeights | None = None) -> None:
         self.arch = arch
         self.attentions = attentions  # per layer: its packed shared prefix is kept there
         self.input_norms = input_norms
@@ -37,19 +52,36 @@ class FusedDecodeStack:
         self.single_row_weights = single_row_weights
         self.qkv_biases = qkv_biases  # per layer, or empty: no QKV bias
         self.q_norms, self.k_norms = qk_norms  # per layer each, or both empty: no QK-norm
+        self.quantized = quantized  # the projections on quantised weights (then `packed` lists are empty)
 
     @classmethod
     def build(cls, arch: ArchConfig, layers: Sequence[DecoderWeights], linear: PackedLinear,
-              gate_up: PackedGateUpSilu, single_row_gemv: bool) -> FusedDecodeStack | None:
+              gate_up: PackedGateUpSilu, single_row_gemv: bool,
+              quantized_gemv_max_rows: int | None = None) -> FusedDecodeStack | None:
         """The stack for these layers, whose projections the AMX kernels ``linear`` and ``gate_up`` take
-        (a single row on the GEMV when ``single_row_gemv``, as the Python layer does), or None where a
-        weight could not be packed. The backend decides that the stack applies (cpu_kernels.py's plan); a
-        mixture of experts, which the C++ stack has no routing for, gets None here too."""
+        (a single row on the GEMV when ``single_row_gemv``, as the Python layer does), or, where every
+        projection weight is GGUF-quantised and ``quantized_gemv_max_rows`` is given, the quantised kernels;
+        None where a weight could not be packed or the layers mix the two. The backend decides that the
+        stack applies (cpu_kernels.py's plan); a mixture of experts, which the C++ stack has no routing for,
+        gets None here too."""
         if arch.is_moe:
             return None
         attentions = [layer.attention for layer in layers]
         assert all(isinstance(a, CpuKernelPagedAttention) and a.amx for a in attentions)
         attentions = [a for a in attentions if isinstance(a, CpuKernelPagedAttention)]
+        biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
+        q_norms = [layer.q_norm for layer in layers if layer.q_norm is not None]
+        k_norms = [layer.k_norm for layer in layers if layer.k_norm is not None]
+        assert len(biases) in (0, len(layers)) and len(q_norms) == len(k_norms) in (0, len(layers))
+        projections = [w for layer in layers
+                       for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)]
+        quantized = [w for w in projections if isinstance(w, QuantizedWeight)]
+        if quantized:
+            if len(quantized) < len(projections) or quantized_gemv_max_rows is None:
+                return None
+            return cls(arch, attentions, [layer.input_norm for layer in layers],
+                       [layer.post_attention_norm for layer in layers], {"qkv": [], "o": [], "gate_up": [], "down": []},
+                       [], biases, (q_norms, k_norms), QuantizedStackWeights(quantized, quantized_gemv_max_rows))
         packed: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
         for layer in layers:
             weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.mlp.down_weight}
@@ -65,12 +97,12 @@ class FusedDecodeStack:
         single_row = [weight for layer in layers for weight in (
             layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
         ] if single_row_gemv else []
-        biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
-        q_norms = [layer.q_norm for layer in layers if layer.q_norm is not None]
-        k_norms = [layer.k_norm for layer in layers if layer.k_norm is not None]
-        assert len(biases) in (0, len(layers)) and len(q_norms) == len(k_norms) in (0, len(layers))
         return cls(arch, attentions, [layer.input_norm for layer in layers],
                    [layer.post_attention_norm for layer in layers], packed, single_row, biases, (q_norms, k_norms))
+
+    def _quantized_args(self) -> tuple[list[torch.Tensor], list[int], list[int], list[int], int]:
+        q = self.quantized
+        return ([], [], [], [], 0) if q is None else (q.data, q.types, q.segments, q.cols, q.gemv_max_rows)
 
     def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
         rows = hidden.shape[0]
@@ -101,7 +133,7 @@ class FusedDecodeStack:
             meta.decode_seq_lens, None if runs is None else runs.block_tables, None if runs is None else runs.kv_lens,
             None if runs is None else runs.q_starts, prefix_packed, self.single_row_weights, self.qkv_biases,
             self.q_norms, self.k_norms, arch.num_heads, arch.num_kv_heads, arch.rms_norm_eps, self.attentions[0].scale,
-            self.attentions[0].split_size,
+            self.attentions[0].split_size, *self._quantized_args(),
         )
         if runs is not None and meta.decode_prefix_key is not None:
             for i in missing:

@@ -172,10 +172,12 @@ class CpuKernelsBackend:
             return None
         assert self._packed_linear is not None and self._packed_gate_up is not None
         stack = FusedDecodeStack.build(self.arch, layers, self._packed_linear, self._packed_gate_up,
-                                       single_row_gemv=self.plan.gemv_max_rows == 1)
+                                       single_row_gemv=self.plan.gemv_max_rows == 1,
+                                       quantized_gemv_max_rows=self.plan.quantized_gemv_max_rows)
         if stack is None:
             # Decided at load, after the start-up line that named the stack: say that it is off after all.
-            logger.info("no fused decode stack: a projection weight is quantised or did not pack for the AMX kernels")
+            logger.info("no fused decode stack: a projection weight did not pack for the AMX kernels, or the layers "
+                        "mix quantised and dense projection weights")
         else:
             self._carries_step = True
         return stack

@@ -131,50 +131,49 @@ class PackedGateUpSilu:
         return self.kernels.linear_silu_mul(x, packed)
 
 
+class QuantizedOrDense:
+    """Calls ``quantized`` for a ``QuantizedWeight`` and ``dense`` for every other weight: an op of the
+    dense plan, with the quantised kernels in front of it."""
+
+    def __init__(self, quantized: Callable[..., object], dense: Callable[..., object]) -> None:
+        self.quantized = quantized
+        self.dense = dense
+
+    def __call__(self, x: object, weight: Weight, *args: object) -> object:
+        return (self.quantized if type(weight) is QuantizedWeight else self.dense)(x, weight, *args)
+
+
 class QuantizedKernels:
     """Projections, the MLP's fused gate/up and embedding lookups on GGUF-quantised weights
-    (``QuantizedWeight``, csrc/quantized.cpp), each wrapped around the dense op that takes every other
-    weight. Inputs of at most ``gemv_max_rows`` rows take the int8 VNNI dot products (where the CPU has
-    them), wider ones the weight dequantised panel by panel onto the AMX tiles (or torch's matmul)."""
+    (``QuantizedWeight``, csrc/quantized.cpp). Inputs of at most ``gemv_max_rows`` rows take the int8 VNNI
+    dot products (where the CPU has them), wider ones the weight dequantised panel by panel onto the AMX
+    tiles (or torch's matmul)."""
 
     def __init__(self, gemv_max_rows: int) -> None:
         self.gemv_max_rows = gemv_max_rows
 
-    def linear(self, dense: Linear) -> Linear:
-        kernel, rows = torch.ops.kvserve.quant_linear, self.gemv_max_rows
+    def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.kvserve.quant_linear(x, weight.data, weight.types, weight.cols, bias, self.gemv_max_rows)
 
-        def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-            if type(weight) is QuantizedWeight:
-                return kernel(x, weight.data, weight.types, weight.cols, bias, rows)
-            return dense(x, weight, bias)
-        return linear
-
-    def gate_up_silu(self, dense: Callable[[torch.Tensor, Weight], torch.Tensor]
-                     ) -> Callable[[torch.Tensor, Weight], torch.Tensor]:
-        kernel, rows = torch.ops.kvserve.quant_linear_silu_mul, self.gemv_max_rows
-
-        def gate_up_silu(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-            if type(weight) is QuantizedWeight:
-                return kernel(x, weight.data, weight.types, weight.cols, rows)
-            return dense(x, weight)
-        return gate_up_silu
+    def gate_up_silu(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        return torch.ops.kvserve.quant_linear_silu_mul(x, weight.data, weight.types, weight.cols, self.gemv_max_rows)
 
     @staticmethod
-    def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
-        if type(table) is QuantizedWeight:
-            (segment,) = table.segments  # the loader keeps a table in one segment
-            return torch.ops.kvserve.quant_dequantize(segment.data, segment.ggml_type, table.cols, ids.reshape(-1),
-                                                      torch.bfloat16).view(*ids.shape, table.cols)
-        return F.embedding(ids, table)  # type: ignore[arg-type]
+    def embedding(ids: torch.Tensor, table: QuantizedWeight) -> torch.Tensor:
+        (segment,) = table.segments  # the loader keeps a table in one segment
+        rows = torch.ops.kvserve.quant_dequantize(segment.data, segment.ggml_type, table.cols, ids.reshape(-1),
+                                                  torch.bfloat16)
+        return rows.view(*ids.shape, table.cols)
 
-    @staticmethod
-    def dense_only(prepare: Callable[[torch.Tensor], None]) -> Callable[[Weight], None]:
-        """A dense kernel's prepare hook, which a quantised weight skips (its kernels read the blocks as
-        they are)."""
-        def prepare_dense(weight: Weight) -> None:
-            if type(weight) is not QuantizedWeight:
-                prepare(weight)  # type: ignore[arg-type]
-        return prepare_dense
+
+
+def dense_only(prepare: Callable[[torch.Tensor], None]) -> Callable[[Weight], None]:
+    """A dense kernel's prepare hook, which a quantised weight skips (its kernels read the blocks as they
+    are held)."""
+    def prepare_dense(weight: Weight) -> None:
+        if type(weight) is not QuantizedWeight:
+            prepare(weight)  # type: ignore[arg-type]
+    return prepare_dense
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +196,16 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
         return ops
     quantized = QuantizedKernels(quantized_gemv_max_rows)
     dense = ops.ops
-    gate_up = quantized.gate_up_silu(dense.fused_gate_up_silu) if dense.fused_gate_up_silu is not None else None
-    return CpuOps(ModelOps(linear=quantized.linear(dense.linear), embedding=quantized.embedding,
-                           add_rms_norm=dense.add_rms_norm, silu_mul=dense.silu_mul, rotary=dense.rotary,
-                           prepare_weight=quantized.dense_only(dense.prepare_weight), fused_gate_up_silu=gate_up,
-                           prepare_gate_up=quantized.dense_only(dense.prepare_gate_up)),
-                  ops.packed_linear, ops.packed_gate_up)
+    # Without a fused dense gate/up, a quantised one still runs fused; a dense one as silu_mul(linear(...)).
+    dense_gate_up = dense.fused_gate_up_silu or (lambda x, w: dense.silu_mul(dense.linear(x, w, None)))
+    return CpuOps(ModelOps(
+        linear=QuantizedOrDense(quantized.linear, dense.linear),  # type: ignore[arg-type]
+        embedding=QuantizedOrDense(quantized.embedding, F.embedding),  # type: ignore[arg-type]
+        add_rms_norm=dense.add_rms_norm, silu_mul=dense.silu_mul, rotary=dense.rotary,
+        prepare_weight=dense_only(dense.prepare_weight),
+        fused_gate_up_silu=QuantizedOrDense(quantized.gate_up_silu, dense_gate_up),  # type: ignore[arg-type]
+        prepare_gate_up=dense_only(dense.prepare_gate_up),
+    ), ops.packed_linear, ops.packed_gate_up)
 
 
 def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:

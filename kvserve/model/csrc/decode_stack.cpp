@@ -46,8 +46,10 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 // merged by log-sum-exp. single_row_weights: empty,
 // or per layer the raw QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on
 // the GEMV, as the Python layer does. qkv_biases: empty, or per layer the QKV projection's bias (Qwen2).
-// q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). Returns (hidden, residual) after
-// the last layer.
+// q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). quant_segments: empty, or (GGUF-
+// quantised weights, through quant_linear; the packed lists are then empty) per layer the number of row
+// segments of the QKV, O, gate/up and down weights, with quant_cols their inner sizes and quant_data /
+// quant_types the segments in that order. Returns (hidden, residual) after the last layer.
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList input_norms,
     at::TensorList post_norms, at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
@@ -56,12 +58,26 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     const c10::optional<at::Tensor>& prefix_kv_lens, const c10::optional<at::Tensor>& prefix_q_starts,
     at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
     at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
-    double scale, int64_t split_size) {
+    double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
+    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(input_norms.size() == kv_caches.size() && post_norms.size() == kv_caches.size() &&
-                  qkv_packed.size() == kv_caches.size() && o_packed.size() == kv_caches.size() &&
-                  gate_up_packed.size() == kv_caches.size() && down_packed.size() == kv_caches.size(),
+  const bool quantized = !quant_segments.empty();
+  TORCH_CHECK(input_norms.size() == kv_caches.size() && post_norms.size() == kv_caches.size(),
               "decode_stack: every per-layer list needs one entry per layer");
+  TORCH_CHECK(quantized || (qkv_packed.size() == kv_caches.size() && o_packed.size() == kv_caches.size() &&
+                            gate_up_packed.size() == kv_caches.size() && down_packed.size() == kv_caches.size()),
+              "decode_stack: every per-layer list needs one entry per layer");
+  // Quantised projections: per layer, the QKV, O, gate/up and down weights' segment counts and inner sizes;
+  // their segments' blocks and types in that order.
+  std::vector<int64_t> first_segment(quant_segments.size() + 1, 0);
+  if (quantized) {
+    TORCH_CHECK(static_cast<int64_t>(quant_segments.size()) == 4 * num_layers && quant_cols.size() == quant_segments.size(),
+                "decode_stack: quantised weights need 4 projections per layer");
+    for (size_t i = 0; i < quant_segments.size(); ++i) first_segment[i + 1] = first_segment[i] + quant_segments[i];
+    TORCH_CHECK(static_cast<int64_t>(quant_data.size()) == first_segment.back() &&
+                    quant_types.size() == quant_data.size(),
+                "decode_stack: one type per quantised segment");
+  }
   const bool cascade = prefix_block_tables.has_value();
   TORCH_CHECK(!cascade || (prefix_kv_lens.has_value() && prefix_q_starts.has_value() &&
                            static_cast<int64_t>(prefix_packed.size()) == num_layers),
@@ -97,8 +113,16 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     auto [x, res] = add_rms_norm(hidden, residual, input_norms[l], eps);
     const bool gemv = !single_row_weights.empty() && T == 1;
     auto raw = [&](int64_t i) -> const at::Tensor* { return gemv ? &single_row_weights[4 * l + i] : nullptr; };
-    const at::Tensor qkv = project(x, qkv_packed[l], raw(0),
-                                   qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[l]));
+    // Projection i of this layer: quantised, or on the GEMV / AMX as the Python layer does.
+    auto projection = [&](const at::Tensor& in, int64_t i, const at::TensorList packed,
+                          const c10::optional<at::Tensor>& bias = c10::nullopt) {
+      if (!quantized) return project(in, packed[l], raw(i), bias);
+      const int64_t a = first_segment[4 * l + i], b = first_segment[4 * l + i + 1];
+      return quant_linear(in, quant_data.slice(a, b - a), quant_types.slice(a, b - a), quant_cols[4 * l + i], bias,
+                          quant_gemv_max_rows);
+    };
+    const at::Tensor qkv = projection(x, 0, qkv_packed,
+                                      qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[l]));
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_stack: the QKV weight does not match the heads");
     at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, kDim});
     if (!q_norms.empty())
@@ -122,11 +146,17 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     } else {
       attn = out.to(at::kBFloat16);
     }
-    const at::Tensor o = project(attn.reshape({T, q_size}), o_packed[l], raw(1));
+    const at::Tensor o = projection(attn.reshape({T, q_size}), 1, o_packed);
     auto [x2, res2] = add_rms_norm(o, res, post_norms[l], eps);
-    const at::Tensor h = gemv ? silu_mul(project(x2, gate_up_packed[l], raw(2)))
-                              : amx_linear_silu_mul(x2, gate_up_packed[l]);
-    hidden = project(h, down_packed[l], raw(3));
+    at::Tensor h;
+    if (quantized) {
+      const int64_t a = first_segment[4 * l + 2], b = first_segment[4 * l + 3];
+      h = quant_linear_silu_mul(x2, quant_data.slice(a, b - a), quant_types.slice(a, b - a), quant_cols[4 * l + 2],
+                                quant_gemv_max_rows);
+    } else {
+      h = gemv ? silu_mul(project(x2, gate_up_packed[l], raw(2))) : amx_linear_silu_mul(x2, gate_up_packed[l]);
+    }
+    hidden = projection(h, 3, down_packed);
     residual = res2;
   }
   return {hidden, *residual};

@@ -64,7 +64,8 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor? prefix_block_tables, "
         "Tensor? prefix_kv_lens, Tensor? prefix_q_starts, Tensor[] prefix_packed, Tensor[] single_row_weights, "
         "Tensor[] qkv_biases, Tensor[] q_norms, Tensor[] k_norms, int num_heads, int num_kv_heads, "
-        "float eps, float scale, int split_size) -> (Tensor, Tensor)",
+        "float eps, float scale, int split_size, Tensor[] quant_data, int[] quant_types, int[] quant_segments, "
+        "int[] quant_cols, int quant_gemv_max_rows) -> (Tensor, Tensor)",
         &kvserve::decode_stack);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",

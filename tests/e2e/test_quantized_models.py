@@ -1,0 +1,138 @@
+"""Quantised weights run in their GGUF blocks against the same file dequantised: perplexity on a fixed text
+(tests/data/perplexity.txt, code and prose) within 1% of the float32 dequantised model's, greedy output
+agreeing with the bf16 dequantised run on most prompts, and the weights held in about the file's size.
+
+The quantised runs are bf16 (the quantised kernels take bf16 activations); the perplexities and the greedy
+agreement are printed (pytest -s) for the record.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.backends.base import PrefillChunk, StepRows
+from kvserve.model.loader import iter_weights, read_arch_config
+from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight
+from tests.e2e.conftest import installed_model
+
+TEXT = (Path(__file__).parents[1] / "data" / "perplexity.txt").read_text()
+BLOCK_SIZE = 16
+AGREEMENT_PROMPTS = [
+    "The capital of France is",
+    "def merge_sorted(a, b):\n    ",
+    "Write a short poem about a lighthouse.",
+    "In 1905, Albert Einstein published",
+    "SELECT name, COUNT(*) FROM orders",
+    "The three primary colours are",
+    "class Stack:\n    def __init__(self):\n        ",
+    "Water boils at sea level at a temperature of",
+]
+AGREEMENT_TOKENS = 32
+
+
+def perplexity(llm: LLM, text: str) -> float:
+    """exp(mean negative log-likelihood) of the text's tokens, each given the ones before it, in one prefill."""
+    engine = llm.engine
+    ids = engine.tokenizer.encode(text)
+    num_tokens = len(ids)
+    blocks = list(range(math.ceil(num_tokens / BLOCK_SIZE)))
+    rows = StepRows(BLOCK_SIZE, torch.arange(num_tokens), prefills=[PrefillChunk(0, num_tokens, num_tokens, blocks)],
+                    written_block_ids=blocks)
+    model = engine.model
+    tokens = torch.tensor(ids)
+    with torch.no_grad(), model.thread_scope:
+        meta = engine.backend.build_metadata(rows)
+        hidden = model.forward(tokens, torch.arange(num_tokens), meta, engine.runner.kv_caches)
+        nll = 0.0
+        for start in range(0, num_tokens - 1, 256):  # logits a slice at a time: [rows, vocab] is large
+            end = min(start + 256, num_tokens - 1)
+            logits = model.compute_logits(hidden[start:end]).float()
+            nll -= torch.log_softmax(logits, dim=-1).gather(1, tokens[start + 1:end + 1, None]).sum().item()
+    return math.exp(nll / (num_tokens - 1))
+
+
+def engine_for(model: str, quantization: str, dtype: str) -> LLM:
+    num_blocks = math.ceil(len(TEXT) / BLOCK_SIZE) // 2 + 64  # ~2 characters a token, at the least
+    return LLM(model=model, quantization=quantization, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
+               max_num_batched_tokens=4096, enable_prefix_caching=False)
+
+
+def check_perplexity(model: str) -> None:
+    path = installed_model(model)
+    quantized = engine_for(str(path), "gguf", "bfloat16")
+    assert "GGUF blocks" in quantized.engine.model.weight_summary()
+    ppl_quantized = perplexity(quantized, TEXT)
+    del quantized
+    ppl_float32 = perplexity(engine_for(str(path), "none", "float32"), TEXT)
+    print(f"\n{model}: perplexity quantised (bf16) {ppl_quantized:.4f}, dequantised float32 {ppl_float32:.4f}, "
+          f"ratio {ppl_quantized / ppl_float32:.4f}")
+    assert abs(ppl_quantized / ppl_float32 - 1) < 0.01
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_perplexity_is_within_one_percent_of_float32() -> None:
+    check_perplexity("smollm2-135m")
+
+
+@pytest.mark.heavy
+def test_qwen_coder_q4_k_m_perplexity_is_within_one_percent_of_float32() -> None:
+    check_perplexity("qwen2.5-coder-0.5b")
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(AGREEMENT_PROMPTS, params)]
+
+
+def check_agreement(model: str) -> None:
+    path = str(installed_model(model))
+    quantized = greedy(engine_for(path, "gguf", "bfloat16"))
+    dequantized = greedy(engine_for(path, "none", "bfloat16"))
+    agreeing = []
+    for q, d in zip(quantized, dequantized, strict=True):
+        agreeing.append(next((i for i, (a, b) in enumerate(zip(q, d, strict=True)) if a != b), AGREEMENT_TOKENS))
+    full = sum(n == AGREEMENT_TOKENS for n in agreeing)
+    print(f"\n{model}: quantised and dequantised greedy outputs agree for {agreeing} tokens "
+          f"(of {AGREEMENT_TOKENS}); {full} of {len(agreeing)} prompts all the way")
+    assert full > len(agreeing) // 2
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_output_agrees_with_the_dequantised_run_on_most_prompts() -> None:
+    check_agreement("smollm2-135m")
+
+
+@pytest.mark.heavy
+def test_qwen_coder_greedy_output_agrees_with_the_dequantised_run_on_most_prompts() -> None:
+    check_agreement("qwen2.5-coder-0.5b")
+
+
+def test_the_loader_keeps_the_matrices_in_their_blocks_and_nothing_else() -> None:
+    path = installed_model("smollm2-135m")
+    arch = read_arch_config(path)
+    dense = dict(iter_weights(path, arch, torch.float32, show_progress=False))
+    kept = dict(iter_weights(path, arch, torch.float32, show_progress=False, quantized_types=KERNEL_TYPES))
+    assert dense.keys() == kept.keys()
+    quantized = {name for name, w in kept.items() if isinstance(w, QuantizedWeight)}
+    assert "model.embed_tokens.weight" in quantized and "model.layers.0.self_attn.q_proj.weight" in quantized
+    assert not any(name.endswith("norm.weight") for name in quantized)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"):
+        # Rows in Hugging Face's order (the Q/K un-permutation applies to the blocks) and values as gguf's.
+        weight = kept[name]
+        assert isinstance(weight, QuantizedWeight)
+        assert torch.equal(weight.dequantize(), dense[name])
+
+
+def test_the_weights_are_held_in_about_the_file_size() -> None:
+    path = installed_model("smollm2-135m")
+    llm = LLM(model=str(path), num_kv_blocks=16)
+    if not llm.engine.backend.quantized_types:
+        pytest.skip("this machine's backend dequantises quantised weights at load")
+    held = llm.engine.model.weight_nbytes()
+    assert abs(held / path.stat().st_size - 1) < 0.10, (held, path.stat().st_size)
