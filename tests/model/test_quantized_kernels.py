@@ -56,7 +56,8 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(got.double(), ref, rtol=RTOL, atol=RTOL * ref.abs().max().item())
 
 
-# Shapes: columns with an odd number of 32-blocks (96) and a tail of rows off every tile (33, 17).
+# Shapes: columns with an odd number of 32-blocks (96); rows off every tile (33, 17, 40: the many-row path's
+# torch panels) and in whole blocks of 16 (48: its AMX slabs, the last one half a panel).
 SHAPES = {32: [(33, 96), (48, 512)], 256: [(17, 256), (40, 768)]}
 
 
@@ -123,18 +124,20 @@ def test_mixed_segments_and_the_fused_gate_up(gemv_rows) -> None:
         assert got.shape == (num_rows, 81)
         assert_close(got, xr @ wr.T)
 
-    gate_up = concat_rows([QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 40, cols, seed=s), cols)
-                           for s in (1, 2)])
-    w = gate_up.dequantize(torch.float64)
-    for num_rows in (1, 24):
-        x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
-        few = num_rows <= gemv_rows and kernels.quantized_gemv
-        product = (int8_activations(x) @ w.T) if few else (x.double() @ w.bfloat16().double().T)
-        gate, up = product.chunk(2, dim=-1)
-        got = torch.ops.kvserve.quant_linear_silu_mul(x, gate_up.data, gate_up.types, cols, gemv_rows)
-        assert got.shape == (num_rows, 40)
-        ref = F.silu(gate) * up
-        torch.testing.assert_close(got.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+    # 48 columns out: whole blocks of 16 (the AMX slabs); 40: not (torch's matmul on the panels).
+    for width in (48, 40):
+        gate_up = concat_rows([QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, width, cols, seed=s),
+                                                           cols) for s in (1, 2)])
+        w = gate_up.dequantize(torch.float64)
+        for num_rows in (1, 24):
+            x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
+            few = num_rows <= gemv_rows and kernels.quantized_gemv
+            product = (int8_activations(x) @ w.T) if few else (x.double() @ w.bfloat16().double().T)
+            gate, up = product.chunk(2, dim=-1)
+            got = torch.ops.kvserve.quant_linear_silu_mul(x, gate_up.data, gate_up.types, cols, gemv_rows)
+            assert got.shape == (num_rows, width)
+            ref = F.silu(gate) * up
+            torch.testing.assert_close(got.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
 @needs_kernels

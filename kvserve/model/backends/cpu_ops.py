@@ -166,7 +166,6 @@ class QuantizedKernels:
         return rows.view(*ids.shape, table.cols)
 
 
-
 def dense_only(prepare: Callable[[torch.Tensor], None]) -> Callable[[Weight], None]:
     """A dense kernel's prepare hook, which a quantised weight skips (its kernels read the blocks as they
     are held)."""

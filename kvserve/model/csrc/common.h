@@ -214,6 +214,11 @@ bool has_avx512_bf16();
 at::Tensor amx_pack(const at::Tensor& w);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
+// x [M, K] (contiguous) times NB blocks of 16 weight rows packed as amx_pack packs them (KB = K / 32) into
+// out (row stride ld): plus bias, or (silu_mul) silu(gate) * up of gate/up blocks in pairs, as amx_linear
+// and amx_linear_silu_mul write them. The quantised projections' many-row path calls it on dequantised slabs.
+void amx_matmul_packed(const at::BFloat16* x, int64_t M, const at::BFloat16* packed, int64_t NB, int64_t KB,
+                       at::BFloat16* out, int64_t ld, const at::BFloat16* bias, bool silu_mul);
 bool has_amx();
 
 // linear_avx512.cpp

@@ -388,6 +388,12 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> amx_operands(const at::
 
 }  // namespace
 
+void amx_matmul_packed(const at::BFloat16* x, int64_t M, const at::BFloat16* packed, int64_t NB, int64_t KB,
+                       at::BFloat16* out, int64_t ld, const at::BFloat16* bias, bool silu_mul) {
+  TORCH_CHECK(request_amx(), "amx_matmul_packed: the kernel did not grant AMX");
+  amx_matmul(x, M, packed, NB, KB, PairWriter{out, ld, bias, silu_mul});
+}
+
 // out[M, N] = x[M, K] @ w^T (+ bias) with w packed by amx_pack.
 at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t NB = packed.size(0), N = NB * kAmxN;
@@ -418,6 +424,10 @@ at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<
 }
 at::Tensor amx_linear_silu_mul(const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "amx_linear_silu_mul: this build has no AMX");
+}
+void amx_matmul_packed(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, at::BFloat16*, int64_t,
+                       const at::BFloat16*, bool) {
+  TORCH_CHECK(false, "amx_matmul_packed: this build has no AMX");
 }
 bool request_amx() { return false; }
 

@@ -9,10 +9,10 @@
 // few rows (decode): the activations are quantised per chunk of 32 to int8 with one fp32 scale (as
 //   llama.cpp's Q8 activation blocks), and each chunk's dot product is one VNNI dpbusd of q against them;
 //   the offsets are applied through the activations' per-half sums. Weights are read once, packed.
-// many rows (prefill chunks, wide decode batches): weight rows are dequantised 32 at a time into a bf16
-//   panel that stays in L2 and multiplied on the AMX tiles against all the activation rows (which are
-//   packed once into the tiles' pair layout), so prefill runs on the same tile multiplies as bf16 weights.
-//   Without AMX the panels go through torch's matmul.
+// many rows (prefill chunks, wide decode batches): weight rows are dequantised a slab (~2 MB) at a time
+//   into the tile layout amx_pack gives bf16 weights, and the bf16 projections' own AMX matmul multiplies
+//   each slab against all the activation rows, so prefill runs the same tile multiplies as bf16 weights.
+//   Without AMX (or for a width not in blocks of 16) panels of rows go through torch's matmul.
 //
 // quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
 
@@ -357,23 +357,23 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 #endif
 }
 
-// One row of K weights as bf16, its chunk c of 32 at out + c * chunk_stride (32: contiguous).
-void dequantize_row_bf16(int64_t type, const uint8_t* row, int64_t K, at::BFloat16* out, int64_t chunk_stride = 32) {
+// One row of K weights as bf16.
+void dequantize_row_bf16(int64_t type, const uint8_t* row, int64_t K, at::BFloat16* out) {
 #if KVSERVE_HAS_AVX512
   with_type(type, [&](auto tag) {
     Format<decltype(tag)::value>::for_each_chunk(row, K, [&](int64_t c, __m512 lo, __m512 hi) {
 #if KVSERVE_HAS_AVX512_BF16
-      _mm512_storeu_si512(out + chunk_stride * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(out + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 #else
-      store16_bf16(out + chunk_stride * c, lo);
-      store16_bf16(out + chunk_stride * c + 16, hi);
+      store16_bf16(out + 32 * c, lo);
+      store16_bf16(out + 32 * c + 16, hi);
 #endif
     });
   });
 #else
   std::vector<float> values(K);
   dequantize_row(type, row, K, values.data());
-  for (int64_t k = 0; k < K; ++k) out[k / 32 * chunk_stride + k % 32] = at::BFloat16(values[k]);
+  for (int64_t k = 0; k < K; ++k) out[k] = at::BFloat16(values[k]);
 #endif
 }
 
@@ -574,25 +574,20 @@ void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const a
 // Many rows: weight panels dequantised to bf16, multiplied on the AMX tiles (or by torch).
 // ------------------------------------------------------------------------------------------------------
 constexpr int64_t kPanelRows = 32;
-constexpr int64_t kPanelBytesPerTask = 768 * 1024;  // a task's dequantised panels, beside its x slice in L2
-constexpr int64_t kDepthTiles = 9;
+constexpr int64_t kSlabBytes = 2 * 1024 * 1024;  // the many-row path's dequantised weight rows at a time
 
-// Rows of the panel: panel row r holds global weight row row_of(r) (-1: zeros, past the end). tiled: the
-// panel is [K / 32][rows][32], so that 16 rows of a 32-column block are one contiguous 1 KB tile; else
-// [rows][K].
+// Rows of the panel, [rows][K]: panel row r holds global weight row row_of(r) (-1: zeros, past the end).
 template <typename RowOf>
-void fill_panel(const Segments& w, const RowOf& row_of, int64_t rows, at::BFloat16* panel, bool tiled) {
+void fill_panel(const Segments& w, const RowOf& row_of, int64_t rows, at::BFloat16* panel) {
   const int64_t K = w.K;
   for (int64_t r = 0; r < rows; ++r) {
-    at::BFloat16* dst = tiled ? panel + r * 32 : panel + r * K;
-    const int64_t stride = tiled ? rows * 32 : 32;
     const int64_t n = row_of(r);
     if (n < 0) {
-      for (int64_t c = 0; c < K / 32; ++c) std::memset(dst + c * stride, 0, 32 * sizeof(at::BFloat16));
+      std::memset(panel + r * K, 0, K * sizeof(at::BFloat16));
       continue;
     }
     const int64_t s = w.segment_of(n);
-    dequantize_row_bf16(w.types[s], w.row(s, n), K, dst, stride);
+    dequantize_row_bf16(w.types[s], w.row(s, n), K, panel + r * K);
   }
 }
 
@@ -612,128 +607,40 @@ struct PanelRows {
   }
 };
 
+
 #if KVSERVE_HAS_AMX
-// x [M, K] -> [M16, K/32, 16, 32]: per block of 16 rows and 32 columns, the tile layout of the B operand
-// (per column pair p, the 16 rows' (x[m][2p], x[m][2p+1])); rows past M are zeros.
-std::vector<uint16_t> pack_activations(const at::BFloat16* x, int64_t M, int64_t K) {
-  const int64_t MB = (M + 15) / 16, KB = K / 32;
-  std::vector<uint16_t> packed(MB * KB * 512, 0);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
-  parallel_range(0, MB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t mb = b0; mb < b1; ++mb) {
-      const int64_t rows = std::min<int64_t>(16, M - mb * 16);
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        __m512i pairs[16];  // row m's 16 column pairs of this block; transposed, the tile's 16 pair rows
-        for (int64_t m = 0; m < 16; ++m)
-          pairs[m] = m < rows ? _mm512_loadu_si512(xs + (mb * 16 + m) * K + kb * 32) : _mm512_setzero_si512();
-        transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(packed.data() + (mb * KB + kb) * 512));
-      }
-    }
-  });
-  return packed;
-}
-
-// Output rows m0 .. m0 + rows - 1 of panel p from its accumulators, transposed: lo[i * 16 + r] is row m0 + i
-// of panel row r, hi of panel row 16 + r. Plain: columns 32p .. (+ bias); fused gate/up: columns 16p ..,
-// silu(gate) * up rounded at every step as the unfused projection and silu_mul round.
-void write_panel(const float* lo, const float* hi, int64_t rows, int64_t m0, int64_t p, const PanelRows& layout,
-                 const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
-  auto mask_of = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
-  if (layout.silu_mul) {
-    const int64_t j0 = p * 16;
-    const __mmask16 live = mask_of(layout.N / 2 - j0);
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 gate = round16_bf16(_mm512_load_ps(lo + 16 * i));
-      const __m512 up = round16_bf16(_mm512_load_ps(hi + 16 * i));
-      const __m512 act = round16_bf16(_mm512_div_ps(
-          gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
-      _mm256_mask_storeu_epi16(out + (m0 + i) * ld + j0, live, cvt16_bf16(_mm512_mul_ps(act, up)));
-    }
-    return;
-  }
-  const int64_t n0 = p * kPanelRows;
-  const __mmask16 live_lo = mask_of(layout.N - n0), live_hi = mask_of(layout.N - n0 - 16);
-  const __m512 bias_lo = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_maskz_loadu_epi16(live_lo, bias + n0)), 16)) : _mm512_setzero_ps();
-  const __m512 bias_hi = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_maskz_loadu_epi16(live_hi, bias + n0 + 16)), 16)) : _mm512_setzero_ps();
-  for (int64_t i = 0; i < rows; ++i) {
-    at::BFloat16* dst = out + (m0 + i) * ld + n0;
-    _mm256_mask_storeu_epi16(dst, live_lo, cvt16_bf16(_mm512_add_ps(_mm512_load_ps(lo + 16 * i), bias_lo)));
-    if (live_hi) _mm256_mask_storeu_epi16(dst + 16, live_hi, cvt16_bf16(_mm512_add_ps(_mm512_load_ps(hi + 16 * i), bias_hi)));
-  }
-}
-
-void matmul_panels_amx(const at::BFloat16* x, int64_t M, const Segments& w, const PanelRows& layout,
-                       const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
-  TORCH_CHECK(request_amx(), "quant_linear: the kernel did not grant AMX");
-  const int64_t K = w.K, KB = K / 32, MB = (M + 15) / 16;
-  const std::vector<uint16_t> xp = pack_activations(x, M, K);
-  // A task is a group of panels, dequantised first; the activation rows then go through 32 at a time, each
-  // slice of x read from memory once for the whole group and from L2 for its later panels (with one panel
-  // per pass, x streamed from L3 for every panel and the tile unit waited on it).
-  const int64_t panels = layout.panels(), threads = kernel_threads();
-  const int64_t group = std::clamp<int64_t>(
-      std::min<int64_t>(kPanelBytesPerTask / (kPanelRows * K * 2), (panels + 3 * threads - 1) / (3 * threads)), 1, 8);
-  parallel_claim((panels + group - 1) / group, [&](auto&& claim) {
-    std::vector<at::BFloat16> buffer(group * kPanelRows * K);
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    asm volatile("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
-    // 64-byte aligned (the transposes read it as vectors): [group][4 tiles][256]
-    std::vector<float> partial_storage(group * 4 * 256 + 16);
-    float* const partial = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_storage.data()) + 63) & ~uintptr_t{63});
-    for (int64_t task; (task = claim()) >= 0;) {
-      const int64_t p0 = task * group, np = std::min(group, panels - p0);
-      for (int64_t g = 0; g < np; ++g)
-        fill_panel(w, [&](int64_t r) { return layout.row_of(p0 + g, r); }, kPanelRows,
-                   buffer.data() + g * kPanelRows * K, true);
-      for (int64_t mb = 0; mb < MB; mb += 2) {
-        const int64_t mb1 = std::min(mb + 1, MB - 1);
-        // Depth blocks: the x slice of kDepthTiles k-steps (<= 18 KB) stays in L1 across the group's panels,
-        // whose accumulators wait in `partial` between blocks.
-        for (int64_t kb0 = 0; kb0 < KB; kb0 += kDepthTiles) {
-          const int64_t kb1 = std::min(KB, kb0 + kDepthTiles);
-          for (int64_t g = 0; g < np; ++g) {
-            const at::BFloat16* a0 = buffer.data() + g * kPanelRows * K;  // tile (kb, rows 0-15) at a0 + kb * 1024
-            float* part = partial + g * 4 * 256;
-            if (kb0 == 0) {
-              _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-            } else {
-              _tile_loadd(2, part, 64); _tile_loadd(3, part + 256, 64);
-              _tile_loadd(4, part + 512, 64); _tile_loadd(5, part + 768, 64);
-            }
-            for (int64_t kb = kb0; kb < kb1; ++kb) {
-              _tile_loadd(6, xp.data() + (mb * KB + kb) * 512, 64);
-              _tile_loadd(7, xp.data() + (mb1 * KB + kb) * 512, 64);
-              _tile_loadd(0, a0 + kb * kPanelRows * 32, 64);
-              _tile_loadd(1, a0 + kb * kPanelRows * 32 + 16 * 32, 64);
-              _tile_dpbf16ps(2, 0, 6); _tile_dpbf16ps(3, 1, 6);
-              _tile_dpbf16ps(4, 0, 7); _tile_dpbf16ps(5, 1, 7);
-            }
-            // part[0]: panel rows 0-15 x m-block mb; [1]: rows 16-31 x mb; [2], [3]: the same for mb1.
-            _tile_stored(2, part, 64); _tile_stored(3, part + 256, 64);
-            _tile_stored(4, part + 512, 64); _tile_stored(5, part + 768, 64);
-            if (kb1 < KB) continue;
-            for (int64_t half = 0; half < (mb1 > mb ? 2 : 1); ++half) {
-              // The tiles are [panel row][m]; transposed, a row m of the output is 16 contiguous columns each.
-              alignas(64) float lo[256], hi[256];
-              transpose16_epi32(reinterpret_cast<const __m512i*>(part + 512 * half), reinterpret_cast<uint32_t*>(lo));
-              transpose16_epi32(reinterpret_cast<const __m512i*>(part + 512 * half + 256),
-                                reinterpret_cast<uint32_t*>(hi));
-              const int64_t rows = std::min<int64_t>(16, M - (mb + half) * 16);
-              write_panel(lo, hi, rows, (mb + half) * 16, p0 + g, layout, bias, out, ld);
-            }
-          }
+// The weight a slab at a time: each slab's rows dequantised into the tile layout amx_pack gives bf16
+// weights (in parallel), then the bf16 projections' own AMX matmul over all the activation rows. A slab is
+// sized to stay in L2 / L3, so the matmul reads it as fast as it reads a packed bf16 weight from memory.
+// Needs whole blocks of 16 output columns (N % 16 == 0; N / 2 for the fused gate/up).
+void matmul_slabs_amx(const at::BFloat16* x, int64_t M, const Segments& w, const PanelRows& layout,
+                      const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+  const int64_t K = w.K, KB = K / 32, panels = layout.panels();
+  const int64_t per_slab = std::max<int64_t>(1, kSlabBytes / (kPanelRows * K * 2));
+  static thread_local std::vector<at::BFloat16> slab;
+  if (static_cast<int64_t>(slab.size()) < per_slab * kPanelRows * K) slab.resize(per_slab * kPanelRows * K);
+  at::BFloat16* const slab_data = slab.data();  // the calling thread's buffer (the workers fill it)
+  for (int64_t p0 = 0; p0 < panels; p0 += per_slab) {
+    const int64_t np = std::min(per_slab, panels - p0);
+    // n-block b of the slab: panel p0 + b / 2, its rows 16 (b % 2) ..; past the end of N it is not used.
+    const int64_t first_row = layout.silu_mul ? 0 : p0 * kPanelRows;
+    const int64_t blocks = layout.silu_mul ? 2 * np : std::min<int64_t>(2 * np, (layout.N - first_row + 15) / 16);
+    parallel_range(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<at::BFloat16> rows(16 * K);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t p = p0 + b / 2, half = b % 2;
+        fill_panel(w, [&](int64_t r) { return layout.row_of(p, 16 * half + r); }, 16, rows.data());
+        at::BFloat16* tiles = slab_data + b * KB * 512;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          __m512i pairs[16];  // row n's 16 column pairs of this block; transposed, the tile's 16 pair rows
+          for (int64_t n = 0; n < 16; ++n) pairs[n] = _mm512_loadu_si512(rows.data() + n * K + kb * 32);
+          transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(tiles + kb * 512));
         }
       }
-    }
-    _tile_release();
-  });
+    });
+    const int64_t col0 = layout.silu_mul ? p0 * 16 : first_row;
+    amx_matmul_packed(x, M, slab_data, blocks, KB, out + col0, ld, bias ? bias + col0 : nullptr, layout.silu_mul);
+  }
 }
 #endif
 
@@ -749,8 +656,7 @@ void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows
     at::BFloat16* wp = weights.data_ptr<at::BFloat16>();
     parallel_range(0, np, 1, [&](int64_t a, int64_t b) {
       for (int64_t p = a; p < b; ++p)
-        fill_panel(w, [&](int64_t r) { return layout.row_of(p0 + p, r); }, kPanelRows, wp + p * kPanelRows * K,
-                   false);
+        fill_panel(w, [&](int64_t r) { return layout.row_of(p0 + p, r); }, kPanelRows, wp + p * kPanelRows * K);
     });
     const at::Tensor y = at::matmul(x, weights.t()).view({x.size(0), np, kPanelRows});  // [M, np, 32]
     if (layout.silu_mul) {
@@ -802,8 +708,8 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
 #endif
   const PanelRows layout{N, fused_silu};
 #if KVSERVE_HAS_AMX
-  if (request_amx()) {
-    matmul_panels_amx(x.data_ptr<at::BFloat16>(), M, w, layout, bp, out.data_ptr<at::BFloat16>(), width);
+  if (request_amx() && width % 16 == 0) {
+    matmul_slabs_amx(x.data_ptr<at::BFloat16>(), M, w, layout, bp, out.data_ptr<at::BFloat16>(), width);
     return out.view(out_sizes);
   }
 #endif
