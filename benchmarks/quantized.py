@@ -9,7 +9,7 @@ and thread count:
 - **kvserve, quantised** (``--quantization gguf``, the default) and **kvserve, bf16** (``--quantization
   none``): single-stream prefill tokens/s (a prompt of ``--prompt-len`` random tokens, to its first token)
   and decode tokens/s (the next ``--gen-len`` tokens), the best of ``--repeats`` runs; and the weights'
-  resident memory: the process's resident set after loading less before, less the KV pool.
+  memory: the bytes the model holds them in plus the copies the kernels packed.
 - **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench -p
   PROMPT -n GEN -t THREADS``, which reads the file as it is.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -40,22 +39,14 @@ class Row:
     model: str
     prefill_tok_s: float
     decode_tok_s: float
-    weight_mib: float | None  # resident weight memory; None where not measured
+    weight_mib: float | None  # the weights' memory, kernel copies included; None where not measured
     file_mib: float
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int, repeats: int) -> Row:
-    gc.collect()
-    before = _rss_bytes()
     llm = LLM(model=name, quantization=quantization, enable_prefix_caching=False, max_num_batched_tokens=4096,
               max_num_seqs=1, num_kv_blocks=NUM_KV_BLOCKS)
-    kv_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
-    weight_mib = (_rss_bytes() - before - kv_bytes) / 2**20
+    weight_mib = (llm.engine.model.weight_nbytes() + llm.engine.backend.packed_weight_nbytes()) / 2**20
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt[:32]}], SamplingParams(max_tokens=4))  # warm-up
     prefill = decode = 0.0

@@ -190,3 +190,7 @@ class Backend(Protocol):
     def step_scope(self) -> AbstractContextManager[None]:
         """Entered around each step's forward and sampling; asked once the fused stack is built."""
         ...
+
+    def packed_weight_nbytes(self) -> int:
+        """The bytes of the copies of weights its kernels packed in layouts of their own."""
+        ...

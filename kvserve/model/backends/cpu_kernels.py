@@ -182,6 +182,11 @@ class CpuKernelsBackend:
             self._carries_step = True
         return stack
 
+    def packed_weight_nbytes(self) -> int:
+        copies = [*(self._packed_linear.packed.values() if self._packed_linear else ()),
+                  *(self._packed_gate_up.packed.values() if self._packed_gate_up else ())]
+        return sum(t.numel() * t.element_size() for t in copies)
+
     def step_scope(self) -> AbstractContextManager[None]:
         # The kernels carry every heavy op of a step (the fused decode stack, or the AVX-512 projections and
         # attention): torch's ops then run on the calling thread alone (KernelThreadScope says why).

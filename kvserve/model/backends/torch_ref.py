@@ -35,6 +35,9 @@ class TorchRefBackend:
     def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
         return None
 
+    def packed_weight_nbytes(self) -> int:
+        return 0
+
     def step_scope(self) -> AbstractContextManager[None]:
         return nullcontext()
 
