@@ -372,11 +372,9 @@ def _iter_gguf(
                 array = stacked[1][expert_of[name]]
             else:
                 array = _dequantize(path, info, data)
-            if unpermute and ".self_attn.q_proj." in name:
-                array = _unpermute_rope(array, arch.num_heads)
-            elif unpermute and ".self_attn.k_proj." in name:
-                array = _unpermute_rope(array, arch.num_kv_heads)
-            elif norms_plus_one and name.endswith("norm.weight"):
+            if unpermute:
+                array = _hf_row_order(array, name, arch)
+            if norms_plus_one and name.endswith("norm.weight"):
                 array = array - 1
             yield name, torch.from_numpy(array).to(dtype)
             progress.update(1)
@@ -399,11 +397,18 @@ def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchCon
     """A matrix's blocks as they are in the file (its rows put back in Hugging Face's order where the
     converter permuted them): a copy, so the model never holds the file's mapping."""
     rows = _tensor_rows(path, info, data)
-    if unpermute and ".self_attn.q_proj." in name:
-        rows = _unpermute_rope(rows, arch.num_heads)
-    elif unpermute and ".self_attn.k_proj." in name:
-        rows = _unpermute_rope(rows, arch.num_kv_heads)
+    if unpermute:
+        rows = _hf_row_order(rows, name, arch)
     return QuantizedWeight.from_blocks(info.ggml_type, rows, info.shape[-1])
+
+
+def _hf_row_order(rows: np.ndarray, name: str, arch: ArchConfig) -> np.ndarray:
+    """A Q or K projection's rows (values or whole blocks) back in Hugging Face's order; others as they are."""
+    if ".self_attn.q_proj." in name:
+        return _unpermute_rope(rows, arch.num_heads)
+    if ".self_attn.k_proj." in name:
+        return _unpermute_rope(rows, arch.num_kv_heads)
+    return rows
 
 
 def _dequantize(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
