@@ -24,37 +24,82 @@ KERNEL_TYPES: frozenset[int] = frozenset(int(t) for t in (
 ))
 
 
-# Blocks of 32 are held planar: per row, every block's fp16 scale, then every offset (Q4_1, Q5_1), every
-# 32-bit high-bit word (Q5_0, Q5_1), every block's quants, so that the kernels load a run of scales or a
-# pair of blocks' quants at once (csrc/quantized.cpp). Bytes per block of each part, in the file's order.
-_PLANAR_PARTS: dict[int, tuple[int, ...]] = {
-    int(GGMLQuantizationType.Q4_0): (2, 16), int(GGMLQuantizationType.Q4_1): (2, 2, 16),
-    int(GGMLQuantizationType.Q5_0): (2, 4, 16), int(GGMLQuantizationType.Q5_1): (2, 2, 4, 16),
-    int(GGMLQuantizationType.Q8_0): (2, 32),
+# Every format is held planar: per row, each part of every block in turn (all the blocks' scales, then all
+# their quants, ...), so that the kernels load a run of scales or a pair of chunks' quants at once
+# (csrc/quantized.cpp). Blocks of 32 keep their bytes; the K-quants also unpack their 6-bit sub-block scales
+# and mins to a byte each (four bytes more per 256 weights), which the kernels then read sixteen at a time.
+# Per format: the bytes per block of each held part, in the held order.
+_Q = GGMLQuantizationType
+HELD_PARTS: dict[int, tuple[int, ...]] = {
+    int(_Q.Q4_0): (2, 16), int(_Q.Q4_1): (2, 2, 16), int(_Q.Q5_0): (2, 4, 16), int(_Q.Q5_1): (2, 2, 4, 16),
+    int(_Q.Q8_0): (2, 32),
+    int(_Q.Q4_K): (2, 2, 8, 8, 128),  # d, dmin, scales, mins, quants
+    int(_Q.Q5_K): (2, 2, 8, 8, 32, 128),  # d, dmin, scales, mins, high bits, quants
+    int(_Q.Q6_K): (2, 16, 128, 64),  # d, scales, low 4 bits, high 2 bits
 }
+_K_SCALES = slice(4, 16)  # Q4_K and Q5_K: the twelve bytes packing eight 6-bit scales and eight mins
+
+
+def _unpack_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., 12] packed bytes -> ([..., 8] scales, [..., 8] mins), as ggml's get_scale_min_k4 reads them."""
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([low & 63, (high & 0xF) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _pack_k_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    low = scales[..., 0:4] | ((scales[..., 4:8] >> 4) << 6)
+    mid = mins[..., 0:4] | ((mins[..., 4:8] >> 4) << 6)
+    high = (scales[..., 4:8] & 0xF) | ((mins[..., 4:8] & 0xF) << 4)
+    return np.concatenate([low, mid, high], axis=-1)
+
+
+def _held_parts_of_blocks(ggml_type: int, blocks: np.ndarray) -> list[np.ndarray]:
+    """[rows, num_blocks, file block bytes] -> the held parts, each [rows, num_blocks, part bytes]."""
+    if ggml_type in (int(_Q.Q4_K), int(_Q.Q5_K)):
+        scales, mins = _unpack_k_scales(blocks[..., _K_SCALES])
+        quants = [blocks[..., 16:48], blocks[..., 48:]] if ggml_type == int(_Q.Q5_K) else [blocks[..., 16:]]
+        return [blocks[..., 0:2], blocks[..., 2:4], scales, mins, *quants]
+    if ggml_type == int(_Q.Q6_K):
+        return [blocks[..., 208:210], blocks[..., 192:208], blocks[..., 0:128], blocks[..., 128:192]]
+    starts = np.cumsum((0, *HELD_PARTS[ggml_type]))
+    return [blocks[..., a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def _blocks_of_held_parts(ggml_type: int, parts: list[np.ndarray]) -> np.ndarray:
+    """The inverse of ``_held_parts_of_blocks``."""
+    if ggml_type in (int(_Q.Q4_K), int(_Q.Q5_K)):
+        d, dmin, scales, mins, *rest = parts
+        return np.concatenate([d, dmin, _pack_k_scales(scales, mins), *rest], axis=-1)
+    if ggml_type == int(_Q.Q6_K):
+        d, scales, low, high = parts
+        return np.concatenate([low, high, scales, d], axis=-1)
+    return np.concatenate(parts, axis=-1)
 
 
 def to_planar(ggml_type: int, blocks: np.ndarray) -> np.ndarray:
-    """[rows, row_bytes] of the file's blocks -> the same bytes in the held layout (a copy)."""
-    parts = _PLANAR_PARTS.get(ggml_type)
-    if parts is None:
-        return np.array(blocks)
+    """[rows, row_bytes] of the file's blocks -> the held layout (a copy), [rows, held_row_bytes]."""
+    _, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     rows, width = blocks.shape
-    per_block = blocks.reshape(rows, width // sum(parts), sum(parts))
-    starts = np.cumsum((0, *parts))
-    return np.concatenate([per_block[:, :, a:b].reshape(rows, -1) for a, b in zip(starts[:-1], starts[1:], strict=True)], axis=1)
+    parts = _held_parts_of_blocks(ggml_type, blocks.reshape(rows, width // nbytes, nbytes))
+    return np.concatenate([p.reshape(rows, -1) for p in parts], axis=1)
 
 
 def from_planar(ggml_type: int, held: np.ndarray) -> np.ndarray:
     """The inverse of ``to_planar``: the file's blocks."""
-    parts = _PLANAR_PARTS.get(ggml_type)
-    if parts is None:
-        return held
+    sizes = HELD_PARTS[ggml_type]
     rows, width = held.shape
-    num_blocks = width // sum(parts)
-    starts = np.cumsum((0, *(p * num_blocks for p in parts)))
-    pieces = [held[:, a:b].reshape(rows, num_blocks, -1) for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    return np.concatenate(pieces, axis=2).reshape(rows, width)
+    num_blocks = width // sum(sizes)
+    starts = np.cumsum((0, *(s * num_blocks for s in sizes)))
+    parts = [held[:, a:b].reshape(rows, num_blocks, -1) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return _blocks_of_held_parts(ggml_type, parts).reshape(rows, -1)
+
+
+def held_row_bytes(ggml_type: int, cols: int) -> int:
+    """Bytes of one row of ``cols`` weights in the held layout."""
+    values, _ = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return cols // values * sum(HELD_PARTS[ggml_type])
 
 
 def type_name(ggml_type: int) -> str:
@@ -68,7 +113,7 @@ def row_bytes(ggml_type: int, cols: int) -> int:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class QuantizedSegment:
-    """Rows of one format: ``data`` is uint8 [rows, row_bytes], the file's blocks (blocks of 32 planar)."""
+    """Rows of one format: ``data`` is uint8 [rows, held_row_bytes], the file's blocks held planar."""
 
     ggml_type: int
     data: torch.Tensor

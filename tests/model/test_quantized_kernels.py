@@ -20,7 +20,7 @@ from kvserve.config import ArchConfig
 from kvserve.model.backends.cpu_kernels import plan_kernels
 from kvserve.model.backends.cpu_ops import build_cpu_ops
 from kvserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
-from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight, concat_rows, from_planar, to_planar
+from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight, concat_rows, from_planar, held_row_bytes, to_planar
 
 kernels = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
@@ -71,7 +71,7 @@ def test_the_held_layout_round_trips_and_dequantises_as_gguf_does(qtype) -> None
         blocks = random_blocks(qtype, rows, cols)
         assert np.array_equal(from_planar(int(qtype), to_planar(int(qtype), blocks)), blocks)
         weight = QuantizedWeight.from_blocks(int(qtype), blocks, cols)
-        assert weight.shape == (rows, cols) and weight.nbytes == blocks.nbytes
+        assert weight.shape == (rows, cols) and weight.nbytes == rows * held_row_bytes(int(qtype), cols)
         assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(blocks, qtype)))
 
 

@@ -32,7 +32,7 @@ enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ
 
 struct BlockShape {
   int64_t values;  // weights per block
-  int64_t bytes;   // bytes per block
+  int64_t bytes;   // bytes per block, as held
 };
 
 bool known_type(int64_t type) {
@@ -49,8 +49,8 @@ BlockShape block_shape(int64_t type) {
     case kQ5_0: return {32, 22};
     case kQ5_1: return {32, 24};
     case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
+    case kQ4_K: return {256, 148};  // held: the file's 144 with the 6-bit scales and mins unpacked
+    case kQ5_K: return {256, 180};  // held: the file's 176, likewise
     case kQ6_K: return {256, 210};
     default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no kernel");
   }
@@ -62,39 +62,51 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes.
-inline void scale_min_k4(int64_t j, const uint8_t* q, int* scale, int* min) {
-  if (j < 4) {
-    *scale = q[j] & 63;
-    *min = q[j + 4] & 63;
-  } else {
-    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 // A 32-weight chunk: w[i] = d[i / 16] * q[i] + m[i / 16].
 struct ChunkScales {
   float d[2];
   float m[2];
 };
 
-// The formats with blocks of 32 are held planar (model/quantized.py lays them out at load): per row of nb
-// blocks, every block's fp16 scale, then (Q4_1, Q5_1) every offset, then (Q5_0, Q5_1) every 32-bit high-bit
-// word, then every block's quants (16 bytes of nibbles, or Q8_0's 32 signed bytes). The same bytes as the
-// file's, so that a chunk pair's quants, or sixteen chunks' scales, are one contiguous load. The K-quants
-// keep the file's super-blocks.
+// Every format is held planar (model/quantized.py lays it out at load): per row, one part of every block
+// after another, so that a chunk pair's quants, or sixteen chunks' scales, are one contiguous load.
+//   blocks of 32 (nb = K / 32): every block's fp16 scale d, then (Q4_1, Q5_1) every fp16 offset m, then
+//     (Q5_0, Q5_1) every 32-bit high-bit word, then every block's quants (16 bytes of nibbles, or Q8_0's 32
+//     signed bytes): the file's bytes rearranged.
+//   Q4_K, Q5_K (nb = K / 256): every super-block's fp16 d, every fp16 dmin, then a byte per chunk of 32 for
+//     the 6-bit scales, and one for the mins (unpacked from the file's twelve bytes), (Q5_K) every 32 bytes
+//     of high bits, then every 128 bytes of nibbles as in the file.
+//   Q6_K: every fp16 d, every super-block's 16 signed scales (one per half chunk, in chunk order), every 128
+//     bytes of low nibbles, every 64 bytes of high bit pairs.
 struct Planes {
   const uint8_t* d;
-  const uint8_t* m;
+  const uint8_t* m;   // blocks of 32: offsets; Q4_K, Q5_K: dmin
+  const uint8_t* sc;  // K-quants: sub-block scales
+  const uint8_t* mn;  // Q4_K, Q5_K: sub-block mins
   const uint8_t* qh;
   const uint8_t* qs;
 };
 
 inline Planes planes_of(int64_t type, const uint8_t* row, int64_t K) {
+  Planes p{row, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (type == kQ4_K || type == kQ5_K) {
+    const int64_t nb = K / 256;
+    p.m = row + 2 * nb;
+    p.sc = row + 4 * nb;
+    p.mn = row + 12 * nb;
+    if (type == kQ5_K) p.qh = row + 20 * nb;
+    p.qs = row + (type == kQ5_K ? 52 : 20) * nb;
+    return p;
+  }
+  if (type == kQ6_K) {
+    const int64_t nb = K / 256;
+    p.sc = row + 2 * nb;
+    p.qs = row + 18 * nb;
+    p.qh = row + 146 * nb;
+    return p;
+  }
   const int64_t nb = K / 32;
   const bool offsets = type == kQ4_1 || type == kQ5_1, high = type == kQ5_0 || type == kQ5_1;
-  Planes p{row, nullptr, nullptr, nullptr};
   const uint8_t* at = row + 2 * nb;
   if (offsets) { p.m = at; at += 2 * nb; }
   if (high) { p.qh = at; at += 4 * nb; }
@@ -130,29 +142,27 @@ ChunkScales decode_chunk_scalar(int64_t type, const uint8_t* row, int64_t K, int
       break;
     }
     case kQ4_K: case kQ5_K: {
-      const int64_t j = c % 8;
-      const uint8_t* b = row + (c / 8) * (type == kQ4_K ? 144 : 176);
-      int scale, min;
-      scale_min_k4(j, b + 4, &scale, &min);
-      const float d = half_at(b) * scale, m = -half_at(b + 2) * min;
+      const Planes p = planes_of(type, row, K);
+      const int64_t j = c % 8, blk = c / 8;
+      const float d = half_at(p.d + 2 * blk) * p.sc[c], m = -half_at(p.m + 2 * blk) * p.mn[c];
       s = {{d, d}, {m, m}};
       if (!bytes) break;
-      const uint8_t* qs = b + (type == kQ4_K ? 16 : 48) + 32 * (j / 2);
+      const uint8_t* qs = p.qs + 128 * blk + 32 * (j / 2);
       for (int i = 0; i < 32; ++i) {
         bytes[i] = (j % 2 == 0 ? qs[i] & 0xF : qs[i] >> 4);
-        if (type == kQ5_K) bytes[i] |= ((b[16 + i] >> j) & 1) << 4;
+        if (type == kQ5_K) bytes[i] |= ((p.qh[32 * blk + i] >> j) & 1) << 4;
       }
       break;
     }
     case kQ6_K: {
-      const int64_t j = c % 8, n = j / 4, k = j % 4;
-      const uint8_t* b = row + (c / 8) * 210;
-      const float d = half_at(b + 208);
-      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * n + 2 * k;
+      const Planes p = planes_of(type, row, K);
+      const int64_t j = c % 8, blk = c / 8, n = j / 4, k = j % 4;
+      const float d = half_at(p.d + 2 * blk);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(p.sc) + 2 * c;
       s = {{d * scales[0], d * scales[1]}, {-32.f * d * scales[0], -32.f * d * scales[1]}};
       if (!bytes) break;
-      const uint8_t* ql = b + 64 * n + 32 * (k % 2);
-      const uint8_t* qh = b + 128 + 32 * n;
+      const uint8_t* ql = p.qs + 128 * blk + 64 * n + 32 * (k % 2);
+      const uint8_t* qh = p.qh + 64 * blk + 32 * n;
       for (int i = 0; i < 32; ++i)
         bytes[i] = static_cast<uint8_t>((k < 2 ? ql[i] & 0xF : ql[i] >> 4) | (((qh[i] >> (2 * k)) & 3) << 4));
       break;
@@ -175,36 +185,41 @@ inline float half_bits(const uint8_t* p) {
 template <int64_t Type>
 struct Format {
   static constexpr bool kSuper = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;  // super-blocks of 256
-  static constexpr int64_t kBytes = Type == kQ4_K ? 144 : Type == kQ5_K ? 176 : 210;  // per super-block
   static constexpr bool kSymmetric = Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0 || Type == kQ6_K;
   static constexpr int kOffsetShift = Type == kQ4_0 ? 3 : Type == kQ5_0 ? 4 : Type == kQ8_0 ? 7 : 5;
   static constexpr bool kHalfScales = Type == kQ6_K;  // a scale per half of 16 (else one per chunk)
+  // Scales come sixteen at a time: sixteen chunks' scales, or (Q6_K) the half scales of eight chunks.
+  static constexpr int64_t kSlotChunks = kHalfScales ? 8 : 16;
 
-  // A super-block's d[2 * j + h]: chunk j's scale for half h; m[j]: chunk j's offset (Q4_K, Q5_K).
-  static inline void super_scales(const uint8_t* b, float* d, float* m) {
-    if constexpr (Type == kQ4_K || Type == kQ5_K) {
-      const float dd = half_bits(b), dmin = half_bits(b + 2);
-      for (int64_t j = 0; j < 8; ++j) {
-        int scale, min;
-        scale_min_k4(j, b + 4, &scale, &min);
-        d[2 * j] = d[2 * j + 1] = dd * scale;
-        m[j] = -dmin * min;
-      }
-    } else {
-      const float dd = half_bits(b + 208);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      for (int64_t j = 0; j < 8; ++j) {  // chunk j = 4n + k: scales 8n + 2k and 8n + 2k + 1
-        d[2 * j] = dd * sc[8 * (j / 4) + 2 * (j % 4)];
-        d[2 * j + 1] = dd * sc[8 * (j / 4) + 2 * (j % 4) + 1];
-      }
+  // The sixteen scale slots from chunk c0 (a multiple of kSlotChunks) on, `live` of them in the row: each
+  // slot's d and (asymmetric formats) its chunk's offset m.
+  static inline void slot_scales(const Planes& p, int64_t c0, __mmask16 live, __m512* d, __m512* m) {
+    if constexpr (!kSuper) {
+      *d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.d + 2 * c0));
+      if constexpr (!kSymmetric) *m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.m + 2 * c0));
+    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      // Chunks c0 .. c0 + 15 are super-blocks c0 / 8 and c0 / 8 + 1: their d (dmin) spread over 8 lanes each.
+      const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __mmask8 blocks = live > 0xFF ? 0x3 : 0x1;
+      const __m512 dd = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_cvtph_ps(
+          _mm_maskz_loadu_epi16(blocks, p.d + c0 / 4))));
+      const __m512 dmin = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_cvtph_ps(
+          _mm_maskz_loadu_epi16(blocks, p.m + c0 / 4))));
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, p.sc + c0)));
+      const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, p.mn + c0)));
+      *d = _mm512_mul_ps(dd, sc);
+      *m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
+    } else {  // Q6_K: super-block c0 / 8's sixteen signed half scales
+      const __m512 dd = _mm512_set1_ps(half_bits(p.d + c0 / 4));
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sc + 2 * c0))));
+      *d = _mm512_mul_ps(dd, sc);
     }
   }
 
   // 32 weight bytes of chunk c.
-  static inline __m256i bytes(const uint8_t* row, int64_t K, int64_t c) {
+  static inline __m256i bytes(const Planes& p, int64_t c) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     if constexpr (!kSuper) {
-      const Planes p = planes_of(Type, row, K);
       if constexpr (Type == kQ8_0)
         return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 32 * c)),
                                 _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -217,21 +232,20 @@ struct Format {
       }
       return q;
     } else {
-      const int64_t j = c % 8;
-      const uint8_t* b = row + (c / 8) * kBytes;
+      const int64_t j = c % 8, blk = c / 8;
       if constexpr (Type == kQ4_K || Type == kQ5_K) {
-        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
+        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 128 * blk + 32 * (j / 2)));
         __m256i q = _mm256_and_si256(j % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
         if constexpr (Type == kQ5_K) {
-          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 32 * blk));
           const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(j)), _mm256_set1_epi8(1));
           q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
         }
         return q;
       } else {  // Q6_K
         const int64_t n = j / 4, k = j % 4;
-        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (k % 2)));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 128 * blk + 64 * n + 32 * (k % 2)));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 64 * blk + 32 * n));
         const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
         const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(2 * k)), _mm256_set1_epi8(3));
         return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
@@ -240,7 +254,7 @@ struct Format {
   }
 
   // 64 weight bytes of chunks c and c + 1 (c even): each format's pair is one or two contiguous loads.
-  static inline __m512i pair_bytes(const uint8_t* row, int64_t K, int64_t c) {
+  static inline __m512i pair_bytes(const Planes& p, int64_t c) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     // 128-bit lanes [a, a, b, b] of a 256-bit v = [a, b], the odd lanes' 16-bit words shifted right by 4:
     // the low then the high nibbles of each half of v.
@@ -256,7 +270,6 @@ struct Format {
                                                         _mm256_set1_epi16(static_cast<short>(upper)), 1));
     };
     if constexpr (!kSuper) {
-      const Planes p = planes_of(Type, row, K);
       if constexpr (Type == kQ8_0)
         return _mm512_xor_si512(_mm512_loadu_si512(p.qs + 32 * c), _mm512_set1_epi8(static_cast<char>(0x80)));
       __m512i q = nibble_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 16 * c)));
@@ -267,22 +280,21 @@ struct Format {
       }
       return q;
     } else {
-      const int64_t j = c % 8;
-      const uint8_t* b = row + (c / 8) * kBytes;
+      const int64_t j = c % 8, blk = c / 8;
       if constexpr (Type == kQ4_K || Type == kQ5_K) {
-        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ4_K ? 16 : 48) + 32 * (j / 2)));
+        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 128 * blk + 32 * (j / 2)));
         __m512i q = _mm512_and_si512(twice(qs, 0, 4), low4);
         if constexpr (Type == kQ5_K) {
-          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 32 * blk));
           const __m512i bits = _mm512_and_si512(twice(qh, j, j + 1), _mm512_set1_epi8(1));
           q = _mm512_or_si512(q, _mm512_slli_epi16(bits, 4));
         }
         return q;
       } else {  // Q6_K: chunks 4n + k and 4n + k + 1, k even
         const int64_t n = j / 4, k = j % 4;
-        __m512i lo = _mm512_loadu_si512(b + 64 * n);
+        __m512i lo = _mm512_loadu_si512(p.qs + 128 * blk + 64 * n);
         if (k == 2) lo = _mm512_srli_epi16(lo, 4);
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 64 * blk + 32 * n));
         const __m512i hi = _mm512_and_si512(twice(qh, 2 * k, 2 * k + 2), _mm512_set1_epi8(3));
         return _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_slli_epi16(hi, 4));
       }
@@ -292,29 +304,24 @@ struct Format {
   // The row's K values, a chunk of 32 at a time, handed to store(chunk, first 16, last 16) as floats.
   template <typename Store>
   static inline void for_each_chunk(const uint8_t* row, int64_t K, const Store& store) {
-    auto emit = [&](int64_t c, float d0, float d1, float m0, float m1) {
-      const __m256i q = bytes(row, K, c);
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
-      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
-      store(c, _mm512_fmadd_ps(q0, _mm512_set1_ps(d0), _mm512_set1_ps(m0)),
-            _mm512_fmadd_ps(q1, _mm512_set1_ps(d1), _mm512_set1_ps(m1)));
-    };
-    const float shift = -static_cast<float>(1 << kOffsetShift);
-    if constexpr (!kSuper) {
-      const Planes p = planes_of(Type, row, K);
-      for (int64_t c = 0; c < K / 32; ++c) {
-        const float d = half_bits(p.d + 2 * c);
-        const float m = kSymmetric ? shift * d : half_bits(p.m + 2 * c);
-        emit(c, d, d, m, m);
-      }
-    } else {
-      float d[16], m[8];
-      for (int64_t blk = 0; blk < K / 256; ++blk) {
-        super_scales(row + blk * kBytes, d, m);
-        for (int64_t j = 0; j < 8; ++j) {
-          if constexpr (kSymmetric) emit(8 * blk + j, d[2 * j], d[2 * j + 1], shift * d[2 * j], shift * d[2 * j + 1]);
-          else emit(8 * blk + j, d[2 * j], d[2 * j + 1], m[j], m[j]);
-        }
+    const Planes p = planes_of(Type, row, K);
+    const int64_t chunks = K / 32;
+    const __m512 shift = _mm512_set1_ps(-static_cast<float>(1 << kOffsetShift));
+    alignas(64) float d[16], m[16];
+    for (int64_t c0 = 0; c0 < chunks; c0 += kSlotChunks) {
+      const int64_t n = std::min(kSlotChunks, chunks - c0);
+      const __mmask16 live = static_cast<__mmask16>((1u << (kHalfScales ? 2 * n : n)) - 1);
+      __m512 dv, mv = _mm512_setzero_ps();
+      slot_scales(p, c0, live, &dv, &mv);
+      _mm512_store_ps(d, dv);
+      _mm512_store_ps(m, kSymmetric ? _mm512_mul_ps(shift, dv) : mv);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t lo = kHalfScales ? 2 * i : i, hi = kHalfScales ? 2 * i + 1 : i;
+        const __m256i q = bytes(p, c0 + i);
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+        store(c0 + i, _mm512_fmadd_ps(q0, _mm512_set1_ps(d[lo]), _mm512_set1_ps(m[lo])),
+              _mm512_fmadd_ps(q1, _mm512_set1_ps(d[hi]), _mm512_set1_ps(m[hi])));
       }
     }
   }
@@ -417,7 +424,8 @@ struct Segments {
 // Few rows: int8 activations, VNNI dot products.
 // ------------------------------------------------------------------------------------------------------
 #if KVSERVE_HAS_VNNI
-constexpr int64_t kGemvTile = 4;  // activation rows per pass over a weight row
+constexpr int64_t kGemvTile = 4;  // activation rows per pass over the weight rows
+constexpr int kGemvRows = 4;  // weight rows per pass
 constexpr int64_t kMaxChunks = 1024;  // the few-row path's widest input: 32K values
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the row in hand the few-row path fetches
 
@@ -453,42 +461,49 @@ struct QuantizedActivations {
   }
 };
 
-// out[i] = dot(weight row, activation row m0 + i) for MT rows. A first pass over the row's blocks gathers
-// each chunk's (half's) weight scale times the activation chunk's, and the asymmetric offsets' total; the
-// second runs two chunks per 512-bit dpbusd.
-template <int64_t Type, int MT>
-inline void dot_row(const uint8_t* row, const QuantizedActivations& xq, int64_t m0, int64_t K, float* out) {
+// out[i][j] = dot(weight row j, activation row m0 + i) for MT activation rows and NT consecutive weight rows
+// (`stride` bytes apart). A first pass over each weight row's scales gathers each chunk's (half's) weight
+// scale times the activation chunk's, and the asymmetric offsets' products; the second runs two chunks per
+// 512-bit dpbusd, the NT rows side by side so that their loads are in flight together, and fetches the
+// rows `ahead` bytes on as it goes.
+template <int64_t Type, int MT, int NT>
+inline void dot_tile(const uint8_t* row0, int64_t stride, int64_t ahead, const QuantizedActivations& xq, int64_t m0,
+                     int64_t K, float out[kGemvTile][kGemvRows]) {
   using F = Format<Type>;
   const int64_t chunks = xq.chunks;
-  // scales[i][S * c + h]: chunk c's (half h's) weight scale times activation row i's chunk scale.
+  // scales[i][j][S * c + h]: chunk c's (half h's) weight scale times activation row i's chunk scale.
   constexpr int64_t S = F::kHalfScales ? 2 : 1;
-  alignas(64) float scales[MT][kMaxChunks * 2];
-  float offsets[MT] = {};
-  if constexpr (!F::kSuper) {
-    // Blocks of 32: sixteen blocks' fp16 scales (and offsets) in one load from their plane.
-    const Planes p = planes_of(Type, row, K);
-    for (int64_t c0 = 0; c0 < chunks; c0 += 16) {
-      const __mmask16 live = static_cast<__mmask16>(chunks - c0 >= 16 ? 0xFFFF : (1u << (chunks - c0)) - 1);
-      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.d + 2 * c0));
-      __m512 m = _mm512_setzero_ps();
-      if constexpr (!F::kSymmetric) m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.m + 2 * c0));
-      for (int i = 0; i < MT; ++i) {
-        const int64_t r = (m0 + i) * chunks + c0;
-        _mm512_mask_storeu_ps(scales[i] + c0, live, _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xq.scale.data() + r)));
-        if constexpr (!F::kSymmetric)
-          offsets[i] += _mm512_reduce_add_ps(_mm512_mul_ps(m, _mm512_maskz_loadu_ps(live, xq.scaled_sums.data() + r)));
-      }
+  alignas(64) float scales[MT][NT][kMaxChunks * 2];
+  Planes p[NT];
+  __m512 acc[MT][NT];  // lane sums of the dot products, and of the asymmetric offsets' products
+#pragma GCC unroll 4
+  for (int j = 0; j < NT; ++j) {
+    p[j] = planes_of(Type, row0 + j * stride, K);
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_setzero_ps();
+  }
+  // Chunk i of a slot group's activation scales in slots 2i and 2i + 1 (Q6_K's halves).
+  const __m512i halves = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  for (int64_t c0 = 0; c0 < chunks; c0 += F::kSlotChunks) {
+    const int64_t n = std::min(F::kSlotChunks, chunks - c0);
+    const __mmask16 live = static_cast<__mmask16>((1u << (S * n)) - 1);
+    __m512 xs[MT];
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) {
+      const int64_t r = (m0 + i) * chunks + c0;
+      if constexpr (S == 2) xs[i] = _mm512_permutexvar_ps(halves, _mm512_castps256_ps512(_mm256_loadu_ps(xq.scale.data() + r)));
+      else xs[i] = _mm512_maskz_loadu_ps(live, xq.scale.data() + r);
     }
-  } else {
-    float d[16], m[8];
-    for (int64_t blk = 0; blk < K / 256; ++blk) {
-      F::super_scales(row + blk * F::kBytes, d, m);
-      for (int64_t j = 0; j < 8; ++j) {
-        const int64_t c = blk * 8 + j;
-        for (int i = 0; i < MT; ++i) {
-          const int64_t r = (m0 + i) * chunks + c;
-          for (int64_t h = 0; h < S; ++h) scales[i][S * c + h] = d[2 * j + h] * xq.scale[r];
-          if constexpr (!F::kSymmetric) offsets[i] += m[j] * xq.scaled_sums[r];
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) {
+      __m512 d, m = _mm512_setzero_ps();
+      F::slot_scales(p[j], c0, live, &d, &m);
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        _mm512_mask_storeu_ps(scales[i][j] + S * c0, live, _mm512_mul_ps(d, xs[i]));
+        if constexpr (!F::kSymmetric) {
+          const __m512 sums = _mm512_maskz_loadu_ps(live, xq.scaled_sums.data() + (m0 + i) * chunks + c0);
+          acc[i][j] = _mm512_fmadd_ps(m, sums, acc[i][j]);
         }
       }
     }
@@ -497,72 +512,97 @@ inline void dot_row(const uint8_t* row, const QuantizedActivations& xq, int64_t 
   // lanes 8h .. 8h + 7 <- element h of 2.
   const __m512i spread = S == 2 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  auto pair_scales = [&](const float* p) {
-    if constexpr (S == 2) return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(p)));
-    else return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)))));
+  auto pair_scales = [&](const float* at) {
+    if constexpr (S == 2) return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(at)));
+    else return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(at)))));
   };
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  // The next rows stream in as this tile's are read: a line or so of each per chunk pair.
+  const int64_t fetch_step = (2 * stride + chunks - 1) / chunks;
+  const uint8_t* fetch = row0 + ahead;
   int64_t c = 0;
   for (; c + 2 <= chunks; c += 2) {
-    const __m512i q = F::pair_bytes(row, K, c);
+    __m512i init[MT];
 #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) {
-      const int64_t r = (m0 + i) * chunks + c;
-      __m512i init = _mm512_setzero_si512();
+      init[i] = _mm512_setzero_si512();
       if constexpr (F::kSymmetric)
-        init = _mm512_slli_epi32(_mm512_loadu_si512(xq.neg_half_sums.data() + 8 * r), F::kOffsetShift);
-      const __m512i dot = _mm512_dpbusd_epi32(init, q, _mm512_loadu_si512(xq.q.data() + (m0 + i) * K + 32 * c));
-      const __m512 scale = pair_scales(scales[i] + S * c);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+        init[i] = _mm512_slli_epi32(_mm512_loadu_si512(xq.neg_half_sums.data() + 8 * ((m0 + i) * chunks + c)), F::kOffsetShift);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(fetch + j * stride), _MM_HINT_T0);
+      const __m512i q = F::pair_bytes(p[j], c);
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        const __m512i dot = _mm512_dpbusd_epi32(init[i], q, _mm512_loadu_si512(xq.q.data() + (m0 + i) * K + 32 * c));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_scales(scales[i][j] + S * c), acc[i][j]);
+      }
+    }
+    fetch += fetch_step;
+  }
+  if (c < chunks) {  // an odd last chunk
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) {
+      const __m512i q = _mm512_castsi256_si512(F::bytes(p[j], c));
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        const int64_t r = (m0 + i) * chunks + c;
+        __m512i init = _mm512_setzero_si512();
+        if constexpr (F::kSymmetric)
+          init = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(0xFF, xq.neg_half_sums.data() + 8 * r), F::kOffsetShift);
+        const __m512i xv = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq.q.data() + (m0 + i) * K + 32 * c);
+        const __m512i dot = _mm512_dpbusd_epi32(init, q, xv);
+        const __m512 scale = _mm512_permutexvar_ps(
+            spread, _mm512_castps128_ps512(_mm_setr_ps(scales[i][j][S * c], scales[i][j][S * c + S - 1], 0.f, 0.f)));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i][j]);
+      }
     }
   }
-  for (; c < chunks; ++c) {  // an odd last chunk
-    const __m512i q = _mm512_castsi256_si512(F::bytes(row, K, c));
-    for (int i = 0; i < MT; ++i) {
-      const int64_t r = (m0 + i) * chunks + c;
-      __m512i init = _mm512_setzero_si512();
-      if constexpr (F::kSymmetric)
-        init = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(0xFF, xq.neg_half_sums.data() + 8 * r), F::kOffsetShift);
-      const __m512i xv = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq.q.data() + (m0 + i) * K + 32 * c);
-      const __m512i dot = _mm512_dpbusd_epi32(init, q, xv);
-      const __m512 scale = _mm512_permutexvar_ps(
-          spread, _mm512_castps128_ps512(_mm_setr_ps(scales[i][S * c], scales[i][S * c + S - 1], 0.f, 0.f)));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
-    }
+#pragma GCC unroll 4
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int64_t Type, int NT>
+inline void dot_tiles(const uint8_t* row0, int64_t stride, int64_t ahead, const QuantizedActivations& xq,
+                      int64_t m0, int64_t mt, int64_t K, float out[kGemvTile][kGemvRows]) {
+  switch (mt) {
+    case 1: dot_tile<Type, 1, NT>(row0, stride, ahead, xq, m0, K, out); break;
+    case 2: dot_tile<Type, 2, NT>(row0, stride, ahead, xq, m0, K, out); break;
+    case 3: dot_tile<Type, 3, NT>(row0, stride, ahead, xq, m0, K, out); break;
+    default: dot_tile<Type, 4, NT>(row0, stride, ahead, xq, m0, K, out); break;
   }
-  for (int i = 0; i < MT; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + offsets[i];
 }
 
 void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const at::BFloat16* bias, at::BFloat16* out) {
   const int64_t K = w.K, N = w.rows();
   const QuantizedActivations xq(x, M, K);
   parallel_range(0, N, 16, [&](int64_t n0, int64_t n1) {
-    float res[kGemvTile];
+    float res[kGemvTile][kGemvRows];
     // Segment by segment, so that the format is dispatched once per run of rows, not per row.
     for (int64_t s = w.segment_of(n0), n = n0; n < n1; ++s) {
       const int64_t end = std::min(n1, w.starts[s + 1]);
       const int64_t stride = w.row_bytes[s];
-      const int64_t ahead = std::max<int64_t>(1, (kPrefetchBytes + stride - 1) / stride);
+      // The rows stream from memory (a model's weights do not fit in cache): the tiles fetch a few KB
+      // ahead as they compute; the hardware prefetcher alone left much of the bandwidth unused.
+      const int64_t ahead = std::max<int64_t>(1, (kPrefetchBytes + kGemvRows * stride - 1) / (kGemvRows * stride)) *
+                            kGemvRows * stride;
       with_type(w.types[s], [&](auto tag) {
         constexpr int64_t Type = decltype(tag)::value;
-        for (; n < end; ++n) {
+        for (; n < end;) {
+          const int64_t nt = end - n >= kGemvRows ? kGemvRows : 1;
           const uint8_t* row = w.row(s, n);
-          // The rows stream from memory (a model's weights do not fit in cache): fetch a few KB ahead
-          // while this row computes; the hardware prefetcher alone left much of the bandwidth unused.
-          if (n + ahead < end)
-            for (int64_t b = 0; b < stride; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row + ahead * stride + b), _MM_HINT_T0);
           for (int64_t m0 = 0; m0 < M; m0 += kGemvTile) {
             const int64_t mt = std::min<int64_t>(kGemvTile, M - m0);
-            switch (mt) {
-              case 1: dot_row<Type, 1>(row, xq, m0, K, res); break;
-              case 2: dot_row<Type, 2>(row, xq, m0, K, res); break;
-              case 3: dot_row<Type, 3>(row, xq, m0, K, res); break;
-              default: dot_row<Type, 4>(row, xq, m0, K, res); break;
-            }
+            if (nt == kGemvRows) dot_tiles<Type, kGemvRows>(row, stride, ahead, xq, m0, mt, K, res);
+            else dot_tiles<Type, 1>(row, stride, ahead, xq, m0, mt, K, res);
             for (int64_t i = 0; i < mt; ++i)
-              out[(m0 + i) * N + n] = at::BFloat16(res[i] + (bias ? static_cast<float>(bias[n]) : 0.f));
+              for (int64_t j = 0; j < nt; ++j)
+                out[(m0 + i) * N + n + j] =
+                    at::BFloat16(res[i][j] + (bias ? static_cast<float>(bias[n + j]) : 0.f));
           }
+          n += nt;
         }
       });
     }
@@ -616,7 +656,9 @@ struct PanelRows {
 void matmul_slabs_amx(const at::BFloat16* x, int64_t M, const Segments& w, const PanelRows& layout,
                       const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
   const int64_t K = w.K, KB = K / 32, panels = layout.panels();
-  const int64_t per_slab = std::max<int64_t>(1, kSlabBytes / (kPanelRows * K * 2));
+  // A slab is ~2 MB of rows, but at least four panels a thread: the matmul shares a slab out in tasks of four
+  // pairs of n-blocks (a panel's two), so a slab of fewer left a thread idle.
+  const int64_t per_slab = std::max<int64_t>(4 * kernel_threads(), kSlabBytes / (kPanelRows * K * 2));
   static thread_local std::vector<at::BFloat16> slab;
   if (static_cast<int64_t>(slab.size()) < per_slab * kPanelRows * K) slab.resize(per_slab * kPanelRows * K);
   at::BFloat16* const slab_data = slab.data();  // the calling thread's buffer (the workers fill it)
@@ -626,14 +668,18 @@ void matmul_slabs_amx(const at::BFloat16* x, int64_t M, const Segments& w, const
     const int64_t first_row = layout.silu_mul ? 0 : p0 * kPanelRows;
     const int64_t blocks = layout.silu_mul ? 2 * np : std::min<int64_t>(2 * np, (layout.N - first_row + 15) / 16);
     parallel_range(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<at::BFloat16> rows(16 * K);
+      // Each worker's 16 dequantised rows, kept from call to call: a fresh buffer per slab cost as much as
+      // the dequantisation (its zero fill and page faults).
+      static thread_local std::vector<at::BFloat16> row_buffer;
+      if (static_cast<int64_t>(row_buffer.size()) < 16 * K) row_buffer.resize(16 * K);
+      at::BFloat16* const rows = row_buffer.data();
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t p = p0 + b / 2, half = b % 2;
-        fill_panel(w, [&](int64_t r) { return layout.row_of(p, 16 * half + r); }, 16, rows.data());
+        fill_panel(w, [&](int64_t r) { return layout.row_of(p, 16 * half + r); }, 16, rows);
         at::BFloat16* tiles = slab_data + b * KB * 512;
         for (int64_t kb = 0; kb < KB; ++kb) {
           __m512i pairs[16];  // row n's 16 column pairs of this block; transposed, the tile's 16 pair rows
-          for (int64_t n = 0; n < 16; ++n) pairs[n] = _mm512_loadu_si512(rows.data() + n * K + kb * 32);
+          for (int64_t n = 0; n < 16; ++n) pairs[n] = _mm512_loadu_si512(rows + n * K + kb * 32);
           transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(tiles + kb * 512));
         }
       }
