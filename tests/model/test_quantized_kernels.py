@@ -20,7 +20,14 @@ from kvserve.config import ArchConfig
 from kvserve.model.backends.cpu_kernels import plan_kernels
 from kvserve.model.backends.cpu_ops import build_cpu_ops
 from kvserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
-from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight, concat_rows, from_planar, held_row_bytes, to_planar
+from kvserve.model.quantized import (
+    KERNEL_TYPES,
+    QuantizedWeight,
+    concat_rows,
+    from_planar,
+    held_row_bytes,
+    to_planar,
+)
 
 kernels = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
