@@ -346,9 +346,7 @@ inline void with_type(int64_t type, const F& f) {
 
 // One row of K weights as floats.
 void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
-  const int64_t chunks = K / 32;
 #if KVSERVE_HAS_AVX512
-  (void)chunks;
   with_type(type, [&](auto tag) {
     Format<decltype(tag)::value>::for_each_chunk(row, K, [&](int64_t c, __m512 lo, __m512 hi) {
       _mm512_storeu_ps(out + 32 * c, lo);
@@ -357,7 +355,7 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
   });
 #else
   uint8_t q[32];
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < K / 32; ++c) {
     const ChunkScales s = decode_chunk_scalar(type, row, K, c, q);
     for (int i = 0; i < 32; ++i) out[32 * c + i] = s.d[i / 16] * q[i] + s.m[i / 16];
   }
