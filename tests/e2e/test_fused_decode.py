@@ -1,6 +1,7 @@
-"""The fused decode stack (csrc/decode_stack.cpp) on the real model: every decode step it runs must give
-bit for bit the hidden states of the Python layers on the same inputs, for one row (the GEMV), many rows,
-and cascade decode over a shared prefix (packed on the fly the first step, kept after)."""
+"""The fused decode stack (csrc/decode_stack.cpp) on the real model, on this CPU's packed projection family:
+every decode step it runs must give bit for bit the hidden states of the Python layers on the same inputs,
+for one row (AMX: the GEMV), many rows, and cascade decode over a shared prefix (AMX: packed on the fly the
+first step, kept after)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
 
 kernels = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX kernels on this machine")
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512 kernels on this machine")
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def llm():
 def test_fused_decode_matches_the_python_layers_bit_for_bit(llm, monkeypatch) -> None:
     model = llm.engine.runner.model
     stack = model.fused_decode
-    assert stack is not None, "the AMX kernels should give the model a fused decode stack"
+    assert stack is not None, "the packed projection kernels should give the model a fused decode stack"
     plain_forward = LlamaForCausalLM.forward
     checked: list[tuple[int, bool]] = []  # (rows, cascade) of each decode step compared
 

@@ -42,8 +42,8 @@ def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=Fals
 
 
 HEAD_SIZES = (64, 128, 256)  # the many-row kernels and the fused stack take these; 80 stands for any other
-NO_AMX_STACK = "no fused decode stack: no AMX on this CPU"
-WIDE_ON_TORCH = "torch projections above 4 rows: no AMX on this CPU"
+NO_PACKED_STACK = "no fused decode stack: no packed projection kernels"
+HEAD80_STACK = "no fused decode stack: head size 80 has no many-row kernel"
 NO_VECTOR_UNITS = ("torch projections: no AVX-512 on this CPU", "torch prefill attention: no AMX or AVX-512 on this CPU")
 FLOAT32 = ("torch projections and element-wise ops: float32 model (those kernels take bf16)",
            "torch prefill attention: float32 model (the many-row kernels take bf16)",
@@ -62,18 +62,17 @@ TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False, fallbacks=FLOAT32, quant
 # Per CPU, dtype and head size: each part's kernel, and why each part without one fell back.
 EXPECTED = [
     *[(AMX, torch.bfloat16, head, plan("amx", 1, "amx", fused=True)) for head in HEAD_SIZES],
-    (AMX, torch.bfloat16, 80, plan("amx", 1, None, fallbacks=(
-        *head80(), "no fused decode stack: head size 80 has no many-row kernel"))),
-    *[(BF16_ONLY, torch.bfloat16, head, plan(None, 4, "avx512", fallbacks=(WIDE_ON_TORCH, NO_AMX_STACK)))
+    (AMX, torch.bfloat16, 80, plan("amx", 1, None, fallbacks=(*head80(), HEAD80_STACK))),
+    *[(BF16_ONLY, torch.bfloat16, head, plan("bf16dot", 0, "avx512", fused=True, avx512_carries=True))
       for head in HEAD_SIZES],
-    (BF16_ONLY, torch.bfloat16, 80, plan(None, 4, None, fallbacks=(*head80(WIDE_ON_TORCH), NO_AMX_STACK))),
-    *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", avx512_carries=True,
-                                                fallbacks=(NO_AMX_STACK, NO_VNNI), quantized=0)) for head in HEAD_SIZES],
-    (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), NO_AMX_STACK, NO_VNNI), quantized=0)),
-    *[(NONE, torch.bfloat16, head, plan(None, 0, None, fallbacks=(*NO_VECTOR_UNITS, NO_AMX_STACK, QUANTIZED_DEQUANTISED),
-                                        quantized=None))
+    (BF16_ONLY, torch.bfloat16, 80, plan("bf16dot", 0, None, fallbacks=(*head80(), HEAD80_STACK))),
+    *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", fused=True, avx512_carries=True,
+                                                fallbacks=(NO_VNNI,), quantized=0)) for head in HEAD_SIZES],
+    (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), HEAD80_STACK, NO_VNNI), quantized=0)),
+    *[(NONE, torch.bfloat16, head, plan(None, 0, None, fallbacks=(*NO_VECTOR_UNITS, NO_PACKED_STACK,
+                                                                  QUANTIZED_DEQUANTISED), quantized=None))
       for head in HEAD_SIZES],
-    (NONE, torch.bfloat16, 80, plan(None, 0, None, fallbacks=(NO_VECTOR_UNITS[0], *head80(), NO_AMX_STACK,
+    (NONE, torch.bfloat16, 80, plan(None, 0, None, fallbacks=(NO_VECTOR_UNITS[0], *head80(), NO_PACKED_STACK,
                                                               QUANTIZED_DEQUANTISED), quantized=None)),
     *[(kernels, torch.float32, head_dim, TORCH_OPS_ONLY) for kernels in (AMX, BF16_ONLY, AVX512_ONLY, NONE)
       for head_dim in (64, 128)],

@@ -19,10 +19,15 @@ from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
-# The packed projection kernels this CPU runs: AMX tiles, and AVX-512 (which AMX machines have too).
+# What each packed projection family needs of the CPU; AMX machines run all three, Zen 4/5 the last two.
+FAMILY_RUNS = {"amx": lambda k: k.amx, "bf16dot": lambda k: k.gemv_bf16 and k.avx512, "avx512": lambda k: k.avx512}
+# The plan each family comes from: the kernels a CPU that has it (and nothing above it) offers.
+FAMILY_CPUS = {"amx": CpuKernels(gemv_bf16=True, amx=True, avx512=True),
+               "bf16dot": CpuKernels(gemv_bf16=True, amx=False, avx512=True),
+               "avx512": CpuKernels(gemv_bf16=False, amx=False, avx512=True)}
 packed_families = [pytest.param(name, marks=pytest.mark.skipif(
-    kernels is None or not getattr(kernels, name), reason=f"no {name} on this CPU (or the kernel refused it)"))
-    for name in ("amx", "avx512")]
+    kernels is None or not runs(kernels), reason=f"no {name} on this CPU (or the kernel refused it)"))
+    for name, runs in FAMILY_RUNS.items()]
 
 
 def family(name: str) -> PackedKernels:
@@ -37,8 +42,7 @@ def arch(heads: int = 9, kv_heads: int = 3, dim: int = 64) -> ArchConfig:
 def kernel_backend(name: str | None, heads: int = 9, kv_heads: int = 3, dim: int = 64) -> CpuKernelsBackend:
     """The cpu_kernels backend as it plans for a bf16 model on a CPU whose many-row attention kernel is
     ``name`` ("amx", "avx512"; None: this machine's)."""
-    offered = {"amx": CpuKernels(gemv_bf16=True, amx=True, avx512=True),
-               "avx512": CpuKernels(gemv_bf16=False, amx=False, avx512=True)}.get(name, kernels)
+    offered = {"amx": FAMILY_CPUS["amx"], "avx512": FAMILY_CPUS["avx512"]}.get(name, kernels)
     shape = arch(heads, kv_heads, dim)
     return CpuKernelsBackend(plan_kernels(offered, torch.bfloat16, shape), shape, torch.device("cpu"),
                              BackendConfig())
@@ -269,14 +273,16 @@ def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
                                        torch_silu_mul(F.linear(x.float(), weight.float())), atol=0.05, rtol=0.02)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.avx512 or kernels.gemv_bf16 or kernels.amx,
-                    reason="for AVX-512 CPUs without the BF16 instructions")
-def test_model_ops_take_the_avx512_kernels_at_every_width_without_bf16_instructions() -> None:
-    backend = select_backend(torch.device("cpu"), torch.bfloat16, arch(), True, BackendConfig())
+@pytest.mark.parametrize("name", [param for param in packed_families if param.values[0] != "amx"])
+def test_model_ops_take_the_packed_kernels_at_every_width_without_amx(name) -> None:
+    """Without AMX the plan's family (BF16 dot products where the CPU has them, else the widening AVX-512
+    kernel) takes every width, one row included, and the fused stack runs on it."""
+    backend = CpuKernelsBackend(plan_kernels(FAMILY_CPUS[name], torch.bfloat16, arch()), arch(),
+                                torch.device("cpu"), BackendConfig())
     ops = backend.ops
     linear = ops.linear.dense  # behind the quantised kernels
-    assert isinstance(linear, PackedLinear) and linear.kernels.name == "avx512"
-    assert not backend.plan.fused_decode  # the fused decode stack is AMX's alone
+    assert isinstance(linear, PackedLinear) and linear.kernels.name == name
+    assert backend.plan.fused_decode and backend.plan.gemv_max_rows == 0
     weight = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
     ops.prepare_weight(weight)
     ops.prepare_gate_up(weight)
@@ -284,7 +290,7 @@ def test_model_ops_take_the_avx512_kernels_at_every_width_without_bf16_instructi
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         torch.testing.assert_close(ops.gate_up_silu(x, weight).float(),
                                    torch_silu_mul(F.linear(x.float(), weight.float())), atol=0.05, rtol=0.02)
-        assert torch.equal(ops.linear(x, weight, None), torch.ops.kvserve.avx512_linear(
+        assert torch.equal(ops.linear(x, weight, None), getattr(torch.ops.kvserve, f"{name}_linear")(
             x, linear.packed[weight.data_ptr()], None))
 
 
@@ -624,15 +630,16 @@ def random_decoder_weights(shape: ArchConfig, gen: torch.Generator) -> dict[str,
     return weights
 
 
-@amx_only
+@pytest.mark.parametrize("name", packed_families)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128), (4, 1, 256)],
                          ids=["head64", "head128", "head256"])
 @pytest.mark.parametrize("layout", ["plain", "qkv_bias", "qk_norm"])
-def test_fused_decode_stack_is_bit_identical_to_the_layers(heads, kv_heads, dim, layout) -> None:
-    """The fused decode stack against the same model's Python layers, layer by layer, on the same caches:
-    one row (the GEMV, with the QKV bias where there is one), several rows, and decodes sharing a prefix
-    (cascade: its packing made inside the stack's first step, kept for the next). Both paths run the same
-    kernels in the same order, so hidden states and the KV written must match bit for bit."""
+def test_fused_decode_stack_is_bit_identical_to_the_layers(name, heads, kv_heads, dim, layout) -> None:
+    """The fused decode stack against the same model's Python layers, layer by layer, on the same caches, on
+    each packed family's plan: one row (AMX: the GEMV, with the QKV bias where there is one), several rows,
+    and decodes sharing a prefix (cascade; AMX: its packing made inside the stack's first step, kept for the
+    next). Both paths run the same kernels in the same order, so hidden states and the KV written must match
+    bit for bit."""
     from kvserve.batch import ScheduledRequest, SchedulerOutput
     from kvserve.model.llama import LlamaForCausalLM
     from kvserve.runner.input_batch import build_inputs
@@ -641,8 +648,8 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(heads, kv_heads, dim,
     shape = ArchConfig("llama", vocab_size=512, hidden_size=256, intermediate_size=256, num_layers=2,
                        num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, max_position_embeddings=4096,
                        tie_word_embeddings=True, qkv_bias=layout == "qkv_bias", qk_norm=layout == "qk_norm")
-    plan = plan_kernels(kernels, torch.bfloat16, shape)
-    assert plan.fused_decode and plan.attention == "amx", plan.description
+    plan = plan_kernels(FAMILY_CPUS[name], torch.bfloat16, shape)
+    assert plan.fused_decode and plan.projections == name, plan.description
     backend = CpuKernelsBackend(plan, shape, torch.device("cpu"), BackendConfig(cascade_min_tokens=32))
     model = LlamaForCausalLM(shape, backend, torch.bfloat16, torch.device("cpu"))
     model.load_weights(random_decoder_weights(shape, gen).items())
@@ -676,4 +683,4 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(heads, kv_heads, dim,
         cascade_steps += meta.decode_prefix_runs is not None
     assert cascade_steps == 2
     kept = [attention.kept_prefix(meta.decode_prefix_key) for attention in stack.attentions]
-    assert all(packing is not None for packing in kept)
+    assert all((packing is not None) == (name == "amx") for packing in kept)  # only AMX keeps packed keys

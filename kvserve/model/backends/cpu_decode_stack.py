@@ -1,12 +1,12 @@
-"""A decode step's decoder layers in one C++ call (csrc/decode_stack.cpp), for the AMX CPU kernels.
+"""A decode step's decoder layers in one C++ call (csrc/decode_stack.cpp), on every packed projection family.
 
 Per layer, the Python decoder layer dispatches ~15 ops (norms, projections, rotary, the KV write, the two
 attention halves and their merge, views and copies between them): ~450 per 30-layer decode step, each
 costing Python and dispatcher time on the engine thread while the kernels' other thread waits. The C++
 stack calls the same kernels in the same order (a single row on the GEMV, as the Python layer does), so
 its output is bit for bit the Python path's. It takes steps whose every token is a decode, on a model
-whose every projection weight the AMX kernels packed, at head sizes 64, 128 and 256, with or without a QKV
-bias (Qwen2) and QK-norm (Qwen3).
+whose every projection weight the plan's family (AMX, AVX512-BF16 dot products or AVX-512) packed, at head
+sizes 64, 128 and 256, with or without a QKV bias (Qwen2) and QK-norm (Qwen3).
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ class FusedDecodeStack:
                  post_norms: list[torch.Tensor], packed: dict[str, list[torch.Tensor]],
                  single_row_weights: list[torch.Tensor], qkv_biases: list[torch.Tensor],
                  qk_norms: tuple[list[torch.Tensor], list[torch.Tensor]],
-                 quantized: QuantizedStackWeights | None = None) -> None:
+                 quantized: QuantizedStackWeights | None = None, projections: str = "amx") -> None:
         self.arch = arch
+        self.projections = projections  # the packed family's name (cpu_ops.PackedKernels.name)
+        # The many-row attention family the shared-prefix half runs on; only AMX keeps packed prefixes.
+        self.attention = "amx" if attentions[0].amx else "avx512"
         self.attentions = attentions  # per layer: its packed shared prefix is kept there
         self.input_norms = input_norms
         self.post_norms = post_norms
@@ -58,7 +61,7 @@ class FusedDecodeStack:
     def build(cls, arch: ArchConfig, layers: Sequence[DecoderWeights], linear: PackedLinear,
               gate_up: PackedGateUpSilu, single_row_gemv: bool,
               quantized_gemv_max_rows: int | None = None) -> FusedDecodeStack | None:
-        """The stack for these layers, whose projections the AMX kernels ``linear`` and ``gate_up`` take
+        """The stack for these layers, whose projections the packed kernels ``linear`` and ``gate_up`` take
         (a single row on the GEMV when ``single_row_gemv``, as the Python layer does), or, where every
         projection weight is GGUF-quantised and ``quantized_gemv_max_rows`` is given, the quantised kernels;
         None where a weight could not be packed or the layers mix the two. The backend decides that the
@@ -67,7 +70,7 @@ class FusedDecodeStack:
         if arch.is_moe:
             return None
         attentions = [layer.attention for layer in layers]
-        assert all(isinstance(a, CpuKernelPagedAttention) and a.amx for a in attentions)
+        assert all(isinstance(a, CpuKernelPagedAttention) and (a.amx or a.avx512) for a in attentions)
         attentions = [a for a in attentions if isinstance(a, CpuKernelPagedAttention)]
         biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
         q_norms = [layer.q_norm for layer in layers if layer.q_norm is not None]
@@ -98,7 +101,8 @@ class FusedDecodeStack:
             layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
         ] if single_row_gemv else []
         return cls(arch, attentions, [layer.input_norm for layer in layers],
-                   [layer.post_attention_norm for layer in layers], packed, single_row, biases, (q_norms, k_norms))
+                   [layer.post_attention_norm for layer in layers], packed, single_row, biases, (q_norms, k_norms),
+                   projections=linear.kernels.name)
 
     def _quantized_args(self) -> tuple[list[torch.Tensor], list[int], list[int], list[int], int]:
         q = self.quantized
@@ -117,7 +121,7 @@ class FusedDecodeStack:
         runs = meta.decode_prefix_runs if meta.decode_prefix_blocks is not None else None
         prefix_packed: list[torch.Tensor] = []
         missing: list[int] = []
-        if runs is not None:
+        if runs is not None and self.attention == "amx":
             # A layer whose packed prefix is not kept (first step on this prefix, or no key) packs it inside
             # the kernel, after this step's KV write, as the Python path does; it is kept afterwards.
             empty = torch.empty(0, dtype=torch.int32)
@@ -133,9 +137,9 @@ class FusedDecodeStack:
             meta.decode_seq_lens, None if runs is None else runs.block_tables, None if runs is None else runs.kv_lens,
             None if runs is None else runs.q_starts, prefix_packed, self.single_row_weights, self.qkv_biases,
             self.q_norms, self.k_norms, arch.num_heads, arch.num_kv_heads, arch.rms_norm_eps, self.attentions[0].scale,
-            self.attentions[0].split_size, *self._quantized_args(),
+            self.attentions[0].split_size, *self._quantized_args(), self.projections, self.attention,
         )
-        if runs is not None and meta.decode_prefix_key is not None:
+        if runs is not None and meta.decode_prefix_key is not None and self.attention == "amx":
             for i in missing:
                 self.attentions[i].packed_prefix_for(kv_caches[i][0], kv_caches[i][1], runs, meta.decode_prefix_key)
         return hidden, residual

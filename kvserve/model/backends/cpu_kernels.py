@@ -45,7 +45,7 @@ VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 # dequantised panels (benchmarks/quantized.py).
 QUANTIZED_GEMV_MAX_ROWS = 4
 
-Family = Literal["amx", "avx512"]
+Family = Literal["amx", "bf16dot", "avx512"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +53,13 @@ class KernelPlan:
     """Which kernel takes each part of a step. The paged decode kernel takes every decode, in any dtype."""
 
     projections: Family | None  # the packed projection kernels; None: torch's linear
+    # (the many-row attention is "amx" or "avx512": the BF16 dot-product family keeps AVX-512 attention)
     gemv_max_rows: int  # inputs of at most this many rows take the BF16 GEMV instead; 0: never
     elementwise: bool  # add+RMSNorm, SiLU-and-multiply and rotary through the kernels (bf16 models)
     attention: Family | None  # the many-row kernel for prefill chunks and cascade prefixes; None: torch's
     fused_decode: bool  # decode steps' layers in one C++ call (when every weight packs)
-    # Projections and attention both on the AVX-512 kernels: they carry a step's heavy ops.
+    # Projections (AVX-512 or BF16 dot products, no GEMV) and attention both on the AVX-512 kernels: they
+    # carry a step's heavy ops.
     avx512_carries_step: bool
     # GGUF-quantised weights run in their blocks, inputs of at most this many rows on the int8 dot products
     # (0: none, every width on the dequantised panels); None: quantised weights are dequantised at load.
@@ -86,20 +88,20 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     head_dim = arch.head_dim
     dtype_name = str(dtype).removeprefix("torch.")
     fallbacks: list[str] = []
-    # Measured in benchmarks/cpu_kernels.py: the BF16 GEMV streams weights fastest at one row (single-stream
-    # decode), AMX wins from two rows on; without AMX it hands wider inputs to torch (oneDNN), which has the
-    # BF16 instructions too. Without those instructions torch's bf16 linear is slow at every width and the
-    # AVX-512 kernel takes them all.
+    # Measured in benchmarks/cpu_kernels.py: with AMX the BF16 GEMV streams weights fastest at one row
+    # (single-stream decode) and the tiles win from two rows on. With the BF16 instructions and no AMX, the
+    # dot-product kernel on packed weights is on par with the GEMV at one row and ahead of torch's bf16
+    # linear (oneDNN) up to a few hundred rows, on par above: it takes every width, so that a step's heavy
+    # ops stay on the kernels' threads. Without those instructions torch's bf16 linear is slow at every
+    # width and the AVX-512 widening kernel takes them all.
     projections: Family | None = None
     if bf16 and kernels.amx:
         projections = "amx"
-    elif bf16 and kernels.avx512 and not kernels.gemv_bf16:
-        projections = "avx512"
-    gemv_max_rows = (1 if kernels.amx else 4) if bf16 and kernels.gemv_bf16 else 0
+    elif bf16 and kernels.avx512:
+        projections = "bf16dot" if kernels.gemv_bf16 else "avx512"
+    gemv_max_rows = 1 if bf16 and kernels.gemv_bf16 and kernels.amx else 0
     if not bf16:
         fallbacks.append(f"torch projections and element-wise ops: {dtype_name} model (those kernels take bf16)")
-    elif projections is None and gemv_max_rows:
-        fallbacks.append(f"torch projections above {gemv_max_rows} rows: no AMX on this CPU")
     elif projections is None:
         fallbacks.append("torch projections: no AVX-512 on this CPU")
     # The many-row attention kernels take bf16 at the head sizes they are templated on.
@@ -115,11 +117,12 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
         fallbacks.append("torch prefill attention: no AMX or AVX-512 on this CPU")
     if head_dim not in VECTOR_DECODE_HEAD_SIZES:
         fallbacks.append(f"portable decode attention loop: head size {head_dim} has no vectorised path")
-    # The fused stack runs the Python layer's kernels in its order: AMX for the projections and attention
-    # (QKV bias and QK-norm included), a dense MLP in every layer (a mixture of experts routes on the host).
-    fused_decode = projections == "amx" and attention == "amx" and gemv_max_rows <= 1 and not arch.is_moe
+    # The fused stack runs the Python layer's kernels in its order: a packed family for the projections and
+    # a many-row kernel for the shared-prefix attention (QKV bias and QK-norm included), a dense MLP in
+    # every layer (a mixture of experts routes on the host).
+    fused_decode = projections is not None and attention is not None and gemv_max_rows <= 1 and not arch.is_moe
     if not fused_decode:
-        why = (f"{dtype_name} model" if not bf16 else "no AMX on this CPU" if not kernels.amx
+        why = (f"{dtype_name} model" if not bf16 else "no packed projection kernels" if projections is None
                else f"head size {head_dim} has no many-row kernel" if attention is None
                else "a mixture of experts (its routing runs on the host)")
         fallbacks.append(f"no fused decode stack: {why}")
@@ -136,7 +139,8 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
             fallbacks.append("quantised decode on dequantised panels: no AVX512-VNNI on this CPU")
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
                       fused_decode=fused_decode, quantized_gemv_max_rows=quantized_gemv_max_rows,
-                      avx512_carries_step=projections == "avx512" and attention == "avx512" and gemv_max_rows == 0,
+                      avx512_carries_step=projections in ("avx512", "bf16dot") and attention == "avx512"
+                      and gemv_max_rows == 0,
                       fallbacks=tuple(fallbacks))
 
 
@@ -176,8 +180,8 @@ class CpuKernelsBackend:
                                        quantized_gemv_max_rows=self.plan.quantized_gemv_max_rows)
         if stack is None:
             # Decided at load, after the start-up line that named the stack: say that it is off after all.
-            logger.info("no fused decode stack: a projection weight did not pack for the AMX kernels, or the layers "
-                        "mix quantised and dense projection weights")
+            logger.info("no fused decode stack: a projection weight did not pack for the %s kernels, or the layers "
+                        "mix quantised and dense projection weights", self.plan.projections)
         else:
             self._carries_step = True
         return stack

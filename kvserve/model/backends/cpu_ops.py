@@ -61,6 +61,14 @@ class PackedKernels:
         kvserve = torch.ops.kvserve
         return cls("avx512", kvserve.avx512_pack, kvserve.avx512_linear, kvserve.avx512_linear_silu_mul, 2)
 
+    @classmethod
+    def bf16dot(cls) -> PackedKernels:
+        """VDPBF16PS on the AVX-512 family's packed layout (csrc/linear_avx512.cpp), for CPUs with the BF16
+        instructions but no AMX: ahead of torch's bf16 linear up to a few hundred rows
+        (benchmarks/cpu_kernels.py)."""
+        kvserve = torch.ops.kvserve
+        return cls("bf16dot", kvserve.avx512_pack, kvserve.bf16dot_linear, kvserve.bf16dot_linear_silu_mul, 2)
+
 
 class PackedLinear:
     """bf16 projections through a ``PackedKernels`` family, at every width; weights it could not pack go
@@ -186,8 +194,8 @@ class CpuOps:
 
 def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool,
                   quantized_gemv_max_rows: int | None = None) -> CpuOps:
-    """The ops for a plan: ``projections`` names the packed family ("amx", "avx512" or None: torch's
-    linear), inputs of at most ``gemv_max_rows`` rows take the BF16 GEMV (0: none), ``elementwise``
+    """The ops for a plan: ``projections`` names the packed family ("amx", "avx512", "bf16dot" or None:
+    torch's linear), inputs of at most ``gemv_max_rows`` rows take the BF16 GEMV (0: none), ``elementwise``
     puts the norms, SiLU-and-multiply and rotary on the kernels (a bf16 model), and
     ``quantized_gemv_max_rows`` (None: no quantised weights) is the few-row limit of the quantised kernels."""
     ops = _build_dense_ops(projections, gemv_max_rows, elementwise)
@@ -210,7 +218,8 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
 def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:
     if not elementwise:
         return CpuOps(ModelOps())
-    family = {"amx": PackedKernels.amx, "avx512": PackedKernels.avx512}[projections]() if projections else None
+    families = {"amx": PackedKernels.amx, "avx512": PackedKernels.avx512, "bf16dot": PackedKernels.bf16dot}
+    family = families[projections]() if projections else None
     linear: Linear = F.linear
     packed_linear = PackedLinear(family, fallback=F.linear) if family is not None else None
     if packed_linear is not None:

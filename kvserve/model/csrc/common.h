@@ -225,6 +225,9 @@ bool has_amx();
 at::Tensor avx512_pack(const at::Tensor& w);
 at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
+// The same products and layout on VDPBF16PS (AVX512-BF16 CPUs without AMX).
+at::Tensor bf16dot_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor bf16dot_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
 bool has_avx512();
 
 // quantized.cpp
@@ -294,7 +297,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
     at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
-    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows);
+    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
+    c10::string_view projections, c10::string_view attention);
 
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& x);

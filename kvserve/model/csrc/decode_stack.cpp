@@ -22,12 +22,25 @@ void write_slots(const at::Tensor& src, const at::Tensor& cache, const int64_t* 
   }
 }
 
-// x · W^T (+ bias) as the Python layer computes it: on the GEMV when given the raw weight (one row), else
-// on the AMX tiles with the packed one.
-at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* raw,
-                   const c10::optional<at::Tensor>& bias = c10::nullopt) {
-  return raw != nullptr ? gemv_bf16(x, *raw, bias) : amx_linear(x, packed, bias);
-}
+// The packed projection kernels the Python layer's plan chose (backends/cpu_kernels.py's family names).
+struct ProjectionFamily {
+  at::Tensor (*linear)(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
+  at::Tensor (*linear_silu_mul)(const at::Tensor&, const at::Tensor&);
+
+  static ProjectionFamily named(c10::string_view name) {
+    if (name == "amx") return {&amx_linear, &amx_linear_silu_mul};
+    if (name == "avx512") return {&avx512_linear, &avx512_linear_silu_mul};
+    if (name == "bf16dot") return {&bf16dot_linear, &bf16dot_linear_silu_mul};
+    TORCH_CHECK(false, "decode_stack: unknown projection family ", name);
+  }
+
+  // x · W^T (+ bias) as the Python layer computes it: on the GEMV when given the raw weight (one row), else
+  // on the family's kernel with the packed one.
+  at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* raw,
+                     const c10::optional<at::Tensor>& bias = c10::nullopt) const {
+    return raw != nullptr ? gemv_bf16(x, *raw, bias) : linear(x, packed, bias);
+  }
+};
 
 // layers.rms_norm on [T, H, D] heads, op for op as the Python layer calls it (QK-norm): normalised in
 // float32 without a weight, rounded back to bf16, then scaled by the bf16 weight.
@@ -38,12 +51,13 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 }  // namespace
 
 // hidden [T, hidden] bf16: the step's embedded decode rows (each request's token and any drafts). Per layer
-// l, in the lists: input/post-attention norm weights, the amx_pack'ed QKV, O and down weights, the gate/up
-// weight packed gate/up-interleaved (amx_linear_silu_mul's layout), and the KV cache [2, blocks,
-// block_size, H_kv, D] (D = 64, 128 or 256, the same in every layer). Attention: decode over
-// block_table/seq_lens (the keys after any shared prefix) and, when prefix_block_tables is given, the
-// shared prefix through paged_attention_amx with prefix_packed[l] (an empty tensor: pack on the fly),
-// merged by log-sum-exp. single_row_weights: empty,
+// l, in the lists: input/post-attention norm weights, the QKV, O and down weights packed for the
+// `projections` family ("amx", "avx512" or "bf16dot"), the gate/up weight packed gate/up-interleaved (its
+// linear_silu_mul's layout), and the KV cache [2, blocks, block_size, H_kv, D] (D = 64, 128 or 256, the
+// same in every layer). Attention: decode over block_table/seq_lens (the keys after any shared prefix) and,
+// when prefix_block_tables is given, the shared prefix through the `attention` family's many-row kernel
+// ("amx": paged_attention_amx with prefix_packed[l], an empty tensor packing on the fly; "avx512":
+// paged_attention_avx512, prefix_packed empty), merged by log-sum-exp. single_row_weights: empty,
 // or per layer the raw QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on
 // the GEMV, as the Python layer does. qkv_biases: empty, or per layer the QKV projection's bias (Qwen2).
 // q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). quant_segments: empty, or (GGUF-
@@ -59,7 +73,11 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
     at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
-    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows) {
+    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
+    c10::string_view projections, c10::string_view attention) {
+  const ProjectionFamily family = ProjectionFamily::named(projections);
+  TORCH_CHECK(attention == "amx" || attention == "avx512", "decode_stack: unknown attention family ", attention);
+  const bool amx_attention = attention == "amx";
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   const bool quantized = !quant_segments.empty();
   TORCH_CHECK(input_norms.size() == kv_caches.size() && post_norms.size() == kv_caches.size(),
@@ -80,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
   }
   const bool cascade = prefix_block_tables.has_value();
   TORCH_CHECK(!cascade || (prefix_kv_lens.has_value() && prefix_q_starts.has_value() &&
-                           static_cast<int64_t>(prefix_packed.size()) == num_layers),
+                           (!amx_attention || static_cast<int64_t>(prefix_packed.size()) == num_layers)),
               "decode_stack: a shared prefix needs its lengths, query starts and one packed entry per layer");
   TORCH_CHECK(single_row_weights.empty() || static_cast<int64_t>(single_row_weights.size()) == 4 * num_layers,
               "decode_stack: single_row_weights needs the 4 raw weights of every layer");
@@ -116,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     // Projection i of this layer: quantised, or on the GEMV / AMX as the Python layer does.
     auto projection = [&](const at::Tensor& in, int64_t i, const at::TensorList packed,
                           const c10::optional<at::Tensor>& bias = c10::nullopt) {
-      if (!quantized) return project(in, packed[l], raw(i), bias);
+      if (!quantized) return family.project(in, packed[l], raw(i), bias);
       const int64_t a = first_segment[4 * l + i], b = first_segment[4 * l + i + 1];
       return quant_linear(in, quant_data.slice(a, b - a), quant_types.slice(a, b - a), quant_cols[4 * l + i], bias,
                           quant_gemv_max_rows);
@@ -137,11 +155,16 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
                                    block_table, seq_lens, scale, split_size);
     at::Tensor attn;
     if (cascade) {
-      const at::Tensor& packed = prefix_packed[l];
-      auto [out_p, lse_p] =
-          paged_attention_amx(q, k_cache, v_cache, *prefix_block_tables, *prefix_kv_lens, *prefix_q_starts, scale,
-                              false, true, packed.defined() && packed.numel() > 0 ? c10::optional<at::Tensor>(packed)
-                                                                                   : c10::nullopt);
+      at::Tensor out_p, lse_p;
+      if (amx_attention) {
+        const at::Tensor& packed = prefix_packed[l];
+        std::tie(out_p, lse_p) = paged_attention_amx(
+            q, k_cache, v_cache, *prefix_block_tables, *prefix_kv_lens, *prefix_q_starts, scale, false, true,
+            packed.defined() && packed.numel() > 0 ? c10::optional<at::Tensor>(packed) : c10::nullopt);
+      } else {
+        std::tie(out_p, lse_p) = paged_attention_avx512(q, k_cache, v_cache, *prefix_block_tables, *prefix_kv_lens,
+                                                        *prefix_q_starts, scale, false, true);
+      }
       attn = merge_attention(out_p.view(out.sizes()), lse_p.view(lse.sizes()), out, lse, true);
     } else {
       attn = out.to(at::kBFloat16);
@@ -154,7 +177,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
       h = quant_linear_silu_mul(x2, quant_data.slice(a, b - a), quant_types.slice(a, b - a), quant_cols[4 * l + 2],
                                 quant_gemv_max_rows);
     } else {
-      h = gemv ? silu_mul(project(x2, gate_up_packed[l], raw(2))) : amx_linear_silu_mul(x2, gate_up_packed[l]);
+      h = gemv ? silu_mul(family.project(x2, gate_up_packed[l], raw(2)))
+               : family.linear_silu_mul(x2, gate_up_packed[l]);
     }
     hidden = projection(h, 3, down_packed);
     residual = res2;

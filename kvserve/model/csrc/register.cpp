@@ -5,7 +5,8 @@
 //   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections; amx_linear_silu_mul: the MLP's
 //                    gate/up projection and its activation in one
 //   linear_avx512.cpp avx512_pack, avx512_linear, avx512_linear_silu_mul: the same projections on AVX-512
-//                    without BF16 instructions or AMX (fp32 FMAs on bf16 weights widened in registers)
+//                    without BF16 instructions or AMX (fp32 FMAs on bf16 weights widened in registers);
+//                    bf16dot_linear, bf16dot_linear_silu_mul: on the same layout with VDPBF16PS (AVX512-BF16)
 //   quantized.cpp    quant_linear, quant_linear_silu_mul: projections on GGUF-quantised weights (int8 VNNI
 //                    dot products for few rows, bf16 panels on AMX for many); quant_dequantize: their values
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
@@ -43,6 +44,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("avx512_pack(Tensor w) -> Tensor", &kvserve::avx512_pack);
   m.def("avx512_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::avx512_linear);
   m.def("avx512_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::avx512_linear_silu_mul);
+  m.def("bf16dot_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::bf16dot_linear);
+  m.def("bf16dot_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::bf16dot_linear_silu_mul);
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &kvserve::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
@@ -65,7 +68,7 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor? prefix_kv_lens, Tensor? prefix_q_starts, Tensor[] prefix_packed, Tensor[] single_row_weights, "
         "Tensor[] qkv_biases, Tensor[] q_norms, Tensor[] k_norms, int num_heads, int num_kv_heads, "
         "float eps, float scale, int split_size, Tensor[] quant_data, int[] quant_types, int[] quant_segments, "
-        "int[] quant_cols, int quant_gemv_max_rows) -> (Tensor, Tensor)",
+        "int[] quant_cols, int quant_gemv_max_rows, str projections, str attention) -> (Tensor, Tensor)",
         &kvserve::decode_stack);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
