@@ -5,9 +5,10 @@
 - Projections: SmolLM2-135M's 30 layers (q/k/v, o, gate/up, down) and its 49,152-row LM head, at 1-32
   activation rows, bf16: torch's linear, the AVX512-BF16 GEMV and the AMX tile matmul (weights packed
   once). Reported as GB/s of weights read: decode is bound by that read.
-- Projections on plain AVX-512 (CPUs without the BF16 instructions or AMX): the same 30 layers at 1-512
-  rows, torch's bf16 linear against the AVX-512 kernel (fp32 FMAs on bf16 weights packed once), in
-  GFLOP/s; torch's fp32 linear on fp32 copies of the weights for scale.
+- Projections without AMX, at 1-1,024 rows (SmolLM2-135M's 30 layers and four of Qwen2.5-Coder-1.5B's), in
+  GFLOP/s: torch's bf16 linear, the BF16 GEMV, the widening AVX-512 kernel (fp32 FMAs on bf16 weights
+  packed once) and, on CPUs with AVX512-BF16, the VDPBF16PS kernel on the same packing; torch's fp32
+  linear on fp32 copies of the weights for scale. The plan (backends/cpu_kernels.py) follows the fastest.
 - Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, in each
   head layout of ``ATTENTION_LAYOUTS`` (SmolLM2's 9 query heads over 3 KV heads at head_dim 64;
   Qwen2.5-Coder-1.5B's 12 over 2 at 128; Gemma 3 270M's 4 over 1 at 256). The torch path gathers each
@@ -32,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from kvserve.model.layers import RotaryEmbedding, apply_rotary
 from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
 
@@ -88,24 +89,44 @@ def bench_gemv(rows_list: list[int], amx: bool) -> list[dict]:
     return results
 
 
-def bench_avx512_projections(rows_list: list[int]) -> list[dict]:
-    shapes = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
-              (HIDDEN, INTERMEDIATE)]
-    weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(LAYERS) for n, k in shapes]
-    packed = {w.data_ptr(): torch.ops.kvserve.avx512_pack(w) for w in weights}
-    weights_fp32 = [w.float() for w in weights]
-    flops_per_row = sum(2 * w.numel() for w in weights)
+# Projection weights [out_features, in_features] per layer (fused q/k/v, o, fused gate/up, down) and the layers
+# timed, of the packed-projection cases: SmolLM2-135M whole; four of Qwen2.5-Coder-1.5B's 28 layers.
+PROJECTION_MODELS = {
+    "smollm2": ([(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
+                 (HIDDEN, INTERMEDIATE)], LAYERS),
+    "qwen2.5-1.5b": ([(1536 + 2 * 256, 1536), (1536, 1536), (2 * 8960, 1536), (1536, 8960)], 4),
+}
+
+
+def bench_packed_projections(rows_list: list[int], kernels: CpuKernels) -> list[dict]:
+    """Every width through torch's bf16 linear, the BF16 GEMV and each packed family without AMX this CPU
+    runs (the widening AVX-512 kernel; the VDPBF16PS one), GFLOP/s; torch's fp32 linear on fp32 copies of
+    the weights for scale."""
+    families = ["avx512", *(["bf16dot"] if kernels.gemv_bf16 else [])]
     results = []
-    for rows in rows_list:
-        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
-        inputs_fp32 = {k: x.float() for k, x in inputs.items()}
-        t_torch = seconds_per_call(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])  # noqa: B023
-        t_kernel = seconds_per_call(lambda: [torch.ops.kvserve.avx512_linear(  # noqa: B023
-            inputs[w.shape[1]], packed[w.data_ptr()], None) for w in weights])  # noqa: B023
-        t_fp32 = seconds_per_call(lambda: [F.linear(inputs_fp32[w.shape[1]], w) for w in weights_fp32])  # noqa: B023
-        gflops = rows * flops_per_row / 1e9
-        results.append({"rows": rows, "torch_bf16_gflops": gflops / t_torch, "kernel_gflops": gflops / t_kernel,
-                        "torch_fp32_gflops": gflops / t_fp32, "speedup": t_torch / t_kernel})
+    for model, (shapes, layers) in PROJECTION_MODELS.items():
+        weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(layers) for n, k in shapes]
+        packed = {w.data_ptr(): torch.ops.kvserve.avx512_pack(w) for w in weights}
+        weights_fp32 = [w.float() for w in weights]
+        flops_per_row = sum(2 * w.numel() for w in weights)
+        for rows in rows_list:
+            inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in shapes}}
+            inputs_fp32 = {k: x.float() for k, x in inputs.items()}
+            times = {"torch_bf16": seconds_per_call(lambda: [F.linear(inputs[w.shape[1]], w)  # noqa: B023
+                                                             for w in weights]),  # noqa: B023
+                     "torch_fp32": seconds_per_call(lambda: [F.linear(inputs_fp32[w.shape[1]], w)  # noqa: B023
+                                                             for w in weights_fp32])}  # noqa: B023
+            if kernels.gemv_bf16:
+                times["gemv"] = seconds_per_call(lambda: [torch.ops.kvserve.gemv_bf16(  # noqa: B023
+                    inputs[w.shape[1]], w, None) for w in weights])  # noqa: B023
+            for name in families:
+                op = getattr(torch.ops.kvserve, f"{name}_linear")
+                times[name] = seconds_per_call(lambda: [op(inputs[w.shape[1]], packed[w.data_ptr()], None)  # noqa: B023
+                                                        for w in weights])  # noqa: B023
+            gflops = rows * flops_per_row / 1e9
+            row = {"model": model, "rows": rows, **{f"{name}_gflops": gflops / t for name, t in times.items()}}
+            best = min((name for name in times if name != "torch_fp32"), key=times.__getitem__)
+            results.append({**row, "fastest": best, "fastest_over_torch_bf16": times["torch_bf16"] / times[best]})
     return results
 
 
@@ -229,13 +250,15 @@ def main() -> None:
             print(f"  {r['rows']:4d}  {r['layers_torch_gbps']:6.1f} {r['layers_kernel_gbps']:6.1f}  "
                   f"{r['layers_speedup']:4.2f}x {r['layers_amx_gbps']:6.1f}  {r['layers_amx_speedup']:4.2f}x  |"
                   f"    {r['lm_head_torch_ms']:8.2f} {r['lm_head_kernel_ms']:6.2f}  {r['lm_head_speedup']:4.2f}x")
-    if kernels.avx512 and not kernels.gemv_bf16 and not args.only_attention:
-        report["avx512_projections"] = bench_avx512_projections([1, 4, 16, 64, 512])
-        print("Projections, bf16, SmolLM2-135M's 30 layers, GFLOP/s (no BF16 instructions on this CPU):")
-        print("  rows  torch bf16  avx512 kernel  ratio  | torch fp32 (fp32 weights)")
-        for r in report["avx512_projections"]:
-            print(f"  {r['rows']:4d}  {r['torch_bf16_gflops']:10.1f}  {r['kernel_gflops']:13.1f}  {r['speedup']:4.2f}x  |"
-                  f"  {r['torch_fp32_gflops']:6.1f}")
+    if kernels.avx512 and not args.only_attention:
+        report["packed_projections"] = bench_packed_projections([1, 4, 16, 64, 512, 1024], kernels)
+        print("\nProjections, bf16, GFLOP/s by width (SmolLM2-135M's 30 layers; 4 of Qwen2.5-Coder-1.5B's):")
+        names = [n for n in ("torch_bf16", "gemv", "avx512", "bf16dot", "torch_fp32")
+                 if f"{n}_gflops" in report["packed_projections"][0]]
+        print(f"  {'model':13s} rows  " + "  ".join(f"{n:>10s}" for n in names) + "  fastest (x torch bf16)")
+        for r in report["packed_projections"]:
+            print(f"  {r['model']:13s} {r['rows']:4d}  " + "  ".join(f"{r[f'{n}_gflops']:10.1f}" for n in names)
+                  + f"  {r['fastest']} ({r['fastest_over_torch_bf16']:.2f}x)")
     for layout in layouts:
         heads, kv_heads, head_dim = ATTENTION_LAYOUTS[layout]
         shape = f"{heads} query / {kv_heads} KV heads, head_dim {head_dim}"

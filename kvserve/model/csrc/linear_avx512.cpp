@@ -145,10 +145,14 @@ inline void rows_tile(const Operands& op, int64_t m0, int64_t rows, int64_t nb) 
 // stay in L1/L2 while the chunk's rows go by.
 template <bool Dot>
 void run_item(const Operands& op, int64_t m_begin, int64_t m_end, int64_t nb_begin, int64_t nb_end) {
+  // Rows in even tiles (16 rows: two of 8, not 12 and 4): a thin tail tile spends its weight loads on few
+  // rows. A row's result does not depend on its tile.
+  const int64_t tiles = (m_end - m_begin + kMaxRows - 1) / kMaxRows;
+  const int64_t tile_rows = tiles > 0 ? (m_end - m_begin + tiles - 1) / tiles : kMaxRows;
   for (int64_t nb = nb_begin; nb < nb_end; nb += 2) {
     const bool pair = nb + 1 < nb_end;
-    for (int64_t m = m_begin; m < m_end; m += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, m_end - m);
+    for (int64_t m = m_begin; m < m_end; m += tile_rows) {
+      const int64_t rows = std::min<int64_t>(tile_rows, m_end - m);
       if (pair)
         rows_tile<2, Dot>(op, m, rows, nb);
       else
