@@ -228,6 +228,12 @@ at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed)
 // The same products and layout on VDPBF16PS (AVX512-BF16 CPUs without AMX).
 at::Tensor bf16dot_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor bf16dot_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
+// x [M, K] times NB blocks of 16 weight rows packed as avx512_pack packs them into out (row stride ld), plus
+// bias or (silu_mul) silu(gate) * up of gate/up blocks in pairs: on VDPBF16PS where the build has it, else
+// widening FMAs on x_wide (x in fp32). The quantised projections' many-row path calls it on dequantised slabs.
+void avx512_matmul_packed(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
+                          int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
+                          bool silu_mul);
 bool has_avx512();
 
 // quantized.cpp

@@ -287,6 +287,19 @@ at::Tensor bf16dot_linear_silu_mul(const at::Tensor&, const at::Tensor&) {
 }
 #endif
 
+void avx512_matmul_packed(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
+                          int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
+                          bool silu_mul) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed);
+#if KVSERVE_HAS_AVX512_BF16
+  (void)x_wide;
+  matmul<true>({x, M, K, w, out, ld, bias, silu_mul}, NB);
+#else
+  (void)x;
+  matmul<false>({x_wide, M, K, w, out, ld, bias, silu_mul}, NB);
+#endif
+}
+
 #else
 
 at::Tensor avx512_pack(const at::Tensor&) { TORCH_CHECK(false, "avx512_pack: this build has no AVX-512"); }

@@ -10,9 +10,10 @@
 //   llama.cpp's Q8 activation blocks), and each chunk's dot product is one VNNI dpbusd of q against them;
 //   the offsets are applied through the activations' per-half sums. Weights are read once, packed.
 // many rows (prefill chunks, wide decode batches): weight rows are dequantised a slab (~2 MB) at a time
-//   into the tile layout amx_pack gives bf16 weights, and the bf16 projections' own AMX matmul multiplies
-//   each slab against all the activation rows, so prefill runs the same tile multiplies as bf16 weights.
-//   Without AMX (or for a width not in blocks of 16) panels of rows go through torch's matmul.
+//   into the layout the bf16 projections' packed kernels read (amx_pack's tiles, which are also
+//   avx512_pack's pairs), and their own matmul multiplies each slab against all the activation rows: AMX
+//   tiles, else VDPBF16PS, else widening FMAs. Without AVX-512 (or for a width not in blocks of 16) panels
+//   of rows go through torch's matmul.
 //
 // quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
 
@@ -646,13 +647,15 @@ struct PanelRows {
 };
 
 
-#if KVSERVE_HAS_AMX
-// The weight a slab at a time: each slab's rows dequantised into the tile layout amx_pack gives bf16
-// weights (in parallel), then the bf16 projections' own AMX matmul over all the activation rows. A slab is
-// sized to stay in L2 / L3, so the matmul reads it as fast as it reads a packed bf16 weight from memory.
-// Needs whole blocks of 16 output columns (N % 16 == 0; N / 2 for the fused gate/up).
-void matmul_slabs_amx(const at::BFloat16* x, int64_t M, const Segments& w, const PanelRows& layout,
-                      const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+#if KVSERVE_HAS_AVX512
+// The weight a slab at a time: each slab's rows dequantised into the layout amx_pack gives bf16 weights (in
+// parallel), then the bf16 projections' own matmul over all the activation rows: on the AMX tiles when
+// `amx`, else on avx512_pack's kernels (the same bytes: a block's 16 rows as pairs of k side by side).
+// x_wide is x in fp32 for the widening kernel of a build without AVX512-BF16 (else unused). A slab is sized
+// to stay in L2 / L3, so the matmul reads it as fast as it reads a packed bf16 weight from memory. Needs
+// whole blocks of 16 output columns (N % 16 == 0; N / 2 for the fused gate/up).
+void matmul_slabs(const at::BFloat16* x, const float* x_wide, int64_t M, const Segments& w, const PanelRows& layout,
+                  const at::BFloat16* bias, at::BFloat16* out, int64_t ld, bool amx) {
   const int64_t K = w.K, KB = K / 32, panels = layout.panels();
   // A slab is ~2 MB of rows, but at least four panels a thread: the matmul shares a slab out in tasks of four
   // pairs of n-blocks (a panel's two), so a slab of fewer left a thread idle.
@@ -683,12 +686,16 @@ void matmul_slabs_amx(const at::BFloat16* x, int64_t M, const Segments& w, const
       }
     });
     const int64_t col0 = layout.silu_mul ? p0 * 16 : first_row;
-    amx_matmul_packed(x, M, slab_data, blocks, KB, out + col0, ld, bias ? bias + col0 : nullptr, layout.silu_mul);
+    if (amx)
+      amx_matmul_packed(x, M, slab_data, blocks, KB, out + col0, ld, bias ? bias + col0 : nullptr, layout.silu_mul);
+    else
+      avx512_matmul_packed(x, x_wide, M, slab_data, blocks, K, out + col0, ld, bias ? bias + col0 : nullptr,
+                           layout.silu_mul);
   }
 }
 #endif
 
-// Without AMX: panels of weight rows dequantised, then torch's matmul.
+// Without AVX-512: panels of weight rows dequantised, then torch's matmul.
 void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows& layout, const at::Tensor& bias,
                          const at::Tensor& out) {
   const int64_t K = w.K;
@@ -751,9 +758,13 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
   }
 #endif
   const PanelRows layout{N, fused_silu};
-#if KVSERVE_HAS_AMX
-  if (request_amx() && width % 16 == 0) {
-    matmul_slabs_amx(x.data_ptr<at::BFloat16>(), M, w, layout, bp, out.data_ptr<at::BFloat16>(), width);
+#if KVSERVE_HAS_AVX512
+  if (width % 16 == 0) {
+    const bool amx = KVSERVE_HAS_AMX && request_amx();
+    // The widening kernel reads fp32 activations; the others read the bf16 ones as they are.
+    const at::Tensor x_wide = amx || KVSERVE_HAS_AVX512_BF16 ? at::Tensor() : x.to(at::kFloat);
+    matmul_slabs(x.data_ptr<at::BFloat16>(), x_wide.defined() ? x_wide.data_ptr<float>() : nullptr, M, w, layout,
+                 bp, out.data_ptr<at::BFloat16>(), width, amx);
     return out.view(out_sizes);
   }
 #endif
