@@ -13,9 +13,9 @@ Cases (SmolLM2-135M's head layout: 9 query heads over 3 KV heads, head_dim 64, b
 - decode attention (paged_decode): 16 sequences at 120 and 235 keys, 1 sequence at 2,000 keys. Each
   repetition walks 30 layers' caches with random block tables, so the KV rows come from memory, as in
   a decode step, not from a cache a previous call warmed.
-- many-row attention on AMX tiles (paged_attention_amx), where the builds have AMX: an agentic prefill
-  step (10 chunks of 100 on 1,568 cached), one cold 1,024-token prompt, and the shared-prefix half of
-  16 decodes on a 1,568-token prefix.
+- many-row attention on AMX tiles (paged_attention_amx), where the builds have AMX, else on AVX-512
+  (paged_attention_avx512): an agentic prefill step (10 chunks of 100 on 1,568 cached), one cold
+  1,024-token prompt, and the shared-prefix half of 16 decodes on a 1,568-token prefix.
 - the AMX projections (amx_linear) over SmolLM2's 30 layers of weights, at 16 rows (a decode step) and
   1,024 rows (a prefill step); the MLP's gate/up projection with its SiLU-and-multiply, fused where the
   build has amx_linear_silu_mul, at the same widths.
@@ -91,9 +91,9 @@ def decode_case(caches: list[torch.Tensor], batch: int, keys: int) -> Callable[[
     return run
 
 
-def many_row_case(caches: list[torch.Tensor], runs: list[tuple[int, int]],
-                  causal: bool) -> Callable[[object], list[torch.Tensor]]:
-    """paged_attention_amx over the layers' caches; runs are (queries, keys) per span."""
+def many_row_case(caches: list[torch.Tensor], runs: list[tuple[int, int]], causal: bool,
+                  kernel: str = "paged_attention_amx") -> Callable[[object], list[torch.Tensor]]:
+    """The many-row attention ``kernel`` over the layers' caches; runs are (queries, keys) per span."""
     bf16 = torch.bfloat16
     width = max(-(-kv // BLOCK) for _, kv in runs)
     tables = [torch.stack([torch.randperm(CACHE_BLOCKS)[:width] for _ in runs]).to(torch.int32).contiguous()
@@ -103,8 +103,8 @@ def many_row_case(caches: list[torch.Tensor], runs: list[tuple[int, int]],
     q_starts = torch.tensor([0, *torch.tensor([n for n, _ in runs]).cumsum(0).tolist()], dtype=torch.int32)
 
     def run(ops: object) -> list[torch.Tensor]:
-        return [ops.paged_attention_amx(q, cache[0], cache[1], table, kv_lens, q_starts, HEAD_DIM**-0.5, causal,
-                                        not causal)[0]
+        return [getattr(ops, kernel)(q, cache[0], cache[1], table, kv_lens, q_starts, HEAD_DIM**-0.5, causal,
+                                     not causal)[0]
                 for cache, table in zip(caches, tables, strict=True)]
     return run
 
@@ -198,6 +198,13 @@ def main() -> None:
                 "projections, 1,024 rows": projection_case(1024),
                 "MLP gate/up + SiLU, 16 rows": mlp_case(16),
                 "MLP gate/up + SiLU, 1,024 rows": mlp_case(1024),
+            }
+        elif all(ops.has_avx512() for ops in builds):
+            kernel = "paged_attention_avx512"
+            cases |= {
+                "prefill 10 x 100 on 1,568 cached": many_row_case(caches, [(100, 1668)] * 10, True, kernel),
+                "prefill 1,024 cold": many_row_case(caches, [(1024, 1024)], True, kernel),
+                "decode prefix 16 x 1,568": many_row_case(caches, [(16, 1568)], False, kernel),
             }
         best = {(name, i): float("inf") for name in cases for i in range(2)}
         for rep in range(args.reps):

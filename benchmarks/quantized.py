@@ -2,6 +2,7 @@
 
     python benchmarks/quantized.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b]
         [--threads 2] [--prompt-len 512] [--gen-len 128] [--llama-bench /path/to/llama-bench] [--json out.json]
+        [--widths 1,2,4,8,16,32,64]
 
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF
 and thread count:
@@ -13,6 +14,12 @@ and thread count:
 - **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench -p
   PROMPT -n GEN -t THREADS``, which reads the file as it is.
 
+With ``--widths``, instead: every decoder layer's quantised projections of each model at those numbers of
+input rows, through the few-row path (int8 activations, VNNI dot products on the blocks) and through the
+many-row one (slabs dequantised into the packed layout, multiplied by the CPU's bf16 projection kernel),
+side by side and alternating: where the plan's few-row limit (QUANTIZED_GEMV_MAX_ROWS) should sit on this
+CPU.
+
 Ratios are printed per model; the machines are shared, so compare within one run.
 """
 
@@ -21,14 +28,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+from cpu_kernels import seconds_per_call  # benchmarks/cpu_kernels.py
 from models import _prompts, bench_llama_cpp  # benchmarks/models.py
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.cpu_kernels import KernelThreadScope
 from kvserve.model.loader import read_arch_config, resolve_model_path
+from kvserve.model.quantized import QuantizedWeight
 
 NUM_KV_BLOCKS = 96
 
@@ -62,6 +73,42 @@ def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int,
     return Row(engine, name, prefill, decode, weight_mib, file_mib)
 
 
+def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
+    """Seconds per pass over every layer's quantised projections, few-row path against many-row path, at each
+    width; the ratio is the median over ``rounds`` alternating measurements."""
+    llm = LLM(model=name, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=1)
+    weights = [w for layer in llm.engine.model.layers
+               for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
+               if isinstance(w, QuantizedWeight)]
+    if not weights:
+        raise SystemExit(f"{name}: no projection runs quantised on this CPU (see the backend line at start-up)")
+    results = []
+    with KernelThreadScope():  # as in an engine step: the kernels' threads, torch's ops on this thread
+        for rows in widths:
+            inputs = {w.cols: torch.randn(rows, w.cols, dtype=torch.bfloat16) for w in weights}
+
+            def run(few_rows: int, inputs: dict[int, torch.Tensor] = inputs) -> float:
+                def call() -> None:
+                    for w in weights:
+                        torch.ops.kvserve.quant_linear(inputs[w.cols], w.data, w.types, w.cols, None, few_rows)
+                return seconds_per_call(call, min_time=0.3)
+
+            ratios, few, many = [], [], []
+            for _ in range(rounds):
+                few.append(run(rows))
+                many.append(run(0))
+                ratios.append(many[-1] / few[-1])
+            results.append({"model": name, "rows": rows, "few_row_ms": 1e3 * statistics.median(few),
+                            "many_row_ms": 1e3 * statistics.median(many),
+                            "few_row_speedup": statistics.median(ratios)})
+            r = results[-1]
+            print(f"{name:20s} {rows:3d} rows  few-row {r['few_row_ms']:7.2f} ms  many-row {r['many_row_ms']:7.2f} ms"
+                  f"  few-row is {r['few_row_speedup']:.2f}x as fast", flush=True)
+    del llm
+    gc.collect()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
@@ -71,8 +118,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
     parser.add_argument("--json", default=None, help="write the figures here too")
+    parser.add_argument("--widths", default=None,
+                        help="comma-separated row counts: compare the few-row and many-row quantised paths instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.widths:
+        widths = [int(w) for w in args.widths.split(",")]
+        sweep = [r for name in args.models.split(",") for r in bench_widths(name, widths)]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(sweep, f, indent=1)
+        return
 
     results: list[Row] = []
     for name in args.models.split(","):

@@ -2,7 +2,7 @@
 
     python benchmarks/serve_compare.py [--servers kvserve,vllm,llamacpp] [--concurrency 1,4,16]
                                        [--num-requests 32] [--output-len 32] [--out-dir bench_results/serve]
-                                       [--rounds N]
+                                       [--rounds N] [--llama-server PATH]
 
 One server at a time, each started fresh (empty cache), the same `kvserve bench` runs against each:
 the agentic workload (sessions sharing a ~1,500-token tool-schema system prompt, every turn resending
@@ -15,10 +15,13 @@ at load (``--quantization none``), compared as a peer of the quantised default. 
   vllm-fp32 the same in float32: on CPUs without the BF16 instructions, oneDNN's bf16 matmuls are
             slower than its fp32 ones, so this is vLLM's better setting there.
   llamacpp  /tmp/llamacpp-venv: llama-cpp-python's server on the same GGUF, 2 threads.
+  llama-server  llama.cpp's native server (the binary --llama-server names, built as PEERS.md says) on the
+            same GGUF: 2 threads, 16 slots of continuous batching, prompt-cache reuse.
 Prints a markdown table (output tok/s, TTFT p50/p99, TPOT p50, cache hit rate) and writes JSON.
 With --rounds N, every setting runs N times per server, the servers' order alternating round by round (on
 a shared machine, sequential runs drift more than the differences measured); it also prints kvserve's
-throughput ratio to each peer per round and their geometric mean.
+throughput ratio to each peer per round and their geometric mean. The CPU (model name and the AMX,
+AVX512-BF16 and AVX-512 flags) is printed and kept in summary.json.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import httpx
 from kvserve.model.loader import resolve_model_path
 
 PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103, "vllm-fp32": 8104,
-         "kvserve-bf16": 8105}
+         "kvserve-bf16": 8105, "llama-server": 8106}
 # kvserve-bf16: kvserve with the GGUF's weights dequantised to bf16 at load (--quantization none), the
 # baseline of the quantised default; it counts as a peer in the ratios.
 BASELINES = ("kvserve-bf16",)
@@ -45,7 +48,22 @@ BASELINES = ("kvserve-bf16",)
 NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
-def server_command(name: str, gguf: Path, hf_dir: Path) -> tuple[list[str], dict[str, str]]:
+def cpu_description() -> str:
+    """The CPU's model name and which of the extensions the kernels choose by it has (Linux's /proc/cpuinfo)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    wanted = [("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx512_vnni", "VNNI")]
+    has = [label for flag, label in wanted if flag in flags]
+    family = f", family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields else ""
+    return f"{fields.get('model name', 'unknown CPU')}{family}, {os.cpu_count()} vCPUs: {', '.join(has) or 'no AVX-512'}"
+
+
+def server_command(name: str, gguf: Path, hf_dir: Path, llama_server: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if name in ("kvserve", "kvserve-ngram", "kvserve-bf16"):
         extra = (["--speculative-config", NGRAM_CONFIG] if name == "kvserve-ngram"
@@ -56,6 +74,11 @@ def server_command(name: str, gguf: Path, hf_dir: Path) -> tuple[list[str], dict
         return ["/tmp/llamacpp-venv/bin/python", "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
                 "2", "--n_ctx", "8192", "--interrupt_requests", "False", "--host", "127.0.0.1", "--port",
                 str(PORTS[name])], env
+    if name == "llama-server":
+        if not llama_server:
+            raise ValueError("llama-server needs --llama-server PATH")
+        return [llama_server, "-m", str(gguf), "-t", "2", "-c", "40960", "-np", "16", "-cb", "--cache-reuse", "256",
+                "--host", "127.0.0.1", "--port", str(PORTS[name])], env
     if name in ("vllm", "vllm-fp32"):
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
         preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/tmp/vllm-venv/lib/libiomp5.so")
@@ -95,7 +118,7 @@ def run_bench(base_url: str, workload: str, concurrency: int, args: argparse.Nam
 def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Path, args: argparse.Namespace,
              out: Path) -> dict | None:
     """One run against a freshly started server (empty cache); None if the server or the run failed."""
-    cmd, env = server_command(name, gguf, hf_dir)
+    cmd, env = server_command(name, gguf, hf_dir, args.llama_server)
     log = open(Path(args.out_dir) / f"{name}-server.log", "ab")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     key = f"{name}/{workload}/c{concurrency}"
@@ -153,7 +176,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs per server and setting, alternating the servers' order round by round; "
                              "summary.json keeps each server's median run and rounds.json every run")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, for the llama-server peer")
     args = parser.parse_args()
+    cpu = cpu_description()
+    print(f"CPU: {cpu}", flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf = resolve_model_path(None)
@@ -188,6 +214,7 @@ def main() -> None:
     summary_path = out_dir / "summary.json"
     if summary_path.exists():  # runs of other servers from an earlier invocation stay in the table
         results = json.loads(summary_path.read_text()) | results
+    results["cpu"] = cpu  # type: ignore[assignment]
     summary_path.write_text(json.dumps(results, indent=2))
 
     print()
@@ -199,7 +226,7 @@ def print_markdown_table(results: dict[str, dict]) -> None:
     print("| workload | concurrency | server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | cache hit |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     runs = sorted((workload, int(conc[1:]), server, s)
-                  for (server, workload, conc), s in ((key.split("/"), s) for key, s in results.items()))
+                  for (server, workload, conc), s in ((key.split("/"), s) for key, s in results.items() if "/" in key))
     for workload, concurrency, server, s in runs:
         hit = s.get("cache_hit_rate")
         hit_text = f"{100 * hit:.0f}%" if hit is not None else "n/a"

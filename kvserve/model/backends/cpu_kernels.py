@@ -53,10 +53,11 @@ class KernelPlan:
     """Which kernel takes each part of a step. The paged decode kernel takes every decode, in any dtype."""
 
     projections: Family | None  # the packed projection kernels; None: torch's linear
-    # (the many-row attention is "amx" or "avx512": the BF16 dot-product family keeps AVX-512 attention)
     gemv_max_rows: int  # inputs of at most this many rows take the BF16 GEMV instead; 0: never
     elementwise: bool  # add+RMSNorm, SiLU-and-multiply and rotary through the kernels (bf16 models)
-    attention: Family | None  # the many-row kernel for prefill chunks and cascade prefixes; None: torch's
+    # The many-row kernel for prefill chunks and cascade prefixes, "amx" or "avx512" (which BF16 CPUs without
+    # AMX run too); None: torch's.
+    attention: Family | None
     fused_decode: bool  # decode steps' layers in one C++ call (when every weight packs)
     # Projections (AVX-512 or BF16 dot products, no GEMV) and attention both on the AVX-512 kernels: they
     # carry a step's heavy ops.
