@@ -1,7 +1,7 @@
 """The projection kernels of the cpu_kernels backend, and the ``ModelOps`` its plan gives a model.
 
 With the C++ CPU kernels loaded and a bf16 model, the projections, the add+RMSNorm, the SiLU-and-multiply
-(with AMX or AVX-512: fused into the gate/up projection) and the rotary embedding go through them
+(with a packed projection family: fused into the gate/up projection) and the rotary embedding go through them
 (benchmarks/cpu_kernels.py measures each against the torch version, side by side).
 """
 
@@ -185,7 +185,7 @@ def dense_only(prepare: Callable[[torch.Tensor], None]) -> Callable[[Weight], No
 
 @dataclass(frozen=True, slots=True)
 class CpuOps:
-    """A model's ops, and the AMX projections' packed weights the fused decode stack reads."""
+    """A model's ops, and the packed projections' weights the fused decode stack reads."""
 
     ops: ModelOps
     packed_linear: PackedLinear | None = None
