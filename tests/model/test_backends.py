@@ -63,9 +63,9 @@ TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False, fallbacks=FLOAT32, quant
 EXPECTED = [
     *[(AMX, torch.bfloat16, head, plan("amx", 1, "amx", fused=True)) for head in HEAD_SIZES],
     (AMX, torch.bfloat16, 80, plan("amx", 1, None, fallbacks=(*head80(), HEAD80_STACK))),
-    *[(BF16_ONLY, torch.bfloat16, head, plan("bf16dot", 0, "avx512", fused=True, avx512_carries=True, quantized=8))
+    *[(BF16_ONLY, torch.bfloat16, head, plan("bf16dot", 0, "avx512", fused=True, avx512_carries=True))
       for head in HEAD_SIZES],
-    (BF16_ONLY, torch.bfloat16, 80, plan("bf16dot", 0, None, fallbacks=(*head80(), HEAD80_STACK), quantized=8)),
+    (BF16_ONLY, torch.bfloat16, 80, plan("bf16dot", 0, None, fallbacks=(*head80(), HEAD80_STACK))),
     *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", fused=True, avx512_carries=True,
                                                 fallbacks=(NO_VNNI,), quantized=0)) for head in HEAD_SIZES],
     (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), HEAD80_STACK, NO_VNNI), quantized=0)),

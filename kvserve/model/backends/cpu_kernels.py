@@ -42,11 +42,10 @@ PREFIX_KEY_STEP = 32
 VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 
 # Inputs of at most this many rows take the quantised weights' int8 dot products, wider ones their
-# dequantised slabs on the packed bf16 kernels (benchmarks/quantized.py, and its --widths sweep): on AMX the
-# tiles win from a few rows; on the BF16 dot-product and AVX-512 kernels the dot products hold out to about
-# eight rows on SmolLM2-135M and past sixteen on Qwen2.5-Coder.
+# dequantised slabs on the packed bf16 kernels (benchmarks/quantized.py). Without AMX the --widths sweep
+# puts the speed crossover at about eight rows, but at eight rows the int8 activations cost greedy
+# agreement with the dequantised model (tests/e2e/test_quantized_models.py), so the limit stays four.
 QUANTIZED_GEMV_MAX_ROWS = 4
-QUANTIZED_GEMV_MAX_ROWS_WITHOUT_AMX = 8
 
 Family = Literal["amx", "bf16dot", "avx512"]
 
@@ -138,8 +137,7 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     elif not kernels.avx512:
         fallbacks.append("quantised weights dequantised at load: no AVX-512 on this CPU")
     else:
-        few_rows = QUANTIZED_GEMV_MAX_ROWS if kernels.amx else QUANTIZED_GEMV_MAX_ROWS_WITHOUT_AMX
-        quantized_gemv_max_rows = few_rows if kernels.quantized_gemv else 0
+        quantized_gemv_max_rows = QUANTIZED_GEMV_MAX_ROWS if kernels.quantized_gemv else 0
         if not kernels.quantized_gemv:
             fallbacks.append("quantised decode on dequantised panels: no AVX512-VNNI on this CPU")
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
