@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from kvserve.engine import Engine, EngineStats, PromptType
 from kvserve.errors import CapacityError, EngineDeadError, KVServeError
-from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams
+from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams, StructuredOutputsParams
+from kvserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,22 @@ class AsyncEngine:
     def check_text_fits(self, text: str) -> None:
         """Raise ContextLengthExceeded for a text that cannot fit the context, without tokenizing it."""
         self.engine.input_processor.check_text_fits(text)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.engine.grammars
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a constraint on the compiler's threads while the event loop serves other requests;
+        GrammarCompileTimeout past the limit (the compile goes on, for a retry), InvalidRequest if it fails."""
+        compiler = self.engine.grammars
+        future = compiler.submit(spec)
+        limit = compiler.config.compile_timeout_s
+        try:
+            # Shielded: the compile is shared with other requests for the same constraint, and cached.
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+        except TimeoutError:
+            raise compiler.timeout_error(spec, limit) from None
 
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
         """Tokenize and validate without queueing anything: raises the typed error the caller reports."""

@@ -16,6 +16,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
+    grammar: object | None = None  # the compiled structured-output constraint (kvserve.structured)
 
 
 @dataclass(slots=True)

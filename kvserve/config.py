@@ -232,6 +232,28 @@ class SpeculativeConfig:
         return self.method != "none"
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputConfig:
+    """Grammar-constrained decoding (response_format, tools, structured_outputs): how constraints compile."""
+
+    compile_timeout_s: float = setting(
+        10.0, "seconds a request waits for its grammar to compile before it gets a 400 (the compile goes on "
+              "and is cached for a retry)", flag="--grammar-compile-timeout", keyword="grammar_compile_timeout")
+    cache_size: int = setting(256, "compiled grammars kept, by constraint (least recently used dropped first)",
+                              flag="--grammar-cache-size", keyword="grammar_cache_size")
+    compile_threads: int = setting(2, "threads that compile grammars, off the engine and HTTP threads",
+                                   flag="--grammar-compile-threads", keyword="grammar_compile_threads")
+
+    def __post_init__(self) -> None:
+        if not self.compile_timeout_s > 0:
+            raise ConfigError(f"grammar compile timeout must be > 0, got {self.compile_timeout_s}",
+                              "compile_timeout_s")
+        for name in ("cache_size", "compile_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", name)
+
+
 C = TypeVar("C")
 
 
@@ -311,3 +333,4 @@ class EngineConfig:
         flag="--speculative-config", keyword="speculative_config", parse=speculative_config_from_json,
         metavar="JSON", default_text="off")})
     backend: BackendConfig = section(BackendConfig, "kernel backend")
+    structured: StructuredOutputConfig = section(StructuredOutputConfig, "structured output")

@@ -40,6 +40,8 @@ from kvserve.runner.sampler import Sampler
 from kvserve.runner.speculative import NgramProposer
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace, TierStats
+from kvserve.structured.grammar import GrammarCompiler, GrammarStats
+from kvserve.structured.masks import GrammarMasker
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,9 @@ class EngineStats:
     tiers_healthy: dict[str, bool] = field(default_factory=dict)
     num_draft_tokens: int = 0  # speculative tokens verified, and of those accepted
     num_accepted_draft_tokens: int = 0
+    grammar: GrammarStats = field(default_factory=GrammarStats)  # structured output: compiles and cache
+    num_constrained_tokens: int = 0  # tokens sampled under a grammar's mask, and the time the masks took
+    grammar_mask_time_s: float = 0.0
 
 
 class Engine:
@@ -104,7 +109,9 @@ class Engine:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers,
                                          keep_tails=cc.keep_tails)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, config.structured)
+        sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax,
+                          grammar_masker=GrammarMasker(self.grammars.mask_vocab_size))
         spec = config.speculative
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                     if spec.enabled else None)
@@ -113,7 +120,8 @@ class Engine:
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))
-        self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                              self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -157,6 +165,10 @@ class Engine:
         """Queue a prompt the input processor has validated and tokenised (n == 1)."""
         token_ids, params = processed.prompt_token_ids, processed.sampling_params
         max_total = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
+        grammar = processed.grammar
+        if grammar is None and params.structured_outputs is not None:
+            # Compiled when the request was processed: this finds it in the compiler's cache.
+            grammar = self.grammars.compile(params.structured_outputs)
         order = next(self._ids)
         request = Request(
             request_id if request_id is not None else f"req-{order}",
@@ -167,6 +179,7 @@ class Engine:
             arrival_order=order,
             hash_extra=self._hash_extra,
             prompt=processed.prompt,
+            grammar=grammar,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
@@ -199,10 +212,12 @@ class Engine:
         """Persist cached KV to the tiers that outlive the process (disk, Redis), then release the tiers,
         so a restarted server finds today's prefixes even under the write_back policy."""
         self.kv_manager.close(self.runner.read_blocks)
+        self.grammars.close()
 
     # --- observability ----------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv = self.kv_manager
+        masker = self.runner.sampler.grammar_masker
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -223,6 +238,9 @@ class Engine:
             cached_tokens_by_tier=dict(kv.stats.hits_by_tier),
             tiers=kv.tiers.stats(),
             tiers_healthy=kv.tiers.healthy(),
+            grammar=replace(self.grammars.stats),
+            num_constrained_tokens=masker.num_masked_rows if masker else 0,
+            grammar_mask_time_s=masker.mask_time_s if masker else 0.0,
         )
 
     def check_invariants(self) -> None:

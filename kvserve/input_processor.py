@@ -10,23 +10,28 @@ from typing import Any
 
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest, InvalidSamplingParams
 from kvserve.request import ProcessedPrompt, SamplingParams
+from kvserve.structured.grammar import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, grammars: GrammarCompiler) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = grammars
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """Check the parameters against this model, tokenise the prompt and check that it fits."""
+        """Check the parameters against this model, tokenise the prompt and check that it fits; compile its
+        structured-output constraint (waiting for it at most the compile timeout)."""
         self.check_params(params)
         token_ids, text = self.tokenize_prompt(prompt)
         self.check_context(len(token_ids), params.max_tokens)
-        return ProcessedPrompt(token_ids, text, params)
+        spec = params.structured_outputs
+        grammar = self.grammars.compile(spec) if spec is not None else None
+        return ProcessedPrompt(token_ids, text, params, grammar)
 
     def check_text_fits(self, text: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit the context however it tokenizes: megabytes

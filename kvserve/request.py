@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import math
 import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvserve.errors import InvalidSamplingParams
+from kvserve.errors import InvalidRequest, InvalidSamplingParams
 
 MAX_LOGPROBS = 20
 
@@ -30,6 +31,73 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the client or the server
+
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused before compiling
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain what a request may generate (vLLM's ``StructuredOutputsParams``). Exactly one of:
+
+    - ``json``: a JSON Schema (JSON text, or a dict that is stored as JSON text in its own key order);
+    - ``json_object``: any JSON object;
+    - ``regex``: the whole output matches it;
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: a Lark grammar (llguidance's dialect, which also embeds JSON Schemas with ``%json``) or
+      GBNF/EBNF (llama.cpp's ``::=`` form).
+
+    ``param`` names the request field it came from, for error messages; it is not part of its identity.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", _schema_text(self.json, self.param))
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequest(f"{self.param} takes exactly one of json, json_object, regex, choice and grammar; "
+                                 f"got {', '.join(given) or 'none'}", param=self.param)
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidRequest(f"{self.param}: {name} must be a non-empty string", param=self.param)
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise InvalidRequest(f"{self.param}: {name} has {len(value)} characters, more than the "
+                                     f"{MAX_GRAMMAR_CHARS} kvserve compiles", param=self.param)
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise InvalidRequest(f"{self.param}: choice takes 1 to {MAX_CHOICES} strings", param=self.param)
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise InvalidRequest(f"{self.param}: every choice must be a non-empty string", param=self.param)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+def _schema_text(schema: object, param: str) -> str:
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
+    try:
+        return json.dumps(schema, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{param}: the JSON schema cannot be written as JSON: {exc}", param=param) from None
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -60,6 +128,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Added to the logits before sampling (OpenAI's logit_bias): (token id, bias) pairs; a dict is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # What the output must match (a JSON Schema, a regex, a grammar, ...); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the dataclass stays hashable and immutable.
@@ -180,7 +250,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "status", "all_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_cached_tokens", "block_hashes",
         "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
-        "prompt", "cache_handle", "arrival_order", "output_logprobs", "draft_token_ids",
+        "prompt", "cache_handle", "arrival_order", "output_logprobs", "draft_token_ids", "grammar",
     )
 
     def __init__(
@@ -195,6 +265,7 @@ class Request:
         arrival_order: int = 0,
         hash_extra: bytes = b"",
         prompt: str | None = None,
+        grammar: object | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -220,6 +291,8 @@ class Request:
         self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         # Speculative tokens proposed for the next step (verified by the runner, not part of the sequence).
         self.draft_token_ids: list[int] = []
+        # The compiled constraint of params.structured_outputs (opaque here; the runner makes its matcher).
+        self.grammar = grammar
 
     # --- token arithmetic -------------------------------------------------------------------------------
     @property
@@ -287,6 +360,7 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     prompt: str | None  # the text it came from, when it came as text
     sampling_params: SamplingParams
+    grammar: object | None = None  # sampling_params.structured_outputs, compiled (kvserve.structured)
 
 
 @dataclass(frozen=True, slots=True)

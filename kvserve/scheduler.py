@@ -215,6 +215,7 @@ class Scheduler:
                     request.prompt_token_ids,
                     request.output_token_ids,
                     request.eos_token_ids,
+                    request.grammar,
                 )
             )
         out.scheduled.append(

@@ -6,13 +6,14 @@ import time
 
 import torch
 
-from kvserve.batch import RunnerOutput, SchedulerOutput
+from kvserve.batch import NewRequestData, RunnerOutput, SchedulerOutput
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.kv_transfer import read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import Proposer, sample_and_verify
+from kvserve.structured.grammar import CompiledGrammar
 
 
 class ModelRunner:
@@ -69,9 +70,7 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         for new in out.new_requests:
-            self.states[new.request_id] = SamplingState(
-                new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids
-            )
+            self.states[new.request_id] = new_sampling_state(new)
         if out.is_empty and not out.kv_loads:
             return result
 
@@ -101,6 +100,19 @@ class ModelRunner:
             if proposer is not None and state.params.logprobs is None:
                 feedback = (len(drafts), outcome.num_accepted) if drafts else None
                 proposal = proposer.propose(request_id, state, feedback)
+                if proposal and state.matcher is not None:  # drafts the grammar would refuse are not verified
+                    proposal = proposal[: state.matcher.valid_prefix(proposal)]
                 if proposal:
                     result.draft_token_ids[request_id] = proposal
         return result
+
+
+def new_sampling_state(new: NewRequestData) -> SamplingState:
+    """A request's sampling state, its grammar matcher caught up with the tokens it already has (a request
+    that returns after a preemption)."""
+    state = SamplingState(new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids)
+    if isinstance(new.grammar, CompiledGrammar):
+        state.matcher = new.grammar.new_matcher()
+        for token_id in new.output_token_ids:
+            state.matcher.accept(token_id)
+    return state

@@ -5,7 +5,8 @@ token this step (one row per request) and the ``SamplingState`` it keeps for eac
 
 Order of operations (as vLLM does), all in float32 on the logits' device:
 
-    logits [B, V] ──► min_tokens: eos + stop_token_ids → -inf while len(output) < min_tokens
+    logits [B, V] ──► grammar: tokens the request's constraint does not allow next → -inf
+                 ──► min_tokens: eos + stop_token_ids → -inf while len(output) < min_tokens
                  ──► logit_bias (OpenAI: added to the chosen tokens' logits)
                  ──► repetition penalty (prompt + output tokens, HF: logit > 0 → /p, else *p)
                  ──► frequency / presence penalties (output tokens, OpenAI: -= f*count + p*(count > 0))
@@ -26,6 +27,7 @@ the results are read back at the end.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
@@ -34,6 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.request import SamplingParams
+from kvserve.structured.grammar import GrammarMatcher
+from kvserve.structured.masks import GrammarMasker
+
+logger = logging.getLogger(__name__)
 
 ArgMax = Callable[[torch.Tensor], torch.Tensor]
 _MASK64 = (1 << 64) - 1
@@ -50,16 +56,28 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...] = ()
+    # Where the request is in its structured-output grammar (None: free text).
+    matcher: GrammarMatcher | None = None
 
     @property
     def suppresses_stop_tokens(self) -> bool:
         """min_tokens not reached yet and there is something to suppress.
 
-        ``ignore_eos`` only changes when a request stops, not the logits: eos is suppressed here too.
+        ``ignore_eos`` only changes when a request stops, not the logits: eos is suppressed here too. A
+        request that follows a grammar ends where the grammar lets it end: min_tokens does not apply.
         """
-        return len(self.output_token_ids) < self.params.min_tokens and bool(
+        return self.matcher is None and len(self.output_token_ids) < self.params.min_tokens and bool(
             self.eos_token_ids or self.params.stop_token_ids
         )
+
+    def append(self, token_id: int) -> None:
+        """A token joins the output (and advances the grammar)."""
+        self.output_token_ids.append(token_id)
+        if self.matcher is not None and not self.matcher.accept(token_id):
+            # Only a row with every token masked can get here; the rest of it is generated unconstrained.
+            logger.warning("a token left the request's grammar (%s); the rest of its output is unconstrained",
+                           self.matcher.error)
+            self.matcher = None
 
 
 @dataclass(slots=True)
@@ -72,11 +90,14 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row. ``vocab_size`` columns are used; extra (padding) columns never win."""
 
-    def __init__(self, vocab_size: int, base_seed: int = 0, argmax: ArgMax | None = None) -> None:
+    def __init__(self, vocab_size: int, base_seed: int = 0, argmax: ArgMax | None = None,
+                 grammar_masker: GrammarMasker | None = None) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.base_seed = base_seed
+        # Masks the rows of requests with a grammar; a sampler without one is never given such a row.
+        self.grammar_masker = grammar_masker
         # Row-wise argmax of [B, V] logits (int64 [B]); a kernel may replace torch's, which is slow on CPU.
         self.argmax: ArgMax = argmax or _torch_argmax
         # Per device: the generator of unseeded rows, and a scratch one re-seeded for each seeded row.
@@ -87,10 +108,16 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (tuple(logits.shape), len(states))
         assert logits.shape[1] >= self.vocab_size, (tuple(logits.shape), self.vocab_size)
         logits = logits[:, : self.vocab_size]  # [B, V]; a view: padded vocab columns are never sampled
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
+            logits = logits.clone()  # masked in place; the caller's tensor stays as it was
+            matchers = [m for i in constrained if (m := states[i].matcher) is not None]
+            self.grammar_masker.apply(logits, constrained, matchers)
         if not any(_needs_full_path(s) for s in states):
             # Hot path: every decode step of greedy requests. argmax is exact in any float dtype.
             if any(s.suppresses_stop_tokens for s in states):
-                logits = logits.clone()  # masked below; the caller's tensor stays as it was
+                logits = logits if constrained else logits.clone()  # masked below; the caller's stays as it was
                 suppress_stop_tokens(logits, states)
             return SamplerOutput(self.argmax(logits).tolist(), [None] * len(states))
         return self._sample(logits, states)

@@ -131,7 +131,7 @@ def sample_and_verify(
         sampled = sampler(depth_logits, [states[j] for j in alive])
         still: list[int] = []
         for j, token_id, logprobs in zip(alive, sampled.token_ids, sampled.logprobs, strict=True):
-            states[j].output_token_ids.append(token_id)
+            states[j].append(token_id)
             if depth < len(drafts[j]) and token_id == drafts[j][depth]:
                 still.append(j)
             else:

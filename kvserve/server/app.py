@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,12 +29,14 @@ from kvserve.errors import (
     ModelNotFound,
     ServerShuttingDown,
 )
-from kvserve.request import SamplingParams
+from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.server.responses import ResponseBuilder
+from kvserve.server.tools import template_messages, template_tools, tool_request
+from kvserve.structured.tool_calls import HermesToolFormat
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,25 @@ class AppState:
         self.runs: set[RequestRun] = set()
         self.draining = False
         self.created = int(time.time())
+        template = tokenizer.chat_template or ""
+        self.template_has_tools = "tools" in template  # else tools go into the system message (tools.py)
+        self._tool_format: HermesToolFormat | None = None
+
+    async def tool_format(self) -> HermesToolFormat:
+        """The model's tool-call format. The first call builds the grammar engine's view of the vocabulary
+        (seconds for a large one), off the event loop."""
+        if self._tool_format is None:
+            grammars = self.engine.grammars
+            open_tag, close_tag = HermesToolFormat.open_tag, HermesToolFormat.close_tag
+            special = await asyncio.to_thread(
+                lambda: grammars.is_special_token(open_tag) and grammars.is_special_token(close_tag))
+            self._tool_format = HermesToolFormat(special_tags=special)
+        return self._tool_format
+
+    @property
+    def single_token_open_tag(self) -> int | None:
+        """The id of the token that opens a tool call, where it is one token."""
+        return self.tokenizer.token_to_id(HermesToolFormat.open_tag)
 
     def check_admissible(self, name: str | None) -> None:
         """What a generation route checks first: the server is up and ``name`` (if given) is its model."""
@@ -90,7 +112,8 @@ class AppState:
     # --- one request, end to end ----------------------------------------------------------------------------
     async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
                       prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
-                      received_at: float) -> Response:
+                      received_at: float, tool_format: HermesToolFormat | None = None) -> Response:
+        """``tool_format``: the reply may hold tool calls in this format (parsed out of the content)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queue_limit = self.engine.max_waiting_requests
         if queue_limit is not None and len(prompts) * params.n > queue_limit:
@@ -113,7 +136,7 @@ class AppState:
         want_timings = body.return_timings or http.headers.get("x-kvserve-timings", "").lower() in ("1", "true")
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            stream = self.responses.stream(run, body, chat, head, want_timings)
+            stream = self.responses.stream(run, body, chat, head, want_timings, tool_format)
             return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(run.close),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -122,7 +145,7 @@ class AppState:
             return Response(status_code=499)
         finally:
             run.close()
-        response = self.responses.full_response(run, body, chat, head)
+        response = self.responses.full_response(run, body, chat, head, tool_format)
         if want_timings:
             response.timings = run.timings()
         return Response(response.to_json(), media_type="application/json")
@@ -181,7 +204,19 @@ def build_app(
         received_at = time.monotonic()
         state.check_admissible(body.model)
         params = body.sampling_params()
-        text = tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True)
+        tools = tool_request(body)
+        messages, template_tools_arg, tool_format = body.message_dicts(), None, None
+        if tools.tools:
+            tool_format = await state.tool_format()
+            messages = template_messages(messages, tools, tool_format, state.template_has_tools)
+            template_tools_arg = template_tools(tools) if state.template_has_tools else None
+            if tools.calls_possible:
+                params = replace(params, structured_outputs=tools.constraint(tool_format))
+            elif (tag := state.single_token_open_tag) is not None:  # tool_choice none: no call is opened
+                params = replace(params, logit_bias=(*params.logit_bias, (tag, -MAX_LOGIT_BIAS)))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools_arg)
+        if params.structured_outputs is not None:
+            await async_engine.compile_grammar(params.structured_outputs)
         try:
             async_engine.check_text_fits(text)
             # The template already holds any BOS token: don't add special tokens twice.
@@ -189,13 +224,16 @@ def build_app(
             token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
         except ContextLengthExceeded as exc:
             raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
-        return await state.respond(http, body, [(token_ids, None)], params, True, received_at)
+        parser = tool_format if tools.calls_possible else None
+        return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
         received_at = time.monotonic()
         state.check_admissible(body.model)
         params = body.sampling_params()
+        if params.structured_outputs is not None:
+            await async_engine.compile_grammar(params.structured_outputs)
         prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in body.prompts()]
         return await state.respond(http, body, prompts, params, False, received_at)
 

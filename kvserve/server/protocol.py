@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from kvserve.errors import InvalidRequest, InvalidSamplingParams
-from kvserve.request import SamplingParams
+from kvserve.request import SamplingParams, StructuredOutputsParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -100,6 +100,13 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_timings: bool = False  # kvserve: a per-request trip through the pipeline (also X-KVServe-Timings: 1)
+    # Structured output: OpenAI's response_format, and vLLM's spellings (one of them per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("*", mode="before")
     @classmethod
@@ -151,6 +158,7 @@ class _SamplingRequest(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
+                structured_outputs=self.structured_outputs_params(),
             )
         except InvalidSamplingParams as exc:
             # Report the field the client actually sent, not the engine's name for it.
@@ -158,13 +166,71 @@ class _SamplingRequest(_Strict):
             raise rename_param(exc, "logprobs", logprobs_field) from None
 
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever field it came in (at most one may be set)."""
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            given.append(("response_format", _response_format(self.response_format or {})))
+        if self.structured_outputs is not None:
+            fields = {k: v for k, v in self.structured_outputs.items() if v is not None}
+            unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise InvalidRequest(f"structured_outputs: unknown field {unknown[0]!r}; kvserve takes json, regex, "
+                                     "choice, grammar and json_object", param="structured_outputs")
+            given.append(("structured_outputs", StructuredOutputsParams(**fields, param="structured_outputs")))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, StructuredOutputsParams(**{key: value}, param=name)))  # type: ignore[arg-type]
+        if len(given) > 1:
+            raise InvalidRequest(f"{given[0][0]} and {given[1][0]} both constrain the output; send one of them",
+                                 param=given[1][0])
+        return given[0][1] if given else None
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutputsParams:
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, param="response_format")
+    if kind != "json_schema":
+        raise InvalidRequest(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                             param="response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidRequest("response_format.json_schema must be an object with a 'name' (and a 'schema')",
+                             param="response_format.json_schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest("response_format.json_schema.strict must be a boolean", param="response_format")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI's default: any JSON object
+        return StructuredOutputsParams(json_object=True, param="response_format")
+    # strict or not, the schema is enforced: every token is checked against it.
+    return StructuredOutputsParams(json=schema, param="response_format.json_schema.schema")
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: str = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Only plain text is produced: a JSON mode or schema is refused rather than silently not honoured.
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
     @property
     def max_tokens_field(self) -> str:
@@ -174,10 +240,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidRequest(f"response_format {kind!r} is not supported: kvserve has no structured output "
-                                 "(JSON mode or schemas) yet; only 'text'", param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, self.max_tokens_field, logprobs, "top_logprobs")
@@ -270,9 +332,50 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _tool_calls_when_any(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a tool call: index, id, type and name first, then argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -285,6 +388,7 @@ class ChatChoice(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:

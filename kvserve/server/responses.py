@@ -16,6 +16,7 @@ from kvserve.request import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_run import EngineRequest, RequestRun
+from kvserve.structured.tool_calls import HermesToolFormat, HermesToolParser
 from kvserve.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -47,7 +48,8 @@ class ResponseBuilder:
         return data
 
     # --- one JSON body ----------------------------------------------------------------------------------
-    def full_response(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any]) -> p._Response:
+    def full_response(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
+                      tool_format: HermesToolFormat | None = None) -> p._Response:
         usage = run.usage()
         if chat:
             choices = []
@@ -55,8 +57,11 @@ class ResponseBuilder:
                 assert c.last is not None
                 completion = c.last.outputs[0]
                 logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0)
-                choices.append(p.ChatChoice(index=c.index, message=p.ChatMessageOut(content=completion.text),
-                                            logprobs=logprobs, finish_reason=completion.finish_reason))
+                message, finish_reason = p.ChatMessageOut(content=completion.text), completion.finish_reason
+                if tool_format is not None:
+                    message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason)
+                choices.append(p.ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                            finish_reason=finish_reason))
             return p.ChatCompletionResponse(**head, choices=choices, usage=usage)
         completion_choices = []
         for c in run.children:
@@ -69,8 +74,11 @@ class ResponseBuilder:
 
     # --- an SSE stream ----------------------------------------------------------------------------------
     async def stream(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
-                     want_timings: bool) -> AsyncIterator[str]:
+                     want_timings: bool, tool_format: HermesToolFormat | None = None) -> AsyncIterator[str]:
         chunk_type = p.ChatCompletionChunk if chat else p.CompletionResponse
+        if tool_format is not None:
+            for child in run.children:
+                child.tool_parser = tool_format.parser()
         try:
             try:
                 if chat:  # OpenAI opens each choice with the role
@@ -106,6 +114,12 @@ class ResponseBuilder:
         finish = completion.finish_reason if output.finished else None
         if chat:
             logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0)
+            if child.tool_parser is not None:
+                delta, finish = _tool_call_delta(child.tool_parser, output.delta_text, finish)
+                if delta is None and finish is None and logprobs is None:
+                    return None
+                return p.ChatChunkChoice(index=child.index, delta=delta or p.DeltaMessage(), logprobs=logprobs,
+                                         finish_reason=finish)
             if not output.delta_text and finish is None and logprobs is None:
                 return None
             return p.ChatChunkChoice(index=child.index, delta=p.DeltaMessage(content=output.delta_text),
@@ -149,6 +163,39 @@ class ResponseBuilder:
             out.text_offset.append(offset)
             offset += len(text)
         return out
+
+
+def _with_tool_calls(tool_format: HermesToolFormat, text: str,
+                     finish_reason: str | None) -> tuple[p.ChatMessageOut, str | None]:
+    """A whole reply read for tool calls: its message, and ``tool_calls`` as the finish reason if it made any.
+    A reply cut off inside a call (max_tokens) is left as text."""
+    parser = tool_format.parser()
+    parser.feed(text)
+    parser.finish()
+    if not parser.calls or parser.incomplete:
+        return p.ChatMessageOut(content=text), finish_reason
+    calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments))
+             for c in parser.calls]
+    return (p.ChatMessageOut(content=parser.content or None, tool_calls=calls),
+            "tool_calls" if finish_reason == "stop" else finish_reason)
+
+
+def _tool_call_delta(parser: HermesToolParser, text: str,
+                     finish: str | None) -> tuple[p.DeltaMessage | None, str | None]:
+    """The streamed delta of ``text`` read for tool calls (None when it holds nothing yet), and the finish
+    reason (``tool_calls`` for a reply that made calls)."""
+    delta = parser.feed(text)
+    if finish is not None:
+        end = parser.finish()
+        delta.content += end.content
+        if parser.calls and not parser.incomplete and finish == "stop":
+            finish = "tool_calls"
+    if not delta:
+        return None, finish
+    calls = [p.ToolCallDelta(index=call.index, id=call.id if new else None, type="function" if new else None,
+                             function=p.FunctionCallDelta(name=call.name if new else None, arguments=arguments))
+             for call, new, arguments in delta.calls]
+    return p.DeltaMessage(content=delta.content or None, tool_calls=calls or None), finish
 
 
 def _finite(value: float) -> float:

@@ -1,0 +1,246 @@
+"""Grammars for structured output: compile a request's constraint once, then follow it token by token.
+
+A ``StructuredOutputsParams`` (a JSON Schema, a regex, a choice, a Lark or GBNF grammar) is compiled by
+``GrammarCompiler`` into a ``CompiledGrammar`` for the model's tokenizer, on the compiler's own threads and
+at most once per distinct constraint (an LRU cache keyed by the constraint). A caller waits for it at most
+``compile_timeout_s``; past that the request gets a 400 and the compile goes on, so that a retry finds it
+cached. Nothing here runs on the engine thread: the engine only copies a compiled grammar's start state
+into each request's ``GrammarMatcher``.
+
+llguidance does the work: it computes token masks lazily from a lexer over the token trie (no
+precomputation per grammar, so compiling costs milliseconds) and releases the GIL while it computes;
+benchmarks/structured_output.py measures it. JSON is generated compact (``", "`` and ``": "`` separators,
+no free whitespace): a small model given free whitespace can fill its whole output with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import jsonschema
+import llguidance
+
+from kvserve.config import StructuredOutputConfig
+from kvserve.errors import InvalidRequest
+from kvserve.request import StructuredOutputsParams
+from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarCompileTimeout(InvalidRequest):
+    """The constraint did not compile within the server's limit (--grammar-compile-timeout)."""
+
+    code = "grammar_compile_timeout"
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    """The compiler's counters, read by /metrics."""
+
+    compiles: int = 0  # constraints compiled (cache misses), successful or not
+    compile_errors: int = 0
+    compile_time_s: float = 0.0
+    cache_hits: int = 0
+    timeouts: int = 0
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: which tokens may come next, and the tokens it has taken."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    @property
+    def llg_matcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False if the grammar does not allow it (the matcher is then in error)."""
+        return bool(self._matcher.consume_token(token_id))
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` the grammar allows in a row from here (the state does not change)."""
+        return int(self._matcher.validate_tokens(token_ids)) if token_ids else 0
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self._matcher.is_error())
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error())
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and allows nothing more than end of sequence."""
+        return bool(self._matcher.is_stopped())
+
+
+class CompiledGrammar:
+    """A constraint compiled for one tokenizer. Each request follows it in a copy of its start state."""
+
+    __slots__ = ("kind", "compile_time_s", "_start")
+
+    def __init__(self, start: llguidance.LLMatcher, kind: str, compile_time_s: float) -> None:
+        self._start = start
+        self.kind = kind
+        self.compile_time_s = compile_time_s
+
+    def new_matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._start.deep_copy())
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint; InvalidRequest naming the field if it is malformed."""
+    if spec.json is not None or spec.json_object:
+        schema = json_schema_of(spec)
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    assert spec.grammar is not None
+    try:
+        return llguidance.grammar_from("grammar", spec.grammar)
+    except ValueError as exc:  # GBNF that does not convert to Lark
+        raise InvalidRequest(f"{spec.param}: {exc}", param=spec.param) from None
+
+
+def json_schema_of(spec: StructuredOutputsParams) -> dict[str, object]:
+    """The JSON Schema of a json / json_object constraint, checked against the JSON Schema meta-schema."""
+    if spec.json_object:
+        return {"type": "object"}
+    assert spec.json is not None
+    try:
+        schema = json.loads(spec.json)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{spec.param}: the JSON schema is not valid JSON: {exc}", param=spec.param) from None
+    check_json_schema(schema, spec.param)
+    return schema
+
+
+def check_json_schema(schema: object, param: str) -> None:
+    """InvalidRequest naming ``param`` unless ``schema`` is a valid JSON Schema (draft 2020-12) object."""
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise InvalidRequest(f"{param}: not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}",
+                             param=param) from None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer on its own threads, with a cache and a timeout."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, config: StructuredOutputConfig) -> None:
+        self.config = config
+        # Masks cover every logit column of the model and every token of the tokenizer.
+        self.mask_vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self._tokenizer = tokenizer
+        self._llg_tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=config.compile_threads, thread_name_prefix="kvserve-grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutputsParams, Future[CompiledGrammar]] = OrderedDict()
+        self.stats = GrammarStats()
+
+    # --- compiling ------------------------------------------------------------------------------------------
+    def submit(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """The compile of ``spec``: a cached one (finished, failed or still running) or a new one."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                self.stats.cache_hits += 1
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[spec] = future
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def compile(self, spec: StructuredOutputsParams, timeout_s: float | None = None) -> CompiledGrammar:
+        """Wait for the compile of ``spec``: GrammarCompileTimeout past the limit, InvalidRequest if it fails."""
+        future = self.submit(spec)
+        limit = self.config.compile_timeout_s if timeout_s is None else timeout_s
+        try:
+            return future.result(timeout=limit)
+        except TimeoutError:
+            raise self.timeout_error(spec, limit) from None
+
+    def timeout_error(self, spec: StructuredOutputsParams, limit_s: float) -> GrammarCompileTimeout:
+        """The error of a caller that waited ``limit_s`` for ``spec`` (counted)."""
+        with self._lock:
+            self.stats.timeouts += 1
+        return GrammarCompileTimeout(
+            f"{spec.param}: the {spec.kind} constraint did not compile within {limit_s:g} s; simplify it (the "
+            f"compile goes on, and a retry of the same constraint uses it once it is done)", param=spec.param)
+
+    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        t0 = time.perf_counter()
+        try:
+            grammar = grammar_text(spec)
+            problem = llguidance.LLMatcher.validate_grammar(grammar, self.llg_tokenizer())
+            if problem:
+                raise InvalidRequest(f"{spec.param}: {_short(problem)}", param=spec.param)
+            start = llguidance.LLMatcher(self.llg_tokenizer(), grammar, log_level=0)
+            if not _allows_anything(start):
+                raise InvalidRequest(f"{spec.param}: the {spec.kind} constraint matches no text this model can "
+                                     "write", param=spec.param)
+        except Exception:
+            self._count(time.perf_counter() - t0, failed=True)
+            raise
+        elapsed = time.perf_counter() - t0
+        self._count(elapsed, failed=False)
+        return CompiledGrammar(start, spec.kind, elapsed)
+
+    def _count(self, elapsed_s: float, failed: bool) -> None:
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_time_s += elapsed_s
+            self.stats.compile_errors += failed
+
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """The tokenizer as llguidance sees it (token bytes and a trie), built on first use: it takes seconds
+        for a large vocabulary, and most servers never see a constraint."""
+        with self._tokenizer_lock:
+            if self._llg_tokenizer is None:
+                t0 = time.perf_counter()
+                self._llg_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.backend.to_str(), n_vocab=self.mask_vocab_size,
+                    eos_token=list(self._tokenizer.eos_token_ids))
+                logger.info("structured output: the tokenizer's grammar view built in %.2f s",
+                            time.perf_counter() - t0)
+            return self._llg_tokenizer
+
+    def is_special_token(self, token: str) -> bool:
+        """``token`` is one token of the vocabulary that the grammar engine treats as special (written
+        ``<name>`` in a grammar; text cannot spell it)."""
+        token_id = self._tokenizer.token_to_id(token)
+        return token_id is not None and bool(self.llg_tokenizer().is_special_token(token_id))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _allows_anything(matcher: llguidance.LLMatcher) -> bool:
+    """Some token is allowed at the start (end of sequence counts: the empty output is allowed)."""
+    return any(matcher.compute_bitmask()) and not matcher.is_error()
+
+
+def _short(error: str, limit: int = 600) -> str:
+    text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,385 @@
+"""Tool calls in the model's own format: the grammar that enforces them and the parser that reads them back.
+
+One format so far, the hermes style that Qwen2.5 (and Hermes, and many fine-tunes) are trained on::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``tool_choice`` maps to a grammar: ``required`` is one or more calls and nothing else, a named function is
+one call of it, ``auto`` is free text or text followed by calls, where everything after the opening tag is
+constrained (so an opened call is always a valid call of an offered tool with arguments that match its
+schema). The parser reads text as it streams and never lets a tag, or the start of one, out as content; it
+tracks JSON strings, so a closing tag inside an argument does not end a call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvserve.structured.grammar import JSON_OPTIONS
+
+ToolChoiceMode = Literal["none", "auto", "required", "function"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """An offered function: its name and the JSON Schema of its arguments (an object)."""
+
+    name: str
+    parameters: dict[str, Any]
+    description: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: ToolChoiceMode
+    name: str | None = None  # mode "function": the function that must be called
+
+
+@dataclass(slots=True)
+class ParsedToolCall:
+    """A call read from the output. ``arguments`` is the JSON text of the arguments, as the model wrote it."""
+
+    index: int
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """What one piece of streamed text adds: content, and per call its header (id and name, once) and
+    argument text."""
+
+    content: str = ""
+    calls: list[tuple[ParsedToolCall, bool, str]] = field(default_factory=list)  # (call, is_new, arguments)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.calls)
+
+
+class HermesToolFormat:
+    """``<tool_call>`` JSON ``</tool_call>``. ``special_tags``: the tags are single special tokens of the
+    vocabulary (Qwen2.5), written as tokens in the grammar; otherwise they are text."""
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    def __init__(self, special_tags: bool) -> None:
+        self.special_tags = special_tags
+
+    def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str:
+        """The Lark grammar (llguidance's dialect) of a reply under ``choice`` ("none" has none)."""
+        assert choice.mode != "none"
+        offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
+        functions = " | ".join(f"fn_{i}" for i in range(len(offered)))
+        open_tag, close_tag = self._tag(self.open_tag), self._tag(self.close_tag)
+        more = ' ("\\n" call)*' if parallel else ""
+        lines = ["%llguidance {}", f'call: {open_tag} "\\n" fn "\\n" {close_tag}', f"fn: {functions}"]
+        if choice.mode in ("required", "function"):
+            lines.append(f'start: call{more} "\\n"?')
+        else:
+            # A reply that opens with a JSON object, bare or in a json code fence, is a call too: it is how
+            # small models (Qwen2.5-Coder) often answer with tools. Text never opens that way.
+            bare = ' ("\\n" fn)*' if parallel else ""
+            lines += ['bare: FENCE? fn' + bare + ' FENCE_END?', 'FENCE: "```json\\n"', 'FENCE_END: "\\n```"']
+            not_json = r"~/[ \t\n]*(```json[ \t\n]*)?\{(.|\n)*/"
+            if self.special_tags:  # text cannot spell a special token: the tag alone decides
+                lines += [f'start: TEXT | TEXT call{more} "\\n"? | bare', r"TEXT: /(.|\n)*/ & " + not_json]
+            else:  # the first tag ends the text (a lazy lexeme), and text alone never holds one
+                lines += [f'start: TEXT | first{more} "\\n"? | bare',
+                          f'first: trig "\\n" fn "\\n" {close_tag}',
+                          f"trig[lazy]: /(.|\\n)*/ {open_tag}",
+                          r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + _regex_literal(self.open_tag) + r"(.|\n)*/ & "
+                          + not_json]
+        for i, tool in enumerate(offered):
+            lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool))}")
+        return "\n".join(lines) + "\n"
+
+    def _tag(self, tag: str) -> str:
+        return tag if self.special_tags else json.dumps(tag)
+
+    def parser(self) -> HermesToolParser:
+        return HermesToolParser(self.open_tag, self.close_tag)
+
+    def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
+        """How the tools are offered to a model whose chat template has no place for them (SmolLM2)."""
+        listed = "\n".join(json.dumps({"type": "function", "function": _function_json(t)}) for t in tools)
+        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
+                "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                f"{self.open_tag}{self.close_tag} XML tags:\n{self.open_tag}\n"
+                f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{self.close_tag}')
+
+    def render_call(self, name: str, arguments: Any) -> str:
+        """A call as the model writes it (an earlier assistant turn, for templates without tool support)."""
+        return f"{self.open_tag}\n{json.dumps({'name': name, 'arguments': arguments})}\n{self.close_tag}"
+
+
+def call_schema(tool: ToolSpec) -> dict[str, Any]:
+    """The JSON Schema of one call: the name, then the arguments (the order the model writes them in)."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        "x-guidance": JSON_OPTIONS,
+    }
+
+
+def _function_json(tool: ToolSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        out["description"] = tool.description
+    out["parameters"] = tool.parameters
+    return out
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(f"\\{c}" if not c.isalnum() and c != "_" else c for c in text)
+
+
+class HermesToolParser:
+    """Reads one reply as it streams: ``feed`` each new piece of text, then ``finish``.
+
+    Text outside calls is content, except what may be the start of a tag, and whitespace that a tag may
+    follow, which wait for the next piece. Inside a call the JSON is scanned character by character: the
+    header (id, name) goes out once the name is read; argument text goes out as it arrives.
+    """
+
+    def __init__(self, open_tag: str, close_tag: str) -> None:
+        self.open_tag = open_tag
+        self.close_tag = close_tag
+        self.calls: list[ParsedToolCall] = []
+        self._mode: Literal["text", "call", "close"] = "text"
+        self._held = ""  # text not yet given out
+        self._scanner: _CallScanner | None = None
+        self._content_parts: list[str] = []
+        self._after_call = False  # no content since the last call closed
+        self._at_start = True  # nothing but whitespace read yet
+        self._bare = False  # the current call has no tags
+        self.incomplete = False  # the reply ended inside a call
+
+    @property
+    def content(self) -> str:
+        """All content given out so far."""
+        return "".join(self._content_parts)
+
+    def feed(self, text: str) -> ToolCallDelta:
+        delta = ToolCallDelta()
+        pending = self._held + text
+        self._held = ""
+        while pending:
+            if self._mode == "text":
+                pending = self._text(pending, delta)
+            elif self._mode == "call":
+                pending = self._call(pending, delta)
+            else:
+                pending = self._close(pending, delta)
+        self._content_parts.append(delta.content)
+        return delta
+
+    def finish(self) -> ToolCallDelta:
+        """The end of the reply: held text is content; a call cut short stays incomplete."""
+        delta = ToolCallDelta()
+        if self._mode == "text":
+            self._emit(self._held.rstrip() if self.calls else self._held, delta)
+        elif self._mode == "call":
+            self.incomplete = True
+        self._held = ""
+        self._content_parts.append(delta.content)
+        return delta
+
+    def _text(self, pending: str, delta: ToolCallDelta) -> str:
+        if self._at_start:  # a reply that opens with a JSON object (or a json fence) is a bare call
+            stripped = pending.lstrip()
+            opening = next((f for f in BARE_OPENINGS if stripped.startswith(f)), None)
+            if opening is not None:
+                return self._open_call(stripped[len(opening):] if opening != "{" else stripped, bare=True)
+            if not stripped or any(f.startswith(stripped) for f in BARE_OPENINGS):
+                self._held = pending
+                return ""
+            self._at_start = False
+        at = pending.find(self.open_tag)
+        if at >= 0:
+            self._emit(pending[:at].rstrip(), delta)  # whitespace before a tag is not content
+            return self._open_call(pending[at + len(self.open_tag):], bare=False)
+        keep = _partial_suffix(pending, self.open_tag)
+        body = pending[: len(pending) - keep]
+        text = body.rstrip()  # trailing whitespace waits: a tag may follow it
+        self._emit(text, delta)
+        self._held = body[len(text):] + pending[len(pending) - keep:]
+        return ""
+
+    def _open_call(self, rest: str, bare: bool) -> str:
+        self._mode = "call"
+        self._bare = bare
+        self._scanner = _CallScanner()
+        return rest.lstrip() if bare else rest
+
+    def _emit(self, text: str, delta: ToolCallDelta) -> None:
+        if self._after_call:  # the whitespace between calls (or after the last) is not content
+            text = text.lstrip()
+            self._after_call = not text
+        delta.content += text
+
+    def _call(self, pending: str, delta: ToolCallDelta) -> str:
+        scanner = self._scanner
+        assert scanner is not None
+        used = scanner.feed(pending)
+        call = self.calls[-1] if self.calls and self.calls[-1] is scanner.call else None
+        if call is None and scanner.name is not None:
+            call = ParsedToolCall(len(self.calls), scanner.name, "")
+            scanner.call = call
+            self.calls.append(call)
+            delta.calls.append((call, True, ""))
+        if call is not None:
+            new_arguments = scanner.arguments_text()[len(call.arguments):]
+            if new_arguments:
+                call.arguments += new_arguments
+                if delta.calls and delta.calls[-1][0] is call:
+                    entry = delta.calls[-1]
+                    delta.calls[-1] = (call, entry[1], entry[2] + new_arguments)
+                else:
+                    delta.calls.append((call, False, new_arguments))
+        if scanner.done:
+            self._mode = "close"
+        return pending[used:]
+
+    def _close(self, pending: str, delta: ToolCallDelta) -> str:
+        stripped = pending.lstrip()
+        if not stripped:
+            self._held = pending
+            return ""
+        if self._bare:  # after a bare call: a closing fence, another bare call, or text
+            if stripped.startswith("```"):
+                return stripped[3:]
+            if "```".startswith(stripped):
+                self._held = pending
+                return ""
+            if stripped.startswith("{"):
+                return self._open_call(stripped, bare=True)
+            self._mode = "text"
+            self._after_call = True
+            return stripped
+        if stripped.startswith(self.close_tag):
+            self._mode = "text"
+            self._scanner = None
+            self._after_call = True
+            return stripped[len(self.close_tag):]
+        if self.close_tag.startswith(stripped):
+            self._held = pending
+            return ""
+        self._mode = "text"  # no closing tag: what follows is text
+        self._after_call = True
+        return stripped
+
+
+BARE_OPENINGS = ("{", "```json")
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class _CallScanner:
+    """Scans the JSON object of one call as it arrives: where its name and its arguments are, and its end."""
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+        self.name: str | None = None
+        self.call: ParsedToolCall | None = None
+        self._key: str | None = None  # the depth-1 key whose value is being read
+        self._key_start: int | None = None
+        self._expect_key = False
+        self._value_start: int | None = None
+        self._arguments: tuple[int, int | None] | None = None  # [start, end) in raw
+
+    def feed(self, text: str) -> int:
+        """Consume characters of ``text`` up to the end of the object; returns how many were used."""
+        for i, char in enumerate(text):
+            if self.done:
+                return i
+            position = len(self.raw)
+            self.raw += char
+            self._step(char, position)
+        return len(text)
+
+    def _step(self, char: str, position: int) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+                if self.depth == 1 and self._expect_key and self._key_start is not None:
+                    self._key = json.loads(self.raw[self._key_start: position + 1])
+                    self._key_start = None
+                elif self.depth == 1 and self._key == "name" and self._value_start is not None:
+                    name = json.loads(self.raw[self._value_start: position + 1])
+                    self.name = name if isinstance(name, str) else None
+            return
+        if char == '"':
+            self.in_string = True
+            if self.depth == 1 and self._expect_key:
+                self._key_start = position
+            elif self.depth == 1 and self._value_start is None:
+                self._begin_value(position)
+            return
+        if char in "{[":
+            if self.depth == 1 and not self._expect_key and self._value_start is None:
+                self._begin_value(position)
+            self.depth += 1
+            if self.depth == 1:
+                self._expect_key = True
+            return
+        if char in "}]":
+            self.depth -= 1
+            if self.depth == 1 and self._key == "arguments" and self._arguments is not None:
+                self._arguments = (self._arguments[0], position + 1)
+            if self.depth == 0:
+                self._end_value(position)
+                self.done = True
+            return
+        if self.depth != 1 or char.isspace():
+            return
+        if char == ":":
+            self._expect_key = False
+        elif char == ",":
+            self._end_value(position)
+            self._expect_key = True
+            self._key = None
+            self._value_start = None
+        elif self._value_start is None and not self._expect_key:
+            self._begin_value(position)  # a number, true, false or null
+
+    def _begin_value(self, position: int) -> None:
+        self._value_start = position
+        if self._key == "arguments":
+            self._arguments = (position, None)
+
+    def _end_value(self, position: int) -> None:
+        if self._key == "arguments" and self._arguments is not None and self._arguments[1] is None:
+            self._arguments = (self._arguments[0], position)
+
+    def arguments_text(self) -> str:
+        """The arguments' JSON text read so far (all of it once their value has ended)."""
+        if self._arguments is None or self.name is None:
+            return ""
+        start, end = self._arguments
+        text = self.raw[start:end] if end is not None else self.raw[start:]
+        return text.rstrip() if end is not None else text
