@@ -94,7 +94,8 @@ class HermesToolFormat:
             else:  # the first tag ends the text (a lazy lexeme), and text alone never holds one
                 lines += [f'start: TEXT | first{more} "\\n"? | bare',
                           f'first: trig "\\n" fn "\\n" {close_tag}',
-                          f"trig[lazy]: /(.|\\n)*/ {open_tag}",
+                          f"trig[lazy]: LEAD {open_tag}",
+                          r"LEAD: /(.|\n)*/ & " + not_json,
                           r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + _regex_literal(self.open_tag) + r"(.|\n)*/ & "
                           + not_json]
         for i, tool in enumerate(offered):
@@ -141,7 +142,8 @@ def _function_json(tool: ToolSpec) -> dict[str, Any]:
 
 
 def _regex_literal(text: str) -> str:
-    return "".join(f"\\{c}" if not c.isalnum() and c != "_" else c for c in text)
+    """``text`` inside a Lark /regex/: its regex metacharacters (and the delimiter) escaped."""
+    return "".join(f"\\{c}" if c in "\\.^$*+?()[]{}|/" else c for c in text)
 
 
 class HermesToolParser:

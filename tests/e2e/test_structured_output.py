@@ -1,0 +1,100 @@
+"""Structured output through the engine on the real SmolLM2: every output matches its constraint, and the
+constraint composes with the prefix cache, speculation, batching and preemption without changing a token."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kvserve.engine import LLM
+from kvserve.request import SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                 "minItems": 1, "maxItems": 3}},
+     "required": ["colors"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                      "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+                                      "sunny": {"type": "boolean"}},
+     "required": ["city", "temperature", "sunny"], "additionalProperties": False},
+]
+QUESTIONS = ["Describe a person as JSON.", "Pick some colours.", "What is the weather like?"]
+REGEX = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+
+
+def chats() -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+def constrained(**options: object) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=s),
+                           **options) for s in SCHEMAS]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", num_kv_blocks=256, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(llm: LLM) -> list[str]:
+    texts = [o.outputs[0].text for o in llm.chat(chats(), constrained())]
+    for text, schema in zip(texts, SCHEMAS, strict=True):
+        jsonschema.validate(json.loads(text), schema)
+    return texts
+
+
+def test_greedy_outputs_match_their_schemas(llm: LLM, greedy_texts: list[str]) -> None:
+    unconstrained = [o.outputs[0].text for o in llm.chat(chats(), SamplingParams(temperature=0.0, max_tokens=48))]
+    assert unconstrained != greedy_texts  # the constraint is what made them JSON
+    stats = llm.engine.stats()
+    assert stats.num_constrained_tokens > 0 and stats.grammar.compiles >= len(SCHEMAS)
+
+
+def test_sampled_outputs_match_their_schemas(llm: LLM) -> None:
+    for seed in range(4):
+        params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=64, repetition_penalty=1.1,
+                                 logprobs=2, structured_outputs=StructuredOutputsParams(json=s)) for s in SCHEMAS]
+        for output, schema in zip(llm.chat(chats(), params), SCHEMAS, strict=True):
+            completion = output.outputs[0]
+            if completion.finish_reason == "stop":
+                jsonschema.validate(json.loads(completion.text), schema)
+            assert all(lp[t] > float("-inf") for t, lp in zip(completion.token_ids, completion.logprobs, strict=True))
+
+
+def test_regex_and_choice(llm: LLM) -> None:
+    date, choice = llm.generate(["The date of the moon landing was", "Is the sky blue? Answer:"], [
+        SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+        SamplingParams(temperature=0.0, max_tokens=8,
+                       structured_outputs=StructuredOutputsParams(choice=("yes", "no"))),
+    ])
+    assert date.outputs[0].finish_reason == "stop"
+    import re
+
+    assert re.fullmatch(REGEX, date.outputs[0].text)
+    assert choice.outputs[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("options", [
+    {"enable_prefix_caching": False},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}},
+    {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 64},  # preempts, and chunks prefills
+])
+def test_the_same_tokens_with_the_cache_off_speculation_and_preemption(greedy_texts: list[str],
+                                                                       options: dict[str, object]) -> None:
+    other = LLM(dtype="float32", max_model_len=512, **{"num_kv_blocks": 256, **options})
+    twice = other.chat(chats() + chats(), constrained() + constrained())  # the second round hits the cache
+    assert [o.outputs[0].text for o in twice] == greedy_texts + greedy_texts
+    stats = other.engine.stats()
+    if "block_size" in options:
+        assert stats.num_preemptions > 0
+    if "speculative_config" in options:
+        assert stats.num_draft_tokens > 0
+    other.engine.check_invariants()
