@@ -139,6 +139,14 @@ class _EngineCollector(Collector):
             "engine_busy_seconds": ("Seconds the engine spent running the model.", s.busy_time_s),
             "spec_decode_num_draft_tokens": ("Speculative draft tokens verified.", s.num_draft_tokens),
             "spec_decode_num_accepted_tokens": ("Speculative draft tokens accepted.", s.num_accepted_draft_tokens),
+            "grammar_compiles": ("Structured-output constraints compiled (compile-cache misses).", s.grammar.compiles),
+            "grammar_compile_errors": ("Constraints that failed to compile (each a 400).", s.grammar.compile_errors),
+            "grammar_compile_seconds": ("Time spent compiling constraints.", s.grammar.compile_time_s),
+            "grammar_cache_hits": ("Constraints found compiled in the compile cache.", s.grammar.cache_hits),
+            "grammar_compile_timeouts": ("Requests refused because their constraint compiled too slowly.",
+                                         s.grammar.timeouts),
+            "grammar_constrained_tokens": ("Tokens sampled under a grammar's mask.", s.num_constrained_tokens),
+            "grammar_mask_seconds": ("Time spent computing and applying grammar masks.", s.grammar_mask_time_s),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{n}{name}", doc, value=value)

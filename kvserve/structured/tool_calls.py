@@ -7,8 +7,8 @@ One format so far, the hermes style that Qwen2.5 (and Hermes, and many fine-tune
     </tool_call>
 
 ``tool_choice`` maps to a grammar: ``required`` is one or more calls and nothing else, a named function is
-one call of it, ``auto`` is free text or text followed by calls, where everything after the opening tag is
-constrained (so an opened call is always a valid call of an offered tool with arguments that match its
+one call of it (whatever ``parallel_tool_calls`` says), ``auto`` is free text or text followed by calls,
+where everything after the opening tag is constrained (so an opened call is always a valid call of an offered tool with arguments that match its
 schema). The parser reads text as it streams and never lets a tag, or the start of one, out as content; it
 tracks JSON strings, so a closing tag inside an argument does not end a call.
 """
@@ -81,7 +81,9 @@ class HermesToolFormat:
         open_tag, close_tag = self._tag(self.open_tag), self._tag(self.close_tag)
         more = ' ("\\n" call)*' if parallel else ""
         lines = ["%llguidance {}", f'call: {open_tag} "\\n" fn "\\n" {close_tag}', f"fn: {functions}"]
-        if choice.mode in ("required", "function"):
+        if choice.mode == "function":  # that function, called once
+            lines.append('start: call "\\n"?')
+        elif choice.mode == "required":
             lines.append(f'start: call{more} "\\n"?')
         else:
             # A reply that opens with a JSON object, bare or in a json code fence, is a call too: it is how

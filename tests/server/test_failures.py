@@ -87,7 +87,9 @@ BAD_VALUES = [
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),  # refused, not ignored
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),  # refused, not ignored
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema"),  # a json_schema needs a name, as OpenAI's does
     # More sequences than the server ever queues (256): a 429 would invite retries that cannot succeed.
     ("completions", {"prompt": ["a"] * 257}, "prompt"),
 ]
