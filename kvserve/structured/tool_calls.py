@@ -8,9 +8,10 @@ One format so far, the hermes style that Qwen2.5 (and Hermes, and many fine-tune
 
 ``tool_choice`` maps to a grammar: ``required`` is one or more calls and nothing else, a named function is
 one call of it (whatever ``parallel_tool_calls`` says), ``auto`` is free text or text followed by calls,
-where everything after the opening tag is constrained (so an opened call is always a valid call of an offered tool with arguments that match its
-schema). The parser reads text as it streams and never lets a tag, or the start of one, out as content; it
-tracks JSON strings, so a closing tag inside an argument does not end a call.
+where everything after the opening tag is constrained (so an opened call is always a valid call of an
+offered tool with arguments that match its schema). The parser reads text as it streams and never lets a
+tag, or the start of one, out as content; it tracks JSON strings, so a closing tag inside an argument does
+not end a call.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 import httpx
@@ -19,7 +19,7 @@ from tests.server.conftest import metric_value
 MODEL = None  # the shared server's own model
 
 
-class Colour(str, Enum):
+class Colour(StrEnum):
     RED = "red"
     GREEN = "green"
     BLUE = "blue"

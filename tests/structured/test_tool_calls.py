@@ -61,7 +61,7 @@ TEXTS = {
 def test_the_parser_reads_content_and_calls(name: str) -> None:
     text, content, calls = TEXTS[name]
     assert parse(text) == (content, calls, False)
-    for name_, arguments in calls:
+    for _, arguments in calls:
         json.loads(arguments)
 
 
