@@ -64,9 +64,12 @@ class AppState:
         self.runs: set[RequestRun] = set()
         self.draining = False
         self.created = int(time.time())
-        template = tokenizer.chat_template or ""
-        self.template_has_tools = "tools" in template  # else tools go into the system message (tools.py)
         self._tool_format: HermesToolFormat | None = None
+
+    @property
+    def template_has_tools(self) -> bool:
+        """The chat template renders tools itself; else they go into the system message (tools.py)."""
+        return "tools" in (self.tokenizer.chat_template or "")
 
     async def tool_format(self) -> HermesToolFormat:
         """The model's tool-call format. The first call builds the grammar engine's view of the vocabulary
