@@ -111,7 +111,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, config.structured)
         sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax,
-                          grammar_masker=GrammarMasker(self.grammars.mask_vocab_size))
+                          grammar_masker=GrammarMasker(self.grammars.mask_vocab_size, self.backend.mask_logits))
         spec = config.speculative
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                     if spec.enabled else None)

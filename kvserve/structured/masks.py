@@ -1,26 +1,32 @@
 """Token masks of a step's constrained rows, applied to their logits before anything is sampled.
 
 llguidance writes one bit per token for every constrained row at once (on its own threads, without the
-GIL); the bits are expanded to a boolean mask with a byte lookup table and the disallowed logits set to
--inf. Penalties, logprobs, top-k/p and the greedy argmax all see the masked logits.
+GIL); the backend's kernel, where it has one, sets the logits of clear bits to -inf a word at a time;
+otherwise the bits are expanded to a boolean mask with torch ops. Penalties, logprobs, top-k/p and the
+greedy argmax all see the masked logits.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import llguidance
 import torch
 
 from kvserve.structured.grammar import GrammarMatcher
 
+MaskLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # as the model backends define it
+
 
 class GrammarMasker:
     """Masks logits [B, V] in place for the rows that follow a grammar; counts the time it takes."""
 
-    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
-        """``vocab_size``: the grammar's vocabulary (GrammarCompiler.mask_vocab_size)."""
+    def __init__(self, vocab_size: int, mask_logits: MaskLogits | None = None, num_threads: int | None = None) -> None:
+        """``vocab_size``: the grammar's vocabulary (GrammarCompiler.mask_vocab_size); ``mask_logits``: the
+        backend's kernel (None: torch ops)."""
         self.num_words = (vocab_size + 31) // 32
+        self._mask_logits = mask_logits
         self._executor = llguidance.LLExecutor(num_threads)
         self._bitmask = torch.zeros(1, self.num_words, dtype=torch.int32)
         # Byte value -> its 8 bits, lowest first: bit i of a little-endian word is token 32 * word + i.
@@ -31,6 +37,13 @@ class GrammarMasker:
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
         """Set to -inf, in ``logits`` [B, V], every token the matcher of ``rows[j]`` does not allow now."""
         t0 = time.perf_counter()
+        kernel = self._mask_logits
+        if kernel is not None and logits.device.type == "cpu" and logits.stride(1) == 1 and logits.dtype in (
+                torch.bfloat16, torch.float32):
+            kernel(logits, torch.tensor(rows, dtype=torch.long), self.bitmask(matchers))
+            self.mask_time_s += time.perf_counter() - t0
+            self.num_masked_rows += len(rows)
+            return
         columns = logits.shape[1]
         allowed = self.allowed(matchers)  # [R, 32 * words]
         if allowed.shape[1] < columns:  # logit columns past the grammar's vocabulary are never allowed
@@ -40,13 +53,18 @@ class GrammarMasker:
         self.mask_time_s += time.perf_counter() - t0
         self.num_masked_rows += len(rows)
 
-    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """[R, 32 * words] bool: the tokens each matcher allows next."""
+    def bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """int32 [R, words]: bit i of word w set when matcher R allows token 32 w + i next."""
         num_rows = len(matchers)
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = torch.zeros(num_rows, self.num_words, dtype=torch.int32)
         bitmask = self._bitmask[:num_rows]
         self._executor.unsafe_compute_mask_ptr([(m.llg_matcher, j) for j, m in enumerate(matchers)],
                                                bitmask.data_ptr(), self.num_words * 4, num_rows)
-        as_bytes = bitmask.view(torch.uint8).long()  # [R, 4W]
+        return bitmask
+
+    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """[R, 32 * words] bool: the tokens each matcher allows next."""
+        num_rows = len(matchers)
+        as_bytes = self.bitmask(matchers).view(torch.uint8).long()  # [R, 4W]
         return self._bits_of_byte[as_bytes].view(num_rows, -1)

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.config import StructuredOutputConfig
 from kvserve.errors import InvalidRequest
+from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.loader import default_model_path
 from kvserve.request import StructuredOutputsParams
 from kvserve.structured import grammar as grammar_module
@@ -112,3 +113,22 @@ def test_a_matcher_follows_a_document_to_its_end(compiler: GrammarCompiler, toke
     assert matcher.accept(tokenizer.eos_token_ids[0]) and matcher.is_finished
     bad = compiler.compile(StructuredOutputsParams(json=PERSON)).new_matcher()
     assert not bad.accept(tokenizer.encode("[", add_special_tokens=False)[0]) and bad.is_error
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ kernels did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_masks_exactly_as_the_torch_ops_do(compiler: GrammarCompiler, tokenizer: Tokenizer,
+                                                      dtype: torch.dtype) -> None:
+    grammars = [compiler.compile(StructuredOutputsParams(choice=("yes", "no"))),
+                compiler.compile(StructuredOutputsParams(json=PERSON)),
+                compiler.compile(StructuredOutputsParams(regex="[a-z ]+"))]
+    matchers = [g.new_matcher() for g in grammars]
+    assert matchers[1].accept(tokenizer.encode('{"', add_special_tokens=False)[0])
+    logits = torch.randn(5, tokenizer.vocab_size + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rows = [4, 0, 2]
+    by_torch, by_kernel = logits.clone(), logits.clone()
+    GrammarMasker(compiler.mask_vocab_size).apply(by_torch, rows, matchers)
+    GrammarMasker(compiler.mask_vocab_size, torch.ops.kvserve.mask_logits).apply(by_kernel, rows, matchers)
+    assert torch.equal(by_torch, by_kernel)
+    assert torch.equal(by_kernel[[1, 3]], logits[[1, 3]])  # rows without a grammar are untouched
+    assert all(0 < int(torch.isfinite(by_kernel[r]).sum()) < tokenizer.vocab_size for r in rows)

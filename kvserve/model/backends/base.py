@@ -28,6 +28,8 @@ from kvserve.model.ops import ModelOps
 
 # Row-wise argmax of [B, V] logits -> int64 [B], ties to the lowest index (as torch's).
 ArgMax = Callable[[torch.Tensor], torch.Tensor]
+# In place: logits [B, V] -inf where a grammar's bitmask (int32 [R, W], for the rows int64 [R]) has a clear bit.
+MaskLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,7 @@ class Backend(Protocol):
     description: str  # the name and what it picked, for the log
     ops: ModelOps
     argmax: ArgMax | None  # None: torch's
+    mask_logits: MaskLogits | None  # None: torch's ops (structured/masks.py)
     # The GGML types whose weights ``ops`` runs in their blocks (model/quantized.py); the loader dequantises
     # every other type. Empty: every weight is dequantised at load.
     quantized_types: frozenset[int]

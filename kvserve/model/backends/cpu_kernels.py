@@ -162,6 +162,7 @@ class CpuKernelsBackend:
         self._packed_linear, self._packed_gate_up = cpu_ops.packed_linear, cpu_ops.packed_gate_up
         # torch's argmax walks a bf16 row one element at a time; the kernel takes bf16 and float32.
         self.argmax = torch.ops.kvserve.argmax_rows
+        self.mask_logits = torch.ops.kvserve.mask_logits
         # Only the AMX attention keeps packed KV across steps, so only it needs to know which blocks changed.
         self._versions = BlockVersions() if plan.attention == "amx" else None
         self._shared_prefill_min_tokens = (config.cascade_min_tokens if config.shared_prefill_min_tokens is None

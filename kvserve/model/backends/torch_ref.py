@@ -25,6 +25,7 @@ class TorchRefBackend:
         self.description = f"{self.name} (torch projections, torch attention)"
         self.ops = ModelOps()
         self.argmax = None
+        self.mask_logits = None
         self.quantized_types: frozenset[int] = frozenset()
 
     def make_attention(self, layer_index: int) -> TorchPagedAttention:

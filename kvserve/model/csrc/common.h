@@ -308,6 +308,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
 
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
+void mask_logits(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask);
 
 // elementwise.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,

@@ -1,5 +1,6 @@
 // Greedy sampling's reduction: the index of each row's largest logit. torch's argmax reduces a bf16 row
 // of a 49k vocabulary in ~0.1 ms, one element at a time; this does it in two vector passes per row.
+// And structured output's mask: the logits a grammar forbids set to -inf, read from its bitmask.
 
 #include "common.h"
 
@@ -45,7 +46,53 @@ int64_t argmax_row(const T* x, int64_t n) {
 #endif
 }
 
+// x[0, n): -inf where a bit of words[0, num_words) is clear (bit i of word w is column 32 w + i), and past
+// the words' columns. A word with every bit set is skipped; the others are a branch-free select the compiler
+// vectorises (a grammar inside a string allows most tokens, so most words are mixed).
+template <typename T>
+void mask_row(T* x, int64_t n, const uint32_t* words, int64_t num_words) {
+  const T neg = static_cast<T>(-std::numeric_limits<float>::infinity());
+  const int64_t full = std::min(num_words, n / 32);
+  for (int64_t w = 0; w < full; ++w) {
+    const uint32_t allowed = words[w];
+    if (allowed == 0xFFFFFFFFu) continue;
+    T* y = x + w * 32;
+    for (int b = 0; b < 32; ++b) y[b] = ((allowed >> b) & 1u) ? y[b] : neg;
+  }
+  for (int64_t j = full * 32; j < n; ++j) {  // the last partial word, and columns past the mask
+    const int64_t w = j / 32;
+    if (w >= num_words || !((words[w] >> (j % 32)) & 1u)) x[j] = neg;
+  }
+}
+
 }  // namespace
+
+// logits [B, n] bf16 or fp32, rows contiguous; rows int64 [R]; bitmask int32 [R, W]: in place, the logits of
+// row rows[j] are -inf where bit (c % 32) of bitmask[j, c / 32] is clear, and at columns >= 32 W.
+void mask_logits(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "mask_logits: logits must be [B, n], rows contiguous");
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
+              "mask_logits: bf16 or fp32 logits");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "mask_logits: rows must be int64 [R]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(0) == rows.size(0),
+              "mask_logits: bitmask must be int32 [R, W], contiguous");
+  const int64_t num_rows = rows.size(0), n = logits.size(1), stride = logits.stride(0), num_words = bitmask.size(1);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < num_rows; ++j)
+    TORCH_CHECK(row_ids[j] >= 0 && row_ids[j] < logits.size(0), "mask_logits: row ", row_ids[j], " out of range");
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  // On the calling thread: a row takes microseconds, less than waking the pool (whose threads would also
+  // compete with the grammar engine's own, which computed the bitmask just before).
+  auto run = [&](auto* base) {
+    for (int64_t j = 0; j < num_rows; ++j) mask_row(base + row_ids[j] * stride, n, words + j * num_words, num_words);
+  };
+  if (logits.scalar_type() == at::kBFloat16)
+    run(logits.data_ptr<at::BFloat16>());
+  else
+    run(logits.data_ptr<float>());
+}
 
 // x [rows, n] bf16 or fp32, elements of a row contiguous (rows may be strided) -> int64 [rows].
 at::Tensor argmax_rows(const at::Tensor& x) {
