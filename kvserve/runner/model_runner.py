@@ -79,6 +79,11 @@ class ModelRunner:
         meta = self.backend.build_metadata(inputs.rows)
         if out.is_empty:
             return result
+        masker = self.sampler.grammar_masker
+        if masker is not None:  # the grammar masks of the rows sampled first are computed during the forward
+            matchers = [m for rid in inputs.sample_request_ids if (m := self.states[rid].matcher) is not None]
+            if matchers:
+                masker.prefetch(matchers)
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches)
             if not inputs.sample_request_ids:

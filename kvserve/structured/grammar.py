@@ -56,10 +56,11 @@ class GrammarStats:
 class GrammarMatcher:
     """One request's position in its grammar: which tokens may come next, and the tokens it has taken."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "version")
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
+        self.version = 0  # tokens accepted: a mask computed at one version is stale at the next
 
     @property
     def llg_matcher(self) -> llguidance.LLMatcher:
@@ -67,6 +68,7 @@ class GrammarMatcher:
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False if the grammar does not allow it (the matcher is then in error)."""
+        self.version += 1
         return bool(self._matcher.consume_token(token_id))
 
     def valid_prefix(self, token_ids: list[int]) -> int:

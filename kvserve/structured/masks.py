@@ -1,7 +1,8 @@
 """Token masks of a step's constrained rows, applied to their logits before anything is sampled.
 
 llguidance writes one bit per token for every constrained row at once (on its own threads, without the
-GIL); the backend's kernel, where it has one, sets the logits of clear bits to -inf a word at a time;
+GIL). The runner asks for a step's masks before its forward (``prefetch``), so that they are computed while
+the model runs, and sampling only waits for what is left. The backend's kernel, where it has one, sets the logits of clear bits to -inf a word at a time;
 otherwise the bits are expanded to a boolean mask with torch ops. Penalties, logprobs, top-k/p and the
 greedy argmax all see the masked logits.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import torch
@@ -31,7 +33,10 @@ class GrammarMasker:
         self._bitmask = torch.zeros(1, self.num_words, dtype=torch.int32)
         # Byte value -> its 8 bits, lowest first: bit i of a little-endian word is token 32 * word + i.
         self._bits_of_byte = (torch.arange(256).unsqueeze(1) >> torch.arange(8)).bitwise_and(1).bool()  # [256, 8]
-        self.mask_time_s = 0.0
+        # Masks started before the forward: the matchers and their versions then, and the bitmask to come.
+        self._prefetch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-mask")
+        self._prefetched: tuple[list[tuple[GrammarMatcher, int]], Future[torch.Tensor]] | None = None
+        self.mask_time_s = 0.0  # time sampling spent on masks (waiting for a prefetch, or computing them)
         self.num_masked_rows = 0
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
@@ -53,14 +58,38 @@ class GrammarMasker:
         self.mask_time_s += time.perf_counter() - t0
         self.num_masked_rows += len(rows)
 
+    def prefetch(self, matchers: list[GrammarMatcher]) -> None:
+        """Start computing the masks of ``matchers`` as they are now, on another thread. The next ``bitmask``
+        call waits for it (so no matcher changes while it runs) and uses it if it asks for the same
+        matchers, unchanged."""
+        self.wait_for_prefetch()
+        buffer = torch.empty(len(matchers), self.num_words, dtype=torch.int32)
+        future = self._prefetch_thread.submit(self._fill, matchers, buffer)
+        self._prefetched = ([(m, m.version) for m in matchers], future)
+
+    def wait_for_prefetch(self) -> tuple[list[tuple[GrammarMatcher, int]], torch.Tensor] | None:
+        if self._prefetched is None:
+            return None
+        key, future = self._prefetched
+        self._prefetched = None
+        return key, future.result()
+
     def bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
         """int32 [R, words]: bit i of word w set when matcher R allows token 32 w + i next."""
+        prefetched = self.wait_for_prefetch()
+        if prefetched is not None:
+            key, bitmask = prefetched
+            if len(key) == len(matchers) and all(m is k and m.version == v for (k, v), m in zip(key, matchers,
+                                                                                                 strict=True)):
+                return bitmask
         num_rows = len(matchers)
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = torch.zeros(num_rows, self.num_words, dtype=torch.int32)
-        bitmask = self._bitmask[:num_rows]
+        return self._fill(matchers, self._bitmask[:num_rows])
+
+    def _fill(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> torch.Tensor:
         self._executor.unsafe_compute_mask_ptr([(m.llg_matcher, j) for j, m in enumerate(matchers)],
-                                               bitmask.data_ptr(), self.num_words * 4, num_rows)
+                                               bitmask.data_ptr(), self.num_words * 4, len(matchers))
         return bitmask
 
     def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:

@@ -132,3 +132,18 @@ def test_the_kernel_masks_exactly_as_the_torch_ops_do(compiler: GrammarCompiler,
     assert torch.equal(by_torch, by_kernel)
     assert torch.equal(by_kernel[[1, 3]], logits[[1, 3]])  # rows without a grammar are untouched
     assert all(0 < int(torch.isfinite(by_kernel[r]).sum()) < tokenizer.vocab_size for r in rows)
+
+
+def test_a_prefetched_mask_serves_the_same_matchers_unchanged(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    grammar = compiler.compile(StructuredOutputsParams(choice=("yes", "no")))
+    first, second = grammar.new_matcher(), grammar.new_matcher()
+    masker = GrammarMasker(compiler.mask_vocab_size)
+    masker.prefetch([first])
+    prefetched = masker.bitmask([first])
+    assert torch.equal(prefetched, masker.bitmask([first])) and masker.wait_for_prefetch() is None
+    assert first.accept(tokenizer.encode("yes", add_special_tokens=False)[0])
+    masker.prefetch([second])  # asked for other matchers: computed afresh, after the prefetch has finished
+    assert not torch.equal(masker.bitmask([first]), prefetched)
+    masker.prefetch([first])
+    assert first.version == 1
+    assert torch.equal(masker.bitmask([first]), masker.bitmask([first]))
