@@ -26,6 +26,7 @@ from benchmarks.serve_compare import cpu_description
 from kvserve.engine import LLM
 from kvserve.request import RequestOutput, SamplingParams, StructuredOutputsParams
 
+
 def long_schema(max_length: int | None) -> dict[str, Any]:
     """An array of at least 64 words; ``max_length`` bounds each (a bounded string costs the grammar engine
     more per token: no precomputed token set covers it)."""

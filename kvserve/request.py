@@ -179,6 +179,9 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.ignore_eos and self.structured_outputs is not None:
+            raise InvalidSamplingParams("ignore_eos cannot be combined with a structured output constraint: the "
+                                        "grammar decides where the output ends", param="ignore_eos")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise InvalidSamplingParams(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
                                         f"{len(self.logit_bias)}", param="logit_bias")

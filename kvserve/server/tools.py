@@ -148,7 +148,10 @@ def _without_tool_support(messages: list[dict[str, Any]], request: ToolRequest,
     if request.tools and request.choice.mode != "none":
         prompt = fmt.system_prompt(request.tools)
         if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}"}
+            content = out[0].get("content") or ""
+            joined = ([*content, {"type": "text", "text": prompt}] if isinstance(content, list)
+                      else f"{content}\n\n{prompt}")
+            out[0] = {**out[0], "content": joined}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out

@@ -264,6 +264,7 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"guided_choice": ["a", "b"], "ignore_eos": True}, "ignore_eos"),
 ]
 
 
