@@ -53,7 +53,7 @@ class ParsedToolCall:
 
 
 @dataclass(slots=True)
-class ToolCallDelta:
+class ParsedDelta:
     """What one piece of streamed text adds: content, and per call its header (id and name, once) and
     argument text."""
 
@@ -175,8 +175,8 @@ class HermesToolParser:
         """All content given out so far."""
         return "".join(self._content_parts)
 
-    def feed(self, text: str) -> ToolCallDelta:
-        delta = ToolCallDelta()
+    def feed(self, text: str) -> ParsedDelta:
+        delta = ParsedDelta()
         pending = self._held + text
         self._held = ""
         while pending:
@@ -189,9 +189,9 @@ class HermesToolParser:
         self._content_parts.append(delta.content)
         return delta
 
-    def finish(self) -> ToolCallDelta:
+    def finish(self) -> ParsedDelta:
         """The end of the reply: held text is content; a call cut short stays incomplete."""
-        delta = ToolCallDelta()
+        delta = ParsedDelta()
         if self._mode == "text":
             self._emit(self._held.rstrip() if self.calls else self._held, delta)
         elif self._mode == "call":
@@ -200,7 +200,7 @@ class HermesToolParser:
         self._content_parts.append(delta.content)
         return delta
 
-    def _text(self, pending: str, delta: ToolCallDelta) -> str:
+    def _text(self, pending: str, delta: ParsedDelta) -> str:
         if self._at_start:  # a reply that opens with a JSON object (or a json fence) is a bare call
             stripped = pending.lstrip()
             opening = next((f for f in BARE_OPENINGS if stripped.startswith(f)), None)
@@ -227,13 +227,13 @@ class HermesToolParser:
         self._scanner = _CallScanner()
         return rest.lstrip() if bare else rest
 
-    def _emit(self, text: str, delta: ToolCallDelta) -> None:
+    def _emit(self, text: str, delta: ParsedDelta) -> None:
         if self._after_call:  # the whitespace between calls (or after the last) is not content
             text = text.lstrip()
             self._after_call = not text
         delta.content += text
 
-    def _call(self, pending: str, delta: ToolCallDelta) -> str:
+    def _call(self, pending: str, delta: ParsedDelta) -> str:
         scanner = self._scanner
         assert scanner is not None
         used = scanner.feed(pending)
@@ -256,7 +256,7 @@ class HermesToolParser:
             self._mode = "close"
         return pending[used:]
 
-    def _close(self, pending: str, delta: ToolCallDelta) -> str:
+    def _close(self, pending: str, delta: ParsedDelta) -> str:
         stripped = pending.lstrip()
         if not stripped:
             self._held = pending
