@@ -36,7 +36,7 @@ from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.server.responses import ResponseBuilder
 from kvserve.server.tools import template_messages, template_tools, tool_request
-from kvserve.structured.tool_calls import HermesToolFormat
+from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,16 +64,17 @@ class AppState:
         self.runs: set[RequestRun] = set()
         self.draining = False
         self.created = int(time.time())
-        self._tool_format: HermesToolFormat | None = None
+        self._tool_format: ToolCallFormat | None = None
 
     @property
     def template_has_tools(self) -> bool:
         """The chat template renders tools itself; else they go into the system message (tools.py)."""
         return "tools" in (self.tokenizer.chat_template or "")
 
-    async def tool_format(self) -> HermesToolFormat:
-        """The model's tool-call format. The first call builds the grammar engine's view of the vocabulary
-        (seconds for a large one), off the event loop."""
+    async def tool_format(self) -> ToolCallFormat:
+        """The model's tool-call format (hermes: the one format of the families kvserve serves with tools).
+        The first call builds the grammar engine's view of the vocabulary (seconds for a large one), off the
+        event loop."""
         if self._tool_format is None:
             grammars = self.engine.grammars
             open_tag, close_tag = HermesToolFormat.open_tag, HermesToolFormat.close_tag
@@ -115,7 +116,7 @@ class AppState:
     # --- one request, end to end ----------------------------------------------------------------------------
     async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
                       prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
-                      received_at: float, tool_format: HermesToolFormat | None = None) -> Response:
+                      received_at: float, tool_format: ToolCallFormat | None = None) -> Response:
         """``tool_format``: the reply may hold tool calls in this format (parsed out of the content)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queue_limit = self.engine.max_waiting_requests

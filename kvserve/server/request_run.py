@@ -18,7 +18,7 @@ from kvserve.errors import KVServeError
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
-from kvserve.structured.tool_calls import HermesToolParser
+from kvserve.structured.tool_calls import ToolCallParser
 
 
 @dataclass(slots=True, eq=False)
@@ -35,7 +35,7 @@ class EngineRequest:
     submitted: bool = False  # reached the engine (so an early exit aborts it there)
     finished: bool = False
     num_chars_sent: int = 0  # completions logprobs: text_offset of the next streamed token
-    tool_parser: HermesToolParser | None = None  # a streamed chat reply that may hold tool calls
+    tool_parser: ToolCallParser | None = None  # a streamed chat reply that may hold tool calls
 
 
 class RequestRun:

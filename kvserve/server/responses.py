@@ -16,7 +16,7 @@ from kvserve.request import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_run import EngineRequest, RequestRun
-from kvserve.structured.tool_calls import HermesToolFormat, HermesToolParser
+from kvserve.structured.tool_calls import ToolCallFormat, ToolCallParser
 from kvserve.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -49,7 +49,7 @@ class ResponseBuilder:
 
     # --- one JSON body ----------------------------------------------------------------------------------
     def full_response(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
-                      tool_format: HermesToolFormat | None = None) -> p._Response:
+                      tool_format: ToolCallFormat | None = None) -> p._Response:
         usage = run.usage()
         if chat:
             choices = []
@@ -74,7 +74,7 @@ class ResponseBuilder:
 
     # --- an SSE stream ----------------------------------------------------------------------------------
     async def stream(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
-                     want_timings: bool, tool_format: HermesToolFormat | None = None) -> AsyncIterator[str]:
+                     want_timings: bool, tool_format: ToolCallFormat | None = None) -> AsyncIterator[str]:
         chunk_type = p.ChatCompletionChunk if chat else p.CompletionResponse
         if tool_format is not None:
             for child in run.children:
@@ -165,7 +165,7 @@ class ResponseBuilder:
         return out
 
 
-def _with_tool_calls(tool_format: HermesToolFormat, text: str,
+def _with_tool_calls(tool_format: ToolCallFormat, text: str,
                      finish_reason: str | None) -> tuple[p.ChatMessageOut, str | None]:
     """A whole reply read for tool calls: its message, and ``tool_calls`` as the finish reason if it made any.
     A reply cut off inside a call (max_tokens) is left as text."""
@@ -180,7 +180,7 @@ def _with_tool_calls(tool_format: HermesToolFormat, text: str,
             "tool_calls" if finish_reason == "stop" else finish_reason)
 
 
-def _tool_call_delta(parser: HermesToolParser, text: str,
+def _tool_call_delta(parser: ToolCallParser, text: str,
                      finish: str | None) -> tuple[p.DeltaMessage | None, str | None]:
     """The streamed delta of ``text`` read for tool calls (None when it holds nothing yet), and the finish
     reason (``tool_calls`` for a reply that made calls)."""

@@ -19,7 +19,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.request import StructuredOutputsParams
 from kvserve.server import protocol as p
 from kvserve.structured.grammar import check_json_schema
-from kvserve.structured.tool_calls import HermesToolFormat, ToolChoice, ToolSpec
+from kvserve.structured.tool_calls import ToolCallFormat, ToolChoice, ToolSpec
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -38,7 +38,7 @@ class ToolRequest:
     def calls_possible(self) -> bool:
         return bool(self.tools) and self.choice.mode != "none"
 
-    def constraint(self, fmt: HermesToolFormat) -> StructuredOutputsParams:
+    def constraint(self, fmt: ToolCallFormat) -> StructuredOutputsParams:
         return StructuredOutputsParams(grammar=fmt.grammar(self.tools, self.choice, self.parallel), param="tools")
 
 
@@ -88,7 +88,7 @@ def _tool_choice(value: str | dict[str, Any] | None, tools: list[ToolSpec]) -> T
     return ToolChoice("function", name)
 
 
-def template_messages(messages: list[dict[str, Any]], request: ToolRequest, fmt: HermesToolFormat,
+def template_messages(messages: list[dict[str, Any]], request: ToolRequest, fmt: ToolCallFormat,
                       template_has_tools: bool) -> list[dict[str, Any]]:
     """The messages as the chat template takes them. Earlier calls' arguments (JSON text in OpenAI's API)
     become objects, as templates expect; without template support, tools and calls become plain text."""
@@ -126,7 +126,7 @@ def _call_for_template(call: Any) -> Any:
 
 
 def _without_tool_support(messages: list[dict[str, Any]], request: ToolRequest,
-                          fmt: HermesToolFormat) -> list[dict[str, Any]]:
+                          fmt: ToolCallFormat) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for message in messages:
         role = message.get("role")

@@ -1,6 +1,8 @@
 """Tool calls in the model's own format: the grammar that enforces them and the parser that reads them back.
 
-One format so far, the hermes style that Qwen2.5 (and Hermes, and many fine-tunes) are trained on::
+A family's format is a ``ToolCallFormat`` (its grammar, its ``ToolCallParser``, how tools are written for a
+template without them). One so far, the hermes style that Qwen2.5 (and Hermes, and many fine-tunes) are
+trained on::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -20,7 +22,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kvserve.structured.grammar import JSON_OPTIONS
 
@@ -62,6 +64,35 @@ class ParsedDelta:
 
     def __bool__(self) -> bool:
         return bool(self.content or self.calls)
+
+
+class ToolCallParser(Protocol):
+    """Reads one reply's text as it streams: content, and the calls in it."""
+
+    calls: list[ParsedToolCall]
+    incomplete: bool  # the reply ended inside a call
+
+    @property
+    def content(self) -> str: ...
+
+    def feed(self, text: str) -> ParsedDelta: ...
+
+    def finish(self) -> ParsedDelta: ...
+
+
+class ToolCallFormat(Protocol):
+    """How one model family writes tool calls: the grammar that enforces them, the parser that reads them
+    back, and how tools and calls are written for a template that has no place for them."""
+
+    open_tag: str
+
+    def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str: ...
+
+    def parser(self) -> ToolCallParser: ...
+
+    def system_prompt(self, tools: Sequence[ToolSpec]) -> str: ...
+
+    def render_call(self, name: str, arguments: Any) -> str: ...
 
 
 class HermesToolFormat:
