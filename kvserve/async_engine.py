@@ -106,9 +106,10 @@ class AsyncEngine:
             raise compiler.timeout_error(spec, limit) from None
 
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
-        """Tokenize and validate without queueing anything: raises the typed error the caller reports."""
+        """Tokenize and validate without queueing anything: raises the typed error the caller reports. A
+        structured-output constraint must have been compiled first (``compile_grammar``)."""
         self._check_alive()
-        processed = self.engine.input_processor.process(prompt, params)
+        processed = self.engine.input_processor.process(prompt, params, compiled_before=True)
         return processed.prompt_token_ids, processed.prompt
 
     async def generate(

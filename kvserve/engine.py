@@ -168,7 +168,7 @@ class Engine:
         grammar = processed.grammar
         if grammar is None and params.structured_outputs is not None:
             # Compiled when the request was processed: this finds it in the compiler's cache.
-            grammar = self.grammars.compile(params.structured_outputs)
+            grammar = self.grammars.compile(params.structured_outputs, count_hit=False)
         order = next(self._ids)
         request = Request(
             request_id if request_id is not None else f"req-{order}",

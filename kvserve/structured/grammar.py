@@ -160,13 +160,14 @@ class GrammarCompiler:
         self.stats = GrammarStats()
 
     # --- compiling ------------------------------------------------------------------------------------------
-    def submit(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
-        """The compile of ``spec``: a cached one (finished, failed or still running) or a new one."""
+    def submit(self, spec: StructuredOutputsParams, count_hit: bool = True) -> Future[CompiledGrammar]:
+        """The compile of ``spec``: a cached one (finished, failed or still running) or a new one.
+        ``count_hit``: False for a request's second look at a constraint it compiled before."""
         with self._lock:
             future = self._cache.get(spec)
             if future is not None:
                 self._cache.move_to_end(spec)
-                self.stats.cache_hits += 1
+                self.stats.cache_hits += count_hit
                 return future
             future = self._pool.submit(self._compile, spec)
             self._cache[spec] = future
@@ -174,9 +175,10 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def compile(self, spec: StructuredOutputsParams, timeout_s: float | None = None) -> CompiledGrammar:
+    def compile(self, spec: StructuredOutputsParams, timeout_s: float | None = None,
+                count_hit: bool = True) -> CompiledGrammar:
         """Wait for the compile of ``spec``: GrammarCompileTimeout past the limit, InvalidRequest if it fails."""
-        future = self.submit(spec)
+        future = self.submit(spec, count_hit)
         limit = self.config.compile_timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=limit)

@@ -147,3 +147,12 @@ def test_a_prefetched_mask_serves_the_same_matchers_unchanged(compiler: GrammarC
     masker.prefetch([first])
     assert first.version == 1
     assert torch.equal(masker.bitmask([first]), masker.bitmask([first]))
+
+
+def test_a_second_look_by_the_same_request_is_not_a_cache_hit(compiler: GrammarCompiler) -> None:
+    spec = StructuredOutputsParams(regex="[a-z]+")
+    compiler.compile(spec)
+    compiler.compile(spec, count_hit=False)
+    assert (compiler.stats.compiles, compiler.stats.cache_hits) == (1, 0)
+    compiler.compile(spec)
+    assert compiler.stats.cache_hits == 1
