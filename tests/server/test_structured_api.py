@@ -201,7 +201,7 @@ def test_required_and_named_tool_choice_always_call_valid_tools(client: openai.O
         choice = "required" if seed % 2 else {"type": "function", "function": {"name": "add"}}
         return seed, client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "What is 3 plus 4?"}], tools=TOOLS,
-            tool_choice=choice, temperature=1.0, seed=seed, max_tokens=80)
+            tool_choice=choice, temperature=1.0, seed=seed, max_tokens=80, parallel_tool_calls=seed % 4 == 1)
 
     with ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(call, range(16)))
