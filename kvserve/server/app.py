@@ -208,7 +208,7 @@ def build_app(
         received_at = time.monotonic()
         state.check_admissible(body.model)
         params = body.sampling_params()
-        tools = tool_request(body)
+        tools = tool_request(body, has_format=params.structured_outputs is not None)
         messages, template_tools_arg, tool_format = body.message_dicts(), None, None
         if tools.tools:
             tool_format = await state.tool_format()

@@ -165,7 +165,6 @@ class _SamplingRequest(_Strict):
             exc = rename_param(exc, "max_tokens", max_tokens_field)
             raise rename_param(exc, "logprobs", logprobs_field) from None
 
-
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's output constraint, from whichever field it came in (at most one may be set)."""
         given: list[tuple[str, StructuredOutputsParams]] = []

@@ -42,8 +42,9 @@ class ToolRequest:
         return StructuredOutputsParams(grammar=fmt.grammar(self.tools, self.choice, self.parallel), param="tools")
 
 
-def tool_request(body: p.ChatCompletionRequest) -> ToolRequest:
-    """The request's tools and tool_choice, checked; InvalidRequest naming the field otherwise."""
+def tool_request(body: p.ChatCompletionRequest, has_format: bool) -> ToolRequest:
+    """The request's tools and tool_choice, checked; InvalidRequest naming the field otherwise.
+    ``has_format``: the request also constrains its output (response_format, guided_*, ...)."""
     tools: list[ToolSpec] = []
     for i, tool in enumerate(body.tools or []):
         where = f"tools[{i}]"
@@ -62,7 +63,7 @@ def tool_request(body: p.ChatCompletionRequest) -> ToolRequest:
             check_json_schema(parameters, f"{where}.function.parameters")
         tools.append(ToolSpec(name, parameters, tool.function.description))
     choice = _tool_choice(body.tool_choice, tools)
-    if choice.mode != "none" and body.structured_outputs_params() is not None:
+    if choice.mode != "none" and has_format:
         raise InvalidRequest("a response format (or structured_outputs) cannot be combined with tool calls yet; "
                              "send tool_choice 'none' or leave out the format", param="tool_choice")
     return ToolRequest(tuple(tools), choice, body.parallel_tool_calls)

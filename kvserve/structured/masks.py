@@ -2,9 +2,9 @@
 
 llguidance writes one bit per token for every constrained row at once (on its own threads, without the
 GIL). The runner asks for a step's masks before its forward (``prefetch``), so that they are computed while
-the model runs, and sampling only waits for what is left. The backend's kernel, where it has one, sets the logits of clear bits to -inf a word at a time;
-otherwise the bits are expanded to a boolean mask with torch ops. Penalties, logprobs, top-k/p and the
-greedy argmax all see the masked logits.
+the model runs, and sampling only waits for what is left. The backend's kernel, where it has one, sets the
+logits of clear bits to -inf a word at a time; otherwise the bits are expanded to a boolean mask with torch
+ops. Penalties, logprobs, top-k/p and the greedy argmax all see the masked logits.
 """
 
 from __future__ import annotations
@@ -46,15 +46,13 @@ class GrammarMasker:
         if kernel is not None and logits.device.type == "cpu" and logits.stride(1) == 1 and logits.dtype in (
                 torch.bfloat16, torch.float32):
             kernel(logits, torch.tensor(rows, dtype=torch.long), self.bitmask(matchers))
-            self.mask_time_s += time.perf_counter() - t0
-            self.num_masked_rows += len(rows)
-            return
-        columns = logits.shape[1]
-        allowed = self.allowed(matchers)  # [R, 32 * words]
-        if allowed.shape[1] < columns:  # logit columns past the grammar's vocabulary are never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, columns - allowed.shape[1]), value=False)
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed[:, :columns].to(logits.device), float("-inf"))
+        else:
+            columns = logits.shape[1]
+            allowed = self.allowed(matchers)  # [R, 32 * words]
+            if allowed.shape[1] < columns:  # logit columns past the grammar's vocabulary are never allowed
+                allowed = torch.nn.functional.pad(allowed, (0, columns - allowed.shape[1]), value=False)
+            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            logits[index] = logits[index].masked_fill(~allowed[:, :columns].to(logits.device), float("-inf"))
         self.mask_time_s += time.perf_counter() - t0
         self.num_masked_rows += len(rows)
 

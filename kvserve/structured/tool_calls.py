@@ -268,7 +268,7 @@ class HermesToolParser:
         scanner = self._scanner
         assert scanner is not None
         used = scanner.feed(pending)
-        call = self.calls[-1] if self.calls and self.calls[-1] is scanner.call else None
+        call = scanner.call
         if call is None and scanner.name is not None:
             call = ParsedToolCall(len(self.calls), scanner.name, "")
             scanner.call = call
