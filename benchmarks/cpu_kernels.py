@@ -106,7 +106,7 @@ def bench_packed_projections(rows_list: list[int], kernels: CpuKernels) -> list[
     results = []
     for model, (shapes, layers) in PROJECTION_MODELS.items():
         weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(layers) for n, k in shapes]
-        packed = {w.data_ptr(): torch.ops.kvserve.avx512_pack(w) for w in weights}
+        packed = {w.data_ptr(): torch.ops.kvserve.pack_bf16_pairs(w) for w in weights}
         weights_fp32 = [w.float() for w in weights]
         flops_per_row = sum(2 * w.numel() for w in weights)
         for rows in rows_list:

@@ -35,6 +35,7 @@ class CpuKernels:
     # AVX512-VNNI: int8 dot products on GGUF-quantised weights for few rows (quantized.cpp; the dequantising
     # many-row path builds everywhere)
     quantized_gemv: bool = False
+    avx2: bool = False  # AVX2 and FMA: the same fp32-FMA projections, 8 lanes wide (linear_avx2.cpp)
 
 
 class _Loader:
@@ -70,7 +71,8 @@ class _Loader:
             return CpuKernels(gemv_bf16=bool(torch.ops.kvserve.has_avx512_bf16()),
                               amx=bool(torch.ops.kvserve.has_amx()),
                               avx512=bool(torch.ops.kvserve.has_avx512()),
-                              quantized_gemv=bool(torch.ops.kvserve.has_quantized_gemv()))
+                              quantized_gemv=bool(torch.ops.kvserve.has_quantized_gemv()),
+                              avx2=bool(torch.ops.kvserve.has_avx2()))
         except Exception as exc:  # a missing compiler or ninja must not stop serving
             log.warning("kvserve CPU kernels unavailable, using the torch reference paths: %s", exc)
             return None

@@ -21,10 +21,11 @@ from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope, load_cpu_ke
 from kvserve.model.ops import ModelOps
 
 CPU = torch.device("cpu")
-AMX = CpuKernels(gemv_bf16=True, amx=True, avx512=True, quantized_gemv=True)  # Sapphire Rapids and later
+AMX = CpuKernels(gemv_bf16=True, amx=True, avx512=True, quantized_gemv=True, avx2=True)  # Sapphire Rapids on
 # AVX512-BF16 without AMX (Cooper Lake, Zen 4)
-BF16_ONLY = CpuKernels(gemv_bf16=True, amx=False, avx512=True, quantized_gemv=True)
-AVX512_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=True)  # Skylake-X (no VNNI)
+BF16_ONLY = CpuKernels(gemv_bf16=True, amx=False, avx512=True, quantized_gemv=True, avx2=True)
+AVX512_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=True, avx2=True)  # Skylake-X (no VNNI)
+AVX2_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=False, avx2=True)  # Zen 1-3, Haswell to Comet Lake
 NONE = CpuKernels(gemv_bf16=False, amx=False, avx512=False)  # the kernels build, no vector extension they use
 
 
@@ -44,7 +45,9 @@ def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=Fals
 HEAD_SIZES = (64, 128, 256)  # the many-row kernels and the fused stack take these; 80 stands for any other
 NO_PACKED_STACK = "no fused decode stack: no packed projection kernels"
 HEAD80_STACK = "no fused decode stack: head size 80 has no many-row kernel"
-NO_VECTOR_UNITS = ("torch projections: no AVX-512 on this CPU", "torch prefill attention: no AMX or AVX-512 on this CPU")
+NO_MANY_ROW_ATTENTION = "torch prefill attention: no AMX or AVX-512 on this CPU"
+NO_VECTOR_UNITS = ("torch projections: no AVX2 and FMA on this CPU", NO_MANY_ROW_ATTENTION)
+NO_ATTENTION_STACK = "no fused decode stack: no many-row attention kernel on this CPU"
 FLOAT32 = ("torch projections and element-wise ops: float32 model (those kernels take bf16)",
            "torch prefill attention: float32 model (the many-row kernels take bf16)",
            "no fused decode stack: float32 model",
@@ -69,15 +72,20 @@ EXPECTED = [
     *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", fused=True, avx512_carries=True,
                                                 fallbacks=(NO_VNNI,), quantized=0)) for head in HEAD_SIZES],
     (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), HEAD80_STACK, NO_VNNI), quantized=0)),
+    *[(AVX2_ONLY, torch.bfloat16, head, plan("avx2", 0, None, fallbacks=(NO_MANY_ROW_ATTENTION, NO_ATTENTION_STACK,
+                                                                        QUANTIZED_DEQUANTISED), quantized=None))
+      for head in HEAD_SIZES],
+    (AVX2_ONLY, torch.bfloat16, 80, plan("avx2", 0, None, fallbacks=(*head80(), HEAD80_STACK, QUANTIZED_DEQUANTISED),
+                                         quantized=None)),
     *[(NONE, torch.bfloat16, head, plan(None, 0, None, fallbacks=(*NO_VECTOR_UNITS, NO_PACKED_STACK,
                                                                   QUANTIZED_DEQUANTISED), quantized=None))
       for head in HEAD_SIZES],
     (NONE, torch.bfloat16, 80, plan(None, 0, None, fallbacks=(NO_VECTOR_UNITS[0], *head80(), NO_PACKED_STACK,
                                                               QUANTIZED_DEQUANTISED), quantized=None)),
-    *[(kernels, torch.float32, head_dim, TORCH_OPS_ONLY) for kernels in (AMX, BF16_ONLY, AVX512_ONLY, NONE)
+    *[(kernels, torch.float32, head_dim, TORCH_OPS_ONLY) for kernels in (AMX, BF16_ONLY, AVX512_ONLY, AVX2_ONLY, NONE)
       for head_dim in (64, 128)],
 ]
-CPU_NAMES = {AMX: "amx", BF16_ONLY: "bf16", AVX512_ONLY: "avx512", NONE: "none"}
+CPU_NAMES = {AMX: "amx", BF16_ONLY: "bf16", AVX512_ONLY: "avx512", AVX2_ONLY: "avx2", NONE: "none"}
 IDS = [f"{CPU_NAMES[kernels]}-{str(dtype)[6:]}-head{head}" for kernels, dtype, head, _ in EXPECTED]
 
 

@@ -20,16 +20,20 @@ from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
 # What each packed projection family needs of the CPU; AMX machines run all three, Zen 4/5 the last two.
-FAMILY_RUNS = {"amx": lambda k: k.amx, "bf16dot": lambda k: k.gemv_bf16 and k.avx512, "avx512": lambda k: k.avx512}
+FAMILY_RUNS = {"amx": lambda k: k.amx, "bf16dot": lambda k: k.gemv_bf16 and k.avx512, "avx512": lambda k: k.avx512,
+               "avx2": lambda k: k.avx2}
 # The plan each family comes from: the kernels a CPU that has it (and nothing above it) offers.
-FAMILY_CPUS = {"amx": CpuKernels(gemv_bf16=True, amx=True, avx512=True),
-               "bf16dot": CpuKernels(gemv_bf16=True, amx=False, avx512=True),
-               "avx512": CpuKernels(gemv_bf16=False, amx=False, avx512=True)}
+FAMILY_CPUS = {"amx": CpuKernels(gemv_bf16=True, amx=True, avx512=True, avx2=True),
+               "bf16dot": CpuKernels(gemv_bf16=True, amx=False, avx512=True, avx2=True),
+               "avx512": CpuKernels(gemv_bf16=False, amx=False, avx512=True, avx2=True),
+               "avx2": CpuKernels(gemv_bf16=False, amx=False, avx512=False, avx2=True)}
 packed_families = [pytest.param(name, marks=pytest.mark.skipif(
     kernels is None or not runs(kernels), reason=f"no {name} on this CPU (or the kernel refused it)"))
     for name, runs in FAMILY_RUNS.items()]
 # The many-row attention kernels: AMX, and AVX-512 (which the BF16 dot-product family's CPUs run).
-attention_families = [param for param in packed_families if param.values[0] != "bf16dot"]
+attention_families = [param for param in packed_families if param.values[0] in ("amx", "avx512")]
+# The families the fused decode stack runs on: those of CPUs with a many-row attention kernel.
+fused_stack_families = [param for param in packed_families if param.values[0] != "avx2"]
 
 
 def family(name: str) -> PackedKernels:
@@ -278,13 +282,15 @@ def test_model_ops_route_gate_up_silu_by_rows_and_weight() -> None:
 @pytest.mark.parametrize("name", [param for param in packed_families if param.values[0] != "amx"])
 def test_model_ops_take_the_packed_kernels_at_every_width_without_amx(name) -> None:
     """Without AMX the plan's family (BF16 dot products where the CPU has them, else the widening AVX-512
-    kernel) takes every width, one row included, and the fused stack runs on it."""
+    kernel, else the AVX2 one) takes every width, one row included, and the fused stack runs on it where the
+    CPU has a many-row attention kernel (AVX-512)."""
     backend = CpuKernelsBackend(plan_kernels(FAMILY_CPUS[name], torch.bfloat16, arch()), arch(),
                                 torch.device("cpu"), BackendConfig())
     ops = backend.ops
-    linear = ops.linear.dense  # behind the quantised kernels
+    # Behind the quantised kernels where the CPU runs quantised weights packed (AVX-512)
+    linear = ops.linear.dense if backend.plan.quantized_gemv_max_rows is not None else ops.linear
     assert isinstance(linear, PackedLinear) and linear.kernels.name == name
-    assert backend.plan.fused_decode and backend.plan.gemv_max_rows == 0
+    assert backend.plan.fused_decode == (name != "avx2") and backend.plan.gemv_max_rows == 0
     weight = torch.randn(64, 64, dtype=torch.bfloat16) * 0.1
     ops.prepare_weight(weight)
     ops.prepare_gate_up(weight)
@@ -632,7 +638,7 @@ def random_decoder_weights(shape: ArchConfig, gen: torch.Generator) -> dict[str,
     return weights
 
 
-@pytest.mark.parametrize("name", packed_families)
+@pytest.mark.parametrize("name", fused_stack_families)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128), (4, 1, 256)],
                          ids=["head64", "head128", "head256"])
 @pytest.mark.parametrize("layout", ["plain", "qkv_bias", "qk_norm"])

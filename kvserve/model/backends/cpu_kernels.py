@@ -47,7 +47,7 @@ VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 # agreement with the dequantised model (tests/e2e/test_quantized_models.py), so the limit stays four.
 QUANTIZED_GEMV_MAX_ROWS = 4
 
-Family = Literal["amx", "bf16dot", "avx512"]
+Family = Literal["amx", "bf16dot", "avx512", "avx2"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,17 +96,20 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     # dot-product kernel on packed weights is on par with the GEMV at one row and ahead of torch's bf16
     # linear (oneDNN) up to a few hundred rows, on par above: it takes every width, so that a step's heavy
     # ops stay on the kernels' threads. Without those instructions torch's bf16 linear is slow at every
-    # width and the AVX-512 widening kernel takes them all.
+    # width and the AVX-512 widening kernel takes them all. Without AVX-512, torch's bf16 linear has no bf16
+    # arithmetic at all and the AVX2 widening kernel takes every width.
     projections: Family | None = None
     if bf16 and kernels.amx:
         projections = "amx"
     elif bf16 and kernels.avx512:
         projections = "bf16dot" if kernels.gemv_bf16 else "avx512"
+    elif bf16 and kernels.avx2:
+        projections = "avx2"
     gemv_max_rows = 1 if bf16 and kernels.gemv_bf16 and kernels.amx else 0
     if not bf16:
         fallbacks.append(f"torch projections and element-wise ops: {dtype_name} model (those kernels take bf16)")
     elif projections is None:
-        fallbacks.append("torch projections: no AVX-512 on this CPU")
+        fallbacks.append("torch projections: no AVX2 and FMA on this CPU")
     # The many-row attention kernels take bf16 at the head sizes they are templated on.
     attention: Family | None = None
     if not bf16:
@@ -126,7 +129,8 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     fused_decode = projections is not None and attention is not None and gemv_max_rows <= 1 and not arch.is_moe
     if not fused_decode:
         why = (f"{dtype_name} model" if not bf16 else "no packed projection kernels" if projections is None
-               else f"head size {head_dim} has no many-row kernel" if attention is None
+               else f"head size {head_dim} has no many-row kernel" if head_dim not in MANY_ROW_HEAD_SIZES
+               else "no many-row attention kernel on this CPU" if attention is None
                else "a mixture of experts (its routing runs on the host)")
         fallbacks.append(f"no fused decode stack: {why}")
     # Quantised weights: the dequantising panels need AVX-512 to keep up with bf16 weights; the int8 dot

@@ -59,7 +59,7 @@ class PackedKernels:
         """fp32 FMAs on bf16 weights widened in registers (csrc/linear_avx512.cpp), for AVX-512 CPUs
         without the BF16 instructions, where torch's bf16 linear is slowest."""
         kvserve = torch.ops.kvserve
-        return cls("avx512", kvserve.avx512_pack, kvserve.avx512_linear, kvserve.avx512_linear_silu_mul, 2)
+        return cls("avx512", kvserve.pack_bf16_pairs, kvserve.avx512_linear, kvserve.avx512_linear_silu_mul, 2)
 
     @classmethod
     def bf16dot(cls) -> PackedKernels:
@@ -67,7 +67,15 @@ class PackedKernels:
         instructions but no AMX: ahead of torch's bf16 linear up to a few hundred rows
         (benchmarks/cpu_kernels.py)."""
         kvserve = torch.ops.kvserve
-        return cls("bf16dot", kvserve.avx512_pack, kvserve.bf16dot_linear, kvserve.bf16dot_linear_silu_mul, 2)
+        return cls("bf16dot", kvserve.pack_bf16_pairs, kvserve.bf16dot_linear, kvserve.bf16dot_linear_silu_mul, 2)
+
+
+    @classmethod
+    def avx2(cls) -> PackedKernels:
+        """The widening kernel 8 lanes wide (csrc/linear_avx2.cpp) on the same packing, for CPUs without
+        AVX-512, where torch's bf16 linear has no bf16 arithmetic to call (benchmarks/cpu_kernels.py)."""
+        kvserve = torch.ops.kvserve
+        return cls("avx2", kvserve.pack_bf16_pairs, kvserve.avx2_linear, kvserve.avx2_linear_silu_mul, 2)
 
 
 class PackedLinear:
@@ -194,7 +202,7 @@ class CpuOps:
 
 def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool,
                   quantized_gemv_max_rows: int | None = None) -> CpuOps:
-    """The ops for a plan: ``projections`` names the packed family ("amx", "avx512", "bf16dot" or None:
+    """The ops for a plan: ``projections`` names the packed family ("amx", "avx512", "bf16dot", "avx2" or None:
     torch's linear), inputs of at most ``gemv_max_rows`` rows take the BF16 GEMV (0: none), ``elementwise``
     puts the norms, SiLU-and-multiply and rotary on the kernels (a bf16 model), and
     ``quantized_gemv_max_rows`` (None: no quantised weights) is the few-row limit of the quantised kernels."""
@@ -218,7 +226,8 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
 def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:
     if not elementwise:
         return CpuOps(ModelOps())
-    families = {"amx": PackedKernels.amx, "avx512": PackedKernels.avx512, "bf16dot": PackedKernels.bf16dot}
+    families = {"amx": PackedKernels.amx, "avx512": PackedKernels.avx512, "bf16dot": PackedKernels.bf16dot,
+                "avx2": PackedKernels.avx2}
     family = families[projections]() if projections else None
     linear: Linear = F.linear
     packed_linear = PackedLinear(family, fallback=F.linear) if family is not None else None

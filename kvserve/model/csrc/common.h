@@ -15,8 +15,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+// AVX2 and FMA: the floor of the 8-lane paths (every x86-64 server CPU of the last decade has them).
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVSERVE_HAS_AVX2 1
+#else
+#define KVSERVE_HAS_AVX2 0
 #endif
 // AVX-512 F and BW: the floor of every vector path here (bf16 widens by a shift, rounds in integer ops).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -196,6 +202,65 @@ inline void store16_bf16(at::BFloat16* dst, __m512 v) {
 inline __m512 round16_bf16(__m512 v) { return widen16_bf16(cvt16_bf16(v)); }
 #endif
 
+#if KVSERVE_HAS_AVX2
+// 8 floats from T (bf16 widens by a shift; fp32 loads as is).
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+// 8 floats to bf16 bits, rounded to nearest even as cvt16_bf16 rounds (NaN stays a quiet NaN).
+inline __m128i cvt8_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  // Eight 32-bit values below 2^16 to eight 16-bit ones: pack within each 128-bit lane, then join the lanes.
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+inline void store8_bf16(at::BFloat16* dst, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), cvt8_bf16(v));
+}
+inline __m256 round8_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(cvt8_bf16(v)), 16));
+}
+
+// exp on 8 lanes, as exp512 computes it (the same clamp, reduction and polynomial). 2^n is built in exponent
+// bits as 2^(n/2) * 2^(n - n/2), each a normal float, where exp512 scales by 2^n in one instruction.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(89.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i n_all = _mm256_cvtps_epi32(n), n_half = _mm256_srai_epi32(n_all, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 scale_a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n_half, bias), 23));
+  const __m256 scale_b =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(n_all, n_half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, scale_a), scale_b);
+}
+
+// silu(g) = g / (1 + exp(-g)), as silu_mul and the fused gate/up kernels compute it on 8 lanes.
+inline __m256 silu8(__m256 g) {
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+#endif
+
 #if KVSERVE_HAS_AMX
 // The 64-byte operand of LDTILECFG (palette 1): rows and bytes per row of each tile register.
 struct alignas(64) TileConfig {
@@ -221,20 +286,27 @@ void amx_matmul_packed(const at::BFloat16* x, int64_t M, const at::BFloat16* pac
                        at::BFloat16* out, int64_t ld, const at::BFloat16* bias, bool silu_mul);
 bool has_amx();
 
+// pack_pairs.cpp: w [N, K] bf16 in the layout the AVX-512 and AVX2 projection families read.
+at::Tensor pack_bf16_pairs(const at::Tensor& w);
+
 // linear_avx512.cpp
-at::Tensor avx512_pack(const at::Tensor& w);
 at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
 // The same products and layout on VDPBF16PS (AVX512-BF16 CPUs without AMX).
 at::Tensor bf16dot_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor bf16dot_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
-// x [M, K] times NB blocks of 16 weight rows packed as avx512_pack packs them into out (row stride ld), plus
+// x [M, K] times NB blocks of 16 weight rows packed as pack_bf16_pairs packs them into out (row stride ld), plus
 // bias or (silu_mul) silu(gate) * up of gate/up blocks in pairs: on VDPBF16PS where the build has it, else
 // widening FMAs on x_wide (x in fp32). The quantised projections' many-row path calls it on dequantised slabs.
 void avx512_matmul_packed(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
                           int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
                           bool silu_mul);
 bool has_avx512();
+
+// linear_avx2.cpp: the same products and layout on AVX2 and FMA (CPUs without AVX-512).
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor avx2_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
+bool has_avx2();
 
 // quantized.cpp
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,

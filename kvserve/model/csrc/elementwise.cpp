@@ -46,6 +46,21 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
         sq = _mm512_fmadd_ps(v, v, sq);
       }
       sumsq = _mm512_reduce_add_ps(sq);
+#elif KVSERVE_HAS_AVX2
+      __m256 sq = _mm256_setzero_ps();
+      for (; i + 8 <= H; i += 8) {
+        __m256 v = load8(xp + r * H + i);
+        if (has_residual) {
+          const __m128i rounded = cvt8_bf16(_mm256_add_ps(v, load8(rp + r * H + i)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(sp + r * H + i), rounded);
+          v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(rounded), 16));
+        }
+        _mm256_storeu_ps(row.data() + i, v);
+        sq = _mm256_fmadd_ps(v, v, sq);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, sq);
+      for (const float lane : lanes) sumsq += lane;
 #endif
       for (; i < H; ++i) {
         float v = static_cast<float>(xp[r * H + i]);
@@ -62,6 +77,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
       for (; i + 16 <= H; i += 16) {
         const __m512 n = round16_bf16(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
         store16_bf16(op + r * H + i, _mm512_mul_ps(n, load16(wp + i)));
+      }
+#elif KVSERVE_HAS_AVX2
+      for (; i + 8 <= H; i += 8) {
+        const __m256 n = round8_bf16(_mm256_mul_ps(_mm256_loadu_ps(row.data() + i), _mm256_set1_ps(inv)));
+        store8_bf16(op + r * H + i, _mm256_mul_ps(n, load8(wp + i)));
       }
 #endif
       for (; i < H; ++i)
@@ -97,6 +117,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
                                                               _mm512_setzero_ps(), g))));
         store16_bf16(o_row + i, _mm512_mul_ps(round16_bf16(silu), load16(u_row + i)));
       }
+#elif KVSERVE_HAS_AVX2
+      for (; i + 8 <= I; i += 8)
+        store8_bf16(o_row + i, _mm256_mul_ps(round8_bf16(silu8(load8(g_row + i))), load8(u_row + i)));
 #endif
       for (; i < I; ++i) {
         const float g = static_cast<float>(g_row[i]);
@@ -140,6 +163,15 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Tenso
           const __m512 a = round16_bf16(_mm512_mul_ps(load16(xr + d), load16(c + d)));
           const __m512 b = round16_bf16(_mm512_mul_ps(load16(xr + partner), load16(s + d)));
           store16_bf16(o + d, _mm512_add_ps(a, b));
+        }
+      }
+#elif KVSERVE_HAS_AVX2
+      if (half % 8 == 0) {
+        for (; d < D; d += 8) {
+          const int64_t partner = d < half ? d + half : d - half;
+          const __m256 a = round8_bf16(_mm256_mul_ps(load8(xr + d), load8(c + d)));
+          const __m256 b = round8_bf16(_mm256_mul_ps(load8(xr + partner), load8(s + d)));
+          store8_bf16(o + d, _mm256_add_ps(a, b));
         }
       }
 #endif

@@ -7,9 +7,8 @@
 // integer op per 16 values, and meets fp32 activations in FMAs: every product of two bf16 values is exact
 // in fp32 and sums are kept in fp32, as the BF16 dot-product instruction keeps them.
 //
-// avx512_pack: w [N, K] -> [N / 16, K / 2, 32]: for each block of 16 output rows and each pair of k, the 16
-//              rows' (w[n][k], w[n][k + 1]) side by side. One 64-byte load then holds two k steps of a
-//              block: a shift left by 16 gives step k as fp32, a mask of the high half gives step k + 1.
+// The weight is packed by pack_bf16_pairs (pack_pairs.cpp): one 64-byte load holds two k steps of a block of
+// 16 output rows.
 // avx512_linear: out (+ bias) in bf16; avx512_linear_silu_mul: silu(gate) * up for the MLP's [gate | up]
 //              weight packed with its gate and up rows interleaved 16 at a time.
 // bf16dot_linear, bf16dot_linear_silu_mul: the same products on CPUs with AVX512-BF16 but no AMX (Zen 4 and
@@ -207,28 +206,6 @@ std::tuple<at::Tensor, std::vector<int64_t>> widened_rows(const at::Tensor& x_in
   return {wide, out_sizes};
 }
 
-}  // namespace
-
-at::Tensor avx512_pack(const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "avx512_pack: bf16 [N, K] only");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "avx512_pack: N must be a multiple of 16 and K even");
-  at::Tensor src = w.contiguous();
-  at::Tensor packed = at::empty({N / kBlock, K / 2, 2 * kBlock}, w.options());
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>());
-  uint16_t* d = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  parallel_range(0, N / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t p = 0; p < K / 2; ++p)
-        for (int64_t n = 0; n < kBlock; ++n)
-          for (int64_t e = 0; e < 2; ++e)
-            d[((nb * (K / 2) + p) * kBlock + n) * 2 + e] = s[(nb * kBlock + n) * K + 2 * p + e];
-  });
-  return packed;
-}
-
-namespace {
-
 // out = x @ W^T (+ bias), or silu(gate) * up of the interleaved [gate | up] weight, on either variant.
 template <bool Dot>
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -302,7 +279,6 @@ void avx512_matmul_packed(const at::BFloat16* x, const float* x_wide, int64_t M,
 
 #else
 
-at::Tensor avx512_pack(const at::Tensor&) { TORCH_CHECK(false, "avx512_pack: this build has no AVX-512"); }
 at::Tensor avx512_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "avx512_linear: this build has no AVX-512");
 }

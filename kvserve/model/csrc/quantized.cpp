@@ -11,7 +11,7 @@
 //   the offsets are applied through the activations' per-half sums. Weights are read once, packed.
 // many rows (prefill chunks, wide decode batches): weight rows are dequantised a slab (~2 MB) at a time
 //   into the layout the bf16 projections' packed kernels read (amx_pack's tiles, which are also
-//   avx512_pack's pairs), and their own matmul multiplies each slab against all the activation rows: AMX
+//   pack_bf16_pairs's pairs), and their own matmul multiplies each slab against all the activation rows: AMX
 //   tiles, else VDPBF16PS, else widening FMAs. Without AVX-512 (or for a width not in blocks of 16) panels
 //   of rows go through torch's matmul.
 //
@@ -650,7 +650,7 @@ struct PanelRows {
 #if KVSERVE_HAS_AVX512
 // The weight a slab at a time: each slab's rows dequantised into the layout amx_pack gives bf16 weights (in
 // parallel), then the bf16 projections' own matmul over all the activation rows: on the AMX tiles when
-// `amx`, else on avx512_pack's kernels (the same bytes: a block's 16 rows as pairs of k side by side).
+// `amx`, else on pack_bf16_pairs's kernels (the same bytes: a block's 16 rows as pairs of k side by side).
 // x_wide is x in fp32 for the widening kernel of a build without AVX512-BF16 (else unused). A slab is sized
 // to stay in L2 / L3, so the matmul reads it as fast as it reads a packed bf16 weight from memory. Needs
 // whole blocks of 16 output columns (N % 16 == 0; N / 2 for the fused gate/up).

@@ -4,9 +4,11 @@
 //
 //   projections.cpp  gemv_bf16, amx_pack, amx_linear: the bf16 projections; amx_linear_silu_mul: the MLP's
 //                    gate/up projection and its activation in one
-//   linear_avx512.cpp avx512_pack, avx512_linear, avx512_linear_silu_mul: the same projections on AVX-512
-//                    without BF16 instructions or AMX (fp32 FMAs on bf16 weights widened in registers);
+//   pack_pairs.cpp   pack_bf16_pairs: the weight layout of the AVX-512 and AVX2 projection families
+//   linear_avx512.cpp avx512_linear, avx512_linear_silu_mul: the same projections on AVX-512 without BF16
+//                    instructions or AMX (fp32 FMAs on bf16 weights widened in registers);
 //                    bf16dot_linear, bf16dot_linear_silu_mul: on the same layout with VDPBF16PS (AVX512-BF16)
+//   linear_avx2.cpp  avx2_linear, avx2_linear_silu_mul: the widening projections on AVX2 and FMA
 //   quantized.cpp    quant_linear, quant_linear_silu_mul: projections on GGUF-quantised weights (int8 VNNI
 //                    dot products for few rows, bf16 panels on AMX for many); quant_dequantize: their values
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
@@ -41,11 +43,14 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("quant_dequantize(Tensor data, int type, int cols, Tensor rows, ScalarType dtype) -> Tensor",
         &kvserve::quant_dequantize);
   m.def("has_quantized_gemv() -> bool", &kvserve::has_quantized_gemv);
-  m.def("avx512_pack(Tensor w) -> Tensor", &kvserve::avx512_pack);
+  m.def("pack_bf16_pairs(Tensor w) -> Tensor", &kvserve::pack_bf16_pairs);
   m.def("avx512_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::avx512_linear);
   m.def("avx512_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::avx512_linear_silu_mul);
   m.def("bf16dot_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::bf16dot_linear);
   m.def("bf16dot_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::bf16dot_linear_silu_mul);
+  m.def("avx2_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::avx2_linear);
+  m.def("avx2_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::avx2_linear_silu_mul);
+  m.def("has_avx2() -> bool", &kvserve::has_avx2);
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &kvserve::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
