@@ -7,8 +7,9 @@
   once). Reported as GB/s of weights read: decode is bound by that read.
 - Projections without AMX, at 1-1,024 rows (SmolLM2-135M's 30 layers and four of Qwen2.5-Coder-1.5B's), in
   GFLOP/s: torch's bf16 linear, the BF16 GEMV, the widening AVX-512 kernel (fp32 FMAs on bf16 weights
-  packed once) and, on CPUs with AVX512-BF16, the VDPBF16PS kernel on the same packing; torch's fp32
-  linear on fp32 copies of the weights for scale. The plan (backends/cpu_kernels.py) follows the fastest.
+  packed once), on CPUs with AVX512-BF16 the VDPBF16PS kernel on the same packing, and the widening AVX2
+  kernel (the only one on CPUs without AVX-512); torch's fp32 linear on fp32 copies of the weights for
+  scale. The plan (backends/cpu_kernels.py) follows the fastest.
 - Decode attention: one query per sequence against 512-2,000 cached keys in a paged bf16 cache, in each
   head layout of ``ATTENTION_LAYOUTS`` (SmolLM2's 9 query heads over 3 KV heads at head_dim 64;
   Qwen2.5-Coder-1.5B's 12 over 2 at 128; Gemma 3 270M's 4 over 1 at 256). The torch path gathers each
@@ -100,9 +101,10 @@ PROJECTION_MODELS = {
 
 def bench_packed_projections(rows_list: list[int], kernels: CpuKernels) -> list[dict]:
     """Every width through torch's bf16 linear, the BF16 GEMV and each packed family without AMX this CPU
-    runs (the widening AVX-512 kernel; the VDPBF16PS one), GFLOP/s; torch's fp32 linear on fp32 copies of
-    the weights for scale."""
-    families = ["avx512", *(["bf16dot"] if kernels.gemv_bf16 else [])]
+    runs (the widening AVX-512 kernel; the VDPBF16PS one; the widening AVX2 one), GFLOP/s; torch's fp32
+    linear on fp32 copies of the weights for scale."""
+    families = [*(["avx512"] if kernels.avx512 else []), *(["bf16dot"] if kernels.gemv_bf16 else []),
+                *(["avx2"] if kernels.avx2 else [])]
     results = []
     for model, (shapes, layers) in PROJECTION_MODELS.items():
         weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(layers) for n, k in shapes]
@@ -250,10 +252,10 @@ def main() -> None:
             print(f"  {r['rows']:4d}  {r['layers_torch_gbps']:6.1f} {r['layers_kernel_gbps']:6.1f}  "
                   f"{r['layers_speedup']:4.2f}x {r['layers_amx_gbps']:6.1f}  {r['layers_amx_speedup']:4.2f}x  |"
                   f"    {r['lm_head_torch_ms']:8.2f} {r['lm_head_kernel_ms']:6.2f}  {r['lm_head_speedup']:4.2f}x")
-    if kernels.avx512 and not args.only_attention:
+    if (kernels.avx512 or kernels.avx2) and not args.only_attention:
         report["packed_projections"] = bench_packed_projections([1, 4, 16, 64, 512, 1024], kernels)
         print("\nProjections, bf16, GFLOP/s by width (SmolLM2-135M's 30 layers; 4 of Qwen2.5-Coder-1.5B's):")
-        names = [n for n in ("torch_bf16", "gemv", "avx512", "bf16dot", "torch_fp32")
+        names = [n for n in ("torch_bf16", "gemv", "avx512", "bf16dot", "avx2", "torch_fp32")
                  if f"{n}_gflops" in report["packed_projections"][0]]
         print(f"  {'model':13s} rows  " + "  ".join(f"{n:>10s}" for n in names) + "  fastest (x torch bf16)")
         for r in report["packed_projections"]:

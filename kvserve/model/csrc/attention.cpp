@@ -215,6 +215,141 @@ void attend_groups_avx512(const T* q, int64_t G, const T* k_cache, const T* v_ca
 }
 #endif
 
+#if KVSERVE_HAS_AVX2 && !defined(__AVX512F__)
+// r[i] = sum of the lanes of v[i], for 8 vectors at once: pairwise adds within 128-bit lanes, then the
+// lanes' halves added.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// attend_split's contract for G query heads (G known at compile time) on AVX2, for head_dim == 8 * C:
+// keys 8 tokens at a time, a block's scores as one vector per query head. With 16 vector registers the
+// query and the output stay in memory (L1) and each pass keeps only what it multiplies in registers: the
+// score pass a key chunk and G dot products, the value pass one 8-wide column chunk of the G outputs.
+// `prefetch`: this call fetches the next keys' rows for every KV head (the first head's call does).
+template <typename T, int C, int G>
+void attend_split_avx2(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t block_size,
+                       int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end, float scale, float* acc,
+                       float* m, float* l, bool prefetch) {
+  constexpr int64_t D = 8 * C;
+  alignas(32) float qs[G * D];
+  alignas(32) __m256 dots[G][8];
+  alignas(32) float probs[G][8];
+  float rescale[G];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      _mm256_store_ps(qs + g * D + 8 * c, _mm256_mul_ps(load8(q + g * D + 8 * c), _mm256_set1_ps(scale)));
+      _mm256_storeu_ps(acc + g * D + 8 * c, _mm256_setzero_ps());
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t token_stride = kv_heads * D;
+  for (int64_t start = key_begin; start < key_end;) {
+    const int64_t blk = blocks[start / block_size];
+    const int64_t off = start % block_size;
+    const int64_t n = std::min<int64_t>({block_size - off, key_end - start, 8});
+    const T* kb = k_cache + (blk * block_size + off) * token_stride + head * D;
+    const T* vb = v_cache + (blk * block_size + off) * token_stride + head * D;
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+    if (prefetch && start + n < key_end) {
+      const int64_t next = start + n;
+      const int64_t next_blk = blocks[next / block_size], next_off = next % block_size;
+      const int64_t rows = std::min<int64_t>({block_size - next_off, key_end - next, 8});
+      const char* kn = reinterpret_cast<const char*>(k_cache + (next_blk * block_size + next_off) * token_stride);
+      const char* vn = reinterpret_cast<const char*>(v_cache + (next_blk * block_size + next_off) * token_stride);
+      const int64_t bytes = rows * token_stride * static_cast<int64_t>(sizeof(T));
+      for (int64_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch(kn + o, _MM_HINT_T0);
+        _mm_prefetch(vn + o, _MM_HINT_T0);
+      }
+    }
+    // Scores: each key chunk is widened once and dotted with every query head of the run.
+    for (int64_t t = 0; t < 8; ++t) {
+      __m256 dot[G];
+      for (int g = 0; g < G; ++g) dot[g] = _mm256_setzero_ps();
+      if (t < n) {
+        const T* kt = kb + t * token_stride;
+        for (int c = 0; c < C; ++c) {
+          const __m256 kv = load8(kt + 8 * c);
+          for (int g = 0; g < G; ++g) dot[g] = _mm256_fmadd_ps(_mm256_load_ps(qs + g * D + 8 * c), kv, dot[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) dots[g][t] = dot[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), hsum8(dots[g]),
+                                        valid);
+      const float block_max = std::max(m[g], hmax8(s));
+      rescale[g] = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
+      const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(s, _mm256_set1_ps(block_max))), valid);
+      l[g] = l[g] * rescale[g] + hadd8(p);
+      m[g] = block_max;
+      _mm256_store_ps(probs[g], p);
+    }
+    // Values: one column chunk of the run's outputs at a time, in registers across the block's tokens.
+    for (int c = 0; c < C; ++c) {
+      __m256 out[G];
+      for (int g = 0; g < G; ++g)
+        out[g] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * c), _mm256_set1_ps(rescale[g]));
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 vv = load8(vb + t * token_stride + 8 * c);
+        for (int g = 0; g < G; ++g) out[g] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][t]), vv, out[g]);
+      }
+      for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc + g * D + 8 * c, out[g]);
+    }
+    start += n;
+  }
+}
+
+// The query heads of a KV head in runs of at most four through attend_split_avx2 (a later run finds the keys
+// in cache).
+template <typename T, int C>
+void attend_groups_avx2(const T* q, int64_t G, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                        int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
+                        float scale, float* acc, float* m, float* l) {
+  constexpr int64_t D = 8 * C;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const bool prefetch = head == 0 && g0 == 0;
+    const T* qg = q + g0 * D;
+    float *ag = acc + g0 * D, *mg = m + g0, *lg = l + g0;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1:
+        attend_split_avx2<T, C, 1>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                   scale, ag, mg, lg, prefetch);
+        break;
+      case 2:
+        attend_split_avx2<T, C, 2>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                   scale, ag, mg, lg, prefetch);
+        break;
+      case 3:
+        attend_split_avx2<T, C, 3>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                   scale, ag, mg, lg, prefetch);
+        break;
+      default:
+        attend_split_avx2<T, C, 4>(qg, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin, key_end,
+                                   scale, ag, mg, lg, prefetch);
+        break;
+    }
+  }
+}
+#endif
+
 // Picks the vectorised path when the head size has one, the portable loop otherwise.
 template <typename T>
 void attend(const T* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, const int32_t* blocks,
@@ -232,6 +367,22 @@ void attend(const T* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache
       case 256:
         return attend_groups_avx512<T, 16>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
                                           key_end, scale, acc, m, l);
+      default:
+        break;
+    }
+  }
+#elif KVSERVE_HAS_AVX2
+  if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
+    switch (D) {
+      case 64:
+        return attend_groups_avx2<T, 8>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+                                        key_end, scale, acc, m, l);
+      case 128:
+        return attend_groups_avx2<T, 16>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+                                         key_end, scale, acc, m, l);
+      case 256:
+        return attend_groups_avx2<T, 32>(q, G, k_cache, v_cache, blocks, block_size, kv_heads, head, key_begin,
+                                         key_end, scale, acc, m, l);
       default:
         break;
     }
