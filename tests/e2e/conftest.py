@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.model.loader import resolve_model_path
+from tests.support.transformers_gguf import hf_from_gguf
 
 LONG_DOCUMENT = " ".join(
     f"Section {i}: the paged KV cache stores keys and values in fixed-size blocks, so memory is allocated on "
@@ -71,11 +72,3 @@ def installed_model(name: str) -> Path:
         if os.environ.get(REQUIRE_MODELS_ENV):
             pytest.fail(f"{REQUIRE_MODELS_ENV} is set and {name} is missing: {e}")
         pytest.skip(f"{name} is not pulled: {e}")
-
-
-def hf_from_gguf(path: Path):
-    """transformers' own GGUF loader on ``path`` in float32 (its dequantisation, its model code)."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-    return model.eval()

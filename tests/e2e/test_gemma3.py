@@ -9,8 +9,9 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from tests.e2e.conftest import LONG_DOCUMENT, hf_from_gguf, hf_greedy, installed_model
+from tests.e2e.conftest import LONG_DOCUMENT, hf_greedy, installed_model
 from tests.support.tiny_models import TINY_GEMMA3_WINDOW, make_tiny_model
+from tests.support.transformers_gguf import hf_from_gguf
 
 MAX_TOKENS = 12
 # Most prompts are longer than the tiny model's window: its sliding layers must hide their first keys.

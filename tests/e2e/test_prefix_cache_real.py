@@ -35,12 +35,13 @@ def token_ids(outputs) -> list[list[int]]:
 
 def test_sixteen_requests_sharing_a_system_prompt_match_with_cache_off(system_prompt_ids) -> None:
     off, on = make_llm(False), make_llm(True)
-    prompts = shared_prefix_prompts(system_prompt_ids, on.get_tokenizer())
+    system_ids = system_prompt_ids[:504]  # 31.5 blocks: the last system block is shared only in part
+    prompts = shared_prefix_prompts(system_ids, on.get_tokenizer())
     expected = token_ids(off.generate(prompts, GREEDY))
     assert token_ids(on.generate(prompts, GREEDY)) == expected
     again = on.generate(prompts, GREEDY)  # now every request finds the system prompt cached
     assert token_ids(again) == expected
-    assert all(o.num_cached_tokens >= 992 for o in again)
+    assert all(o.num_cached_tokens >= 496 for o in again)
     on.engine.check_invariants()
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.e2e.conftest import LONG_DOCUMENT, hf_from_gguf, hf_greedy, installed_model
+from tests.e2e.conftest import LONG_DOCUMENT, hf_greedy, installed_model
+from tests.support.transformers_gguf import hf_from_gguf
 
 MODEL = "qwen2.5-coder-0.5b"
 MAX_TOKENS = 12
