@@ -16,7 +16,7 @@ from kvserve.arch import ArchConfig as ArchConfig  # re-exported: the model desc
 from kvserve.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
-Quantization = Literal["gguf", "none"]
+Quantization = Literal["auto", "gguf", "none"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -84,9 +84,10 @@ class ModelConfig:
                                 "there yet (`kvserve models pull`)")
     dtype: DType = setting("bfloat16", "dtype of the weights, the activations and the KV cache")
     quantization: Quantization = setting(
-        "gguf", "how a quantised GGUF file's weights run: gguf keeps its projection and embedding matrices in "
+        "auto", "how a quantised GGUF file's weights run: gguf keeps its projection and embedding matrices in "
                 "their blocks where the backend has kernels for their types (the rest is dequantised to --dtype); "
-                "none dequantises every weight to --dtype at load")
+                "none dequantises every weight to --dtype at load; auto is gguf where the backend runs blocks at "
+                "least as fast as dense weights under load (CPUs with AVX-512), else none")
     device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
     max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "
                                               "context length, capped by the KV pool)")

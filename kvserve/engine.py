@@ -95,7 +95,8 @@ class Engine:
         t0 = time.perf_counter()
         self.backend = select_backend(self.device, self.dtype, self.arch, mc.cpu_kernels, config.backend)
         self.model = build_model(self.arch, self.dtype, self.device, self.backend)
-        quantized_types = self.backend.quantized_types if mc.quantization == "gguf" else frozenset()
+        keep_blocks = mc.quantization == "gguf" or (mc.quantization == "auto" and self.backend.quantized_by_default)
+        quantized_types = self.backend.quantized_types if keep_blocks else frozenset()
         self.model.load_weights(iter_weights(self.model_path, self.arch, self.dtype, show_progress=mc.show_progress,
                                              quantized_types=quantized_types))
         logger.info("loaded %s (%s) in %.1fs; weights: %s", self.model_path.name, self.arch.architecture,

@@ -132,8 +132,12 @@ def test_the_loader_keeps_the_matrices_in_their_blocks_and_nothing_else() -> Non
 
 def test_the_weights_are_held_in_about_the_file_size() -> None:
     path = installed_model("smollm2-135m")
-    llm = LLM(model=str(path), num_kv_blocks=16)
+    llm = LLM(model=str(path), num_kv_blocks=16, quantization="gguf")
     if not llm.engine.backend.quantized_types:
         pytest.skip("this machine's backend dequantises quantised weights at load")
     held = llm.engine.model.weight_nbytes()
     assert abs(held / path.stat().st_size - 1) < 0.10, (held, path.stat().st_size)
+    # The default keeps the blocks where the backend's plan says they are not slower under load.
+    default = LLM(model=str(path), num_kv_blocks=16)
+    in_blocks = "GGUF blocks" in default.engine.model.weight_summary()
+    assert in_blocks == default.engine.backend.quantized_by_default, default.engine.model.weight_summary()

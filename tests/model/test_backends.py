@@ -25,7 +25,7 @@ AMX = CpuKernels(gemv_bf16=True, amx=True, avx512=True, quantized_gemv=True, avx
 # AVX512-BF16 without AMX (Cooper Lake, Zen 4)
 BF16_ONLY = CpuKernels(gemv_bf16=True, amx=False, avx512=True, quantized_gemv=True, avx2=True)
 AVX512_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=True, avx2=True)  # Skylake-X (no VNNI)
-AVX2_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=False, avx2=True)  # Zen 1-3, Haswell to Comet Lake
+AVX2_ONLY = CpuKernels(gemv_bf16=False, amx=False, avx512=False, quantized_gemv=True, avx2=True)  # Zen 1-3, Haswell on
 NONE = CpuKernels(gemv_bf16=False, amx=False, avx512=False)  # the kernels build, no vector extension they use
 
 
@@ -36,10 +36,12 @@ def arch(head_dim: int = 64, family: str = "llama", **extra: object) -> ArchConf
 
 
 def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=False, elementwise=True,
-         fallbacks=(), quantized: int | None = 4) -> KernelPlan:
+         fallbacks=(), quantized: int | None = 4, by_default: bool | None = None) -> KernelPlan:
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=elementwise,
                       attention=attention, fused_decode=fused, avx512_carries_step=avx512_carries,
-                      quantized_gemv_max_rows=quantized, fallbacks=tuple(fallbacks))
+                      quantized_gemv_max_rows=quantized,
+                      quantized_by_default=quantized is not None if by_default is None else by_default,
+                      fallbacks=tuple(fallbacks))
 
 
 HEAD_SIZES = (64, 128, 256)  # the many-row kernels and the fused stack take these; 80 stands for any other
@@ -53,7 +55,9 @@ FLOAT32 = ("torch projections and element-wise ops: float32 model (those kernels
            "no fused decode stack: float32 model",
            "quantised weights dequantised at load: float32 model (those kernels take bf16)")
 NO_VNNI = "quantised decode on dequantised panels: no AVX512-VNNI on this CPU"
-QUANTIZED_DEQUANTISED = "quantised weights dequantised at load: no AVX-512 on this CPU"
+QUANTIZED_DEQUANTISED = "quantised weights dequantised at load: no AVX-512 or AVX2 on this CPU"
+QUANTIZED_ON_REQUEST = ("quantised weights in their blocks only with --quantization gguf: without AVX-512 a batch "
+                        "dequantises them every step")
 
 
 def head80(*before: str) -> tuple[str, ...]:
@@ -73,10 +77,10 @@ EXPECTED = [
                                                 fallbacks=(NO_VNNI,), quantized=0)) for head in HEAD_SIZES],
     (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), HEAD80_STACK, NO_VNNI), quantized=0)),
     *[(AVX2_ONLY, torch.bfloat16, head, plan("avx2", 0, None, fallbacks=(NO_MANY_ROW_ATTENTION, NO_ATTENTION_STACK,
-                                                                        QUANTIZED_DEQUANTISED), quantized=None))
+                                                                        QUANTIZED_ON_REQUEST), by_default=False))
       for head in HEAD_SIZES],
-    (AVX2_ONLY, torch.bfloat16, 80, plan("avx2", 0, None, fallbacks=(*head80(), HEAD80_STACK, QUANTIZED_DEQUANTISED),
-                                         quantized=None)),
+    (AVX2_ONLY, torch.bfloat16, 80, plan("avx2", 0, None, fallbacks=(*head80(), HEAD80_STACK, QUANTIZED_ON_REQUEST),
+                                         by_default=False)),
     *[(NONE, torch.bfloat16, head, plan(None, 0, None, fallbacks=(*NO_VECTOR_UNITS, NO_PACKED_STACK,
                                                                   QUANTIZED_DEQUANTISED), quantized=None))
       for head in HEAD_SIZES],

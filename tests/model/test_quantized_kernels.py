@@ -181,8 +181,12 @@ def test_the_plan_runs_quantised_weights_where_the_kernels_keep_up() -> None:
                        num_kv_heads=3, head_dim=64, max_position_embeddings=4096)
     vnni = CpuKernels(gemv_bf16=True, amx=True, avx512=True, quantized_gemv=True)
     no_vnni = CpuKernels(gemv_bf16=False, amx=False, avx512=True, quantized_gemv=False)
+    avx2 = CpuKernels(gemv_bf16=False, quantized_gemv=True, avx2=True)
     no_avx512 = CpuKernels(gemv_bf16=False)
     assert plan_kernels(vnni, torch.bfloat16, shape).quantized_gemv_max_rows == GEMV_ROWS
+    plan = plan_kernels(avx2, torch.bfloat16, shape)
+    assert plan.quantized_gemv_max_rows == GEMV_ROWS and not plan.quantized_by_default
+    assert plan_kernels(vnni, torch.bfloat16, shape).quantized_by_default
     plan = plan_kernels(no_vnni, torch.bfloat16, shape)
     assert plan.quantized_gemv_max_rows == 0 and any("no AVX512-VNNI" in f for f in plan.fallbacks)
     plan = plan_kernels(no_avx512, torch.bfloat16, shape)

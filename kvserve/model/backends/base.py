@@ -177,6 +177,8 @@ class Backend(Protocol):
     # The GGML types whose weights ``ops`` runs in their blocks (model/quantized.py); the loader dequantises
     # every other type. Empty: every weight is dequantised at load.
     quantized_types: frozenset[int]
+    # Whether --quantization auto keeps quantised weights in their blocks (else only --quantization gguf does).
+    quantized_by_default: bool
 
     def build_metadata(self, rows: StepRows) -> AttentionMetadata:
         """This step's layout for this backend's attention (called once per step that writes KV)."""

@@ -67,6 +67,9 @@ class KernelPlan:
     # GGUF-quantised weights run in their blocks, inputs of at most this many rows on the int8 dot products
     # (0: none, every width on the dequantised panels); None: quantised weights are dequantised at load.
     quantized_gemv_max_rows: int | None = None
+    # Whether --quantization auto (the default) keeps them in blocks: True where the quantised kernels are at
+    # least as fast as dense weights at batch widths too; False where only --quantization gguf asks for them.
+    quantized_by_default: bool = True
     # What each part that stays off the kernels gets instead, and why ("torch prefill attention: head size
     # 80 has no many-row kernel"), in the order of the description; empty when every part has its kernel.
     fallbacks: tuple[str, ...] = ()
@@ -133,19 +136,28 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
                else "no many-row attention kernel on this CPU" if attention is None
                else "a mixture of experts (its routing runs on the host)")
         fallbacks.append(f"no fused decode stack: {why}")
-    # Quantised weights: the dequantising panels need AVX-512 to keep up with bf16 weights; the int8 dot
-    # products need AVX512-VNNI. Measured in benchmarks/quantized.py: the dot products win up to a few rows.
+    # Quantised weights: the dequantised slabs need a packed family to keep up with bf16 weights; the int8 dot
+    # products need AVX512-VNNI, or AVX2 on a CPU without AVX-512. Measured in benchmarks/quantized.py: the dot
+    # products win up to a few rows.
     quantized_gemv_max_rows: int | None = None
     if not bf16:
         fallbacks.append(f"quantised weights dequantised at load: {dtype_name} model (those kernels take bf16)")
-    elif not kernels.avx512:
-        fallbacks.append("quantised weights dequantised at load: no AVX-512 on this CPU")
+    elif not kernels.avx512 and not (kernels.avx2 and kernels.quantized_gemv):
+        fallbacks.append("quantised weights dequantised at load: no AVX-512 or AVX2 on this CPU")
     else:
         quantized_gemv_max_rows = QUANTIZED_GEMV_MAX_ROWS if kernels.quantized_gemv else 0
         if not kernels.quantized_gemv:
             fallbacks.append("quantised decode on dequantised panels: no AVX512-VNNI on this CPU")
+    # Without AVX-512 the int8 dot products beat dense weights at a few rows, but a batch's step dequantises
+    # every weight into slabs, which made 16-row decode steps slower than dense weights (benchmarks/quantized.py
+    # and docs/performance.md): under load, dense weights serve more.
+    quantized_by_default = quantized_gemv_max_rows is not None and kernels.avx512
+    if quantized_gemv_max_rows is not None and not quantized_by_default:
+        fallbacks.append("quantised weights in their blocks only with --quantization gguf: without AVX-512 a batch "
+                         "dequantises them every step")
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
                       fused_decode=fused_decode, quantized_gemv_max_rows=quantized_gemv_max_rows,
+                      quantized_by_default=quantized_by_default,
                       avx512_carries_step=projections in ("avx512", "bf16dot") and attention == "avx512"
                       and gemv_max_rows == 0,
                       fallbacks=tuple(fallbacks))
@@ -162,6 +174,7 @@ class CpuKernelsBackend:
         self.description = f"{self.name} ({plan.description})"
         cpu_ops = build_cpu_ops(plan.projections, plan.gemv_max_rows, plan.elementwise, plan.quantized_gemv_max_rows)
         self.quantized_types = KERNEL_TYPES if plan.quantized_gemv_max_rows is not None else frozenset()
+        self.quantized_by_default = plan.quantized_by_default
         self.ops = cpu_ops.ops
         self._packed_linear, self._packed_gate_up = cpu_ops.packed_linear, cpu_ops.packed_gate_up
         # torch's argmax walks a bf16 row one element at a time; the kernel takes bf16 and float32.

@@ -232,6 +232,22 @@ inline __m256 round8_bf16(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(cvt8_bf16(v)), 16));
 }
 
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline int32_t reduce_add8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
 // exp on 8 lanes, as exp512 computes it (the same clamp, reduction and polynomial). 2^n is built in exponent
 // bits as 2^(n/2) * 2^(n - n/2), each a normal float, where exp512 scales by 2^n in one instruction.
 inline __m256 exp256(__m256 x) {
@@ -307,6 +323,10 @@ bool has_avx512();
 at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor avx2_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed);
 bool has_avx2();
+// x_wide [M, K] (fp32) times NB blocks packed as pack_bf16_pairs packs them, as avx512_matmul_packed's widening
+// kernel computes it; the quantised projections' many-row path calls it on dequantised slabs.
+void avx2_matmul_packed(const float* x_wide, int64_t M, const at::BFloat16* packed, int64_t NB, int64_t K,
+                        at::BFloat16* out, int64_t ld, const at::BFloat16* bias, bool silu_mul);
 
 // quantized.cpp
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,

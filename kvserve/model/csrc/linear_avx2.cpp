@@ -184,6 +184,11 @@ at::Tensor avx2_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed) {
   return packed_linear(x, packed, c10::nullopt, true, "avx2_linear_silu_mul");
 }
 
+void avx2_matmul_packed(const float* x_wide, int64_t M, const at::BFloat16* packed, int64_t NB, int64_t K,
+                        at::BFloat16* out, int64_t ld, const at::BFloat16* bias, bool silu_mul) {
+  matmul({x_wide, M, K, reinterpret_cast<const uint16_t*>(packed), out, ld, bias, silu_mul}, NB);
+}
+
 #else
 
 at::Tensor avx2_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {

@@ -7,13 +7,14 @@
 // shifted by 128, Q6_K's sub-blocks of 16 are the halves). Both paths below use that decoder only:
 //
 // few rows (decode): the activations are quantised per chunk of 32 to int8 with one fp32 scale (as
-//   llama.cpp's Q8 activation blocks), and each chunk's dot product is one VNNI dpbusd of q against them;
+//   llama.cpp's Q8 activation blocks), and each chunk's dot product is one VNNI dpbusd of q against them
+//   (without AVX-512: AVX2's maddubs and madd, Q8_0's bytes taken signed so that no pair sum saturates);
 //   the offsets are applied through the activations' per-half sums. Weights are read once, packed.
 // many rows (prefill chunks, wide decode batches): weight rows are dequantised a slab (~2 MB) at a time
 //   into the layout the bf16 projections' packed kernels read (amx_pack's tiles, which are also
 //   pack_bf16_pairs's pairs), and their own matmul multiplies each slab against all the activation rows: AMX
-//   tiles, else VDPBF16PS, else widening FMAs. Without AVX-512 (or for a width not in blocks of 16) panels
-//   of rows go through torch's matmul.
+//   tiles, else VDPBF16PS, else widening FMAs (AVX-512's, or AVX2's). Without AVX2 (or for a width not in
+//   blocks of 16) panels of rows go through torch's matmul.
 //
 // quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
 
@@ -24,6 +25,15 @@
 #else
 #define KVSERVE_HAS_VNNI 0
 #endif
+// The 8-lane decoders need F16C (every AVX2 CPU has it) for the fp16 scales.
+#if KVSERVE_HAS_AVX2 && defined(__F16C__)
+#define KVSERVE_HAS_QUANT_AVX2 1
+#else
+#define KVSERVE_HAS_QUANT_AVX2 0
+#endif
+// AVX2's int8 dot products, where there is no AVX-512 (an AVX-512 CPU without VNNI keeps the slabs: unmeasured).
+#define KVSERVE_HAS_AVX2_DOTS (KVSERVE_HAS_QUANT_AVX2 && !KVSERVE_HAS_AVX512)
+#define KVSERVE_HAS_INT8_DOTS (KVSERVE_HAS_VNNI || KVSERVE_HAS_AVX2_DOTS)
 
 namespace kvserve {
 namespace {
@@ -173,22 +183,142 @@ ChunkScales decode_chunk_scalar(int64_t type, const uint8_t* row, int64_t K, int
   return s;
 }
 
-#if KVSERVE_HAS_AVX512
+// A format's shape, for the vector decoders. A symmetric format's offset is -2^kOffsetShift * d (the few-row
+// path applies it in the integer dot product); the others carry an offset per chunk.
+template <int64_t Type>
+struct Traits {
+  static constexpr bool kSuper = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;  // super-blocks of 256
+  static constexpr bool kSymmetric = Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0 || Type == kQ6_K;
+  static constexpr int kOffsetShift = Type == kQ4_0 ? 3 : Type == kQ5_0 ? 4 : Type == kQ8_0 ? 7 : 5;
+  static constexpr bool kHalfScales = Type == kQ6_K;  // a scale per half of 16 (else one per chunk)
+};
+
+#if KVSERVE_HAS_QUANT_AVX2
 inline float half_bits(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return _cvtsh_ss(bits);
 }
 
-// One format, vectorised: its chunks' scales, and the weight bytes of one chunk (32) or of a chunk pair
-// (64, chunks c and c + 1 for an even c). A symmetric format's offset is -2^kOffsetShift * d (the few-row
-// path applies it in the integer dot product); the others carry an offset per chunk.
+// 32 bytes, byte i 0xFF where bit i of `bits` is set, else 0.
+inline __m256i bytes_of_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+// The 32 weight bytes of chunk c, as decode_chunk_scalar gives them.
 template <int64_t Type>
-struct Format {
-  static constexpr bool kSuper = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;  // super-blocks of 256
-  static constexpr bool kSymmetric = Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0 || Type == kQ6_K;
-  static constexpr int kOffsetShift = Type == kQ4_0 ? 3 : Type == kQ5_0 ? 4 : Type == kQ8_0 ? 7 : 5;
-  static constexpr bool kHalfScales = Type == kQ6_K;  // a scale per half of 16 (else one per chunk)
+inline __m256i chunk_bytes(const Planes& p, int64_t c) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (!Traits<Type>::kSuper) {
+    if constexpr (Type == kQ8_0)
+      return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 32 * c)),
+                              _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.qs + 16 * c));
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+    if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+      uint32_t qh;
+      std::memcpy(&qh, p.qh + 4 * c, 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(bytes_of_bits(qh), _mm256_set1_epi8(0x10)));
+    }
+    return q;
+  } else {
+    const int64_t j = c % 8, blk = c / 8;
+    if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 128 * blk + 32 * (j / 2)));
+      __m256i q = _mm256_and_si256(j % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
+      if constexpr (Type == kQ5_K) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 32 * blk));
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(j)), _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+      }
+      return q;
+    } else {  // Q6_K
+      const int64_t n = j / 4, k = j % 4;
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 128 * blk + 64 * n + 32 * (k % 2)));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 64 * blk + 32 * n));
+      const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(2 * k)), _mm256_set1_epi8(3));
+      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+  }
+}
+
+// Eight scale slots at a time, as Format's sixteen below: the scales of eight chunks, or (Q6_K) the half
+// scales of four.
+template <int64_t Type>
+struct Slots8 {
+  static constexpr int64_t kChunks = Traits<Type>::kHalfScales ? 4 : 8;
+
+  // The slots from chunk c0 (a multiple of kChunks) on, `live` of them in the row (a super-block format's
+  // rows hold whole super-blocks, so only the blocks of 32 have a short last group): d and (asymmetric
+  // formats) m; a symmetric format's m is its offset, -2^kOffsetShift * d.
+  static inline void scales(const Planes& p, int64_t c0, int live, __m256* d, __m256* m) {
+    using T = Traits<Type>;
+    if constexpr (!T::kSuper) {
+      auto halves = [&](const uint8_t* at) {  // eight fp16 values, the ones past `live` zero
+        if (live == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+        alignas(16) uint16_t h[8] = {};
+        std::memcpy(h, at, 2 * live);
+        return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+      };
+      *d = halves(p.d + 2 * c0);
+      if constexpr (!T::kSymmetric) *m = halves(p.m + 2 * c0);
+    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {  // one super-block's eight chunks
+      const int64_t blk = c0 / 8;
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sc + c0))));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.mn + c0))));
+      *d = _mm256_mul_ps(_mm256_set1_ps(half_bits(p.d + 2 * blk)), sc);
+      *m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(half_bits(p.m + 2 * blk)), mn));
+    } else {  // Q6_K: half a super-block's eight signed half scales
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sc + 2 * c0))));
+      *d = _mm256_mul_ps(_mm256_set1_ps(half_bits(p.d + 2 * (c0 / 8))), sc);
+    }
+    if constexpr (T::kSymmetric) *m = _mm256_mul_ps(_mm256_set1_ps(-static_cast<float>(1 << T::kOffsetShift)), *d);
+  }
+
+  // The row's K values, a chunk of 32 at a time, handed to store(chunk, four runs of 8) as floats.
+  template <typename Store>
+  static inline void for_each_chunk(const uint8_t* row, int64_t K, const Store& store) {
+    const Planes p = planes_of(Type, row, K);
+    const int64_t chunks = K / 32;
+    constexpr int64_t S = Traits<Type>::kHalfScales ? 2 : 1;
+    alignas(32) float d[8], m[8];
+    for (int64_t c0 = 0; c0 < chunks; c0 += kChunks) {
+      const int64_t n = std::min(kChunks, chunks - c0);
+      __m256 dv, mv;
+      scales(p, c0, static_cast<int>(S * n), &dv, &mv);
+      _mm256_store_ps(d, dv);
+      _mm256_store_ps(m, mv);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256i q = chunk_bytes<Type>(p, c0 + i);
+        __m256 v[4];
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; ++e) {
+          const int64_t h = S * i + (S == 2 ? e / 2 : 0);  // the slot of values 8e .. 8e + 7
+          const __m128i lane = e < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+          const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e % 2 == 0 ? lane : _mm_srli_si128(lane, 8)));
+          v[e] = _mm256_fmadd_ps(qf, _mm256_set1_ps(d[h]), _mm256_set1_ps(m[h]));
+        }
+        store(c0 + i, v);
+      }
+    }
+  }
+};
+#endif
+
+#if KVSERVE_HAS_AVX512
+// One format, vectorised: its chunks' scales, and the weight bytes of one chunk (32) or of a chunk pair
+// (64, chunks c and c + 1 for an even c).
+template <int64_t Type>
+struct Format : Traits<Type> {
+  using Traits<Type>::kSuper;
+  using Traits<Type>::kSymmetric;
+  using Traits<Type>::kOffsetShift;
+  using Traits<Type>::kHalfScales;
   // Scales come sixteen at a time: sixteen chunks' scales, or (Q6_K) the half scales of eight chunks.
   static constexpr int64_t kSlotChunks = kHalfScales ? 8 : 16;
 
@@ -217,42 +347,7 @@ struct Format {
     }
   }
 
-  // 32 weight bytes of chunk c.
-  static inline __m256i bytes(const Planes& p, int64_t c) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if constexpr (!kSuper) {
-      if constexpr (Type == kQ8_0)
-        return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 32 * c)),
-                                _mm256_set1_epi8(static_cast<char>(0x80)));
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.qs + 16 * c));
-      __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-      if constexpr (Type == kQ5_0 || Type == kQ5_1) {
-        uint32_t qh;
-        std::memcpy(&qh, p.qh + 4 * c, 4);
-        q = _mm256_or_si256(q, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
-      }
-      return q;
-    } else {
-      const int64_t j = c % 8, blk = c / 8;
-      if constexpr (Type == kQ4_K || Type == kQ5_K) {
-        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 128 * blk + 32 * (j / 2)));
-        __m256i q = _mm256_and_si256(j % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
-        if constexpr (Type == kQ5_K) {
-          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 32 * blk));
-          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(j)), _mm256_set1_epi8(1));
-          q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
-        }
-        return q;
-      } else {  // Q6_K
-        const int64_t n = j / 4, k = j % 4;
-        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qs + 128 * blk + 64 * n + 32 * (k % 2)));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qh + 64 * blk + 32 * n));
-        const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi64_si128(2 * k)), _mm256_set1_epi8(3));
-        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-      }
-    }
-  }
+  static inline __m256i bytes(const Planes& p, int64_t c) { return chunk_bytes<Type>(p, c); }
 
   // 64 weight bytes of chunks c and c + 1 (c even): each format's pair is one or two contiguous loads.
   static inline __m512i pair_bytes(const Planes& p, int64_t c) {
@@ -354,6 +449,12 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
       _mm512_storeu_ps(out + 32 * c + 16, hi);
     });
   });
+#elif KVSERVE_HAS_QUANT_AVX2
+  with_type(type, [&](auto tag) {
+    Slots8<decltype(tag)::value>::for_each_chunk(row, K, [&](int64_t c, const __m256* v) {
+      for (int e = 0; e < 4; ++e) _mm256_storeu_ps(out + 32 * c + 8 * e, v[e]);
+    });
+  });
 #else
   uint8_t q[32];
   for (int64_t c = 0; c < K / 32; ++c) {
@@ -374,6 +475,12 @@ void dequantize_row_bf16(int64_t type, const uint8_t* row, int64_t K, at::BFloat
       store16_bf16(out + 32 * c, lo);
       store16_bf16(out + 32 * c + 16, hi);
 #endif
+    });
+  });
+#elif KVSERVE_HAS_QUANT_AVX2
+  with_type(type, [&](auto tag) {
+    Slots8<decltype(tag)::value>::for_each_chunk(row, K, [&](int64_t c, const __m256* v) {
+      for (int e = 0; e < 4; ++e) store8_bf16(out + 32 * c + 8 * e, v[e]);
     });
   });
 #else
@@ -420,11 +527,11 @@ struct Segments {
 };
 
 // ------------------------------------------------------------------------------------------------------
-// Few rows: int8 activations, VNNI dot products.
+// Few rows: int8 activations, VNNI (or AVX2) dot products.
 // ------------------------------------------------------------------------------------------------------
-#if KVSERVE_HAS_VNNI
+#if KVSERVE_HAS_INT8_DOTS
 constexpr int64_t kGemvTile = 4;  // activation rows per pass over the weight rows
-constexpr int kGemvRows = 4;  // weight rows per pass
+constexpr int kGemvRows = 4;  // weight rows per pass, at most
 constexpr int64_t kMaxChunks = 1024;  // the few-row path's widest input: 32K values
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the row in hand the few-row path fetches
 
@@ -442,6 +549,25 @@ struct QuantizedActivations {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < chunks; ++c) {
         const at::BFloat16* xc = x + m * K + 32 * c;
+#if KVSERVE_HAS_AVX2_DOTS
+        __m256 v[4];
+        __m256 amax8 = _mm256_setzero_ps();
+        for (int e = 0; e < 4; ++e) {
+          v[e] = load8(xc + 8 * e);
+          amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[e]));
+        }
+        const float amax = hmax8(amax8);
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m256i qi[4];
+        for (int e = 0; e < 4; ++e) qi[e] = _mm256_cvtps_epi32(_mm256_mul_ps(v[e], _mm256_set1_ps(inv)));
+        // Saturating packs work within 128-bit lanes: the dwords come out as 0, 2, 4, 6 | 1, 3, 5, 7 of the
+        // order wanted.
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + m * K + 32 * c),
+                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const int32_t sa = reduce_add8_epi32(_mm256_add_epi32(qi[0], qi[1]));
+        const int32_t sb = reduce_add8_epi32(_mm256_add_epi32(qi[2], qi[3]));
+#else
         const __m512 a = load16(xc), b = load16(xc + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -451,6 +577,7 @@ struct QuantizedActivations {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
         const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
+#endif
         const int64_t i = m * chunks + c;
         scale[i] = d;
         scaled_sums[i] = d * static_cast<float>(sa + sb);
@@ -460,6 +587,89 @@ struct QuantizedActivations {
   }
 };
 
+#if KVSERVE_HAS_AVX2_DOTS
+// out[i][j] = dot(weight row j, activation row m0 + i) for MT activation rows and NT consecutive weight rows
+// (`stride` bytes apart), as the VNNI tile below computes it, a chunk per step: maddubs multiplies the
+// unsigned weight bytes by the signed activations and adds neighbours (no pair can saturate: below 64 for
+// every format but Q8_0, whose bytes are taken as the signed values they are, with the signs moved onto the
+// activations), madd sums them into the chunk's halves.
+template <int64_t Type, int MT, int NT>
+inline void dot_tile(const uint8_t* row0, int64_t stride, int64_t ahead, const QuantizedActivations& xq, int64_t m0,
+                     int64_t K, float out[kGemvTile][kGemvRows]) {
+  using F = Traits<Type>;
+  constexpr bool kSigned = Type == kQ8_0;
+  constexpr int64_t S = F::kHalfScales ? 2 : 1;
+  constexpr int64_t kSlotChunks = Slots8<Type>::kChunks;
+  const int64_t chunks = xq.chunks;
+  alignas(32) float scales[MT][NT][kMaxChunks * 2 + 8];
+  Planes p[NT];
+  __m256 acc[MT][NT];
+#pragma GCC unroll 4
+  for (int j = 0; j < NT; ++j) {
+    p[j] = planes_of(Type, row0 + j * stride, K);
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) acc[i][j] = _mm256_setzero_ps();
+  }
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t c0 = 0; c0 < chunks; c0 += kSlotChunks) {
+    const int live = static_cast<int>(S * std::min(kSlotChunks, chunks - c0));
+    const __m256i live_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), lanes);
+    __m256 xs[MT];
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) {
+      const float* at = xq.scale.data() + (m0 + i) * chunks + c0;
+      if constexpr (S == 2)  // four chunks, each scale over its two halves
+        xs[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(at)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+      else
+        xs[i] = _mm256_maskload_ps(at, live_mask);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) {
+      __m256 d, m;
+      Slots8<Type>::scales(p[j], c0, live, &d, &m);
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        _mm256_storeu_ps(scales[i][j] + S * c0, _mm256_mul_ps(d, xs[i]));
+        if constexpr (!F::kSymmetric)
+          acc[i][j] = _mm256_fmadd_ps(m, _mm256_maskload_ps(xq.scaled_sums.data() + (m0 + i) * chunks + c0, live_mask),
+                                      acc[i][j]);
+      }
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  // The next rows stream in as this tile's are read: a line or so of each per chunk.
+  const int64_t fetch_step = (stride + chunks - 1) / chunks;
+  const uint8_t* fetch = row0 + ahead;
+  for (int64_t c = 0; c < chunks; ++c, fetch += fetch_step) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(fetch + j * stride), _MM_HINT_T0);
+      __m256i q;
+      if constexpr (kSigned) q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[j].qs + 32 * c));
+      else q = chunk_bytes<Type>(p[j], c);
+      const __m256i magnitudes = kSigned ? _mm256_sign_epi8(q, q) : q;
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        const int64_t r = (m0 + i) * chunks + c;
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (m0 + i) * K + 32 * c));
+        if constexpr (kSigned) xv = _mm256_sign_epi8(xv, q);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, xv), ones);
+        if constexpr (F::kSymmetric && !kSigned)
+          dot = _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                            xq.neg_half_sums.data() + 8 * r)), F::kOffsetShift));
+        const float* sc = scales[i][j] + S * c;
+        const __m256 scale = S == 2 ? _mm256_setr_m128(_mm_set1_ps(sc[0]), _mm_set1_ps(sc[S - 1]))
+                                    : _mm256_broadcast_ss(sc);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) out[i][j] = reduce_add8(acc[i][j]);
+}
+#else
 // out[i][j] = dot(weight row j, activation row m0 + i) for MT activation rows and NT consecutive weight rows
 // (`stride` bytes apart). A first pass over each weight row's scales gathers each chunk's (half's) weight
 // scale times the activation chunk's, and the asymmetric offsets' products; the second runs two chunks per
@@ -563,6 +773,8 @@ inline void dot_tile(const uint8_t* row0, int64_t stride, int64_t ahead, const Q
     for (int j = 0; j < NT; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+#endif
+
 template <int64_t Type, int NT>
 inline void dot_tiles(const uint8_t* row0, int64_t stride, int64_t ahead, const QuantizedActivations& xq,
                       int64_t m0, int64_t mt, int64_t K, float out[kGemvTile][kGemvRows]) {
@@ -577,6 +789,8 @@ inline void dot_tiles(const uint8_t* row0, int64_t stride, int64_t ahead, const 
 void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const at::BFloat16* bias, at::BFloat16* out) {
   const int64_t K = w.K, N = w.rows();
   const QuantizedActivations xq(x, M, K);
+  // AVX2 has 16 vector registers: four weight rows at a time for up to two activation rows, else two.
+  const int64_t rows_per_pass = KVSERVE_HAS_AVX2_DOTS && M > 2 ? 2 : kGemvRows;
   parallel_range(0, N, 16, [&](int64_t n0, int64_t n1) {
     float res[kGemvTile][kGemvRows];
     // Segment by segment, so that the format is dispatched once per run of rows, not per row.
@@ -585,16 +799,19 @@ void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const a
       const int64_t stride = w.row_bytes[s];
       // The rows stream from memory (a model's weights do not fit in cache): the tiles fetch a few KB
       // ahead as they compute; the hardware prefetcher alone left much of the bandwidth unused.
-      const int64_t ahead = std::max<int64_t>(1, (kPrefetchBytes + kGemvRows * stride - 1) / (kGemvRows * stride)) *
-                            kGemvRows * stride;
+      const int64_t ahead = std::max<int64_t>(1, (kPrefetchBytes + rows_per_pass * stride - 1) / (rows_per_pass * stride)) *
+                            rows_per_pass * stride;
       with_type(w.types[s], [&](auto tag) {
         constexpr int64_t Type = decltype(tag)::value;
         for (; n < end;) {
-          const int64_t nt = end - n >= kGemvRows ? kGemvRows : 1;
+          const int64_t nt = end - n >= rows_per_pass ? rows_per_pass : 1;
           const uint8_t* row = w.row(s, n);
           for (int64_t m0 = 0; m0 < M; m0 += kGemvTile) {
             const int64_t mt = std::min<int64_t>(kGemvTile, M - m0);
             if (nt == kGemvRows) dot_tiles<Type, kGemvRows>(row, stride, ahead, xq, m0, mt, K, res);
+#if KVSERVE_HAS_AVX2_DOTS
+            else if (nt == 2) dot_tiles<Type, 2>(row, stride, ahead, xq, m0, mt, K, res);
+#endif
             else dot_tiles<Type, 1>(row, stride, ahead, xq, m0, mt, K, res);
             for (int64_t i = 0; i < mt; ++i)
               for (int64_t j = 0; j < nt; ++j)
@@ -610,7 +827,7 @@ void gemv_quantized(const at::BFloat16* x, int64_t M, const Segments& w, const a
 #endif
 
 // ------------------------------------------------------------------------------------------------------
-// Many rows: weight panels dequantised to bf16, multiplied on the AMX tiles (or by torch).
+// Many rows: weight slabs dequantised to bf16, multiplied by the packed projections' kernels (or by torch).
 // ------------------------------------------------------------------------------------------------------
 constexpr int64_t kPanelRows = 32;
 constexpr int64_t kSlabBytes = 2 * 1024 * 1024;  // the many-row path's dequantised weight rows at a time
@@ -647,11 +864,11 @@ struct PanelRows {
 };
 
 
-#if KVSERVE_HAS_AVX512
+#if KVSERVE_HAS_AVX512 || KVSERVE_HAS_QUANT_AVX2
 // The weight a slab at a time: each slab's rows dequantised into the layout amx_pack gives bf16 weights (in
 // parallel), then the bf16 projections' own matmul over all the activation rows: on the AMX tiles when
 // `amx`, else on pack_bf16_pairs's kernels (the same bytes: a block's 16 rows as pairs of k side by side).
-// x_wide is x in fp32 for the widening kernel of a build without AVX512-BF16 (else unused). A slab is sized
+// x_wide is x in fp32 for the widening kernels (AVX-512 without AVX512-BF16, AVX2; else unused). A slab is sized
 // to stay in L2 / L3, so the matmul reads it as fast as it reads a packed bf16 weight from memory. Needs
 // whole blocks of 16 output columns (N % 16 == 0; N / 2 for the fused gate/up).
 void matmul_slabs(const at::BFloat16* x, const float* x_wide, int64_t M, const Segments& w, const PanelRows& layout,
@@ -679,23 +896,36 @@ void matmul_slabs(const at::BFloat16* x, const float* x_wide, int64_t M, const S
         fill_panel(w, [&](int64_t r) { return layout.row_of(p, 16 * half + r); }, 16, rows);
         at::BFloat16* tiles = slab_data + b * KB * 512;
         for (int64_t kb = 0; kb < KB; ++kb) {
+#if KVSERVE_HAS_AVX512
           __m512i pairs[16];  // row n's 16 column pairs of this block; transposed, the tile's 16 pair rows
           for (int64_t n = 0; n < 16; ++n) pairs[n] = _mm512_loadu_si512(rows + n * K + kb * 32);
           transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(tiles + kb * 512));
+#else
+          const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows) + kb * 16;
+          uint32_t* tile = reinterpret_cast<uint32_t*>(tiles + kb * 512);
+          for (int64_t n = 0; n < 16; ++n)
+            for (int64_t q = 0; q < 16; ++q) tile[q * 16 + n] = pairs[n * (K / 2) + q];
+#endif
         }
       }
     });
     const int64_t col0 = layout.silu_mul ? p0 * 16 : first_row;
+#if !KVSERVE_HAS_AVX512
+    avx2_matmul_packed(x_wide, M, slab_data, blocks, K, out + col0, ld, bias ? bias + col0 : nullptr, layout.silu_mul);
+    (void)amx;
+    (void)x;
+#else
     if (amx)
       amx_matmul_packed(x, M, slab_data, blocks, KB, out + col0, ld, bias ? bias + col0 : nullptr, layout.silu_mul);
     else
       avx512_matmul_packed(x, x_wide, M, slab_data, blocks, K, out + col0, ld, bias ? bias + col0 : nullptr,
                            layout.silu_mul);
+#endif
   }
 }
 #endif
 
-// Without AVX-512: panels of weight rows dequantised, then torch's matmul.
+// Without AVX2 (or for a width not in blocks of 16): panels of weight rows dequantised, then torch's matmul.
 void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows& layout, const at::Tensor& bias,
                          const at::Tensor& out) {
   const int64_t K = w.K;
@@ -746,7 +976,7 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
   const at::BFloat16* bp = bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr;
   at::Tensor out = at::empty({M, width}, x.options());
   if (M == 0) return out.view(out_sizes);
-#if KVSERVE_HAS_VNNI
+#if KVSERVE_HAS_INT8_DOTS
   if (M <= gemv_max_rows && K / 32 <= kMaxChunks) {
     if (!fused_silu) {
       gemv_quantized(x.data_ptr<at::BFloat16>(), M, w, bp, out.data_ptr<at::BFloat16>());
@@ -765,6 +995,13 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
     const at::Tensor x_wide = amx || KVSERVE_HAS_AVX512_BF16 ? at::Tensor() : x.to(at::kFloat);
     matmul_slabs(x.data_ptr<at::BFloat16>(), x_wide.defined() ? x_wide.data_ptr<float>() : nullptr, M, w, layout,
                  bp, out.data_ptr<at::BFloat16>(), width, amx);
+    return out.view(out_sizes);
+  }
+#elif KVSERVE_HAS_QUANT_AVX2
+  if (width % 16 == 0) {
+    const at::Tensor x_wide = x.to(at::kFloat);
+    matmul_slabs(x.data_ptr<at::BFloat16>(), x_wide.data_ptr<float>(), M, w, layout, bp, out.data_ptr<at::BFloat16>(),
+                 width, false);
     return out.view(out_sizes);
   }
 #endif
@@ -806,6 +1043,6 @@ at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, 
   return out;
 }
 
-bool has_quantized_gemv() { return KVSERVE_HAS_VNNI; }
+bool has_quantized_gemv() { return KVSERVE_HAS_INT8_DOTS; }
 
 }  // namespace kvserve
