@@ -7,7 +7,7 @@
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF
 and thread count:
 
-- **kvserve, quantised** (``--quantization gguf``, the default) and **kvserve, bf16** (``--quantization
+- **kvserve, quantised** (``--quantization gguf``, the default on CPUs with AVX-512) and **kvserve, bf16** (``--quantization
   none``): single-stream prefill tokens/s (a prompt of ``--prompt-len`` random tokens, to its first token)
   and decode tokens/s (the next ``--gen-len`` tokens), the best of ``--repeats`` runs; and the weights'
   memory: the bytes the model holds them in plus the copies the kernels packed.

@@ -49,7 +49,7 @@ NO_PACKED_STACK = "no fused decode stack: no packed projection kernels"
 HEAD80_STACK = "no fused decode stack: head size 80 has no many-row kernel"
 NO_MANY_ROW_ATTENTION = "torch prefill attention: no AMX or AVX-512 on this CPU"
 NO_VECTOR_UNITS = ("torch projections: no AVX2 and FMA on this CPU", NO_MANY_ROW_ATTENTION)
-NO_ATTENTION_STACK = "no fused decode stack: no many-row attention kernel on this CPU"
+STACK_WITHOUT_PREFIX = "fused decode stack only on steps without a shared prefix: no many-row attention kernel on this CPU"
 FLOAT32 = ("torch projections and element-wise ops: float32 model (those kernels take bf16)",
            "torch prefill attention: float32 model (the many-row kernels take bf16)",
            "no fused decode stack: float32 model",
@@ -76,8 +76,8 @@ EXPECTED = [
     *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", fused=True, avx512_carries=True,
                                                 fallbacks=(NO_VNNI,), quantized=0)) for head in HEAD_SIZES],
     (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), HEAD80_STACK, NO_VNNI), quantized=0)),
-    *[(AVX2_ONLY, torch.bfloat16, head, plan("avx2", 0, None, fallbacks=(NO_MANY_ROW_ATTENTION, NO_ATTENTION_STACK,
-                                                                        QUANTIZED_ON_REQUEST), by_default=False))
+    *[(AVX2_ONLY, torch.bfloat16, head, plan("avx2", 0, None, fused=True, by_default=False,
+                                             fallbacks=(NO_MANY_ROW_ATTENTION, STACK_WITHOUT_PREFIX, QUANTIZED_ON_REQUEST)))
       for head in HEAD_SIZES],
     (AVX2_ONLY, torch.bfloat16, 80, plan("avx2", 0, None, fallbacks=(*head80(), HEAD80_STACK, QUANTIZED_ON_REQUEST),
                                          by_default=False)),

@@ -5,8 +5,9 @@ attention halves and their merge, views and copies between them): ~450 per 30-la
 costing Python and dispatcher time on the engine thread while the kernels' other thread waits. The C++
 stack calls the same kernels in the same order (a single row on the GEMV, as the Python layer does), so
 its output is bit for bit the Python path's. It takes steps whose every token is a decode, on a model
-whose every projection weight the plan's family (AMX, AVX512-BF16 dot products or AVX-512) packed, at head
-sizes 64, 128 and 256, with or without a QKV bias (Qwen2) and QK-norm (Qwen3).
+whose every projection weight the plan's family (AMX, AVX512-BF16 dot products, AVX-512 or AVX2) packed, at
+head sizes 64, 128 and 256, with or without a QKV bias (Qwen2) and QK-norm (Qwen3). Without a many-row
+attention kernel (AVX2) it takes only steps with no shared prefix.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class FusedDecodeStack:
                  quantized: QuantizedStackWeights | None = None, projections: str = "amx") -> None:
         self.arch = arch
         self.projections = projections  # the packed family's name (cpu_ops.PackedKernels.name)
-        # The many-row attention family the shared-prefix half runs on; only AMX keeps packed prefixes.
-        self.attention = "amx" if attentions[0].amx else "avx512"
+        # The many-row attention family the shared-prefix half runs on ("none": steps with one are not taken);
+        # only AMX keeps packed prefixes.
+        self.attention = "amx" if attentions[0].amx else "avx512" if attentions[0].avx512 else "none"
         self.attentions = attentions  # per layer: its packed shared prefix is kept there
         self.input_norms = input_norms
         self.post_norms = post_norms
@@ -69,9 +71,8 @@ class FusedDecodeStack:
         gets None here too."""
         if arch.is_moe:
             return None
-        attentions = [layer.attention for layer in layers]
-        assert all(isinstance(a, CpuKernelPagedAttention) and (a.amx or a.avx512) for a in attentions)
-        attentions = [a for a in attentions if isinstance(a, CpuKernelPagedAttention)]
+        attentions = [a for layer in layers if isinstance(a := layer.attention, CpuKernelPagedAttention)]
+        assert len(attentions) == len(layers)
         biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
         q_norms = [layer.q_norm for layer in layers if layer.q_norm is not None]
         k_norms = [layer.k_norm for layer in layers if layer.k_norm is not None]
@@ -113,7 +114,8 @@ class FusedDecodeStack:
         return (rows >= 1 and meta.num_decode_tokens == rows and not meta.prefills
                 and hidden.dtype == torch.bfloat16 and meta.decode_block_table is not None
                 and meta.decode_seq_lens is not None
-                and (meta.decode_prefix_blocks is None or meta.decode_prefix_runs is not None))
+                and (meta.decode_prefix_blocks is None
+                     or (meta.decode_prefix_runs is not None and self.attention != "none")))
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: CpuAttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

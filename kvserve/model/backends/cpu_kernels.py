@@ -129,11 +129,15 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     # The fused stack runs the Python layer's kernels in its order: a packed family for the projections and
     # a many-row kernel for the shared-prefix attention (QKV bias and QK-norm included), a dense MLP in
     # every layer (a mixture of experts routes on the host).
-    fused_decode = projections is not None and attention is not None and gemv_max_rows <= 1 and not arch.is_moe
+    # Without a many-row kernel (AVX2) the stack still takes the steps that have no shared prefix.
+    stack_attention = attention is not None or (projections == "avx2" and head_dim in MANY_ROW_HEAD_SIZES)
+    fused_decode = projections is not None and stack_attention and gemv_max_rows <= 1 and not arch.is_moe
+    if fused_decode and attention is None:
+        fallbacks.append("fused decode stack only on steps without a shared prefix: no many-row attention kernel "
+                         "on this CPU")
     if not fused_decode:
         why = (f"{dtype_name} model" if not bf16 else "no packed projection kernels" if projections is None
                else f"head size {head_dim} has no many-row kernel" if head_dim not in MANY_ROW_HEAD_SIZES
-               else "no many-row attention kernel on this CPU" if attention is None
                else "a mixture of experts (its routing runs on the host)")
         fallbacks.append(f"no fused decode stack: {why}")
     # Quantised weights: the dequantised slabs need a packed family to keep up with bf16 weights; the int8 dot
@@ -203,7 +207,8 @@ class CpuKernelsBackend:
             # Decided at load, after the start-up line that named the stack: say that it is off after all.
             logger.info("no fused decode stack: a projection weight did not pack for the %s kernels, or the layers "
                         "mix quantised and dense projection weights", self.plan.projections)
-        else:
+        elif self.plan.attention is not None:
+            # Without a many-row kernel, prefill attention is torch's and needs torch's threads.
             self._carries_step = True
         return stack
 

@@ -31,6 +31,7 @@ struct ProjectionFamily {
     if (name == "amx") return {&amx_linear, &amx_linear_silu_mul};
     if (name == "avx512") return {&avx512_linear, &avx512_linear_silu_mul};
     if (name == "bf16dot") return {&bf16dot_linear, &bf16dot_linear_silu_mul};
+    if (name == "avx2") return {&avx2_linear, &avx2_linear_silu_mul};
     TORCH_CHECK(false, "decode_stack: unknown projection family ", name);
   }
 
@@ -52,12 +53,12 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 
 // hidden [T, hidden] bf16: the step's embedded decode rows (each request's token and any drafts). Per layer
 // l, in the lists: input/post-attention norm weights, the QKV, O and down weights packed for the
-// `projections` family ("amx", "avx512" or "bf16dot"), the gate/up weight packed gate/up-interleaved (its
+// `projections` family ("amx", "avx512", "bf16dot" or "avx2"), the gate/up weight packed gate/up-interleaved (its
 // linear_silu_mul's layout), and the KV cache [2, blocks, block_size, H_kv, D] (D = 64, 128 or 256, the
 // same in every layer). Attention: decode over block_table/seq_lens (the keys after any shared prefix) and,
 // when prefix_block_tables is given, the shared prefix through the `attention` family's many-row kernel
 // ("amx": paged_attention_amx with prefix_packed[l], an empty tensor packing on the fly; "avx512":
-// paged_attention_avx512, prefix_packed empty), merged by log-sum-exp. single_row_weights: empty,
+// paged_attention_avx512, prefix_packed empty; "none": no shared prefix is given), merged by log-sum-exp. single_row_weights: empty,
 // or per layer the raw QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on
 // the GEMV, as the Python layer does. qkv_biases: empty, or per layer the QKV projection's bias (Qwen2).
 // q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). quant_segments: empty, or (GGUF-
@@ -76,7 +77,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
     c10::string_view projections, c10::string_view attention) {
   const ProjectionFamily family = ProjectionFamily::named(projections);
-  TORCH_CHECK(attention == "amx" || attention == "avx512", "decode_stack: unknown attention family ", attention);
+  TORCH_CHECK(attention == "amx" || attention == "avx512" || attention == "none",
+              "decode_stack: unknown attention family ", attention);
   const bool amx_attention = attention == "amx";
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   const bool quantized = !quant_segments.empty();
@@ -97,6 +99,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
                 "decode_stack: one type per quantised segment");
   }
   const bool cascade = prefix_block_tables.has_value();
+  TORCH_CHECK(!cascade || attention != "none", "decode_stack: a shared prefix needs a many-row attention family");
   TORCH_CHECK(!cascade || (prefix_kv_lens.has_value() && prefix_q_starts.has_value() &&
                            (!amx_attention || static_cast<int64_t>(prefix_packed.size()) == num_layers)),
               "decode_stack: a shared prefix needs its lengths, query starts and one packed entry per layer");
