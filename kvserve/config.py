@@ -194,31 +194,47 @@ class StorageConfig:
         return self.host_gb > 0 or (self.disk_gb > 0 and self.disk_dir is not None) or self.redis_url is not None
 
 
-SpeculativeMethod = Literal["none", "ngram"]
+SpeculativeMethod = Literal["none", "ngram", "draft_model"]
+SPECULATIVE_METHODS: tuple[str, ...] = ("none", "ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding (off by default). ``ngram``: prompt lookup. The suffix of a request's tokens
-    (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long) is searched for in its earlier tokens
-    (prompt and output); the tokens that followed the latest match are the draft. Up to
-    ``num_speculative_tokens`` drafts a step are verified in one forward, exactly (see runner/speculative.py)."""
+    """Speculative decoding (off by default); up to ``num_speculative_tokens`` drafts a step are verified in one
+    forward, exactly (see runner/speculative.py).
+
+    ``ngram``: prompt lookup. The suffix of a request's tokens (``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens long) is searched for in its earlier tokens (prompt and output); the tokens
+    that followed the latest match are the draft.
+    ``draft_model``: a smaller ``model`` with the same tokenizer runs beside the target on its own KV blocks
+    and proposes the drafts, one batched forward per draft token.
+
+    With ``adaptive`` (the default) the number of drafts each request gets is chosen every step from the
+    measured acceptance and the measured cost of a row, for the most tokens per second; it falls to none
+    when verifying costs more than it returns."""
 
     method: SpeculativeMethod = "none"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    # No drafts in a step that samples for this many requests or more: a big batch already fills the
-    # compute, and every draft row costs a share of it (vLLM's option of the same name).
+    model: str | None = None  # the draft model (method draft_model): a name `kvserve models` knows, or a path
+    adaptive: bool = True
+    # No drafts in a step that samples for this many requests or more (vLLM's option of the same name); the
+    # adaptive rule usually gets there by itself.
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "ngram"):
-            raise ConfigError(f"speculative method must be 'none' or 'ngram', got {self.method!r}", "method")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}, "
+                              f"got {self.method!r}", "method")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", name)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got "
+                              f"{self.num_speculative_tokens}", "num_speculative_tokens")
         limit = self.disable_by_batch_size
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}",
@@ -227,6 +243,13 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})", "prompt_lookup_min")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}", "adaptive")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ConfigError("method 'draft_model' needs the draft's 'model' (a name or a path)", "model")
+        elif self.model is not None:
+            raise ConfigError(f"'model' is the draft of method 'draft_model'; method is {self.method!r}", "model")
 
     @property
     def enabled(self) -> bool:

@@ -17,32 +17,38 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvserve.cache.draft_kv import DraftKVCache
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import TieredKVStore
-from kvserve.config import ArchConfig, EngineConfig, StorageConfig
+from kvserve.config import ArchConfig, EngineConfig, SpeculativeConfig, StorageConfig
 from kvserve.config_args import engine_config_from_keywords
-from kvserve.errors import InvalidRequest
+from kvserve.errors import ConfigError, InvalidRequest, ModelNotFound
 from kvserve.input_processor import InputProcessor, PromptType
+from kvserve.model.backends.base import Backend
 from kvserve.model.backends.select import select_backend
+from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.registry import build_model
 from kvserve.output_processor import OutputProcessor
 from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams
 from kvserve.runner.device import resolve_device, resolve_dtype
+from kvserve.runner.draft_lengths import DraftLengthPolicy
+from kvserve.runner.draft_model import DraftModelProposer
 from kvserve.runner.kv_memory import allocate_kv_caches, num_blocks_for
 from kvserve.runner.kv_transfer import block_nbytes, block_shape
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.runner.sampler import Sampler
-from kvserve.runner.speculative import NgramProposer
+from kvserve.runner.speculative import NgramProposer, Proposer
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace, TierStats
 from kvserve.structured.grammar import GrammarCompiler, GrammarStats
 from kvserve.structured.masks import GrammarMasker
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer import Tokenizer, tokenizer_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +78,16 @@ class EngineStats:
     # Per lower tier (host, disk, redis): that store's counters, with hits/misses in tokens at admission.
     tiers: dict[str, TierStats] = field(default_factory=dict)
     tiers_healthy: dict[str, bool] = field(default_factory=dict)
-    num_draft_tokens: int = 0  # speculative tokens verified, and of those accepted
+    # Speculative decoding: the method, decodes that verified drafts, drafts verified and of those accepted,
+    # drafts proposed (the scheduler may cut them), the time proposing took (a draft model's forwards), and
+    # the mean number of drafts the last step chose per request.
+    spec_method: str = "none"
+    num_draft_steps: int = 0
+    num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_proposed_draft_tokens: int = 0
+    draft_time_s: float = 0.0
+    draft_length: float = 0.0
     grammar: GrammarStats = field(default_factory=GrammarStats)  # structured output: compiles and cache
     num_constrained_tokens: int = 0  # tokens sampled under a grammar's mask, and the time the masks took
     grammar_mask_time_s: float = 0.0
@@ -92,15 +106,7 @@ class Engine:
         self.fingerprint = model_fingerprint(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
 
-        t0 = time.perf_counter()
-        self.backend = select_backend(self.device, self.dtype, self.arch, mc.cpu_kernels, config.backend)
-        self.model = build_model(self.arch, self.dtype, self.device, self.backend)
-        keep_blocks = mc.quantization == "gguf" or (mc.quantization == "auto" and self.backend.quantized_by_default)
-        quantized_types = self.backend.quantized_types if keep_blocks else frozenset()
-        self.model.load_weights(iter_weights(self.model_path, self.arch, self.dtype, show_progress=mc.show_progress,
-                                             quantized_types=quantized_types))
-        logger.info("loaded %s (%s) in %.1fs; weights: %s", self.model_path.name, self.arch.architecture,
-                    time.perf_counter() - t0, self.model.weight_summary())
+        self.backend, self.model = self._load_model(self.model_path, self.arch)
 
         cc = config.cache
         num_blocks = num_blocks_for(self.arch, cc, self.dtype)
@@ -114,10 +120,16 @@ class Engine:
         sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax,
                           grammar_masker=GrammarMasker(self.grammars.mask_vocab_size, self.backend.mask_logits))
         spec = config.speculative
-        proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                    if spec.enabled else None)
+        self.draft_kv: DraftKVCache | None = None
+        proposer: Proposer | None = None
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec.method == "draft_model":
+            proposer = self._build_draft_proposer(spec, num_blocks)
+        draft_lengths = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
+                                          uses_model=spec.method == "draft_model")
         self.runner = ModelRunner(self.model, self.backend, kv_caches, cc.block_size, sampler, proposer=proposer,
-                                  propose_below_batch_size=spec.disable_by_batch_size)
+                                  propose_below_batch_size=spec.disable_by_batch_size, draft_lengths=draft_lengths)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))
@@ -125,6 +137,52 @@ class Engine:
                                               self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def _load_model(self, path: Path, arch: ArchConfig) -> tuple[Backend, LlamaForCausalLM]:
+        """A model's backend and weights, as the model options say (the draft model is loaded the same way)."""
+        mc = self.config.model
+        t0 = time.perf_counter()
+        backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self.config.backend)
+        model = build_model(arch, self.dtype, self.device, backend)
+        keep_blocks = mc.quantization == "gguf" or (mc.quantization == "auto" and backend.quantized_by_default)
+        quantized_types = backend.quantized_types if keep_blocks else frozenset()
+        model.load_weights(iter_weights(path, arch, self.dtype, show_progress=mc.show_progress,
+                                        quantized_types=quantized_types))
+        logger.info("loaded %s (%s) in %.1fs; weights: %s", path.name, arch.architecture, time.perf_counter() - t0,
+                    model.weight_summary())
+        return backend, model
+
+    def _build_draft_proposer(self, spec: SpeculativeConfig, target_blocks: int) -> DraftModelProposer:
+        """The draft model on its own KV pool, after checking it can draft for this target: the same
+        tokenizer (vocabulary and special tokens) and fewer parameters."""
+        assert spec.model is not None
+        try:
+            path = resolve_model_path(spec.model, pull=self.config.model.pull,
+                                      show_progress=self.config.model.show_progress)
+        except ModelNotFound as exc:
+            raise ConfigError(f"speculative_config.model: the draft model was not found: {exc}", "model") from None
+        arch = read_arch_config(path)
+        why = tokenizer_mismatch(self.tokenizer, Tokenizer.from_model_path(path))
+        if why is not None:
+            raise ConfigError(f"speculative_config.model: the draft {path.name} cannot draft for "
+                              f"{self.model_path.name}: {why}", "model")
+        backend, model = self._load_model(path, arch)
+        if model.num_parameters > self.model.num_parameters:
+            raise ConfigError(f"speculative_config.model: the draft {path.name} has {model.num_parameters:,} "
+                              f"parameters, more than the target's {self.model.num_parameters:,}", "model")
+        cc = self.config.cache
+        # As many tokens as the target's pool, and room for every running request's drafts on top.
+        num_blocks = target_blocks + self.config.scheduler.max_num_seqs * (
+            -(-spec.num_speculative_tokens // cc.block_size) + 1)
+        kv_caches = allocate_kv_caches(arch, num_blocks, cc.block_size, self.dtype, self.device)
+        draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{model_fingerprint(path)}:{cc.hash_salt}".encode(),
+                                enable_prefix_caching=cc.enable_prefix_caching)
+        logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s", path.name, num_blocks,
+                    spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "")
+        self.draft_kv = draft_kv
+        return DraftModelProposer(model, backend, kv_caches, cc.block_size, draft_kv,
+                                  max_model_len=min(arch.max_position_embeddings, self.max_model_len),
+                                  vocab_size=min(arch.vocab_size, self.arch.vocab_size))
 
     def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
         """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""
@@ -228,7 +286,12 @@ class Engine:
             num_free_blocks=kv.pool.num_free,
             num_evicted_blocks=kv.num_evicted_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_method=self.config.speculative.method,
+            num_draft_steps=self.scheduler.num_draft_steps,
             num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_proposed_draft_tokens=self.runner.num_proposed_tokens,
+            draft_time_s=self.runner.propose_time_s,
+            draft_length=self.runner.draft_lengths.last_mean_length,
             num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,

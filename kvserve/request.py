@@ -238,7 +238,8 @@ class RequestMetrics:
     num_prefill_tokens_computed: int = 0
     num_decode_steps: int = 0
     num_preemptions: int = 0
-    num_draft_tokens: int = 0  # speculative tokens verified for this request
+    num_draft_steps: int = 0  # decode steps that verified speculative drafts, and the drafts they verified
+    num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # When each step that produced output tokens ended (for ITL): one entry per step, so the accepted

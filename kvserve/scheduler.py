@@ -45,7 +45,8 @@ class Scheduler:
         self._forget: list[str] = []  # request ids the runner must drop at the next step
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens whose KV was computed (recomputations included)
-        self.num_draft_tokens = 0  # speculative tokens verified, and of those accepted
+        self.num_draft_steps = 0  # decodes that verified drafts; the drafts they verified, and of those accepted
+        self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
 
     # --- queue management -----------------------------------------------------------------------------------
@@ -272,8 +273,10 @@ class Scheduler:
             new_token_ids = [*scheduled.draft_token_ids[:num_accepted], result.sampled_token_ids[rid]]
             request.draft_token_ids = result.draft_token_ids.get(rid, [])
             if scheduled.draft_token_ids:
+                metrics.num_draft_steps += 1
                 metrics.num_draft_tokens += len(scheduled.draft_token_ids)
                 metrics.num_accepted_draft_tokens += num_accepted
+                self.num_draft_steps += 1
                 self.num_draft_tokens += len(scheduled.draft_token_ids)
                 self.num_accepted_draft_tokens += num_accepted
             if metrics.first_token_time is None:

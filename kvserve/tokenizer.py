@@ -424,3 +424,21 @@ def _text_part(part: Any, where: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     raise InvalidRequest(f"{where}.content: only text parts are supported", param="messages")
+
+
+def tokenizer_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
+    """Why ``draft``'s token ids would not mean the same text as ``target``'s (None: they do): a draft model
+    proposes ids, and the target reads them as its own."""
+    target_vocab = target.backend.get_vocab(with_added_tokens=True)
+    draft_vocab = draft.backend.get_vocab(with_added_tokens=True)
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: item[1])
+        token, token_id = differing[0]
+        return (f"the vocabularies differ ({len(target_vocab):,} and {len(draft_vocab):,} tokens; first difference: "
+                f"{token!r} at id {token_id})")
+    if target.all_special_ids != draft.all_special_ids:
+        ids = sorted(target.all_special_ids ^ draft.all_special_ids)
+        return f"the special tokens differ (ids {ids[:5]})"
+    if target.bos_token_id != draft.bos_token_id:
+        return f"the BOS tokens differ ({target.bos_token_id} and {draft.bos_token_id})"
+    return None

@@ -7,12 +7,14 @@ import time
 import torch
 
 from kvserve.batch import NewRequestData, RunnerOutput, SchedulerOutput
+from kvserve.config import MAX_SPECULATIVE_TOKENS
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.kv_transfer import read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
-from kvserve.runner.speculative import Proposer, sample_and_verify
+from kvserve.runner.speculative import ProposalRequest, Proposer, Verified, sample_and_verify
 from kvserve.structured.grammar import CompiledGrammar
 
 
@@ -26,6 +28,7 @@ class ModelRunner:
         sampler: Sampler,
         proposer: Proposer | None = None,
         propose_below_batch_size: int | None = None,
+        draft_lengths: DraftLengthPolicy | None = None,
     ) -> None:
         self.model = model
         self.backend = backend  # the model's: it turns each step's rows into its attention metadata
@@ -37,8 +40,13 @@ class ModelRunner:
         # Drafts for each request's next step (speculative decoding); None: no speculation.
         self.proposer = proposer
         self.propose_below_batch_size = propose_below_batch_size  # None: at any batch size
+        # How many drafts each request may get (adaptive to acceptance and load; by default what the proposer
+        # offers, up to the configuration's limit).
+        self.draft_lengths = draft_lengths or DraftLengthPolicy(MAX_SPECULATIVE_TOKENS, adaptive=False)
         self.num_steps = 0  # steps that ran a forward, and the time they took
         self.busy_time_s = 0.0
+        self.num_proposed_tokens = 0  # drafts the proposer offered, and the time it took to offer them
+        self.propose_time_s = 0.0
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
@@ -69,6 +77,7 @@ class ModelRunner:
             self.states.pop(request_id, None)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
+                self.draft_lengths.forget(request_id)
         for new in out.new_requests:
             self.states[new.request_id] = new_sampling_state(new)
         if out.is_empty and not out.kv_loads:
@@ -84,6 +93,7 @@ class ModelRunner:
             matchers = [m for rid in inputs.sample_request_ids if (m := self.states[rid].matcher) is not None]
             if matchers:
                 masker.prefetch(matchers)
+        t0 = time.perf_counter()
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches)
             if not inputs.sample_request_ids:
@@ -91,25 +101,48 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
             states = [self.states[rid] for rid in inputs.sample_request_ids]
             verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts)
-        limit = self.propose_below_batch_size
-        proposer = self.proposer if limit is None or len(states) < limit else None
-        for request_id, state, drafts, outcome in zip(
-            inputs.sample_request_ids, states, inputs.sample_drafts, verified, strict=True
-        ):
+        if self.proposer is not None and not inputs.rows.prefills:  # the cost of decode rows, for draft lengths
+            self.draft_lengths.observe_step(int(inputs.input_ids.shape[0]), time.perf_counter() - t0)
+        for request_id, drafts, outcome in zip(inputs.sample_request_ids, inputs.sample_drafts, verified, strict=True):
             result.sampled_token_ids[request_id] = outcome.token_id
             if drafts:
                 result.num_accepted_drafts[request_id] = outcome.num_accepted
             if outcome.logprobs is not None:
                 result.logprobs[request_id] = outcome.logprobs
-            # Logprobs come one token a step; such requests are not speculated on.
-            if proposer is not None and state.params.logprobs is None:
-                feedback = (len(drafts), outcome.num_accepted) if drafts else None
-                proposal = proposer.propose(request_id, state, feedback)
-                if proposal and state.matcher is not None:  # drafts the grammar would refuse are not verified
-                    proposal = proposal[: state.matcher.valid_prefix(proposal)]
-                if proposal:
-                    result.draft_token_ids[request_id] = proposal
+        limit = self.propose_below_batch_size
+        if self.proposer is not None and (limit is None or len(states) < limit):
+            self._propose(inputs.sample_request_ids, states, inputs.sample_drafts, verified, result)
         return result
+
+    def _propose(self, request_ids: list[str], states: list[SamplingState], drafts: list[list[int]],
+                 verified: list[Verified], result: RunnerOutput) -> None:
+        """Drafts for the next step of the requests that just sampled, as many as the draft-length policy
+        gives each. Requests asking for logprobs get none (logprobs come one token a step)."""
+        assert self.proposer is not None
+        policy = self.draft_lengths
+        eligible: list[tuple[str, SamplingState, tuple[int, int] | None]] = []
+        for request_id, state, request_drafts, outcome in zip(request_ids, states, drafts, verified, strict=True):
+            feedback = (len(request_drafts), outcome.num_accepted) if request_drafts else None
+            if feedback is not None:
+                policy.observe_verified(request_id, *feedback)
+            if state.params.logprobs is None:
+                eligible.append((request_id, state, feedback))
+        lengths = policy.lengths([request_id for request_id, _, _ in eligible])
+        wanted = [ProposalRequest(request_id, state, feedback, length)
+                  for (request_id, state, feedback), length in zip(eligible, lengths, strict=True) if length > 0]
+        if not wanted:
+            return
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(wanted)
+        self.propose_time_s += time.perf_counter() - t0
+        policy.observe_draft(self.proposer.take_forward_timings())
+        for request, proposal in zip(wanted, proposals, strict=True):
+            matcher = request.state.matcher
+            if proposal and matcher is not None:  # drafts the grammar would refuse are not verified
+                proposal = proposal[: matcher.valid_prefix(proposal)]
+            if proposal:
+                result.draft_token_ids[request.request_id] = proposal
+                self.num_proposed_tokens += len(proposal)
 
 
 def new_sampling_state(new: NewRequestData) -> SamplingState:

@@ -28,14 +28,30 @@ import torch
 from kvserve.runner.sampler import Sampler, SamplingState
 
 
-class Proposer(Protocol):
-    """Offers draft tokens for a request's next step from the tokens it holds so far."""
+@dataclass(frozen=True, slots=True)
+class ProposalRequest:
+    """A request to draft for: its tokens so far, how its last drafts fared, and how many it may get."""
 
-    def propose(self, request_id: str, state: SamplingState, verified: tuple[int, int] | None = None) -> list[int]:
-        """``verified``: (drafts verified, of which accepted) in the step just run, when it verified any."""
+    request_id: str
+    state: SamplingState
+    verified: tuple[int, int] | None  # (drafts verified, of which accepted) in the step just run, if any
+    max_tokens: int  # at most this many drafts (>= 1)
+
+
+class Proposer(Protocol):
+    """Offers draft tokens for requests' next step from the tokens they hold so far."""
+
+    method: str  # as the speculative config names it: "ngram", "draft_model"
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
+        """Drafts per request, in order (an empty list: none)."""
         ...
 
     def forget(self, request_id: str) -> None: ...
+
+    def take_forward_timings(self) -> list[tuple[int, float]]:
+        """(rows, seconds) of each forward the proposer ran since the last call; none for a model-free one."""
+        ...
 
 
 @dataclass(slots=True)
@@ -67,10 +83,19 @@ class NgramProposer:
         self.max_n = max_n
         self._indexes: dict[str, _NgramIndex] = {}
 
+    method = "ngram"
+
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
 
-    def propose(self, request_id: str, state: SamplingState, verified: tuple[int, int] | None = None) -> list[int]:
+    def take_forward_timings(self) -> list[tuple[int, float]]:
+        return []
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
+        return [self._propose_one(r.request_id, r.state, r.verified, r.max_tokens) for r in requests]
+
+    def _propose_one(self, request_id: str, state: SamplingState, verified: tuple[int, int] | None,
+                     max_tokens: int) -> list[int]:
         index = self._indexes.get(request_id)
         if index is None:
             index = self._indexes[request_id] = _NgramIndex(max_drafts=min(2, self.num_tokens))
@@ -86,7 +111,7 @@ class NgramProposer:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = index.latest.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start : start + index.max_drafts]
+                return tokens[start : start + min(index.max_drafts, max_tokens)]
         return []
 
     def _extend(self, index: _NgramIndex, new_tokens: Sequence[int]) -> None:

@@ -137,8 +137,6 @@ class _EngineCollector(Collector):
             "engine_generated_tokens": ("Tokens sampled by the engine.", s.num_generated_tokens),
             "engine_steps": ("Engine steps run.", s.num_steps),
             "engine_busy_seconds": ("Seconds the engine spent running the model.", s.busy_time_s),
-            "spec_decode_num_draft_tokens": ("Speculative draft tokens verified.", s.num_draft_tokens),
-            "spec_decode_num_accepted_tokens": ("Speculative draft tokens accepted.", s.num_accepted_draft_tokens),
             "grammar_compiles": ("Structured-output constraints compiled (compile-cache misses).", s.grammar.compiles),
             "grammar_compile_errors": ("Constraints that failed to compile (each a 400).", s.grammar.compile_errors),
             "grammar_compile_seconds": ("Time spent compiling constraints.", s.grammar.compile_time_s),
@@ -151,6 +149,39 @@ class _EngineCollector(Collector):
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{n}{name}", doc, value=value)
         yield from _tier_metrics(s)
+        yield from _speculative_metrics(s)
+
+
+def _speculative_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding's counters and gauges, labelled with the method ("none" when it is off)."""
+    n = NAMESPACE
+    verified, accepted = s.num_draft_tokens, s.num_accepted_draft_tokens
+    counters = (
+        ("spec_decode_num_drafts", "Decodes that verified speculative drafts.", s.num_draft_steps),
+        ("spec_decode_num_draft_tokens", "Speculative draft tokens verified.", verified),
+        ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", accepted),
+        ("spec_decode_num_rejected_tokens", "Speculative draft tokens rejected.", verified - accepted),
+        ("spec_decode_num_proposed_tokens", "Draft tokens proposed (the scheduler may cut some).",
+         s.num_proposed_draft_tokens),
+        ("spec_decode_draft_seconds", "Time spent proposing drafts (a draft model's forwards).", s.draft_time_s),
+    )
+    gauges = (
+        ("spec_decode_acceptance_rate", "Drafts accepted per draft verified, so far.",
+         accepted / verified if verified else 0.0),
+        ("spec_decode_mean_accepted_length", "Drafts accepted per decode that verified drafts, so far.",
+         accepted / s.num_draft_steps if s.num_draft_steps else 0.0),
+        ("spec_decode_draft_time_share", "Share of the engine's busy time spent proposing drafts.",
+         s.draft_time_s / s.busy_time_s if s.busy_time_s else 0.0),
+        ("spec_decode_draft_length", "Drafts per request the last step chose (adaptive).", s.draft_length),
+    )
+    for name, doc, value in counters:
+        family = CounterMetricFamily(f"{n}{name}", doc, labels=["method"])
+        family.add_metric([s.spec_method], value)
+        yield family
+    for name, doc, value in gauges:
+        family = GaugeMetricFamily(f"{n}{name}", doc, labels=["method"])
+        family.add_metric([s.spec_method], value)
+        yield family
 
 
 # Per storage tier (label tier="device" | "host" | "disk" | "redis"): (name, help, TierStats field).

@@ -206,5 +206,12 @@ def request_timings(child: EngineRequest, received_at: float) -> dict[str, Any]:
                    "ms": ms(m.first_token_time, m.last_token_time)},
         "finished_ms": ms(m.arrival_time, m.finished_time),
         "preemptions": m.num_preemptions,
+        "speculative": {
+            "steps": m.num_draft_steps,  # decodes that verified drafts
+            "drafts": m.num_draft_tokens,
+            "accepted": m.num_accepted_draft_tokens,
+            "acceptance_rate": round(m.num_accepted_draft_tokens / m.num_draft_tokens, 4) if m.num_draft_tokens else None,
+            "mean_draft_length": round(m.num_draft_tokens / m.num_draft_steps, 3) if m.num_draft_steps else None,
+        },
         "finish_reason": child.last.outputs[0].finish_reason,
     }

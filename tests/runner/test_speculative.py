@@ -12,7 +12,7 @@ from kvserve.cli import parse_speculative_config
 from kvserve.config import SpeculativeConfig
 from kvserve.request import SamplingParams
 from kvserve.runner.sampler import Sampler, SamplingState
-from kvserve.runner.speculative import NgramProposer, sample_and_verify
+from kvserve.runner.speculative import NgramProposer, ProposalRequest, sample_and_verify
 
 VOCAB = 16
 
@@ -22,46 +22,52 @@ def state(prompt: list[int], output: list[int] | None = None, **params) -> Sampl
     return SamplingState(SamplingParams(**params), prompt, list(output or []))
 
 
+def propose(proposer: NgramProposer, request_id: str, s: SamplingState, verified: tuple[int, int] | None = None,
+            max_tokens: int = 16) -> list[int]:
+    return proposer.propose([ProposalRequest(request_id, s, verified, max_tokens)])[0]
+
+
 def test_proposes_what_followed_the_latest_longest_match() -> None:
     proposer = NgramProposer(num_tokens=4, min_n=2, max_n=3)
     # "1 2 3" occurs twice earlier; the latest occurrence was followed by 9 8 ...
     s = state([1, 2, 3, 4, 5, 1, 2, 3, 9, 8, 7, 6, 0, 1, 2, 3])
-    assert proposer.propose("a", s) == [9, 8]  # the first proposal is short (adaptive length)
+    assert propose(proposer, "a", s) == [9, 8]  # the first proposal is short (adaptive length)
     # After a step whose drafts were all accepted, proposals grow to num_tokens.
-    assert proposer.propose("a", s, verified=(2, 2)) == [9, 8, 7, 6]
+    assert propose(proposer, "a", s, verified=(2, 2)) == [9, 8, 7, 6]
     proposer.forget("a")  # a forgotten request starts over
-    assert proposer.propose("a", s) == [9, 8]
+    assert propose(proposer, "a", s) == [9, 8]
 
 
 def test_prefers_the_longer_ngram_and_respects_min_n() -> None:
     proposer = NgramProposer(num_tokens=2, min_n=2, max_n=3)
     # suffix "5 6": the 3-gram "4 5 6" matched at the start wins over the later 2-gram "5 6".
     s = state([4, 5, 6, 10, 11, 3, 5, 6, 12, 13, 4, 5, 6])
-    assert proposer.propose("a", s) == [10, 11]
+    assert propose(proposer, "a", s) == [10, 11]
     # Only a 1-gram match ("6"): below min_n, nothing is proposed.
-    assert NgramProposer(2, 2, 3).propose("b", state([6, 1, 2, 6])) == []
-    assert NgramProposer(2, 1, 3).propose("c", state([6, 1, 2, 6])) == [1, 2]
+    assert propose(NgramProposer(2, 2, 3), "b", state([6, 1, 2, 6])) == []
+    assert propose(NgramProposer(2, 1, 3), "c", state([6, 1, 2, 6])) == [1, 2]
 
 
 def test_the_index_follows_new_output_tokens() -> None:
     proposer = NgramProposer(num_tokens=3, min_n=2, max_n=2)
     s = state([1, 2, 3, 4])
-    assert proposer.propose("a", s) == []
+    assert propose(proposer, "a", s) == []
     s.output_token_ids += [7, 1, 2]  # "1 2" now ends the sequence; it was followed by 3 4 7
-    assert proposer.propose("a", s, verified=(3, 3)) == [3, 4, 7]
+    assert propose(proposer, "a", s, verified=(3, 3)) == [3, 4, 7]
     s.output_token_ids += [3, 4, 7]
-    assert proposer.propose("a", s, verified=(3, 3)) == [1, 2, 3]  # the latest match: "4 7" -> 1 2 3
+    assert propose(proposer, "a", s, verified=(3, 3)) == [1, 2, 3]  # the latest match: "4 7" -> 1 2 3
 
 
 def test_draft_length_adapts_to_acceptance() -> None:
     proposer = NgramProposer(num_tokens=5, min_n=1, max_n=1)
     s = state([1, 2, 3, 4, 5, 6, 7, 8, 1])
-    assert len(proposer.propose("a", s)) == 2
-    assert len(proposer.propose("a", s, verified=(2, 2))) == 5
-    assert len(proposer.propose("a", s, verified=(5, 0))) == 1
-    assert len(proposer.propose("a", s, verified=(1, 1))) == 5
-    assert len(proposer.propose("a", s, verified=(5, 3))) == 4
-    assert len(proposer.propose("a", s)) == 4  # no verification this step: the length stays
+    assert len(propose(proposer, "a", s)) == 2
+    assert len(propose(proposer, "a", s, verified=(2, 2))) == 5
+    assert len(propose(proposer, "a", s, verified=(5, 0))) == 1
+    assert len(propose(proposer, "a", s, verified=(1, 1))) == 5
+    assert len(propose(proposer, "a", s, verified=(5, 3))) == 4
+    assert len(propose(proposer, "a", s)) == 4  # no verification this step: the length stays
+    assert len(propose(proposer, "a", s, max_tokens=2)) == 2  # the draft-length policy's limit comes first
 
 
 def one_hot_rows(token_ids: list[int]) -> torch.Tensor:
@@ -120,7 +126,12 @@ def test_seeded_sampling_draws_the_same_tokens_with_or_without_drafts() -> None:
 @pytest.mark.parametrize("text, message", [
     ("ngram", "not JSON"),
     ('["ngram"]', "JSON object"),
-    ('{"method": "eagle"}', "'none' or 'ngram'"),
+    ('{"method": "eagle"}', "one of 'none', 'ngram', 'draft_model'"),
+    ('{"method": "draft_model"}', "method 'draft_model' needs the draft's 'model'"),
+    ('{"method": "draft_model", "model": "m", "num_speculative_tokens": 17}',
+     "num_speculative_tokens must be between 1 and 16, got 17"),
+    ('{"method": "ngram", "model": "m"}', "'model' is the draft of method 'draft_model'"),
+    ('{"method": "ngram", "adaptive": "yes"}', "adaptive must be true or false"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min (3) must be <="),
     ('{"method": "ngram", "draft_model": "x"}', "unknown speculative config field(s) draft_model"),

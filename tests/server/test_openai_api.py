@@ -54,16 +54,23 @@ def test_speculative_steps_stream_several_tokens_and_count_each(base_url) -> Non
     c = client(base_url)
     prompt = "The rain in Spain falls mainly on the plain. " * 2 + "The rain in Spain"
     kwargs = dict(model=None, prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
-    accepted_before = metric_value(base_url, "kvserve:spec_decode_num_accepted_tokens_total")
+    ngram = 'method="ngram"'
+    accepted_before = metric_value(base_url, "kvserve:spec_decode_num_accepted_tokens_total", ngram)
     whole = c.completions.create(**kwargs)
     chunks = list(c.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     text_chunks = [ch for ch in chunks if ch.choices]
     assert "".join(ch.choices[0].text for ch in text_chunks) == whole.choices[0].text
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 40
     assert len(text_chunks) < 20, "accepted drafts should arrive several tokens to a chunk"
-    assert metric_value(base_url, "kvserve:spec_decode_num_accepted_tokens_total") > accepted_before
-    assert metric_value(base_url, "kvserve:spec_decode_num_draft_tokens_total") >= metric_value(
-        base_url, "kvserve:spec_decode_num_accepted_tokens_total")
+    accepted = metric_value(base_url, "kvserve:spec_decode_num_accepted_tokens_total", ngram)
+    verified = metric_value(base_url, "kvserve:spec_decode_num_draft_tokens_total", ngram)
+    assert accepted > accepted_before
+    assert verified >= accepted
+    assert metric_value(base_url, "kvserve:spec_decode_num_rejected_tokens_total", ngram) == verified - accepted
+    assert metric_value(base_url, "kvserve:spec_decode_acceptance_rate", ngram) == pytest.approx(accepted / verified)
+    steps = metric_value(base_url, "kvserve:spec_decode_num_drafts_total", ngram)
+    assert metric_value(base_url, "kvserve:spec_decode_mean_accepted_length", ngram) == pytest.approx(accepted / steps)
+    assert metric_value(base_url, "kvserve:spec_decode_num_proposed_tokens_total", ngram) >= verified
 
 
 def test_chat_non_streaming_and_streaming_agree(base_url) -> None:

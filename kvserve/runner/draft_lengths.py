@@ -1,0 +1,174 @@
+"""How many drafts each request gets next step: the lengths that give the most tokens per second of step time.
+
+Speculation pays while the tokens a step's drafts add are worth the time their rows cost. Both sides are
+measured as the engine runs, so the choice follows the load:
+
+- **Acceptance.** Each request's chance that a draft is accepted, ``a``, from its own verifications (an
+  exponentially weighted count, pulled towards the method's running average while it has few). With drafts
+  accepted in a row until the first rejection, ``k`` drafts are worth ``a + a^2 + ... + a^k`` tokens
+  beyond the one every step brings.
+- **Cost.** A target step of ``R`` rows takes ``t(R) = t0 + t1 * R`` seconds and a draft forward of ``R``
+  rows ``d0 + d1 * R`` (none for n-gram lookup), each fitted by weighted least squares over recent steps.
+  Small batches are bound by reading the weights, so extra rows are cheap there; large ones are bound by
+  compute, where each row costs its full share and drafts stop paying.
+
+The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
+SmartSpec and TurboSpec). Adding drafts in order of their expected worth (``a_i^j`` for request ``i``'s
+``j``-th draft) and keeping the best prefix finds it, since that order is also each request's own order.
+Every ``probe_every`` steps a probe changes the lengths: where none were chosen, one draft each, so that
+acceptance, which only verification measures, is not left at a stale estimate; where the cost fit has seen
+too narrow a range of row counts to tell the slope, half as many, so the fit keeps learning at the current
+load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_MIN_ACCEPTANCE, _MAX_ACCEPTANCE = 0.01, 0.99
+_PRIOR_WEIGHT = 2.0  # verifications' worth of the method's average in a request's own estimate
+_REQUEST_DECAY = 0.8  # a request's acceptance follows its text: recent verifications count most
+_METHOD_DECAY = 0.99
+_COST_DECAY = 0.98
+_PRIOR_ROW_SHARE = 0.25  # before the slope is known: a row costs this share of its proportional time
+
+
+class LinearCost:
+    """Seconds of a forward as ``intercept + slope * rows``, fitted by exponentially weighted least squares."""
+
+    def __init__(self, decay: float = _COST_DECAY) -> None:
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    @property
+    def has_data(self) -> bool:
+        return self._w > 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + rows
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + rows * rows
+        self._xy = self._xy * d + rows * seconds
+
+    @property
+    def narrow(self) -> bool:
+        """True when the rows seen vary too little to tell the slope from noise."""
+        if not self.has_data:
+            return True
+        mean = self._x / self._w
+        variance = self._xx / self._w - mean * mean
+        return variance < (0.1 * mean) ** 2
+
+    def coefficients(self) -> tuple[float, float]:
+        """(intercept, slope), both >= 0; (0, 0) with no data."""
+        if not self.has_data:
+            return 0.0, 0.0
+        w = self._w
+        mean_x, mean_y = self._x / w, self._y / w
+        variance = self._xx / w - mean_x * mean_x
+        if self.narrow or variance <= 0:
+            slope = _PRIOR_ROW_SHARE * mean_y / max(mean_x, 1.0)
+        else:
+            slope = max(0.0, (self._xy / w - mean_x * mean_y) / variance)
+        intercept = max(0.0, mean_y - slope * mean_x)
+        return intercept, slope
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    accepted: float = 0.0
+    trials: float = 0.0
+
+
+class DraftLengthPolicy:
+    """Chooses each request's number of drafts (0 = none) from measured acceptance and cost."""
+
+    def __init__(self, max_tokens: int, *, adaptive: bool = True, uses_model: bool = False,
+                 prior_acceptance: float = 0.6, probe_every: int = 16) -> None:
+        self.max_tokens = max_tokens
+        self.adaptive = adaptive
+        self.uses_model = uses_model  # drafts cost a forward of a draft model, per draft position
+        self.target_cost = LinearCost()
+        self.draft_cost = LinearCost()
+        self._method = _Acceptance(prior_acceptance * 4, 4.0)
+        self._requests: dict[str, _Acceptance] = {}
+        self.probe_every = probe_every
+        self._num_calls = 0
+        self.last_mean_length = 0.0  # the mean length chosen for the last batch (a gauge for /metrics)
+
+    # --- measurements -----------------------------------------------------------------------------------
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A target step of decodes (with their drafts) took ``seconds`` for ``rows`` rows."""
+        self.target_cost.observe(rows, seconds)
+
+    def observe_draft(self, timings: Sequence[tuple[int, float]]) -> None:
+        for rows, seconds in timings:
+            self.draft_cost.observe(rows, seconds)
+
+    def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """``num_drafts`` of the request's drafts were verified; the first ``num_accepted`` were accepted."""
+        trials = num_accepted + (num_accepted < num_drafts)
+        own = self._requests.setdefault(request_id, _Acceptance())
+        own.accepted = own.accepted * _REQUEST_DECAY + num_accepted
+        own.trials = own.trials * _REQUEST_DECAY + trials
+        method = self._method
+        method.accepted = method.accepted * _METHOD_DECAY + num_accepted
+        method.trials = method.trials * _METHOD_DECAY + trials
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's estimated chance that a draft is accepted."""
+        method = self._method
+        prior = method.accepted / method.trials
+        own = self._requests.get(request_id)
+        if own is None:
+            estimate = prior
+        else:
+            estimate = (own.accepted + _PRIOR_WEIGHT * prior) / (own.trials + _PRIOR_WEIGHT)
+        return min(_MAX_ACCEPTANCE, max(_MIN_ACCEPTANCE, estimate))
+
+    # --- the choice -------------------------------------------------------------------------------------
+    def lengths(self, request_ids: Sequence[str]) -> list[int]:
+        """Drafts for each request's next step, for a batch of these requests."""
+        num = len(request_ids)
+        if not self.adaptive or not self.target_cost.has_data:
+            self.last_mean_length = float(self.max_tokens) if num else 0.0
+            return [self.max_tokens] * num
+        self._num_calls += 1
+        lengths = self._best_lengths([self.acceptance(rid) for rid in request_ids])
+        if self._num_calls % self.probe_every == 0 and (self.target_cost.narrow or not any(lengths)):
+            # A probe: without drafts, one each (acceptance is only learnt by verifying); with drafts on a fit
+            # that has seen one row count only, half as many (another row count for the fit).
+            lengths = [k // 2 for k in lengths] if any(lengths) else [1] * num
+        self.last_mean_length = sum(lengths) / num if num else 0.0
+        return lengths
+
+    def _best_lengths(self, acceptance: list[float]) -> list[int]:
+        num = len(acceptance)
+        t0, t1 = self.target_cost.coefficients()
+        d0, d1 = self.draft_cost.coefficients() if self.uses_model else (0.0, 0.0)
+        if self.uses_model and not self.draft_cost.has_data:
+            return [self.max_tokens] * num  # the draft's cost is measured on its first forwards
+        # Every draft by its expected worth, best first; a request's j-th draft comes after its (j-1)-th.
+        candidates = sorted(((a ** j, j, i) for i, a in enumerate(acceptance) for j in range(1, self.max_tokens + 1)),
+                            key=lambda c: (-c[0], c[1]))
+        tokens = float(num)
+        seconds = t0 + t1 * num
+        rows_at_depth = [0] * (self.max_tokens + 1)
+        best_rate = tokens / seconds if seconds > 0 else 0.0
+        best_count = 0
+        for count, (worth, depth, _) in enumerate(candidates, 1):
+            tokens += worth
+            seconds += t1 + d1 + (d0 if rows_at_depth[depth] == 0 else 0.0)
+            rows_at_depth[depth] += 1
+            if seconds > 0 and tokens / seconds > best_rate:
+                best_rate, best_count = tokens / seconds, count
+        lengths = [0] * num
+        for _, _, i in candidates[:best_count]:
+            lengths[i] += 1
+        return lengths

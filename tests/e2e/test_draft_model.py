@@ -1,0 +1,139 @@
+"""Speculative decoding with a draft model on tiny random models: greedy output equals transformers' plain
+greedy decoding of the target token for token, batched, chunked, preempted and on prefix-cache hits; seeded
+sampling draws what it draws without speculation; a draft that cannot draft for the target is refused at
+start-up, naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import ConfigError
+from tests.e2e.conftest import hf_greedy
+from tests.support.tiny_models import make_tiny_model
+
+PROMPTS = [[5, 17, 230, 4000, 12], list(range(100, 161)), [9] * 23, list(range(3000, 3200, 3))]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("draft-models")
+    return {
+        "target": make_tiny_model(root, "qwen2", tie=False),
+        # Another model, smaller: one layer, other weights. It proposes what it proposes; verification decides.
+        "draft": make_tiny_model(root, "qwen2", tie=False, seed=5, num_hidden_layers=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    return [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def speculating(models: dict[str, Path], draft: str, **options) -> LLM:
+    options.setdefault("block_size", 4)
+    options.setdefault("num_kv_blocks", 128)
+    config = {"method": "draft_model", "model": str(models[draft]), "num_speculative_tokens": 3}
+    config.update(options.pop("speculative", {}))
+    return LLM(str(models["target"]), dtype="float32", speculative_config=config, **options)
+
+
+def greedy_ids(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def drain(llm: LLM) -> None:
+    """One more step hands the runner the finished requests: the draft releases their KV."""
+    llm.engine.step()
+    assert llm.engine.draft_kv is not None and llm.engine.draft_kv.num_requests == 0
+    llm.engine.draft_kv.check_invariants()
+    llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("draft", ["draft", "target"], ids=["smaller-draft", "target-as-its-own-draft"])
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed"])
+def test_batched_and_chunked_greedy_equals_transformers(models, reference, draft: str, adaptive: bool) -> None:
+    # A token budget of 24 splits the prompts into chunks and mixes them with decodes and their drafts.
+    llm = speculating(models, draft, max_num_batched_tokens=24, speculative={"adaptive": adaptive})
+    assert greedy_ids(llm) == reference
+    stats = llm.engine.stats()
+    assert stats.spec_method == "draft_model" and stats.num_draft_tokens > 0
+    if draft == "target":  # the target drafting for itself: every draft is accepted
+        assert stats.num_accepted_draft_tokens == stats.num_draft_tokens
+    drain(llm)
+
+
+def test_preempted_requests_catch_up_in_the_draft(models, reference) -> None:
+    # 24 blocks of 4 cannot hold the four requests at their full length at once.
+    llm = speculating(models, "target", num_kv_blocks=24)
+    assert greedy_ids(llm) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_accepted_draft_tokens > 0
+    drain(llm)
+
+
+def test_prefix_cache_hits_in_target_and_draft(models) -> None:
+    import transformers
+
+    shared = list(range(500, 541))
+    prompts = [shared + [7 + i, 900 + i] for i in range(3)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    llm = speculating(models, "draft", speculative={"adaptive": False})  # drafts every step, however few accepted
+    assert greedy_ids(llm, prompts[:1]) == expected[:1]  # caches the shared blocks in both models
+    drain(llm)
+    assert greedy_ids(llm, prompts) == expected
+    assert llm.engine.stats().prefix_cache_hits >= 2 * 40
+    assert llm.engine.draft_kv is not None and llm.engine.draft_kv.num_cached_tokens >= 2 * 40
+    drain(llm)
+
+
+def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(models) -> None:
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = LLM(str(models["target"]), dtype="float32", block_size=4, num_kv_blocks=128)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    for draft in ("draft", "target"):
+        llm = speculating(models, draft)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.engine.stats().num_draft_tokens > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(models, tmp_path) -> None:
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(models["draft"], other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[1000:1002]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match="speculative_config.model: .* the vocabularies differ") as caught:
+        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(other)})
+    assert caught.value.param == "model"
+
+
+def test_a_draft_larger_than_the_target_is_refused(models, tmp_path) -> None:
+    larger = make_tiny_model(tmp_path, "qwen2", tie=False, seed=9, num_hidden_layers=3)
+    with pytest.raises(ConfigError, match="speculative_config.model: .* more than the target's") as caught:
+        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(larger)})
+    assert caught.value.param == "model"
+
+
+def test_a_draft_that_cannot_be_found_is_refused(models, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="speculative_config.model: the draft model was not found") as caught:
+        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(tmp_path / "nowhere")})
+    assert caught.value.param == "model"
