@@ -351,9 +351,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = section(SchedulerConfig, "engine")
     storage: StorageConfig = section(StorageConfig, "KV storage tiers (below device memory; all off by default)")
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig, metadata={SETTING: Setting(
-        help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (exact: outputs do not change); LLM(...) also '
-             'takes a dict or a SpeculativeConfig',
+        help='speculative decoding, as vLLM spells it: \'{"method": "draft_model", "model": "qwen2.5-coder-0.5b", '
+             '"num_speculative_tokens": 4}\' or \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (exact: the output distribution does not change; '
+             'draft lengths adapt to acceptance and load unless "adaptive": false); LLM(...) also takes a dict '
+             'or a SpeculativeConfig',
         flag="--speculative-config", keyword="speculative_config", parse=speculative_config_from_json,
         metavar="JSON", default_text="off")})
     backend: BackendConfig = section(BackendConfig, "kernel backend")

@@ -182,7 +182,7 @@ class Engine:
         self.draft_kv = draft_kv
         return DraftModelProposer(model, backend, kv_caches, cc.block_size, draft_kv,
                                   max_model_len=min(arch.max_position_embeddings, self.max_model_len),
-                                  vocab_size=min(arch.vocab_size, self.arch.vocab_size))
+                                  vocab_size=min(arch.vocab_size, self.arch.vocab_size), seed=self.config.model.seed)
 
     def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
         """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""

@@ -7,9 +7,9 @@ measured as the engine runs, so the choice follows the load:
   exponentially weighted count, pulled towards the method's running average while it has few). With drafts
   accepted in a row until the first rejection, ``k`` drafts are worth ``a + a^2 + ... + a^k`` tokens
   beyond the one every step brings.
-- **Cost.** A target step of ``R`` rows takes ``t(R) = t0 + t1 * R`` seconds and a draft forward of ``R``
-  rows ``d0 + d1 * R`` (none for n-gram lookup), each fitted by weighted least squares over recent steps.
-  Small batches are bound by reading the weights, so extra rows are cheap there; large ones are bound by
+- **Cost.** What a target step of ``R`` rows takes, and a draft forward of ``R`` rows (none for n-gram
+  lookup): the recent average at each row count seen, a linear fit over recent steps elsewhere. Small
+  batches are bound by reading the weights, so extra rows are cheap there; large ones are bound by
   compute, where each row costs its full share and drafts stop paying.
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
@@ -32,6 +32,8 @@ _REQUEST_DECAY = 0.8  # a request's acceptance follows its text: recent verifica
 _METHOD_DECAY = 0.99
 _COST_DECAY = 0.98
 _PRIOR_ROW_SHARE = 0.25  # before the slope is known: a row costs this share of its proportional time
+_ROW_MEAN_DECAY = 0.8  # a row count's recent mean: each observation moves it a fifth of the way
+_MIN_ROW_OBSERVATIONS = 2
 
 
 class LinearCost:
@@ -76,6 +78,38 @@ class LinearCost:
         intercept = max(0.0, mean_y - slope * mean_x)
         return intercept, slope
 
+    def predict(self, rows: int) -> float:
+        intercept, slope = self.coefficients()
+        return intercept + slope * rows
+
+
+class StepCost:
+    """Seconds of a forward by its number of rows: the recent average at each row count seen, and the linear
+    fit elsewhere. Row counts matter one by one: a kernel that takes rows in tiles reads the weights once per
+    tile, so one row past a tile can cost as much as the whole tile (on a 2-core AVX2 CPU, 5 rows took about
+    twice 4)."""
+
+    def __init__(self) -> None:
+        self.fit = LinearCost()
+        self._by_rows: dict[int, tuple[float, int]] = {}  # rows -> (recent mean, observations)
+
+    @property
+    def has_data(self) -> bool:
+        return self.fit.has_data
+
+    @property
+    def narrow(self) -> bool:
+        return self.fit.narrow
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.fit.observe(rows, seconds)
+        mean, count = self._by_rows.get(rows, (seconds, 0))
+        self._by_rows[rows] = (mean + (seconds - mean) * max(1 - _ROW_MEAN_DECAY, 1 / (count + 1)), count + 1)
+
+    def predict(self, rows: int) -> float:
+        mean, count = self._by_rows.get(rows, (0.0, 0))
+        return mean if count >= _MIN_ROW_OBSERVATIONS else self.fit.predict(rows)
+
 
 @dataclass(slots=True)
 class _Acceptance:
@@ -91,8 +125,8 @@ class DraftLengthPolicy:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
         self.uses_model = uses_model  # drafts cost a forward of a draft model, per draft position
-        self.target_cost = LinearCost()
-        self.draft_cost = LinearCost()
+        self.target_cost = StepCost()
+        self.draft_cost = StepCost()
         self._method = _Acceptance(prior_acceptance * 4, 4.0)
         self._requests: dict[str, _Acceptance] = {}
         self.probe_every = probe_every
@@ -150,22 +184,22 @@ class DraftLengthPolicy:
 
     def _best_lengths(self, acceptance: list[float]) -> list[int]:
         num = len(acceptance)
-        t0, t1 = self.target_cost.coefficients()
-        d0, d1 = self.draft_cost.coefficients() if self.uses_model else (0.0, 0.0)
         if self.uses_model and not self.draft_cost.has_data:
             return [self.max_tokens] * num  # the draft's cost is measured on its first forwards
+        target, draft = self.target_cost, self.draft_cost
         # Every draft by its expected worth, best first; a request's j-th draft comes after its (j-1)-th.
         candidates = sorted(((a ** j, j, i) for i, a in enumerate(acceptance) for j in range(1, self.max_tokens + 1)),
                             key=lambda c: (-c[0], c[1]))
         tokens = float(num)
-        seconds = t0 + t1 * num
         rows_at_depth = [0] * (self.max_tokens + 1)
-        best_rate = tokens / seconds if seconds > 0 else 0.0
+        best_rate = tokens / max(target.predict(num), 1e-9)
         best_count = 0
         for count, (worth, depth, _) in enumerate(candidates, 1):
             tokens += worth
-            seconds += t1 + d1 + (d0 if rows_at_depth[depth] == 0 else 0.0)
             rows_at_depth[depth] += 1
+            seconds = target.predict(num + count)
+            if self.uses_model:
+                seconds += sum(draft.predict(rows) for rows in rows_at_depth if rows)
             if seconds > 0 and tokens / seconds > best_rate:
                 best_rate, best_count = tokens / seconds, count
         lengths = [0] * num

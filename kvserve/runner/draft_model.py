@@ -8,8 +8,10 @@ A step's drafting for requests r with confirmed tokens T_r (prompt and output) a
     forward j   each r with k_r >= j: d(j-1) at the next position          → dj
 
 A request's first drafting waits for the step after its first token, so the draft's prefill of the prompt
-never delays the first token. Drafts are the draft's greedy choices. The target verifies them by sampling its own token at each position
-and accepting a draft while they agree (runner/speculative.py), which is exact for every sampling mode.
+never delays the first token. Drafts are the draft's greedy choices for greedy requests, which the target accepts while its own choice
+agrees; for a request with a temperature (and no seed) they are samples from the draft's distribution q
+(processed as the target's sampler processes p), kept for the verification's rejection sampling
+(runner/speculative.py). Seeded requests get greedy drafts: their tokens then never depend on speculation.
 What the draft's KV holds is kept in ``DraftKV`` (the engine's, from kvserve/cache): rejected drafts' KV is
 overwritten the next step, and a request that returns after a preemption starts from the draft's prefix
 cache.
@@ -27,7 +29,10 @@ from kvserve.batch import ScheduledRequest, SchedulerOutput
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.input_batch import build_inputs
-from kvserve.runner.speculative import ProposalRequest
+from kvserve.runner.sampler import Sampler, SamplingState
+from kvserve.runner.speculative import DRAFT_SALT, ProposalRequest
+
+_MAX_DECODE_CATCH_UP = 16  # tokens the draft catches up on as decode rows; more go as a prefill chunk
 
 
 class DraftSlotsLike(Protocol):
@@ -62,6 +67,7 @@ class DraftModelProposer:
         kv: DraftKV,
         max_model_len: int,
         vocab_size: int,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -71,6 +77,10 @@ class DraftModelProposer:
         self.max_model_len = max_model_len  # the draft's context: no drafts past it
         self.vocab_size = vocab_size  # columns both models have: a draft is always a token the target can take
         self._timings: list[tuple[int, float]] = []
+        self._probs: dict[str, torch.Tensor] = {}
+        # Samples the drafts of requests with a temperature, from the draft's distribution processed as the
+        # target's sampler processes its own.
+        self.sampler = Sampler(vocab_size, seed, argmax=backend.argmax)
         self.forward_time_s = 0.0
 
     def forget(self, request_id: str) -> None:
@@ -80,9 +90,15 @@ class DraftModelProposer:
         timings, self._timings = self._timings, []
         return timings
 
+    def take_draft_probs(self) -> dict[str, torch.Tensor]:
+        probs, self._probs = self._probs, {}
+        return probs
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
+        self._probs = {}
+        sampled_rows: dict[str, list[torch.Tensor]] = {}
         active: list[tuple[int, ScheduledRequest, int]] = []  # (index in requests, its row, drafts wanted)
         for i, r in enumerate(requests):
             state = r.state
@@ -96,33 +112,83 @@ class DraftModelProposer:
             slots = self.kv.prepare(r.request_id, tokens, num_drafts - 1)
             if slots is None:
                 continue  # the draft's pool is full: this request goes without drafts this step
-            start = slots.num_computed
-            active.append((i, ScheduledRequest(r.request_id, tokens[start:], start, slots.block_ids, True), num_drafts))
+            active.append((i, _catch_up_row(r.request_id, tokens, slots.num_computed, slots.block_ids), num_drafts))
+            if _samples_drafts(state):
+                sampled_rows[r.request_id] = []
         while active:
-            proposed = self._forward([row for _, row, _ in active])
+            states = [self._draft_state(requests[i].state, drafts[i]) for i, _, _ in active]
+            proposed, probs = self._forward([row for _, row, _ in active], states)
             still: list[tuple[int, ScheduledRequest, int]] = []
             for (i, row, num_drafts), token_id in zip(active, proposed, strict=True):
                 drafts[i].append(token_id)
+                if row.request_id in probs:
+                    sampled_rows[row.request_id].append(probs[row.request_id])
                 if len(drafts[i]) < num_drafts:
-                    position = row.start_position + len(row.token_ids)
+                    position = row.start_position + len(row.token_ids) + len(row.draft_token_ids)
                     still.append((i, ScheduledRequest(row.request_id, [token_id], position, row.block_ids, True),
                                   num_drafts))
             active = still
         for r, request_drafts in zip(requests, drafts, strict=True):
             if request_drafts:
                 self.kv.computed(r.request_id, request_drafts[:-1])  # the last draft was not fed back in
+        self._probs = {rid: torch.stack(rows) for rid, rows in sampled_rows.items() if rows}
         return drafts
 
-    def _forward(self, rows: list[ScheduledRequest]) -> list[int]:
-        """One batched forward of the draft; its greedy token after each row's last position, in row order."""
+    @staticmethod
+    def _draft_state(state: SamplingState, drafts: list[int]) -> SamplingState:
+        """The request as the draft sees it at this depth: its tokens, then the drafts so far (penalties and
+        min_tokens count them); no grammar."""
+        return SamplingState(state.params, state.prompt_token_ids, [*state.output_token_ids, *drafts],
+                             state.eos_token_ids)
+
+    def _forward(self, rows: list[ScheduledRequest], states: list[SamplingState]
+                 ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """One batched forward of the draft: per row (in order) its next token after the row's last position,
+        the greedy choice or, for a sampled request, a sample from the draft's distribution (returned by
+        request id: [V])."""
         t0 = time.perf_counter()
         inputs = build_inputs(SchedulerOutput(scheduled=rows), self.block_size, self.model.device)
         meta = self.backend.build_metadata(inputs.rows)
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])[:, : self.vocab_size]
-            by_request = dict(zip(inputs.sample_request_ids, self.backend.argmax(logits).tolist(), strict=True))
+            # Each request's last row (a catch-up laid out as decode rows samples after each of them).
+            last_rows: dict[str, int] = {}
+            offset = 0
+            sample_rows = inputs.sample_rows.tolist()
+            for request_id, extra in zip(inputs.sample_request_ids, inputs.sample_drafts, strict=True):
+                offset += 1 + len(extra)
+                last_rows[request_id] = sample_rows[offset - 1]
+            index = torch.tensor([last_rows[row.request_id] for row in rows], device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])[:, : self.vocab_size]
+            tokens = self.backend.argmax(logits).tolist()
+            sampled = [k for k, state in enumerate(states) if _samples_drafts(state)]
+            probs: dict[str, torch.Tensor] = {}
+            if sampled:
+                index = torch.tensor(sampled, device=logits.device)
+                sampled_states = [states[k] for k in sampled]
+                q = self.sampler.probabilities(logits[index], sampled_states)  # [S, V]
+                for k, token_id, row in zip(sampled, self.sampler.sample_from(q, sampled_states, DRAFT_SALT), q,
+                                            strict=True):
+                    tokens[k] = token_id
+                    probs[rows[k].request_id] = row
         seconds = time.perf_counter() - t0
         self._timings.append((int(inputs.input_ids.shape[0]), seconds))
         self.forward_time_s += seconds
-        return [by_request[row.request_id] for row in rows]
+        return tokens, probs
+
+
+def _catch_up_row(request_id: str, tokens: list[int], num_computed: int, block_ids: list[int]) -> ScheduledRequest:
+    """The tokens the draft's KV lacks, as the first forward's row. A few (the drafts accepted last step and
+    the target's own token) go as consecutive decode rows, as the target lays out drafts, so the step stays
+    a decode step (the fused decode stack takes it); a whole prompt goes as a prefill chunk."""
+    missing = tokens[num_computed:]
+    if 1 < len(missing) <= _MAX_DECODE_CATCH_UP:
+        return ScheduledRequest(request_id, missing[:1], num_computed, block_ids, True, draft_token_ids=missing[1:])
+    return ScheduledRequest(request_id, missing, num_computed, block_ids, True)
+
+
+def _samples_drafts(state: SamplingState) -> bool:
+    """Drafts sampled from the draft's distribution, for rejection sampling: requests with a temperature and
+    no seed. A seeded request gets greedy drafts, verified draw by draw, so its tokens are the ones it draws
+    without speculation, whatever the draft lengths the load leads to."""
+    return not state.params.is_greedy and state.params.seed is None

@@ -45,6 +45,8 @@ class ModelRunner:
         self.draft_lengths = draft_lengths or DraftLengthPolicy(MAX_SPECULATIVE_TOKENS, adaptive=False)
         self.num_steps = 0  # steps that ran a forward, and the time they took
         self.busy_time_s = 0.0
+        # Per request whose drafts were sampled: the distributions they came from, for the next verification.
+        self._draft_probs: dict[str, torch.Tensor] = {}
         self.num_proposed_tokens = 0  # drafts the proposer offered, and the time it took to offer them
         self.propose_time_s = 0.0
 
@@ -75,6 +77,7 @@ class ModelRunner:
             write_blocks(self.kv_caches, out.kv_loads)
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
                 self.draft_lengths.forget(request_id)
@@ -100,7 +103,8 @@ class ModelRunner:
                 return result
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
             states = [self.states[rid] for rid in inputs.sample_request_ids]
-            verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts)
+            draft_probs = [self._draft_probs.pop(rid, None) for rid in inputs.sample_request_ids]
+            verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts, draft_probs)
         if self.proposer is not None and not inputs.rows.prefills:  # the cost of decode rows, for draft lengths
             self.draft_lengths.observe_step(int(inputs.input_ids.shape[0]), time.perf_counter() - t0)
         for request_id, drafts, outcome in zip(inputs.sample_request_ids, inputs.sample_drafts, verified, strict=True):
@@ -136,6 +140,7 @@ class ModelRunner:
         proposals = self.proposer.propose(wanted)
         self.propose_time_s += time.perf_counter() - t0
         policy.observe_draft(self.proposer.take_forward_timings())
+        draft_probs = self.proposer.take_draft_probs()
         for request, proposal in zip(wanted, proposals, strict=True):
             matcher = request.state.matcher
             if proposal and matcher is not None:  # drafts the grammar would refuse are not verified
@@ -143,6 +148,8 @@ class ModelRunner:
             if proposal:
                 result.draft_token_ids[request.request_id] = proposal
                 self.num_proposed_tokens += len(proposal)
+                if request.request_id in draft_probs:  # the scheduler may cut the drafts, never reorder them
+                    self._draft_probs[request.request_id] = draft_probs[request.request_id]
 
 
 def new_sampling_state(new: NewRequestData) -> SamplingState:

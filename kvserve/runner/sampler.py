@@ -122,6 +122,40 @@ class Sampler:
             return SamplerOutput(self.argmax(logits).tolist(), [None] * len(states))
         return self._sample(logits, states)
 
+    # --- distributions, for speculative decoding's rejection sampling ------------------------------------
+    def probabilities(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Each row's sampling distribution, [B, V] float32: what ``__call__`` samples a non-greedy row from
+        (grammar, min_tokens, logit_bias, penalties, temperature, top-k, top-p, min-p). Rows must not be greedy."""
+        assert not any(s.params.is_greedy for s in states)
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
+            self.grammar_masker.apply(logits, constrained,
+                                         [m for i in constrained if (m := states[i].matcher) is not None])
+        suppress_stop_tokens(logits, states)
+        apply_logit_bias(logits, states)
+        logits = apply_penalties(logits, states)
+        return self._filtered_probs(logits, states, list(range(len(states))))
+
+    def sample_from(self, probs: torch.Tensor, states: list[SamplingState], salt: int = 0) -> list[int]:
+        """One token per row of ``probs`` [B, V] (any non-negative weights), with each row's noise drawn as
+        ``__call__`` draws it (seeded rows: from the seed, ``salt`` and the tokens so far)."""
+        noise = self._exponential_noise(probs.shape, states, probs.device, salt)
+        return (probs / noise).argmax(dim=-1).tolist()
+
+    def uniform(self, states: list[SamplingState], salt: int) -> list[float]:
+        """One draw from U(0, 1) per row, seeded rows reproducibly (from the seed, ``salt`` and the tokens so
+        far), the others from the shared generator."""
+        device = torch.device("cpu")
+        values = torch.rand(len(states), generator=self._shared_generator(device)).tolist()
+        generator = self._row_generator(device)
+        for j, s in enumerate(states):
+            if s.params.seed is not None:
+                generator.manual_seed(row_seed(s.params.seed ^ salt, len(s.output_token_ids)))
+                values[j] = float(torch.rand(1, generator=generator))
+        return values
+
     # --- general path -----------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         num_rows = len(states)
@@ -152,6 +186,13 @@ class Sampler:
         self, logits: torch.Tensor, states: list[SamplingState], rows: list[int]
     ) -> torch.Tensor:
         """Sampled token ids for ``rows`` (non-greedy), from the penalised ``logits`` [B, V]. Returns [S]."""
+        probs = self._filtered_probs(logits, states, rows)  # [S, V]
+        noise = self._exponential_noise(probs.shape, [states[i] for i in rows], logits.device)  # [S, V]
+        # argmax(p_i / E_i) with E_i ~ Exp(1) is distributed as Categorical(p): the exponential race.
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _filtered_probs(self, logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> torch.Tensor:
+        """Softmax of ``rows`` of the penalised ``logits`` [B, V] after temperature, top-k, top-p and min-p."""
         device = logits.device
         vocab_size = logits.shape[1]
         params = [states[i].params for i in rows]
@@ -166,14 +207,10 @@ class Sampler:
             top_p = _to_device([p.top_p for p in params], torch.float32, device)  # [S]
         if any(p.min_p > 0 for p in params):
             min_p = _to_device([p.min_p for p in params], torch.float32, device)  # [S]
-        x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
-        probs = x.softmax(dim=-1)  # [S, V]
-        noise = self._exponential_noise(x.shape, [states[i] for i in rows], device)  # [S, V]
-        # argmax(p_i / E_i) with E_i ~ Exp(1) is distributed as Categorical(p): the exponential race.
-        return probs.div_(noise).argmax(dim=-1)
+        return apply_top_k_top_p_min_p(x, top_k, top_p, min_p).softmax(dim=-1)
 
     def _exponential_noise(
-        self, shape: torch.Size, states: list[SamplingState], device: torch.device
+        self, shape: torch.Size, states: list[SamplingState], device: torch.device, salt: int = 0
     ) -> torch.Tensor:
         num_rows, vocab_size = shape
         noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)  # [S, V]
@@ -184,7 +221,7 @@ class Sampler:
             generator = self._row_generator(device)
             for j, s in seeded:
                 assert s.params.seed is not None
-                generator.manual_seed(row_seed(s.params.seed, len(s.output_token_ids)))
+                generator.manual_seed(row_seed(s.params.seed ^ salt, len(s.output_token_ids)))
                 # Always drawn as a standalone [V] tensor, so the values never depend on the batch.
                 row = torch.empty(vocab_size, dtype=torch.float32, device=device)
                 noise[j] = row.exponential_(generator=generator)

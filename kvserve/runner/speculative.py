@@ -15,6 +15,14 @@ distribution given the tokens before it (accepting a deterministic draft iff the
 rejection sampling with a one-hot proposal). Seeded requests even draw the same tokens as without
 speculation, because their noise depends on the number of tokens so far, and each emitted token costs
 exactly one draw.
+
+Drafts a draft model *sampled* from its own distribution q (requests with a temperature) are verified by
+the standard rule instead: accept draft d with probability min(1, p(d) / q(d)) under the target's p (the
+same temperature, filters and penalties), and at the first rejection draw the token from max(0, p - q),
+renormalised. Every token is still distributed exactly as under p, and more drafts are accepted than a
+greedy draft would get. Its draws are seeded by a request's seed and position too, but which draws a token
+takes depends on whether a draft stood there, i.e. on the draft lengths, which follow the load: so seeded
+requests get greedy drafts and the rule above, and draw exactly their tokens without speculation.
 """
 
 from __future__ import annotations
@@ -51,6 +59,11 @@ class Proposer(Protocol):
 
     def take_forward_timings(self) -> list[tuple[int, float]]:
         """(rows, seconds) of each forward the proposer ran since the last call; none for a model-free one."""
+        ...
+
+    def take_draft_probs(self) -> dict[str, torch.Tensor]:
+        """Per request of the last ``propose`` whose drafts were sampled: the distributions they were sampled
+        from, [num drafts, V]; requests absent had their drafts chosen deterministically."""
         ...
 
 
@@ -90,6 +103,9 @@ class NgramProposer:
 
     def take_forward_timings(self) -> list[tuple[int, float]]:
         return []
+
+    def take_draft_probs(self) -> dict[str, torch.Tensor]:
+        return {}
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
         return [self._propose_one(r.request_id, r.state, r.verified, r.max_tokens) for r in requests]
@@ -133,11 +149,27 @@ class Verified:
     logprobs: dict[int, float] | None
 
 
+# Salts of the seeded draws of speculative decoding, so that none of them repeats another's noise.
+DRAFT_SALT = 0x5EED_D4AF
+ACCEPT_SALT = 0x5EED_ACC7
+RESIDUAL_SALT = 0x5EED_2E51
+
+
 def sample_and_verify(
-    sampler: Sampler, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    drafts: list[list[int]],
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[Verified]:
     """Sample each request's next token(s). ``logits`` [sum(1 + len(d)), V] holds each request's rows in order
     (see the module docstring); requests without drafts have one row. Appends every new token to its state.
+
+    ``draft_probs``: per request, the distributions its drafts were sampled from ([>= len(drafts), V'] with
+    V' <= V columns), or None where they were chosen deterministically. A sampled request's sampled drafts
+    are verified by rejection sampling: draft d is accepted with probability min(1, p(d) / q(d)); at the
+    first rejection the token is drawn from max(0, p - q), renormalised. Either rule leaves each token
+    distributed exactly as the target's own sampling would.
 
     One sampler call per depth, over the requests still accepting, so the sampler sees exactly the states
     plain decoding would (min_tokens, penalties and seeds depend on the tokens so far)."""
@@ -147,20 +179,77 @@ def sample_and_verify(
         offsets.append(row)
         row += 1 + len(request_drafts)
     assert row == logits.shape[0], (row, tuple(logits.shape))
+    probs = list(draft_probs) if draft_probs is not None else [None] * len(states)
     results: list[Verified | None] = [None] * len(states)
     alive = list(range(len(states)))
     depth = 0
     while alive:
-        rows = [offsets[j] + depth for j in alive]
-        depth_logits = logits if len(rows) == row else logits[torch.tensor(rows, device=logits.device)]
-        sampled = sampler(depth_logits, [states[j] for j in alive])
-        still: list[int] = []
-        for j, token_id, logprobs in zip(alive, sampled.token_ids, sampled.logprobs, strict=True):
-            states[j].append(token_id)
-            if depth < len(drafts[j]) and token_id == drafts[j][depth]:
-                still.append(j)
-            else:
-                results[j] = Verified(depth, token_id, logprobs)
-        alive = still
+        by_ratio = [j for j in alive if probs[j] is not None and depth < len(drafts[j])
+                    and not states[j].params.is_greedy]
+        if by_ratio:
+            alive = [j for j in alive if j not in set(by_ratio)]
+            still = _verify_by_ratio(sampler, logits, states, drafts, probs, offsets, by_ratio, depth, results)
+        else:
+            still = []
+        if alive:
+            rows = [offsets[j] + depth for j in alive]
+            depth_logits = logits if len(rows) == row else logits[torch.tensor(rows, device=logits.device)]
+            sampled = sampler(depth_logits, [states[j] for j in alive])
+            for j, token_id, logprobs in zip(alive, sampled.token_ids, sampled.logprobs, strict=True):
+                states[j].append(token_id)
+                if depth < len(drafts[j]) and token_id == drafts[j][depth]:
+                    still.append(j)
+                else:
+                    results[j] = Verified(depth, token_id, logprobs)
+        alive = sorted(still)
         depth += 1
     return results  # type: ignore[return-value]
+
+
+def _verify_by_ratio(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    drafts: list[list[int]],
+    probs: list[torch.Tensor | None],
+    offsets: list[int],
+    rows: list[int],
+    depth: int,
+    results: list[Verified | None],
+) -> list[int]:
+    """Rejection sampling of the ``depth``-th draft of requests ``rows``; returns those that accepted it."""
+    row_states = [states[j] for j in rows]
+    target = sampler.probabilities(logits[torch.tensor([offsets[j] + depth for j in rows], device=logits.device)],
+                                   row_states)  # [S, V]
+    vocab_size = target.shape[1]
+    proposal = torch.stack([_draft_row(probs[j], depth, vocab_size) for j in rows]).to(target.device)  # [S, V]
+    tokens = torch.tensor([drafts[j][depth] for j in rows], device=target.device)
+    p = target.gather(1, tokens[:, None]).squeeze(1).tolist()
+    q = proposal.gather(1, tokens[:, None]).squeeze(1).tolist()
+    uniforms = sampler.uniform(row_states, ACCEPT_SALT)
+    accepted: list[int] = []
+    rejected: list[int] = []
+    for i, (j, p_d, q_d, u) in enumerate(zip(rows, p, q, uniforms, strict=True)):
+        if q_d > 0 and u * q_d < p_d:
+            states[j].append(drafts[j][depth])
+            accepted.append(j)
+        else:
+            rejected.append(i)
+    if rejected:
+        index = torch.tensor(rejected, device=target.device)
+        residual = (target[index] - proposal[index]).clamp_min_(0)  # [R, V]
+        # Nothing left over means p <= q everywhere, i.e. p == q: no draft is rejected then but by rounding.
+        empty = residual.sum(dim=1) <= 0
+        if bool(empty.any()):
+            residual[empty] = target[index][empty]
+        token_ids = sampler.sample_from(residual, [row_states[i] for i in rejected], RESIDUAL_SALT)
+        for i, token_id in zip(rejected, token_ids, strict=True):
+            states[rows[i]].append(token_id)
+            results[rows[i]] = Verified(depth, token_id, None)
+    return accepted
+
+
+def _draft_row(probs: torch.Tensor | None, depth: int, vocab_size: int) -> torch.Tensor:
+    assert probs is not None
+    row = probs[depth]
+    return torch.nn.functional.pad(row, (0, vocab_size - row.shape[0])) if row.shape[0] < vocab_size else row

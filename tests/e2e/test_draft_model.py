@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model on tiny random models: greedy output equals transformers' plain
 greedy decoding of the target token for token, batched, chunked, preempted and on prefix-cache hits; seeded
-sampling draws what it draws without speculation; a draft that cannot draft for the target is refused at
-start-up, naming the field."""
+sampling draws what it draws without speculation, unseeded sampled drafts pass rejection sampling; a draft that cannot draft for
+the target is refused at start-up, naming the field."""
 
 from __future__ import annotations
 
@@ -108,6 +108,20 @@ def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(models) ->
         llm = speculating(models, draft)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
         assert llm.engine.stats().num_draft_tokens > 0
+
+
+def test_sampled_drafts_of_the_target_itself_are_always_accepted(models) -> None:
+    """Unseeded sampled requests get drafts sampled from the draft's distribution q, verified by rejection
+    sampling. With the target as its own draft q equals p (the draft's logits are processed as the target's
+    are: temperature, filters, penalties), so every draft is accepted."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, repetition_penalty=1.1, max_tokens=MAX_TOKENS,
+                            ignore_eos=True)
+    llm = speculating(models, "target", speculative={"adaptive": False})
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_draft_tokens == stats.num_draft_tokens
+    drain(llm)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(models, tmp_path) -> None:

@@ -82,3 +82,15 @@ def test_a_narrow_fit_probes_another_row_count() -> None:
         policy.observe_verified("b", 4, 0)
     chosen = [tuple(policy.lengths(["a", "b"])) for _ in range(8)]
     assert chosen.count((0, 0)) == 6 and chosen.count((1, 1)) == 2
+
+
+def test_row_counts_past_a_tile_are_priced_as_measured() -> None:
+    """Rows in tiles of 4: a fifth row costs a second pass over the weights. The policy stops at the tile."""
+    policy = DraftLengthPolicy(4)
+    for _ in range(3):
+        for rows, seconds in ((1, 0.100), (2, 0.101), (3, 0.102), (4, 0.104), (5, 0.200)):
+            policy.observe_step(rows, seconds)
+    for _ in range(50):
+        policy.observe_verified("a", 4, 4)
+    assert policy.target_cost.predict(5) == pytest.approx(0.200)
+    assert policy.lengths(["a"]) == [3]

@@ -147,3 +147,49 @@ def test_speculative_config_in_vllm_spelling() -> None:
     assert config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
                                        prompt_lookup_max=5)
     assert config.enabled and not SpeculativeConfig().enabled
+
+
+def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+def test_rejection_sampling_leaves_the_target_distribution_exact() -> None:
+    """Drafts sampled from a distribution q unlike the target's p: the tokens emitted (the first, and the
+    second where the first draft was accepted) are distributed as p, over 20,000 seeded trials."""
+    generator = torch.Generator().manual_seed(0)
+    num = 20_000
+    target_logits = torch.randn(3, VOCAB, generator=generator) * 2  # depths 0, 1 and the bonus row
+    params = SamplingParams(temperature=0.8, top_k=6, max_tokens=8)
+    sampler = Sampler(VOCAB, base_seed=1)
+    p = sampler.probabilities(target_logits, [SamplingState(params, [1], []) for _ in range(3)])
+    # q puts mass where p has none (top_k drops two tokens): those drafts must always be rejected.
+    q = torch.softmax(torch.randn(2, VOCAB, generator=generator), dim=-1)
+    drafts = torch.multinomial(q, num, replacement=True, generator=generator).T.tolist()  # [num, 2]
+    states = [SamplingState(params, [1], []) for _ in range(num)]
+    verified = sample_and_verify(sampler, target_logits.repeat(num, 1), states, drafts, [q] * num)
+
+    first = torch.bincount(torch.tensor([s.output_token_ids[0] for s in states]), minlength=VOCAB).float()
+    second = torch.bincount(torch.tensor([s.output_token_ids[1] for s in states if len(s.output_token_ids) > 1]),
+                            minlength=VOCAB).float()
+    assert total_variation(first, p[0]) < 0.015
+    assert total_variation(second, p[1]) < 0.02
+    assert second.sum() > 3_000  # enough first drafts were accepted to judge the second token
+    # The test has power: taking the drafts as they come would give q, far from p.
+    assert 0.5 * float((q[0] - p[0]).abs().sum()) > 0.2
+    assert all(v.num_accepted + 1 == len(s.output_token_ids) for v, s in zip(verified, states, strict=True))
+
+
+def test_rejection_sampling_is_reproducible_for_seeded_requests() -> None:
+    generator = torch.Generator().manual_seed(3)
+    target_logits = torch.randn(3, VOCAB, generator=generator)
+    q = torch.softmax(torch.randn(2, VOCAB, generator=generator), dim=-1)
+    drafts = [[int(t) for t in torch.multinomial(q, 1, generator=generator).squeeze(1)] for _ in range(64)]
+
+    def run(base_seed: int) -> list[list[int]]:
+        states = [SamplingState(SamplingParams(temperature=1.0, seed=100 + i), [1], []) for i in range(64)]
+        sample_and_verify(Sampler(VOCAB, base_seed), target_logits.repeat(64, 1), states, drafts, [q] * 64)
+        return [s.output_token_ids for s in states]
+
+    first = run(0)
+    assert run(1) == first  # another base seed: seeded requests do not depend on it
+    assert len({tuple(tokens) for tokens in first}) > 10
