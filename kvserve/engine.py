@@ -309,6 +309,8 @@ class Engine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        if self.draft_kv is not None:
+            self.draft_kv.check_invariants()
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
