@@ -148,7 +148,7 @@ class Modes:
 
 def make_modes(args: argparse.Namespace, max_num_seqs: int) -> Modes:
     spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens,
-            "adaptive": not args.fixed}
+            "adaptive": not args.fixed, "quantization": args.draft_quantization}
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=max_num_seqs, kv_cache_gb=args.kv_cache_gb,
               speculative_config=spec)
     ngram = NgramProposer(args.num_speculative_tokens, min_n=2, max_n=4)
@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests per workload and level (at least c)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft-quantization", default=None, help="the draft's --quantization (default: the target's)")
     parser.add_argument("--fixed", action="store_true", help="a fixed draft length, not the adaptive one")
     parser.add_argument("--modes", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=1)

@@ -219,6 +219,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None  # the draft model (method draft_model): a name `kvserve models` knows, or a path
+    # How the draft's quantised GGUF weights run (as --quantization); None: as the target's. A draft decodes
+    # a row or a few at a time, where GGUF blocks are fastest, even on CPUs where auto keeps dense weights.
+    quantization: Quantization | None = None
     adaptive: bool = True
     # No drafts in a step that samples for this many requests or more (vLLM's option of the same name); the
     # adaptive rule usually gets there by itself.
@@ -243,13 +246,19 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})", "prompt_lookup_min")
+        if self.quantization is not None and self.quantization not in ("auto", "gguf", "none"):
+            raise ConfigError(f"quantization must be 'auto', 'gguf' or 'none', got {self.quantization!r}",
+                              "quantization")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}", "adaptive")
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("method 'draft_model' needs the draft's 'model' (a name or a path)", "model")
-        elif self.model is not None:
-            raise ConfigError(f"'model' is the draft of method 'draft_model'; method is {self.method!r}", "model")
+        else:
+            for name in ("model", "quantization"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"'{name}' is the draft's, of method 'draft_model'; method is {self.method!r}",
+                                      name)
 
     @property
     def enabled(self) -> bool:

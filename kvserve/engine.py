@@ -138,13 +138,16 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def _load_model(self, path: Path, arch: ArchConfig) -> tuple[Backend, LlamaForCausalLM]:
-        """A model's backend and weights, as the model options say (the draft model is loaded the same way)."""
+    def _load_model(self, path: Path, arch: ArchConfig, quantization: str | None = None
+                    ) -> tuple[Backend, LlamaForCausalLM]:
+        """A model's backend and weights, as the model options say (the draft model is loaded the same way,
+        with its own ``quantization`` if it has one)."""
         mc = self.config.model
+        quantization = quantization or mc.quantization
         t0 = time.perf_counter()
         backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self.config.backend)
         model = build_model(arch, self.dtype, self.device, backend)
-        keep_blocks = mc.quantization == "gguf" or (mc.quantization == "auto" and backend.quantized_by_default)
+        keep_blocks = quantization == "gguf" or (quantization == "auto" and backend.quantized_by_default)
         quantized_types = backend.quantized_types if keep_blocks else frozenset()
         model.load_weights(iter_weights(path, arch, self.dtype, show_progress=mc.show_progress,
                                         quantized_types=quantized_types))
@@ -166,7 +169,7 @@ class Engine:
         if why is not None:
             raise ConfigError(f"speculative_config.model: the draft {path.name} cannot draft for "
                               f"{self.model_path.name}: {why}", "model")
-        backend, model = self._load_model(path, arch)
+        backend, model = self._load_model(path, arch, spec.quantization)
         if model.num_parameters > self.model.num_parameters:
             raise ConfigError(f"speculative_config.model: the draft {path.name} has {model.num_parameters:,} "
                               f"parameters, more than the target's {self.model.num_parameters:,}", "model")

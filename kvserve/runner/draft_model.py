@@ -4,16 +4,19 @@ its own paged KV, one batched forward per draft token for every request that dra
 A step's drafting for requests r with confirmed tokens T_r (prompt and output) and draft lengths k_r::
 
     forward 1   each r: the tokens of T_r its KV lacks (the last one at least; a whole prompt on first
-                sight, less what the draft's prefix cache holds)          → d1 = argmax of the last row
+                sight, less what the draft's prefix cache holds)          → d1 after the last of them
     forward j   each r with k_r >= j: d(j-1) at the next position          → dj
 
 A request's first drafting waits for the step after its first token, so the draft's prefill of the prompt
-never delays the first token. Drafts are the draft's greedy choices for greedy requests, which the target accepts while its own choice
-agrees; for a request with a temperature (and no seed) they are samples from the draft's distribution q
-(processed as the target's sampler processes p), kept for the verification's rejection sampling
-(runner/speculative.py). Seeded requests get greedy drafts: their tokens then never depend on speculation.
-What the draft's KV holds is kept in ``DraftKV`` (the engine's, from kvserve/cache): rejected drafts' KV is
-overwritten the next step, and a request that returns after a preemption starts from the draft's prefix
+never delays the first token.
+
+Greedy requests get the draft's greedy choices, which the target accepts while its own choice agrees.
+Requests with a temperature and no seed get samples from the draft's distribution q (processed as the
+target's sampler processes p), kept for the verification's rejection sampling (runner/speculative.py).
+Seeded requests get greedy drafts: their tokens then never depend on speculation.
+
+What the draft's KV holds is kept by a ``DraftKV`` (the engine's, from kvserve/cache): rejected drafts' KV
+is overwritten the next step, and a request that returns after a preemption starts from the draft's prefix
 cache.
 """
 
@@ -36,6 +39,8 @@ _MAX_DECODE_CATCH_UP = 16  # tokens the draft catches up on as decode rows; more
 
 
 class DraftSlotsLike(Protocol):
+    """Where a request's draft KV stands: KV held for its first ``num_computed`` tokens, and its blocks."""
+
     @property
     def num_computed(self) -> int: ...
 
