@@ -10,7 +10,9 @@ measured as the engine runs, so the choice follows the load:
 - **Cost.** What a target step of ``R`` rows takes, and a draft forward of ``R`` rows (none for n-gram
   lookup): the recent average at each row count seen, a linear fit over recent steps elsewhere. Small
   batches are bound by reading the weights, so extra rows are cheap there; large ones are bound by
-  compute, where each row costs its full share and drafts stop paying.
+  compute, where each row costs its full share and drafts stop paying. The draft's predicted cost is
+  scaled by what its whole proposals took over what their forwards predicted (catch-up rows, a new
+  request's prefill in the draft, the work between forwards).
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
 SmartSpec and TurboSpec). Adding drafts in order of their expected worth (``a_i^j`` for request ``i``'s
@@ -34,6 +36,8 @@ _COST_DECAY = 0.98
 _PRIOR_ROW_SHARE = 0.25  # before the slope is known: a row costs this share of its proportional time
 _ROW_MEAN_DECAY = 0.8  # a row count's recent mean: each observation moves it a fifth of the way
 _MIN_ROW_OBSERVATIONS = 2
+_DRAFT_SCALE_DECAY = 0.9
+_MAX_DRAFT_SCALE_STEP = 5.0  # one slow proposal (a long prompt's prefill in the draft) moves the scale this far
 
 
 class LinearCost:
@@ -131,6 +135,10 @@ class DraftLengthPolicy:
         self._requests: dict[str, _Acceptance] = {}
         self.probe_every = probe_every
         self._num_calls = 0
+        # What the draft's work took over what its forwards' costs predicted: the catch-up rows, a new
+        # request's prefill in the draft and the glue between forwards are in the measurement, not the fit.
+        self.draft_scale = 1.0
+        self._predicted_draft_s = 0.0
         self.last_mean_length = 0.0  # the mean length chosen for the last batch (a gauge for /metrics)
 
     # --- measurements -----------------------------------------------------------------------------------
@@ -141,6 +149,12 @@ class DraftLengthPolicy:
     def observe_draft(self, timings: Sequence[tuple[int, float]]) -> None:
         for rows, seconds in timings:
             self.draft_cost.observe(rows, seconds)
+
+    def observe_propose(self, seconds: float) -> None:
+        """The proposer's whole work for the lengths last chosen took ``seconds``."""
+        if self.uses_model and self._predicted_draft_s > 0:
+            ratio = min(_MAX_DRAFT_SCALE_STEP, seconds / self._predicted_draft_s)
+            self.draft_scale += (ratio - self.draft_scale) * (1 - _DRAFT_SCALE_DECAY)
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """``num_drafts`` of the request's drafts were verified; the first ``num_accepted`` were accepted."""
@@ -180,13 +194,20 @@ class DraftLengthPolicy:
             # that has seen one row count only, half as many (another row count for the fit).
             lengths = [k // 2 for k in lengths] if any(lengths) else [1] * num
         self.last_mean_length = sum(lengths) / num if num else 0.0
+        self._predicted_draft_s = self._draft_seconds(_rows_at_depth(lengths, self.max_tokens), scaled=False)
         return lengths
+
+    def _draft_seconds(self, rows_at_depth: list[int], scaled: bool = True) -> float:
+        if not self.uses_model:
+            return 0.0
+        seconds = sum(self.draft_cost.predict(rows) for rows in rows_at_depth if rows)
+        return seconds * self.draft_scale if scaled else seconds
 
     def _best_lengths(self, acceptance: list[float]) -> list[int]:
         num = len(acceptance)
         if self.uses_model and not self.draft_cost.has_data:
             return [self.max_tokens] * num  # the draft's cost is measured on its first forwards
-        target, draft = self.target_cost, self.draft_cost
+        target = self.target_cost
         # Every draft by its expected worth, best first; a request's j-th draft comes after its (j-1)-th.
         candidates = sorted(((a ** j, j, i) for i, a in enumerate(acceptance) for j in range(1, self.max_tokens + 1)),
                             key=lambda c: (-c[0], c[1]))
@@ -197,12 +218,15 @@ class DraftLengthPolicy:
         for count, (worth, depth, _) in enumerate(candidates, 1):
             tokens += worth
             rows_at_depth[depth] += 1
-            seconds = target.predict(num + count)
-            if self.uses_model:
-                seconds += sum(draft.predict(rows) for rows in rows_at_depth if rows)
+            seconds = target.predict(num + count) + self._draft_seconds(rows_at_depth)
             if seconds > 0 and tokens / seconds > best_rate:
                 best_rate, best_count = tokens / seconds, count
         lengths = [0] * num
         for _, _, i in candidates[:best_count]:
             lengths[i] += 1
         return lengths
+
+
+def _rows_at_depth(lengths: list[int], max_tokens: int) -> list[int]:
+    """Rows of the draft's j-th forward (j = 1..max_tokens) for these draft lengths."""
+    return [0] + [sum(1 for k in lengths if k >= j) for j in range(1, max_tokens + 1)]

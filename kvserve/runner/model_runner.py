@@ -138,7 +138,9 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         proposals = self.proposer.propose(wanted)
-        self.propose_time_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.propose_time_s += seconds
+        policy.observe_propose(seconds)
         policy.observe_draft(self.proposer.take_forward_timings())
         draft_probs = self.proposer.take_draft_probs()
         for request, proposal in zip(wanted, proposals, strict=True):

@@ -94,3 +94,14 @@ def test_row_counts_past_a_tile_are_priced_as_measured() -> None:
         policy.observe_verified("a", 4, 4)
     assert policy.target_cost.predict(5) == pytest.approx(0.200)
     assert policy.lengths(["a"]) == [3]
+
+
+def test_proposals_slower_than_their_forwards_predict_scale_the_draft_cost_up() -> None:
+    policy = policy_with(intercept=0.020, slope=0.001, acceptance=0.9, uses_model=True)
+    policy.observe_draft([(rows, 0.004 + 0.0005 * rows) for rows in (1, 2, 4, 8)])
+    before = sum(policy.lengths(["a", "b"]))
+    for _ in range(30):
+        policy.lengths(["a", "b"])
+        policy.observe_propose(4 * policy._predicted_draft_s)  # catch-up and prefills the fit does not see
+    assert policy.draft_scale > 3
+    assert sum(policy.lengths(["a", "b"])) < before
