@@ -17,8 +17,9 @@ measured as the engine runs, so the choice follows the load:
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
 SmartSpec and TurboSpec). Adding drafts in order of their expected worth (``a_i^j`` for request ``i``'s
 ``j``-th draft) and keeping the best prefix finds it, since that order is also each request's own order.
-Every ``probe_every`` steps a probe changes the lengths: where none were chosen, one draft each, so that
-acceptance, which only verification measures, is not left at a stale estimate; where the cost fit has seen
+Every ``probe_every`` steps a probe changes the lengths: where none were chosen, one draft each (for a
+draft model, only to requests it has drafted for: a first draft costs the prompt's prefill in the draft),
+so that acceptance, which only verification measures, is not left at a stale estimate; where the cost fit has seen
 too narrow a range of row counts to tell the slope, half as many, so the fit keeps learning at the current
 load.
 """
@@ -37,7 +38,7 @@ _PRIOR_ROW_SHARE = 0.25  # before the slope is known: a row costs this share of 
 _ROW_MEAN_DECAY = 0.8  # a row count's recent mean: each observation moves it a fifth of the way
 _MIN_ROW_OBSERVATIONS = 2
 _DRAFT_SCALE_DECAY = 0.9
-_MAX_DRAFT_SCALE_STEP = 5.0  # one slow proposal (a long prompt's prefill in the draft) moves the scale this far
+_MAX_DRAFT_SCALE_STEP = 2.0  # how far one slow proposal (a long prompt's prefill in the draft) moves the scale
 
 
 class LinearCost:
@@ -192,7 +193,10 @@ class DraftLengthPolicy:
         if self._num_calls % self.probe_every == 0 and (self.target_cost.narrow or not any(lengths)):
             # A probe: without drafts, one each (acceptance is only learnt by verifying); with drafts on a fit
             # that has seen one row count only, half as many (another row count for the fit).
-            lengths = [k // 2 for k in lengths] if any(lengths) else [1] * num
+            # A draft model starts on a request with the prefill of its prompt: probes go only to requests it
+            # has drafted for before.
+            lengths = [k // 2 for k in lengths] if any(lengths) else [
+                1 if not self.uses_model or rid in self._requests else 0 for rid in request_ids]
         self.last_mean_length = sum(lengths) / num if num else 0.0
         self._predicted_draft_s = self._draft_seconds(_rows_at_depth(lengths, self.max_tokens), scaled=False)
         return lengths
