@@ -67,7 +67,9 @@ def test_batched_and_chunked_greedy_equals_transformers(models, reference, draft
     llm = speculating(models, draft, max_num_batched_tokens=24, speculative={"adaptive": adaptive})
     assert greedy_ids(llm) == reference
     stats = llm.engine.stats()
-    assert stats.spec_method == "draft_model" and stats.num_draft_tokens > 0
+    assert stats.spec_method == "draft_model"
+    if not adaptive:  # the adaptive lengths follow measured timings: they may choose no drafts at all
+        assert stats.num_draft_tokens > 0
     if draft == "target":  # the target drafting for itself: every draft is accepted
         assert stats.num_accepted_draft_tokens == stats.num_draft_tokens
     drain(llm)
@@ -75,7 +77,7 @@ def test_batched_and_chunked_greedy_equals_transformers(models, reference, draft
 
 def test_preempted_requests_catch_up_in_the_draft(models, reference) -> None:
     # 24 blocks of 4 cannot hold the four requests at their full length at once.
-    llm = speculating(models, "target", num_kv_blocks=24)
+    llm = speculating(models, "target", num_kv_blocks=24, speculative={"adaptive": False})
     assert greedy_ids(llm) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.stats().num_accepted_draft_tokens > 0
@@ -105,7 +107,7 @@ def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(models) ->
     plain = LLM(str(models["target"]), dtype="float32", block_size=4, num_kv_blocks=128)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     for draft in ("draft", "target"):
-        llm = speculating(models, draft)
+        llm = speculating(models, draft, speculative={"adaptive": False})
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
         assert llm.engine.stats().num_draft_tokens > 0
 

@@ -11,7 +11,8 @@ from kvserve.request import StepUpdate
 from tests.e2e.conftest import LONG_DOCUMENT
 
 pytestmark = pytest.mark.slow
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}  # drafts every step: the timings-driven lengths could choose none
 PROMPTS = [
     LONG_DOCUMENT + "\nRepeat the first section word for word:",
     "Count: one, two, three, four, five, six, seven, eight, nine, ten, one, two, three,",

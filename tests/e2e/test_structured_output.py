@@ -84,7 +84,7 @@ def test_regex_and_choice(llm: LLM) -> None:
 
 @pytest.mark.parametrize("options", [
     {"enable_prefix_caching": False},
-    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}},
     {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 64},  # preempts, and chunks prefills
 ])
 def test_the_same_tokens_with_the_cache_off_speculation_and_preemption(greedy_texts: list[str],

@@ -23,7 +23,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len"
 # The shared server also speculates (n-gram drafts); the offline LLM does not. Speculation is exact, so every
 # server test holds either way, and the comparison test checks that it changes no output (float32: no
 # bf16 rounding for the batch shape to move).
-SPECULATIVE_ARGS = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}']
+SPECULATIVE_ARGS = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "adaptive": false}']
 LLM_KWARGS = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 512, "max_num_batched_tokens": 1024,
               "max_num_seqs": 64}
 MAX_MODEL_LEN = 512
