@@ -15,8 +15,7 @@ measured as the engine runs, so the choice follows the load:
   request's prefill in the draft, the work between forwards).
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
-SmartSpec and TurboSpec). A guard has the last word: where the steps that verified drafts have realised
-fewer tokens per second than the steps that did not, at the same batch size, no drafts are chosen. Adding drafts in order of their expected worth (``a_i^j`` for request ``i``'s
+SmartSpec and TurboSpec). Adding drafts in order of their expected worth (``a_i^j`` for request ``i``'s
 ``j``-th draft) and keeping the best prefix finds it, since that order is also each request's own order.
 Every ``probe_every`` steps a probe changes the lengths: where none were chosen, one draft each (for a
 draft model, only to requests it has drafted for: a first draft costs the prompt's prefill in the draft),
@@ -39,8 +38,6 @@ _PRIOR_ROW_SHARE = 0.25  # before the slope is known: a row costs this share of 
 _ROW_MEAN_DECAY = 0.8  # a row count's recent mean: each observation moves it a fifth of the way
 _MIN_ROW_OBSERVATIONS = 2
 _DRAFT_SCALE_DECAY = 0.9
-_RATE_DECAY = 0.9
-_MIN_RATE_OBSERVATIONS = 2
 _MAX_DRAFT_SCALE_STEP = 2.0  # how far one slow proposal (a long prompt's prefill in the draft) moves the scale
 
 
@@ -120,16 +117,6 @@ class StepCost:
 
 
 @dataclass(slots=True)
-class _Rate:
-    mean: float = 0.0
-    count: int = 0
-
-    def observe(self, value: float) -> None:
-        self.mean += (value - self.mean) * max(1 - _RATE_DECAY, 1 / (self.count + 1))
-        self.count += 1
-
-
-@dataclass(slots=True)
 class _Acceptance:
     accepted: float = 0.0
     trials: float = 0.0
@@ -153,9 +140,6 @@ class DraftLengthPolicy:
         # request's prefill in the draft and the glue between forwards are in the measurement, not the fit.
         self.draft_scale = 1.0
         self._predicted_draft_s = 0.0
-        # Tokens per second realised by steps with drafts and without, by batch size: the last word when the
-        # cost model predicts gains that the steps do not deliver.
-        self._rates: dict[tuple[bool, int], _Rate] = {}
         self.last_mean_length = 0.0  # the mean length chosen for the last batch (a gauge for /metrics)
 
     # --- measurements -----------------------------------------------------------------------------------
@@ -166,18 +150,6 @@ class DraftLengthPolicy:
     def observe_draft(self, timings: Sequence[tuple[int, float]]) -> None:
         for rows, seconds in timings:
             self.draft_cost.observe(rows, seconds)
-
-    def observe_outcome(self, num_requests: int, num_tokens: int, seconds: float, drafted: bool) -> None:
-        """A decode step of ``num_requests`` emitted ``num_tokens`` in ``seconds`` (its forward and the
-        proposing of the drafts it verified); ``drafted``: it verified drafts."""
-        rate = self._rates.setdefault((drafted, num_requests), _Rate())
-        rate.observe(num_tokens / seconds if seconds > 0 else 0.0)
-
-    def _loses(self, num_requests: int) -> bool:
-        """Steps with drafts have emitted fewer tokens per second than steps without, at this batch size."""
-        on, off = self._rates.get((True, num_requests)), self._rates.get((False, num_requests))
-        return (on is not None and off is not None and on.count >= _MIN_RATE_OBSERVATIONS
-                and off.count >= _MIN_RATE_OBSERVATIONS and on.mean < off.mean)
 
     def observe_propose(self, seconds: float) -> None:
         """The proposer's whole work for the lengths last chosen took ``seconds``."""
@@ -218,14 +190,12 @@ class DraftLengthPolicy:
             return [self.max_tokens] * num
         self._num_calls += 1
         lengths = self._best_lengths([self.acceptance(rid) for rid in request_ids])
-        if any(lengths) and self._loses(num):
-            lengths = [0] * num
-        if self._num_calls % self.probe_every == 0:
-            # A probe. With drafts: a step without any, to measure plain decoding's rate at this batch size (and
-            # another row count for the fit). Without: one draft each, because acceptance is only learnt by
-            # verifying; for a draft model only to requests it has drafted for (a first draft costs the
-            # prompt's prefill in the draft).
-            lengths = [0] * num if any(lengths) else [
+        if self._num_calls % self.probe_every == 0 and (self.target_cost.narrow or not any(lengths)):
+            # A probe: without drafts, one each (acceptance is only learnt by verifying); with drafts on a fit
+            # that has seen one row count only, half as many (another row count for the fit).
+            # A draft model starts on a request with the prefill of its prompt: probes go only to requests it
+            # has drafted for before.
+            lengths = [k // 2 for k in lengths] if any(lengths) else [
                 1 if not self.uses_model or rid in self._requests else 0 for rid in request_ids]
         self.last_mean_length = sum(lengths) / num if num else 0.0
         self._predicted_draft_s = self._draft_seconds(_rows_at_depth(lengths, self.max_tokens), scaled=False)

@@ -49,7 +49,6 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.num_proposed_tokens = 0  # drafts the proposer offered, and the time it took to offer them
         self.propose_time_s = 0.0
-        self._last_propose_s = 0.0  # what proposing the drafts the next step verifies took
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
@@ -107,11 +106,7 @@ class ModelRunner:
             draft_probs = [self._draft_probs.pop(rid, None) for rid in inputs.sample_request_ids]
             verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts, draft_probs)
         if self.proposer is not None and not inputs.rows.prefills:  # the cost of decode rows, for draft lengths
-            seconds = time.perf_counter() - t0
-            self.draft_lengths.observe_step(int(inputs.input_ids.shape[0]), seconds)
-            self.draft_lengths.observe_outcome(len(verified), sum(v.num_accepted + 1 for v in verified),
-                                               seconds + self._last_propose_s, any(inputs.sample_drafts))
-        self._last_propose_s = 0.0
+            self.draft_lengths.observe_step(int(inputs.input_ids.shape[0]), time.perf_counter() - t0)
         for request_id, drafts, outcome in zip(inputs.sample_request_ids, inputs.sample_drafts, verified, strict=True):
             result.sampled_token_ids[request_id] = outcome.token_id
             if drafts:
@@ -145,7 +140,6 @@ class ModelRunner:
         proposals = self.proposer.propose(wanted)
         seconds = time.perf_counter() - t0
         self.propose_time_s += seconds
-        self._last_propose_s = seconds
         policy.observe_propose(seconds)
         policy.observe_draft(self.proposer.take_forward_timings())
         draft_probs = self.proposer.take_draft_probs()

@@ -115,13 +115,3 @@ def test_a_draft_model_probes_only_requests_it_has_drafted_for() -> None:
         policy.observe_verified("seen", 4, 0)
     chosen = [policy.lengths(["seen", "new"]) for _ in range(4)]
     assert [0, 0] in chosen and [1, 0] in chosen and all(lengths[1] == 0 for lengths in chosen)
-
-
-def test_drafting_that_realises_fewer_tokens_per_second_than_plain_steps_is_turned_off() -> None:
-    policy = policy_with(intercept=0.020, slope=0.0002, acceptance=0.9)  # the model predicts long drafts pay
-    assert policy.lengths(["a", "b"]) == [4, 4]
-    for _ in range(3):
-        policy.observe_outcome(2, num_tokens=6, seconds=0.060, drafted=True)  # 100 tokens/s with drafts
-        policy.observe_outcome(2, num_tokens=2, seconds=0.010, drafted=False)  # 200 without
-    assert policy.lengths(["a", "b"]) == [0, 0]
-    assert policy.lengths(["a", "b", "c"]) == [4, 4, 4]  # another batch size has no verdict yet
