@@ -121,8 +121,10 @@ class DraftModelProposer:
             if _samples_drafts(state):
                 sampled_rows[r.request_id] = []
         while active:
-            states = [self._draft_state(requests[i].state, drafts[i]) for i, _, _ in active]
-            proposed, probs = self._forward([row for _, row, _ in active], states)
+            # By position among this forward's rows: the requests whose drafts are sampled, as the draft sees them.
+            sampled = {k: self._draft_state(requests[i].state, drafts[i])
+                       for k, (i, row, _) in enumerate(active) if row.request_id in sampled_rows}
+            proposed, probs = self._forward([row for _, row, _ in active], sampled)
             still: list[tuple[int, ScheduledRequest, int]] = []
             for (i, row, num_drafts), token_id in zip(active, proposed, strict=True):
                 drafts[i].append(token_id)
@@ -146,11 +148,11 @@ class DraftModelProposer:
         return SamplingState(state.params, state.prompt_token_ids, [*state.output_token_ids, *drafts],
                              state.eos_token_ids)
 
-    def _forward(self, rows: list[ScheduledRequest], states: list[SamplingState]
+    def _forward(self, rows: list[ScheduledRequest], sampled: dict[int, SamplingState]
                  ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """One batched forward of the draft: per row (in order) its next token after the row's last position,
-        the greedy choice or, for a sampled request, a sample from the draft's distribution (returned by
-        request id: [V])."""
+        the greedy choice or, for the rows in ``sampled``, a sample from the draft's distribution (returned
+        by request id: [V])."""
         t0 = time.perf_counter()
         inputs = build_inputs(SchedulerOutput(scheduled=rows), self.block_size, self.model.device)
         meta = self.backend.build_metadata(inputs.rows)
@@ -166,11 +168,10 @@ class DraftModelProposer:
             index = torch.tensor([last_rows[row.request_id] for row in rows], device=hidden.device)
             logits = self.model.compute_logits(hidden[index])[:, : self.vocab_size]
             tokens = self.backend.argmax(logits).tolist()
-            sampled = [k for k, state in enumerate(states) if _samples_drafts(state)]
             probs: dict[str, torch.Tensor] = {}
             if sampled:
-                index = torch.tensor(sampled, device=logits.device)
-                sampled_states = [states[k] for k in sampled]
+                index = torch.tensor(list(sampled), device=logits.device)
+                sampled_states = list(sampled.values())
                 q = self.sampler.probabilities(logits[index], sampled_states)  # [S, V]
                 for k, token_id, row in zip(sampled, self.sampler.sample_from(q, sampled_states, DRAFT_SALT), q,
                                             strict=True):

@@ -108,12 +108,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (tuple(logits.shape), len(states))
         assert logits.shape[1] >= self.vocab_size, (tuple(logits.shape), self.vocab_size)
         logits = logits[:, : self.vocab_size]  # [B, V]; a view: padded vocab columns are never sampled
-        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
-        if constrained:
-            assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
-            logits = logits.clone()  # masked in place; the caller's tensor stays as it was
-            matchers = [m for i in constrained if (m := states[i].matcher) is not None]
-            self.grammar_masker.apply(logits, constrained, matchers)
+        logits, constrained = self._masked(logits, states)
         if not any(_needs_full_path(s) for s in states):
             # Hot path: every decode step of greedy requests. argmax is exact in any float dtype.
             if any(s.suppresses_stop_tokens for s in states):
@@ -122,21 +117,33 @@ class Sampler:
             return SamplerOutput(self.argmax(logits).tolist(), [None] * len(states))
         return self._sample(logits, states)
 
+    def _masked(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, bool]:
+        """``logits`` with the grammar's disallowed tokens at -inf (a copy, when any row has a grammar), and
+        whether any row has one."""
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not constrained:
+            return logits, False
+        assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
+        logits = logits.clone()  # masked in place; the caller's tensor stays as it was
+        matchers = [m for i in constrained if (m := states[i].matcher) is not None]
+        self.grammar_masker.apply(logits, constrained, matchers)
+        return logits, True
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """A float32 copy of ``logits`` after min_tokens, logit_bias and the penalties."""
+        logits = logits.to(torch.float32, copy=True)
+        suppress_stop_tokens(logits, states)
+        apply_logit_bias(logits, states)
+        return apply_penalties(logits, states)
+
     # --- distributions, for speculative decoding's rejection sampling ------------------------------------
     def probabilities(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Each row's sampling distribution, [B, V] float32: what ``__call__`` samples a non-greedy row from
         (grammar, min_tokens, logit_bias, penalties, temperature, top-k, top-p, min-p). Rows must not be greedy."""
         assert not any(s.params.is_greedy for s in states)
-        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)
-        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
-        if constrained:
-            assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
-            self.grammar_masker.apply(logits, constrained,
-                                         [m for i in constrained if (m := states[i].matcher) is not None])
-        suppress_stop_tokens(logits, states)
-        apply_logit_bias(logits, states)
-        logits = apply_penalties(logits, states)
-        return self._filtered_probs(logits, states, list(range(len(states))))
+        logits, _ = self._masked(logits[:, : self.vocab_size], states)
+        return self._filtered_probs(self._penalised(logits, states), states, list(range(len(states))))
 
     def sample_from(self, probs: torch.Tensor, states: list[SamplingState], salt: int = 0) -> list[int]:
         """One token per row of ``probs`` [B, V] (any non-negative weights), with each row's noise drawn as
@@ -160,10 +167,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         num_rows = len(states)
         device = logits.device
-        logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to edit in place
-        suppress_stop_tokens(logits, states)
-        apply_logit_bias(logits, states)
-        logits = apply_penalties(logits, states)
+        logits = self._penalised(logits, states)  # [B, V] float32
 
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
         sample_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]

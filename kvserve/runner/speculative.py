@@ -187,7 +187,8 @@ def sample_and_verify(
         by_ratio = [j for j in alive if probs[j] is not None and depth < len(drafts[j])
                     and not states[j].params.is_greedy]
         if by_ratio:
-            alive = [j for j in alive if j not in set(by_ratio)]
+            ratio_rows = set(by_ratio)
+            alive = [j for j in alive if j not in ratio_rows]
             still = _verify_by_ratio(sampler, logits, states, drafts, probs, offsets, by_ratio, depth, results)
         else:
             still = []
