@@ -1,4 +1,4 @@
-"""`kvserve serve | generate | chat | models | bench | cost | trace` — the command line. The CLI may print."""
+"""`kvserve serve | route | generate | chat | models | bench | cost | trace` — the command line. The CLI may print."""
 
 from __future__ import annotations
 
@@ -6,18 +6,21 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from collections.abc import Sequence
 
-from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config import EngineConfig, ModelConfig, RouterConfig, RoutingPolicyName
 from kvserve.config_args import (
     add_engine_arguments,
+    add_router_arguments,
     add_server_arguments,
     engine_config_from_args,
     parse_duration,
     parse_speculative_config,
+    router_config_from_args,
     server_config_from_args,
 )
-from kvserve.errors import KVServeError
+from kvserve.errors import ConfigError, KVServeError
 
 __all__ = ["build_parser", "engine_config_from_args", "main", "parse_duration", "parse_speculative_config"]
 
@@ -110,9 +113,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # (5 ms by default), so a short one keeps steps from waiting on it (benchmarks/server_step_profile.py
     # times the server's steps); an engine process of its own would remove the wait altogether.
     sys.setswitchinterval(SERVE_GIL_SWITCH_INTERVAL_S)
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}", "replicas")
+    if args.replicas > 1:
+        return _serve_replicas(args)
     from kvserve.server.openai_api import serve
 
     return serve(engine_config_from_args(args), server_config_from_args(args))
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    """N engine processes on loopback, each with its share of the threads, and the gateway in front."""
+    from kvserve.router.serving import ReplicaProcesses, run_router, threads_per_replica, without_options
+
+    engine_config = engine_config_from_args(args)  # checked here, once, before any process starts
+    server_config = server_config_from_args(args)
+    serve_args = without_options(args.argv[args.argv.index("serve") + 1:],
+                                 ("--replicas", "--routing-policy", "--host", "--port", "--num-threads"))
+    threads = threads_per_replica(args.replicas, engine_config.model.num_threads)
+    replicas = ReplicaProcesses(serve_args, args.replicas, threads)
+    try:
+        return run_router(RouterConfig(replicas=tuple(replicas.urls), policy=args.routing_policy,
+                                       host=server_config.host, port=server_config.port,
+                                       replica_api_key=server_config.api_key,
+                                       max_request_body_bytes=server_config.max_request_body_bytes,
+                                       uvicorn_log_level=server_config.uvicorn_log_level))
+    finally:
+        replicas.stop()
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from kvserve.router.serving import run_router
+
+    if not args.replica:
+        raise ConfigError("kvserve route needs at least one --replica URL", "replicas")
+    return run_router(router_config_from_args(args, tuple(args.replica)))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -158,6 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(p)
     p.set_defaults(func=cmd_serve)
 
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine processes on this machine, the CPU threads shared between them, behind a gateway "
+                        "on --host/--port (default: 1, no gateway)")
+    p.add_argument("--routing-policy", choices=list(typing.get_args(RoutingPolicyName)), default="cache_aware",
+                   help="with --replicas: how the gateway picks a replica (default: cache_aware)")
+
+    p = sub.add_parser("route", help="a gateway across replicas: OpenAI API, cache-aware routing, failover")
+    p.add_argument("--replica", action="append", metavar="URL",
+                   help="base URL of an OpenAI-compatible replica (repeat for each)")
+    add_router_arguments(p)
+    p.set_defaults(func=cmd_route)
+
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_arguments(p)
     add_sampling_arguments(p, max_tokens=64)
@@ -196,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

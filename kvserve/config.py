@@ -328,6 +328,59 @@ class ServerConfig:
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
 
 
+RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The gateway in front of replicas (``kvserve route``). ``replicas`` are base URLs of OpenAI-compatible
+    servers; kvserve replicas also tell it their tokenizer, KV pool and load."""
+
+    replicas: tuple[str, ...] = setting((), "base URL of a replica (repeat the flag for each)", flag=None)
+    policy: RoutingPolicyName = setting("cache_aware", "how a request's replica is chosen")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    health_interval_s: float = setting(1.0, "seconds between health and load checks of each replica: the load "
+                                            "read from replicas is never older than this plus the check's "
+                                            "timeout", flag="--health-interval")
+    startup_timeout_s: float = setting(180.0, "seconds each replica gets to answer at start-up",
+                                       flag="--startup-timeout")
+    request_timeout_s: float = setting(600.0, "seconds a replica may take to connect, or between two chunks of "
+                                             "an answer, before the request fails", flag="--request-timeout")
+    max_request_body_bytes: int = setting(16 * 1024 * 1024, "request bodies larger than this get 413",
+                                          default_text="16777216 (16 MiB)")
+    balance_abs_threshold: int = setting(
+        4, "cache_aware: load is imbalanced when the busiest replica has this many more requests than the idlest "
+           "(and --balance-rel-threshold times as many); then only replicas within this many of the idlest compete")
+    balance_rel_threshold: float = setting(1.5, "cache_aware: see --balance-abs-threshold")
+    cache_threshold: float = setting(0.5, "cache_aware: the share of a prompt a replica must hold for the prefix "
+                                          "to decide; below it the least-loaded replica takes the request")
+    prefix_page_tokens: int = setting(16, "cache_aware: tokens per page of the prefix index (a replica's KV block)")
+    prefix_capacity_tokens: int | None = setting(
+        None, "cache_aware: tokens of routed prompts remembered per replica (least recently routed forgotten "
+              "first)", default_text="the replica's KV pool; 1048576 for replicas that do not tell it")
+    replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
+                                                  "models, load); requests pass on their client's key")
+    uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
+
+    def __post_init__(self) -> None:
+        positive = ("health_interval_s", "startup_timeout_s", "request_timeout_s", "max_request_body_bytes",
+                    "balance_abs_threshold", "prefix_page_tokens")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}", name)
+        if self.balance_rel_threshold < 1.0:
+            raise ConfigError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}",
+                              "balance_rel_threshold")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ConfigError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}", "cache_threshold")
+        if self.prefix_capacity_tokens is not None and self.prefix_capacity_tokens < self.prefix_page_tokens:
+            raise ConfigError("prefix_capacity_tokens must hold at least one page", "prefix_capacity_tokens")
+        for url in self.replicas:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"a replica is a base URL (http://host:port), got {url!r}", "replicas")
+
+
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
     """Thresholds of the kernel backends (model/backends/); outputs do not depend on them."""

@@ -21,6 +21,7 @@ from kvserve.config import (
     DERIVED,
     SETTING,
     EngineConfig,
+    RouterConfig,
     Section,
     ServerConfig,
     Setting,
@@ -31,6 +32,7 @@ from kvserve.config import (
 from kvserve.errors import ConfigError
 
 SERVER_GROUP = "server"
+ROUTER_GROUP = "router"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,11 @@ def engine_options() -> list[Option]:
 def server_options() -> list[Option]:
     """ServerConfig's options: flags of ``kvserve serve`` only."""
     return _field_options(ServerConfig, (), SERVER_GROUP)
+
+
+def router_options() -> list[Option]:
+    """RouterConfig's options: flags of ``kvserve route`` (``--replica`` is the CLI's own: it repeats)."""
+    return _field_options(RouterConfig, (), ROUTER_GROUP)
 
 
 def _field_options(cls: type, prefix: tuple[str, ...], group: str) -> list[Option]:
@@ -174,6 +181,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**{o.name: getattr(args, o.dest) for o in server_options() if o.flag is not None})
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_arguments(parser, router_options())
+
+
+def router_config_from_args(args: argparse.Namespace, replicas: tuple[str, ...]) -> RouterConfig:
+    return RouterConfig(replicas=replicas,
+                        **{o.name: getattr(args, o.dest) for o in router_options() if o.flag is not None})
 
 
 # --- LLM(...) keywords ---------------------------------------------------------------------------------------

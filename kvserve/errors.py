@@ -98,6 +98,22 @@ class ServerShuttingDown(KVServeError):
     code = "server_shutting_down"
 
 
+class NoHealthyReplica(KVServeError):
+    """The gateway has no healthy replica for the request's model; the client may retry later."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "no_healthy_replica"
+
+
+class BadUpstreamResponse(KVServeError):
+    """A replica answered the gateway with something that is not an OpenAI answer."""
+
+    http_status = 502
+    error_type = "bad_gateway"
+    code = "bad_upstream_response"
+
+
 class ModelNotFound(KVServeError):
     """The model path or served model name does not exist."""
 

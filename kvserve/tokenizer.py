@@ -192,6 +192,27 @@ class Tokenizer:
             json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         )
 
+    def describe(self) -> dict[str, Any]:
+        """Everything needed to rebuild this tokenizer elsewhere (``from_description``), as JSON-able data: a
+        gateway tokenizes exactly as its replicas do without reading the model file."""
+        return {
+            "tokenizer": self._backend.to_str(),
+            "bos_token": self._bos_token,
+            "eos_token": self._eos_token,
+            "chat_template": self._chat_template,
+            "eos_token_ids": list(self._eos_token_ids),
+        }
+
+    @classmethod
+    def from_description(cls, description: dict[str, Any]) -> Tokenizer:
+        try:
+            backend = BackendTokenizer.from_str(description["tokenizer"])
+            return cls(backend, bos_token=description.get("bos_token"), eos_token=description.get("eos_token"),
+                       chat_template=description.get("chat_template"),
+                       extra_eos_token_ids=description.get("eos_token_ids") or ())
+        except Exception as e:  # tokenizers raises a bare Exception on malformed data
+            raise ModelLoadError(f"not a tokenizer description: {e}") from None
+
     # ---- properties -----------------------------------------------------------------------------
 
     @property

@@ -8,6 +8,7 @@ answers with the stream or the JSON body ``responses.ResponseBuilder`` builds.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -246,6 +247,22 @@ def build_app(
         card = p.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
                            max_model_len=state.max_model_len)
         return Response(p.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/kvserve/info")
+    async def replica_info() -> Response:
+        """What a gateway (``kvserve route``) reads of a kvserve replica beyond the OpenAI routes."""
+        stats = async_engine.stats()
+        return JSONResponse({"model": state.model_name, "block_size": async_engine.engine.config.cache.block_size,
+                             "num_kv_blocks": stats.num_kv_blocks, "max_model_len": state.max_model_len})
+
+    tokenizer_json: list[bytes] = []  # built on the first call: megabytes for a large vocabulary
+
+    @app.get("/kvserve/tokenizer")
+    async def tokenizer_description() -> Response:
+        """The tokenizer and chat template, so that a gateway renders and tokenizes prompts as this server does."""
+        if not tokenizer_json:
+            tokenizer_json.append(json.dumps(tokenizer.describe()).encode())
+        return Response(tokenizer_json[0], media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,376 @@
+"""The gateway: one OpenAI-compatible front over several replicas.
+
+A generation request is parsed only as far as routing needs (its model, its rendered prompt), sent on
+unchanged, and its answer passed back unchanged: a stream chunk for chunk as the replica sends it, a JSON
+body whole, an error with its status and body. The router adds no request of its own and drops none:
+
+- A replica that cannot be reached, or answers 5xx, before anything of the answer came back is taken out
+  (until a health check passes) and the request goes to another healthy replica; each replica is tried at
+  most once per request. When none is left the answer is 503 with Retry-After.
+- A stream cut after its first chunk cannot be replayed without sending the client text twice: it ends with
+  an OpenAI-style error event (``data: {"error": ...}``) and no ``[DONE]``; the replica is taken out.
+- A client that disconnects closes the upstream connection, which the replica reads as an abort.
+- An answer that is not an OpenAI answer (not JSON, not an event stream) is a 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.config import RouterConfig
+from kvserve.errors import (
+    BadUpstreamResponse,
+    InvalidRequest,
+    KVServeError,
+    ModelNotFound,
+    NoHealthyReplica,
+    RequestTooLarge,
+)
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.policies import Decision, RouteRequest, make_policy
+from kvserve.router.prompt_tokens import PromptTokens
+from kvserve.router.replicas import Replica, ReplicaPool
+from kvserve.server.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+LONG_BODY_BYTES = 64 * 1024  # bodies larger than this are rendered and tokenized off the event loop
+FORWARDED_HEADERS = ("authorization", "x-kvserve-timings", "x-request-id", "openai-organization")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Retry:
+    """An attempt failed before anything reached the client: try another replica."""
+
+    reason: str
+
+
+class Gateway:
+    """The replicas, the policy and the HTTP client; ``start`` checks the replicas, ``stop`` lets go."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        timeout = httpx.Timeout(config.request_timeout_s, connect=min(10.0, config.request_timeout_s))
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                                                             max_keepalive_connections=256))
+        self._replica_headers = {"authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
+        self.pool = ReplicaPool(config.replicas, self.client, config.health_interval_s, self._replica_headers)
+        self.policy = make_policy(config)
+        self.prompts = PromptTokens(self.client, self._replica_headers)
+        self.metrics = RouterMetrics(lambda: self.pool.replicas)
+        self.pool.on_change.append(self.policy.forget)
+
+    async def start(self) -> None:
+        await self.pool.check_all(self.config.startup_timeout_s)
+        await self.prompts.learn(self.pool.replicas)
+        self.pool.start()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        await self.client.aclose()
+
+    # --- one request --------------------------------------------------------------------------------------
+    async def forward(self, path: str, http: Request) -> Response:
+        body = await _read_body(http, self.config.max_request_body_bytes)
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        model = payload.get("model")
+        if model is not None and not isinstance(model, str):
+            raise InvalidRequest("'model' must be a string", param="model")
+        if model is not None and model not in self.pool.models():
+            error = ModelNotFound(f"the model '{model}' does not exist; the replicas serve "
+                                  f"{', '.join(self.pool.models()) or 'nothing'}")
+            error.param = "model"  # type: ignore[attr-defined]
+            raise error
+        if len(body) > LONG_BODY_BYTES:
+            tokens = await asyncio.to_thread(self.prompts.of, path, payload)
+        else:
+            tokens = self.prompts.of(path, payload)
+        request = RouteRequest(model, tokens)
+        headers = self._upstream_headers(http)
+        stream = bool(payload.get("stream"))
+        tried: set[str] = set()
+        while True:
+            candidates = [r for r in self.pool.healthy(model) if r.url not in tried]
+            if not candidates:
+                raise NoHealthyReplica(f"no healthy replica serves {model or 'this request'}"
+                                       f"{' (tried ' + ', '.join(sorted(tried)) + ')' if tried else ''}; retry later")
+            decision = self.policy.choose(request, candidates)
+            self.metrics.decisions.labels(policy=self.policy.name, reason=decision.reason).inc()
+            tried.add(decision.replica.url)
+            outcome = await self._attempt(decision, path, body, headers, stream, len(tokens), http)
+            if isinstance(outcome, _Retry):
+                self.metrics.retries.labels(reason=outcome.reason).inc()
+                continue
+            return outcome
+
+    def _upstream_headers(self, http: Request) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        for name in FORWARDED_HEADERS:
+            if name in http.headers:
+                headers[name] = http.headers[name]
+        return headers
+
+    async def _attempt(self, decision: Decision, path: str, body: bytes, headers: dict[str, str], stream: bool,
+                       num_tokens: int, http: Request) -> Response | _Retry:
+        replica = decision.replica
+        in_flight = _InFlight(replica, num_tokens)
+        try:
+            upstream = await _until_disconnected(
+                http, self.client.send(self.client.build_request("POST", replica.url + path, content=body,
+                                                                 headers=headers), stream=True))
+        except _ClientGone:
+            in_flight.end()
+            return Response(status_code=499)
+        except httpx.TransportError as exc:
+            in_flight.end()
+            self.pool.mark_down(replica, f"{path}: {exc!r}")
+            return _Retry("unreachable")
+        if upstream.status_code >= 500:
+            await _close(upstream)
+            in_flight.end()
+            self.pool.mark_down(replica, f"{path} answered {upstream.status_code}")
+            return _Retry(f"status_{upstream.status_code}")
+        is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        if stream and upstream.status_code == 200 and is_stream:
+            return await self._open_stream(decision, upstream, in_flight, http)
+        try:
+            content = await _until_disconnected(http, upstream.aread())
+        except _ClientGone:
+            return Response(status_code=499)
+        except httpx.TransportError as exc:
+            self.pool.mark_down(replica, f"{path}: {exc!r}")
+            return _Retry("cut")
+        finally:
+            await _close(upstream)
+            in_flight.end()
+        answer = _json_object(content)
+        if answer is None or (upstream.status_code == 200 and not isinstance(answer.get("choices"), list)):
+            raise BadUpstreamResponse(f"replica {replica.url} answered {path} with {upstream.status_code} and a "
+                                      f"body that is not an OpenAI answer: {content[:200]!r}")
+        self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
+        self._observe_usage(decision, answer.get("usage"))
+        passed = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+        return Response(content, status_code=upstream.status_code, headers=passed, media_type="application/json")
+
+    async def _open_stream(self, decision: Decision, upstream: httpx.Response, in_flight: _InFlight,
+                           http: Request) -> Response | _Retry:
+        """Wait for the stream's first chunk (a replica that dies before it is retried), then relay."""
+        replica = decision.replica
+        chunks = upstream.aiter_raw()
+        try:
+            first = await _until_disconnected(http, anext(chunks))
+        except (_ClientGone, StopAsyncIteration, httpx.TransportError) as exc:
+            await _close(upstream)
+            in_flight.end()
+            if isinstance(exc, _ClientGone):
+                return Response(status_code=499)
+            self.pool.mark_down(replica, f"stream ended before its first chunk: {exc!r}")
+            return _Retry("cut")
+        if not first.lstrip().startswith((b"data:", b":", b"event:")):
+            await _close(upstream)
+            in_flight.end()
+            raise BadUpstreamResponse(f"replica {replica.url} sent a stream that is not server-sent events: "
+                                      f"{first[:200]!r}")
+        in_flight.first_byte()
+        self.metrics.requests.labels(replica=replica.url, status="200").inc()
+        return StreamingResponse(self._relay(decision, first, chunks, upstream, in_flight),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _relay(self, decision: Decision, first: bytes, chunks: AsyncIterator[bytes], upstream: httpx.Response,
+                     in_flight: _InFlight) -> AsyncIterator[bytes]:
+        usage = _UsageScanner()
+        try:
+            usage.feed(first)
+            yield first
+            try:
+                async for chunk in chunks:
+                    usage.feed(chunk)
+                    yield chunk
+            except httpx.HTTPError as exc:
+                self.pool.mark_down(decision.replica, f"stream cut: {exc!r}")
+                self.metrics.stream_failures.labels(replica=decision.replica.url).inc()
+                message = f"the replica's stream was cut after it had begun ({type(exc).__name__}); not retried"
+                body = error_body(message, BadUpstreamResponse.error_type, None, "stream_cut")
+                yield f"data: {json.dumps(body)}\n\n".encode()
+        finally:
+            with anyio.CancelScope(shield=True):  # a client that left cancels us: still close upstream
+                await _close(upstream)
+                in_flight.end()
+            self._observe_usage(decision, usage.last)
+
+    def _observe_usage(self, decision: Decision, usage: Any) -> None:
+        replica = decision.replica.url
+        self.metrics.estimated_cached_tokens.labels(replica=replica).inc(decision.estimated_cached_tokens)
+        if not isinstance(usage, dict):
+            return
+        for key, counter in (("prompt_tokens", self.metrics.prompt_tokens),
+                             ("completion_tokens", self.metrics.completion_tokens)):
+            if isinstance(usage.get(key), int):
+                counter.labels(replica=replica).inc(usage[key])
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.metrics.cached_tokens.labels(replica=replica).inc(details["cached_tokens"])
+
+
+class _InFlight:
+    """The router's count of one request on its replica, ended exactly once."""
+
+    def __init__(self, replica: Replica, num_prompt_tokens: int) -> None:
+        self._replica = replica
+        self._tokens = num_prompt_tokens
+        replica.in_flight += 1
+        replica.queued_prompt_tokens += num_prompt_tokens
+        self._queued = True
+        self._ended = False
+
+    def first_byte(self) -> None:
+        if self._queued:
+            self._replica.queued_prompt_tokens -= self._tokens
+            self._queued = False
+
+    def end(self) -> None:
+        if not self._ended:
+            self.first_byte()
+            self._replica.in_flight -= 1
+            self._ended = True
+
+
+class _UsageScanner:
+    """The last ``usage`` object of an event stream (the final chunk when the client asked for usage)."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.last: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                event = _json_object(line[len(b"data: "):])
+                if event is not None and isinstance(event.get("usage"), dict):
+                    self.last = event["usage"]
+
+
+def _json_object(content: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+async def _close(upstream: httpx.Response) -> None:
+    try:
+        await upstream.aclose()
+    except httpx.HTTPError:
+        pass
+
+
+async def _read_body(http: Request, limit: int) -> bytes:
+    """The request body, or RequestTooLarge as soon as it is known to be over ``limit`` bytes."""
+    too_large = RequestTooLarge(f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
+    length = http.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnected(http: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client disconnects first: then cancel it and raise _ClientGone."""
+    task = asyncio.ensure_future(awaitable)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        listener.cancel()
+        raise
+    listener.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientGone()
+
+
+def build_router_app(gateway: Gateway) -> FastAPI:
+    """The gateway's routes: the OpenAI generation routes forwarded, the rest answered here."""
+    app = FastAPI(title="kvserve router", version="0.1.0")
+    app.state.gateway = gateway
+    created = int(time.time())
+
+    @app.exception_handler(KVServeError)
+    async def on_error(_: Request, exc: KVServeError) -> Response:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, NoHealthyReplica) else None
+        gateway.metrics.errors.labels(status=str(exc.http_status)).inc()
+        if exc.http_status >= 500:
+            logger.warning("request failed: %s", exc)
+        body = error_body(str(exc), exc.error_type, getattr(exc, "param", None), exc.code)
+        return JSONResponse(body, status_code=exc.http_status, headers=headers)
+
+    for route in GENERATION_ROUTES:
+        app.add_api_route(route, _forwarder(gateway, route), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        ids = list(dict.fromkeys(m for r in gateway.pool.healthy() for m in r.models))
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "kvserve"} for m in ids]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = len(gateway.pool.healthy())
+        status = 200 if healthy else 503
+        headers = None if healthy else {"Retry-After": str(RETRY_AFTER_S)}
+        return JSONResponse({"status": "ok" if healthy else "no_healthy_replica", "healthy_replicas": healthy,
+                             "replicas": len(gateway.pool.replicas)}, status_code=status, headers=headers)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, content_type = gateway.metrics.render()
+        return Response(content, media_type=content_type)
+
+    return app
+
+
+def _forwarder(gateway: Gateway, path: str) -> Callable[[Request], Awaitable[Response]]:
+    async def generate(http: Request) -> Response:
+        return await gateway.forward(path, http)
+
+    return generate

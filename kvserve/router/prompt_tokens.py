@@ -1,0 +1,87 @@
+"""The token ids a policy routes on: the whole rendered prompt, as the replica will see it.
+
+A kvserve replica hands the gateway its tokenizer and chat template (``GET /kvserve/tokenizer``), so a chat
+request is rendered (messages and tools) and tokenized here as the replica will do it, and prefix pages line
+up with the replica's KV blocks. A model whose replicas do not tell their tokenizer is routed on the UTF-8
+bytes of a plain rendering of the conversation: coarser, still a prefix of what the replica caches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+
+from kvserve.errors import KVServeError, ModelLoadError
+from kvserve.router.replicas import Replica
+from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTokens:
+    """Per model, the tokenizer of its kvserve replicas (or none), and the rendering of a request."""
+
+    def __init__(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+        self._client = client
+        self._headers = headers
+        self._tokenizers: dict[str, Tokenizer | None] = {}
+
+    async def learn(self, replicas: list[Replica]) -> None:
+        """Fetch the tokenizer of each model from one of its kvserve replicas."""
+        for replica in replicas:
+            if not replica.is_kvserve:
+                continue
+            for model in replica.models:
+                if self._tokenizers.get(model) is None:
+                    self._tokenizers[model] = await self._fetch(replica)
+
+    async def _fetch(self, replica: Replica) -> Tokenizer | None:
+        try:
+            response = await self._client.get(f"{replica.url}/kvserve/tokenizer", headers=self._headers,
+                                              timeout=60.0)
+            return Tokenizer.from_description(response.json())
+        except (httpx.TransportError, ValueError, KeyError, TypeError, ModelLoadError) as exc:
+            logger.warning("no tokenizer from %s (routing on text bytes): %r", replica.url, exc)
+            return None
+
+    def tokenizer(self, model: str | None) -> Tokenizer | None:
+        if model is None and len(self._tokenizers) == 1:
+            return next(iter(self._tokenizers.values()))
+        return self._tokenizers.get(model) if model is not None else None
+
+    def of(self, path: str, payload: dict[str, Any]) -> tuple[int, ...]:
+        """The routing key of a request body already parsed as a JSON object. Never raises: a request the
+        router cannot render is routed on its bytes, and the replica judges it."""
+        tokenizer = self.tokenizer(payload.get("model") if isinstance(payload.get("model"), str) else None)
+        try:
+            if path.endswith("/chat/completions"):
+                return self._chat(tokenizer, payload)
+            return self._completion(tokenizer, payload.get("prompt"))
+        except (KVServeError, TypeError, ValueError, AttributeError) as exc:
+            logger.debug("routing on bytes: %r", exc)
+            return tuple(json.dumps(payload.get("messages", payload.get("prompt")), sort_keys=True).encode())
+
+    @staticmethod
+    def _chat(tokenizer: Tokenizer | None, payload: dict[str, Any]) -> tuple[int, ...]:
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return ()
+        if tokenizer is None or tokenizer.chat_template is None:
+            plain = "".join(f"<{m.get('role')}>{m.get('content')}" for m in messages if isinstance(m, dict))
+            return tuple(plain.encode())
+        tools = payload.get("tools") if "tools" in tokenizer.chat_template else None
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _completion(tokenizer: Tokenizer | None, prompt: Any) -> tuple[int, ...]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: routed whole, on its first prompt
+        if isinstance(prompt, list):
+            return tuple(int(t) for t in prompt)
+        if not isinstance(prompt, str):
+            return ()
+        return tuple(tokenizer.encode(prompt)) if tokenizer is not None else tuple(prompt.encode())

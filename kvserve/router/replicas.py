@@ -1,0 +1,191 @@
+"""The replicas behind the gateway: what each serves, whether it is healthy, and how loaded it is.
+
+A replica is checked at start-up (it must answer ``GET /v1/models`` as an OpenAI server does), then every
+``health_interval_s``: ``GET /health`` decides its health, ``GET /metrics`` its reported load (running and
+waiting requests, read from any ``*:num_requests_running`` / ``*:num_requests_waiting`` gauge, as kvserve
+and vLLM export them). A request that cannot reach it, or gets a 5xx, takes it out at once; the next health
+check that passes puts it back. The router's own count of requests in flight is exact and immediate; the
+reported load adds what other routers sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from kvserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY_TOKENS = 1 << 20
+_GAUGE = re.compile(r"^[A-Za-z_]*:?(num_requests_running|num_requests_waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$",
+                    re.MULTILINE)
+
+
+@dataclass
+class Replica:
+    """One upstream server, as the router sees it. Mutated only on the gateway's event loop."""
+
+    url: str
+    models: tuple[str, ...] = ()
+    healthy: bool = False
+    is_kvserve: bool = False
+    block_size: int | None = None
+    kv_capacity_tokens: int | None = None
+    in_flight: int = 0  # requests this router has sent and not yet seen end
+    queued_prompt_tokens: int = 0  # prompt tokens of those that have not yet had a first byte back
+    reported_running: int = 0
+    reported_waiting: int = 0
+    load_read_at: float = 0.0  # time.monotonic() of the last load read; 0 = never
+    last_error: str = ""
+    generation: int = 0  # bumped each time it comes back from an outage: its cache may be gone
+
+    @property
+    def load(self) -> int:
+        """Requests on the replica: the router's own count, or what the replica reported if that is more
+        (other routers' requests, or requests this router has not yet seen end)."""
+        return max(self.in_flight, self.reported_running + self.reported_waiting)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.models
+
+
+class ReplicaPool:
+    """The replicas, their start-up check and their health loop."""
+
+    def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, health_interval_s: float,
+                 headers: dict[str, str]) -> None:
+        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self._client = client
+        self._interval = health_interval_s
+        self._headers = headers
+        self._task: asyncio.Task[None] | None = None
+        self.on_change: list[Callable[[Replica], None]] = []  # run when a replica goes down or comes back
+
+    def healthy(self, model: str | None = None) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy and r.serves(model)]
+
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(m for r in self.replicas for m in r.models))
+
+    # --- start-up ---------------------------------------------------------------------------------------------
+    async def check_all(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s`` each, all at once) for every replica to answer as an OpenAI server;
+        ConfigError naming the first that does not."""
+        await asyncio.gather(*(self._first_contact(r, timeout_s) for r in self.replicas))
+
+    async def _first_contact(self, replica: Replica, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                response = await self._client.get(f"{replica.url}/v1/models", headers=self._headers, timeout=5.0)
+                break
+            except httpx.TransportError as exc:
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"replica {replica.url} did not answer within {timeout_s:.0f}s: {exc!r}",
+                                      "replicas") from None
+                await asyncio.sleep(0.25)
+        replica.models = _model_ids(replica.url, response)
+        await self._read_kvserve_info(replica)
+        await self._read_load(replica)
+        replica.healthy = True
+
+    async def _read_kvserve_info(self, replica: Replica) -> None:
+        try:
+            response = await self._client.get(f"{replica.url}/kvserve/info", headers=self._headers, timeout=5.0)
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.TransportError, ValueError):
+            info = None
+        if not isinstance(info, dict) or not isinstance(info.get("block_size"), int):
+            return  # not a kvserve replica: routed on its OpenAI routes alone
+        replica.is_kvserve = True
+        replica.block_size = info["block_size"]
+        if isinstance(info.get("num_kv_blocks"), int):
+            replica.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
+
+    # --- health loop ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._health_loop(), name="kvserve-router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(r) for r in self.replicas))
+            await asyncio.sleep(self._interval)
+
+    async def check(self, replica: Replica) -> None:
+        """One health check and load read; a change of health is logged and announced."""
+        try:
+            response = await self._client.get(f"{replica.url}/health", headers=self._headers,
+                                              timeout=self._interval + 1.0)
+            ok = response.status_code == 200
+            reason = "" if ok else f"/health answered {response.status_code}"
+        except httpx.TransportError as exc:
+            ok, reason = False, f"/health: {exc!r}"
+        if ok:
+            await self._read_load(replica)
+            if not replica.healthy:
+                await self._comes_back(replica)
+        elif replica.healthy:
+            self.mark_down(replica, reason)
+
+    async def _comes_back(self, replica: Replica) -> None:
+        if not replica.models:
+            try:
+                response = await self._client.get(f"{replica.url}/v1/models", headers=self._headers, timeout=5.0)
+                replica.models = _model_ids(replica.url, response)
+            except (httpx.TransportError, ConfigError) as exc:
+                logger.warning("replica %s answers /health but not /v1/models: %s", replica.url, exc)
+                return
+        replica.healthy = True
+        replica.generation += 1
+        logger.warning("replica %s is healthy again", replica.url)
+        for callback in self.on_change:
+            callback(replica)
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        """Take ``replica`` out of routing until a health check passes."""
+        replica.last_error = reason
+        if not replica.healthy:
+            return
+        replica.healthy = False
+        logger.warning("replica %s taken out: %s", replica.url, reason)
+        for callback in self.on_change:
+            callback(replica)
+
+    async def _read_load(self, replica: Replica) -> None:
+        try:
+            response = await self._client.get(f"{replica.url}/metrics", headers=self._headers,
+                                              timeout=self._interval + 1.0)
+        except httpx.TransportError:
+            return
+        if response.status_code != 200:
+            return
+        values = {name: float(value) for name, value in _GAUGE.findall(response.text)}
+        replica.reported_running = int(values.get("num_requests_running", 0))
+        replica.reported_waiting = int(values.get("num_requests_waiting", 0))
+        replica.load_read_at = time.monotonic()
+
+
+def _model_ids(url: str, response: httpx.Response) -> tuple[str, ...]:
+    """The model ids of a ``GET /v1/models`` answer; ConfigError if it is not an OpenAI model list."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    data = body.get("data") if isinstance(body, dict) else None
+    if response.status_code != 200 or not isinstance(data, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise ConfigError(f"{url} is not an OpenAI-compatible server: GET /v1/models answered "
+                          f"{response.status_code} {response.text[:200]!r}", "replicas")
+    return tuple(m["id"] for m in data)

@@ -1,0 +1,96 @@
+"""Running the gateway: ``run_router`` (``kvserve route``: checks the replicas, then serves until a signal)
+and ``ReplicaProcesses`` (``kvserve serve --replicas N``: N engine processes on loopback behind it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from kvserve.config import RouterConfig
+from kvserve.router.gateway import Gateway, build_router_app
+
+logger = logging.getLogger(__name__)
+
+
+def run_router(config: RouterConfig) -> int:
+    """Check every replica (ConfigError if one is not an OpenAI server or never answers), then serve."""
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: RouterConfig) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per health check and request
+    gateway = Gateway(config)
+    try:
+        await gateway.start()
+        app = build_router_app(gateway)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, lifespan="off",
+                                               log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
+        logger.info("routing on http://%s:%d to %s (%s)", config.host, config.port, ", ".join(config.replicas),
+                    config.policy)
+        await server.serve()
+        return 0 if server.started else 1
+    finally:
+        await gateway.stop()
+
+
+class ReplicaProcesses:
+    """``kvserve serve`` processes on free loopback ports, each with its share of the CPU threads; stopped
+    by PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, serve_args: Sequence[str], num_replicas: int, threads_each: int) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.urls: list[str] = []
+        for _ in range(num_replicas):
+            port = _free_port()
+            args = [sys.executable, "-m", "kvserve.cli", "serve", *serve_args, "--host", "127.0.0.1",
+                    "--port", str(port), "--num-threads", str(threads_each)]
+            self.procs.append(subprocess.Popen(args))
+            self.urls.append(f"http://127.0.0.1:{port}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def threads_per_replica(num_replicas: int, num_threads: int | None) -> int:
+    """The machine's cores (or ``--num-threads``) shared evenly, at least one each."""
+    total = num_threads or len(os.sched_getaffinity(0))
+    return max(1, total // num_replicas)
+
+
+def without_options(argv: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``argv`` less each ``--name value`` / ``--name=value`` of ``names``."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in names:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,185 @@
+"""Fake OpenAI upstreams and an in-process gateway, each a real uvicorn server on a free loopback port.
+
+A ``FakeReplica`` answers the OpenAI routes the way a replica does, or misbehaves as its ``mode`` says: 500s,
+bodies that are not JSON, streams cut after their first chunk. It counts what it received and what its
+clients abandoned, so a test can see that the gateway neither lost nor duplicated a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.config import RouterConfig
+from kvserve.router.gateway import Gateway, build_router_app
+from tests.conftest import free_port
+
+MODEL = "fake-model"
+CHUNK_DELAY_S = 0.03
+
+
+def stream_chunks(replica_name: str, num_chunks: int) -> list[bytes]:
+    """The events a FakeReplica streams: one chunk per event, then [DONE]."""
+    events = [{"id": "cmpl-1", "object": "text_completion", "model": MODEL,
+               "choices": [{"index": 0, "text": f"{replica_name}-{i} ", "finish_reason": None}]}
+              for i in range(num_chunks)]
+    events.append({"id": "cmpl-1", "object": "text_completion", "model": MODEL, "choices": [],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": num_chunks, "total_tokens": 3 + num_chunks}})
+    return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+
+
+class FakeReplica:
+    """modes: ok, error_500, not_json, not_sse, cut_stream (one chunk, then the connection drops), slow (each
+    chunk after 0.5 s)."""
+
+    def __init__(self, name: str, num_chunks: int = 5) -> None:
+        self.name = name
+        self.mode = "ok"
+        self.healthy = True
+        self.num_chunks = num_chunks
+        self.received: list[dict] = []
+        self.abandoned = 0  # streams whose client left before the end
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.start()
+
+    def start(self) -> None:
+        self._server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port,
+                                                     log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "fake replica did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Closes the listening socket and every open connection, like a process that died."""
+        assert self._server is not None and self._thread is not None
+        self._server.should_exit = True
+        self._server.force_exit = True
+        self._thread.join(timeout=10)
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+        @app.get("/health")
+        async def health() -> Response:
+            return JSONResponse({"status": "ok"}, status_code=200 if self.healthy else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response("fake:num_requests_running 0\nfake:num_requests_waiting 0\n")
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def generate(http: Request) -> Response:
+            body = await http.json()
+            self.received.append(body)
+            if self.mode == "error_500":
+                return JSONResponse({"error": {"message": "boom", "type": "internal_error"}}, status_code=500)
+            if self.mode == "not_json":
+                return Response("<html>hello</html>", media_type="text/html")
+            if body.get("model") not in (None, MODEL):
+                return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
+                                               "param": "model", "code": "model_not_found"}}, status_code=404)
+            if not body.get("stream"):
+                return JSONResponse({"id": "cmpl-1", "object": "text_completion", "model": MODEL,
+                                     "choices": [{"index": 0, "text": self.name, "finish_reason": "stop"}],
+                                     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                                               "prompt_tokens_details": {"cached_tokens": 2}}})
+            if self.mode == "not_sse":
+                return StreamingResponse(_once(b"this is not an event stream"), media_type="text/event-stream")
+            return StreamingResponse(self._stream(), media_type="text/event-stream")
+
+        return app
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        chunks = stream_chunks(self.name, self.num_chunks)
+        finished = False
+        try:
+            for i, chunk in enumerate(chunks):
+                if self.mode == "cut_stream" and i == 1:
+                    raise ConnectionAbortedError("the replica died mid-stream")
+                yield chunk
+                await asyncio.sleep(0.5 if self.mode == "slow" else CHUNK_DELAY_S)
+            finished = True
+        finally:
+            if not finished:
+                self.abandoned += 1
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+class BackgroundGateway:
+    """A Gateway and its app under uvicorn in a thread of this process."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.config = RouterConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                                      "port": self.port})
+        self.gateway: Gateway | None = None
+        self._server: uvicorn.Server | None = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=30)
+        if self._error is not None:
+            raise self._error
+        assert self._server is not None, "gateway did not start"
+        while not self._server.started:
+            time.sleep(0.01)
+
+    async def _main(self) -> None:
+        self.gateway = Gateway(self.config)
+        try:
+            await self.gateway.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            self._error = exc
+            await self.gateway.stop()
+            self._ready.set()
+            return
+        self._server = uvicorn.Server(uvicorn.Config(build_router_app(self.gateway), host="127.0.0.1",
+                                                     port=self.port, log_level="warning", lifespan="off"))
+        self._ready.set()
+        try:
+            await self._server.serve()
+        finally:
+            await self.gateway.stop()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[FakeReplica]]:
+    fakes = [FakeReplica("a"), FakeReplica("b")]
+    yield fakes
+    for fake in fakes:
+        fake.stop()
+
+
+def gateway_over(replicas: list[FakeReplica], **options: object) -> BackgroundGateway:
+    config = RouterConfig(replicas=tuple(r.url for r in replicas), health_interval_s=0.1, startup_timeout_s=5,
+                          uvicorn_log_level="warning", **options)  # type: ignore[arg-type]
+    return BackgroundGateway(config)

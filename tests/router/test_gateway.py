@@ -1,0 +1,168 @@
+"""The gateway over fake upstreams: pass-through, failover, the router's own errors, start-up checks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvserve.config import RouterConfig
+from kvserve.errors import ConfigError
+from tests.router.conftest import MODEL, BackgroundGateway, FakeReplica, gateway_over, stream_chunks
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def router_metric(base_url: str, name: str, labels: str) -> float:
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith(f"kvserve_router:{name}{{{labels}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def raw_stream(base_url: str, body: dict) -> list[bytes]:
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=10) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return list(response.iter_raw())
+
+
+def test_a_stream_arrives_chunk_for_chunk_as_the_replica_sent_it(replicas: list[FakeReplica]) -> None:
+    gateway = gateway_over(replicas[:1], policy="round_robin")
+    try:
+        chunks = raw_stream(gateway.base_url, {"model": MODEL, "prompt": "hi", "stream": True})
+        assert chunks == stream_chunks("a", replicas[0].num_chunks)
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        texts = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="hi", stream=True)
+                 if c.choices]
+        assert texts == [f"a-{i} " for i in range(replicas[0].num_chunks)]
+        whole = client.completions.create(model=MODEL, prompt="hi")
+        assert whole.choices[0].text == "a" and whole.usage.prompt_tokens_details.cached_tokens == 2
+        assert len(replicas[0].received) == 3
+        assert router_metric(gateway.base_url, "cached_tokens_total", f'replica="{replicas[0].url}"') == 2
+        assert router_metric(gateway.base_url, "completion_tokens_total", f'replica="{replicas[0].url}"') == 11
+    finally:
+        gateway.stop()
+
+
+def test_a_replica_answering_5xx_is_taken_out_and_the_request_retried_once_elsewhere(
+        replicas: list[FakeReplica]) -> None:
+    a, b = replicas
+    a.mode = "error_500"
+    a.healthy = False  # its health check fails too: it stays out
+    gateway = gateway_over(replicas, policy="round_robin")
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        texts = [client.completions.create(model=MODEL, prompt=f"p{i}").choices[0].text for i in range(4)]
+        assert texts == ["b"] * 4
+        assert len(a.received) <= 1 and len(b.received) == 4  # each request reached b exactly once
+        assert router_metric(gateway.base_url, "replica_healthy", f'replica="{a.url}"') == 0
+    finally:
+        gateway.stop()
+
+
+def test_a_dead_replica_is_routed_around_and_used_again_when_it_comes_back(replicas: list[FakeReplica]) -> None:
+    a, b = replicas
+    gateway = gateway_over(replicas, policy="round_robin")
+    try:
+        a.stop()
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        for i in range(3):
+            chunks = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=f"{i}", stream=True)
+                      if c.choices]
+            assert chunks[0] == "b-0 "
+        a.start()
+        wait_until(lambda: router_metric(gateway.base_url, "replica_healthy", f'replica="{a.url}"') == 1)
+        texts = {client.completions.create(model=MODEL, prompt=f"q{i}").choices[0].text for i in range(2)}
+        assert texts == {"a", "b"}
+    finally:
+        gateway.stop()
+
+
+def test_a_stream_cut_after_its_first_chunk_ends_with_an_error_event_and_is_not_replayed(
+        replicas: list[FakeReplica]) -> None:
+    a, b = replicas
+    a.mode = "cut_stream"
+    gateway = gateway_over(replicas, policy="round_robin")
+    try:
+        chunks = raw_stream(gateway.base_url, {"model": MODEL, "prompt": "hi", "stream": True})
+        events = [line for chunk in chunks for line in chunk.decode().split("\n\n") if line]
+        assert events[0] == stream_chunks("a", 1)[0].decode().strip()
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
+        assert error["code"] == "stream_cut" and "not retried" in error["message"]
+        assert "data: [DONE]" not in events
+        assert len(a.received) == 1 and len(b.received) == 0
+        assert router_metric(gateway.base_url, "stream_failures_total", f'replica="{a.url}"') == 1
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize("mode,stream", [("not_json", False), ("not_sse", True)])
+def test_a_malformed_upstream_answer_is_a_502_with_an_openai_body(
+        replicas: list[FakeReplica], mode: str, stream: bool) -> None:
+    replicas[0].mode = mode
+    gateway = gateway_over(replicas[:1])
+    try:
+        response = httpx.post(f"{gateway.base_url}/v1/completions",
+                              json={"model": MODEL, "prompt": "hi", "stream": stream})
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert error["code"] == "bad_upstream_response" and replicas[0].url in error["message"]
+    finally:
+        gateway.stop()
+
+
+def test_the_routers_own_errors(replicas: list[FakeReplica]) -> None:
+    gateway = gateway_over(replicas, max_request_body_bytes=1000)
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.NotFoundError) as not_found:
+            client.completions.create(model="no-such-model", prompt="hi")
+        assert not_found.value.body["code"] == "model_not_found" and not_found.value.body["param"] == "model"
+        with pytest.raises(openai.APIStatusError) as too_large:
+            client.completions.create(model=MODEL, prompt="x" * 2000)
+        assert too_large.value.status_code == 413 and too_large.value.body["code"] == "request_too_large"
+        chunked = httpx.post(f"{gateway.base_url}/v1/completions", content=iter([b"{" + b" " * 600, b" " * 600]))
+        assert chunked.status_code == 413
+        bad_json = httpx.post(f"{gateway.base_url}/v1/completions", content=b"{not json")
+        assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+        assert sum(len(r.received) for r in replicas) == 0
+
+        for replica in replicas:
+            replica.healthy = False
+        wait_until(lambda: httpx.get(f"{gateway.base_url}/health").status_code == 503)
+        response = httpx.post(f"{gateway.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "no_healthy_replica"
+    finally:
+        gateway.stop()
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_upstream_stream(replicas: list[FakeReplica]) -> None:
+    replicas[0].mode = "slow"
+    gateway = gateway_over(replicas[:1])
+    try:
+        with httpx.stream("POST", f"{gateway.base_url}/v1/completions",
+                          json={"model": MODEL, "prompt": "hi", "stream": True}, timeout=10) as response:
+            next(response.iter_raw())
+        wait_until(lambda: replicas[0].abandoned == 1)
+        wait_until(lambda: router_metric(gateway.base_url, "replica_in_flight", f'replica="{replicas[0].url}"') == 0)
+    finally:
+        gateway.stop()
+
+
+def test_a_replica_url_that_is_not_an_openai_server_is_refused_at_start(replicas: list[FakeReplica]) -> None:
+    with pytest.raises(ConfigError, match="not an OpenAI-compatible server"):
+        BackgroundGateway(RouterConfig(replicas=(f"{replicas[0].url}/v1/models/x",), startup_timeout_s=2))
+    with pytest.raises(ConfigError, match="did not answer"):
+        BackgroundGateway(RouterConfig(replicas=("http://127.0.0.1:9",), startup_timeout_s=0.5))
+    with pytest.raises(ConfigError, match="base URL"):
+        RouterConfig(replicas=("localhost:8000",))

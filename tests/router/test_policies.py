@@ -1,0 +1,97 @@
+"""Routing policies on replicas whose load the test sets."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import RouterConfig
+from kvserve.router.policies import CacheAware, LeastLoad, RoundRobin, RouteRequest
+from kvserve.router.replicas import Replica
+
+CONFIG = RouterConfig(prefix_page_tokens=4, balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.5,
+                      prefix_capacity_tokens=1024)
+
+
+def replicas(*loads: int) -> list[Replica]:
+    return [Replica(f"http://r{i}", models=("m",), healthy=True, in_flight=load) for i, load in enumerate(loads)]
+
+
+def request(*tokens: int) -> RouteRequest:
+    return RouteRequest("m", tuple(tokens))
+
+
+SYSTEM_A = tuple(range(100, 140))
+SYSTEM_B = tuple(range(200, 240))
+
+
+def test_round_robin_takes_each_in_turn() -> None:
+    policy, pool = RoundRobin(), replicas(5, 0, 0)
+    assert [policy.choose(request(1), pool).replica.url for _ in range(4)] == ["http://r0", "http://r1", "http://r2",
+                                                                               "http://r0"]
+
+
+def test_least_load_counts_requests_then_queued_tokens_and_shares_ties() -> None:
+    policy, pool = LeastLoad(), replicas(3, 1, 1)
+    pool[1].queued_prompt_tokens = 500
+    assert policy.choose(request(1), pool).replica.url == "http://r2"
+    pool[2].reported_running, pool[2].reported_waiting = 2, 3  # the replica reports more than this router sent
+    assert policy.choose(request(1), pool).replica.url == "http://r1"
+    even = replicas(0, 0)
+    assert {policy.choose(request(1), even).replica.url for _ in range(2)} == {"http://r0", "http://r1"}
+
+
+def test_cache_aware_keeps_a_conversation_on_its_replica_and_spreads_new_prefixes() -> None:
+    policy, pool = CacheAware(CONFIG), replicas(0, 0)
+    first = policy.choose(request(*SYSTEM_A, 1, 2, 3), pool)
+    assert first.reason == "miss" and first.estimated_cached_tokens == 0
+    first.replica.in_flight += 1
+    other = policy.choose(request(*SYSTEM_B, 1, 2, 3), pool)
+    assert other.reason == "miss" and other.replica is not first.replica  # the idler one
+    again = policy.choose(request(*SYSTEM_A, 1, 2, 3, 4, 5, 6, 7, 8), pool)  # the next turn, whole conversation
+    assert again.replica is first.replica and again.reason == "prefix" and again.estimated_cached_tokens == 40
+
+
+def test_cache_aware_below_the_threshold_goes_to_the_least_loaded_replica() -> None:
+    policy, pool = CacheAware(CONFIG), replicas(0, 0)
+    held = policy.choose(request(*SYSTEM_A[:8]), pool).replica
+    held.in_flight = 2
+    long_prompt = request(*SYSTEM_A[:8], *range(1000, 1040))  # 8 of 48 tokens held: under half
+    decision = policy.choose(long_prompt, pool)
+    assert decision.reason == "miss" and decision.replica is not held and decision.estimated_cached_tokens == 0
+
+
+def test_cache_aware_rebalances_among_replicas_within_the_bound_and_keeps_affinity_there() -> None:
+    policy, pool = CacheAware(CONFIG), replicas(0, 0, 0)
+    homes = {}
+    for name, system in (("a", SYSTEM_A), ("b", SYSTEM_B)):
+        homes[name] = policy.choose(request(*system), pool).replica
+        homes[name].in_flight += 1
+    assert homes["a"] is not homes["b"]
+    homes["a"].in_flight = 10  # a's home is overloaded: b's home (1) and the idle one (0) are within the bound
+    decision = policy.choose(request(*SYSTEM_B, 7), pool)
+    assert decision.replica is homes["b"] and decision.reason == "balance_prefix"
+    decision = policy.choose(request(*SYSTEM_A, 7), pool)
+    assert decision.replica is not homes["a"] and decision.reason == "balance"
+
+
+def test_forgetting_a_replica_drops_its_prefixes() -> None:
+    policy, pool = CacheAware(CONFIG), replicas(0, 0)
+    home = policy.choose(request(*SYSTEM_A), pool).replica
+    policy.forget(home)
+    home.in_flight = 1
+    assert policy.choose(request(*SYSTEM_A), pool).replica is not home
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=st.lists(st.integers(0, 40), min_size=2, max_size=5),
+       prompts=st.lists(st.sampled_from([SYSTEM_A, SYSTEM_B, SYSTEM_A[:12]]), min_size=1, max_size=20))
+def test_cache_aware_never_sends_to_a_replica_whose_queue_is_over_the_bound_while_another_is_idle(
+        loads: list[int], prompts: list[tuple[int, ...]]) -> None:
+    policy, pool = CacheAware(CONFIG), replicas(*loads)
+    for prompt in prompts:
+        decision = policy.choose(request(*prompt), pool)
+        idlest = min(r.load for r in pool)
+        if idlest == 0:
+            assert decision.replica.load <= idlest + CONFIG.balance_abs_threshold
+        decision.replica.in_flight += 1
