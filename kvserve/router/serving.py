@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 import uvicorn
 
@@ -32,14 +33,24 @@ async def _serve(config: RouterConfig) -> int:
     try:
         await gateway.start()
         app = build_router_app(gateway)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, lifespan="off",
-                                               log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
+        server = _Server(uvicorn.Config(app, host=config.host, port=config.port, lifespan="off",
+                                        log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
         logger.info("routing on http://%s:%d to %s (%s)", config.host, config.port, ", ".join(config.replicas),
                     config.policy)
         await server.serve()
         return 0 if server.started else 1
     finally:
         await gateway.stop()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, exiting with status 0 on SIGTERM/SIGINT: the signal is not recorded for uvicorn to raise again
+    after shutdown (the process would die by it, before stopping its replicas). A second signal stops at once."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
 
 
 class ReplicaProcesses:

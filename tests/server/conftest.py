@@ -63,14 +63,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m kvserve.cli serve`` in a subprocess; stopped by PID (SIGTERM, then SIGKILL)."""
+    """``python -m kvserve.cli serve`` (or another serving ``command``: ``route``) in a subprocess; stopped by
+    PID (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, extra_args: list[str], log_path: Path) -> None:
-        self.port = free_port()
+    def __init__(self, extra_args: list[str], log_path: Path, port: int | None = None,
+                 command: str = "serve") -> None:
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        args = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        args = [sys.executable, "-m", "kvserve.cli", command, "--host", "127.0.0.1", "--port", str(self.port),
                 "--uvicorn-log-level", "warning", *extra_args]
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 

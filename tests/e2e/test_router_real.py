@@ -1,0 +1,158 @@
+"""``kvserve route`` over real ``kvserve serve`` processes, driven by the official openai client: streams
+pass through unchanged, a replica killed with SIGKILL mid-run loses no request that had not streamed, and a
+replica that comes back is used again; ``kvserve serve --replicas 2`` is one command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import ServerProcess, chat
+from tests.support.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "1024", "--num-threads", "1",
+               "--served-model-name", "smol"]
+ROUTER_ARGS = ["--policy", "round_robin", "--health-interval", "0.5", "--startup-timeout", "120"]
+LONG = {"max_tokens": 150, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def client_of(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def router_metric(router: ServerProcess, name: str, labels: str) -> float:
+    for line in httpx.get(f"{router.base_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f"kvserve_router:{name}{{{labels}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def deltas(stream) -> list[str]:
+    return [c.choices[0].delta.content or "" for c in stream if c.choices]
+
+
+def wait_until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    replicas = [ServerProcess(ENGINE_ARGS, tmp_path / f"replica{i}.log") for i in range(2)]
+    router = ServerProcess([*ROUTER_ARGS, *(a for r in replicas for a in ("--replica", r.base_url))],
+                           tmp_path / "router.log", command="route")
+    started = [*replicas, router]
+    try:
+        for server in started:
+            server.wait_ready()
+        yield replicas, router, started
+    finally:
+        for server in started:
+            server.stop()
+    assert "Traceback" not in router.log_tail(10**7), router.log_tail()
+
+
+def test_streams_through_the_router_are_the_replicas_own_and_a_killed_replica_loses_no_unstreamed_request(
+        fleet, tmp_path: Path) -> None:
+    (a, b), router, started = fleet
+    gateway = client_of(router)
+    messages = chat("Write a short poem about the sea.")
+    direct = deltas(client_of(a).chat.completions.create(model="smol", messages=messages, max_tokens=24,
+                                                         temperature=0, stream=True))
+    routed = [deltas(gateway.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0,
+                                                     stream=True)) for _ in range(2)]  # one on each replica
+    assert routed == [direct, direct]
+
+    # Two long streams, one per replica, both past their first chunk.
+    outcomes: dict[str, object] = {}
+
+    def long_stream(name: str) -> None:
+        try:
+            stream = gateway.chat.completions.create(model="smol", messages=chat(f"Story {name}."), stream=True, **LONG)
+            first = next(stream)
+            outcomes[f"{name}.first"] = first
+            outcomes[name] = len(deltas(stream))
+        except openai.APIError as exc:
+            outcomes[name] = exc
+
+    streams = [threading.Thread(target=long_stream, args=(name,)) for name in ("s0", "s1")]
+    for thread in streams:
+        thread.start()
+    wait_until(lambda: "s0.first" in outcomes and "s1.first" in outcomes, 60)
+
+    # Replica a freezes: requests routed to it now wait for an answer that never comes; then it is killed.
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    pending: dict[int, object] = {}
+
+    def short_request(i: int) -> None:
+        try:
+            pending[i] = gateway.chat.completions.create(model="smol", messages=chat(f"Say {i}."), max_tokens=4,
+                                                         temperature=0).choices[0].finish_reason
+        except openai.APIError as exc:
+            pending[i] = exc
+
+    requests = [threading.Thread(target=short_request, args=(i,)) for i in range(4)]
+    for thread in requests:
+        thread.start()
+    time.sleep(1.0)
+    os.kill(a.proc.pid, signal.SIGKILL)
+    a.proc.wait(timeout=10)
+    for thread in [*streams, *requests]:
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a request through the router hung"
+
+    assert all(reason in ("length", "stop") for reason in pending.values()), pending  # none lost
+    cut = [outcomes[name] for name in ("s0", "s1") if isinstance(outcomes[name], openai.APIError)]
+    done = [outcomes[name] for name in ("s0", "s1") if isinstance(outcomes[name], int)]
+    assert len(cut) == 1 and "not retried" in str(cut[0]), outcomes  # the stream on a ends with a clear error
+    assert len(done) == 1 and done[0] >= LONG["max_tokens"] - 1, outcomes  # the one on b finished
+    assert router_metric(router, "retries_total", 'reason="cut"') + router_metric(
+        router, "retries_total", 'reason="unreachable"') >= 1
+    assert router_metric(router, "replica_healthy", f'replica="{a.base_url}"') == 0
+
+    served_by_b = router_metric(router, "requests_total", f'replica="{b.base_url}",status="200"')
+    for i in range(3):
+        gateway.chat.completions.create(model="smol", messages=chat(f"Again {i}."), max_tokens=2)
+    assert router_metric(router, "requests_total", f'replica="{b.base_url}",status="200"') == served_by_b + 3
+
+    back = ServerProcess(ENGINE_ARGS, tmp_path / "replica0-back.log", port=a.port)
+    started.append(back)
+    back.wait_ready()
+    wait_until(lambda: router_metric(router, "replica_healthy", f'replica="{a.base_url}"') == 1, 30)
+    served_by_a = router_metric(router, "requests_total", f'replica="{a.base_url}",status="200"')
+    for i in range(4):
+        gateway.chat.completions.create(model="smol", messages=chat(f"Back {i}."), max_tokens=2)
+    assert router_metric(router, "requests_total", f'replica="{a.base_url}",status="200"') >= served_by_a + 1
+
+
+def test_serve_with_replicas_is_one_command_that_stops_its_replicas(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path, "llama")
+    fleet = ServerProcess(["--model", str(model), "--replicas", "2", "--num-threads", "2", "--served-model-name",
+                           "tiny"], tmp_path / "fleet.log")
+    try:
+        fleet.wait_ready(timeout=120)
+        health = httpx.get(f"{fleet.base_url}/health", timeout=5).json()
+        assert health == {"status": "ok", "healthy_replicas": 2, "replicas": 2}
+        answer = client_of(fleet).completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+        assert answer.usage.completion_tokens == 3
+        children = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(fleet.proc.pid)], capture_output=True,
+                                  text=True).stdout.splitlines()
+        assert len(children) == 2 and all("--num-threads 1" in c for c in children), children
+    finally:
+        fleet.stop()
+    assert fleet.proc.returncode == 0, fleet.log_tail()
+    for line in children:
+        pid = int(line.split()[0])
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
