@@ -328,7 +328,7 @@ class ServerConfig:
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
 
 
-RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware"]
+RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "ttft"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,19 +359,25 @@ class RouterConfig:
     prefix_capacity_tokens: int | None = setting(
         None, "cache_aware: tokens of routed prompts remembered per replica (least recently routed forgotten "
               "first)", default_text="the replica's KV pool; 1048576 for replicas that do not tell it")
+    prefill_seconds_per_token: float = setting(
+        1e-3, "ttft: seconds per prompt token a replica is assumed to take until its first answers are measured")
+    shared_tier_cost: float = setting(0.2, "ttft: the cost of loading a token's KV from the shared tier (Redis), as a "
+                                           "share of computing it")
     replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
                                                   "models, load); requests pass on their client's key")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
 
     def __post_init__(self) -> None:
         positive = ("health_interval_s", "startup_timeout_s", "request_timeout_s", "max_request_body_bytes",
-                    "balance_abs_threshold", "prefix_page_tokens")
+                    "balance_abs_threshold", "prefix_page_tokens", "prefill_seconds_per_token")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}", name)
         if self.balance_rel_threshold < 1.0:
             raise ConfigError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}",
                               "balance_rel_threshold")
+        if not 0.0 <= self.shared_tier_cost <= 1.0:
+            raise ConfigError(f"shared_tier_cost must be in [0, 1], got {self.shared_tier_cost}", "shared_tier_cost")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}", "cache_threshold")
         if self.prefix_capacity_tokens is not None and self.prefix_capacity_tokens < self.prefix_page_tokens:

@@ -120,7 +120,8 @@ class Gateway:
             decision = self.policy.choose(request, candidates)
             self.metrics.decisions.labels(policy=self.policy.name, reason=decision.reason).inc()
             tried.add(decision.replica.url)
-            outcome = await self._attempt(decision, path, body, headers, stream, len(tokens), http)
+            uncached = max(0, len(tokens) - decision.estimated_cached_tokens)
+            outcome = await self._attempt(decision, path, body, headers, stream, uncached, http)
             if isinstance(outcome, _Retry):
                 self.metrics.retries.labels(reason=outcome.reason).inc()
                 continue
@@ -134,9 +135,10 @@ class Gateway:
         return headers
 
     async def _attempt(self, decision: Decision, path: str, body: bytes, headers: dict[str, str], stream: bool,
-                       num_tokens: int, http: Request) -> Response | _Retry:
+                       num_uncached_tokens: int, http: Request) -> Response | _Retry:
         replica = decision.replica
-        in_flight = _InFlight(replica, num_tokens)
+        in_flight = _InFlight(replica, num_uncached_tokens)
+        sent_at = time.monotonic()
         try:
             upstream = await _until_disconnected(
                 http, self.client.send(self.client.build_request("POST", replica.url + path, content=body,
@@ -155,7 +157,7 @@ class Gateway:
             return _Retry(f"status_{upstream.status_code}")
         is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if stream and upstream.status_code == 200 and is_stream:
-            return await self._open_stream(decision, upstream, in_flight, http)
+            return await self._open_stream(decision, upstream, in_flight, http, sent_at)
         try:
             content = await _until_disconnected(http, upstream.aread())
         except _ClientGone:
@@ -176,7 +178,7 @@ class Gateway:
         return Response(content, status_code=upstream.status_code, headers=passed, media_type="application/json")
 
     async def _open_stream(self, decision: Decision, upstream: httpx.Response, in_flight: _InFlight,
-                           http: Request) -> Response | _Retry:
+                           http: Request, sent_at: float) -> Response | _Retry:
         """Wait for the stream's first chunk (a replica that dies before it is retried), then relay."""
         replica = decision.replica
         chunks = upstream.aiter_raw()
@@ -195,6 +197,7 @@ class Gateway:
             raise BadUpstreamResponse(f"replica {replica.url} sent a stream that is not server-sent events: "
                                       f"{first[:200]!r}")
         in_flight.first_byte()
+        self.policy.observe_ttft(decision, time.monotonic() - sent_at)
         self.metrics.requests.labels(replica=replica.url, status="200").inc()
         return StreamingResponse(self._relay(decision, first, chunks, upstream, in_flight),
                                  media_type="text/event-stream",
@@ -239,11 +242,11 @@ class Gateway:
 class _InFlight:
     """The router's count of one request on its replica, ended exactly once."""
 
-    def __init__(self, replica: Replica, num_prompt_tokens: int) -> None:
+    def __init__(self, replica: Replica, num_uncached_tokens: int) -> None:
         self._replica = replica
-        self._tokens = num_prompt_tokens
+        self._tokens = num_uncached_tokens
         replica.in_flight += 1
-        replica.queued_prompt_tokens += num_prompt_tokens
+        replica.queued_prompt_tokens += num_uncached_tokens
         self._queued = True
         self._ended = False
 

@@ -39,6 +39,7 @@ class Decision:
     replica: Replica
     reason: str  # a label of the router's routing-decision metric
     estimated_cached_tokens: int = 0
+    work_tokens: int = 0  # ttft: prompt tokens the replica had to compute before this one's first token
 
 
 class RoutingPolicy(Protocol):
@@ -48,8 +49,21 @@ class RoutingPolicy(Protocol):
 
     def forget(self, replica: Replica) -> None: ...
 
+    def observe_ttft(self, decision: Decision, seconds: float) -> None:
+        """A streamed answer's first chunk came ``seconds`` after it was sent."""
 
-class RoundRobin:
+
+class _Stateless:
+    """A policy that learns nothing from what happens to its choices."""
+
+    def forget(self, replica: Replica) -> None:
+        pass
+
+    def observe_ttft(self, decision: Decision, seconds: float) -> None:
+        pass
+
+
+class RoundRobin(_Stateless):
     name = "round_robin"
 
     def __init__(self) -> None:
@@ -57,9 +71,6 @@ class RoundRobin:
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
         return Decision(candidates[next(self._turn) % len(candidates)], "turn")
-
-    def forget(self, replica: Replica) -> None:
-        pass
 
 
 def least_loaded(candidates: Sequence[Replica], turn: int) -> Replica:
@@ -69,7 +80,7 @@ def least_loaded(candidates: Sequence[Replica], turn: int) -> Replica:
     return min(rotated, key=lambda r: (r.load, r.queued_prompt_tokens))
 
 
-class LeastLoad:
+class LeastLoad(_Stateless):
     name = "least_load"
 
     def __init__(self) -> None:
@@ -78,8 +89,29 @@ class LeastLoad:
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
         return Decision(least_loaded(candidates, next(self._turn)), "least_load")
 
+
+class ReplicaPrefixes:
+    """The approximate prefix index over the replicas a policy has seen, each with its capacity."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self._capacity = config.prefix_capacity_tokens
+        self.index = ApproximatePrefixIndex(config.prefix_page_tokens)
+        self._known: set[str] = set()
+
+    def match(self, request: RouteRequest, candidates: Sequence[Replica]) -> tuple[list[int], dict[str, int]]:
+        """The request's page keys, and the tokens of its prefix each candidate holds."""
+        for replica in candidates:
+            if replica.url not in self._known:
+                capacity = self._capacity or replica.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS
+                self.index.add_replica(replica.url, capacity)
+                self._known.add(replica.url)
+        keys = page_keys(request.token_ids, self.index.page_tokens)
+        pages = self.index.match(keys, (r.url for r in candidates))
+        return keys, {url: n * self.index.page_tokens for url, n in pages.items()}
+
     def forget(self, replica: Replica) -> None:
-        pass
+        self.index.remove_replica(replica.url)
+        self._known.discard(replica.url)
 
 
 class CacheAware:
@@ -87,37 +119,99 @@ class CacheAware:
 
     def __init__(self, config: RouterConfig) -> None:
         self._config = config
-        self.index = ApproximatePrefixIndex(config.prefix_page_tokens)
-        self._known: set[str] = set()
+        self.prefixes = ReplicaPrefixes(config)
         self._turn = itertools.count()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
-        for replica in candidates:
-            if replica.url not in self._known:
-                capacity = self._config.prefix_capacity_tokens or replica.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS
-                self.index.add_replica(replica.url, capacity)
-                self._known.add(replica.url)
         c = self._config
         idlest = min(r.load for r in candidates)
         busiest = max(r.load for r in candidates)
         balancing = busiest - idlest > c.balance_abs_threshold and busiest > c.balance_rel_threshold * idlest
         pool = [r for r in candidates if r.load <= idlest + c.balance_abs_threshold] if balancing else candidates
-        keys = page_keys(request.token_ids, self.index.page_tokens)
-        matched = self.index.match(keys, (r.url for r in pool))
+        keys, matched = self.prefixes.match(request, pool)
         best = max(pool, key=lambda r: (matched[r.url], -r.load))
-        best_tokens = matched[best.url] * self.index.page_tokens
-        if request.token_ids and best_tokens >= c.cache_threshold * len(request.token_ids):
-            decision = Decision(best, "balance_prefix" if balancing else "prefix", best_tokens)
+        if request.token_ids and matched[best.url] >= c.cache_threshold * len(request.token_ids):
+            decision = Decision(best, "balance_prefix" if balancing else "prefix", matched[best.url])
         else:
             chosen = least_loaded(pool, next(self._turn))
-            reason = "balance" if balancing else "miss"
-            decision = Decision(chosen, reason, matched[chosen.url] * self.index.page_tokens)
-        self.index.insert(decision.replica.url, keys)
+            decision = Decision(chosen, "balance" if balancing else "miss", matched[chosen.url])
+        self.prefixes.index.insert(decision.replica.url, keys)
         return decision
 
     def forget(self, replica: Replica) -> None:
-        self.index.remove_replica(replica.url)
-        self._known.discard(replica.url)
+        self.prefixes.forget(replica)
+
+    def observe_ttft(self, decision: Decision, seconds: float) -> None:
+        pass
+
+
+class EstimatedTTFT:
+    """The replica with the lowest estimated time to first token: ``a + b x work``, where work is the prompt
+    tokens it must compute first (uncached tokens of requests it has not yet answered, then this request's
+    uncached tokens; a prefix another replica holds counts ``shared_tier_cost`` per token on a replica that
+    reads the shared tier). ``a`` and ``b`` are fitted per replica, online, from the first chunks of streamed
+    answers; until a replica has answered, it gets the fleet's fit (or the configured prior)."""
+
+    name = "ttft"
+
+    def __init__(self, config: RouterConfig) -> None:
+        self._config = config
+        self.prefixes = ReplicaPrefixes(config)
+        self._fits: dict[str, OnlineLine] = {}
+        self._fleet = OnlineLine(config.prefill_seconds_per_token)
+
+    def estimate(self, replica: Replica, work_tokens: int) -> float:
+        return self._fits.get(replica.url, self._fleet).predict(work_tokens)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
+        keys, matched = self.prefixes.match(request, candidates)
+        anywhere = max(matched.values())
+        best: tuple[float, int, Replica, int, int] | None = None
+        for replica in candidates:
+            cached = matched[replica.url]
+            shared = anywhere - cached if replica.shared_kv_tier else 0
+            own = len(request.token_ids) - cached - shared
+            work = replica.queued_prompt_tokens + own + round(shared * self._config.shared_tier_cost)
+            key = (self.estimate(replica, work), replica.load, replica, cached + shared, work)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        assert best is not None
+        _, _, chosen, cached, work = best
+        self.prefixes.index.insert(chosen.url, keys)
+        return Decision(chosen, "ttft", cached, work)
+
+    def forget(self, replica: Replica) -> None:
+        self.prefixes.forget(replica)
+
+    def observe_ttft(self, decision: Decision, seconds: float) -> None:
+        self._fits.setdefault(decision.replica.url, OnlineLine(self._config.prefill_seconds_per_token)).add(
+            decision.work_tokens, seconds)
+        self._fleet.add(decision.work_tokens, seconds)
+
+
+class OnlineLine:
+    """``y = a + b x`` by exponentially weighted least squares; ``b`` stays at its prior until the x seen vary."""
+
+    DECAY = 0.95
+
+    def __init__(self, slope_prior: float) -> None:
+        self._prior = slope_prior
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.DECAY
+        self._n = d * self._n + 1
+        self._x, self._y = d * self._x + x, d * self._y + y
+        self._xx, self._xy = d * self._xx + x * x, d * self._xy + x * y
+
+    def predict(self, x: float) -> float:
+        if self._n == 0:
+            return self._prior * x
+        mx, my = self._x / self._n, self._y / self._n
+        var = self._xx / self._n - mx * mx
+        slope = (self._xy / self._n - mx * my) / var if var > (0.05 * mx) ** 2 + 1.0 else self._prior
+        slope = max(slope, 0.0)
+        return max(0.0, my + slope * (x - mx))
 
 
 def make_policy(config: RouterConfig) -> RoutingPolicy:
@@ -125,4 +219,6 @@ def make_policy(config: RouterConfig) -> RoutingPolicy:
         return RoundRobin()
     if config.policy == "least_load":
         return LeastLoad()
+    if config.policy == "ttft":
+        return EstimatedTTFT(config)
     return CacheAware(config)

@@ -38,8 +38,9 @@ class Replica:
     is_kvserve: bool = False
     block_size: int | None = None
     kv_capacity_tokens: int | None = None
+    shared_kv_tier: bool = False  # it reads KV other replicas wrote (a shared Redis tier)
     in_flight: int = 0  # requests this router has sent and not yet seen end
-    queued_prompt_tokens: int = 0  # prompt tokens of those that have not yet had a first byte back
+    queued_prompt_tokens: int = 0  # uncached prompt tokens (as the policy estimated) not yet answered a first byte
     reported_running: int = 0
     reported_waiting: int = 0
     load_read_at: float = 0.0  # time.monotonic() of the last load read; 0 = never
@@ -106,6 +107,7 @@ class ReplicaPool:
             return  # not a kvserve replica: routed on its OpenAI routes alone
         replica.is_kvserve = True
         replica.block_size = info["block_size"]
+        replica.shared_kv_tier = info.get("shared_kv_tier") is True
         if isinstance(info.get("num_kv_blocks"), int):
             replica.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
 

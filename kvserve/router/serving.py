@@ -5,6 +5,7 @@ and ``ReplicaProcesses`` (``kvserve serve --replicas N``: N engine processes on 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -20,6 +21,8 @@ from kvserve.config import RouterConfig
 from kvserve.router.gateway import Gateway, build_router_app
 
 logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def run_router(config: RouterConfig) -> int:
@@ -64,7 +67,7 @@ class ReplicaProcesses:
             port = _free_port()
             args = [sys.executable, "-m", "kvserve.cli", "serve", *serve_args, "--host", "127.0.0.1",
                     "--port", str(port), "--num-threads", str(threads_each)]
-            self.procs.append(subprocess.Popen(args))
+            self.procs.append(subprocess.Popen(args, preexec_fn=_die_with_parent))
             self.urls.append(f"http://127.0.0.1:{port}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -77,6 +80,16 @@ class ReplicaProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+
+
+def _die_with_parent() -> None:
+    """In a replica, before it runs: on Linux, SIGTERM when the gateway's process ends, however it ends (a
+    SIGKILL leaves it no time to stop its replicas)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def threads_per_replica(num_replicas: int, num_threads: int | None) -> int:

@@ -252,8 +252,10 @@ def build_app(
     async def replica_info() -> Response:
         """What a gateway (``kvserve route``) reads of a kvserve replica beyond the OpenAI routes."""
         stats = async_engine.stats()
-        return JSONResponse({"model": state.model_name, "block_size": async_engine.engine.config.cache.block_size,
-                             "num_kv_blocks": stats.num_kv_blocks, "max_model_len": state.max_model_len})
+        config = async_engine.engine.config
+        return JSONResponse({"model": state.model_name, "block_size": config.cache.block_size,
+                             "num_kv_blocks": stats.num_kv_blocks, "max_model_len": state.max_model_len,
+                             "shared_kv_tier": config.storage.redis_url is not None})
 
     tokenizer_json: list[bytes] = []  # built on the first call: megabytes for a large vocabulary
 

@@ -417,3 +417,21 @@ def test_prompt_text_never_matches_stop(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok, prompt, stop=("STOP",))
     out = detok.add_tokens(tok.encode(" now")) + detok.flush()
     assert detok.stopped is None and out == " now"
+
+
+def test_a_description_rebuilds_the_same_tokenizer(tok: Tokenizer) -> None:
+    """What a gateway rebuilds from ``GET /kvserve/tokenizer``: the same ids, template and end tokens."""
+    copy = Tokenizer.from_description(json.loads(json.dumps(tok.describe())))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there 123"}]
+    text = tok.apply_chat_template(messages)
+    assert copy.apply_chat_template(messages) == text
+    assert copy.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+    assert copy.encode("plain text") == tok.encode("plain text")
+    assert copy.eos_token_ids == tok.eos_token_ids and copy.bos_token_id == tok.bos_token_id
+
+
+def test_a_malformed_description_is_a_model_load_error() -> None:
+    from kvserve.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="not a tokenizer description"):
+        Tokenizer.from_description({"tokenizer": "{not json"})

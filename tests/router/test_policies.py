@@ -6,7 +6,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import RouterConfig
-from kvserve.router.policies import CacheAware, LeastLoad, RoundRobin, RouteRequest
+from kvserve.router.policies import (
+    CacheAware,
+    Decision,
+    EstimatedTTFT,
+    LeastLoad,
+    OnlineLine,
+    RoundRobin,
+    RouteRequest,
+)
 from kvserve.router.replicas import Replica
 
 CONFIG = RouterConfig(prefix_page_tokens=4, balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.5,
@@ -95,3 +103,45 @@ def test_cache_aware_never_sends_to_a_replica_whose_queue_is_over_the_bound_whil
         if idlest == 0:
             assert decision.replica.load <= idlest + CONFIG.balance_abs_threshold
         decision.replica.in_flight += 1
+
+
+def test_ttft_weighs_the_queue_against_the_prefix() -> None:
+    policy, pool = EstimatedTTFT(CONFIG), replicas(0, 0)
+    home = policy.choose(request(*SYSTEM_A), pool).replica
+    other = pool[1] if home is pool[0] else pool[0]
+    again = policy.choose(request(*SYSTEM_A, 1, 2, 3, 4), pool)
+    assert again.replica is home and again.estimated_cached_tokens == 40 and again.work_tokens == 4
+    home.queued_prompt_tokens = 1000  # its queue costs more than the 44 uncached tokens elsewhere
+    moved = policy.choose(request(*SYSTEM_A, 9, 9, 9, 9), pool)
+    assert moved.replica is other and moved.work_tokens == 44
+
+
+def test_ttft_counts_a_prefix_held_elsewhere_as_cheap_on_replicas_that_share_a_tier() -> None:
+    policy, pool = EstimatedTTFT(CONFIG), replicas(0, 0)
+    home = policy.choose(request(*SYSTEM_A), pool).replica
+    other = pool[1] if home is pool[0] else pool[0]
+    other.shared_kv_tier = True
+    home.queued_prompt_tokens = 30  # more than 0.2 x 40 tokens loaded from the shared tier + 4 computed
+    decision = policy.choose(request(*SYSTEM_A, 1, 2, 3, 4), pool)
+    assert decision.replica is other and decision.work_tokens == 4 + 8 and decision.estimated_cached_tokens == 40
+
+
+def test_ttft_learns_each_replicas_speed_from_first_chunks() -> None:
+    policy, pool = EstimatedTTFT(CONFIG), replicas(0, 0)
+    slow, fast = pool
+    for work in (10, 200, 400, 800):
+        policy.observe_ttft(Decision(slow, "ttft", 0, work), 0.05 + 0.004 * work)
+        policy.observe_ttft(Decision(fast, "ttft", 0, work), 0.05 + 0.001 * work)
+    assert abs(policy.estimate(slow, 500) - 2.05) < 0.01 and abs(policy.estimate(fast, 500) - 0.55) < 0.01
+    fast.queued_prompt_tokens = 1000  # 0.05 + 0.001 x 1048 on the fast one against 0.05 + 0.004 x 48
+    assert policy.choose(request(*SYSTEM_B, 1, 2, 3, 4, 5, 6, 7, 8), pool).replica is slow
+    fast.queued_prompt_tokens = 100
+    assert policy.choose(request(*SYSTEM_A, 1, 2, 3, 4, 5, 6, 7, 8), pool).replica is fast
+
+
+def test_an_online_line_keeps_its_prior_slope_until_the_x_vary() -> None:
+    line = OnlineLine(0.002)
+    assert line.predict(100) == 0.2
+    for _ in range(5):
+        line.add(100, 0.5)
+    assert abs(line.predict(200) - 0.7) < 1e-9  # the mean, then the prior slope
