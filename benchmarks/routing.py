@@ -2,8 +2,9 @@
 distinct agents, and device KV pools too small for every agent's prefix, so that placement decides the hit rate.
 
     python benchmarks/routing.py [--replicas 2] [--agents 8] [--system-tokens 1500] [--sessions 32] [--turns 4]
-                                 [--concurrency 8] [--kv-blocks 320] [--policies round_robin,least_load,cache_aware]
-                                 [--no-cache-baseline] [--redis] [--output FILE] [--plot FILE]
+                                 [--concurrency 8] [--kv-blocks 320] [--policies round_robin,least_load,cache_aware,ttft]
+                                 [--no-cache-baseline] [--redis [--redis-policies round_robin,cache_aware]]
+                                 [--output FILE] [--plot FILE]
 
 Each policy gets fresh replicas (``kvserve serve``, one thread each unless --threads says otherwise) and a fresh
 ``kvserve route`` in front of them, then runs the same workload: session k belongs to agent k mod --agents
@@ -14,7 +15,7 @@ Reported per policy: prompt-token hit rate (usage.prompt_tokens_details.cached_t
 p50/p90 (client-side, from sending to the first text chunk), output tokens/s over the run, the routing reasons,
 and the balance check: the share of 0.2 s samples in which a replica had nothing in flight while another had more
 than --balance-bound requests in flight. ``--no-cache-baseline`` adds round robin on replicas with the prefix
-cache off. ``--redis`` repeats every policy with all replicas writing their KV through to one shared
+cache off. ``--redis`` repeats --redis-policies with all replicas writing their KV through to one shared
 redis-server (started here on a free loopback port), so a prefix computed on one replica is a hit on the others.
 """
 
@@ -257,9 +258,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kv-blocks", type=int, default=320, help="device KV blocks (16 tokens) per replica")
     parser.add_argument("--balance-bound", type=int, default=4)
-    parser.add_argument("--policies", default="round_robin,least_load,cache_aware")
+    parser.add_argument("--policies", default="round_robin,least_load,cache_aware,ttft")
     parser.add_argument("--no-cache-baseline", action="store_true")
-    parser.add_argument("--redis", action="store_true", help="also run every policy with a shared Redis tier")
+    parser.add_argument("--redis", action="store_true", help="also run --redis-policies with a shared Redis tier")
+    parser.add_argument("--redis-policies", default="round_robin,cache_aware")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write TTFT CDFs per policy (PNG) here")
     args = parser.parse_args()
@@ -282,7 +284,7 @@ def main() -> int:
         if args.redis:
             redis, url = start_redis(logs)
             try:
-                for policy in policies:
+                for policy in args.redis_policies.split(","):
                     redis_args = [*engine_args, "--kv-redis-url", url, "--kv-write-policy", "write_through"]
                     subprocess.run(["redis-cli", "-u", url, "flushall"], check=False, capture_output=True)
                     shared.append(run_policy(f"{policy} + shared Redis", policy, redis_args, args, logs))
