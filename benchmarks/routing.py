@@ -2,7 +2,7 @@
 distinct agents, and device KV pools too small for every agent's prefix, so that placement decides the hit rate.
 
     python benchmarks/routing.py [--replicas 2] [--agents 8] [--system-tokens 1500] [--sessions 32] [--turns 4]
-                                 [--concurrency 8] [--kv-blocks 320] [--policies round_robin,least_load,cache_aware,ttft]
+                                 [--concurrency 8] [--kv-blocks 320] [--policies round_robin,least_load,cache_aware,kv_events,ttft]
                                  [--no-cache-baseline] [--redis [--redis-policies round_robin,cache_aware]]
                                  [--output FILE] [--plot FILE]
 
@@ -258,7 +258,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kv-blocks", type=int, default=320, help="device KV blocks (16 tokens) per replica")
     parser.add_argument("--balance-bound", type=int, default=4)
-    parser.add_argument("--policies", default="round_robin,least_load,cache_aware,ttft")
+    parser.add_argument("--policies", default="round_robin,least_load,cache_aware,kv_events,ttft")
     parser.add_argument("--no-cache-baseline", action="store_true")
     parser.add_argument("--redis", action="store_true", help="also run --redis-policies with a shared Redis tier")
     parser.add_argument("--redis-policies", default="round_robin,cache_aware")

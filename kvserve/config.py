@@ -328,7 +328,7 @@ class ServerConfig:
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
 
 
-RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "ttft"]
+RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_events", "ttft"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +353,9 @@ class RouterConfig:
         4, "cache_aware: load is imbalanced when the busiest replica has this many more requests than the idlest "
            "(and --balance-rel-threshold times as many); then only replicas within this many of the idlest compete")
     balance_rel_threshold: float = setting(1.5, "cache_aware: see --balance-abs-threshold")
-    cache_threshold: float = setting(0.5, "cache_aware: the share of a prompt a replica must hold for the prefix "
+    kv_events_interval_s: float = setting(0.2, "kv_events: seconds between reads of each replica's block events",
+                                          flag="--kv-events-interval")
+    cache_threshold: float = setting(0.5, "cache_aware, kv_events: the share of a prompt a replica must hold for the prefix "
                                           "to decide; below it the least-loaded replica takes the request")
     prefix_page_tokens: int = setting(16, "cache_aware: tokens per page of the prefix index (a replica's KV block)")
     prefix_capacity_tokens: int | None = setting(
@@ -369,7 +371,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         positive = ("health_interval_s", "startup_timeout_s", "request_timeout_s", "max_request_body_bytes",
-                    "balance_abs_threshold", "prefix_page_tokens", "prefill_seconds_per_token")
+                    "balance_abs_threshold", "prefix_page_tokens", "prefill_seconds_per_token",
+                    "kv_events_interval_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}", name)

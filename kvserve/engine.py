@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvserve.cache.draft_kv import DraftKVCache
+from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import TieredKVStore
 from kvserve.config import ArchConfig, EngineConfig, SpeculativeConfig, StorageConfig
@@ -113,8 +114,10 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len(num_blocks * cc.block_size)
         kv_caches = allocate_kv_caches(self.arch, num_blocks, cc.block_size, self.dtype, self.device)
         self.tiers = self._build_tiers(config.storage, kv_caches)
+        # The device prefix cache's blocks as events a gateway follows (GET /kvserve/kv_events).
+        self.kv_events = KVEventLog() if cc.enable_prefix_caching else None
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers,
-                                         keep_tails=cc.keep_tails)
+                                         keep_tails=cc.keep_tails, events=self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, config.structured)
         sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax,
@@ -131,7 +134,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.backend, kv_caches, cc.block_size, sampler, proposer=proposer,
                                   propose_below_batch_size=spec.disable_by_batch_size, draft_lengths=draft_lengths)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
-        self._hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()
+        self.block_hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()  # public: gateways hash blocks too
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))
         self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                               self.grammars)
@@ -239,7 +242,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
             arrival_order=order,
-            hash_extra=self._hash_extra,
+            hash_extra=self.block_hash_extra,
             prompt=processed.prompt,
             grammar=grammar,
         )

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.prefix_cache import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kvserve.cache.radix_cache import TailBlock
 from kvserve.cache.tier_coordinator import NoTiers, TierCoordinator, Tiers
@@ -72,12 +73,13 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         tiers: TieredKVStore | None = None,
         keep_tails: bool = True,
+        events: KVEventLog | None = None,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         # With the cache off nothing is hashed, locked or kept after a request, and the tiers, which only
         # extend the prefix cache, stay off too.
-        self.prefix_cache: PrefixCache = (RadixPrefixCache(block_size, self.pool, keep_tails)
+        self.prefix_cache: PrefixCache = (RadixPrefixCache(block_size, self.pool, keep_tails, events)
                                           if enable_prefix_caching else NoPrefixCache())
         self.tiers: Tiers = TierCoordinator(tiers, block_size) if tiers is not None and enable_prefix_caching else NoTiers()
         self.prefix_cache.on_evict = self.tiers.offload_evicted

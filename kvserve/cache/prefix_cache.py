@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.radix_cache import EvictHook, RadixCache, RadixNode, TailBlock
 from kvserve.request import BlockHash, Request
 
@@ -80,10 +81,11 @@ class PrefixCache(Protocol):
 class RadixPrefixCache:
     """The radix tree (``RadixCache``) seen through the ``PrefixCache`` protocol, with tails."""
 
-    def __init__(self, block_size: int, pool: BlockPool, keep_tails: bool = True) -> None:
+    def __init__(self, block_size: int, pool: BlockPool, keep_tails: bool = True,
+                 events: KVEventLog | None = None) -> None:
         self.block_size = block_size
         self.pool = pool
-        self.tree = RadixCache(block_size, pool)
+        self.tree = RadixCache(block_size, pool, events=events)
         self.keep_tails = keep_tails
 
     @property

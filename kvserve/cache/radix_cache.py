@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.kv_events import KVEventLog
 from kvserve.request import BlockHash
 
 
@@ -94,6 +95,7 @@ class RadixCache:
         pool: BlockPool,
         clock: Callable[[], float] = time.monotonic,
         on_evict: EvictHook | None = None,
+        events: KVEventLog | None = None,
     ) -> None:
         self.block_size = block_size
         self.pool = pool
@@ -101,6 +103,7 @@ class RadixCache:
         # Called with (block_id, block_hash) for each evicted block, before the block goes back to the free
         # list: its KV is still intact until whoever allocates it next writes into it.
         self.on_evict = on_evict
+        self.events = events  # full blocks entering and leaving the tree, for gateways that follow them
         self._ids = itertools.count()
         self.root = RadixNode(next(self._ids), None, 0, clock())
         self.num_cached_blocks = 0  # full blocks in nodes (tails not included)
@@ -224,6 +227,8 @@ class RadixCache:
             for block_id in new_blocks:
                 self.pool.mark_cached(block_id)
             self.num_cached_blocks += len(new_blocks)
+            if self.events is not None:
+                self.events.stored(new_hashes)
             if node is start and node is not self.root and node.is_leaf and node.lock_ref == 1 and not node.tails:
                 # Extend a leaf that only its inserter holds, instead of growing a chain of one-block nodes
                 # (not one with tails: they follow the node's current end).
@@ -335,6 +340,8 @@ class RadixCache:
                     self.on_evict(block_id, block_hash)
             for block_id in leaf.block_ids[cut:]:
                 self.pool.reclaim(block_id)
+            if self.events is not None:
+                self.events.removed(leaf.block_hashes[cut:])
             del leaf.block_ids[len(leaf.block_ids) - take :]
             del leaf.block_hashes[len(leaf.block_hashes) - take :]
             del leaf.token_ids[len(leaf.block_ids) * self.block_size :]

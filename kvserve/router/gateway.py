@@ -37,6 +37,7 @@ from kvserve.errors import (
     NoHealthyReplica,
     RequestTooLarge,
 )
+from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Decision, RouteRequest, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
@@ -73,7 +74,11 @@ class Gateway:
                                                                              max_keepalive_connections=256))
         self._replica_headers = {"authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
         self.pool = ReplicaPool(config.replicas, self.client, config.health_interval_s, self._replica_headers)
-        self.policy = make_policy(config)
+        self.kv_events: KVEventFollower | None = None
+        if config.policy == "kv_events":
+            self.kv_events = KVEventFollower(self.client, self._replica_headers, KVBlockIndex(),
+                                             lambda: self.pool.replicas, config.kv_events_interval_s)
+        self.policy = make_policy(config, self.kv_events.index if self.kv_events else None)
         self.prompts = PromptTokens(self.client, self._replica_headers)
         self.metrics = RouterMetrics(lambda: self.pool.replicas)
         self.pool.on_change.append(self.policy.forget)
@@ -82,8 +87,13 @@ class Gateway:
         await self.pool.check_all(self.config.startup_timeout_s)
         await self.prompts.learn(self.pool.replicas)
         self.pool.start()
+        if self.kv_events is not None:
+            await self.kv_events.refresh()
+            self.kv_events.start()
 
     async def stop(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.pool.stop()
         await self.client.aclose()
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.config import RouterConfig
+from kvserve.router.kv_index import KVBlockIndex, block_hashes
 from kvserve.router.prefix_index import ApproximatePrefixIndex, page_keys
 from kvserve.router.replicas import DEFAULT_CAPACITY_TOKENS, Replica
 
@@ -90,36 +91,88 @@ class LeastLoad(_Stateless):
         return Decision(least_loaded(candidates, next(self._turn)), "least_load")
 
 
+class PrefixMatcher(Protocol):
+    """Which replica holds how much of a request's prompt."""
+
+    def match(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict[str, int]:
+        """Per candidate URL, the tokens of the request's prompt prefix it holds."""
+        ...
+
+    def routed(self, replica: Replica, request: RouteRequest) -> None:
+        """The request was sent to ``replica`` (the last one ``match`` saw)."""
+        ...
+
+    def forget(self, replica: Replica) -> None: ...
+
+
 class ReplicaPrefixes:
-    """The approximate prefix index over the replicas a policy has seen, each with its capacity."""
+    """Approximate: the prompts routed to each replica (ApproximatePrefixIndex), as a PrefixMatcher."""
 
     def __init__(self, config: RouterConfig) -> None:
         self._capacity = config.prefix_capacity_tokens
         self.index = ApproximatePrefixIndex(config.prefix_page_tokens)
         self._known: set[str] = set()
+        self._last: tuple[RouteRequest, list[int]] | None = None
 
-    def match(self, request: RouteRequest, candidates: Sequence[Replica]) -> tuple[list[int], dict[str, int]]:
-        """The request's page keys, and the tokens of its prefix each candidate holds."""
+    def match(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict[str, int]:
         for replica in candidates:
             if replica.url not in self._known:
                 capacity = self._capacity or replica.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS
                 self.index.add_replica(replica.url, capacity)
                 self._known.add(replica.url)
         keys = page_keys(request.token_ids, self.index.page_tokens)
+        self._last = (request, keys)
         pages = self.index.match(keys, (r.url for r in candidates))
-        return keys, {url: n * self.index.page_tokens for url, n in pages.items()}
+        return {url: n * self.index.page_tokens for url, n in pages.items()}
+
+    def routed(self, replica: Replica, request: RouteRequest) -> None:
+        if self._last is not None and self._last[0] is request:
+            keys = self._last[1]
+        else:
+            keys = page_keys(request.token_ids, self.index.page_tokens)
+        self.index.insert(replica.url, keys)
 
     def forget(self, replica: Replica) -> None:
         self.index.remove_replica(replica.url)
         self._known.discard(replica.url)
 
 
-class CacheAware:
-    name = "cache_aware"
+class ReplicaBlocks:
+    """Precise: the blocks each kvserve replica reported holding (KVBlockIndex, fed by a KVEventFollower), as
+    a PrefixMatcher. A replica that publishes no events holds nothing here."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, index: KVBlockIndex) -> None:
+        self.index = index
+
+    def match(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict[str, int]:
+        hashes: dict[tuple[int, bytes], list[bytes]] = {}
+        matched = {}
+        for replica in candidates:
+            if not replica.kv_events or replica.block_size is None:
+                matched[replica.url] = 0
+                continue
+            key = (replica.block_size, replica.block_hash_extra)
+            if key not in hashes:
+                hashes[key] = block_hashes(request.token_ids, *key)
+            matched[replica.url] = self.index.match(hashes[key], [replica.url])[replica.url] * replica.block_size
+        return matched
+
+    def routed(self, replica: Replica, request: RouteRequest) -> None:
+        pass  # the replica's events will say what it stored
+
+    def forget(self, replica: Replica) -> None:
+        self.index.forget(replica.url)
+
+
+class CacheAware:
+    """``cache_aware`` over the approximate index of routed prompts; ``kv_events`` over the replicas' own
+    block events: the same rule, a different view of where the prefixes are."""
+
+    def __init__(self, config: RouterConfig, matcher: PrefixMatcher | None = None,
+                 name: str = "cache_aware") -> None:
         self._config = config
-        self.prefixes = ReplicaPrefixes(config)
+        self.name = name
+        self.prefixes: PrefixMatcher = matcher or ReplicaPrefixes(config)
         self._turn = itertools.count()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
@@ -128,14 +181,14 @@ class CacheAware:
         busiest = max(r.load for r in candidates)
         balancing = busiest - idlest > c.balance_abs_threshold and busiest > c.balance_rel_threshold * idlest
         pool = [r for r in candidates if r.load <= idlest + c.balance_abs_threshold] if balancing else candidates
-        keys, matched = self.prefixes.match(request, pool)
+        matched = self.prefixes.match(request, pool)
         best = max(pool, key=lambda r: (matched[r.url], -r.load))
         if request.token_ids and matched[best.url] >= c.cache_threshold * len(request.token_ids):
             decision = Decision(best, "balance_prefix" if balancing else "prefix", matched[best.url])
         else:
             chosen = least_loaded(pool, next(self._turn))
             decision = Decision(chosen, "balance" if balancing else "miss", matched[chosen.url])
-        self.prefixes.index.insert(decision.replica.url, keys)
+        self.prefixes.routed(decision.replica, request)
         return decision
 
     def forget(self, replica: Replica) -> None:
@@ -164,7 +217,7 @@ class EstimatedTTFT:
         return self._fits.get(replica.url, self._fleet).predict(work_tokens)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
-        keys, matched = self.prefixes.match(request, candidates)
+        matched = self.prefixes.match(request, candidates)
         anywhere = max(matched.values())
         best: tuple[float, int, Replica, int, int] | None = None
         for replica in candidates:
@@ -177,7 +230,7 @@ class EstimatedTTFT:
                 best = key
         assert best is not None
         _, _, chosen, cached, work = best
-        self.prefixes.index.insert(chosen.url, keys)
+        self.prefixes.routed(chosen, request)
         return Decision(chosen, "ttft", cached, work)
 
     def forget(self, replica: Replica) -> None:
@@ -214,7 +267,11 @@ class OnlineLine:
         return max(0.0, my + slope * (x - mx))
 
 
-def make_policy(config: RouterConfig) -> RoutingPolicy:
+def make_policy(config: RouterConfig, kv_index: KVBlockIndex | None = None) -> RoutingPolicy:
+    """The configured policy; ``kv_events`` reads ``kv_index``, which the caller keeps fed."""
+    if config.policy == "kv_events":
+        assert kv_index is not None, "the kv_events policy needs a KVBlockIndex"
+        return CacheAware(config, ReplicaBlocks(kv_index), name="kv_events")
     if config.policy == "round_robin":
         return RoundRobin()
     if config.policy == "least_load":

@@ -39,6 +39,8 @@ class Replica:
     block_size: int | None = None
     kv_capacity_tokens: int | None = None
     shared_kv_tier: bool = False  # it reads KV other replicas wrote (a shared Redis tier)
+    kv_events: bool = False  # it publishes its prefix cache's block events
+    block_hash_extra: bytes = b""  # what it mixes into its block hashes (model fingerprint, salt)
     in_flight: int = 0  # requests this router has sent and not yet seen end
     queued_prompt_tokens: int = 0  # uncached prompt tokens (as the policy estimated) not yet answered a first byte
     reported_running: int = 0
@@ -108,6 +110,9 @@ class ReplicaPool:
         replica.is_kvserve = True
         replica.block_size = info["block_size"]
         replica.shared_kv_tier = info.get("shared_kv_tier") is True
+        if info.get("kv_events") is True and isinstance(info.get("block_hash_extra"), str):
+            replica.kv_events = True
+            replica.block_hash_extra = bytes.fromhex(info["block_hash_extra"])
         if isinstance(info.get("num_kv_blocks"), int):
             replica.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
 

@@ -252,10 +252,21 @@ def build_app(
     async def replica_info() -> Response:
         """What a gateway (``kvserve route``) reads of a kvserve replica beyond the OpenAI routes."""
         stats = async_engine.stats()
-        config = async_engine.engine.config
-        return JSONResponse({"model": state.model_name, "block_size": config.cache.block_size,
+        engine = async_engine.engine
+        return JSONResponse({"model": state.model_name, "block_size": engine.config.cache.block_size,
                              "num_kv_blocks": stats.num_kv_blocks, "max_model_len": state.max_model_len,
-                             "shared_kv_tier": config.storage.redis_url is not None})
+                             "shared_kv_tier": engine.config.storage.redis_url is not None,
+                             "kv_events": engine.kv_events is not None,
+                             "block_hash_extra": engine.block_hash_extra.hex()})
+
+    @app.get("/kvserve/kv_events")
+    async def kv_events(after: int = 0, epoch: str | None = None) -> Response:
+        """The device prefix cache's block events after ``after`` (see cache/kv_events.py)."""
+        events = async_engine.engine.kv_events
+        if events is None:
+            return JSONResponse(p.error_body("this server runs without a prefix cache: it has no KV events",
+                                             "not_found_error"), status_code=404)
+        return JSONResponse(events.read(after, epoch))
 
     tokenizer_json: list[bytes] = []  # built on the first call: megabytes for a large vocabulary
 
