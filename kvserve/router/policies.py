@@ -199,19 +199,19 @@ class CacheAware:
 
 
 class EstimatedTTFT:
-    """The replica with the lowest estimated time to first token: ``a + b x work``, where work is the prompt
-    tokens it must compute first (uncached tokens of requests it has not yet answered, then this request's
-    uncached tokens; a prefix another replica holds counts ``shared_tier_cost`` per token on a replica that
-    reads the shared tier). ``a`` and ``b`` are fitted per replica, online, from the first chunks of streamed
-    answers; until a replica has answered, it gets the fleet's fit (or the configured prior)."""
+    """The replica with the lowest estimated time to first token: its seconds per token times the work, the
+    prompt tokens it must compute first (uncached tokens of requests it has not yet answered, then this
+    request's uncached tokens; a prefix another replica holds counts ``shared_tier_cost`` per token on a replica
+    that reads the shared tier). The rate is measured per replica from the first chunks of streamed answers;
+    until a replica has answered, it gets the fleet's (or the configured prior)."""
 
     name = "ttft"
 
     def __init__(self, config: RouterConfig) -> None:
         self._config = config
         self.prefixes = ReplicaPrefixes(config)
-        self._fits: dict[str, OnlineLine] = {}
-        self._fleet = OnlineLine(config.prefill_seconds_per_token)
+        self._fits: dict[str, PrefillRate] = {}
+        self._fleet = PrefillRate(config.prefill_seconds_per_token)
 
     def estimate(self, replica: Replica, work_tokens: int) -> float:
         return self._fits.get(replica.url, self._fleet).predict(work_tokens)
@@ -237,34 +237,29 @@ class EstimatedTTFT:
         self.prefixes.forget(replica)
 
     def observe_ttft(self, decision: Decision, seconds: float) -> None:
-        self._fits.setdefault(decision.replica.url, OnlineLine(self._config.prefill_seconds_per_token)).add(
+        self._fits.setdefault(decision.replica.url, PrefillRate(self._config.prefill_seconds_per_token)).add(
             decision.work_tokens, seconds)
         self._fleet.add(decision.work_tokens, seconds)
 
 
-class OnlineLine:
-    """``y = a + b x`` by exponentially weighted least squares; ``b`` stays at its prior until the x seen vary."""
+class PrefillRate:
+    """Seconds per token of work, as the exponentially weighted ratio of first-chunk times to work tokens,
+    starting from the prior as one observation of ``PRIOR_TOKENS``. A ratio of sums, not a fitted line: a
+    line's intercept, fitted per replica on few and noisy points, decided routing more than the queues did."""
 
     DECAY = 0.95
+    PRIOR_TOKENS = 1000.0
 
-    def __init__(self, slope_prior: float) -> None:
-        self._prior = slope_prior
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
+    def __init__(self, prior_seconds_per_token: float) -> None:
+        self._tokens = self.PRIOR_TOKENS
+        self._seconds = prior_seconds_per_token * self.PRIOR_TOKENS
 
-    def add(self, x: float, y: float) -> None:
-        d = self.DECAY
-        self._n = d * self._n + 1
-        self._x, self._y = d * self._x + x, d * self._y + y
-        self._xx, self._xy = d * self._xx + x * x, d * self._xy + x * y
+    def add(self, work_tokens: float, seconds: float) -> None:
+        self._tokens = self.DECAY * self._tokens + max(work_tokens, 1.0)
+        self._seconds = self.DECAY * self._seconds + seconds
 
-    def predict(self, x: float) -> float:
-        if self._n == 0:
-            return self._prior * x
-        mx, my = self._x / self._n, self._y / self._n
-        var = self._xx / self._n - mx * mx
-        slope = (self._xy / self._n - mx * my) / var if var > (0.05 * mx) ** 2 + 1.0 else self._prior
-        slope = max(slope, 0.0)
-        return max(0.0, my + slope * (x - mx))
+    def predict(self, work_tokens: float) -> float:
+        return self._seconds / self._tokens * work_tokens
 
 
 def make_policy(config: RouterConfig, kv_index: KVBlockIndex | None = None) -> RoutingPolicy:

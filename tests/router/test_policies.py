@@ -11,7 +11,7 @@ from kvserve.router.policies import (
     Decision,
     EstimatedTTFT,
     LeastLoad,
-    OnlineLine,
+    PrefillRate,
     RoundRobin,
     RouteRequest,
 )
@@ -129,19 +129,19 @@ def test_ttft_counts_a_prefix_held_elsewhere_as_cheap_on_replicas_that_share_a_t
 def test_ttft_learns_each_replicas_speed_from_first_chunks() -> None:
     policy, pool = EstimatedTTFT(CONFIG), replicas(0, 0)
     slow, fast = pool
-    for work in (10, 200, 400, 800):
-        policy.observe_ttft(Decision(slow, "ttft", 0, work), 0.05 + 0.004 * work)
-        policy.observe_ttft(Decision(fast, "ttft", 0, work), 0.05 + 0.001 * work)
-    assert abs(policy.estimate(slow, 500) - 2.05) < 0.01 and abs(policy.estimate(fast, 500) - 0.55) < 0.01
-    fast.queued_prompt_tokens = 1000  # 0.05 + 0.001 x 1048 on the fast one against 0.05 + 0.004 x 48
+    for _ in range(100):
+        for work in (10, 200, 400, 800):
+            policy.observe_ttft(Decision(slow, "ttft", 0, work), 0.004 * work)
+            policy.observe_ttft(Decision(fast, "ttft", 0, work), 0.001 * work)
+    assert abs(policy.estimate(slow, 500) - 2.0) < 0.01 and abs(policy.estimate(fast, 500) - 0.5) < 0.01
+    fast.queued_prompt_tokens = 1000  # 0.001 x 1048 on the fast one against 0.004 x 48 on the slow one
     assert policy.choose(request(*SYSTEM_B, 1, 2, 3, 4, 5, 6, 7, 8), pool).replica is slow
     fast.queued_prompt_tokens = 100
     assert policy.choose(request(*SYSTEM_A, 1, 2, 3, 4, 5, 6, 7, 8), pool).replica is fast
 
 
-def test_an_online_line_keeps_its_prior_slope_until_the_x_vary() -> None:
-    line = OnlineLine(0.002)
-    assert line.predict(100) == 0.2
-    for _ in range(5):
-        line.add(100, 0.5)
-    assert abs(line.predict(200) - 0.7) < 1e-9  # the mean, then the prior slope
+def test_a_prefill_rate_starts_at_its_prior_and_moves_to_what_it_sees() -> None:
+    rate = PrefillRate(0.002)
+    assert rate.predict(100) == 0.2
+    rate.add(1000, 0.5)  # as many tokens as the prior's weight, at a quarter of its rate
+    assert abs(rate.predict(1000) - (0.95 * 2.0 + 0.5) / (0.95 * 1000 + 1000) * 1000) < 1e-9
