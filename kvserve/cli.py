@@ -1,4 +1,4 @@
-"""`kvserve serve | route | generate | chat | models | bench | cost | trace` — the command line. The CLI may print."""
+"""`kvserve serve | route | ray | generate | chat | models | bench | cost | trace` — the command line. The CLI may print."""
 
 from __future__ import annotations
 
@@ -142,6 +142,25 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         replicas.stop()
 
 
+def cmd_ray(args: argparse.Namespace) -> int:
+    """Replicas as a Ray Serve deployment on a Ray cluster, kvserve's policy as its request router."""
+    import importlib.util
+
+    from kvserve.router.serving import run_on_ray, without_options
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("kvserve ray needs Ray Serve: pip install 'kvserve[ray]'", "ray")
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}", "replicas")
+    engine_config = engine_config_from_args(args)  # checked here, before anything is deployed
+    server_config = server_config_from_args(args)
+    serve_args = without_options(args.argv[args.argv.index("ray") + 1:],
+                                 ("--address", "--replicas", "--routing-policy", "--host", "--port", "--num-threads"))
+    threads = engine_config.model.num_threads or 1
+    config = RouterConfig(policy=args.routing_policy, host=server_config.host, port=server_config.port)
+    return run_on_ray(args.address, serve_args, args.replicas, threads, config)
+
+
 def cmd_route(args: argparse.Namespace) -> int:
     from kvserve.router.serving import run_router
 
@@ -204,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL of an OpenAI-compatible replica (repeat for each)")
     add_router_arguments(p)
     p.set_defaults(func=cmd_route)
+
+    p = sub.add_parser("ray", help="replicas as a Ray Serve deployment on a Ray cluster, routed by kvserve's policy")
+    add_engine_arguments(p)
+    add_server_arguments(p)
+    p.add_argument("--address", default="auto", help="the Ray cluster to join (default: auto)")
+    p.add_argument("--replicas", type=int, default=2, help="kvserve replicas (each --num-threads CPUs, default 1)")
+    p.add_argument("--routing-policy", choices=[n for n in typing.get_args(RoutingPolicyName) if n != "kv_events"],
+                   default="cache_aware", help="how requests are spread over the replicas (default: cache_aware)")
+    p.set_defaults(func=cmd_ray)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_arguments(p)

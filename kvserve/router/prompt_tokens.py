@@ -24,9 +24,9 @@ logger = logging.getLogger(__name__)
 class PromptTokens:
     """Per model, the tokenizer of its kvserve replicas (or none), and the rendering of a request."""
 
-    def __init__(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    def __init__(self, client: httpx.AsyncClient | None = None, headers: dict[str, str] | None = None) -> None:
         self._client = client
-        self._headers = headers
+        self._headers = headers or {}
         self._tokenizers: dict[str, Tokenizer | None] = {}
 
     async def learn(self, replicas: list[Replica]) -> None:
@@ -38,7 +38,12 @@ class PromptTokens:
                 if self._tokenizers.get(model) is None:
                     self._tokenizers[model] = await self._fetch(replica)
 
+    def add(self, model: str, tokenizer: Tokenizer | None) -> None:
+        """The tokenizer of ``model``, learnt some other way (a Ray Serve replica hands it over)."""
+        self._tokenizers[model] = tokenizer
+
     async def _fetch(self, replica: Replica) -> Tokenizer | None:
+        assert self._client is not None, "PromptTokens without a client learns tokenizers only through add()"
         try:
             response = await self._client.get(f"{replica.url}/kvserve/tokenizer", headers=self._headers,
                                               timeout=60.0)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from types import FrameType
 
@@ -64,10 +66,10 @@ class ReplicaProcesses:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
         for _ in range(num_replicas):
-            port = _free_port()
+            port = free_port()
             args = [sys.executable, "-m", "kvserve.cli", "serve", *serve_args, "--host", "127.0.0.1",
                     "--port", str(port), "--num-threads", str(threads_each)]
-            self.procs.append(subprocess.Popen(args, preexec_fn=_die_with_parent))
+            self.procs.append(subprocess.Popen(args, preexec_fn=die_with_parent))
             self.urls.append(f"http://127.0.0.1:{port}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -82,7 +84,40 @@ class ReplicaProcesses:
                 proc.wait(timeout=5)
 
 
-def _die_with_parent() -> None:
+def run_on_ray(address: str, serve_args: Sequence[str], num_replicas: int, threads_each: int,
+               config: RouterConfig) -> int:
+    """``kvserve ray``: deploy on the Ray cluster at ``address`` (router/ray_serve.py, run as a driver process of
+    its own), wait for SIGTERM or SIGINT, then delete the application. 2 when a driver fails."""
+    stop = threading.Event()
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    router = {"policy": config.policy, "host": config.host, "port": config.port,
+              "balance_abs_threshold": config.balance_abs_threshold,
+              "balance_rel_threshold": config.balance_rel_threshold, "cache_threshold": config.cache_threshold,
+              "prefix_page_tokens": config.prefix_page_tokens, "prefix_capacity_tokens": config.prefix_capacity_tokens}
+    arguments = {"address": address, "serve_args": list(serve_args), "num_replicas": num_replicas,
+                 "threads_each": threads_each, "router": router}
+    try:
+        if _ray_driver("deploy", arguments) != 0:
+            return 2
+        logger.warning("kvserve on Ray Serve: http://%s:%d (%d replicas)", config.host, config.port, num_replicas)
+        while not stop.wait(0.5):
+            pass
+        return 0
+    finally:
+        _ray_driver("teardown", {"address": address})
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ray_driver(command: str, arguments: dict[str, object]) -> int:
+    return subprocess.run([sys.executable, "-m", "kvserve.router.ray_serve", command, json.dumps(arguments)]).returncode
+
+
+def die_with_parent() -> None:
     """In a replica, before it runs: on Linux, SIGTERM when the gateway's process ends, however it ends (a
     SIGKILL leaves it no time to stop its replicas)."""
     try:
@@ -114,7 +149,7 @@ def without_options(argv: Sequence[str], names: Sequence[str]) -> list[str]:
     return kept
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
