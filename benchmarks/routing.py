@@ -4,6 +4,7 @@ distinct agents, and device KV pools too small for every agent's prefix, so that
     python benchmarks/routing.py [--replicas 2] [--agents 8] [--system-tokens 1500] [--sessions 32] [--turns 4]
                                  [--concurrency 8] [--kv-blocks 320] [--policies round_robin,least_load,cache_aware,kv_events,ttft]
                                  [--no-cache-baseline] [--redis [--redis-policies round_robin,cache_aware]]
+                                 [--ray POLICY]
                                  [--output FILE] [--plot FILE]
 
 Each policy gets fresh replicas (``kvserve serve``, one thread each unless --threads says otherwise) and a fresh
@@ -17,6 +18,8 @@ and the balance check: the share of 0.2 s samples in which a replica had nothing
 than --balance-bound requests in flight. ``--no-cache-baseline`` adds round robin on replicas with the prefix
 cache off. ``--redis`` repeats --redis-policies with all replicas writing their KV through to one shared
 redis-server (started here on a free loopback port), so a prefix computed on one replica is a hit on the others.
+``--ray POLICY`` runs POLICY once more with the replicas as a Ray Serve deployment (``kvserve ray``, on a local Ray
+cluster started here on loopback), for its throughput against the same policy behind ``kvserve route``.
 """
 
 from __future__ import annotations
@@ -174,6 +177,28 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
+def measure(name: str, url: str, args: argparse.Namespace, router_metrics: bool) -> PolicyResult:
+    """Run the workload against ``url``; with ``router_metrics``, sample balance and read routing reasons from
+    the gateway's /metrics."""
+    stop, samples = threading.Event(), []
+    sampler = threading.Thread(target=sample_balance, args=(url, args.balance_bound, stop, samples))
+    if router_metrics:
+        sampler.start()
+    records, seconds = asyncio.run(run_sessions(url, args))
+    stop.set()
+    if router_metrics:
+        sampler.join()
+    ok = [r for r in records if r.success]
+    ttfts = [r.ttft_s * 1e3 for r in ok]
+    return PolicyResult(
+        name=name, requests=len(records), failed=len(records) - len(ok),
+        prompt_tokens=sum(r.prompt_tokens or 0 for r in ok), cached_tokens=sum(r.cached_tokens or 0 for r in ok),
+        output_tokens=sum(r.output_tokens for r in ok), seconds=seconds,
+        ttft_p50_ms=percentile(ttfts, 50), ttft_p90_ms=percentile(ttfts, 90),
+        reasons=router_reasons(url) if router_metrics else {},
+        imbalanced_share=sum(samples) / len(samples) if samples else 0.0, samples=len(samples), ttfts_ms=ttfts)
+
+
 def run_policy(name: str, policy: str, engine_args: list[str], args: argparse.Namespace, logs: Path) -> PolicyResult:
     replicas = [Process(["serve", *engine_args], logs / f"{name}-replica{i}.log") for i in range(args.replicas)]
     router = None
@@ -183,23 +208,33 @@ def run_policy(name: str, policy: str, engine_args: list[str], args: argparse.Na
         router = Process(["route", "--policy", policy, "--balance-abs-threshold", str(args.balance_bound),
                           *(a for r in replicas for a in ("--replica", r.url))], logs / f"{name}-router.log")
         router.wait_ready()
-        stop, samples = threading.Event(), []
-        sampler = threading.Thread(target=sample_balance, args=(router.url, args.balance_bound, stop, samples))
-        sampler.start()
-        records, seconds = asyncio.run(run_sessions(router.url, args))
-        stop.set()
-        sampler.join()
-        ok = [r for r in records if r.success]
-        ttfts = [r.ttft_s * 1e3 for r in ok]
-        return PolicyResult(
-            name=name, requests=len(records), failed=len(records) - len(ok),
-            prompt_tokens=sum(r.prompt_tokens or 0 for r in ok), cached_tokens=sum(r.cached_tokens or 0 for r in ok),
-            output_tokens=sum(r.output_tokens for r in ok), seconds=seconds,
-            ttft_p50_ms=percentile(ttfts, 50), ttft_p90_ms=percentile(ttfts, 90), reasons=router_reasons(router.url),
-            imbalanced_share=sum(samples) / len(samples) if samples else 0.0, samples=len(samples), ttfts_ms=ttfts)
+        return measure(name, router.url, args, router_metrics=True)
     finally:
         for process in [*([router] if router else []), *replicas]:
             process.stop()
+
+
+def run_on_ray(policy: str, engine_args: list[str], args: argparse.Namespace, logs: Path) -> PolicyResult:
+    """The same replicas as a Ray Serve deployment (``kvserve ray``) on a local Ray cluster started here."""
+    ray = shutil.which("ray")
+    if ray is None:
+        raise SystemExit("--ray needs Ray Serve: pip install 'kvserve[ray]'")
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                    "--include-dashboard", "false", "--num-cpus", str(args.replicas * args.threads),
+                    "--disable-usage-stats", "--temp-dir", temp_dir], check=True, capture_output=True)
+    deployment = None
+    try:
+        deployment = Process(["ray", "--address", f"127.0.0.1:{port}", "--replicas", str(args.replicas),
+                              "--routing-policy", policy, *engine_args], logs / f"ray-{policy}.log")
+        deployment.wait_ready()
+        return measure(f"{policy} on Ray Serve", deployment.url, args, router_metrics=False)
+    finally:
+        if deployment is not None:
+            deployment.stop()
+        subprocess.run([ray, "stop", "--force"], capture_output=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -262,6 +297,8 @@ def main() -> int:
     parser.add_argument("--no-cache-baseline", action="store_true")
     parser.add_argument("--redis", action="store_true", help="also run --redis-policies with a shared Redis tier")
     parser.add_argument("--redis-policies", default="round_robin,cache_aware")
+    parser.add_argument("--ray", default=None, metavar="POLICY",
+                        help="also run POLICY with the replicas as a Ray Serve deployment (kvserve ray)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write TTFT CDFs per policy (PNG) here")
     args = parser.parse_args()
@@ -279,6 +316,9 @@ def main() -> int:
         results = []
         for policy in policies:
             results.append(run_policy(policy, policy, engine_args, args, logs))
+            print(table(results[-1:], None), flush=True)
+        if args.ray:
+            results.append(run_on_ray(args.ray, engine_args, args, logs))
             print(table(results[-1:], None), flush=True)
         shared = []
         if args.redis:
@@ -300,6 +340,10 @@ def main() -> int:
           f"concurrency {args.concurrency}, {args.max_tokens} output tokens")
     print(table(results + shared, baseline))
     by_name = {r.name: r for r in results}
+    if args.ray and args.ray in by_name:
+        on_ray = by_name[f"{args.ray} on Ray Serve"]
+        print(f"{args.ray} on Ray Serve / behind kvserve route: output tok/s "
+              f"{on_ray.output_tok_s / by_name[args.ray].output_tok_s:.2f}x")
     if "round_robin" in by_name and "cache_aware" in by_name:
         rr, ca = by_name["round_robin"], by_name["cache_aware"]
         print(f"cache_aware / round_robin: hit rate {ca.hit_rate / max(rr.hit_rate, 1e-9):.2f}x, "
