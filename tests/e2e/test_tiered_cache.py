@@ -93,7 +93,7 @@ def by_tier(out: RequestOutput) -> dict[str, int]:
 def block_paths(llm: LLM, prompt: list[int]) -> list[Path]:
     """Disk-tier files of the full blocks of ``prompt``, in order."""
     engine: Engine = llm.engine
-    request = Request("probe", prompt, GREEDY, max_total_tokens=len(prompt) + 1, hash_extra=engine._hash_extra)
+    request = Request("probe", prompt, GREEDY, max_total_tokens=len(prompt) + 1, hash_extra=engine.block_hash_extra)
     tiers = engine.tiers
     assert tiers is not None and tiers.disk is not None
     return [tiers.disk.path_for(make_key(h, tiers.namespace)) for h in request.full_block_hashes(BLOCK)]
