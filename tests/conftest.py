@@ -1,5 +1,6 @@
-"""Fixtures shared by every test directory: a real redis-server on a free loopback port, and a spy on the
-sockets to one port (how often a client reaches the network, and with which timeout)."""
+"""Fixtures shared by every test directory: a real redis-server on a free loopback port, a spy on the sockets
+to one port (how often a client reaches the network, and with which timeout), and the default model with
+transformers' own load of it (one per session: the loader tests and the end-to-end tests share it)."""
 
 from __future__ import annotations
 
@@ -156,3 +157,18 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from kvserve.model.loader import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path: Path):
+    """transformers' own GGUF loader (independent dequantisation and Q/K un-permutation), float32."""
+    from tests.support.transformers_gguf import hf_from_gguf
+
+    return hf_from_gguf(default_model_path)

@@ -9,7 +9,9 @@ Ray Serve's request router, an OpenAI front as the ingress deployment (``kvserve
 - ``KVServeIngress``: the OpenAI routes; it renders and tokenizes prompts with the replicas' tokenizer and
   streams answers back chunk for chunk.
 
-Ray is an optional extra (``pip install 'kvserve[ray]'``); nothing else in kvserve imports this module.
+``deploy`` and ``teardown`` are the Ray driver's two jobs, each run as ``python -m kvserve.router.ray_serve``
+by ``kvserve ray`` (router/serving.py: run_on_ray). Ray is an optional extra (``pip install 'kvserve[ray]'``);
+nothing else in kvserve imports this module.
 """
 
 # No ``from __future__ import annotations``: Ray Serve's ingress reads the route methods' annotations at run time.

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvserve.model.loader import resolve_model_path
-from tests.support.transformers_gguf import hf_from_gguf
 
 LONG_DOCUMENT = " ".join(
     f"Section {i}: the paged KV cache stores keys and values in fixed-size blocks, so memory is allocated on "
@@ -29,17 +28,6 @@ CHAT_QUESTIONS = [
     "Explain in one paragraph why the sky is blue, for a ten-year-old who loves dinosaurs and trains.",
     "List three prime numbers.",
 ]
-
-
-@pytest.fixture(scope="session")
-def default_model_path() -> Path:
-    return resolve_model_path(None)
-
-
-@pytest.fixture(scope="session")
-def hf_reference(default_model_path: Path):
-    """transformers' own GGUF loader (independent dequantisation and Q/K un-permutation), float32."""
-    return hf_from_gguf(default_model_path)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

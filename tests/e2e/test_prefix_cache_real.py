@@ -33,10 +33,10 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_sixteen_requests_sharing_a_system_prompt_match_with_cache_off(system_prompt_ids) -> None:
+def test_eight_requests_sharing_a_system_prompt_match_with_cache_off(system_prompt_ids) -> None:
     off, on = make_llm(False), make_llm(True)
     system_ids = system_prompt_ids[:504]  # 31.5 blocks: the last system block is shared only in part
-    prompts = shared_prefix_prompts(system_ids, on.get_tokenizer())
+    prompts = shared_prefix_prompts(system_ids, on.get_tokenizer(), n=8)
     expected = token_ids(off.generate(prompts, GREEDY))
     assert token_ids(on.generate(prompts, GREEDY)) == expected
     again = on.generate(prompts, GREEDY)  # now every request finds the system prompt cached
@@ -120,9 +120,9 @@ def test_next_turn_takes_over_the_partly_filled_last_block(system_prompt_ids) ->
 def test_memory_pressure_evicts_lru_never_locked_and_stays_correct(system_prompt_ids) -> None:
     tok = make_llm(False, num_kv_blocks=16).get_tokenizer()
     prompts = [{"prompt_token_ids": tok.encode(f"Topic {i}: " + LONG_DOCUMENT[i * 97 : i * 97 + 900],
-                                              add_special_tokens=False)} for i in range(12)]
+                                              add_special_tokens=False)} for i in range(8)]
     expected = token_ids(make_llm(False).generate(prompts, GREEDY))
-    # ~200 tokens per prompt, 12 prompts: ~160 blocks of working set in a 48-block pool.
+    # ~200 tokens per prompt, 8 prompts: ~110 blocks of working set in a 48-block pool.
     llm = make_llm(True, num_kv_blocks=48, max_num_batched_tokens=512, scheduling_policy="fcfs")
     for _ in range(2):
         assert token_ids(llm.generate(prompts, GREEDY)) == expected

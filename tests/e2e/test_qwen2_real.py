@@ -67,6 +67,7 @@ def test_chunked_preempted_prefix_cached_greedy_matches_transformers(model_path,
     assert sum(o.num_cached_tokens for o in again) > 0
 
 
+@pytest.mark.heavy  # the chunked, preempted, prefix-cached run above covers the model in CI
 def test_batched_greedy_without_prefix_cache_matches_transformers(model_path, prompt_ids, reference) -> None:
     llm = LLM(model=str(model_path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=2048,
               enable_prefix_caching=False)

@@ -29,7 +29,6 @@ from kvserve.model.loader import (
 from kvserve.model_store import ModelStore
 from kvserve.tokenizer import Tokenizer
 from tests.support.tiny_models import FAMILIES, TINY_SHAPE, make_tiny_gguf, make_tiny_model
-from tests.support.transformers_gguf import hf_from_gguf
 
 # ---- resolving the model -------------------------------------------------------------------------
 
@@ -190,9 +189,9 @@ def _assert_header_matches_reader(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_qk_unpermutation_matches_transformers(default_path: Path, default_load) -> None:
+def test_qk_unpermutation_matches_transformers(default_path: Path, default_load, hf_reference) -> None:
     """transformers dequantises and un-permutes GGUF Q/K on its own; our tensors must be identical."""
-    reference = hf_from_gguf(default_path).state_dict()
+    reference = hf_reference.state_dict()
     arch = read_arch_config(default_path)
     ours = dict(iter_weights(default_path, arch, torch.float32, show_progress=False))
     for name in weight_names(arch):
