@@ -6,12 +6,14 @@ down, or came back). Policies run on the gateway's event loop, one call at a tim
 
 - ``round_robin``: each in turn.
 - ``least_load``: fewest requests (the router's own count, or the replica's report if higher), then fewest
-  prompt tokens still waiting for a first byte.
+  uncached prompt tokens still waiting for a first byte.
 - ``cache_aware``: the replica holding the longest prefix of the whole rendered prompt (ApproximatePrefixIndex),
   when it holds at least ``cache_threshold`` of it; else the least-loaded one. When load is imbalanced (the
   busiest has ``balance_abs_threshold`` more requests than the idlest and ``balance_rel_threshold`` times as
   many), only replicas within ``balance_abs_threshold`` of the idlest compete, and among them the prefix still
   decides: rebalancing keeps what affinity it can.
+- ``kv_events``: ``cache_aware``'s rule over what the replicas report holding (KVBlockIndex).
+- ``ttft``: the lowest estimated time to first token (EstimatedTTFT).
 """
 
 from __future__ import annotations
