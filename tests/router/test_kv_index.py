@@ -81,8 +81,9 @@ def test_the_gateways_block_keys_are_the_engines_and_find_its_cached_prefix(llm:
 
 
 def test_the_kv_events_policy_routes_on_what_the_replicas_report(tmp_path: Path) -> None:
-    """Two in-process kvserve servers behind a kv_events gateway: a repeated prompt goes where its blocks are,
-    and the gateway's estimate of cached tokens is the replica's own count."""
+    """Two in-process kvserve servers behind two kv_events gateways: a prompt sent through one gateway is
+    routed where its blocks are by the other (they read the same events), and the gateway's estimate of cached
+    tokens is the replica's own count."""
     import httpx
     import openai
 
@@ -95,24 +96,27 @@ def test_the_kv_events_policy_routes_on_what_the_replicas_report(tmp_path: Path)
     config = EngineConfig(model=ModelConfig(model=str(model), dtype="float32", show_progress=False),
                           cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=64))
     servers = [BackgroundServer(config, ServerConfig(port=0, served_model_name="tiny")) for _ in range(2)]
-    gateway = BackgroundGateway(RouterConfig(replicas=tuple(s.base_url for s in servers), policy="kv_events",
-                                             uvicorn_log_level="warning"))
+    router_config = RouterConfig(replicas=tuple(s.base_url for s in servers), policy="kv_events",
+                                 uvicorn_log_level="warning")
+    gateways = [BackgroundGateway(router_config) for _ in range(2)]
     try:
-        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        first_client, second_client = (openai.OpenAI(base_url=f"{g.base_url}/v1", api_key="unused", max_retries=0)
+                                       for g in gateways)
         prompt = [int(t) for t in range(11, 11 + 41)]
-        first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        first = first_client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
-        follower = gateway.gateway.kv_events
+        follower = gateways[1].gateway.kv_events
         wait_until(lambda: any(len(follower.index.blocks(s.base_url)) >= 10 for s in servers))
-        again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        again = second_client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
         cached = again.usage.prompt_tokens_details.cached_tokens
         assert cached == 40
-        assert router_metric(gateway.base_url, "routing_decisions_total", 'policy="kv_events",reason="prefix"') == 1
-        estimated = sum(router_metric(gateway.base_url, "estimated_cached_tokens_total", f'replica="{s.base_url}"')
-                        for s in servers)
-        assert estimated == cached
+        second = gateways[1].base_url
+        assert router_metric(second, "routing_decisions_total", 'policy="kv_events",reason="prefix"') == 1
+        assert sum(router_metric(second, "estimated_cached_tokens_total", f'replica="{s.base_url}"')
+                   for s in servers) == cached
         assert httpx.get(f"{servers[0].base_url}/kvserve/kv_events", params={"after": "x"}).status_code == 400
     finally:
-        gateway.stop()
+        for gateway in gateways:
+            gateway.stop()
         for server in servers:
             server.stop()
