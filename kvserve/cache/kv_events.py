@@ -57,10 +57,6 @@ class KVEventLog:
             self._seq += 1
             self._events.append(KVEvent(self._seq, kind, tier, block_hashes))
 
-    def held(self, tier: str = DEVICE_TIER) -> set[BlockHash]:
-        with self._lock:
-            return set(self._held.get(tier, ()))
-
     def read(self, after: int, epoch: str | None) -> dict[str, Any]:
         """What a reader that has applied everything up to ``after`` (of ``epoch``) needs next, as JSON-able
         data: ``{"epoch", "seq", "events": [...]}``, or ``{"epoch", "seq", "snapshot": {tier: [hash, ...]}}``
