@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx
@@ -42,19 +42,16 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Decision, RouteRequest, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica, ReplicaPool
+from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.protocol import error_body
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 RETRY_AFTER_S = 1
 LONG_BODY_BYTES = 64 * 1024  # bodies larger than this are rendered and tokenized off the event loop
 FORWARDED_HEADERS = ("authorization", "x-kvserve-timings", "x-request-id", "openai-organization")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
-
-class _ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +147,10 @@ class Gateway:
         in_flight = _InFlight(replica, num_uncached_tokens)
         sent_at = time.monotonic()
         try:
-            upstream = await _until_disconnected(
+            upstream = await until_disconnected(
                 http, self.client.send(self.client.build_request("POST", replica.url + path, content=body,
                                                                  headers=headers), stream=True))
-        except _ClientGone:
+        except ClientGone:
             in_flight.end()
             return Response(status_code=499)
         except httpx.TransportError as exc:
@@ -169,8 +166,8 @@ class Gateway:
         if stream and upstream.status_code == 200 and is_stream:
             return await self._open_stream(decision, upstream, in_flight, http, sent_at)
         try:
-            content = await _until_disconnected(http, upstream.aread())
-        except _ClientGone:
+            content = await until_disconnected(http, upstream.aread())
+        except ClientGone:
             return Response(status_code=499)
         except httpx.TransportError as exc:
             self.pool.mark_down(replica, f"{path}: {exc!r}")
@@ -193,11 +190,11 @@ class Gateway:
         replica = decision.replica
         chunks = upstream.aiter_raw()
         try:
-            first = await _until_disconnected(http, anext(chunks))
-        except (_ClientGone, StopAsyncIteration, httpx.TransportError) as exc:
+            first = await until_disconnected(http, anext(chunks))
+        except (ClientGone, StopAsyncIteration, httpx.TransportError) as exc:
             await _close(upstream)
             in_flight.end()
-            if isinstance(exc, _ClientGone):
+            if isinstance(exc, ClientGone):
                 return Response(status_code=499)
             self.pool.mark_down(replica, f"stream ended before its first chunk: {exc!r}")
             return _Retry("cut")
@@ -317,29 +314,6 @@ async def _read_body(http: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def _until_disconnected(http: Request, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` unless the client disconnects first: then cancel it and raise _ClientGone."""
-    task = asyncio.ensure_future(awaitable)
-
-    async def disconnected() -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-
-    listener = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        listener.cancel()
-        raise
-    listener.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise _ClientGone()
 
 
 def build_router_app(gateway: Gateway) -> FastAPI:

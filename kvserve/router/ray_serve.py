@@ -40,7 +40,7 @@ from kvserve.errors import ConfigError, InvalidRequest
 from kvserve.router.policies import RouteRequest, RoutingPolicy, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica
-from kvserve.router.serving import die_with_parent, free_port
+from kvserve.router.serving import die_with_parent, free_port, policy_settings
 from kvserve.server.protocol import error_body
 from kvserve.tokenizer import Tokenizer
 
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 ROUTING_TOKENS = "routing_tokens"
 APP_NAME = "kvserve"
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
 class KVServeRequestRouter(FIFOMixin, RequestRouter):
@@ -216,14 +215,10 @@ class KVServeIngress:
 
 def build_app(serve_args: Sequence[str], num_replicas: int, threads_each: int, config: RouterConfig) -> Any:
     """The Ray Serve application: ingress -> replicas, with kvserve's policy as the replicas' router."""
-    router_options = {"policy": config.policy, "balance_abs_threshold": config.balance_abs_threshold,
-                      "balance_rel_threshold": config.balance_rel_threshold,
-                      "cache_threshold": config.cache_threshold, "prefix_page_tokens": config.prefix_page_tokens,
-                      "prefix_capacity_tokens": config.prefix_capacity_tokens}
     replicas = KVServeReplica.options(
         num_replicas=num_replicas, ray_actor_options={"num_cpus": threads_each},
         request_router_config=RequestRouterConfig(request_router_class=KVServeRequestRouter,
-                                                  request_router_kwargs=router_options),
+                                                  request_router_kwargs=policy_settings(config)),
         health_check_period_s=2, max_ongoing_requests=256,
     ).bind([*serve_args, "--num-threads", str(threads_each)])
     return KVServeIngress.options(ray_actor_options={"num_cpus": 0}).bind(replicas)

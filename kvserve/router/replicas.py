@@ -47,7 +47,6 @@ class Replica:
     reported_waiting: int = 0
     load_read_at: float = 0.0  # time.monotonic() of the last load read; 0 = never
     last_error: str = ""
-    generation: int = 0  # bumped each time it comes back from an outage: its cache may be gone
 
     @property
     def load(self) -> int:
@@ -155,7 +154,6 @@ class ReplicaPool:
                 logger.warning("replica %s answers /health but not /v1/models: %s", replica.url, exc)
                 return
         replica.healthy = True
-        replica.generation += 1
         logger.warning("replica %s is healthy again", replica.url)
         for callback in self.on_change:
             callback(replica)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -94,12 +96,8 @@ def run_on_ray(address: str, serve_args: Sequence[str], num_replicas: int, threa
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    router = {"policy": config.policy, "host": config.host, "port": config.port,
-              "balance_abs_threshold": config.balance_abs_threshold,
-              "balance_rel_threshold": config.balance_rel_threshold, "cache_threshold": config.cache_threshold,
-              "prefix_page_tokens": config.prefix_page_tokens, "prefix_capacity_tokens": config.prefix_capacity_tokens}
     arguments = {"address": address, "serve_args": list(serve_args), "num_replicas": num_replicas,
-                 "threads_each": threads_each, "router": router}
+                 "threads_each": threads_each, "router": policy_settings(config)}
     try:
         if _ray_driver("deploy", arguments) != 0:
             return 2
@@ -111,6 +109,11 @@ def run_on_ray(address: str, serve_args: Sequence[str], num_replicas: int, threa
         _ray_driver("teardown", {"address": address})
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def policy_settings(config: RouterConfig) -> dict[str, Any]:
+    """Every RouterConfig field but the replicas (which Ray Serve knows itself), as JSON-able keywords."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "replicas"}
 
 
 def _ray_driver(command: str, arguments: dict[str, object]) -> int:

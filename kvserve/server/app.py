@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from kvserve.errors import (
 )
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
+from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
@@ -44,9 +45,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class _ClientGone(Exception):
-    """The client disconnected before its response was ready."""
 
 
 class AppState:
@@ -134,8 +132,8 @@ class AppState:
         ]
         run = RequestRun(self.engine, self.metrics, self.runs, children, received_at)
         try:
-            await _until_disconnected(http, run.start())
-        except _ClientGone:
+            await until_disconnected(http, run.start())
+        except ClientGone:
             run.close()
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         want_timings = body.return_timings or http.headers.get("x-kvserve-timings", "").lower() in ("1", "true")
@@ -145,8 +143,8 @@ class AppState:
             return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(run.close),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            await _until_disconnected(http, run.wait())
-        except _ClientGone:
+            await until_disconnected(http, run.wait())
+        except ClientGone:
             return Response(status_code=499)
         finally:
             run.close()
@@ -162,29 +160,6 @@ async def _off_loop_if_long(prompt: object, fn: Callable[..., T], *args: Any) ->
     if isinstance(prompt, str) and len(prompt) > LONG_TEXT_CHARS:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-async def _until_disconnected(http: Request, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` unless the client disconnects first: then cancel it and raise _ClientGone."""
-    task = asyncio.ensure_future(awaitable)
-
-    async def disconnected() -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-
-    listener = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # we were cancelled ourselves
-        task.cancel()
-        listener.cancel()
-        raise
-    listener.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)  # let it run its cleanup (which aborts)
-    raise _ClientGone()
 
 
 def build_app(
