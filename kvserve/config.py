@@ -149,6 +149,9 @@ class SchedulerConfig:
 WritePolicy = Literal["write_back", "write_through"]
 
 
+DEFAULT_DISK_GB = 16.0  # the disk tier's capacity when --kv-disk-dir comes without --kv-disk-gb
+
+
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
     """Lower KV tiers below device memory. All off by default.
@@ -159,8 +162,9 @@ class StorageConfig:
     """
 
     host_gb: float = setting(0.0, "host DRAM tier size in GiB", flag="--kv-host-gb", keyword="kv_host_gb")
-    disk_gb: float = setting(0.0, "disk tier size in GiB (needs --kv-disk-dir)", flag="--kv-disk-gb",
-                             keyword="kv_disk_gb")
+    disk_gb: float | None = setting(None, f"disk tier size in GiB (needs --kv-disk-dir; default "
+                                          f"{DEFAULT_DISK_GB:g}, or half the free space there if that is less)",
+                                    flag="--kv-disk-gb", keyword="kv_disk_gb", default_text="auto")
     disk_dir: str | None = setting(None, "directory of the disk tier (survives restarts)", flag="--kv-disk-dir",
                                    keyword="kv_disk_dir")
     redis_url: str | None = setting(None, "Redis tier, e.g. redis://127.0.0.1:6379/0 (shareable)",
@@ -176,12 +180,15 @@ class StorageConfig:
     def __post_init__(self) -> None:
         for name in ("host_gb", "disk_gb"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value < 0:
+            if value is None and name == "disk_gb":
+                continue
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}", name)
-        if self.disk_gb > 0 and not self.disk_dir:
-            raise ConfigError("disk_gb > 0 needs disk_dir (where the disk tier keeps its files)", "disk_dir")
-        if self.disk_dir and self.disk_gb <= 0:
-            raise ConfigError("disk_dir needs disk_gb > 0 (the disk tier's capacity)", "disk_gb")
+        if self.disk_gb and not self.disk_dir:
+            raise ConfigError("disk_gb needs disk_dir (where the disk tier keeps its files)", "disk_dir")
+        if self.disk_dir and self.disk_gb == 0:
+            raise ConfigError("disk_gb must be > 0 with disk_dir (leave it out for the default capacity)",
+                              "disk_gb")
         if not 0 < self.retention_s < float("inf"):
             raise ConfigError(f"retention_s must be a finite number > 0, got {self.retention_s!r}", "retention_s")
         if self.write_policy not in ("write_back", "write_through"):
@@ -191,7 +198,7 @@ class StorageConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.host_gb > 0 or (self.disk_gb > 0 and self.disk_dir is not None) or self.redis_url is not None
+        return self.host_gb > 0 or bool(self.disk_dir) or self.redis_url is not None
 
 
 SpeculativeMethod = Literal["none", "ngram", "draft_model"]

@@ -216,10 +216,16 @@ def _finite(value: object) -> bool:
 BlockHash = bytes
 
 
+def block_identity(parent: BlockHash | None, token_ids: Sequence[int]) -> bytes:
+    """What a full block is: its parent's chained hash and its token ids (what ``hash_block`` digests, less
+    the request's extra keys). The tiers below device memory store it with the block's KV and compare it on
+    every load, so a hit there never rests on the hash alone."""
+    return (parent or b"\0" * 16) + array("I", token_ids).tobytes()
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(array("I", token_ids).tobytes())
+    h.update(block_identity(parent, token_ids))
     h.update(extra)
     return h.digest()
 
@@ -349,6 +355,13 @@ class Request:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, self.all_token_ids[i * block_size : (i + 1) * block_size], self.hash_extra))
         return hashes
+
+    def block_identities(self, block_size: int, start: int, stop: int) -> list[bytes]:
+        """``block_identity`` of full blocks ``start..stop``."""
+        hashes = self.full_block_hashes(block_size)
+        tokens = self.all_token_ids
+        return [block_identity(hashes[i - 1] if i else None, tokens[i * block_size : (i + 1) * block_size])
+                for i in range(start, stop)]
 
     def __repr__(self) -> str:
         return (

@@ -239,8 +239,10 @@ class KVCacheManager:
         fresh = [i for i in range(start, num_full) if not cached[request.block_ids[i]]]
         self._set_handle(request, self.prefix_cache.insert(request, num_full, start=request.cache_handle))
         hashes = request.full_block_hashes(self.block_size)
-        self.tiers.queue_cached([(request.block_ids[i], hashes[i]) for i in fresh if cached[request.block_ids[i]]],
-                                after_step=computing)
+        taken = [i for i in fresh if cached[request.block_ids[i]]]
+        identities = [request.block_identities(self.block_size, i, i + 1)[0] for i in taken]
+        self.tiers.queue_cached([(request.block_ids[i], hashes[i], identity)
+                                 for i, identity in zip(taken, identities, strict=True)], after_step=computing)
 
     def step_done(self, offloaded: list[tuple[BlockHash, bytes]]) -> None:
         """The scheduled step ran: store the KV the runner copied out for the tiers; the blocks it filled may
@@ -276,8 +278,9 @@ class KVCacheManager:
         """Persist the cached KV the tiers that outlive the process lack (read with ``read_blocks``), then
         release the tiers."""
         blocks = self.tiers.blocks_to_persist(self.prefix_cache.cached_blocks())
-        payloads = read_blocks([block_id for block_id, _ in blocks]) if blocks else []
-        self.tiers.close([(block_hash, payload) for (_, block_hash), payload in zip(blocks, payloads, strict=True)])
+        payloads = read_blocks([block_id for block_id, _, _ in blocks]) if blocks else []
+        self.tiers.close([(block_hash, identity, payload)
+                          for (_, block_hash, identity), payload in zip(blocks, payloads, strict=True)])
 
     # --- observability ------------------------------------------------------------------------------------
     @property

@@ -28,7 +28,7 @@ class PrefixMatch:
 class PrefixCache(Protocol):
     """What the KV manager needs of a prefix cache (see the module docstring for handles)."""
 
-    on_evict: EvictHook | None  # called with (block_id, block_hash) before an evicted block is reused
+    on_evict: EvictHook | None  # called with (block_id, block_hash, identity) before an evicted block is reused
 
     def match(self, request: Request, max_blocks: int) -> PrefixMatch:
         """Longest run (at most ``max_blocks``) of cached blocks of the request's tokens; touches the LRU."""
@@ -65,7 +65,7 @@ class PrefixCache(Protocol):
 
     def num_evictable_blocks(self) -> int: ...
 
-    def cached_blocks(self) -> list[tuple[int, BlockHash]]: ...
+    def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]: ...
 
     @property
     def num_cached_blocks(self) -> int:
@@ -155,7 +155,7 @@ class RadixPrefixCache:
     def num_evictable_blocks(self) -> int:
         return self.tree.num_evictable_blocks()
 
-    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+    def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]:
         return self.tree.cached_blocks()
 
     @property
@@ -210,7 +210,7 @@ class NoPrefixCache:
     def num_evictable_blocks(self) -> int:
         return 0
 
-    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+    def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]:
         return []
 
     def check_invariants(self) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_events import KVEventLog
-from kvserve.request import BlockHash
+from kvserve.request import BlockHash, block_identity
 
 
 class RadixNode:
@@ -81,7 +81,7 @@ class PrefixMatch:
     block_ids: list[int]
 
 
-EvictHook = Callable[[int, BlockHash], None]
+EvictHook = Callable[[int, BlockHash, bytes], None]  # (block id, chained hash, block_identity)
 
 # Tails kept per node: a node is where one conversation's turn ended; a few differing continuations
 # (retries, n > 1) are worth keeping, more is mostly memory held for nothing.
@@ -100,8 +100,8 @@ class RadixCache:
         self.block_size = block_size
         self.pool = pool
         self.clock = clock
-        # Called with (block_id, block_hash) for each evicted block, before the block goes back to the free
-        # list: its KV is still intact until whoever allocates it next writes into it.
+        # Called with (block_id, block_hash, identity) for each evicted block, before the block goes back to
+        # the free list: its KV is still intact until whoever allocates it next writes into it.
         self.on_evict = on_evict
         self.events = events  # full blocks entering and leaving the tree, for gateways that follow them
         self._ids = itertools.count()
@@ -336,8 +336,8 @@ class RadixCache:
                 break
             cut = len(leaf.block_ids) - take
             if self.on_evict is not None:
-                for block_id, block_hash in zip(leaf.block_ids[cut:], leaf.block_hashes[cut:], strict=True):
-                    self.on_evict(block_id, block_hash)
+                for i in range(cut, len(leaf.block_ids)):
+                    self.on_evict(leaf.block_ids[i], leaf.block_hashes[i], self._identity(leaf, i))
             for block_id in leaf.block_ids[cut:]:
                 self.pool.reclaim(block_id)
             if self.events is not None:
@@ -377,15 +377,25 @@ class RadixCache:
             stack.extend(node.children.values())
         return total
 
-    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
-        """(block id, chained hash) of every block the tree holds."""
-        out: list[tuple[int, BlockHash]] = []
+    def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]:
+        """(block id, chained hash, ``block_identity``) of every full block the tree holds."""
+        out: list[tuple[int, BlockHash, bytes]] = []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            out.extend(zip(node.block_ids, node.block_hashes, strict=True))
+            out.extend((block_id, block_hash, self._identity(node, i))
+                       for i, (block_id, block_hash) in enumerate(zip(node.block_ids, node.block_hashes, strict=True)))
             stack.extend(node.children.values())
         return out
+
+    def _identity(self, node: RadixNode, i: int) -> bytes:
+        """``block_identity`` of the ``i``-th block of ``node``."""
+        if i:
+            parent: BlockHash | None = node.block_hashes[i - 1]
+        else:
+            parent = None if node.parent is None or node.parent is self.root else node.parent.block_hashes[-1]
+        size = self.block_size
+        return block_identity(parent, node.token_ids[i * size : (i + 1) * size])
 
     # --- integrity ----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:

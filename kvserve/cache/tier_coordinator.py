@@ -4,7 +4,8 @@ The KV manager queues transfers; the scheduler hands them to the runner in its `
 (``take_transfers``) and gives back what the runner copied out (``store_offloaded``)::
 
     offload  (block_id, block_hash)  the tree evicted the block (write_back), or inserted it (write_through);
-                                     the runner copies it out FIRST, before anything writes into the block
+                                     the runner copies it out FIRST, before anything writes into the block;
+                                     the block's identity (parent hash, token ids) waits here for its KV
     load     (block_id, payload)     a lookup found the run after the device match in a tier: fresh device
                                      blocks are allocated and inserted into the tree at once, the runner
                                      writes their KV before the forward that reads them
@@ -29,13 +30,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvserve.cache.tiers import TieredKVStore
+from kvserve.cache.tiers import BlockKV, TieredKVStore
 from kvserve.request import BlockHash, Request
 from kvserve.storage.base import KVStore, TierStats
 
 logger = logging.getLogger(__name__)
 
 Loaded = list[tuple[str, bytes]]  # (tier name, payload) per block of a run found below device memory
+CachedBlock = tuple[int, BlockHash, bytes]  # (block id, chained hash, block_identity) of a full device block
 
 
 class Tiers(Protocol):
@@ -55,9 +57,9 @@ class Tiers(Protocol):
 
     def queue_loads(self, loads: list[tuple[int, bytes]]) -> None: ...
 
-    def offload_evicted(self, block_id: int, block_hash: BlockHash) -> None: ...
+    def offload_evicted(self, block_id: int, block_hash: BlockHash, identity: bytes) -> None: ...
 
-    def queue_cached(self, blocks: list[tuple[int, BlockHash]], after_step: bool) -> None: ...
+    def queue_cached(self, blocks: list[CachedBlock], after_step: bool) -> None: ...
 
     def step_done(self, offloaded: list[tuple[BlockHash, bytes]]) -> None: ...
 
@@ -70,11 +72,11 @@ class Tiers(Protocol):
 
     def record_admission(self, num_query_tokens: int, tokens_by_tier: dict[str, int]) -> None: ...
 
-    def blocks_to_persist(self, cached: list[tuple[int, BlockHash]]) -> list[tuple[int, BlockHash]]: ...
+    def blocks_to_persist(self, cached: list[CachedBlock]) -> list[CachedBlock]: ...
 
     def wait_for_writes(self, timeout_s: float | None = None) -> bool: ...
 
-    def close(self, blocks: list[tuple[BlockHash, bytes]]) -> None: ...
+    def close(self, blocks: list[BlockKV]) -> None: ...
 
     def stats(self) -> dict[str, TierStats]: ...
 
@@ -100,10 +102,10 @@ class NoTiers:
     def queue_loads(self, loads: list[tuple[int, bytes]]) -> None:
         assert not loads, "no tier to load from"
 
-    def offload_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+    def offload_evicted(self, block_id: int, block_hash: BlockHash, identity: bytes) -> None:
         return None
 
-    def queue_cached(self, blocks: list[tuple[int, BlockHash]], after_step: bool) -> None:
+    def queue_cached(self, blocks: list[CachedBlock], after_step: bool) -> None:
         return None
 
     def step_done(self, offloaded: list[tuple[BlockHash, bytes]]) -> None:
@@ -118,13 +120,13 @@ class NoTiers:
     def record_admission(self, num_query_tokens: int, tokens_by_tier: dict[str, int]) -> None:
         return None
 
-    def blocks_to_persist(self, cached: list[tuple[int, BlockHash]]) -> list[tuple[int, BlockHash]]:
+    def blocks_to_persist(self, cached: list[CachedBlock]) -> list[CachedBlock]:
         return []
 
     def wait_for_writes(self, timeout_s: float | None = None) -> bool:
         return True
 
-    def close(self, blocks: list[tuple[BlockHash, bytes]]) -> None:
+    def close(self, blocks: list[BlockKV]) -> None:
         return None
 
     def stats(self) -> dict[str, TierStats]:
@@ -142,6 +144,7 @@ class _TierFetch:
     start: int
     stop: int
     block_hashes: list[BlockHash]
+    identities: list[bytes]
     future: Future[tuple[list[KVStore], list[bytes | None]]] | None  # None: read on the engine loop
     loaded: Loaded | None = None
 
@@ -214,9 +217,11 @@ class TierCoordinator:
         self.write_through = store.write_through
         self._clock = clock
         self._pending_loads: list[tuple[int, bytes]] = []
-        self._pending_offloads: list[tuple[int, BlockHash]] = []
+        self._pending_offloads: list[CachedBlock] = []
         # Write-through copies of blocks scheduled but not yet computed (see queue_cached).
-        self._offloads_after_step: list[tuple[int, BlockHash]] = []
+        self._offloads_after_step: list[CachedBlock] = []
+        # Per step whose offloads the runner is copying out, their identities, in the runner's order.
+        self._offload_identities: deque[list[bytes]] = deque()
         self._fetches: dict[str, _TierFetch] = {}
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tier-fetch")
         self._writer = TierWriter()
@@ -228,7 +233,8 @@ class TierCoordinator:
         fetch = self._fetches.get(request_id)
         if fetch is None or (fetch.start, fetch.stop) != (start, stop):
             block_hashes = request.full_block_hashes(self.block_size)[start:stop]
-            fetch = self._start_fetch(block_hashes, start, stop)
+            identities = request.block_identities(self.block_size, start, stop)
+            fetch = self._start_fetch(block_hashes, identities, start, stop)
             if fetch is None:
                 self._fetches.pop(request_id, None)
                 return []
@@ -238,29 +244,32 @@ class TierCoordinator:
             if not fetch.future.done():
                 return None
             owners, payloads = fetch.future.result()
-            fetch.loaded = self._finish(fetch.block_hashes, owners, payloads)
+            fetch.loaded = self._finish(fetch.block_hashes, fetch.identities, owners, payloads)
         return fetch.loaded
 
-    def _start_fetch(self, block_hashes: list[BlockHash], start: int, stop: int) -> _TierFetch | None:
+    def _start_fetch(self, block_hashes: list[BlockHash], identities: list[bytes], start: int,
+                     stop: int) -> _TierFetch | None:
         store = self.store
         if store.remote:
             # Even presence is a round trip to Redis: the whole lookup runs on the fetch thread.
-            return _TierFetch(start, stop, block_hashes, self._fetch_pool.submit(self._locate_and_fetch, block_hashes))
+            future = self._fetch_pool.submit(self._locate_and_fetch, block_hashes)
+            return _TierFetch(start, stop, block_hashes, identities, future)
         owners = store.locate(block_hashes)
         if not owners:
             return None
         if store.needs_io(owners):
             future = self._fetch_pool.submit(lambda: (owners, store.fetch(block_hashes, owners)))
-            return _TierFetch(start, stop, block_hashes, future)
-        loaded = self._finish(block_hashes, owners, store.fetch(block_hashes, owners))
-        return _TierFetch(start, stop, block_hashes, None, loaded)
+            return _TierFetch(start, stop, block_hashes, identities, future)
+        loaded = self._finish(block_hashes, identities, owners, store.fetch(block_hashes, owners))
+        return _TierFetch(start, stop, block_hashes, identities, None, loaded)
 
     def _locate_and_fetch(self, block_hashes: list[BlockHash]) -> tuple[list[KVStore], list[bytes | None]]:
         owners = self.store.locate(block_hashes)
         return owners, self.store.fetch(block_hashes, owners) if owners else []
 
-    def _finish(self, block_hashes: list[BlockHash], owners: list[KVStore], payloads: list[bytes | None]) -> Loaded:
-        loaded = self.store.finish(block_hashes, owners, payloads) if owners else []
+    def _finish(self, block_hashes: list[BlockHash], identities: list[bytes], owners: list[KVStore],
+                payloads: list[bytes | None]) -> Loaded:
+        loaded = self.store.finish(block_hashes, identities, owners, payloads) if owners else []
         self._write_handed_down()  # promotion into the host tier may have pushed entries down
         return loaded
 
@@ -278,13 +287,13 @@ class TierCoordinator:
     def queue_loads(self, loads: list[tuple[int, bytes]]) -> None:
         self._pending_loads.extend(loads)
 
-    def offload_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+    def offload_evicted(self, block_id: int, block_hash: BlockHash, identity: bytes) -> None:
         """Tree eviction hook (write_back): copy the block out before it is reused, unless the first local
         tier already holds it (it was loaded from there, or offloaded before)."""
         if not self.write_through and not self.store.holds(block_hash):
-            self._pending_offloads.append((block_id, block_hash))
+            self._pending_offloads.append((block_id, block_hash, identity))
 
-    def queue_cached(self, blocks: list[tuple[int, BlockHash]], after_step: bool) -> None:
+    def queue_cached(self, blocks: list[CachedBlock], after_step: bool) -> None:
         """Write-through: blocks the tree just took go down to every tier, once their KV is computed
         (``after_step``: the step that computes them is still to run)."""
         (self._offloads_after_step if after_step else self._pending_offloads).extend(blocks)
@@ -293,7 +302,10 @@ class TierCoordinator:
         """After a step: store what the runner copied out, release the write-through copies of the blocks
         the step filled, and now and then sweep expired entries."""
         if offloaded:
-            direct = self.store.put_host(offloaded)
+            identities = self._offload_identities.popleft()
+            blocks = [(block_hash, identity, payload)
+                      for (block_hash, payload), identity in zip(offloaded, identities, strict=True)]
+            direct = self.store.put_host(blocks)
             if direct:
                 self._writer.submit(lambda: self.store.write_lower(direct))
             self._write_handed_down()
@@ -321,18 +333,20 @@ class TierCoordinator:
         """(loads, offloads) queued since the last call, handed to the runner; the queues start empty again."""
         loads, offloads = self._pending_loads, self._pending_offloads
         self._pending_loads, self._pending_offloads = [], []
-        return loads, offloads
+        if offloads:
+            self._offload_identities.append([identity for _, _, identity in offloads])
+        return loads, [(block_id, block_hash) for block_id, block_hash, _ in offloads]
 
     # --- accounting, persistence, shutdown ------------------------------------------------------------------
     def record_admission(self, num_query_tokens: int, tokens_by_tier: dict[str, int]) -> None:
         self.store.record_admission(num_query_tokens, tokens_by_tier)
 
-    def blocks_to_persist(self, cached: list[tuple[int, BlockHash]]) -> list[tuple[int, BlockHash]]:
+    def blocks_to_persist(self, cached: list[CachedBlock]) -> list[CachedBlock]:
         """Cached device blocks the lower tiers may not hold yet: what a shutdown must copy out."""
         if not self.store.lower:
             return []
         self.wait_for_writes()
-        return [(block_id, block_hash) for block_id, block_hash in cached if not self.store.holds(block_hash)]
+        return [block for block in cached if not self.store.holds(block[1])]
 
     @property
     def num_pending_writes(self) -> int:
@@ -341,7 +355,7 @@ class TierCoordinator:
     def wait_for_writes(self, timeout_s: float | None = None) -> bool:
         return self._writer.drain(timeout_s)
 
-    def close(self, blocks: list[tuple[BlockHash, bytes]]) -> None:
+    def close(self, blocks: list[BlockKV]) -> None:
         """Write what is queued, persist ``blocks`` and the host tier's entries to disk and Redis, release."""
         self.wait_for_writes()
         self.store.persist(blocks)

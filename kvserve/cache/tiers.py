@@ -1,6 +1,7 @@
 """The KV tiers below device memory, seen as one store: host DRAM, then local disk and/or Redis. No torch.
 
-What goes where (keys are ``make_key(block_hash, namespace)``, payloads one block's serialised KV)::
+What goes where (keys are ``make_key(block_hash, namespace)``; a value is the block's identity, its parent's
+hash and its token ids (``kvserve.request.block_identity``), then its serialised KV)::
 
     write_back     put_blocks ──► host (LRU) ──host evicts──► disk, redis
                    (no host tier: put_blocks ──► disk, redis)
@@ -12,11 +13,13 @@ What goes where (keys are ``make_key(block_hash, namespace)``, payloads one bloc
 
 Every tier keeps the ``KVStore`` contract (never raises; a corrupt entry, a dead Redis or a full disk is a
 miss, logged once per outage and counted), so nothing here needs a try. On top of it this class checks
-each payload's length against the block size the runner will write, so a wrong-length payload (one the
+each value's length against the block size the runner will write, so a wrong-length value (one the
 framing accepted, e.g. from an in-process host tier fed by a buggy writer) is a miss, not a crash.
 
-A lower-tier hit is trusted on the 128-bit chained block hash plus the namespace (model fingerprint,
-dtype, block size, layout): unlike the device tree, the token ids are not stored with the payload.
+A hit is confirmed on the tokens, as in the device tree: the key (namespace: model fingerprint, dtype,
+block size, layout; 128-bit chained hash) finds the entry, and its stored identity must equal the identity
+of the block looked up, else the entry is refused (a miss, counted) and deleted. A hash collision or a
+foreign writer sharing the Redis keyspace can then cost a hit, never give a wrong answer.
 
 Each tier store guards itself with its own lock, so the methods that touch only the stores (``fetch``,
 ``locate``, ``write_lower``, ``write_down``, ``sweep``) may run on worker threads while the engine loop
@@ -28,11 +31,13 @@ once, synchronously.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 
-from kvserve.config import StorageConfig
-from kvserve.request import BlockHash
+from kvserve.config import DEFAULT_DISK_GB, StorageConfig
+from kvserve.request import BlockHash, block_identity
 from kvserve.storage.base import EntryMeta, KeyNamespace, KVStore, TierStats, make_key
 from kvserve.storage.disk import DiskKVStore
 from kvserve.storage.host import HostKVStore
@@ -40,6 +45,23 @@ from kvserve.storage.host import HostKVStore
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+
+BlockKV = tuple[BlockHash, bytes, bytes]  # (chained hash, block_identity, serialised KV) of one full block
+
+
+def disk_capacity_bytes(directory: str, disk_gb: float | None) -> int:
+    """The disk tier's capacity: ``disk_gb``, or by default ``DEFAULT_DISK_GB`` capped at half the space
+    free in ``directory`` (so that the default never fills the disk)."""
+    if disk_gb is not None:
+        return int(disk_gb * GIB)
+    default = int(DEFAULT_DISK_GB * GIB)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        capacity = min(default, shutil.disk_usage(directory).free // 2)
+    except OSError:  # the tier itself reports the directory's problem (unhealthy, every lookup a miss)
+        capacity = default
+    logger.info("disk tier in %s: %.1f GiB (the default; --kv-disk-gb sets it)", directory, capacity / GIB)
+    return capacity
 
 
 class TieredKVStore:
@@ -59,16 +81,17 @@ class TieredKVStore:
         self.config = config
         self.namespace = namespace
         self.meta = EntryMeta.for_namespace(namespace, block_shape)
-        self.payload_nbytes = payload_nbytes
+        self.payload_nbytes = payload_nbytes  # of the serialised KV alone
+        self.identity_nbytes = len(block_identity(None, [0] * namespace.block_size))
         self.write_through = config.write_policy == "write_through"
         self.retention_s = config.retention_s
         self._handed_down: list[tuple[bytes, bytes]] = []  # host evictions waiting to be written below
 
         self.disk: DiskKVStore | None = None
         self.redis: KVStore | None = None
-        if config.disk_gb > 0 and config.disk_dir:
-            self.disk = DiskKVStore(config.disk_dir, int(config.disk_gb * GIB), config.retention_s, meta=self.meta,
-                                    clock=clock)
+        if config.disk_dir:
+            self.disk = DiskKVStore(config.disk_dir, disk_capacity_bytes(config.disk_dir, config.disk_gb),
+                                    config.retention_s, meta=self.meta, clock=clock)
         if config.redis_url:
             from kvserve.storage.redis import RedisKVStore  # only importing redis-py when it is used
 
@@ -86,19 +109,20 @@ class TieredKVStore:
         self._hit_tokens = dict.fromkeys(self.names, 0)
         self._miss_tokens = dict.fromkeys(self.names, 0)
         self._bad_payloads = dict.fromkeys(self.names, 0)  # wrong length for a block: counted as errors
+        self._refused = dict.fromkeys(self.names, 0)  # stored identity differs from the block looked up
 
     # --- writes -------------------------------------------------------------------------------------------
-    def put_blocks(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+    def put_blocks(self, items: Sequence[BlockKV]) -> None:
         """Store blocks offloaded from device memory (see the module map for where they go), synchronously."""
         self.write_lower(self.put_host(items))
         self.write_down(self.take_handed_down())
 
-    def put_host(self, items: Sequence[tuple[BlockHash, bytes]]) -> list[tuple[bytes, bytes]]:
+    def put_host(self, items: Sequence[BlockKV]) -> list[tuple[bytes, bytes]]:
         """The host tier's share of ``put_blocks``; returns the entries that go straight to the lower tiers
         (``write_lower``). What the host evicts meanwhile waits in ``take_handed_down``."""
         if not items:
             return []
-        entries = [(make_key(block_hash, self.namespace), payload) for block_hash, payload in items]
+        entries = [(make_key(block_hash, self.namespace), identity + payload) for block_hash, identity, payload in items]
         if self.host is not None:
             self.host.put_many(entries)
         return entries if (self.write_through or self.host is None) and self.lower else []
@@ -141,11 +165,11 @@ class TieredKVStore:
         tier = self.host if self.host is not None else self.disk
         return tier is not None and tier.contains(make_key(block_hash, self.namespace))
 
-    def lookup_run(self, block_hashes: Sequence[BlockHash]) -> list[tuple[str, bytes]]:
-        """The longest run of blocks, from ``block_hashes[0]`` on, that the tiers can load: (tier, payload)
-        per block. Synchronous: ``locate``, ``fetch``, ``finish``."""
+    def lookup_run(self, block_hashes: Sequence[BlockHash], identities: Sequence[bytes]) -> list[tuple[str, bytes]]:
+        """The longest run of blocks, from ``block_hashes[0]`` on, that the tiers can load: (tier, serialised
+        KV) per block. Synchronous: ``locate``, ``fetch``, ``finish``."""
         owners = self.locate(block_hashes)
-        found = self.finish(block_hashes, owners, self.fetch(block_hashes, owners)) if owners else []
+        found = self.finish(block_hashes, identities, owners, self.fetch(block_hashes, owners)) if owners else []
         self.write_down(self.take_handed_down())
         return found
 
@@ -183,28 +207,38 @@ class TieredKVStore:
                     payloads[i] = payload
         return payloads
 
-    def finish(self, block_hashes: Sequence[BlockHash], owners: Sequence[KVStore],
-               payloads: Sequence[bytes | None]) -> list[tuple[str, bytes]]:
-        """On the engine loop: drop payloads of the wrong size, cut the run at the first missing block, and
-        promote what came from below into the host tier (what that pushes out waits in
-        ``take_handed_down``)."""
+    def finish(self, block_hashes: Sequence[BlockHash], identities: Sequence[bytes], owners: Sequence[KVStore],
+               values: Sequence[bytes | None]) -> list[tuple[str, bytes]]:
+        """On the engine loop: drop values of the wrong size or of another block (its stored identity is
+        not the one looked up), cut the run at the first missing block, and promote what came from below
+        into the host tier (what that pushes out waits in ``take_handed_down``)."""
         keys = [make_key(h, self.namespace) for h in block_hashes[: len(owners)]]
-        checked: list[bytes | None] = list(payloads)
-        for i, payload in enumerate(checked):
-            if payload is not None and self.payload_nbytes is not None and len(payload) != self.payload_nbytes:
-                tier = owners[i]
-                self._bad_payloads[tier.name] += 1
-                logger.warning("%s: deleting a KV entry of %d bytes (a block is %d)", tier.name, len(payload),
-                               self.payload_nbytes)
-                tier.delete(keys[i])
+        checked: list[bytes | None] = list(values)
+        for i, value in enumerate(checked):
+            if value is not None and not self._is_block(value, identities[i], owners[i]):
+                owners[i].delete(keys[i])
                 checked[i] = None
-        end = next((i for i, p in enumerate(checked) if p is None), len(checked))
-        found = [(owners[i].name, checked[i]) for i in range(end)]
+        end = next((i for i, value in enumerate(checked) if value is None), len(checked))
         if self.host is not None:
             promote = [(keys[i], checked[i]) for i in range(end) if owners[i] is not self.host]
             if promote:
                 self.host.put_many(promote)  # type: ignore[arg-type]
-        return found  # type: ignore[return-value]
+        n = self.identity_nbytes
+        return [(owners[i].name, checked[i][n:]) for i in range(end)]  # type: ignore[index]
+
+    def _is_block(self, value: bytes, identity: bytes, tier: KVStore) -> bool:
+        """Whether a stored value has the right size and holds the block whose identity is ``identity``."""
+        want = None if self.payload_nbytes is None else self.identity_nbytes + self.payload_nbytes
+        if (want is not None and len(value) != want) or len(value) < self.identity_nbytes:
+            self._bad_payloads[tier.name] += 1
+            logger.warning("%s: deleting a KV entry of %d bytes (a block takes %s)", tier.name, len(value), want)
+            return False
+        if value[: self.identity_nbytes] != identity:
+            self._refused[tier.name] += 1
+            logger.warning("%s: refusing a KV entry whose tokens differ from the block looked up (a hash "
+                           "collision or a foreign writer); deleting it", tier.name)
+            return False
+        return True
 
     def record_admission(self, num_query_tokens: int, tokens_by_tier: dict[str, int]) -> None:
         """Count one admitted request's lookup, in tokens: a tier's hits are the tokens it supplied; its
@@ -240,13 +274,14 @@ class TieredKVStore:
             s.hits = self._hit_tokens[tier.name]
             s.misses = self._miss_tokens[tier.name]
             s.errors += self._bad_payloads[tier.name]
+            s.refused = self._refused[tier.name]
             out[tier.name] = s
         return out
 
     def healthy(self) -> dict[str, bool]:
         return {tier.name: tier.healthy for tier in self.tiers}
 
-    def persist(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+    def persist(self, items: Sequence[BlockKV]) -> None:
         """Write blocks straight to the tiers that outlive the process (disk, Redis), with what the host
         tier holds: called at shutdown so that write-back KV survives a restart."""
         if not self.lower:
@@ -257,7 +292,8 @@ class TieredKVStore:
             entries.extend(
                 (key, value) for key, value in zip(keys, self.host.get_many(keys), strict=True) if value is not None
             )
-        entries.extend((make_key(block_hash, self.namespace), payload) for block_hash, payload in items)
+        entries.extend((make_key(block_hash, self.namespace), identity + payload)
+                       for block_hash, identity, payload in items)
         self.write_down(entries)
 
     def close(self) -> None:

@@ -194,6 +194,8 @@ _TIER_COUNTERS = (
     ("kv_tier_expirations", "Entries this tier dropped after the retention time.", "expirations"),
     ("kv_tier_errors", "Failed operations of this tier (each one served as a miss).", "errors"),
     ("kv_tier_corrupt_entries", "Entries that failed verification and were deleted.", "corrupt"),
+    ("kv_tier_refused_entries", "Entries whose stored token ids differ from the block looked up (deleted).",
+     "refused"),
     ("kv_tier_load_seconds", "Time spent reading from this tier.", "load_latency_s"),
     ("kv_tier_loads", "Batched reads from this tier.", "load_count"),
 )

@@ -35,6 +35,8 @@ from kvserve.errors import StorageError
 logger = logging.getLogger(__name__)
 
 BLOCK_HASH_SIZE = 16  # kvserve.request.hash_block digests
+# What a block's entry holds; bump it when that changes (2: the block's parent hash and token ids come first).
+LAYOUT_VERSION = 2
 NAMESPACE_DIGEST_SIZE = 8
 
 
@@ -59,7 +61,7 @@ class KeyNamespace:
     model_fingerprint: str
     kv_dtype: str  # "bfloat16", "float16", "float32", ...
     block_size: int
-    layout_version: int = 1  # bump when the serialised KV layout of a block changes
+    layout_version: int = LAYOUT_VERSION
 
     def digest(self) -> bytes:
         """``NAMESPACE_DIGEST_SIZE`` bytes that differ whenever any field differs."""
@@ -88,7 +90,7 @@ class EntryMeta:
     kv_dtype: str
     block_size: int
     shape: tuple[int, ...]  # shape of the block's KV as the layer above serialised it
-    layout_version: int = 1
+    layout_version: int = LAYOUT_VERSION
 
     @classmethod
     def for_namespace(cls, namespace: KeyNamespace, shape: Sequence[int]) -> EntryMeta:
@@ -223,6 +225,7 @@ class TierStats:
     expirations: int = 0
     errors: int = 0
     corrupt: int = 0
+    refused: int = 0  # entries holding another block than the one looked up (set by the cache layer)
     load_latency_s: float = 0.0
     load_count: int = 0
 

@@ -4,7 +4,7 @@ import itertools
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.radix_cache import RadixCache
-from kvserve.request import hash_block
+from kvserve.request import block_identity, hash_block
 
 BLOCK = 2
 
@@ -81,3 +81,23 @@ def test_eviction_takes_tail_blocks_first_then_parents() -> None:
     assert [pool.cached[b] for b in blocks] == [True, True, False]
     match = tree.match_prefix(hashes_of([1, 2, 3, 4, 5, 6]), [1, 2, 3, 4, 5, 6], max_blocks=3)
     assert match.block_ids == blocks[:2]
+
+
+def test_evicted_and_cached_blocks_carry_the_identity_their_hash_was_made_from() -> None:
+    """Across node splits and children, the (parent hash, tokens) reported for a block hash back to it."""
+    pool = BlockPool(16)
+    tree = RadixCache(BLOCK, pool, clock=Clock())
+    sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8, 9, 9], [1, 2, 5, 5]]
+    for tokens in sequences:
+        insert_sequence(tree, pool, tokens)
+    expected = {}
+    for tokens in sequences:
+        hashes = hashes_of(tokens)
+        for i, block_hash in enumerate(hashes):
+            expected[block_hash] = block_identity(hashes[i - 1] if i else None, tokens[i * BLOCK : (i + 1) * BLOCK])
+    cached = {block_hash: identity for _, block_hash, identity in tree.cached_blocks()}
+    assert cached == expected
+    evicted: dict[bytes, bytes] = {}
+    tree.on_evict = lambda _block_id, block_hash, identity: evicted.__setitem__(block_hash, identity)
+    assert tree.evict(16) == len(expected)
+    assert evicted == expected

@@ -22,7 +22,7 @@ from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import GIB, TieredKVStore
 from kvserve.config import SchedulerConfig, StorageConfig
 from kvserve.errors import ConfigError
-from kvserve.request import Request, SamplingParams, hash_block
+from kvserve.request import Request, SamplingParams, block_identity, hash_block
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import Backoff, KeyNamespace, make_key
 from kvserve.storage.redis import RedisKVStore
@@ -34,11 +34,12 @@ BS = 4
 NBYTES = payload_nbytes(BS)
 NAMESPACE = KeyNamespace("fake-model@1", "int32", BS)
 SHAPE = (BS, 2)
+IDENTITY_NBYTES = len(block_identity(None, [0] * BS))
 
 
 def gb(num_blocks: float) -> float:
     """host_gb / disk_gb holding about ``num_blocks`` fake blocks (disk entries carry a ~90-byte header)."""
-    return num_blocks * NBYTES / GIB
+    return num_blocks * (IDENTITY_NBYTES + NBYTES) / GIB
 
 
 def make_tiers(clock=None, **storage) -> TieredKVStore:
@@ -47,11 +48,24 @@ def make_tiers(clock=None, **storage) -> TieredKVStore:
 
 
 def h(i: int) -> bytes:
-    return hash_block(None, [i])
+    return hash_block(None, [i] * BS)
+
+
+def identity(i: int) -> bytes:
+    return block_identity(None, [i] * BS)
 
 
 def payload(i: int) -> bytes:
     return bytes([i % 256]) * NBYTES
+
+
+def block(i: int) -> tuple[bytes, bytes, bytes]:
+    return h(i), identity(i), payload(i)
+
+
+def run(*ids: int) -> tuple[list[bytes], list[bytes]]:
+    """``lookup_run``'s arguments for blocks ``ids``."""
+    return [h(i) for i in ids], [identity(i) for i in ids]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -59,62 +73,78 @@ def payload(i: int) -> bytes:
 # ---------------------------------------------------------------------------------------------------------
 def test_write_back_spills_host_evictions_to_disk_and_lookup_walks_the_tiers(tmp_path: Path) -> None:
     tiers = make_tiers(host_gb=gb(2), disk_gb=gb(20), disk_dir=str(tmp_path))
-    tiers.put_blocks([(h(i), payload(i)) for i in range(4)])  # host keeps 2, 0 and 1 go down to disk
+    tiers.put_blocks([block(i) for i in range(4)])  # host keeps 2, 0 and 1 go down to disk
     assert tiers.host is not None and tiers.disk is not None
     assert tiers.host.num_entries == 2 and tiers.disk.num_entries == 2
-    found = tiers.lookup_run([h(0), h(1), h(2), h(3), h(9), h(3)])
+    found = tiers.lookup_run(*run(0, 1, 2, 3, 9, 3))
     assert [p for _, p in found] == [payload(i) for i in range(4)]
     assert [t for t, _ in found] == ["disk", "disk", "host", "host"]
     # The disk hits were promoted into the host tier, which spilled 2 and 3 down to disk to make room.
-    assert tiers.lookup_run([h(0), h(1)]) == [("host", payload(0)), ("host", payload(1))]
-    assert tiers.lookup_run([h(0), h(1), h(2), h(3)])[2:] == [("disk", payload(2)), ("disk", payload(3))]
-    assert tiers.lookup_run([h(7), h(0)]) == []  # a run starts at the first hash or not at all
+    assert tiers.lookup_run(*run(0, 1)) == [("host", payload(0)), ("host", payload(1))]
+    assert tiers.lookup_run(*run(0, 1, 2, 3))[2:] == [("disk", payload(2)), ("disk", payload(3))]
+    assert tiers.lookup_run(*run(7, 0)) == []  # a run starts at the first hash or not at all
 
 
 def test_write_through_puts_everywhere_and_lower_tiers_serve_after_host_loss(tmp_path: Path) -> None:
     tiers = make_tiers(host_gb=gb(10), disk_gb=gb(20), disk_dir=str(tmp_path), write_policy="write_through")
-    tiers.put_blocks([(h(i), payload(i)) for i in range(3)])
+    tiers.put_blocks([block(i) for i in range(3)])
     assert tiers.host is not None and tiers.disk is not None
     assert tiers.host.num_entries == 3 and tiers.disk.num_entries == 3
     tiers.host.clear()
-    assert [t for t, _ in tiers.lookup_run([h(0), h(1), h(2)])] == ["disk"] * 3
+    assert [t for t, _ in tiers.lookup_run(*run(0, 1, 2))] == ["disk"] * 3
 
 
 def test_no_host_tier_writes_straight_down(tmp_path: Path) -> None:
     tiers = make_tiers(disk_gb=gb(20), disk_dir=str(tmp_path))
-    tiers.put_blocks([(h(1), payload(1))])
-    assert tiers.lookup_run([h(1)]) == [("disk", payload(1))]
+    tiers.put_blocks([block(1)])
+    assert tiers.lookup_run(*run(1)) == [("disk", payload(1))]
     assert tiers.holds(h(1)) and not tiers.holds(h(2))
 
 
 def test_wrong_length_payload_ends_the_run_and_counts_an_error() -> None:
     tiers = make_tiers(host_gb=gb(10))
     assert tiers.host is not None
-    tiers.put_blocks([(h(0), payload(0)), (h(1), payload(1)), (h(2), payload(2))])
+    tiers.put_blocks([block(0), block(1), block(2)])
     tiers.host.put(make_key(h(1), NAMESPACE), b"short")
-    assert tiers.lookup_run([h(0), h(1), h(2)]) == [("host", payload(0))]
+    assert tiers.lookup_run(*run(0, 1, 2)) == [("host", payload(0))]
     assert tiers.stats()["host"].errors == 1
     assert not tiers.host.contains(make_key(h(1), NAMESPACE))  # deleted, not warned about at every lookup
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_an_entry_holding_another_block_under_the_key_looked_up_is_refused(tmp_path: Path, tier: str) -> None:
+    """A forged hash collision: block 2's entry (its identity and KV) stored under block 1's key."""
+    sizes = {"host_gb": gb(10)} if tier == "host" else {"disk_gb": gb(20), "disk_dir": str(tmp_path)}
+    tiers = make_tiers(**sizes)
+    tiers.put_blocks([block(0), block(1), block(2)])
+    forged = identity(2) + payload(2)
+    store = tiers.host if tier == "host" else tiers.disk
+    assert store is not None and store.put(make_key(h(1), NAMESPACE), forged)
+    assert tiers.lookup_run(*run(0, 1, 2)) == [(tier, payload(0))]
+    stats = tiers.stats()[tier]
+    assert stats.refused == 1 and stats.errors == 0
+    assert not store.contains(make_key(h(1), NAMESPACE))  # deleted: the next writer of block 1 may store it
+    assert tiers.lookup_run(*run(2)) == [(tier, payload(2))]  # the genuine block 2 still loads
 
 
 def test_other_namespace_never_matches(tmp_path: Path) -> None:
     mine = make_tiers(disk_gb=gb(20), disk_dir=str(tmp_path))
     other = TieredKVStore(StorageConfig(disk_gb=gb(20), disk_dir=str(tmp_path / "o")),
                           KeyNamespace("other-model", "int32", BS), SHAPE, payload_nbytes=NBYTES)
-    other.put_blocks([(h(1), payload(1))])
-    assert mine.lookup_run([h(1)]) == []
+    other.put_blocks([block(1)])
+    assert mine.lookup_run(*run(1)) == []
 
 
 def test_retention_sweeps_host_and_disk(tmp_path: Path) -> None:
     clock = FakeClock()
     tiers = make_tiers(clock, host_gb=gb(1), disk_gb=gb(20), disk_dir=str(tmp_path), retention_s=10.0)
-    tiers.put_blocks([(h(i), payload(i)) for i in range(3)])
+    tiers.put_blocks([block(i) for i in range(3)])
     clock.advance(11)
     assert tiers.sweep() == 3
     stats = tiers.stats()
     assert stats["host"].entries == 0 and stats["disk"].entries == 0
     assert stats["host"].expirations + stats["disk"].expirations == 3
-    assert tiers.lookup_run([h(0)]) == []
+    assert tiers.lookup_run(*run(0)) == []
 
 
 def redis_backoff_on(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> list[RedisKVStore]:
@@ -139,8 +169,8 @@ def test_dead_redis_is_a_bounded_miss_and_other_tiers_still_serve(monkeypatch) -
     assert tiers.redis is not None and built == [tiers.redis]
     assert not tiers.redis.healthy  # the constructor's PING failed
     assert spy.connects() == [0.5]  # once, bounded by the socket timeout
-    tiers.put_blocks([(h(0), payload(0))])
-    assert tiers.lookup_run([h(0), h(1)]) == [("host", payload(0))]
+    tiers.put_blocks([block(0)])
+    assert tiers.lookup_run(*run(0, 1)) == [("host", payload(0))]
     assert spy.num_calls == 1  # Redis is skipped until the backoff lets a probe through
     assert tiers.stats()["redis"].errors >= 1
 
@@ -151,19 +181,19 @@ def test_a_hung_redis_blocks_one_call_for_at_most_the_socket_timeout_then_is_ski
     spy = SocketSpy.install(monkeypatch, redis_server.port)
     tiers = make_tiers(host_gb=gb(1), redis_url=redis_server.url)
     assert built == [tiers.redis]
-    tiers.put_blocks([(h(i), payload(i)) for i in range(3)])  # host keeps one, the rest go to Redis
-    assert [t for t, _ in tiers.lookup_run([h(0), h(1)])] == ["redis", "redis"]
+    tiers.put_blocks([block(i) for i in range(3)])  # host keeps one, the rest go to Redis
+    assert [t for t, _ in tiers.lookup_run(*run(0, 1))] == ["redis", "redis"]
     assert redis_server.proc is not None
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # alive but silent: every read would wait forever
     try:
         before = spy.num_calls
-        assert tiers.lookup_run([h(0), h(1)]) == []
+        assert tiers.lookup_run(*run(0, 1)) == []
         # One read waited out the 0.5 s socket timeout (no retry), then the backoff skips Redis entirely.
         assert spy.num_timed_out(before) == 1 and spy.bounded_by(0.5, before)
         after_first = spy.num_calls
         for _ in range(20):
-            tiers.lookup_run([h(0), h(1)])
-            tiers.put_blocks([(h(9), payload(9))])
+            tiers.lookup_run(*run(0, 1))
+            tiers.put_blocks([block(9)])
         assert spy.num_calls == after_first
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
@@ -181,7 +211,8 @@ def test_storage_config_validation() -> None:
     with pytest.raises(ConfigError):
         StorageConfig(disk_gb=1.0)
     with pytest.raises(ConfigError):
-        StorageConfig(disk_dir="/tmp/x")
+        StorageConfig(disk_dir="/tmp/x", disk_gb=0)
+    assert StorageConfig(disk_dir="/tmp/x").enabled  # at the default capacity
     for retention in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ConfigError):
             StorageConfig(retention_s=retention)
@@ -318,6 +349,30 @@ def test_a_wrong_payload_changes_the_output() -> None:
     hx.run()
     assert request.metrics.cached_tokens_by_tier["host"] == 24
     assert request.output_token_ids != reference_continuation(shared + [2], 3)
+
+
+def test_a_block_of_another_prompt_stored_under_the_key_is_refused_and_the_output_stays_right() -> None:
+    """The same corruption as above, but as a colliding writer would leave it: another prompt's block (its
+    identity and its KV, both consistent) under this prompt's key. The hit stops before it."""
+    tiers = make_tiers(host_gb=gb(64))
+    hx = Harness(num_blocks=10, tiers=tiers)
+    shared, other = prompt_of(4, 24), prompt_of(7, 24)
+    hx.add(shared + [1])
+    donor_request = hx.add(other + [1])
+    hx.run()
+    hx.add(prompt_of(5, 38))
+    hx.run()
+    assert tiers.host is not None
+    request = hx.add(shared + [2])
+    victim = make_key(request.full_block_hashes(BS)[3], NAMESPACE)
+    donor = make_key(donor_request.full_block_hashes(BS)[3], NAMESPACE)
+    forged = tiers.host.get(donor)
+    assert forged is not None and tiers.host.get(victim) is not None
+    tiers.host.put(victim, forged)
+    hx.run()
+    assert request.metrics.cached_tokens_by_tier["host"] == 12  # blocks 0..2; block 3 refused, recomputed
+    assert request.output_token_ids == reference_continuation(shared + [2], 3)
+    assert tiers.stats()["host"].refused == 1
 
 
 def test_write_through_offloads_blocks_as_they_fill_and_a_fresh_pool_finds_them(tmp_path: Path) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
 
 import pytest
 
+from kvserve.cache.tiers import GIB, TieredKVStore, disk_capacity_bytes
 from kvserve.cli import build_parser, engine_config_from_args, parse_duration
+from kvserve.config import DEFAULT_DISK_GB
 from kvserve.errors import ConfigError
+from kvserve.storage.base import KeyNamespace
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("72h", 259200.0), ("30m", 1800.0), ("5s", 5.0), ("3600", 3600.0),
@@ -34,6 +39,23 @@ def test_tier_options_reach_the_storage_config() -> None:
     assert not default.enabled and default.retention_s == 72 * 3600
 
 
-def test_disk_dir_without_a_size_is_an_error() -> None:
-    with pytest.raises(ConfigError):
-        engine_config_from_args(build_parser().parse_args(["serve", "--kv-disk-dir", "/var/kv"]))
+def test_disk_dir_alone_turns_the_disk_tier_on_at_its_default_size(tmp_path: Path) -> None:
+    directory = str(tmp_path / "kv")
+    storage = engine_config_from_args(build_parser().parse_args(["serve", "--kv-disk-dir", directory])).storage
+    assert storage.enabled and storage.disk_gb is None
+    tiers = TieredKVStore(storage, KeyNamespace("m", "float32", 16), (16, 2), payload_nbytes=128)
+    assert tiers.names == ["disk"] and tiers.disk is not None
+    free = shutil.disk_usage(directory).free
+    assert tiers.disk.capacity_bytes == pytest.approx(min(DEFAULT_DISK_GB * GIB, free / 2), rel=0.01)
+    assert disk_capacity_bytes(directory, 0.5) == GIB // 2  # a size given is taken as it is
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--kv-disk-gb", "5"], "disk_gb needs disk_dir"),
+    (["--kv-disk-gb", "0", "--kv-disk-dir", "/var/kv"], "disk_gb must be > 0 with disk_dir"),
+    (["--kv-host-gb", "-1"], "host_gb must be a number >= 0"),
+    (["--kv-disk-gb", "inf", "--kv-disk-dir", "/var/kv"], "disk_gb must be a number >= 0"),
+])
+def test_tier_sizes_that_cannot_work_are_refused_with_what_to_change(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        engine_config_from_args(build_parser().parse_args(["serve", *argv]))

@@ -28,7 +28,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 
 def true_blocks(llm: LLM) -> set[bytes]:
-    return {block_hash for _, block_hash in llm.engine.kv_manager.prefix_cache.cached_blocks()}
+    return {block_hash for _, block_hash, _ in llm.engine.kv_manager.prefix_cache.cached_blocks()}
 
 
 def test_the_index_followed_from_events_equals_the_cached_blocks_under_random_traffic(llm: LLM) -> None:

@@ -71,7 +71,7 @@ def test_round_trip_any_meta(payload, fingerprint, dtype, block_size, shape, cre
         ({"kv_dtype": "bfloat16"}, "dtype mismatch"),
         ({"block_size": 32}, "block size mismatch"),
         ({"shape": (4, 2, 16, 4)}, "shape mismatch"),
-        ({"layout_version": 2}, "layout version mismatch"),
+        ({"layout_version": 1}, "layout version mismatch"),
     ],
 )
 def test_metadata_mismatch_is_corrupt(change: dict, reason: str) -> None:
@@ -141,7 +141,7 @@ def test_make_key_layout_and_determinism() -> None:
 
 
 @pytest.mark.parametrize(
-    "change", [{"model_fingerprint": "m@2"}, {"kv_dtype": "bfloat16"}, {"block_size": 32}, {"layout_version": 2}]
+    "change", [{"model_fingerprint": "m@2"}, {"kv_dtype": "bfloat16"}, {"block_size": 32}, {"layout_version": 1}]
 )
 def test_every_namespace_field_changes_the_key(change: dict) -> None:
     block_hash = hash_block(None, [7] * 16)
