@@ -111,14 +111,16 @@ def test_wrong_length_payload_ends_the_run_and_counts_an_error() -> None:
     assert not tiers.host.contains(make_key(h(1), NAMESPACE))  # deleted, not warned about at every lookup
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_an_entry_holding_another_block_under_the_key_looked_up_is_refused(tmp_path: Path, tier: str) -> None:
-    """A forged hash collision: block 2's entry (its identity and KV) stored under block 1's key."""
-    sizes = {"host_gb": gb(10)} if tier == "host" else {"disk_gb": gb(20), "disk_dir": str(tmp_path)}
-    tiers = make_tiers(**sizes)
+@pytest.mark.parametrize("tier", ["host", "disk", "redis"])
+def test_an_entry_holding_another_block_under_the_key_looked_up_is_refused(tmp_path: Path, tier: str,
+                                                                           request: pytest.FixtureRequest) -> None:
+    """A forged hash collision, or a foreign writer on a shared Redis: block 2's entry (its identity and KV)
+    stored under block 1's key."""
+    sizes = {"host": {"host_gb": gb(10)}, "disk": {"disk_gb": gb(20), "disk_dir": str(tmp_path)}}.get(tier)
+    tiers = make_tiers(**(sizes or {"redis_url": request.getfixturevalue("redis_server").url}))
     tiers.put_blocks([block(0), block(1), block(2)])
     forged = identity(2) + payload(2)
-    store = tiers.host if tier == "host" else tiers.disk
+    store = {"host": tiers.host, "disk": tiers.disk, "redis": tiers.redis}[tier]
     assert store is not None and store.put(make_key(h(1), NAMESPACE), forged)
     assert tiers.lookup_run(*run(0, 1, 2)) == [(tier, payload(0))]
     stats = tiers.stats()[tier]
