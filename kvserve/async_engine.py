@@ -20,9 +20,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvserve.engine import Engine, EngineStats, PromptType
+from kvserve.engine import Engine, EngineAudit, EngineStats, PromptType
 from kvserve.errors import CapacityError, EngineDeadError, KVServeError
 from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams, StructuredOutputsParams
 from kvserve.structured.grammar import GrammarCompiler
@@ -40,6 +41,11 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Audit:
+    result: Future[EngineAudit]
 
 
 class _Stream:
@@ -60,7 +66,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Audit | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._num_pending_adds = 0  # queued but not yet seen by the engine thread
@@ -155,7 +161,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
-    def _send(self, command: _Add | _Abort | None) -> None:
+    async def audit(self, timeout_s: float = 30.0) -> EngineAudit:
+        """``Engine.audit``, run on the engine thread between two steps (the only place it sees a
+        consistent state)."""
+        self._check_alive()
+        result: Future[EngineAudit] = Future()
+        self._send(_Audit(result))
+        return await asyncio.wait_for(asyncio.wrap_future(result), timeout_s)
+
+    def _send(self, command: _Add | _Abort | _Audit | None) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -206,6 +220,9 @@ class AsyncEngine:
                 return True
             if command is None:
                 return False
+            if isinstance(command, _Audit):
+                command.result.set_result(self.engine.audit())
+                continue
             if isinstance(command, _Abort):
                 output = self.engine.abort_request(command.request_id)
                 stream = self._streams.get(command.request_id)

@@ -56,6 +56,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLM", "Engine", "EngineStats", "PromptType", "expand_n"]
 
 
+@dataclass(frozen=True, slots=True)
+class EngineAudit:
+    """The block accounting checked (``Engine.audit``). Idle, every count must be 0: a block still used or a
+    prefix-cache node still locked with no request left is a leak."""
+
+    ok: bool
+    error: str | None
+    num_unfinished: int
+    num_used_blocks: int
+    num_locked_nodes: int
+
+
 @dataclass(slots=True)
 class EngineStats:
     """Engine-wide counters, read by the server's /metrics and by benchmarks."""
@@ -317,6 +329,17 @@ class Engine:
         self.scheduler.check_invariants()
         if self.draft_kv is not None:
             self.draft_kv.check_invariants()
+
+    def audit(self) -> EngineAudit:
+        """``check_invariants`` as a report instead of an exception, with what must be zero when idle."""
+        try:
+            self.check_invariants()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "an invariant does not hold"
+        kv = self.kv_manager
+        return EngineAudit(ok=error is None, error=error, num_unfinished=len(self.unfinished_request_ids()),
+                           num_used_blocks=kv.pool.num_used, num_locked_nodes=kv.prefix_cache.num_locked_nodes())
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:

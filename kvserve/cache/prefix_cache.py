@@ -65,6 +65,8 @@ class PrefixCache(Protocol):
 
     def num_evictable_blocks(self) -> int: ...
 
+    def num_locked_nodes(self) -> int: ...
+
     def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]: ...
 
     @property
@@ -155,6 +157,9 @@ class RadixPrefixCache:
     def num_evictable_blocks(self) -> int:
         return self.tree.num_evictable_blocks()
 
+    def num_locked_nodes(self) -> int:
+        return self.tree.num_locked_nodes()
+
     def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]:
         return self.tree.cached_blocks()
 
@@ -208,6 +213,9 @@ class NoPrefixCache:
         return 0
 
     def num_evictable_blocks(self) -> int:
+        return 0
+
+    def num_locked_nodes(self) -> int:
         return 0
 
     def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]:

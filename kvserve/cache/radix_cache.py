@@ -367,6 +367,15 @@ class RadixCache:
                 leaves.append(node)
         return leaves
 
+    def num_locked_nodes(self) -> int:
+        """Nodes some request holds (0 once every request has finished: a lock left behind is a leak)."""
+        count, stack = 0, list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            count += node.lock_ref > 0
+            stack.extend(node.children.values())
+        return count
+
     def num_evictable_blocks(self) -> int:
         """Blocks in subtrees no request locks (all of them reclaimable by repeated leaf eviction), and tails."""
         total, stack = len(self._tails), list(self.root.children.values())

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -242,6 +242,11 @@ def build_app(
             return JSONResponse(p.error_body("this server runs without a prefix cache: it has no KV events",
                                              "not_found_error"), status_code=404)
         return JSONResponse(events.read(after, epoch))
+
+    @app.get("/kvserve/audit")
+    async def audit() -> Response:
+        """The engine's block accounting, checked between two steps: for soak runs and operators."""
+        return JSONResponse(asdict(await async_engine.audit()))
 
     tokenizer_json: list[bytes] = []  # built on the first call: megabytes for a large vocabulary
 
