@@ -147,16 +147,14 @@ class RedisProcess:
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace, disk_dir: Path, redis_url: str, log: Path) -> None:
+    """``kvserve serve`` with ``engine_args`` on a free loopback port, its output in ``log``."""
+
+    def __init__(self, engine_args: list[str], log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "wb")  # noqa: SIM115 - closed in wait()
         command = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--uvicorn-log-level", "warning", "--dtype", "float32", "--served-model-name", MODEL_NAME,
-                   "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(args.kv_blocks),
-                   "--max-num-seqs", str(max(2, args.concurrency)), "--kv-host-gb", str(args.host_mb / 1024),
-                   "--kv-disk-dir", str(disk_dir), "--kv-disk-gb", "0.25", "--kv-redis-url", redis_url,
-                   "--shutdown-grace-period", "3"]
+                   "--uvicorn-log-level", "warning", *engine_args]
         self.proc = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 300) -> None:
@@ -422,7 +420,11 @@ def run(args: argparse.Namespace) -> Report:
     workdir = Path(tempfile.mkdtemp(prefix="kvserve-soak-"))
     disk_dir = workdir / "kv"
     redis = RedisProcess(workdir)
-    server = Server(args, disk_dir, redis.url, workdir / "server.log")
+    engine_args = ["--dtype", "float32", "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
+                   "--num-kv-blocks", str(args.kv_blocks), "--max-num-seqs", str(max(2, args.concurrency)),
+                   "--kv-host-gb", str(args.host_mb / 1024), "--kv-disk-dir", str(disk_dir), "--kv-disk-gb", "0.25",
+                   "--kv-redis-url", redis.url, "--shutdown-grace-period", "3"]
+    server = Server(engine_args, workdir / "server.log")
     outcomes: list[Outcome] = []
     stop = threading.Event()
     try:

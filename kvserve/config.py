@@ -438,3 +438,8 @@ class EngineConfig:
         metavar="JSON", default_text="off")})
     backend: BackendConfig = section(BackendConfig, "kernel backend")
     structured: StructuredOutputConfig = section(StructuredOutputConfig, "structured output")
+
+    def __post_init__(self) -> None:
+        if self.storage.enabled and not self.cache.enable_prefix_caching:
+            raise ConfigError("the KV tiers (--kv-host-gb, --kv-disk-dir, --kv-redis-url) extend the prefix cache: "
+                              "drop --no-enable-prefix-caching, or the tier options", "enable_prefix_caching")

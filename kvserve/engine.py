@@ -206,9 +206,6 @@ class Engine:
         """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""
         if not storage.enabled:
             return None
-        if not self.config.cache.enable_prefix_caching:
-            logger.warning("KV storage tiers need the prefix cache: they stay off (--no-enable-prefix-caching)")
-            return None
         dtype_name = str(self.dtype).removeprefix("torch.")
         namespace = KeyNamespace(self.fingerprint, dtype_name, self.config.cache.block_size)
         tiers = TieredKVStore(storage, namespace, block_shape(kv_caches), payload_nbytes=block_nbytes(kv_caches))

@@ -37,8 +37,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvserve.config import DEFAULT_DISK_GB, StorageConfig
+from kvserve.errors import ConfigError
 from kvserve.request import BlockHash, block_identity
-from kvserve.storage.base import EntryMeta, KeyNamespace, KVStore, TierStats, make_key
+from kvserve.storage.base import EntryMeta, KeyNamespace, KVStore, TierStats, encode_entry, make_key
 from kvserve.storage.disk import DiskKVStore
 from kvserve.storage.host import HostKVStore
 
@@ -104,12 +105,24 @@ class TieredKVStore:
             self.host = HostKVStore(int(config.host_gb * GIB), config.retention_s, clock=clock,
                                     on_evict=self._on_host_evict if write_down else None)
         self.tiers: list[KVStore] = [t for t in (self.host, self.disk, self.redis) if t is not None]
+        if payload_nbytes is not None:
+            self._check_room(self.identity_nbytes + payload_nbytes)
         self.names = [t.name for t in self.tiers]
         # Admission-time counters, in tokens: per tier, tokens found there / looked for there and not found.
         self._hit_tokens = dict.fromkeys(self.names, 0)
         self._miss_tokens = dict.fromkeys(self.names, 0)
         self._bad_payloads = dict.fromkeys(self.names, 0)  # wrong length for a block: counted as errors
         self._refused = dict.fromkeys(self.names, 0)  # stored identity differs from the block looked up
+
+    def _check_room(self, entry_nbytes: int) -> None:
+        """A tier that cannot hold one block would silently hold nothing: refuse it at start-up."""
+        header_nbytes = len(encode_entry(b"", self.meta))  # the disk tier frames each entry
+        for tier, option, size in ((self.host, "host_gb", entry_nbytes),
+                                   (self.disk, "disk_gb", entry_nbytes + header_nbytes)):
+            if tier is not None and tier.capacity_bytes < size:
+                self.close()
+                raise ConfigError(f"the {tier.name} tier ({tier.capacity_bytes} bytes) cannot hold one KV block "
+                                  f"({size} bytes): give it more room", option)
 
     # --- writes -------------------------------------------------------------------------------------------
     def put_blocks(self, items: Sequence[BlockKV]) -> None:

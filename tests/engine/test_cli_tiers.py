@@ -59,3 +59,15 @@ def test_disk_dir_alone_turns_the_disk_tier_on_at_its_default_size(tmp_path: Pat
 def test_tier_sizes_that_cannot_work_are_refused_with_what_to_change(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         engine_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_tiers_without_the_prefix_cache_or_too_small_for_a_block_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="extend the prefix cache"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--kv-host-gb", "1", "--no-enable-prefix-caching"]))
+    storage = engine_config_from_args(build_parser().parse_args(["serve", "--kv-host-gb", "1e-7"])).storage
+    with pytest.raises(ConfigError, match="host tier .* cannot hold one KV block"):
+        TieredKVStore(storage, KeyNamespace("m", "float32", 16), (16, 2), payload_nbytes=1 << 20)
+    storage = engine_config_from_args(build_parser().parse_args(
+        ["serve", "--kv-disk-dir", str(tmp_path), "--kv-disk-gb", "1e-6"])).storage
+    with pytest.raises(ConfigError, match="disk tier .* cannot hold one KV block"):
+        TieredKVStore(storage, KeyNamespace("m", "float32", 16), (16, 2), payload_nbytes=1 << 20)

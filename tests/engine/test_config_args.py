@@ -91,7 +91,7 @@ def test_every_flag_reaches_its_field() -> None:
     args = parse(
         "serve", "--model", "/m.gguf", "--dtype", "float32", "--device", "cpu", "--block-size", "32",
         "--num-kv-blocks", "100", "--kv-cache-gb", "2.5", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-        "--max-model-len", "2048", "--no-enable-prefix-caching", "--scheduling-policy", "fcfs", "--seed", "7",
+        "--max-model-len", "2048", "--enable-prefix-caching", "--scheduling-policy", "fcfs", "--seed", "7",
         "--num-threads", "3", "--no-cpu-kernels", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
         "--kv-host-gb", "4", "--kv-disk-gb", "20", "--kv-disk-dir", "/var/kv", "--kv-redis-url", "redis://h:1/0",
         "--kv-retention", "30m", "--kv-write-policy", "write_through", "--no-keep-tails", "--hash-salt", "tenant",
@@ -103,7 +103,7 @@ def test_every_flag_reaches_its_field() -> None:
     assert engine_config_from_args(args) == EngineConfig(
         model=ModelConfig(model="/m.gguf", dtype="float32", device="cpu", max_model_len=2048, seed=7, num_threads=3,
                           cpu_kernels=False),
-        cache=CacheConfig(block_size=32, num_kv_blocks=100, kv_cache_gb=2.5, enable_prefix_caching=False,
+        cache=CacheConfig(block_size=32, num_kv_blocks=100, kv_cache_gb=2.5, enable_prefix_caching=True,
                           keep_tails=False, hash_salt="tenant"),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, policy="fcfs", lpm_max_skips=3,
                                   lpm_window=16),
@@ -157,7 +157,7 @@ def test_keywords_map_to_their_fields() -> None:
     config = engine_config_from_keywords({
         "model": "/m.gguf", "dtype": "float32", "device": "cpu", "block_size": 8, "num_kv_blocks": 64,
         "kv_cache_gb": 0.5, "max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 512,
-        "enable_prefix_caching": False, "scheduling_policy": "fcfs", "seed": 3, "num_threads": 2,
+        "enable_prefix_caching": True, "scheduling_policy": "fcfs", "seed": 3, "num_threads": 2,
         "cpu_kernels": False, "show_progress": False, "kv_host_gb": 1.0, "kv_disk_gb": 2.0, "kv_disk_dir": "/d",
         "kv_redis_url": "redis://r", "kv_retention_s": 60.0, "kv_write_policy": "write_through",
         "keep_tails": False, "lpm_window": 4, "speculative_config": {"method": "ngram"},
@@ -165,7 +165,7 @@ def test_keywords_map_to_their_fields() -> None:
     assert config == EngineConfig(
         model=ModelConfig(model="/m.gguf", dtype="float32", device="cpu", max_model_len=512, seed=3, num_threads=2,
                           cpu_kernels=False, show_progress=False),
-        cache=CacheConfig(block_size=8, num_kv_blocks=64, kv_cache_gb=0.5, enable_prefix_caching=False,
+        cache=CacheConfig(block_size=8, num_kv_blocks=64, kv_cache_gb=0.5, enable_prefix_caching=True,
                           keep_tails=False),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, policy="fcfs", lpm_window=4),
         storage=StorageConfig(host_gb=1.0, disk_gb=2.0, disk_dir="/d", redis_url="redis://r", retention_s=60.0,
@@ -173,6 +173,7 @@ def test_keywords_map_to_their_fields() -> None:
         speculative=SpeculativeConfig(method="ngram"),
     )
     assert engine_config_from_keywords({}) == EngineConfig()
+    assert not engine_config_from_keywords({"enable_prefix_caching": False}).cache.enable_prefix_caching
 
 
 def test_speculative_config_takes_a_dict_the_dataclass_or_none() -> None:
