@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
+import signal
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import Server  # noqa: E402
+from soak import Server, emit  # noqa: E402
 
 MODEL_NAME = "overload"
 
@@ -155,6 +155,7 @@ def main() -> int:
     parser.add_argument("--rss-growth-mb", type=float, default=64.0)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the server is stopped
 
     report = Report(args.max_waiting, args.max_seqs)
     workdir = Path(tempfile.mkdtemp(prefix="kvserve-overload-"))
@@ -206,11 +207,7 @@ def main() -> int:
         fail(f"recovery: {recovery.shed_429} shed, TTFT p99 {recovery.ttft_p99_s} s (capacity phase {capacity_p99} s)")
     if report.rss_mb_max > report.rss_mb_start + args.rss_growth_mb:
         fail(f"resident memory grew from {report.rss_mb_start:.0f} to {report.rss_mb_max:.0f} MiB")
-    text = json.dumps(asdict(report), indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
-    return 1 if report.failures else 0
+    return emit(report, args.output)
 
 
 if __name__ == "__main__":

@@ -302,13 +302,20 @@ async def traffic(url: str, args: argparse.Namespace, stop_at: float, outcomes: 
 
 
 # --- faults ---------------------------------------------------------------------------------------------
+def read_time(path: Path) -> int:
+    try:
+        return path.stat().st_atime_ns
+    except OSError:  # evicted since it was listed
+        return 0
+
+
 def break_things(redis: RedisProcess, disk_dir: Path, args: argparse.Namespace, stop: threading.Event,
                  report: Report, corrupted: set[Path]) -> None:
     rng = random.Random(args.seed + 1)
     next_kill = time.monotonic() + args.redis_kill_every
     while not stop.wait(args.corrupt_every):
         # Among the files read most recently (the tier sets atime on reads): the likeliest to be read again.
-        files = sorted(disk_dir.rglob("*.kv"), key=lambda path: path.stat().st_atime_ns)[-20:]
+        files = sorted(disk_dir.rglob("*.kv"), key=read_time)[-20:]
         rng.shuffle(files)
         for action, path in zip(("truncate", "garble"), files, strict=False):
             corrupted.add(path)
@@ -488,11 +495,16 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory (server log, tier files)")
     parser.add_argument("--output", type=Path, help="write the report as JSON")
     args = parser.parse_args()
-    report = run(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the server and redis-server are stopped
+    return emit(run(args), args.output)
+
+
+def emit(report: Any, output: Path | None) -> int:
+    """Print a report (a dataclass with ``failures``) as JSON, write it to ``output``; the exit status."""
     text = json.dumps(asdict(report), indent=2)
     print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    if output:
+        output.write_text(text + "\n")
     return 1 if report.failures else 0
 
 
