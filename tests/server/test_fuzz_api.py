@@ -152,3 +152,26 @@ def test_fuzzed_bodies_get_a_valid_answer_or_an_openai_error(fuzz_server: Backgr
 def test_thousands_of_fuzzed_bodies(fuzz_server: BackgroundServer) -> None:
     counts = run_fuzz(fuzz_server, HEAVY_EXAMPLES)
     print(f"fuzzed requests by status: {dict(sorted(counts.items()))}, total {sum(counts.values())}")
+
+
+# Each bounded parameter at its bound (accepted) and just past it (a 400 naming it), on both routes.
+BOUNDS = [("n", 128, 129), ("temperature", 0.0, -1e-9), ("top_p", 1.0, 1.0000001), ("top_k", -1, -2),
+          ("min_p", 1.0, 1.01), ("presence_penalty", 2.0, 2.0001), ("frequency_penalty", -2.0, -2.0001),
+          ("repetition_penalty", 1e-9, 0.0), ("max_tokens", 1, 0), ("min_tokens", 0, -1),
+          ("seed", 2**63 - 1, "7"), ("stop", ["."] * 64, ["."] * 65), ("logit_bias", {"5": 100.0}, {"5": 100.5}),
+          ("stop_token_ids", [0], [-1])]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("param", "at", "past"), BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_each_parameter_at_its_bound_is_served_and_past_it_is_a_400_naming_it(
+    fuzz_server: BackgroundServer, path: str, param: str, at: object, past: object
+) -> None:
+    base = {"model": MODEL_NAME, "max_tokens": 2}
+    base.update({"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
+    with httpx.Client(base_url=fuzz_server.base_url, timeout=TIMEOUT_S) as client:
+        ok = client.post(path, json={**base, param: at})
+        assert ok.status_code == 200, ok.text
+        bad = client.post(path, json={**base, param: past})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == param, bad.text
