@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "512",
                "--served-model-name", "smol", "--kv-write-policy", "write_through", "--kv-disk-gb", "1"]
+# One prompt per life of the server: each life but the last is killed while writing the next one.
 PROMPTS = [LONG_DOCUMENT[start : start + 600] + "\nIn one word, the text above is about"
-           for start in (0, 700)]
+           for start in range(0, 3000, 600)]
 MAX_TOKENS = 6
 
 
@@ -60,32 +61,40 @@ def entry_files_are_whole(directory: Path) -> int:
 
 
 def test_a_server_killed_while_writing_its_disk_tier_restarts_consistent_and_correct(tmp_path: Path) -> None:
+    kill_and_restart(tmp_path, PROMPTS[:2], random.Random(3))
+
+
+@pytest.mark.heavy
+def test_a_server_killed_four_times_while_writing(tmp_path: Path) -> None:
+    kill_and_restart(tmp_path, PROMPTS, random.Random(4))
+
+
+def kill_and_restart(tmp_path: Path, prompts: list[str], rng: random.Random) -> None:
     from kvserve.engine import LLM, SamplingParams
 
     disk_dir = tmp_path / "kv"
     args = ENGINE_ARGS + ["--kv-disk-dir", str(disk_dir)]
-    rng = random.Random(3)
     servers: list[ServerProcess] = []
     try:
         servers.append(ServerProcess(args, tmp_path / "server0.log"))
         # The reference, computed while the server starts: the same engine without tiers.
         llm = LLM(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=512)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        expected = [out.outputs[0].text for out in llm.generate(PROMPTS, params)]
+        expected = [out.outputs[0].text for out in llm.generate(prompts, params)]
         llm.close()
         # Each life answers the prompts so far (earlier lives wrote them: they load from disk, whatever
         # of them survived, and must answer right), then is killed while writing the next prompt's blocks.
-        for life in range(len(PROMPTS)):
+        for life in range(len(prompts)):
             server = servers[-1]
             server.wait_ready()
-            for i, prompt in enumerate(PROMPTS[: life + 1]):
+            for i, prompt in enumerate(prompts[: life + 1]):
                 text, from_disk = answer(server, prompt)
                 assert text == expected[i], (life, i)
                 if i < life:
                     assert from_disk > 0, (life, i)  # written in full by an earlier life before its kill
-            if life == len(PROMPTS) - 1:
+            if life == len(prompts) - 1:
                 break
-            kill_while_writing(server, PROMPTS[life + 1], rng)
+            kill_while_writing(server, prompts[life + 1], rng)
             assert entry_files_are_whole(disk_dir) > 0
             servers.append(ServerProcess(args, tmp_path / f"server{life + 1}.log"))
         assert not list(disk_dir.rglob(".tmp-*"))  # a killed write's temporary file is deleted at start
