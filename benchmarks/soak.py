@@ -77,6 +77,7 @@ class Outcome:
 @dataclass
 class Report:
     duration_s: float = 0.0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # start-up, warm-up, traffic, ... as run
     requests: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
     by_status: dict[str, int] = field(default_factory=dict)
@@ -437,9 +438,18 @@ def run(args: argparse.Namespace) -> Report:
     server = Server(engine_args, workdir / "server.log")
     outcomes: list[Outcome] = []
     stop = threading.Event()
+    clock = [time.monotonic()]
+
+    def phase(name: str) -> None:
+        now = time.monotonic()
+        report.phase_seconds[name] = round(now - clock[0], 2)
+        clock[0] = now
+
     try:
         server.wait_ready()
+        phase("start-up")
         asyncio.run(warm_up(server.url, args))
+        phase("warm-up")
         start = time.monotonic()
         corrupted: set[Path] = set()
         faults = threading.Thread(target=break_things, args=(redis, disk_dir, args, stop, report, corrupted),
@@ -457,15 +467,19 @@ def run(args: argparse.Namespace) -> Report:
         stop.set()
         faults.join()
         sampler.join()
+        phase("traffic")
         report.audit = wait_idle(server.url)
+        phase("idle wait")
         report.rss_mb_end, report.fds_end, report.threads_end = server.resources()
         counters = parse_prometheus(httpx.get(f"{server.url}/metrics", timeout=10).text)
         report.tier_counters = {name.removeprefix("kvserve:"): value for name, value in counters.items()
                                 if name.startswith("kvserve:kv_tier_") and name.endswith("_total")}
         asyncio.run(sigterm_under_load(server, report))
         report.sigterm_exit_code = server.wait(timeout_s=30)
+        phase("sigterm and exit")
         report.disk_files_left, report.disk_files_torn = disk_files(disk_dir, corrupted)
         check_sample(outcomes, args, report)
+        phase("served-alone check")
     finally:
         stop.set()
         if server.proc.poll() is None:

@@ -33,6 +33,7 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.heavy  # for CI's time: the soak compares batched, cached answers with answers served alone
 def test_eight_requests_sharing_a_system_prompt_match_with_cache_off(system_prompt_ids) -> None:
     off, on = make_llm(False), make_llm(True)
     system_ids = system_prompt_ids[:504]  # 31.5 blocks: the last system block is shared only in part

@@ -13,7 +13,9 @@ from tests.conftest import RedisServer
 from tests.e2e.conftest import LONG_DOCUMENT
 from tests.server.conftest import ServerProcess, metric_value
 
-pytestmark = pytest.mark.slow
+# Heavy, for CI's time: engines sharing Redis are checked in process (test_tiered_cache.py), and the soak
+# serves through a Redis tier it kills and restarts.
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "512",
                "--served-model-name", "smol", "--kv-write-policy", "write_through"]
