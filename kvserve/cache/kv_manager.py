@@ -239,10 +239,9 @@ class KVCacheManager:
         fresh = [i for i in range(start, num_full) if not cached[request.block_ids[i]]]
         self._set_handle(request, self.prefix_cache.insert(request, num_full, start=request.cache_handle))
         hashes = request.full_block_hashes(self.block_size)
-        taken = [i for i in fresh if cached[request.block_ids[i]]]
-        identities = [request.block_identities(self.block_size, i, i + 1)[0] for i in taken]
-        self.tiers.queue_cached([(request.block_ids[i], hashes[i], identity)
-                                 for i, identity in zip(taken, identities, strict=True)], after_step=computing)
+        identities = request.block_identities(self.block_size, start, num_full)
+        self.tiers.queue_cached([(request.block_ids[i], hashes[i], identities[i - start])
+                                 for i in fresh if cached[request.block_ids[i]]], after_step=computing)
 
     def step_done(self, offloaded: list[tuple[BlockHash, bytes]]) -> None:
         """The scheduled step ran: store the KV the runner copied out for the tiers; the blocks it filled may
