@@ -1,8 +1,12 @@
 // Shared by the CPU kernel files: feature macros, bf16 helpers and the op declarations.
 #pragma once
 
-#include <ATen/ATen.h>
+// Narrow ATen headers, not <ATen/ATen.h>: that one pulls in every op's declaration and costs most of the
+// build's time in each file.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <atomic>

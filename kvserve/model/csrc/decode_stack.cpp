@@ -5,6 +5,9 @@
 // smaller kernels themselves (the engine thread runs that Python while the kernels' other thread waits).
 
 #include "common.h"
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/rms_norm.h>
 
 namespace kvserve {
 

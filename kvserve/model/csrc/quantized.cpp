@@ -19,6 +19,9 @@
 // quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
 
 #include "common.h"
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/silu.h>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && KVSERVE_HAS_AVX512
 #define KVSERVE_HAS_VNNI 1
