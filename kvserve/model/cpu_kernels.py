@@ -53,6 +53,11 @@ class _Loader:
                 self._kernels = self._build()
             return self._kernels
 
+    def built(self) -> CpuKernels | None:
+        """The kernels if an earlier ``get`` loaded them: never starts a build."""
+        with self._lock:
+            return self._kernels
+
     @staticmethod
     def _build() -> CpuKernels | None:
         if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
@@ -111,3 +116,8 @@ _loader = _Loader()
 def load_cpu_kernels() -> CpuKernels | None:
     """The kernels if they build and load here, else None."""
     return _loader.get()
+
+
+def loaded_cpu_kernels() -> CpuKernels | None:
+    """The kernels if this process has loaded them already (a backend that uses them has), else None."""
+    return _loader.built()

@@ -19,6 +19,7 @@ import torch
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.formats.gguf import read_gguf_header
 from kvserve.model import loader
+from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.loader import (
     iter_weights,
     model_fingerprint,
@@ -26,8 +27,10 @@ from kvserve.model.loader import (
     resolve_model_path,
     weight_names,
 )
+from kvserve.model.quantized import HELD_PARTS
 from kvserve.model_store import ModelStore
 from kvserve.tokenizer import Tokenizer
+from tests.e2e.conftest import installed_model
 from tests.support.tiny_models import FAMILIES, TINY_SHAPE, make_tiny_gguf, make_tiny_model
 
 # ---- resolving the model -------------------------------------------------------------------------
@@ -116,6 +119,7 @@ def default_load(default_path: Path) -> tuple[list[int], dict[str, torch.Tensor]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader, "gguf_dequantize", counting_dequantize)
+        patch.setattr(loader, "loaded_cpu_kernels", lambda: None)  # the gguf path, whatever ran before
         arch = read_arch_config(default_path)
         Tokenizer.from_model_path(default_path)
         weights = dict(iter_weights(default_path, arch, torch.bfloat16, show_progress=False))
@@ -128,6 +132,27 @@ def test_default_model_dequantises_each_tensor_in_one_call(default_load) -> None
     a loaded machine; this counts the work instead.)"""
     calls, weights = default_load
     assert calls == [w.shape[0] if w.dim() == 2 else 1 for w in weights.values()]
+
+
+@pytest.mark.parametrize("model", [None, "qwen2.5-coder-0.5b", "gemma-3-270m"])
+def test_kernels_dequantise_real_models_bit_for_bit_as_gguf_does(model: str | None) -> None:
+    """Where the kernels are loaded the loader dequantises with them: their values must be gguf's exactly
+    (every tensor of the default model; two of each type in the larger ones)."""
+    if load_cpu_kernels() is None:
+        pytest.skip("the C++ kernels did not build here")
+    path = resolve_model_path(None) if model is None else installed_model(model)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    checked: Counter[int] = Counter()
+    for info in read_gguf_header(path).tensors.values():
+        if info.ggml_type not in HELD_PARTS or (model is not None and checked[info.ggml_type] >= 2):
+            continue
+        rows = loader._tensor_rows(path, info, data)
+        ours = loader._dequantize_in_kernels(info.ggml_type, rows, info.shape[-1])
+        theirs = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(info.ggml_type))
+        assert ours is not None and ours.dtype == np.float32
+        assert np.array_equal(ours, theirs.reshape(ours.shape)), info.name
+        checked[info.ggml_type] += 1
+    assert len(checked) >= 2
 
 
 def test_default_weights_names_shapes_dtype(default_path: Path, default_load) -> None:
