@@ -269,14 +269,14 @@ async def send(client: httpx.AsyncClient, path: str, body: dict[str, Any], drop_
 
 
 async def warm_up(url: str, args: argparse.Namespace) -> None:
-    """One request of each kind, then --concurrency prompts at the context limit at once: the largest
+    """One request of each kind (together), then --concurrency prompts at the context limit at once: the largest
     shapes the run will see, so that what memory they take is counted before the baseline."""
     rng = random.Random(args.seed - 1)
     sessions = [[{"role": "system", "content": SYSTEM}]]
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        for kind in KINDS:
-            path, body, _ = make_request(kind, rng, sessions)
-            await send(client, path, body, None, Outcome(kind, path, body))
+        firsts = [(kind, *make_request(kind, rng, sessions)[:2]) for kind in KINDS]
+        await asyncio.gather(*(send(client, path, body, None, Outcome(kind, path, body))
+                               for kind, path, body in firsts))
         longs = [make_request("long", rng, sessions) for _ in range(args.concurrency)]
         await asyncio.gather(*(send(client, path, body, None, Outcome("long", path, body)) for path, body, _ in longs))
 

@@ -55,7 +55,7 @@ def test_multi_turn_conversation_matches_with_cache_off() -> None:
         replies, cached = [], []
         for question in questions:
             messages.append({"role": "user", "content": question})
-            output = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=24))[0]
+            output = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12))[0]
             replies.append(output.outputs[0].token_ids)
             cached.append(output.num_cached_tokens)
             messages.append({"role": "assistant", "content": output.outputs[0].text})

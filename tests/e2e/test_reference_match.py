@@ -69,15 +69,20 @@ def test_prefix_cache_on_matches_transformers(prompt_ids, reference) -> None:
     assert llm.engine.kv_manager.stats.hits > 0
 
 
-def test_torch_reference_paths_match_transformers(prompt_ids, reference) -> None:
-    """The oracle itself: the same run with the C++ kernels off (torch attention and matmuls only)."""
-    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              cpu_kernels=False)
-    assert generate_ids(llm, prompt_ids) == reference
-
-
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}  # drafts every step: the timings-driven lengths could choose none
+
+
+def test_torch_reference_paths_match_transformers(prompt_ids, reference) -> None:
+    """The oracle itself: the same run with the C++ kernels off (torch attention and matmuls only), its
+    decode steps verifying n-gram drafts where a prompt offers them and plain rows where it does not."""
+    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=2048, enable_prefix_caching=False,
+              cpu_kernels=False, speculative_config=NGRAM)
+    assert generate_ids(llm, prompt_ids) == reference
+    stats = llm.engine.stats()
+    # Each decode row gives one token beyond its accepted drafts; a request's first token is its prefill's.
+    decode_rows = stats.num_generated_tokens - stats.num_accepted_draft_tokens - len(prompt_ids)
+    assert stats.num_accepted_draft_tokens > 0 and 0 < stats.num_draft_steps < decode_rows
 
 
 def test_speculative_decoding_matches_transformers(prompt_ids, reference) -> None:

@@ -43,7 +43,7 @@ def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypa
     texts = [o.outputs[0].text for o in plain.generate(PROMPTS, greedy)]
     # Every word of the greedy outputs as a stop string: some end inside a step's accepted drafts.
     cases = [(prompt, word) for prompt, text in zip(PROMPTS, texts, strict=True)
-             for word in dict.fromkeys(text.split()[2:8])]
+             for word in dict.fromkeys(text.split()[2:6])]
     prompts = [prompt for prompt, _ in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[word]) for _, word in cases]
     truncations = []  # per cut at a stop string: whether the scheduler had decided an end (length) already
@@ -80,13 +80,3 @@ def test_no_drafts_at_or_above_disable_by_batch_size() -> None:
     assert llm.engine.stats().num_draft_tokens == 0
     llm.generate(PROMPTS[1:], params)  # two
     assert llm.engine.stats().num_accepted_draft_tokens > 0
-
-
-def test_torch_reference_paths_verify_drafts_too(engines) -> None:
-    """Draft rows through the torch attention and matmuls (the oracle backend), not the C++ kernels."""
-    plain, _ = engines
-    oracle = LLM(dtype="float32", num_kv_blocks=256, cpu_kernels=False, speculative_config=NGRAM)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
-    assert [o.outputs[0].token_ids for o in oracle.generate(PROMPTS, params)] == expected
-    assert oracle.engine.stats().num_accepted_draft_tokens > 0
