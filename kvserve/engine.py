@@ -104,6 +104,7 @@ class EngineStats:
     grammar: GrammarStats = field(default_factory=GrammarStats)  # structured output: compiles and cache
     num_constrained_tokens: int = 0  # tokens sampled under a grammar's mask, and the time the masks took
     grammar_mask_time_s: float = 0.0
+    num_prefilling: int = 0  # of the running requests, those with prompt tokens still to compute
 
 
 class Engine:
@@ -295,6 +296,7 @@ class Engine:
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            num_prefilling=self.scheduler.num_prefilling,
             num_kv_blocks=kv.num_blocks,
             num_used_blocks=kv.pool.num_used,
             num_cached_blocks=kv.num_cached_blocks,

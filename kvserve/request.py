@@ -251,6 +251,9 @@ class RequestMetrics:
     # When each step that produced output tokens ended (for ITL): one entry per step, so the accepted
     # speculative drafts of a step arrive together, as a client sees them in one streamed chunk.
     token_times: list[float] = field(default_factory=list)
+    # When each prefill chunk's step ended, with the chunk's tokens, and when each preemption happened.
+    prefill_chunk_ends: list[tuple[float, int]] = field(default_factory=list)
+    preemption_times: list[float] = field(default_factory=list)
 
 
 class Request:

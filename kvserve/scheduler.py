@@ -64,6 +64,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_prefilling(self) -> int:
+        """Running requests with prompt tokens still to compute."""
+        return sum(r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -236,6 +241,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
+        request.metrics.preemption_times.append(self.clock())
         self.num_preemptions += 1
         request.draft_token_ids = []
         self.waiting.appendleft(request)
@@ -261,6 +267,7 @@ class Scheduler:
             prompt_left = request.num_prompt_tokens - request.num_computed_tokens
             if prompt_left > 0:
                 metrics.num_prefill_chunks += 1
+                metrics.prefill_chunk_ends.append((now, num_new))
                 metrics.num_prefill_tokens_computed += num_new
                 self.num_prompt_tokens_computed += min(num_new, prompt_left)
             request.num_computed_tokens += num_new

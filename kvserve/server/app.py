@@ -32,7 +32,9 @@ from kvserve.errors import (
 )
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
+from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
+from kvserve.server.live_stats import RecentRequests, stats_snapshot
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
@@ -61,6 +63,7 @@ class AppState:
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
         self.responses = ResponseBuilder(tokenizer, self.metrics)
         self.runs: set[RequestRun] = set()
+        self.recent = RecentRequests()  # what the dashboard lists and draws
         self.draining = False
         self.created = int(time.time())
         self._tool_format: ToolCallFormat | None = None
@@ -130,7 +133,7 @@ class AppState:
             for i, (ids, text) in enumerate(prompts)
             for j, child_params in enumerate(expand_n(params))
         ]
-        run = RequestRun(self.engine, self.metrics, self.runs, children, received_at)
+        run = RequestRun(self.engine, self.metrics, self.runs, children, received_at, self.recent.record)
         try:
             await until_disconnected(http, run.start())
         except ClientGone:
@@ -256,6 +259,13 @@ def build_app(
         if not tokenizer_json:
             tokenizer_json.append(json.dumps(tokenizer.describe()).encode())
         return Response(tokenizer_json[0], media_type="application/json")
+
+    started_at = time.time()
+    add_dashboard_routes(
+        app,
+        lambda: stats_snapshot(async_engine.stats(), async_engine.is_alive, state.recent, state.model_name,
+                               started_at),
+        state.recent.trip)
 
     @app.get("/health")
     async def health() -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +48,11 @@ class RequestRun:
     """
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, registry: set[RequestRun],
-                 children: list[EngineRequest], received_at: float) -> None:
+                 children: list[EngineRequest], received_at: float,
+                 on_finished: Callable[[EngineRequest, float, str], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.on_finished = on_finished  # (child, received_at, finish reason): the live stats' record
         self.registry = registry  # the server's in-flight runs: a run is in it from start() to close()
         self.children = children
         self.received_at = received_at
@@ -140,6 +142,8 @@ class RequestRun:
             child.finished = True
             completion = output.outputs[0]
             metrics.observe_finished(completion.finish_reason or "stop", len(completion.token_ids), output.metrics)
+            if self.on_finished is not None:
+                self.on_finished(child, self.received_at, completion.finish_reason or "stop")
 
     def abort(self) -> None:
         """Ask the engine to end every unfinished request; each stream then ends with finish_reason abort."""
@@ -158,6 +162,8 @@ class RequestRun:
                 child.finished = True
                 num_tokens = len(child.last.outputs[0].token_ids) if child.last is not None else 0
                 self.metrics.observe_finished("abort", num_tokens, None)
+                if self.on_finished is not None:
+                    self.on_finished(child, self.received_at, "abort")
         self.registry.discard(self)
 
     # --- what the response reports ----------------------------------------------------------------------
