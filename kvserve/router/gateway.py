@@ -38,10 +38,12 @@ from kvserve.errors import (
     RequestTooLarge,
 )
 from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
+from kvserve.router.live_stats import find_trip, gateway_snapshot
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Decision, RouteRequest, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica, ReplicaPool
+from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.protocol import error_body
 
@@ -69,14 +71,14 @@ class Gateway:
         timeout = httpx.Timeout(config.request_timeout_s, connect=min(10.0, config.request_timeout_s))
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
                                                                              max_keepalive_connections=256))
-        self._replica_headers = {"authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
-        self.pool = ReplicaPool(config.replicas, self.client, config.health_interval_s, self._replica_headers)
+        self.replica_headers = {"authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
+        self.pool = ReplicaPool(config.replicas, self.client, config.health_interval_s, self.replica_headers)
         self.kv_events: KVEventFollower | None = None
         if config.policy == "kv_events":
-            self.kv_events = KVEventFollower(self.client, self._replica_headers, KVBlockIndex(),
+            self.kv_events = KVEventFollower(self.client, self.replica_headers, KVBlockIndex(),
                                              lambda: self.pool.replicas, config.kv_events_interval_s)
         self.policy = make_policy(config, self.kv_events.index if self.kv_events else None)
-        self.prompts = PromptTokens(self.client, self._replica_headers)
+        self.prompts = PromptTokens(self.client, self.replica_headers)
         self.metrics = RouterMetrics(lambda: self.pool.replicas)
         self.pool.on_change.append(self.policy.forget)
 
@@ -353,6 +355,17 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         content, content_type = gateway.metrics.render()
         return Response(content, media_type=content_type)
 
+    started_at = time.time()
+
+    async def live_stats() -> dict[str, Any]:
+        m = gateway.metrics
+        return await gateway_snapshot(gateway.client, gateway.pool.replicas, gateway.replica_headers,
+                                      gateway.policy.name, started_at, m.decisions, m.requests, m.retries)
+
+    async def trip(request_id: str) -> dict[str, Any] | None:
+        return await find_trip(gateway.client, gateway.pool.replicas, gateway.replica_headers, request_id)
+
+    add_dashboard_routes(app, live_stats, trip)
     return app
 
 

@@ -261,11 +261,14 @@ def build_app(
         return Response(tokenizer_json[0], media_type="application/json")
 
     started_at = time.time()
-    add_dashboard_routes(
-        app,
-        lambda: stats_snapshot(async_engine.stats(), async_engine.is_alive, state.recent, state.model_name,
-                               started_at),
-        state.recent.trip)
+
+    async def live_stats() -> dict[str, Any]:
+        return stats_snapshot(async_engine.stats(), async_engine.is_alive, state.recent, state.model_name, started_at)
+
+    async def trip(request_id: str) -> dict[str, Any] | None:
+        return state.recent.trip(request_id)
+
+    add_dashboard_routes(app, live_stats, trip)
 
     @app.get("/health")
     async def health() -> Response:

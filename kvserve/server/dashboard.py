@@ -7,7 +7,7 @@ once, at start-up, from the package; only those names are served.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,10 @@ ASSETS = {
 }
 
 
-def add_dashboard_routes(app: FastAPI, snapshot: Callable[[], dict[str, Any]],
-                         trip: Callable[[str], dict[str, Any] | None]) -> None:
-    """``snapshot()`` is the body of /kvserve/stats; ``trip(id)`` a recent request's trip or None."""
+def add_dashboard_routes(app: FastAPI, snapshot: Callable[[], Awaitable[dict[str, Any]]],
+                         trip: Callable[[str], Awaitable[dict[str, Any] | None]]) -> None:
+    """``await snapshot()`` is the body of /kvserve/stats (a server's or a gateway's); ``await trip(id)``
+    a recent request's trip, or None."""
     page = (STATIC / "dashboard.html").read_bytes()
     assets = {name: ((STATIC / name).read_bytes(), media_type) for name, media_type in ASSETS.items()}
 
@@ -44,13 +45,13 @@ def add_dashboard_routes(app: FastAPI, snapshot: Callable[[], dict[str, Any]],
 
     @app.get("/kvserve/stats")
     async def stats() -> Response:
-        """The engine and server as the dashboard draws them (see docs/dashboard.md)."""
-        return JSONResponse(snapshot(), headers={"Cache-Control": "no-store"})
+        """The engine and server (or the gateway and its replicas) as the dashboard draws them."""
+        return JSONResponse(await snapshot(), headers={"Cache-Control": "no-store"})
 
     @app.get("/kvserve/stats/requests/{request_id}")
     async def request_trip(request_id: str) -> Response:
         """One recent request's trip through the pipeline: stages, prefill chunks, decode steps, preemptions."""
-        found = trip(request_id)
+        found = await trip(request_id)
         if found is None:
             return JSONResponse(p.error_body(f"no recent request '{request_id}' (only the last ones are kept)",
                                              "not_found_error"), status_code=404)

@@ -127,3 +127,36 @@ def test_dashboard_follows_traffic_draws_a_trip_and_survives_a_restart(browser, 
         server.stop()
         if restarted is not None:
             restarted.stop()
+
+
+def test_gateway_dashboard_shows_each_replica_and_its_routing(browser, tmp_path: Path) -> None:
+    args = [*ENGINE_ARGS, "--served-model-name", "smol", "--num-threads", "1"]
+    replicas = [ServerProcess(args, tmp_path / f"replica{i}.log") for i in range(2)]
+    router = ServerProcess(["--policy", "round_robin", "--health-interval", "0.5",
+                            *(a for r in replicas for a in ("--replica", r.base_url))],
+                           tmp_path / "router.log", command="route")
+    try:
+        for server in (*replicas, router):
+            server.wait_ready()
+        page = browser.new_page(viewport={"width": 1280, "height": 1500})
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"{router.base_url}/dashboard")
+        page.wait_for_selector("#gateway:not([hidden]) #replicas tr[data-replica=all]", timeout=10_000)
+        agent_turns(router.base_url, sessions=2, turns=2)
+        page.wait_for_function("() => document.querySelector('#decisions tbody tr') !== null", timeout=10_000)
+        page.wait_for_function(
+            "() => parseInt(document.querySelector('#replicas tr[data-replica=all]').cells[3].textContent) === 4",
+            timeout=10_000)
+        assert page.locator("#replicas tbody tr").count() == 3
+        assert replicas[0].base_url in page.inner_text("#model")
+        page.locator(f"#replicas tr[data-replica='{replicas[1].base_url}']").click()
+        page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{replicas[1].base_url}')",
+                               timeout=5_000)
+        page.locator("#recent tbody tr").first.click()
+        page.wait_for_selector("#timeline g.stage[data-stage=prefill] rect", timeout=10_000)
+        assert replicas[1].base_url in page.inner_text("#timeline h2")
+        assert errors == [], errors
+    finally:
+        for server in (router, *replicas):
+            server.stop()

@@ -75,6 +75,18 @@ def test_streams_through_the_router_are_the_replicas_own_and_a_killed_replica_lo
                                                      stream=True)) for _ in range(2)]  # one on each replica
     assert routed == [direct, direct]
 
+    # What the gateway's dashboard polls: each replica's own stats and the routing counters; and a routed
+    # request's trip, found on the replica that served it.
+    reply = gateway.chat.completions.create(model="smol", messages=messages, max_tokens=2, temperature=0)
+    stats = httpx.get(f"{router.base_url}/kvserve/stats", timeout=10).json()
+    assert stats["gateway"] is True and stats["policy"] == "round_robin"
+    assert [r["url"] for r in stats["replicas"]] == [a.base_url, b.base_url]
+    assert sum(r["stats"]["requests"]["finished"] for r in stats["replicas"]) == 4  # `direct` went to a
+    assert stats["routing"]["decisions"] and sum(stats["routing"]["decisions"].values()) == 3
+    trip = httpx.get(f"{router.base_url}/kvserve/stats/requests/{reply.id}", timeout=10).json()
+    assert trip["id"] == f"{reply.id}-0" and trip["replica"] in (a.base_url, b.base_url)
+    assert httpx.get(f"{router.base_url}/dashboard", timeout=10).status_code == 200
+
     # Two long streams, one per replica, both past their first chunk.
     outcomes: dict[str, object] = {}
 

@@ -31,6 +31,13 @@ const charts = {
   hits: makeChart("chart-hits", [["prompt tokens cached %", "#2c9a52"], ["prefix blocks hit %", "#3b6fd8"], ["drafts accepted %", "#8a4fd0"]]),
 };
 
+function clearCharts() {
+  for (const chart of Object.values(charts)) {
+    chart.data.forEach((column) => column.splice(0));
+    chart.plot.setData(chart.data);
+  }
+}
+
 function push(chart, t, values) {
   chart.data[0].push(t);
   values.forEach((v, i) => chart.data[i + 1].push(v === undefined ? null : v));
@@ -144,6 +151,61 @@ function renderRecent(recent) {
   }
 }
 
+// --- a gateway: its replicas and routing, then one replica's panels -----------------------------------
+let selectedReplica = null;
+const previousByReplica = {};
+
+function renderGateway(g) {
+  $("gateway").hidden = false;
+  $("policy").textContent = `policy: ${g.policy}`;
+  const body = $("replicas").tBodies[0];
+  body.innerHTML = "";
+  const sum = { finished: 0, cached: 0, prompt: 0 };
+  for (const r of g.replicas) {
+    const s = r.stats;
+    if (s) {
+      sum.finished += s.requests.finished;
+      sum.cached += s.requests.cached_prompt_tokens;
+      sum.prompt += s.requests.prompt_tokens;
+    }
+    const hit = s ? pct(s.requests.cached_prompt_tokens, s.requests.prompt_tokens) : null;
+    const tr = body.insertRow();
+    tr.dataset.replica = r.url;
+    if (r.url === selectedReplica) tr.classList.add("selected");
+    for (const text of [r.url, r.healthy ? "healthy" : `out: ${r.last_error}`, fmt(r.in_flight),
+      s ? fmt(s.requests.finished) : "–", hit === null ? "–" : `${fmt(hit, 1)}%`,
+      s ? `${fmt(s.kv.device.used)} / ${fmt(s.kv.device.total)}` : "–", s ? fmt(s.latency.ttft_ms.p50, 1) : "–",
+      fmt(Object.entries(g.routing.requests).filter(([k]) => k === r.url).reduce((a, [, v]) => a + v, 0))]) {
+      tr.insertCell().textContent = text;
+    }
+    tr.addEventListener("click", () => { selectedReplica = r.url; clearCharts(); });
+  }
+  const all = body.insertRow();
+  all.dataset.replica = "all";
+  const hit = pct(sum.cached, sum.prompt);
+  for (const text of ["all replicas", "", "", fmt(sum.finished), hit === null ? "–" : `${fmt(hit, 1)}%`, "", "", ""]) {
+    all.insertCell().textContent = text;
+  }
+  const decisions = $("decisions").tBodies[0];
+  decisions.innerHTML = "";
+  for (const [reason, count] of Object.entries(g.routing.decisions)) {
+    const tr = decisions.insertRow();
+    tr.insertCell().textContent = reason;
+    tr.insertCell().textContent = fmt(count);
+  }
+  const chosen = g.replicas.find((r) => r.url === selectedReplica && r.stats) || g.replicas.find((r) => r.stats);
+  if (!chosen) {
+    setStatus("unreachable", "no replica answers");
+    return;
+  }
+  if (chosen.url !== selectedReplica) clearCharts();
+  selectedReplica = chosen.url;
+  previous = previousByReplica[chosen.url] || null;
+  render(chosen.stats);
+  previousByReplica[chosen.url] = chosen.stats;
+  $("model").textContent = `${chosen.stats.model} · gateway (${g.policy}) · ${chosen.url}`;
+}
+
 // --- one request's trip -------------------------------------------------------------------------------
 function stagesOf(trip) {
   // The stages kvserve trace prints, on the server's clock from the moment the HTTP request arrived.
@@ -212,7 +274,7 @@ function drawTrip(trip) {
   const box = $("timeline");
   box.innerHTML = "";
   const title = document.createElement("h2");
-  title.textContent = `trip of ${trip.id}`;
+  title.textContent = `trip of ${trip.id}` + (trip.replica ? ` on ${trip.replica}` : "");
   box.append(title, root);
 }
 
@@ -248,9 +310,11 @@ async function poll() {
   try {
     const response = await fetch("kvserve/stats", { cache: "no-store" });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
-    render(await response.json());
+    const snapshot = await response.json();
+    if (snapshot.gateway) renderGateway(snapshot); else render(snapshot);
   } catch (error) {
     setStatus("unreachable", "server unreachable: retrying");
+    for (const url of Object.keys(previousByReplica)) delete previousByReplica[url];
     previous = null; // rates restart from the next snapshot (counters reset if the server restarted)
   } finally {
     setTimeout(poll, POLL_MS);
