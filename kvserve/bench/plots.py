@@ -2,6 +2,11 @@
 
 - ``latency_cdfs.png``: CDFs of TTFT, TPOT, ITL and end-to-end latency, one line per run.
 - ``sweep.png`` (two or more runs): output and total throughput, and p50/p99 TTFT, against load.
+- ``hit_rate_per_turn.png`` (multi-turn workloads, servers that report cached tokens): the share of each
+  turn's prompt tokens the server found cached, one line per run.
+
+``kvserve bench --compare NAME=FILE ...`` draws the same plots for several servers side by side from their
+saved results (``compare_*.png``): a line per server (and per load, for sweeps).
 """
 
 from __future__ import annotations
@@ -89,10 +94,86 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def hit_rate_per_turn(result: dict[str, Any]) -> dict[int, float]:
+    """Turn -> cached prompt tokens / prompt tokens over the successful requests of that turn that report
+    both (percent)."""
+    cached: dict[int, int] = {}
+    prompt: dict[int, int] = {}
+    for r in result["requests"]:
+        if r["success"] and r.get("prompt_tokens") and r.get("cached_tokens") is not None:
+            cached[r["turn"]] = cached.get(r["turn"], 0) + r["cached_tokens"]
+            prompt[r["turn"]] = prompt.get(r["turn"], 0) + r["prompt_tokens"]
+    return {turn: 100 * cached[turn] / prompt[turn] for turn in sorted(prompt)}
+
+
+def plot_hit_rate_per_turn(labelled: Sequence[tuple[str, dict[str, Any]]], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, result in labelled:
+        rates = hit_rate_per_turn(result)
+        ax.plot([t + 1 for t in rates], list(rates.values()), "o-", label=label)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("prompt tokens found cached (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Prefix-cache hit rate per turn")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _has_turns(results: Sequence[dict[str, Any]]) -> bool:
+    return any(len(hit_rate_per_turn(r)) > 1 for r in results)
+
+
 def write_plots(results: Sequence[dict[str, Any]], plot_dir: Path) -> list[Path]:
     plot_dir.mkdir(parents=True, exist_ok=True)
     paths = [plot_latency_cdfs(results, plot_dir / "latency_cdfs.png")]
     if len(results) > 1:
         paths.append(plot_sweep(results, plot_dir / "sweep.png"))
+    if _has_turns(results):
+        paths.append(plot_hit_rate_per_turn([(r["load"]["label"], r) for r in results],
+                                            plot_dir / "hit_rate_per_turn.png"))
+    logger.info("wrote %s", ", ".join(str(p) for p in paths))
+    return paths
+
+
+def plot_compare_sweep(servers: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: Path) -> Path:
+    """Output throughput and p50 TTFT against load, a line per server."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    kinds = {r["load"]["kind"] for _, results in servers for r in results}
+    xlabel = "concurrency" if kinds == {"concurrency"} else "load (concurrency or req/s)"
+    for name, results in servers:
+        ordered = sorted(results, key=lambda r: r["load"]["value"])
+        loads = [r["load"]["value"] for r in ordered]
+        left.plot(loads, [r["summary"]["output_throughput"] for r in ordered], "o-", label=name)
+        right.plot(loads, [r["summary"]["ttft_ms"]["p50"] or np.nan for r in ordered], "o-", label=name)
+    for ax, title, ylabel in ((left, "Output throughput", "tokens/s"), (right, "p50 time to first token", "ms")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_comparison_plots(servers: Sequence[tuple[str, Sequence[dict[str, Any]]]], plot_dir: Path) -> list[Path]:
+    """``servers``: (name, its results: one run or a sweep), each loaded from a ``kvserve bench --output``."""
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    multi_load = any(len(results) > 1 for _, results in servers)
+    labelled = [(f"{name} {r['load']['label']}" if multi_load else name, r)
+                for name, results in servers for r in results]
+    runs = [{**r, "load": {**r["load"], "label": label}} for label, r in labelled]
+    paths = [plot_latency_cdfs(runs, plot_dir / "compare_latency_cdfs.png")]
+    if multi_load:
+        paths.append(plot_compare_sweep(servers, plot_dir / "compare_sweep.png"))
+    if _has_turns(runs):
+        paths.append(plot_hit_rate_per_turn(labelled, plot_dir / "compare_hit_rate_per_turn.png"))
     logger.info("wrote %s", ", ".join(str(p) for p in paths))
     return paths

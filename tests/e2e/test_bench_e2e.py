@@ -20,7 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
+from kvserve.bench.commands import run_compare_plots
+from kvserve.bench.plots import hit_rate_per_turn
 from kvserve.cli import main
+from kvserve.errors import InvalidRequest
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -137,6 +140,20 @@ def test_bench_agentic_hits_the_prefix_cache(base_url: str, tmp_path: Path) -> N
     check_against_records(result)
     assert result["summary"]["cache_hit_rate"] > 0.8
     assert (tmp_path / "plots" / "latency_cdfs.png").stat().st_size > 10_000
+    assert (tmp_path / "plots" / "hit_rate_per_turn.png").stat().st_size > 10_000
+    rates = hit_rate_per_turn(result)
+    assert sorted(rates) == [0, 1, 2, 3] and rates[0] < min(rates[1], rates[2], rates[3])
+
+    # Several servers side by side from saved results (here the same server twice, under two names).
+    out = tmp_path / "agentic.json"
+    assert main(["bench", "--compare", f"kvserve={out}", f"again={out}", "--plot-dir", str(tmp_path / "cmp")]) == 0
+    for name in ("compare_latency_cdfs.png", "compare_hit_rate_per_turn.png"):
+        assert (tmp_path / "cmp" / name).stat().st_size > 10_000
+    with pytest.raises(InvalidRequest, match="NAME=FILE"):
+        run_compare_plots([str(out)], str(tmp_path / "cmp"))
+    with pytest.raises(InvalidRequest, match="not a `kvserve bench --output` file"):
+        (tmp_path / "other.json").write_text('{"a": 1}')
+        run_compare_plots([f"x={tmp_path / 'other.json'}"], str(tmp_path / "cmp"))
 
 
 def test_bench_chat_hardly_hits(base_url: str, tmp_path: Path) -> None:
