@@ -17,7 +17,8 @@ function makeChart(id, series) {
   const opts = {
     width: Math.max(320, el.clientWidth || 430), height: 170,
     scales: { x: { time: true } },
-    series: [{}, ...series.map(([label, stroke]) => ({ label, stroke, width: 1.5, spanGaps: true }))],
+    series: [{}, ...series.map(([label, stroke]) => ({ label, stroke, width: 1.5, spanGaps: true, points: { show: false } }))],
+    cursor: { show: false },
     axes: [{}, { size: 50 }],
     legend: { live: false },
   };
@@ -116,7 +117,17 @@ function render(s) {
   previous = s;
 }
 
+// Tables are rebuilt only when what they show changed: an open page should cost its browser little.
+const shown = {};
+function changed(key, value) {
+  const text = JSON.stringify(value);
+  if (shown[key] === text) return false;
+  shown[key] = text;
+  return true;
+}
+
 function renderTiers(kv) {
+  if (!changed("tiers", [kv.tiers, kv.cached_tokens_by_tier])) return;
   const body = $("tiers").tBodies[0];
   const rows = [["device", null, null, null, kv.cached_tokens_by_tier.device || 0, "ok"]];
   for (const [name, tier] of Object.entries(kv.tiers)) {
@@ -137,6 +148,7 @@ function renderTiers(kv) {
 let selected = null;
 
 function renderRecent(recent) {
+  if (!changed("recent", [recent, selected])) return;
   const body = $("recent").tBodies[0];
   body.innerHTML = "";
   for (const r of recent) {
