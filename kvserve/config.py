@@ -333,6 +333,9 @@ class ServerConfig:
     shutdown_grace_period_s: float = setting(5.0, "seconds in-flight requests get to finish after SIGTERM "
                                                   "before they are aborted", flag="--shutdown-grace-period")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
+    hardware: str | None = setting(None, "the peaks the dashboard's MFU and MBU divide by: h100-sxm, h200, h800, "
+                                         "a100-80gb, or 'measure' (this machine, measured for a second at "
+                                         "start-up); without it the dashboard shows FLOP/s and bytes/s only")
 
 
 RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_events", "ttft"]

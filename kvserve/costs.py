@@ -128,6 +128,15 @@ def request_flops(shape: ArchConfig, prompt_tokens: int, cached_tokens: int,
     return prefill, decode
 
 
+def request_kv_bytes(shape: ArchConfig, prompt_tokens: int, cached_tokens: int, output_tokens: int,
+                     kv_bytes: float = 2) -> tuple[float, float]:
+    """(prefill KV bytes, decode KV bytes) of one whole request: prefill reads the cached prefix and writes
+    the new KV (the prompt's once in all); each decode token reads its context's KV."""
+    per_token = shape.kv_bytes_per_token(kv_bytes)
+    k = max(output_tokens - 1, 0)
+    return prompt_tokens * per_token, (k * (prompt_tokens + 1) + k * (k + 1) / 2) * per_token
+
+
 # --------------------------------------------------------------------------------------------------
 # Hardware
 # --------------------------------------------------------------------------------------------------

@@ -43,7 +43,6 @@ def run_compute(shape: ArchConfig, records: Iterable[RequestRecord], delta: dict
     prefill_flops = decode_flops = 0.0
     prefill_bytes = decode_kv_bytes = 0.0
     computed_prompt = generated = counted = 0
-    kv_per_token = shape.kv_bytes_per_token(kv_bytes)
     for r in records:
         if not r.success or r.prompt_tokens is None:
             continue
@@ -52,9 +51,9 @@ def run_compute(shape: ArchConfig, records: Iterable[RequestRecord], delta: dict
         pf, df = costs.request_flops(shape, p, c, o)
         prefill_flops += pf
         decode_flops += df
-        prefill_bytes += p * kv_per_token  # read the cached c, write the new p − c
-        k = max(o - 1, 0)
-        decode_kv_bytes += (k * (p + 1) + k * (k + 1) / 2) * kv_per_token  # Σ context over decode tokens
+        pb, db = costs.request_kv_bytes(shape, p, c, o, kv_bytes)
+        prefill_bytes += pb
+        decode_kv_bytes += db
         computed_prompt += p - c
         generated += o
 

@@ -34,7 +34,7 @@ from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
-from kvserve.server.live_stats import RecentRequests, stats_snapshot
+from kvserve.server.live_stats import ComputeModel, RecentRequests, stats_snapshot
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
@@ -53,7 +53,7 @@ class AppState:
     """One server's engine, model identity, in-flight requests and drain flag."""
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer: Tokenizer, model_name: str,
-                 max_model_len: int | None, model_root: str | None) -> None:
+                 max_model_len: int | None, model_root: str | None, compute: ComputeModel | None = None) -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
@@ -63,7 +63,7 @@ class AppState:
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
         self.responses = ResponseBuilder(tokenizer, self.metrics)
         self.runs: set[RequestRun] = set()
-        self.recent = RecentRequests()  # what the dashboard lists and draws
+        self.recent = RecentRequests(compute=compute)  # what the dashboard lists and draws
         self.draining = False
         self.created = int(time.time())
         self._tool_format: ToolCallFormat | None = None
@@ -173,10 +173,12 @@ def build_app(
     model_name: str | None = None,
     max_model_len: int | None = None,
     model_root: str | None = None,
+    compute: ComputeModel | None = None,
 ) -> FastAPI:
-    """A FastAPI app over a running AsyncEngine. The caller owns the engine (and shuts it down)."""
+    """A FastAPI app over a running AsyncEngine. The caller owns the engine (and shuts it down).
+    ``compute``: the cost model the dashboard's FLOP/s, bytes/s, MFU and MBU come from."""
     name = model_name or config.served_model_name or "kvserve"
-    state = AppState(async_engine, config, tokenizer, name, max_model_len, model_root)
+    state = AppState(async_engine, config, tokenizer, name, max_model_len, model_root, compute)
     app = FastAPI(title="kvserve", version="0.1.0")
     app.state.kvserve = state
     app.add_middleware(GateMiddleware, config=config, metrics=state.metrics, draining=lambda: state.draining)

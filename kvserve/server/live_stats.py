@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvserve.engine import EngineStats
+from kvserve import costs
+from kvserve.arch import ArchConfig
+from kvserve.engine import Engine, EngineStats
 from kvserve.server.request_run import EngineRequest, request_timings
 
 
@@ -92,17 +94,55 @@ def percentiles(values: Sequence[float], scale: float = 1e3) -> dict[str, float 
     return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99)}
 
 
-class RecentRequests:
-    """The last ``capacity`` finished engine requests, and totals over every one since start-up."""
+@dataclass(frozen=True, slots=True)
+class ComputeModel:
+    """What the cost model (kvserve.costs) needs to turn requests into FLOPs and bytes, as ``kvserve bench``
+    does: the model's shape, the bytes its weights take as held (read once per engine step), the bytes of
+    one KV element, and the peaks of the hardware when the operator named it (``--hardware``)."""
 
-    def __init__(self, capacity: int = 256, window_s: float = 60.0,
+    shape: ArchConfig
+    weight_bytes: int
+    kv_element_bytes: int
+    hardware: costs.Hardware | None = None
+
+    def request(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> tuple[float, float]:
+        """(FLOPs, KV bytes) of one whole request."""
+        prefill, decode = costs.request_flops(self.shape, prompt_tokens, cached_tokens, output_tokens)
+        read, written = costs.request_kv_bytes(self.shape, prompt_tokens, cached_tokens, output_tokens,
+                                               self.kv_element_bytes)
+        return prefill + decode, read + written
+
+    def describe(self) -> dict[str, Any]:
+        hw = self.hardware
+        return {"weight_bytes_per_step": self.weight_bytes, "hardware": hw.name if hw else None,
+                "peak_flops": hw.peak_flops() if hw else None, "peak_bandwidth": hw.memory_bandwidth if hw else None}
+
+
+def compute_model(engine: Engine, hardware: str | None) -> ComputeModel:
+    """The compute model of a loaded engine; ``hardware``: a known accelerator's name, or "measure" (this
+    machine's matmul and copy rates, measured now for a second)."""
+    peaks = None
+    if hardware == "measure":
+        peaks = costs.measure_peak(1.0)
+    elif hardware:
+        peaks = costs.get_hardware(hardware)
+    return ComputeModel(engine.arch, engine.model.weight_nbytes(), engine.dtype.itemsize, peaks)
+
+
+class RecentRequests:
+    """The last ``capacity`` finished engine requests, and totals over every one since start-up (with a
+    ``compute`` model, also their FLOPs and KV bytes)."""
+
+    def __init__(self, capacity: int = 256, window_s: float = 60.0, compute: ComputeModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
         self.window_s = window_s
+        self.compute = compute
         self.clock = clock
         self._by_id: OrderedDict[str, FinishedRequest] = OrderedDict()
-        self.totals = {"finished": 0, "aborted": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                       "output_tokens": 0}
+        self.totals: dict[str, float] = {"finished": 0, "aborted": 0, "prompt_tokens": 0,
+                                         "cached_prompt_tokens": 0, "output_tokens": 0, "flops": 0.0,
+                                         "kv_bytes": 0.0}
 
     def record(self, child: EngineRequest, received_at: float, finish_reason: str) -> None:
         """An engine request ended (``RequestRun`` calls this once per child that reached the engine)."""
@@ -114,6 +154,10 @@ class RecentRequests:
         t["prompt_tokens"] += done.prompt_tokens
         t["cached_prompt_tokens"] += done.cached_tokens
         t["output_tokens"] += done.output_tokens
+        if self.compute is not None:
+            flops, kv_bytes = self.compute.request(done.prompt_tokens, done.cached_tokens, done.output_tokens)
+            t["flops"] += flops
+            t["kv_bytes"] += kv_bytes
         self._by_id[done.request_id] = done
         while len(self._by_id) > self.capacity:
             self._by_id.popitem(last=False)
@@ -166,6 +210,7 @@ def stats_snapshot(stats: EngineStats, alive: bool, recent: RecentRequests, mode
         "speculative": {"method": s.spec_method, "draft_steps": s.num_draft_steps, "draft_tokens": s.num_draft_tokens,
                         "accepted_tokens": s.num_accepted_draft_tokens},
         "structured": {"constrained_tokens": s.num_constrained_tokens, "grammar": asdict(s.grammar)},
+        "compute": recent.compute.describe() if recent.compute else None,
         "latency": recent.latency(),
         "recent": recent.latest(num_recent),
     }

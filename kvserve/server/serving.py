@@ -21,6 +21,7 @@ from kvserve.async_engine import AsyncEngine
 from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine import Engine
 from kvserve.server.app import AppState, build_app
+from kvserve.server.live_stats import compute_model
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = Engine(engine_config)
     async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
     app = build_app(async_engine, server_config, engine.tokenizer, model_name=served_name(engine, server_config),
-                    max_model_len=engine.max_model_len, model_root=str(engine.model_path))
+                    max_model_len=engine.max_model_len, model_root=str(engine.model_path),
+                    compute=compute_model(engine, server_config.hardware))
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level=server_config.uvicorn_log_level,
                                lifespan="off", timeout_graceful_shutdown=2)
@@ -96,7 +98,8 @@ class BackgroundServer:
         self.async_engine = AsyncEngine(self.engine, max_waiting_requests=config.max_waiting_requests)
         app = build_app(self.async_engine, config, self.engine.tokenizer,
                         model_name=served_name(self.engine, config),
-                        max_model_len=self.engine.max_model_len, model_root=str(self.engine.model_path))
+                        max_model_len=self.engine.max_model_len, model_root=str(self.engine.model_path),
+                        compute=compute_model(self.engine, config.hardware))
         self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                      lifespan="off"))
         self._thread = threading.Thread(target=self._server.run, name="kvserve-http", daemon=True)

@@ -102,6 +102,8 @@ def test_dashboard_follows_traffic_draws_a_trip_and_survives_a_restart(browser, 
         assert number(page.inner_text("#hit-rate")) > 0  # the second turns found their history cached
         assert number(page.inner_text("#kv-cached")) > 0
         assert page.locator("#tiers tr[data-tier=device]").count() == 1
+        assert "GFLOP/s" in page.inner_text("#mfu") and "MFU and MBU with --hardware" in page.inner_text(
+            "#compute-detail")
 
         # A request's trip: every stage of `kvserve trace`, with its prefill chunks and decode steps.
         page.locator("#recent tbody tr").first.click()

@@ -23,6 +23,9 @@ def test_stats_count_a_request_and_keep_its_trip(base_url: str) -> None:
     assert after["kv"]["device"]["total"] == 256 and after["alive"] is True
     assert after["latency"]["requests"] >= 1 and after["latency"]["ttft_ms"]["p50"] > 0
     assert set(after["queue"]) == {"waiting", "running", "prefilling", "decoding"}
+    # The cost model's FLOPs and KV bytes of the finished requests; no peaks without --hardware.
+    assert after["requests"]["flops"] > before["requests"]["flops"] and after["requests"]["kv_bytes"] > 0
+    assert after["compute"]["weight_bytes_per_step"] > 50e6 and after["compute"]["peak_flops"] is None
 
     # The trip, by the response's id (its first choice's engine request).
     trip = httpx.get(f"{base_url}/kvserve/stats/requests/{reply.id}").json()
@@ -60,3 +63,27 @@ def test_percentiles_are_nearest_rank() -> None:
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
     assert percentiles([0.004, 0.001, 0.003, 0.002], scale=1e3) == {"p50": 2.0, "p90": 4.0, "p99": 4.0}
     assert percentiles([float(i) for i in range(1, 101)], scale=1) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+
+
+def test_compute_model_names_its_hardware_and_counts_like_the_cost_model() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from kvserve import costs
+    from kvserve.bench.model_presets import load_arch
+    from kvserve.errors import InvalidRequest
+    from kvserve.server.live_stats import compute_model
+
+    shape = load_arch("smollm2-135m")
+    engine = SimpleNamespace(arch=shape, model=SimpleNamespace(weight_nbytes=lambda: 1234), dtype=torch.bfloat16)
+    model = compute_model(engine, "h100")  # type: ignore[arg-type]
+    assert model.describe() == {"weight_bytes_per_step": 1234, "hardware": "H100 SXM", "peak_flops": 989e12,
+                                "peak_bandwidth": 3.35e12}
+    flops, kv = model.request(300, 100, 20)
+    assert flops == sum(costs.request_flops(shape, 300, 100, 20))
+    assert kv == sum(costs.request_kv_bytes(shape, 300, 100, 20, 2))
+    assert compute_model(engine, None).hardware is None  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="unknown hardware"):
+        compute_model(engine, "tpu-v9")  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ const charts = {
   batch: makeChart("chart-batch", [["prefill tokens", "#d8843b"], ["decode rows", "#3b6fd8"], ["draft tokens", "#8a4fd0"]]),
   latency: makeChart("chart-latency", [["TTFT p50", "#3b6fd8"], ["TTFT p99", "#9bb5ec"], ["TPOT p50", "#2c9a52"], ["ITL p99", "#d8843b"]]),
   tokens: makeChart("chart-tokens", [["prompt tok/s", "#d8843b"], ["output tok/s", "#3b6fd8"]]),
+  compute: makeChart("chart-compute", [["GFLOP/s", "#d8843b"], ["GB/s", "#3b6fd8"]]),
   hits: makeChart("chart-hits", [["prompt tokens cached %", "#2c9a52"], ["prefix blocks hit %", "#3b6fd8"], ["drafts accepted %", "#8a4fd0"]]),
 };
 
@@ -111,6 +112,7 @@ function render(s) {
       ratio(s, previous, (x) => x.speculative.accepted_tokens, (x) => x.speculative.draft_tokens),
     ]);
   }
+  renderCompute(s, previous);
   const l = s.latency;
   push(charts.latency, t, [l.ttft_ms.p50, l.ttft_ms.p99, l.tpot_ms.p50, l.itl_ms.p99]);
   renderRecent(s.recent);
@@ -124,6 +126,26 @@ function changed(key, value) {
   if (shown[key] === text) return false;
   shown[key] = text;
   return true;
+}
+
+// FLOPs and KV bytes come with each finished request (the cost model of `kvserve bench`); weights are read
+// once a step. Rates are over wall-clock time between two polls.
+function renderCompute(s, before) {
+  const c = s.compute;
+  if (!c || !before) return;
+  const dt = s.time - before.time;
+  if (dt <= 0) return;
+  const flops = (s.requests.flops - before.requests.flops) / dt;
+  const bytes = ((s.engine.steps - before.engine.steps) * c.weight_bytes_per_step
+    + s.requests.kv_bytes - before.requests.kv_bytes) / dt;
+  push(charts.compute, s.time, [flops / 1e9, bytes / 1e9]);
+  if (c.peak_flops && c.peak_bandwidth) {
+    $("mfu").textContent = `MFU ${fmt(100 * flops / c.peak_flops, 2)}%`;
+    $("compute-detail").textContent = `MBU ${fmt(100 * bytes / c.peak_bandwidth, 2)}% of ${c.hardware}`;
+  } else {
+    $("mfu").textContent = `${fmt(flops / 1e9, 1)} GFLOP/s`;
+    $("compute-detail").textContent = `${fmt(bytes / 1e9, 2)} GB/s; MFU and MBU with --hardware`;
+  }
 }
 
 function renderTiers(kv) {
