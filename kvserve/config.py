@@ -335,7 +335,9 @@ class ServerConfig:
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
     hardware: str | None = setting(None, "the peaks the dashboard's MFU and MBU divide by: h100-sxm, h200, h800, "
                                          "a100-80gb, or 'measure' (this machine, measured for a second at "
-                                         "start-up); without it the dashboard shows FLOP/s and bytes/s only")
+                                         "start-up: on a CPU, torch's float32 matmul, which bf16 and int8 "
+                                         "kernels can outrun); without it the dashboard shows FLOP/s and "
+                                         "bytes/s only")
 
 
 RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_events", "ttft"]

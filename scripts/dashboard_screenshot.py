@@ -1,5 +1,4 @@
-"""The README's dashboard screenshots: a `kvserve serve` with a host tier and this machine's measured peaks
-(for MFU and MBU), agentic load at concurrency 16
+"""The README's dashboard screenshots: a `kvserve serve` with a host tier, agentic load at concurrency 16
 from `kvserve bench`, and the page in headless Chromium (Debian's, through Playwright).
 
     python scripts/dashboard_screenshot.py [--out-dir docs/images] [--seconds 25]
@@ -50,7 +49,7 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-host-gb", "0.25",
-                               "--num-kv-blocks", "512", "--hardware", "measure",
+                               "--num-kv-blocks", "512",
                                "--uvicorn-log-level", "warning"])
     bench = None
     try:

@@ -11,15 +11,18 @@ const fmt = (v, digits = 0) => (v === null || v === undefined || Number.isNaN(v)
 const pct = (part, whole) => whole > 0 ? 100 * part / whole : null;
 
 // --- charts -------------------------------------------------------------------------------------------
+// series: [label, colour, scale?]; a second scale gets its own axis on the right.
 function makeChart(id, series) {
   const el = $(id);
   const data = [[], ...series.map(() => [])];
+  const scales = [...new Set(series.map(([, , scale]) => scale || "y"))];
   const opts = {
     width: Math.max(320, el.clientWidth || 430), height: 170,
     scales: { x: { time: true } },
-    series: [{}, ...series.map(([label, stroke]) => ({ label, stroke, width: 1.5, spanGaps: true, points: { show: false } }))],
+    series: [{}, ...series.map(([label, stroke, scale]) => ({ label, stroke, scale: scale || "y", width: 1.5,
+      spanGaps: true, points: { show: false } }))],
     cursor: { show: false },
-    axes: [{}, { size: 50 }],
+    axes: [{}, ...scales.map((scale, i) => ({ scale, size: 50, side: i === 0 ? 3 : 1, grid: { show: i === 0 } }))],
     legend: { live: false },
   };
   return { plot: new uPlot(opts, data, el), data };
@@ -29,7 +32,7 @@ const charts = {
   batch: makeChart("chart-batch", [["prefill tokens", "#d8843b"], ["decode rows", "#3b6fd8"], ["draft tokens", "#8a4fd0"]]),
   latency: makeChart("chart-latency", [["TTFT p50", "#3b6fd8"], ["TTFT p99", "#9bb5ec"], ["TPOT p50", "#2c9a52"], ["ITL p99", "#d8843b"]]),
   tokens: makeChart("chart-tokens", [["prompt tok/s", "#d8843b"], ["output tok/s", "#3b6fd8"]]),
-  compute: makeChart("chart-compute", [["GFLOP/s", "#d8843b"], ["GB/s", "#3b6fd8"]]),
+  compute: makeChart("chart-compute", [["GFLOP/s (left)", "#d8843b", "flops"], ["GB/s (right)", "#3b6fd8", "bytes"]]),
   hits: makeChart("chart-hits", [["prompt tokens cached %", "#2c9a52"], ["prefix blocks hit %", "#3b6fd8"], ["drafts accepted %", "#8a4fd0"]]),
 };
 
@@ -62,7 +65,18 @@ function ratio(now, before, part, whole) {
   return dw > 0 ? 100 * (part(now) - part(before)) / dw : null;
 }
 
-function render(s) {
+// Requests finish, and bring their FLOPs, in bursts: those rates are over the last WINDOW_S seconds of
+// snapshots (kept per source, so a gateway's replicas do not mix).
+const WINDOW_S = 10;
+const windows = {};
+function windowStart(s, key) {
+  const snaps = (windows[key] = windows[key] || []);
+  snaps.push(s);
+  while (snaps.length > 2 && s.time - snaps[1].time >= WINDOW_S) snaps.shift();
+  return snaps.length > 1 ? snaps[0] : null;
+}
+
+function render(s, key = "server") {
   $("model").textContent = s.model;
   $("uptime").textContent = `up ${fmt(s.uptime_s / 60, 1)} min`;
   setStatus(s.alive ? "live" : "dead", s.alive ? "live" : "engine stopped");
@@ -94,7 +108,8 @@ function render(s) {
   const outRate = rate(s, previous, (x) => x.engine.generated_tokens);
   $("prefill-rate").textContent = `${fmt(prefillRate)} prompt tok/s`;
   $("decode-rate").textContent = `${fmt(outRate)} output tok/s`;
-  $("finished-rate").textContent = `${fmt(rate(s, previous, (x) => x.requests.finished), 2)} req/s`;
+  const start = windowStart(s, key);
+  $("finished-rate").textContent = `${fmt(rate(s, start, (x) => x.requests.finished), 2)} req/s`;
 
   if (previous) {
     const steps = s.engine.steps - previous.engine.steps;
@@ -112,7 +127,7 @@ function render(s) {
       ratio(s, previous, (x) => x.speculative.accepted_tokens, (x) => x.speculative.draft_tokens),
     ]);
   }
-  renderCompute(s, previous);
+  renderCompute(s, start);
   const l = s.latency;
   push(charts.latency, t, [l.ttft_ms.p50, l.ttft_ms.p99, l.tpot_ms.p50, l.itl_ms.p99]);
   renderRecent(s.recent);
@@ -129,7 +144,7 @@ function changed(key, value) {
 }
 
 // FLOPs and KV bytes come with each finished request (the cost model of `kvserve bench`); weights are read
-// once a step. Rates are over wall-clock time between two polls.
+// once a step. Rates are over the wall-clock window since ``before``.
 function renderCompute(s, before) {
   const c = s.compute;
   if (!c || !before) return;
@@ -235,7 +250,7 @@ function renderGateway(g) {
   if (chosen.url !== selectedReplica) clearCharts();
   selectedReplica = chosen.url;
   previous = previousByReplica[chosen.url] || null;
-  render(chosen.stats);
+  render(chosen.stats, chosen.url);
   previousByReplica[chosen.url] = chosen.stats;
   $("model").textContent = `${chosen.stats.model} · gateway (${g.policy}) · ${chosen.url}`;
 }
@@ -274,7 +289,7 @@ function svg(tag, attrs, text) {
 function drawTrip(trip) {
   const stages = stagesOf(trip);
   const total = Math.max(...stages.map(([, start, length]) => start + length), 1);
-  const width = 1000, left = 110, right = 330, row = 24;
+  const width = 1000, left = 110, right = 400, row = 24;
   const x = (ms) => left + (width - left - right) * ms / total;
   const root = svg("svg", { viewBox: `0 0 ${width} ${row * (stages.length + 1) + 10}`, role: "img" });
   stages.forEach(([label, start, length, detail], i) => {
@@ -349,6 +364,7 @@ async function poll() {
   } catch (error) {
     setStatus("unreachable", "server unreachable: retrying");
     for (const url of Object.keys(previousByReplica)) delete previousByReplica[url];
+    for (const key of Object.keys(windows)) delete windows[key];
     previous = null; // rates restart from the next snapshot (counters reset if the server restarted)
   } finally {
     setTimeout(poll, POLL_MS);
