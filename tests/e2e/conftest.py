@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,3 +64,32 @@ def installed_model(name: str) -> Path:
         if os.environ.get(REQUIRE_MODELS_ENV):
             pytest.fail(f"{REQUIRE_MODELS_ENV} is set and {name} is missing: {e}")
         pytest.skip(f"{name} is not pulled: {e}")
+
+
+REQUIRE_BROWSER_ENV = "KVSERVE_REQUIRE_BROWSER"  # set by CI: a missing browser fails instead of skipping
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                "--disable-background-networking", "--disable-component-update"]
+
+
+@contextmanager
+def headless_chromium() -> Iterator[Any | None]:
+    """Debian's Chromium, headless, through Playwright; None where either is missing (a failure instead
+    when KVSERVE_REQUIRE_BROWSER is set)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "playwright is not installed (pip install playwright)"
+    else:
+        missing = None if chromium else "chromium is not installed (apt-get install chromium)"
+    if missing:
+        if os.environ.get(REQUIRE_BROWSER_ENV):
+            pytest.fail(f"{REQUIRE_BROWSER_ENV} is set and {missing}")
+        yield None
+        return
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=BROWSER_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -1,6 +1,7 @@
 """The live dashboard in real headless Chromium (Debian's package, driven by Playwright) against a real
 ``kvserve serve``: agentic traffic moves its counters, a request's trip shows its stages, and the page says
-so when the server goes away and recovers when it comes back.
+so when the server goes away and recovers when it comes back. (The gateway's page is checked in
+test_router_real.py, over its replicas.)
 
 Screenshots (under load, and of a trip) are saved to ``$KVSERVE_TEST_ARTIFACTS`` (else the test's tmp_path).
 """
@@ -9,39 +10,25 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import headless_chromium
 from tests.server.conftest import ENGINE_ARGS, ServerProcess
 
 pytestmark = pytest.mark.slow
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-REQUIRE_ENV = "KVSERVE_REQUIRE_BROWSER"  # set by CI: a missing browser fails instead of skipping
-BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                "--disable-background-networking", "--disable-component-update"]
 SYSTEM = "You are a coding agent. Tools: read_file(path), run_tests(). Answer in one short sentence. " * 6
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        missing = "playwright is not installed (pip install playwright)"
-    else:
-        missing = None if CHROMIUM else "chromium is not installed (apt-get install chromium)"
-    if missing:
-        if os.environ.get(REQUIRE_ENV):
-            pytest.fail(f"{REQUIRE_ENV} is set and {missing}")
-        pytest.skip(missing)
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+    with headless_chromium() as chromium:
+        if chromium is None:
+            pytest.skip("headless Chromium through Playwright is not installed")
         yield chromium
-        chromium.close()
 
 
 def number(text: str) -> float:
@@ -87,7 +74,7 @@ def test_dashboard_follows_traffic_draws_a_trip_and_survives_a_restart(browser, 
 
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         long_stream = threading.Thread(target=lambda: list(client.completions.create(
-            model="smol", prompt="Write a long story about caches.", max_tokens=160, stream=True,
+            model="smol", prompt="Write a long story about caches.", max_tokens=96, stream=True,
             extra_body={"ignore_eos": True})))
         long_stream.start()
         page.wait_for_function("() => parseInt(document.getElementById('kv-used').textContent) > 0",
@@ -130,35 +117,3 @@ def test_dashboard_follows_traffic_draws_a_trip_and_survives_a_restart(browser, 
         if restarted is not None:
             restarted.stop()
 
-
-def test_gateway_dashboard_shows_each_replica_and_its_routing(browser, tmp_path: Path) -> None:
-    args = [*ENGINE_ARGS, "--served-model-name", "smol", "--num-threads", "1"]
-    replicas = [ServerProcess(args, tmp_path / f"replica{i}.log") for i in range(2)]
-    router = ServerProcess(["--policy", "round_robin", "--health-interval", "0.5",
-                            *(a for r in replicas for a in ("--replica", r.base_url))],
-                           tmp_path / "router.log", command="route")
-    try:
-        for server in (*replicas, router):
-            server.wait_ready()
-        page = browser.new_page(viewport={"width": 1280, "height": 1500})
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(f"{router.base_url}/dashboard")
-        page.wait_for_selector("#gateway:not([hidden]) #replicas tr[data-replica=all]", timeout=10_000)
-        agent_turns(router.base_url, sessions=2, turns=2)
-        page.wait_for_function("() => document.querySelector('#decisions tbody tr') !== null", timeout=10_000)
-        page.wait_for_function(
-            "() => parseInt(document.querySelector('#replicas tr[data-replica=all]').cells[3].textContent) === 4",
-            timeout=10_000)
-        assert page.locator("#replicas tbody tr").count() == 3
-        assert replicas[0].base_url in page.inner_text("#model")
-        page.locator(f"#replicas tr[data-replica='{replicas[1].base_url}']").click()
-        page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{replicas[1].base_url}')",
-                               timeout=5_000)
-        page.locator("#recent tbody tr").first.click()
-        page.wait_for_selector("#timeline g.stage[data-stage=prefill] rect", timeout=10_000)
-        assert replicas[1].base_url in page.inner_text("#timeline h2")
-        assert errors == [], errors
-    finally:
-        for server in (router, *replicas):
-            server.stop()

@@ -118,6 +118,8 @@ def test_next_turn_takes_over_the_partly_filled_last_block(system_prompt_ids) ->
     assert list(b.output_token_ids) == expected[0].outputs[0].token_ids
 
 
+@pytest.mark.heavy  # for CI's time: the soak serves under eviction and compares with answers served alone,
+# and tests/cache checks LRU order and locked nodes on the radix tree itself
 def test_memory_pressure_evicts_lru_never_locked_and_stays_correct(system_prompt_ids) -> None:
     tok = make_llm(False, num_kv_blocks=16).get_tokenizer()
     prompts = [{"prompt_token_ids": tok.encode(f"Topic {i}: " + LONG_DOCUMENT[i * 97 : i * 97 + 900],

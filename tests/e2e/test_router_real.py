@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e.conftest import headless_chromium
 from tests.server.conftest import ServerProcess, chat
 from tests.support.tiny_models import make_tiny_model
 
@@ -46,6 +47,30 @@ def wait_until(predicate, timeout_s: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+def check_gateway_dashboard(browser, url: str, a_url: str, b_url: str, request_id: str) -> None:
+    """The gateway's dashboard in headless Chromium: both replicas and the cluster, the routing decisions,
+    a replica's own panels, and a routed request's trip from the replica that served it."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1500})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{url}/dashboard")
+    page.wait_for_function(
+        "() => parseInt(document.querySelector('#replicas tr[data-replica=all]')?.cells[3].textContent) === 4",
+        timeout=10_000)
+    assert page.locator("#replicas tbody tr").count() == 3 and page.locator("#decisions tbody tr").count() >= 1
+    assert a_url in page.inner_text("#model")
+    page.locator(f"#replicas tr[data-replica='{b_url}']").click()
+    page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{b_url}')",
+                           timeout=5_000)
+    page.fill("#trip-id", request_id)
+    page.click("#trip-form button")
+    page.wait_for_selector("#timeline g.stage[data-stage=prefill] rect", timeout=10_000)
+    assert "trip of" in page.inner_text("#timeline h2") and (a_url in page.inner_text("#timeline h2")
+                                                              or b_url in page.inner_text("#timeline h2"))
+    assert errors == [], errors
+    page.close()
 
 
 @pytest.fixture
@@ -85,7 +110,9 @@ def test_streams_through_the_router_are_the_replicas_own_and_a_killed_replica_lo
     assert stats["routing"]["decisions"] and sum(stats["routing"]["decisions"].values()) == 3
     trip = httpx.get(f"{router.base_url}/kvserve/stats/requests/{reply.id}", timeout=10).json()
     assert trip["id"] == f"{reply.id}-0" and trip["replica"] in (a.base_url, b.base_url)
-    assert httpx.get(f"{router.base_url}/dashboard", timeout=10).status_code == 200
+    with headless_chromium() as browser:
+        if browser is not None:
+            check_gateway_dashboard(browser, router.base_url, a.base_url, b.base_url, reply.id)
 
     # Two long streams, one per replica, both past their first chunk.
     outcomes: dict[str, object] = {}
