@@ -61,9 +61,9 @@ async def find_trip(client: httpx.AsyncClient, replicas: list[Replica], headers:
     async def ask(replica: Replica) -> dict[str, Any] | None:
         if not (replica.healthy and replica.is_kvserve):
             return None
+        url = f"{replica.url}/kvserve/stats/requests/{quote(request_id, safe='')}"
         try:
-            response = await client.get(f"{replica.url}/kvserve/stats/requests/{quote(request_id, safe='')}", headers=headers,
-                                        timeout=STATS_TIMEOUT_S)
+            response = await client.get(url, headers=headers, timeout=STATS_TIMEOUT_S)
         except httpx.HTTPError:
             return None
         return {**response.json(), "replica": replica.url} if response.status_code == 200 else None
