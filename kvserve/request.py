@@ -230,6 +230,21 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
     return h.digest()
 
 
+@dataclass(frozen=True, slots=True)
+class RequestLatencies:
+    """A request's latencies in seconds (None for a stage it never reached), as /metrics and the dashboard
+    both report them: TPOT is decode time over output tokens after the first; ITLs are the gaps between
+    the steps that produced tokens."""
+
+    queue_s: float | None
+    ttft_s: float | None
+    prefill_s: float | None
+    decode_s: float | None
+    e2e_s: float | None
+    tpot_s: float | None
+    itls_s: tuple[float, ...]
+
+
 @dataclass(slots=True)
 class RequestMetrics:
     """A timestamp per pipeline stage (time.monotonic seconds) plus counts of what each stage did."""
@@ -254,6 +269,19 @@ class RequestMetrics:
     # When each prefill chunk's step ended, with the chunk's tokens, and when each preemption happened.
     prefill_chunk_ends: list[tuple[float, int]] = field(default_factory=list)
     preemption_times: list[float] = field(default_factory=list)
+
+    def latencies(self, num_output_tokens: int) -> RequestLatencies:
+        queue = None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        first = self.first_token_time
+        if first is None:
+            return RequestLatencies(queue, None, None, None, None, None, ())
+        last = self.last_token_time if self.last_token_time is not None else first
+        end = self.finished_time if self.finished_time is not None else last
+        prefill = None if self.first_scheduled_time is None else first - self.first_scheduled_time
+        tpot = (last - first) / (num_output_tokens - 1) if num_output_tokens > 1 else None
+        itls = tuple(b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False))
+        return RequestLatencies(queue, first - self.arrival_time, prefill, last - first, end - self.arrival_time,
+                                tpot, itls)
 
 
 class Request:

@@ -69,18 +69,11 @@ def finished_request(child: EngineRequest, received_at: float, finish_reason: st
     assert child.last is not None
     m = child.last.metrics
     num_output = len(child.last.outputs[0].token_ids)
-    ttft = tpot = e2e = None
-    if m.first_token_time is not None:
-        ttft = m.first_token_time - m.arrival_time
-        last = m.last_token_time if m.last_token_time is not None else m.first_token_time
-        e2e = (m.finished_time if m.finished_time is not None else last) - m.arrival_time
-        if num_output > 1:
-            tpot = (last - m.first_token_time) / (num_output - 1)
-    itls = tuple(b - a for a, b in zip(m.token_times, m.token_times[1:], strict=False))
+    lat = m.latencies(num_output)
     trip = request_trip(child, received_at)
     trip["finish_reason"] = finish_reason
     return FinishedRequest(child.request_id, time.time(), clock(), finish_reason, len(child.prompt_token_ids),
-                           m.num_cached_tokens, num_output, ttft, tpot, e2e, itls, trip)
+                           m.num_cached_tokens, num_output, lat.ttft_s, lat.tpot_s, lat.e2e_s, lat.itls_s, trip)
 
 
 def percentiles(values: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
@@ -108,9 +101,9 @@ class ComputeModel:
     def request(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> tuple[float, float]:
         """(FLOPs, KV bytes) of one whole request."""
         prefill, decode = costs.request_flops(self.shape, prompt_tokens, cached_tokens, output_tokens)
-        read, written = costs.request_kv_bytes(self.shape, prompt_tokens, cached_tokens, output_tokens,
-                                               self.kv_element_bytes)
-        return prefill + decode, read + written
+        prefill_bytes, decode_bytes = costs.request_kv_bytes(self.shape, prompt_tokens, cached_tokens,
+                                                             output_tokens, self.kv_element_bytes)
+        return prefill + decode, prefill_bytes + decode_bytes
 
     def describe(self) -> dict[str, Any]:
         hw = self.hardware

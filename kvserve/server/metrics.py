@@ -80,22 +80,14 @@ class ServerMetrics:
         self.generation_tokens.inc(num_output_tokens)
         if m is None or finish_reason == "abort":
             return  # latencies of requests nobody waited for would only skew the histograms
-        if m.first_scheduled_time is not None:
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-        if m.first_token_time is None:
-            return
-        self.ttft.observe(m.first_token_time - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
-        last = m.last_token_time if m.last_token_time is not None else m.first_token_time
-        end = m.finished_time if m.finished_time is not None else last
-        self.e2e.observe(end - m.arrival_time)
-        self.decode_time.observe(last - m.first_token_time)
-        if num_output_tokens > 1:
-            self.tpot.observe((last - m.first_token_time) / (num_output_tokens - 1))
-        times = m.token_times
-        for previous, current in zip(times, times[1:], strict=False):
-            self.itl.observe(current - previous)
+        lat = m.latencies(num_output_tokens)
+        for histogram, value in ((self.queue_time, lat.queue_s), (self.ttft, lat.ttft_s),
+                                 (self.prefill_time, lat.prefill_s), (self.e2e, lat.e2e_s),
+                                 (self.decode_time, lat.decode_s), (self.tpot, lat.tpot_s)):
+            if value is not None:
+                histogram.observe(value)
+        for gap in lat.itls_s:
+            self.itl.observe(gap)
 
     def observe_error(self, status: int, code: str | None) -> None:
         self.http_errors.labels(status=str(status), code=code or "").inc()

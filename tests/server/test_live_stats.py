@@ -87,3 +87,15 @@ def test_compute_model_names_its_hardware_and_counts_like_the_cost_model() -> No
     assert compute_model(engine, None).hardware is None  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="unknown hardware"):
         compute_model(engine, "tpu-v9")  # type: ignore[arg-type]
+
+
+def test_request_latencies_from_the_stage_timestamps() -> None:
+    from kvserve.request import RequestMetrics
+
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, last_token_time=12.0,
+                       finished_time=12.25, token_times=[11.0, 11.25, 11.75, 12.0])
+    lat = m.latencies(num_output_tokens=5)  # four steps: the last one accepted a draft
+    assert (lat.queue_s, lat.ttft_s, lat.prefill_s, lat.decode_s, lat.e2e_s) == (0.5, 1.0, 0.5, 1.0, 2.25)
+    assert lat.tpot_s == 0.25 and lat.itls_s == (0.25, 0.5, 0.25)
+    queued_only = RequestMetrics(arrival_time=1.0, first_scheduled_time=3.0).latencies(0)
+    assert queued_only.queue_s == 2.0 and queued_only.ttft_s is None and queued_only.itls_s == ()

@@ -37,6 +37,7 @@ const charts = {
 };
 
 function clearCharts() {
+  snaps.length = 0;
   for (const chart of Object.values(charts)) {
     chart.data.forEach((column) => column.splice(0));
     chart.plot.setData(chart.data);
@@ -51,7 +52,6 @@ function push(chart, t, values) {
 }
 
 // --- one snapshot -------------------------------------------------------------------------------------
-let previous = null;
 
 function rate(now, before, pick) {
   if (!before) return null;
@@ -65,18 +65,20 @@ function ratio(now, before, part, whole) {
   return dw > 0 ? 100 * (part(now) - part(before)) / dw : null;
 }
 
-// Requests finish, and bring their FLOPs, in bursts: those rates are over the last WINDOW_S seconds of
-// snapshots (kept per source, so a gateway's replicas do not mix).
+// The snapshots of the last WINDOW_S seconds of what is shown (the server, or the gateway's replica
+// picked). Per-poll rates use the one before the newest; requests finish, and bring their FLOPs, in bursts,
+// so those rates use the oldest.
 const WINDOW_S = 10;
-const windows = {};
-function windowStart(s, key) {
-  const snaps = (windows[key] = windows[key] || []);
+const snaps = [];
+function remember(s) {
   snaps.push(s);
   while (snaps.length > 2 && s.time - snaps[1].time >= WINDOW_S) snaps.shift();
-  return snaps.length > 1 ? snaps[0] : null;
+  const n = snaps.length;
+  return { previous: n > 1 ? snaps[n - 2] : null, start: n > 1 ? snaps[0] : null };
 }
 
-function render(s, key = "server") {
+function render(s) {
+  const { previous, start } = remember(s);
   $("model").textContent = s.model;
   $("uptime").textContent = `up ${fmt(s.uptime_s / 60, 1)} min`;
   setStatus(s.alive ? "live" : "dead", s.alive ? "live" : "engine stopped");
@@ -108,7 +110,6 @@ function render(s, key = "server") {
   const outRate = rate(s, previous, (x) => x.engine.generated_tokens);
   $("prefill-rate").textContent = `${fmt(prefillRate)} prompt tok/s`;
   $("decode-rate").textContent = `${fmt(outRate)} output tok/s`;
-  const start = windowStart(s, key);
   $("finished-rate").textContent = `${fmt(rate(s, start, (x) => x.requests.finished), 2)} req/s`;
 
   if (previous) {
@@ -131,7 +132,6 @@ function render(s, key = "server") {
   const l = s.latency;
   push(charts.latency, t, [l.ttft_ms.p50, l.ttft_ms.p99, l.tpot_ms.p50, l.itl_ms.p99]);
   renderRecent(s.recent);
-  previous = s;
 }
 
 // Tables are rebuilt only when what they show changed: an open page should cost its browser little.
@@ -202,7 +202,6 @@ function renderRecent(recent) {
 
 // --- a gateway: its replicas and routing, then one replica's panels -----------------------------------
 let selectedReplica = null;
-const previousByReplica = {};
 
 function renderGateway(g) {
   $("gateway").hidden = false;
@@ -224,7 +223,7 @@ function renderGateway(g) {
     for (const text of [r.url, r.healthy ? "healthy" : `out: ${r.last_error}`, fmt(r.in_flight),
       s ? fmt(s.requests.finished) : "–", hit === null ? "–" : `${fmt(hit, 1)}%`,
       s ? `${fmt(s.kv.device.used)} / ${fmt(s.kv.device.total)}` : "–", s ? fmt(s.latency.ttft_ms.p50, 1) : "–",
-      fmt(Object.entries(g.routing.requests).filter(([k]) => k === r.url).reduce((a, [, v]) => a + v, 0))]) {
+      fmt(g.routing.requests[r.url] || 0)]) {
       tr.insertCell().textContent = text;
     }
     tr.addEventListener("click", () => { selectedReplica = r.url; clearCharts(); });
@@ -249,9 +248,7 @@ function renderGateway(g) {
   }
   if (chosen.url !== selectedReplica) clearCharts();
   selectedReplica = chosen.url;
-  previous = previousByReplica[chosen.url] || null;
-  render(chosen.stats, chosen.url);
-  previousByReplica[chosen.url] = chosen.stats;
+  render(chosen.stats);
   $("model").textContent = `${chosen.stats.model} · gateway (${g.policy}) · ${chosen.url}`;
 }
 
@@ -363,9 +360,7 @@ async function poll() {
     if (snapshot.gateway) renderGateway(snapshot); else render(snapshot);
   } catch (error) {
     setStatus("unreachable", "server unreachable: retrying");
-    for (const url of Object.keys(previousByReplica)) delete previousByReplica[url];
-    for (const key of Object.keys(windows)) delete windows[key];
-    previous = null; // rates restart from the next snapshot (counters reset if the server restarted)
+    snaps.length = 0; // rates restart from the next snapshot (counters start again if the server restarted)
   } finally {
     setTimeout(poll, POLL_MS);
   }
