@@ -91,6 +91,12 @@ def test_dashboard_follows_traffic_draws_a_trip_and_survives_a_restart(browser, 
         assert page.locator("#tiers tr[data-tier=device]").count() == 1
         assert "GFLOP/s" in page.inner_text("#mfu") and "MFU and MBU with --hardware" in page.inner_text(
             "#compute-detail")
+        # Every chart drew something: batch per step, latency, token rates, hit rates, compute.
+        drawn = page.evaluate("""() => Object.fromEntries(Object.entries(charts).map(
+            ([name, chart]) => [name, chart.data.slice(1).map(series => series.some(v => v > 0))]))""")
+        assert drawn["batch"][:2] == [True, True] and drawn["tokens"] == [True, True], drawn
+        assert drawn["latency"] == [True] * 4 and drawn["hits"][:2] == [True, True], drawn
+        assert drawn["compute"] == [True, True], drawn
 
         # A request's trip: every stage of `kvserve trace`, with its prefill chunks and decode steps.
         page.locator("#recent tbody tr").first.click()
