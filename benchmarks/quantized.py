@@ -15,10 +15,11 @@ and thread count:
   PROMPT -n GEN -t THREADS``, which reads the file as it is.
 
 With ``--widths``, instead: every decoder layer's quantised projections of each model at those numbers of
-input rows, through the few-row path (int8 activations, VNNI dot products on the blocks) and through the
-many-row one (slabs dequantised into the packed layout, multiplied by the CPU's bf16 projection kernel),
-side by side and alternating: where the plan's few-row limit (QUANTIZED_GEMV_MAX_ROWS) should sit on this
-CPU.
+input rows, side by side and alternating, through the three paths: few-row (int8 activations, VNNI dot
+products on the blocks), fused (each worker dequantises a panel of 32 weight rows into the packed layout and
+multiplies every input row against it while it is in cache) and slabs (~2 MB of rows dequantised, then the
+CPU's bf16 projection kernel over them): where the plan's limits (QUANTIZED_GEMV_MAX_ROWS,
+QUANTIZED_FUSED_MAX_ROWS) should sit on this CPU.
 
 Ratios are printed per model; the machines are shared, so compare within one run.
 """
@@ -74,8 +75,9 @@ def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int,
 
 
 def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
-    """Seconds per pass over every layer's quantised projections, few-row path against many-row path, at each
-    width; the ratio is the median over ``rounds`` alternating measurements."""
+    """Seconds per pass over every layer's quantised projections at each width through each of the three
+    paths (few-row int8 dot products, fused per-panel dequantisation, slabs), alternating; speed-ups against
+    the slabs are medians over ``rounds`` alternating measurements."""
     llm = LLM(model=name, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=1)
     weights = [w for layer in llm.engine.model.layers
                for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
@@ -87,26 +89,34 @@ def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
         for rows in widths:
             inputs = {w.cols: torch.randn(rows, w.cols, dtype=torch.bfloat16) for w in weights}
 
-            def run(few_rows: int, inputs: dict[int, torch.Tensor] = inputs) -> float:
+            def run(gemv_rows: int, fused_rows: int, inputs: dict[int, torch.Tensor] = inputs) -> float:
                 def call() -> None:
                     for w in weights:
-                        torch.ops.kvserve.quant_linear(inputs[w.cols], w.data, w.types, w.cols, None, few_rows)
+                        torch.ops.kvserve.quant_linear(inputs[w.cols], w.data, w.types, w.cols, None, gemv_rows,
+                                                       fused_rows)
                 return seconds_per_call(call, min_time=0.3)
 
-            ratios, few, many = [], [], []
+            times: dict[str, list[float]] = {path: [] for path in PATHS}
             for _ in range(rounds):
-                few.append(run(rows))
-                many.append(run(0))
-                ratios.append(many[-1] / few[-1])
-            results.append({"model": name, "rows": rows, "few_row_ms": 1e3 * statistics.median(few),
-                            "many_row_ms": 1e3 * statistics.median(many),
-                            "few_row_speedup": statistics.median(ratios)})
-            r = results[-1]
-            print(f"{name:20s} {rows:3d} rows  few-row {r['few_row_ms']:7.2f} ms  many-row {r['many_row_ms']:7.2f} ms"
-                  f"  few-row is {r['few_row_speedup']:.2f}x as fast", flush=True)
+                for path, (gemv_rows, fused_rows) in PATHS.items():
+                    times[path].append(run(gemv_rows * rows, fused_rows * rows))
+            r = {"model": name, "rows": rows}
+            for path in PATHS:
+                r[f"{path}_ms"] = 1e3 * statistics.median(times[path])
+                r[f"{path}_speedup_over_slabs"] = statistics.median(
+                    slab / t for slab, t in zip(times["slabs"], times[path], strict=True))
+            results.append(r)
+            print(f"{name:20s} {rows:3d} rows  " + "  ".join(
+                f"{path} {r[f'{path}_ms']:7.2f} ms ({r[f'{path}_speedup_over_slabs']:.2f}x)" for path in PATHS),
+                flush=True)
     del llm
     gc.collect()
     return results
+
+
+# The quantised paths, as quant_linear's (gemv_max_rows, fused_max_rows) given the width w: (w, 0) takes the
+# int8 dot products, (0, w) the per-panel dequantisation beside its products, (0, 0) the slabs.
+PATHS = {"few_row": (1, 0), "fused": (0, 1), "slabs": (0, 0)}
 
 
 def main() -> None:

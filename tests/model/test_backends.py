@@ -15,7 +15,12 @@ from kvserve.model.attention import TorchPagedAttention
 from kvserve.model.backends import select
 from kvserve.model.backends.base import PrefillChunk, StepRows
 from kvserve.model.backends.cpu_attention import CpuKernelPagedAttention
-from kvserve.model.backends.cpu_kernels import CpuKernelsBackend, KernelPlan, plan_kernels
+from kvserve.model.backends.cpu_kernels import (
+    QUANTIZED_FUSED_MAX_ROWS,
+    CpuKernelsBackend,
+    KernelPlan,
+    plan_kernels,
+)
 from kvserve.model.backends.cpu_ops import DecodeRows, PackedLinear, QuantizedOrDense
 from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope, load_cpu_kernels
 from kvserve.model.ops import ModelOps
@@ -37,9 +42,11 @@ def arch(head_dim: int = 64, family: str = "llama", **extra: object) -> ArchConf
 
 def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=False, elementwise=True,
          fallbacks=(), quantized: int | None = 4, by_default: bool | None = None) -> KernelPlan:
+    # Mid widths on panels dequantised beside their products wherever the packed family is AVX-512's.
+    fused_panels = QUANTIZED_FUSED_MAX_ROWS if quantized is not None and projections in ("avx512", "bf16dot") else 0
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=elementwise,
                       attention=attention, fused_decode=fused, avx512_carries_step=avx512_carries,
-                      quantized_gemv_max_rows=quantized,
+                      quantized_gemv_max_rows=quantized, quantized_fused_max_rows=fused_panels,
                       quantized_by_default=quantized is not None if by_default is None else by_default,
                       fallbacks=tuple(fallbacks))
 

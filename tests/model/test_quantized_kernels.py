@@ -17,8 +17,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvserve.config import ArchConfig
-from kvserve.model.backends.cpu_kernels import plan_kernels
-from kvserve.model.backends.cpu_ops import build_cpu_ops
+from kvserve.model.backends.cpu_kernels import QUANTIZED_FUSED_MAX_ROWS, plan_kernels
+from kvserve.model.backends.cpu_ops import QuantizedWidths, build_cpu_ops
 from kvserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from kvserve.model.quantized import (
     KERNEL_TYPES,
@@ -37,6 +37,7 @@ FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 HALF_OFFSETS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2],
                 T.Q5_K: [0, 2], T.Q6_K: [208]}
 GEMV_ROWS = 4
+FUSED_ROWS = 64
 RTOL = 2**-7
 
 
@@ -103,19 +104,23 @@ def test_quant_linear_matches_a_float64_reference(qtype, num_rows) -> None:
         w = torch.from_numpy(dequantize(blocks, qtype)).double()
         x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(rows)).bfloat16()
         bias = torch.randn(rows).bfloat16()
-        got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, GEMV_ROWS)
+        got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, GEMV_ROWS, FUSED_ROWS)
         if num_rows <= GEMV_ROWS and kernels.quantized_gemv:
             ref = int8_activations(x) @ w.T
         else:
             ref = x.double() @ w.bfloat16().double().T
+            # The fused path multiplies the same dequantised bytes with the same kernel as the slabs.
+            slabs = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, 0, 0)
+            assert torch.equal(got, slabs)
         assert_close(got, ref + bias.double())
 
 
 @needs_kernels
-@pytest.mark.parametrize("gemv_rows", [GEMV_ROWS, 0], ids=["int8-dots", "panels"])
-def test_mixed_segments_and_the_fused_gate_up(gemv_rows) -> None:
+@pytest.mark.parametrize(("gemv_rows", "fused_rows"), [(GEMV_ROWS, FUSED_ROWS), (0, FUSED_ROWS), (0, 0)],
+                         ids=["int8-dots", "fused-panels", "slabs"])
+def test_mixed_segments_and_the_fused_gate_up(gemv_rows, fused_rows) -> None:
     """A fused weight whose rows are in two formats (a Q5_0 Q/K beside a Q8_0 V), and a [gate | up] weight
-    whose silu(gate) * up comes from the kernel, on both paths."""
+    whose silu(gate) * up comes from the kernel, on every path."""
     cols = 256
     parts = [QuantizedWeight.from_blocks(int(t), random_blocks(t, rows, cols, seed=rows), cols)
              for t, rows in ((T.Q5_0, 48), (T.Q5_0, 16), (T.Q8_0, 17))]
@@ -127,7 +132,7 @@ def test_mixed_segments_and_the_fused_gate_up(gemv_rows) -> None:
         few = num_rows <= gemv_rows and kernels.quantized_gemv
         xr = int8_activations(x) if few else x.double()
         wr = w if few else w.bfloat16().double()
-        got = torch.ops.kvserve.quant_linear(x, fused.data, fused.types, cols, None, gemv_rows)
+        got = torch.ops.kvserve.quant_linear(x, fused.data, fused.types, cols, None, gemv_rows, fused_rows)
         assert got.shape == (num_rows, 81)
         assert_close(got, xr @ wr.T)
 
@@ -141,7 +146,7 @@ def test_mixed_segments_and_the_fused_gate_up(gemv_rows) -> None:
             few = num_rows <= gemv_rows and kernels.quantized_gemv
             product = (int8_activations(x) @ w.T) if few else (x.double() @ w.bfloat16().double().T)
             gate, up = product.chunk(2, dim=-1)
-            got = torch.ops.kvserve.quant_linear_silu_mul(x, gate_up.data, gate_up.types, cols, gemv_rows)
+            got = torch.ops.kvserve.quant_linear_silu_mul(x, gate_up.data, gate_up.types, cols, gemv_rows, fused_rows)
             assert got.shape == (num_rows, width)
             ref = F.silu(gate) * up
             torch.testing.assert_close(got.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
@@ -152,17 +157,17 @@ def test_bad_weights_are_clear_errors() -> None:
     blocks = random_blocks(T.Q4_0, 16, 64)
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="must be contiguous uint8"):
-        torch.ops.kvserve.quant_linear(x, [torch.from_numpy(blocks[:, :-1].copy())], [int(T.Q4_0)], 64, None, 4)
+        torch.ops.kvserve.quant_linear(x, [torch.from_numpy(blocks[:, :-1].copy())], [int(T.Q4_0)], 64, None, 4, 0)
     with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):
-        torch.ops.kvserve.quant_linear(x, [torch.from_numpy(blocks)], [1], 64, None, 4)
+        torch.ops.kvserve.quant_linear(x, [torch.from_numpy(blocks)], [1], 64, None, 4, 0)
     with pytest.raises(RuntimeError, match="inner dimensions differ"):
         torch.ops.kvserve.quant_linear(torch.randn(1, 32).bfloat16(), [torch.from_numpy(blocks)], [int(T.Q4_0)], 64,
-                                       None, 4)
+                                       None, 4, 0)
 
 
 @needs_kernels
 def test_the_ops_run_quantised_weights_and_pass_dense_ones_through() -> None:
-    ops = build_cpu_ops(None, 0, True, quantized_gemv_max_rows=GEMV_ROWS).ops
+    ops = build_cpu_ops(None, 0, True, quantized=QuantizedWidths(GEMV_ROWS)).ops
     table = QuantizedWeight.from_blocks(int(T.Q8_0), random_blocks(T.Q8_0, 50, 64), 64)
     ids = torch.tensor([[3, 49], [0, 3]])
     assert torch.equal(ops.embedding(ids, table), table.dequantize(torch.bfloat16)[ids])
@@ -187,8 +192,15 @@ def test_the_plan_runs_quantised_weights_where_the_kernels_keep_up() -> None:
     plan = plan_kernels(avx2, torch.bfloat16, shape)
     assert plan.quantized_gemv_max_rows == GEMV_ROWS and not plan.quantized_by_default
     assert plan_kernels(vnni, torch.bfloat16, shape).quantized_by_default
+    # Without AMX the mid widths take panels dequantised beside their products; AMX keeps its slabs.
+    bf16dot = CpuKernels(gemv_bf16=True, amx=False, avx512=True, quantized_gemv=True)
+    assert plan_kernels(bf16dot, torch.bfloat16, shape).quantized_widths == QuantizedWidths(
+        GEMV_ROWS, QUANTIZED_FUSED_MAX_ROWS)
+    assert plan_kernels(vnni, torch.bfloat16, shape).quantized_widths == QuantizedWidths(GEMV_ROWS, 0)
+    assert plan_kernels(avx2, torch.bfloat16, shape).quantized_fused_max_rows == 0
     plan = plan_kernels(no_vnni, torch.bfloat16, shape)
     assert plan.quantized_gemv_max_rows == 0 and any("no AVX512-VNNI" in f for f in plan.fallbacks)
+    assert plan.quantized_widths == QuantizedWidths(0, QUANTIZED_FUSED_MAX_ROWS)
     plan = plan_kernels(no_avx512, torch.bfloat16, shape)
     assert plan.quantized_gemv_max_rows is None and any("dequantised at load" in f for f in plan.fallbacks)
     plan = plan_kernels(vnni, torch.float32, shape)

@@ -19,7 +19,7 @@ import torch
 from kvserve.config import ArchConfig
 from kvserve.model.backends.base import DecoderWeights
 from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention
-from kvserve.model.backends.cpu_ops import PackedGateUpSilu, PackedLinear
+from kvserve.model.backends.cpu_ops import PackedGateUpSilu, PackedLinear, QuantizedWidths
 from kvserve.model.quantized import QuantizedWeight
 
 
@@ -28,12 +28,12 @@ class QuantizedStackWeights:
     segment counts and inner sizes, and every segment's blocks and type in that order (decode_stack's
     quant_* arguments)."""
 
-    def __init__(self, weights: list[QuantizedWeight], gemv_max_rows: int) -> None:
+    def __init__(self, weights: list[QuantizedWeight], widths: QuantizedWidths) -> None:
         self.data = [d for w in weights for d in w.data]
         self.types = [t for w in weights for t in w.types]
         self.segments = [len(w.segments) for w in weights]
         self.cols = [w.cols for w in weights]
-        self.gemv_max_rows = gemv_max_rows
+        self.widths = widths
 
 
 class FusedDecodeStack:
@@ -62,10 +62,10 @@ class FusedDecodeStack:
     @classmethod
     def build(cls, arch: ArchConfig, layers: Sequence[DecoderWeights], linear: PackedLinear,
               gate_up: PackedGateUpSilu, single_row_gemv: bool,
-              quantized_gemv_max_rows: int | None = None) -> FusedDecodeStack | None:
+              quantized_widths: QuantizedWidths | None = None) -> FusedDecodeStack | None:
         """The stack for these layers, whose projections the packed kernels ``linear`` and ``gate_up`` take
         (a single row on the GEMV when ``single_row_gemv``, as the Python layer does), or, where every
-        projection weight is GGUF-quantised and ``quantized_gemv_max_rows`` is given, the quantised kernels;
+        projection weight is GGUF-quantised and ``quantized_widths`` is given, the quantised kernels;
         None where a weight could not be packed or the layers mix the two. The backend decides that the
         stack applies (cpu_kernels.py's plan); a mixture of experts, which the C++ stack has no routing for,
         gets None here too."""
@@ -81,11 +81,11 @@ class FusedDecodeStack:
                        for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)]
         quantized = [w for w in projections if isinstance(w, QuantizedWeight)]
         if quantized:
-            if len(quantized) < len(projections) or quantized_gemv_max_rows is None:
+            if len(quantized) < len(projections) or quantized_widths is None:
                 return None
             return cls(arch, attentions, [layer.input_norm for layer in layers],
                        [layer.post_attention_norm for layer in layers], {"qkv": [], "o": [], "gate_up": [], "down": []},
-                       [], biases, (q_norms, k_norms), QuantizedStackWeights(quantized, quantized_gemv_max_rows))
+                       [], biases, (q_norms, k_norms), QuantizedStackWeights(quantized, quantized_widths))
         packed: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
         for layer in layers:
             weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.mlp.down_weight}
@@ -105,9 +105,10 @@ class FusedDecodeStack:
                    [layer.post_attention_norm for layer in layers], packed, single_row, biases, (q_norms, k_norms),
                    projections=linear.kernels.name)
 
-    def _quantized_args(self) -> tuple[list[torch.Tensor], list[int], list[int], list[int], int]:
+    def _quantized_args(self) -> tuple[list[torch.Tensor], list[int], list[int], list[int], int, int]:
         q = self.quantized
-        return ([], [], [], [], 0) if q is None else (q.data, q.types, q.segments, q.cols, q.gemv_max_rows)
+        return (([], [], [], [], 0, 0) if q is None
+                else (q.data, q.types, q.segments, q.cols, q.widths.gemv_max_rows, q.widths.fused_max_rows))
 
     def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
         rows = hidden.shape[0]

@@ -28,7 +28,7 @@ from kvserve.model.backends.cpu_attention import (
     PagedRuns,
 )
 from kvserve.model.backends.cpu_decode_stack import FusedDecodeStack
-from kvserve.model.backends.cpu_ops import build_cpu_ops
+from kvserve.model.backends.cpu_ops import QuantizedWidths, build_cpu_ops
 from kvserve.model.backends.layout import prefill_spans, shared_prefix_blocks, split_decodes, window_layout
 from kvserve.model.cpu_kernels import CpuKernels, KernelThreadScope
 from kvserve.model.quantized import KERNEL_TYPES
@@ -46,6 +46,10 @@ VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 # puts the speed crossover at about eight rows, but at eight rows the int8 activations cost greedy
 # agreement with the dequantised model (tests/e2e/test_quantized_models.py), so the limit stays four.
 QUANTIZED_GEMV_MAX_ROWS = 4
+# Wider inputs up to this many rows take the weight dequantised a panel at a time by the worker that
+# multiplies it, on CPUs whose packed family is AVX-512's (with or without the BF16 dot products); wider
+# ones, and every width on AMX (unmeasured there), the slabs (benchmarks/quantized.py --widths).
+QUANTIZED_FUSED_MAX_ROWS = 64
 
 Family = Literal["amx", "bf16dot", "avx512", "avx2"]
 
@@ -67,6 +71,9 @@ class KernelPlan:
     # GGUF-quantised weights run in their blocks, inputs of at most this many rows on the int8 dot products
     # (0: none, every width on the dequantised panels); None: quantised weights are dequantised at load.
     quantized_gemv_max_rows: int | None = None
+    # Wider inputs up to this many rows on the weight dequantised a panel at a time beside its products (0:
+    # none); wider ones on the dequantised slabs.
+    quantized_fused_max_rows: int = 0
     # Whether --quantization auto (the default) keeps them in blocks: True where the quantised kernels are at
     # least as fast as dense weights at batch widths too; False where only --quantization gguf asks for them.
     quantized_by_default: bool = True
@@ -83,10 +90,19 @@ class KernelPlan:
         if self.fused_decode:
             parts.append("fused decode stack")
         if self.quantized_gemv_max_rows is not None:
-            parts.append("quantised weights packed" + (f" (int8 dot products up to {self.quantized_gemv_max_rows} rows)"
-                                                        if self.quantized_gemv_max_rows else ""))
+            paths = ([f"int8 dot products up to {self.quantized_gemv_max_rows} rows"] if self.quantized_gemv_max_rows
+                     else []) + ([f"panels dequantised beside their products up to {self.quantized_fused_max_rows}"]
+                                 if self.quantized_fused_max_rows else [])
+            parts.append("quantised weights packed" + (f" ({', '.join(paths)})" if paths else ""))
         text = ", ".join(parts)
         return f"{text}; fell back: {'; '.join(self.fallbacks)}" if self.fallbacks else text
+
+    @property
+    def quantized_widths(self) -> QuantizedWidths | None:
+        """The quantised kernels' paths by width; None where quantised weights are dequantised at load."""
+        if self.quantized_gemv_max_rows is None:
+            return None
+        return QuantizedWidths(self.quantized_gemv_max_rows, self.quantized_fused_max_rows)
 
 
 def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> KernelPlan:
@@ -144,12 +160,15 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     # products need AVX512-VNNI, or AVX2 on a CPU without AVX-512. Measured in benchmarks/quantized.py: the dot
     # products win up to a few rows.
     quantized_gemv_max_rows: int | None = None
+    quantized_fused_max_rows = 0
     if not bf16:
         fallbacks.append(f"quantised weights dequantised at load: {dtype_name} model (those kernels take bf16)")
     elif not kernels.avx512 and not (kernels.avx2 and kernels.quantized_gemv):
         fallbacks.append("quantised weights dequantised at load: no AVX-512 or AVX2 on this CPU")
     else:
         quantized_gemv_max_rows = QUANTIZED_GEMV_MAX_ROWS if kernels.quantized_gemv else 0
+        if projections in ("avx512", "bf16dot"):
+            quantized_fused_max_rows = QUANTIZED_FUSED_MAX_ROWS
         if not kernels.quantized_gemv:
             fallbacks.append("quantised decode on dequantised panels: no AVX512-VNNI on this CPU")
     # Without AVX-512 the int8 dot products beat dense weights at a few rows, but a batch's step dequantises
@@ -161,6 +180,7 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
                          "dequantises them every step")
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
                       fused_decode=fused_decode, quantized_gemv_max_rows=quantized_gemv_max_rows,
+                      quantized_fused_max_rows=quantized_fused_max_rows,
                       quantized_by_default=quantized_by_default,
                       avx512_carries_step=projections in ("avx512", "bf16dot") and attention == "avx512"
                       and gemv_max_rows == 0,
@@ -176,7 +196,7 @@ class CpuKernelsBackend:
         self.device = device
         self.config = config
         self.description = f"{self.name} ({plan.description})"
-        cpu_ops = build_cpu_ops(plan.projections, plan.gemv_max_rows, plan.elementwise, plan.quantized_gemv_max_rows)
+        cpu_ops = build_cpu_ops(plan.projections, plan.gemv_max_rows, plan.elementwise, plan.quantized_widths)
         self.quantized_types = KERNEL_TYPES if plan.quantized_gemv_max_rows is not None else frozenset()
         self.quantized_by_default = plan.quantized_by_default
         self.ops = cpu_ops.ops
@@ -202,7 +222,7 @@ class CpuKernelsBackend:
         assert self._packed_linear is not None and self._packed_gate_up is not None
         stack = FusedDecodeStack.build(self.arch, layers, self._packed_linear, self._packed_gate_up,
                                        single_row_gemv=self.plan.gemv_max_rows == 1,
-                                       quantized_gemv_max_rows=self.plan.quantized_gemv_max_rows)
+                                       quantized_widths=self.plan.quantized_widths)
         if stack is None:
             # Decided at load, after the start-up line that named the stack: say that it is off after all.
             logger.info("no fused decode stack: a projection weight did not pack for the %s kernels, or the layers "

@@ -159,20 +159,31 @@ class QuantizedOrDense:
         return (self.quantized if type(weight) is QuantizedWeight else self.dense)(x, weight, *args)
 
 
+@dataclass(frozen=True, slots=True)
+class QuantizedWidths:
+    """Which of the quantised kernels' paths (csrc/quantized.cpp) takes an input of a given number of rows:
+    at most ``gemv_max_rows`` the int8 dot products on the blocks (0: none), else at most ``fused_max_rows``
+    the weight dequantised a panel at a time by the worker that multiplies it (0: none), wider ones the
+    weight dequantised in slabs ahead of the packed bf16 kernels (or torch's matmul)."""
+
+    gemv_max_rows: int
+    fused_max_rows: int = 0
+
+
 class QuantizedKernels:
     """Projections, the MLP's fused gate/up and embedding lookups on GGUF-quantised weights
-    (``QuantizedWeight``, csrc/quantized.cpp). Inputs of at most ``gemv_max_rows`` rows take the int8 VNNI
-    dot products (where the CPU has them), wider ones the weight dequantised panel by panel onto the AMX
-    tiles (or torch's matmul)."""
+    (``QuantizedWeight``, csrc/quantized.cpp), each width on the path ``widths`` gives it."""
 
-    def __init__(self, gemv_max_rows: int) -> None:
-        self.gemv_max_rows = gemv_max_rows
+    def __init__(self, widths: QuantizedWidths) -> None:
+        self.widths = widths
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.kvserve.quant_linear(x, weight.data, weight.types, weight.cols, bias, self.gemv_max_rows)
+        return torch.ops.kvserve.quant_linear(x, weight.data, weight.types, weight.cols, bias,
+                                              self.widths.gemv_max_rows, self.widths.fused_max_rows)
 
     def gate_up_silu(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-        return torch.ops.kvserve.quant_linear_silu_mul(x, weight.data, weight.types, weight.cols, self.gemv_max_rows)
+        return torch.ops.kvserve.quant_linear_silu_mul(x, weight.data, weight.types, weight.cols,
+                                                       self.widths.gemv_max_rows, self.widths.fused_max_rows)
 
     @staticmethod
     def embedding(ids: torch.Tensor, table: QuantizedWeight) -> torch.Tensor:
@@ -201,24 +212,24 @@ class CpuOps:
 
 
 def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool,
-                  quantized_gemv_max_rows: int | None = None) -> CpuOps:
+                  quantized: QuantizedWidths | None = None) -> CpuOps:
     """The ops for a plan: ``projections`` names the packed family ("amx", "avx512", "bf16dot", "avx2" or None:
     torch's linear), inputs of at most ``gemv_max_rows`` rows take the BF16 GEMV (0: none), ``elementwise``
     puts the norms, SiLU-and-multiply and rotary on the kernels (a bf16 model), and
-    ``quantized_gemv_max_rows`` (None: no quantised weights) is the few-row limit of the quantised kernels."""
+    ``quantized`` (None: no quantised weights) the widths of the quantised kernels' paths."""
     ops = _build_dense_ops(projections, gemv_max_rows, elementwise)
-    if quantized_gemv_max_rows is None:
+    if quantized is None:
         return ops
-    quantized = QuantizedKernels(quantized_gemv_max_rows)
+    kernels = QuantizedKernels(quantized)
     dense = ops.ops
     # Without a fused dense gate/up, a quantised one still runs fused; a dense one as silu_mul(linear(...)).
     dense_gate_up = dense.fused_gate_up_silu or (lambda x, w: dense.silu_mul(dense.linear(x, w, None)))
     return CpuOps(ModelOps(
-        linear=QuantizedOrDense(quantized.linear, dense.linear),  # type: ignore[arg-type]
-        embedding=QuantizedOrDense(quantized.embedding, F.embedding),  # type: ignore[arg-type]
+        linear=QuantizedOrDense(kernels.linear, dense.linear),  # type: ignore[arg-type]
+        embedding=QuantizedOrDense(kernels.embedding, F.embedding),  # type: ignore[arg-type]
         add_rms_norm=dense.add_rms_norm, silu_mul=dense.silu_mul, rotary=dense.rotary,
         prepare_weight=dense_only(dense.prepare_weight),
-        fused_gate_up_silu=QuantizedOrDense(quantized.gate_up_silu, dense_gate_up),  # type: ignore[arg-type]
+        fused_gate_up_silu=QuantizedOrDense(kernels.gate_up_silu, dense_gate_up),  # type: ignore[arg-type]
         prepare_gate_up=dense_only(dense.prepare_gate_up),
     ), ops.packed_linear, ops.packed_gate_up)
 

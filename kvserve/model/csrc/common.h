@@ -321,6 +321,11 @@ at::Tensor bf16dot_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed
 void avx512_matmul_packed(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
                           int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
                           bool silu_mul);
+// The same on the calling thread alone, for a few blocks a worker has just dequantised (the quantised
+// projections' mid-width path). A row's result is the same bits as avx512_matmul_packed's.
+void avx512_matmul_packed_here(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
+                               int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
+                               bool silu_mul);
 bool has_avx512();
 
 // linear_avx2.cpp: the same products and layout on AVX2 and FMA (CPUs without AVX-512).
@@ -334,9 +339,9 @@ void avx2_matmul_packed(const float* x_wide, int64_t M, const at::BFloat16* pack
 
 // quantized.cpp
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows);
+                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows, int64_t fused_max_rows);
 at::Tensor quant_linear_silu_mul(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                                 int64_t gemv_max_rows);
+                                 int64_t gemv_max_rows, int64_t fused_max_rows);
 at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, const at::Tensor& rows,
                             at::ScalarType dtype);
 bool has_quantized_gemv();
@@ -399,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
     at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
-    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
+    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows, int64_t quant_fused_max_rows,
     c10::string_view projections, c10::string_view attention);
 
 // sampling.cpp

@@ -277,6 +277,19 @@ void avx512_matmul_packed(const at::BFloat16* x, const float* x_wide, int64_t M,
 #endif
 }
 
+void avx512_matmul_packed_here(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
+                               int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
+                               bool silu_mul) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed);
+#if KVSERVE_HAS_AVX512_BF16
+  (void)x_wide;
+  run_item<true>({x, M, K, w, out, ld, bias, silu_mul}, 0, M, 0, NB);
+#else
+  (void)x;
+  run_item<false>({x_wide, M, K, w, out, ld, bias, silu_mul}, 0, M, 0, NB);
+#endif
+}
+
 #else
 
 at::Tensor avx512_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {

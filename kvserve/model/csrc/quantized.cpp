@@ -868,12 +868,45 @@ struct PanelRows {
 
 
 #if KVSERVE_HAS_AVX512 || KVSERVE_HAS_QUANT_AVX2
-// The weight a slab at a time: each slab's rows dequantised into the layout amx_pack gives bf16 weights (in
-// parallel), then the bf16 projections' own matmul over all the activation rows: on the AMX tiles when
-// `amx`, else on pack_bf16_pairs's kernels (the same bytes: a block's 16 rows as pairs of k side by side).
-// x_wide is x in fp32 for the widening kernels (AVX-512 without AVX512-BF16, AVX2; else unused). A slab is sized
-// to stay in L2 / L3, so the matmul reads it as fast as it reads a packed bf16 weight from memory. Needs
-// whole blocks of 16 output columns (N % 16 == 0; N / 2 for the fused gate/up).
+// n-block b (16 weight rows) of panel p, rows 16 (b % 2) .. of it, dequantised into the layout amx_pack gives
+// bf16 weights (a block's 16 rows as pairs of k side by side, which pack_bf16_pairs's kernels read too): KB
+// tiles of 512 values at `tiles`. `rows` is a scratch of 16 x K values.
+void dequantize_block(const Segments& w, const PanelRows& layout, int64_t p, int64_t half, at::BFloat16* rows,
+                      at::BFloat16* tiles) {
+  const int64_t K = w.K, KB = K / 32;
+  fill_panel(w, [&](int64_t r) { return layout.row_of(p, 16 * half + r); }, 16, rows);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+#if KVSERVE_HAS_AVX512
+    __m512i pairs[16];  // row n's 16 column pairs of this block; transposed, the tile's 16 pair rows
+    for (int64_t n = 0; n < 16; ++n) pairs[n] = _mm512_loadu_si512(rows + n * K + kb * 32);
+    transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(tiles + kb * 512));
+#else
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows) + kb * 16;
+    uint32_t* tile = reinterpret_cast<uint32_t*>(tiles + kb * 512);
+    for (int64_t n = 0; n < 16; ++n)
+      for (int64_t q = 0; q < 16; ++q) tile[q * 16 + n] = pairs[n * (K / 2) + q];
+#endif
+  }
+}
+
+// A worker's 16 dequantised rows, kept from call to call: a fresh buffer per slab cost as much as the
+// dequantisation (its zero fill and page faults).
+at::BFloat16* row_scratch(int64_t K) {
+  static thread_local std::vector<at::BFloat16> rows;
+  if (static_cast<int64_t>(rows.size()) < 16 * K) rows.resize(16 * K);
+  return rows.data();
+}
+
+// The n-blocks of panel p that hold weight rows (a plain projection's last panel may hold one).
+int64_t panel_blocks(const PanelRows& layout, int64_t p) {
+  return layout.silu_mul ? 2 : std::min<int64_t>(2, (layout.N - p * kPanelRows + 15) / 16);
+}
+
+// The weight a slab at a time: each slab's rows dequantised into the packed layout (in parallel), then the
+// bf16 projections' own matmul over all the activation rows: on the AMX tiles when `amx`, else on
+// pack_bf16_pairs's kernels. x_wide is x in fp32 for the widening kernels (AVX-512 without AVX512-BF16, AVX2;
+// else unused). A slab is sized to stay in L2 / L3, so the matmul reads it as fast as it reads a packed bf16
+// weight from memory. Needs whole blocks of 16 output columns (N % 16 == 0; N / 2 for the fused gate/up).
 void matmul_slabs(const at::BFloat16* x, const float* x_wide, int64_t M, const Segments& w, const PanelRows& layout,
                   const at::BFloat16* bias, at::BFloat16* out, int64_t ld, bool amx) {
   const int64_t K = w.K, KB = K / 32, panels = layout.panels();
@@ -889,28 +922,8 @@ void matmul_slabs(const at::BFloat16* x, const float* x_wide, int64_t M, const S
     const int64_t first_row = layout.silu_mul ? 0 : p0 * kPanelRows;
     const int64_t blocks = layout.silu_mul ? 2 * np : std::min<int64_t>(2 * np, (layout.N - first_row + 15) / 16);
     parallel_range(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      // Each worker's 16 dequantised rows, kept from call to call: a fresh buffer per slab cost as much as
-      // the dequantisation (its zero fill and page faults).
-      static thread_local std::vector<at::BFloat16> row_buffer;
-      if (static_cast<int64_t>(row_buffer.size()) < 16 * K) row_buffer.resize(16 * K);
-      at::BFloat16* const rows = row_buffer.data();
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t p = p0 + b / 2, half = b % 2;
-        fill_panel(w, [&](int64_t r) { return layout.row_of(p, 16 * half + r); }, 16, rows);
-        at::BFloat16* tiles = slab_data + b * KB * 512;
-        for (int64_t kb = 0; kb < KB; ++kb) {
-#if KVSERVE_HAS_AVX512
-          __m512i pairs[16];  // row n's 16 column pairs of this block; transposed, the tile's 16 pair rows
-          for (int64_t n = 0; n < 16; ++n) pairs[n] = _mm512_loadu_si512(rows + n * K + kb * 32);
-          transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(tiles + kb * 512));
-#else
-          const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows) + kb * 16;
-          uint32_t* tile = reinterpret_cast<uint32_t*>(tiles + kb * 512);
-          for (int64_t n = 0; n < 16; ++n)
-            for (int64_t q = 0; q < 16; ++q) tile[q * 16 + n] = pairs[n * (K / 2) + q];
-#endif
-        }
-      }
+      at::BFloat16* const rows = row_scratch(K);
+      for (int64_t b = b0; b < b1; ++b) dequantize_block(w, layout, p0 + b / 2, b % 2, rows, slab_data + b * KB * 512);
     });
     const int64_t col0 = layout.silu_mul ? p0 * 16 : first_row;
 #if !KVSERVE_HAS_AVX512
@@ -925,6 +938,30 @@ void matmul_slabs(const at::BFloat16* x, const float* x_wide, int64_t M, const S
                            layout.silu_mul);
 #endif
   }
+}
+#endif
+
+#if KVSERVE_HAS_AVX512
+// Mid widths (a decode batch): each worker dequantises one panel (two n-blocks: 32 weight rows, or 16 gate
+// rows with their up rows) into its own packed buffer and at once multiplies every activation row against
+// it, so the dequantised weight stays in the worker's L1 / L2; the slabs write it out and read it back in a
+// second parallel pass, which at a few rows costs more than the products. The same kernel as the slabs' on
+// the same bytes: the same results, bit for bit.
+void matmul_fused(const at::BFloat16* x, const float* x_wide, int64_t M, const Segments& w, const PanelRows& layout,
+                  const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+  const int64_t K = w.K, KB = K / 32;
+  parallel_range(0, layout.panels(), 1, [&](int64_t p0, int64_t p1) {
+    static thread_local std::vector<at::BFloat16> panel;
+    if (static_cast<int64_t>(panel.size()) < 2 * KB * 512) panel.resize(2 * KB * 512);
+    at::BFloat16* const rows = row_scratch(K);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t blocks = panel_blocks(layout, p);
+      for (int64_t b = 0; b < blocks; ++b) dequantize_block(w, layout, p, b, rows, panel.data() + b * KB * 512);
+      const int64_t col0 = layout.silu_mul ? p * 16 : p * kPanelRows;
+      avx512_matmul_packed_here(x, x_wide, M, panel.data(), blocks, K, out + col0, ld, bias ? bias + col0 : nullptr,
+                                layout.silu_mul);
+    }
+  });
 }
 #endif
 
@@ -959,7 +996,7 @@ void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows
 
 at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArrayRef types, int64_t cols,
                          const c10::optional<at::Tensor>& bias_in, bool fused_silu, int64_t gemv_max_rows,
-                         const char* op) {
+                         int64_t fused_max_rows, const char* op) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, op, ": bf16 activations only");
   const Segments w(data, types, cols, op);
   const int64_t K = cols, N = w.rows();
@@ -993,9 +1030,15 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
   const PanelRows layout{N, fused_silu};
 #if KVSERVE_HAS_AVX512
   if (width % 16 == 0) {
-    const bool amx = KVSERVE_HAS_AMX && request_amx();
+    const bool fused = M <= fused_max_rows;
+    const bool amx = !fused && KVSERVE_HAS_AMX && request_amx();
     // The widening kernel reads fp32 activations; the others read the bf16 ones as they are.
     const at::Tensor x_wide = amx || KVSERVE_HAS_AVX512_BF16 ? at::Tensor() : x.to(at::kFloat);
+    if (fused) {
+      matmul_fused(x.data_ptr<at::BFloat16>(), x_wide.defined() ? x_wide.data_ptr<float>() : nullptr, M, w, layout,
+                   bp, out.data_ptr<at::BFloat16>(), width);
+      return out.view(out_sizes);
+    }
     matmul_slabs(x.data_ptr<at::BFloat16>(), x_wide.defined() ? x_wide.data_ptr<float>() : nullptr, M, w, layout,
                  bp, out.data_ptr<at::BFloat16>(), width, amx);
     return out.view(out_sizes);
@@ -1015,13 +1058,14 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
-  return quant_forward(x, data, types, cols, bias, false, gemv_max_rows, "quant_linear");
+                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows, int64_t fused_max_rows) {
+  return quant_forward(x, data, types, cols, bias, false, gemv_max_rows, fused_max_rows, "quant_linear");
 }
 
 at::Tensor quant_linear_silu_mul(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                                 int64_t gemv_max_rows) {
-  return quant_forward(x, data, types, cols, c10::nullopt, true, gemv_max_rows, "quant_linear_silu_mul");
+                                 int64_t gemv_max_rows, int64_t fused_max_rows) {
+  return quant_forward(x, data, types, cols, c10::nullopt, true, gemv_max_rows, fused_max_rows,
+                       "quant_linear_silu_mul");
 }
 
 // Rows `rows` (int64) of one quantised segment [N, row_bytes] as `dtype` (float32 or bf16) [len(rows), cols].

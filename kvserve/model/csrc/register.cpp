@@ -10,7 +10,7 @@
 //                    bf16dot_linear, bf16dot_linear_silu_mul: on the same layout with VDPBF16PS (AVX512-BF16)
 //   linear_avx2.cpp  avx2_linear, avx2_linear_silu_mul: the widening projections on AVX2 and FMA
 //   quantized.cpp    quant_linear, quant_linear_silu_mul: projections on GGUF-quantised weights (int8 VNNI
-//                    dot products for few rows, bf16 panels on AMX for many); quant_dequantize: their values
+//                    dot products for few rows, dequantised bf16 panels for more); quant_dequantize: their values
 //   attention.cpp    paged_decode: decode attention over the paged KV cache, read in place;
 //                    merge_attention: two attention halves into one by their log-sum-exps
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
@@ -36,9 +36,11 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::amx_linear);
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::amx_linear_silu_mul);
   m.def("has_avx512() -> bool", &kvserve::has_avx512);
-  m.def("quant_linear(Tensor x, Tensor[] data, int[] types, int cols, Tensor? bias, int gemv_max_rows) -> Tensor",
+  m.def("quant_linear(Tensor x, Tensor[] data, int[] types, int cols, Tensor? bias, int gemv_max_rows, "
+        "int fused_max_rows) -> Tensor",
         &kvserve::quant_linear);
-  m.def("quant_linear_silu_mul(Tensor x, Tensor[] data, int[] types, int cols, int gemv_max_rows) -> Tensor",
+  m.def("quant_linear_silu_mul(Tensor x, Tensor[] data, int[] types, int cols, int gemv_max_rows, "
+        "int fused_max_rows) -> Tensor",
         &kvserve::quant_linear_silu_mul);
   m.def("quant_dequantize(Tensor data, int type, int cols, Tensor rows, ScalarType dtype) -> Tensor",
         &kvserve::quant_dequantize);
@@ -74,7 +76,7 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor? prefix_kv_lens, Tensor? prefix_q_starts, Tensor[] prefix_packed, Tensor[] single_row_weights, "
         "Tensor[] qkv_biases, Tensor[] q_norms, Tensor[] k_norms, int num_heads, int num_kv_heads, "
         "float eps, float scale, int split_size, Tensor[] quant_data, int[] quant_types, int[] quant_segments, "
-        "int[] quant_cols, int quant_gemv_max_rows, str projections, str attention) -> (Tensor, Tensor)",
+        "int[] quant_cols, int quant_gemv_max_rows, int quant_fused_max_rows, str projections, str attention) -> (Tensor, Tensor)",
         &kvserve::decode_stack);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
