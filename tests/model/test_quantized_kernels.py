@@ -116,6 +116,28 @@ def test_quant_linear_matches_a_float64_reference(qtype, num_rows) -> None:
 
 
 @needs_kernels
+@pytest.mark.skipif(kernels is None or not kernels.avx512, reason="the packed AVX-512 projection kernels")
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_the_panel_paths_multiply_exactly_the_dequantised_weight(qtype) -> None:
+    """The fused panels and the slabs dequantise whole blocks of 16 rows straight into the packed layout: what
+    they multiply must be, bit for bit, the row dequantiser's bf16 weight packed and run through the bf16
+    projection kernel. Inner sizes end part-way through a group of chunk scales."""
+    cols = {32: 608, 256: 768}[GGML_QUANT_SIZES[qtype][0]]
+    blocks = random_blocks(qtype, 48, cols, seed=3)
+    weight = QuantizedWeight.from_blocks(int(qtype), blocks, cols)
+    (segment,) = weight.segments
+    dense = torch.ops.kvserve.quant_dequantize(segment.data, int(qtype), cols, torch.arange(48), torch.bfloat16)
+    packed = torch.ops.kvserve.pack_bf16_pairs(dense)
+    linear = torch.ops.kvserve.bf16dot_linear if kernels.gemv_bf16 else torch.ops.kvserve.avx512_linear
+    for num_rows in (5, 16, 40):
+        x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+        expected = linear(x, packed, None)
+        for fused_rows in (FUSED_ROWS, 0):
+            got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, None, 0, fused_rows)
+            assert torch.equal(got, expected), (num_rows, fused_rows)
+
+
+@needs_kernels
 @pytest.mark.parametrize(("gemv_rows", "fused_rows"), [(GEMV_ROWS, FUSED_ROWS), (0, FUSED_ROWS), (0, 0)],
                          ids=["int8-dots", "fused-panels", "slabs"])
 def test_mixed_segments_and_the_fused_gate_up(gemv_rows, fused_rows) -> None:

@@ -867,6 +867,58 @@ struct PanelRows {
 };
 
 
+#if KVSERVE_HAS_AVX512
+// A chunk's 32 values as bf16 pairs: values 0-15 from lo, 16-31 from hi, rounded as dequantize_row_bf16 rounds.
+inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+#if KVSERVE_HAS_AVX512_BF16
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#else
+  return _mm512_inserti64x4(_mm512_castsi256_si512(cvt16_bf16(lo)), cvt16_bf16(hi), 1);
+#endif
+}
+
+// 16 consecutive weight rows of one format (`stride` bytes apart) dequantised straight into packed tiles: a
+// chunk's 16 rows become bf16 pairs in registers and one transpose writes the chunk's tile, with no row
+// buffer between (the values of dequantize_row_bf16, computed the same way). The 16 rows after them (what
+// the worker takes next) are fetched as it goes: read 16 at once, the rows' planes are more streams than the
+// hardware prefetcher follows.
+template <int64_t Type>
+void dequantize_rows16_packed(const uint8_t* row0, int64_t stride, int64_t K, at::BFloat16* tiles) {
+  using F = Format<Type>;
+  const int64_t chunks = K / 32;
+  const int64_t fetch_step = (16 * stride + chunks - 1) / chunks;
+  const uint8_t* fetch = row0 + 16 * stride;
+  const __m512 shift = _mm512_set1_ps(-static_cast<float>(1 << F::kOffsetShift));
+  Planes p[16];
+  for (int n = 0; n < 16; ++n) p[n] = planes_of(Type, row0 + n * stride, K);
+  alignas(64) float d[16][16], m[16][16];  // per row, the slot group's scales and offsets
+  for (int64_t c0 = 0; c0 < chunks; c0 += F::kSlotChunks) {
+    const int64_t nc = std::min(F::kSlotChunks, chunks - c0);
+    const __mmask16 live = static_cast<__mmask16>((1u << (F::kHalfScales ? 2 * nc : nc)) - 1);
+    for (int n = 0; n < 16; ++n) {
+      __m512 dv, mv = _mm512_setzero_ps();
+      F::slot_scales(p[n], c0, live, &dv, &mv);
+      _mm512_store_ps(d[n], dv);
+      _mm512_store_ps(m[n], F::kSymmetric ? _mm512_mul_ps(shift, dv) : mv);
+    }
+    for (int64_t i = 0; i < nc; ++i) {
+      for (int64_t b = 0; b < fetch_step; b += 64) _mm_prefetch(reinterpret_cast<const char*>(fetch + b), _MM_HINT_T0);
+      fetch += fetch_step;
+      const int64_t lo = F::kHalfScales ? 2 * i : i, hi = F::kHalfScales ? 2 * i + 1 : i;
+      __m512i pairs[16];
+      for (int n = 0; n < 16; ++n) {
+        const __m256i q = F::bytes(p[n], c0 + i);
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+        pairs[n] = bf16_pairs(_mm512_fmadd_ps(q0, _mm512_set1_ps(d[n][lo]), _mm512_set1_ps(m[n][lo])),
+                              _mm512_fmadd_ps(q1, _mm512_set1_ps(d[n][hi]), _mm512_set1_ps(m[n][hi])));
+      }
+      transpose16_epi32(pairs, reinterpret_cast<uint32_t*>(tiles + (c0 + i) * 512));
+    }
+  }
+}
+#endif
+
 #if KVSERVE_HAS_AVX512 || KVSERVE_HAS_QUANT_AVX2
 // n-block b (16 weight rows) of panel p, rows 16 (b % 2) .. of it, dequantised into the layout amx_pack gives
 // bf16 weights (a block's 16 rows as pairs of k side by side, which pack_bf16_pairs's kernels read too): KB
@@ -874,6 +926,19 @@ struct PanelRows {
 void dequantize_block(const Segments& w, const PanelRows& layout, int64_t p, int64_t half, at::BFloat16* rows,
                       at::BFloat16* tiles) {
   const int64_t K = w.K, KB = K / 32;
+#if KVSERVE_HAS_AVX512
+  // 16 consecutive rows of one segment (every block of the models' weights): straight into the tiles.
+  const int64_t first = layout.row_of(p, 16 * half), last = layout.row_of(p, 16 * half + 15);
+  if (first >= 0 && last == first + 15) {
+    const int64_t s = w.segment_of(first);
+    if (last < w.starts[s + 1]) {
+      with_type(w.types[s], [&](auto tag) {
+        dequantize_rows16_packed<decltype(tag)::value>(w.row(s, first), w.row_bytes[s], K, tiles);
+      });
+      return;
+    }
+  }
+#endif
   fill_panel(w, [&](int64_t r) { return layout.row_of(p, 16 * half + r); }, 16, rows);
   for (int64_t kb = 0; kb < KB; ++kb) {
 #if KVSERVE_HAS_AVX512
