@@ -4,7 +4,8 @@ dequantiser, for every format they take, at tail shapes; the held layout; the op
 Tolerances: the kernels round their output to bf16 (a relative 2^-9), so results are compared with
 rtol = atol / max|ref| = 2^-7. The few-row path is compared against the same int8-quantised activations it
 uses (per block of 32, scale max|x| / 127); the many-row path against bf16 activations times the weights
-rounded to bf16, which is what its dequantised panels hold.
+rounded to bf16, which is what its dequantised panels hold; the mid-width path, where it multiplies the
+weights' integers (AVX512-BF16), against the exact weights.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ HALF_OFFSETS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0
                 T.Q5_K: [0, 2], T.Q6_K: [208]}
 GEMV_ROWS = 4
 FUSED_ROWS = 64
+# Where the fused mid-width path multiplies the weights' integers on VDPBF16PS (AVX512-BF16 builds; the plan
+# gives AMX CPUs the slabs instead), without rounding the weights to bf16.
+INTEGER_WEIGHTS = kernels is not None and kernels.gemv_bf16
 RTOL = 2**-7
 
 
@@ -107,11 +111,12 @@ def test_quant_linear_matches_a_float64_reference(qtype, num_rows) -> None:
         got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, GEMV_ROWS, FUSED_ROWS)
         if num_rows <= GEMV_ROWS and kernels.quantized_gemv:
             ref = int8_activations(x) @ w.T
+        elif INTEGER_WEIGHTS and rows % 16 == 0:
+            ref = x.double() @ w.T
+            slabs = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, 0, 0)
+            assert_close(slabs, x.double() @ w.bfloat16().double().T + bias.double())
         else:
             ref = x.double() @ w.bfloat16().double().T
-            # The fused path multiplies the same dequantised bytes with the same kernel as the slabs.
-            slabs = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, 0, 0)
-            assert torch.equal(got, slabs)
         assert_close(got, ref + bias.double())
 
 
@@ -119,9 +124,11 @@ def test_quant_linear_matches_a_float64_reference(qtype, num_rows) -> None:
 @pytest.mark.skipif(kernels is None or not kernels.avx512, reason="the packed AVX-512 projection kernels")
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_the_panel_paths_multiply_exactly_the_dequantised_weight(qtype) -> None:
-    """The fused panels and the slabs dequantise whole blocks of 16 rows straight into the packed layout: what
-    they multiply must be, bit for bit, the row dequantiser's bf16 weight packed and run through the bf16
-    projection kernel. Inner sizes end part-way through a group of chunk scales."""
+    """The fused panels (where they dequantise) and the slabs dequantise whole blocks of 16 rows straight
+    into the packed layout: what they multiply must be, bit for bit, the row dequantiser's bf16 weight packed
+    and run through the bf16 projection kernel. Where the mid widths take the integer weights instead, their
+    results must be nearer the exact products than the dequantised weight's. Inner sizes end part-way
+    through a group of chunk scales."""
     cols = {32: 608, 256: 768}[GGML_QUANT_SIZES[qtype][0]]
     blocks = random_blocks(qtype, 48, cols, seed=3)
     weight = QuantizedWeight.from_blocks(int(qtype), blocks, cols)
@@ -132,9 +139,15 @@ def test_the_panel_paths_multiply_exactly_the_dequantised_weight(qtype) -> None:
     for num_rows in (5, 16, 40):
         x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
         expected = linear(x, packed, None)
-        for fused_rows in (FUSED_ROWS, 0):
-            got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, None, 0, fused_rows)
-            assert torch.equal(got, expected), (num_rows, fused_rows)
+        slabs = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, None, 0, 0)
+        assert torch.equal(slabs, expected)
+        fused = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, None, 0, FUSED_ROWS)
+        if not INTEGER_WEIGHTS:
+            assert torch.equal(fused, expected)
+            continue
+        exact = x.double() @ weight.dequantize(torch.float64).T
+        assert_close(fused, exact)
+        assert (fused.double() - exact).abs().mean() < (slabs.double() - exact).abs().mean()
 
 
 @needs_kernels

@@ -10,11 +10,16 @@
 //   llama.cpp's Q8 activation blocks), and each chunk's dot product is one VNNI dpbusd of q against them
 //   (without AVX-512: AVX2's maddubs and madd, Q8_0's bytes taken signed so that no pair sum saturates);
 //   the offsets are applied through the activations' per-half sums. Weights are read once, packed.
-// many rows (prefill chunks, wide decode batches): weight rows are dequantised a slab (~2 MB) at a time
-//   into the layout the bf16 projections' packed kernels read (amx_pack's tiles, which are also
-//   pack_bf16_pairs's pairs), and their own matmul multiplies each slab against all the activation rows: AMX
-//   tiles, else VDPBF16PS, else widening FMAs (AVX-512's, or AVX2's). Without AVX2 (or for a width not in
-//   blocks of 16) panels of rows go through torch's matmul.
+// mid widths (decode batches, up to the plan's fused limit; AVX-512 without AMX): each worker takes a panel
+//   of 32 weight rows and multiplies every activation row against it while it is in cache. With
+//   AVX512-BF16 the weights' integers go straight into VDPBF16PS (each chunk's scale and offset applied to
+//   its partial sums: nothing is dequantised, nothing rounded to bf16); without, the panel is dequantised
+//   into the packed layout and run through the widening kernel.
+// many rows (prefill chunks): weight rows are dequantised a slab (~2 MB) at a time into the layout the bf16
+//   projections' packed kernels read (amx_pack's tiles, which are also pack_bf16_pairs's pairs), and their
+//   own matmul multiplies each slab against all the activation rows: AMX tiles, else VDPBF16PS, else
+//   widening FMAs (AVX-512's, or AVX2's). Without AVX2 (or for a width not in blocks of 16) panels of rows
+//   go through torch's matmul.
 //
 // quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
 
@@ -1030,6 +1035,215 @@ void matmul_fused(const at::BFloat16* x, const float* x_wide, int64_t M, const S
 }
 #endif
 
+#if KVSERVE_HAS_AVX512_BF16
+// ------------------------------------------------------------------------------------------------------
+// Mid widths on AVX512-BF16 without AMX: the weights' integers meet bf16 activations on VDPBF16PS, and each
+// chunk's scale and offset are applied to its partial sums, so no weight is ever dequantised to floats.
+// ------------------------------------------------------------------------------------------------------
+// Every format's unsigned quant q is below 128, and 0x4300 | q is exactly the bf16 value 128 + q: one
+// widening op and an OR make a chunk's 32 weights bf16, where dequantising takes eight float ops. Products
+// of two bf16 values are exact in fp32, so a slot's sum S = sum (128 + q) x is as exact as fp32 sums are,
+// and its weights' share d sum q x + m sum x is d S + (m - 128 d) sum x: per slot (a chunk, or Q6_K's half
+// chunk) one FMA with d and one with the offset times the activations' sum over the slot. Q8_0's signed
+// bytes are exact in bf16 as they are (offset 0). The weights are not rounded to bf16 at all: the results
+// are nearer the exact products than the dequantising paths'.
+constexpr int kIntTileRows = 12;  // activation rows x blocks per micro-tile: as many sums and accumulators
+
+// A block of 16 weight rows made ready for the products: per chunk a tile of 16 pairs x 16 rows of bf16
+// integer weights (the packed layout), and per slot each row's scale and offset.
+struct IntBlock {
+  std::vector<uint32_t> tiles;  // [chunks][16 pairs][16 rows]
+  std::vector<float> d, off;    // [slots (+ a group's spare)][16 rows]
+};
+
+template <int64_t Type>
+void prepare_int_block(const uint8_t* row0, int64_t stride, int64_t K, IntBlock& block) {
+  using F = Format<Type>;
+  constexpr int64_t S = F::kHalfScales ? 2 : 1;
+  const int64_t chunks = K / 32;
+  block.tiles.resize(chunks * 256);
+  block.d.resize((S * chunks + 16) * 16);
+  block.off.resize((S * chunks + 16) * 16);
+  const __m512 shift = _mm512_set1_ps(-static_cast<float>(1 << F::kOffsetShift));
+  const __m512 bias128 = _mm512_set1_ps(-128.f);
+  const __m512i magic = _mm512_set1_epi16(0x4300);
+  // The next rows (the worker's next block) are fetched as these are read, as dequantize_rows16_packed does.
+  const int64_t fetch_step = (16 * stride + chunks - 1) / chunks;
+  const uint8_t* fetch = row0 + 16 * stride;
+  Planes p[16];
+  for (int n = 0; n < 16; ++n) p[n] = planes_of(Type, row0 + n * stride, K);
+  for (int64_t c0 = 0; c0 < chunks; c0 += F::kSlotChunks) {
+    const int64_t nc = std::min(F::kSlotChunks, chunks - c0);
+    const __mmask16 live = static_cast<__mmask16>((1u << (S * nc)) - 1);
+    __m512i d_rows[16], off_rows[16];  // row n's sixteen slots; transposed, each slot's sixteen rows
+    for (int n = 0; n < 16; ++n) {
+      __m512 dv, mv = _mm512_setzero_ps();
+      F::slot_scales(p[n], c0, live, &dv, &mv);
+      const __m512 m = F::kSymmetric ? _mm512_mul_ps(shift, dv) : mv;
+      d_rows[n] = _mm512_castps_si512(dv);
+      off_rows[n] = _mm512_castps_si512(Type == kQ8_0 ? _mm512_setzero_ps() : _mm512_fmadd_ps(bias128, dv, m));
+    }
+    transpose16_epi32(d_rows, reinterpret_cast<uint32_t*>(block.d.data() + S * c0 * 16));
+    transpose16_epi32(off_rows, reinterpret_cast<uint32_t*>(block.off.data() + S * c0 * 16));
+    for (int64_t i = 0; i < nc; ++i) {
+      for (int64_t b = 0; b < fetch_step; b += 64) _mm_prefetch(reinterpret_cast<const char*>(fetch + b), _MM_HINT_T0);
+      fetch += fetch_step;
+      __m512i pairs[16];
+      for (int n = 0; n < 16; ++n) {
+        if constexpr (Type == kQ8_0) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n].qs + 32 * (c0 + i)));
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+          pairs[n] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        } else {
+          pairs[n] = _mm512_or_si512(_mm512_cvtepu8_epi16(F::bytes(p[n], c0 + i)), magic);
+        }
+      }
+      transpose16_epi32(pairs, block.tiles.data() + (c0 + i) * 256);
+    }
+  }
+}
+
+// Rows m0 .. m0 + MR - 1 against NT blocks of one slot shape: out[j][i * 16 ..] in fp32. xp: the activations
+// as bf16 pairs [M, K / 2]; xsum: their sums per slot [M, slots]. Two blocks share each broadcast activation
+// pair, as the bf16 projections' tiles do.
+template <int MR, int64_t S, int NT>
+inline void int_block_tile(const uint32_t* xp, const float* xsum, int64_t m0, int64_t K, const IntBlock* const* blocks,
+                           float* const* out) {
+  constexpr int64_t kPairs = 16 / S;  // pairs of k per slot
+  const int64_t half_k = K / 2, slots = S * (K / 32);
+  __m512 acc[MR][NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint32_t* x = xp + m0 * half_k;
+  const float* xs = xsum + m0 * slots;
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    __m512 sum[MR][NT];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < NT; ++j) sum[i][j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int64_t q = 0; q < kPairs; ++q) {
+      __m512bh wv[NT];
+#pragma GCC unroll 2
+      for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(blocks[j]->tiles.data() + (slot * kPairs + q) * 16);
+#pragma GCC unroll 12
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * half_k + slot * kPairs + q]));
+#pragma GCC unroll 2
+        for (int j = 0; j < NT; ++j) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], xv, wv[j]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < NT; ++j) {
+      const __m512 d = _mm512_loadu_ps(blocks[j]->d.data() + slot * 16);
+      const __m512 off = _mm512_loadu_ps(blocks[j]->off.data() + slot * 16);
+#pragma GCC unroll 12
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[i * slots + slot]), _mm512_fmadd_ps(sum[i][j], d, acc[i][j]));
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NT; ++j) _mm512_storeu_ps(out[j] + (m0 + i) * 16, acc[i][j]);
+}
+
+template <int64_t S, int NT, int MR = kIntTileRows / NT>
+inline void int_block_rows(const uint32_t* xp, const float* xsum, int64_t m0, int64_t rows, int64_t K,
+                           const IntBlock* const* blocks, float* const* out) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return int_block_rows<S, NT, MR - 1>(xp, xsum, m0, rows, K, blocks, out);
+  }
+  int_block_tile<MR, S, NT>(xp, xsum, m0, K, blocks, out);
+}
+
+// Every activation row against NT (1 or 2) prepared blocks of one slot shape (S slots a chunk): out[j][M][16]
+// in fp32, in even tiles of rows.
+template <int NT>
+void int_block_products(const uint32_t* xp, const float* xsum, int64_t M, int64_t K, int64_t S,
+                        const IntBlock* const* blocks, float* const* out) {
+  constexpr int64_t kRows = kIntTileRows / NT;
+  const int64_t tiles = (M + kRows - 1) / kRows, tile_rows = (M + tiles - 1) / tiles;
+  for (int64_t m = 0; m < M; m += tile_rows) {
+    const int64_t rows = std::min(tile_rows, M - m);
+    if (S == 2) int_block_rows<2, NT>(xp, xsum, m, rows, K, blocks, out);
+    else int_block_rows<1, NT>(xp, xsum, m, rows, K, blocks, out);
+  }
+}
+
+// The mid-width projection: each worker takes panels (two blocks of 16 weight rows, or a gate block and its
+// up block), prepares each block in its own buffers and multiplies every activation row against it. Needs
+// every block inside one segment (rows in whole blocks of 16 per segment); else the caller dequantises.
+void matmul_int_weights(const at::BFloat16* x, int64_t M, const Segments& w, const PanelRows& layout,
+                        const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+  const int64_t K = w.K, chunks = K / 32;
+  // The activations' sums per half chunk (Q6_K's slots); a chunk's sum is its two halves'.
+  std::vector<float> half_sums(M * 2 * chunks), chunk_sums(M * chunks);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const at::BFloat16* xc = x + m * K + 32 * c;
+      const float a = _mm512_reduce_add_ps(load16(xc)), b = _mm512_reduce_add_ps(load16(xc + 16));
+      half_sums[(m * chunks + c) * 2] = a;
+      half_sums[(m * chunks + c) * 2 + 1] = b;
+      chunk_sums[m * chunks + c] = a + b;
+    }
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+  parallel_range(0, layout.panels(), 1, [&](int64_t p0, int64_t p1) {
+    static thread_local IntBlock prepared[2];
+    static thread_local std::vector<float> results;  // [2 blocks][M][16]
+    if (static_cast<int64_t>(results.size()) < 2 * M * 16) results.resize(2 * M * 16);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t blocks = panel_blocks(layout, p);
+      int64_t slots[2] = {1, 1};  // per block, its format's slots per chunk
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = layout.row_of(p, 16 * b), s = w.segment_of(first);
+        with_type(w.types[s], [&](auto tag) {
+          constexpr int64_t Type = decltype(tag)::value;
+          prepare_int_block<Type>(w.row(s, first), w.row_bytes[s], K, prepared[b]);
+          slots[b] = Format<Type>::kHalfScales ? 2 : 1;
+        });
+      }
+      const IntBlock* const block_of[2] = {&prepared[0], &prepared[1]};
+      float* const out_of[2] = {results.data(), results.data() + M * 16};
+      auto sums = [&](int64_t S) { return S == 2 ? half_sums.data() : chunk_sums.data(); };
+      if (blocks == 2 && slots[0] == slots[1]) {
+        int_block_products<2>(xp, sums(slots[0]), M, K, slots[0], block_of, out_of);
+      } else {
+        for (int64_t b = 0; b < blocks; ++b) int_block_products<1>(xp, sums(slots[b]), M, K, slots[b], block_of + b, out_of + b);
+      }
+      if (layout.silu_mul) {
+        // Rounded at every step as silu_mul(linear(...)) rounds: gate and up to bf16, silu to bf16, product.
+        for (int64_t m = 0; m < M; ++m) {
+          const __m512 gate = round16_bf16(_mm512_loadu_ps(results.data() + m * 16));
+          const __m512 up = round16_bf16(_mm512_loadu_ps(results.data() + (M + m) * 16));
+          const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                                 exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+          store16_bf16(out + m * ld + p * 16, _mm512_mul_ps(round16_bf16(silu), up));
+        }
+        continue;
+      }
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t col = p * kPanelRows + 16 * b;
+        const __m512 bv = bias ? load16(bias + col) : _mm512_setzero_ps();
+        for (int64_t m = 0; m < M; ++m)
+          store16_bf16(out + m * ld + col, _mm512_add_ps(_mm512_loadu_ps(results.data() + (b * M + m) * 16), bv));
+      }
+    }
+  });
+}
+
+// Whether every block of 16 rows lies inside one segment (the models' weights: segments of whole blocks).
+bool blocks_within_segments(const Segments& w) {
+  for (size_t s = 0; s + 1 < w.starts.size(); ++s)
+    if (w.starts[s] % 16 != 0) return false;
+  return true;
+}
+#endif
+
 // Without AVX2 (or for a width not in blocks of 16): panels of weight rows dequantised, then torch's matmul.
 void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows& layout, const at::Tensor& bias,
                          const at::Tensor& out) {
@@ -1100,6 +1314,12 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
     // The widening kernel reads fp32 activations; the others read the bf16 ones as they are.
     const at::Tensor x_wide = amx || KVSERVE_HAS_AVX512_BF16 ? at::Tensor() : x.to(at::kFloat);
     if (fused) {
+#if KVSERVE_HAS_AVX512_BF16
+      if (blocks_within_segments(w)) {
+        matmul_int_weights(x.data_ptr<at::BFloat16>(), M, w, layout, bp, out.data_ptr<at::BFloat16>(), width);
+        return out.view(out_sizes);
+      }
+#endif
       matmul_fused(x.data_ptr<at::BFloat16>(), x_wide.defined() ? x_wide.data_ptr<float>() : nullptr, M, w, layout,
                    bp, out.data_ptr<at::BFloat16>(), width);
       return out.view(out_sizes);
