@@ -16,10 +16,11 @@ and thread count:
 
 With ``--widths``, instead: every decoder layer's quantised projections of each model at those numbers of
 input rows, side by side and alternating, through the three paths: few-row (int8 activations, VNNI dot
-products on the blocks), fused (each worker dequantises a panel of 32 weight rows into the packed layout and
-multiplies every input row against it while it is in cache) and slabs (~2 MB of rows dequantised, then the
-CPU's bf16 projection kernel over them): where the plan's limits (QUANTIZED_GEMV_MAX_ROWS,
-QUANTIZED_FUSED_MAX_ROWS) should sit on this CPU.
+products on the blocks), fused (each worker takes a panel of 32 weight rows and multiplies every input row
+against it while it is in cache: the weights' integers on VDPBF16PS where the CPU has AVX512-BF16, else the
+panel dequantised into the packed layout) and slabs (~2 MB of rows dequantised, then the CPU's bf16
+projection kernel over them): where the plan's limits (QUANTIZED_GEMV_MAX_ROWS, QUANTIZED_FUSED_MAX_ROWS)
+should sit on this CPU.
 
 Ratios are printed per model; the machines are shared, so compare within one run.
 """
@@ -115,7 +116,7 @@ def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
 
 
 # The quantised paths, as quant_linear's (gemv_max_rows, fused_max_rows) given the width w: (w, 0) takes the
-# int8 dot products, (0, w) the per-panel dequantisation beside its products, (0, 0) the slabs.
+# int8 dot products, (0, w) the panels multiplied by the worker that reads them, (0, 0) the slabs.
 PATHS = {"few_row": (1, 0), "fused": (0, 1), "slabs": (0, 0)}
 
 

@@ -46,9 +46,10 @@ VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 # puts the speed crossover at about eight rows, but at eight rows the int8 activations cost greedy
 # agreement with the dequantised model (tests/e2e/test_quantized_models.py), so the limit stays four.
 QUANTIZED_GEMV_MAX_ROWS = 4
-# Wider inputs up to this many rows take the weight dequantised a panel at a time by the worker that
-# multiplies it, on CPUs whose packed family is AVX-512's (with or without the BF16 dot products); wider
-# ones, and every width on AMX (unmeasured there), the slabs (benchmarks/quantized.py --widths).
+# Wider inputs up to this many rows take panels of the weight multiplied by the worker that reads them (the
+# weights' integers on the BF16 dot products, else dequantised panels), on CPUs whose packed family is
+# AVX-512's; wider ones, and every width on AMX (unmeasured there), the slabs (benchmarks/quantized.py
+# --widths).
 QUANTIZED_FUSED_MAX_ROWS = 64
 
 Family = Literal["amx", "bf16dot", "avx512", "avx2"]
@@ -71,8 +72,8 @@ class KernelPlan:
     # GGUF-quantised weights run in their blocks, inputs of at most this many rows on the int8 dot products
     # (0: none, every width on the dequantised panels); None: quantised weights are dequantised at load.
     quantized_gemv_max_rows: int | None = None
-    # Wider inputs up to this many rows on the weight dequantised a panel at a time beside its products (0:
-    # none); wider ones on the dequantised slabs.
+    # Wider inputs up to this many rows on panels multiplied by the worker that reads them (0: none); wider
+    # ones on the dequantised slabs.
     quantized_fused_max_rows: int = 0
     # Whether --quantization auto (the default) keeps them in blocks: True where the quantised kernels are at
     # least as fast as dense weights at batch widths too; False where only --quantization gguf asks for them.
@@ -91,7 +92,7 @@ class KernelPlan:
             parts.append("fused decode stack")
         if self.quantized_gemv_max_rows is not None:
             paths = ([f"int8 dot products up to {self.quantized_gemv_max_rows} rows"] if self.quantized_gemv_max_rows
-                     else []) + ([f"panels dequantised beside their products up to {self.quantized_fused_max_rows}"]
+                     else []) + ([f"panels multiplied where they are read up to {self.quantized_fused_max_rows} rows"]
                                  if self.quantized_fused_max_rows else [])
             parts.append("quantised weights packed" + (f" ({', '.join(paths)})" if paths else ""))
         text = ", ".join(parts)

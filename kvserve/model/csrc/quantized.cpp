@@ -1012,7 +1012,8 @@ void matmul_slabs(const at::BFloat16* x, const float* x_wide, int64_t M, const S
 #endif
 
 #if KVSERVE_HAS_AVX512
-// Mid widths (a decode batch): each worker dequantises one panel (two n-blocks: 32 weight rows, or 16 gate
+// Mid widths (a decode batch) where matmul_int_weights does not apply (AVX-512 without AVX512-BF16, or a
+// block across two segments): each worker dequantises one panel (two n-blocks: 32 weight rows, or 16 gate
 // rows with their up rows) into its own packed buffer and at once multiplies every activation row against
 // it, so the dequantised weight stays in the worker's L1 / L2; the slabs write it out and read it back in a
 // second parallel pass, which at a few rows costs more than the products. The same kernel as the slabs' on
@@ -1037,8 +1038,9 @@ void matmul_fused(const at::BFloat16* x, const float* x_wide, int64_t M, const S
 
 #if KVSERVE_HAS_AVX512_BF16
 // ------------------------------------------------------------------------------------------------------
-// Mid widths on AVX512-BF16 without AMX: the weights' integers meet bf16 activations on VDPBF16PS, and each
-// chunk's scale and offset are applied to its partial sums, so no weight is ever dequantised to floats.
+// Mid widths on AVX512-BF16 (the plan sends them here where there is no AMX): the weights' integers meet
+// bf16 activations on VDPBF16PS, and each chunk's scale and offset are applied to its partial sums, so no
+// weight is ever dequantised to floats.
 // ------------------------------------------------------------------------------------------------------
 // Every format's unsigned quant q is below 128, and 0x4300 | q is exactly the bf16 value 128 + q: one
 // widening op and an OR make a chunk's 32 weights bf16, where dequantising takes eight float ops. Products
