@@ -163,8 +163,9 @@ class QuantizedOrDense:
 class QuantizedWidths:
     """Which of the quantised kernels' paths (csrc/quantized.cpp) takes an input of a given number of rows:
     at most ``gemv_max_rows`` the int8 dot products on the blocks (0: none), else at most ``fused_max_rows``
-    the weight dequantised a panel at a time by the worker that multiplies it (0: none), wider ones the
-    weight dequantised in slabs ahead of the packed bf16 kernels (or torch's matmul)."""
+    panels of the weight multiplied by the worker that reads them (the weights' integers on VDPBF16PS, or
+    dequantised panels; 0: none), wider ones the weight dequantised in slabs ahead of the packed bf16
+    kernels (or torch's matmul)."""
 
     gemv_max_rows: int
     fused_max_rows: int = 0

@@ -404,8 +404,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
     at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
-    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows, int64_t quant_fused_max_rows,
-    c10::string_view projections, c10::string_view attention);
+    at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
+    int64_t quant_fused_max_rows, c10::string_view projections, c10::string_view attention);
 
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& x);

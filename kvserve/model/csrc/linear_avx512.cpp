@@ -264,30 +264,28 @@ at::Tensor bf16dot_linear_silu_mul(const at::Tensor&, const at::Tensor&) {
 }
 #endif
 
+namespace {
+// The variant the build's CPU takes for weights packed elsewhere (the quantised projections' panels): the dot
+// products on bf16 x where it has AVX512-BF16, else the widening FMAs on x_wide.
+constexpr bool kDotBuild = KVSERVE_HAS_AVX512_BF16;
+
+Operands packed_operands(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed, int64_t K,
+                         at::BFloat16* out, int64_t ld, const at::BFloat16* bias, bool silu_mul) {
+  return {kDotBuild ? static_cast<const void*>(x) : static_cast<const void*>(x_wide), M, K,
+          reinterpret_cast<const uint16_t*>(packed), out, ld, bias, silu_mul};
+}
+}  // namespace
+
 void avx512_matmul_packed(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
                           int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
                           bool silu_mul) {
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed);
-#if KVSERVE_HAS_AVX512_BF16
-  (void)x_wide;
-  matmul<true>({x, M, K, w, out, ld, bias, silu_mul}, NB);
-#else
-  (void)x;
-  matmul<false>({x_wide, M, K, w, out, ld, bias, silu_mul}, NB);
-#endif
+  matmul<kDotBuild>(packed_operands(x, x_wide, M, packed, K, out, ld, bias, silu_mul), NB);
 }
 
 void avx512_matmul_packed_here(const at::BFloat16* x, const float* x_wide, int64_t M, const at::BFloat16* packed,
                                int64_t NB, int64_t K, at::BFloat16* out, int64_t ld, const at::BFloat16* bias,
                                bool silu_mul) {
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed);
-#if KVSERVE_HAS_AVX512_BF16
-  (void)x_wide;
-  run_item<true>({x, M, K, w, out, ld, bias, silu_mul}, 0, M, 0, NB);
-#else
-  (void)x;
-  run_item<false>({x_wide, M, K, w, out, ld, bias, silu_mul}, 0, M, 0, NB);
-#endif
+  run_item<kDotBuild>(packed_operands(x, x_wide, M, packed, K, out, ld, bias, silu_mul), 0, M, 0, NB);
 }
 
 #else
