@@ -23,7 +23,8 @@ class NewRequestData:
 class ScheduledRequest:
     """One request's share of a step: compute KV for ``token_ids`` at positions start_position...
 
-    ``block_ids`` is the request's whole block table (slot = block_id * block_size + offset).
+    ``block_ids`` is the request's whole block table (slot = block_id * block_size + offset);
+    ``group_block_ids`` the tables of the other KV groups, when the model has them (kv_layout.py).
     ``sample`` is True when this chunk ends at the request's last known token, so a new token is sampled.
     ``draft_token_ids``: speculative tokens to verify after ``token_ids`` (a decode only): their KV goes into
     the next positions, and the runner samples after each of them. A rejected draft's KV is garbage that
@@ -36,6 +37,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     draft_token_ids: list[int] = field(default_factory=list)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -108,6 +108,8 @@ class CacheConfig:
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes computed before")
     keep_tails: bool = setting(True, "the prefix cache also keeps a finished request's partly filled last block "
                                      "(--no-keep-tails: full blocks only)")
+    window_pages: bool = setting(True, "sliding-window layers keep KV pages for their window only, freed as it "
+                                       "moves on (--no-window-pages: every layer keeps every block)")
     hash_salt: str = setting("", "extra key mixed into every block hash (an adapter or tenant salt): engines "
                                  "with different salts never share cached KV")
 

@@ -30,6 +30,7 @@ from kvserve.config import ArchConfig, EngineConfig, SpeculativeConfig, StorageC
 from kvserve.config_args import engine_config_from_keywords
 from kvserve.errors import ConfigError, InvalidRequest, ModelNotFound
 from kvserve.input_processor import InputProcessor, PromptType
+from kvserve.kv_layout import KVLayout
 from kvserve.model.backends.base import Backend
 from kvserve.model.backends.select import select_backend
 from kvserve.model.llama import LlamaForCausalLM
@@ -124,13 +125,16 @@ class Engine:
 
         cc = config.cache
         num_blocks = num_blocks_for(self.arch, cc, self.dtype)
-        self.max_model_len = self._resolve_max_model_len(num_blocks * cc.block_size)
-        kv_caches = allocate_kv_caches(self.arch, num_blocks, cc.block_size, self.dtype, self.device)
+        self.kv_layout = self._kv_layout()
+        num_pages = self.kv_layout.num_pages(num_blocks)
+        self.max_model_len = self._resolve_max_model_len(
+            self.kv_layout.max_tokens(num_pages, cc.block_size, config.scheduler.max_num_batched_tokens))
+        kv_caches = allocate_kv_caches(self.arch, num_pages, cc.block_size, self.dtype, self.device, self.kv_layout)
         self.tiers = self._build_tiers(config.storage, kv_caches)
         # The device prefix cache's blocks as events a gateway follows (GET /kvserve/kv_events).
         self.kv_events = KVEventLog() if cc.enable_prefix_caching else None
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.tiers,
-                                         keep_tails=cc.keep_tails, events=self.kv_events)
+        self.kv_manager = KVCacheManager(num_pages, cc.block_size, cc.enable_prefix_caching, self.tiers,
+                                         keep_tails=cc.keep_tails, events=self.kv_events, layout=self.kv_layout)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, config.structured)
         sampler = Sampler(self.arch.vocab_size, mc.seed, argmax=self.backend.argmax,
@@ -153,6 +157,21 @@ class Engine:
                                               self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def _kv_layout(self) -> KVLayout:
+        """Window layers in KV groups of their own (their pages freed past the window), unless turned off or
+        the tiers are on: they store whole blocks of every layer."""
+        layout = KVLayout.for_arch(self.arch)
+        if not layout.is_grouped or not self.config.cache.window_pages:
+            return KVLayout.single(self.arch.num_layers)
+        if self.config.storage.enabled:
+            logger.warning("KV tiers are on: the sliding-window layers keep every block (their pages are freed "
+                           "past the window only without tiers)")
+            return KVLayout.single(self.arch.num_layers)
+        logger.info("KV pages: %d groups of %d layers, %d of them sliding-window (window %d): their pages are "
+                    "freed once every query is past them", layout.num_groups, layout.layers_per_page,
+                    sum(layout.windowed), layout.window)
+        return layout
 
     def _load_model(self, path: Path, arch: ArchConfig, quantization: str | None = None
                     ) -> tuple[Backend, LlamaForCausalLM]:

@@ -289,7 +289,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "status", "all_token_ids",
-        "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_cached_tokens", "block_hashes",
+        "num_prompt_tokens", "num_computed_tokens", "block_ids", "group_block_ids", "num_cached_tokens", "block_hashes",
         "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
         "prompt", "cache_handle", "arrival_order", "output_logprobs", "draft_token_ids", "grammar",
     )
@@ -318,6 +318,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # The block tables of the KV groups after the first (kv_layout.py), each as long as ``block_ids``;
+        # empty for a model whose layers all read ``block_ids``.
+        self.group_block_ids: list[list[int]] = []
         self.num_cached_tokens = 0
         self.block_hashes: list[BlockHash] = []
         self.hash_extra = hash_extra

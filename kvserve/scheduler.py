@@ -26,6 +26,7 @@ from collections.abc import Callable
 from kvserve.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.cache.kv_manager import EMPTY_HIT, KVCacheManager, PrefixHit
 from kvserve.config import SchedulerConfig
+from kvserve.kv_layout import NULL_PAGE
 from kvserve.request import Finish, FinishReason, Request, RequestStatus, StepUpdate
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class Scheduler:
             if drafts and self.kv.allocate(request, 1 + len(drafts)):
                 scheduled.draft_token_ids = drafts
                 scheduled.block_ids = list(request.block_ids)  # with the blocks the drafts' KV goes into
+                scheduled.group_block_ids = [list(table) for table in request.group_block_ids]
                 budget -= len(drafts)
                 if budget == 0:
                     return
@@ -231,6 +233,7 @@ class Scheduler:
                 start,
                 list(request.block_ids),  # a copy: the runner sees this step's table, whatever changes after
                 start + num_new == request.num_tokens,
+                group_block_ids=[list(table) for table in request.group_block_ids],
             )
         )
         # Cached as soon as scheduled, so requests admitted after it (this step too) share these blocks.
@@ -326,13 +329,16 @@ class Scheduler:
         for request in self.running:
             expected = request.num_blocks_needed(request.num_computed_tokens, self.kv.block_size)
             assert len(request.block_ids) >= expected, f"{request} holds too few blocks"
-            for block_id in request.block_ids:
+            pages = [page for table in request.group_block_ids for page in table if page != NULL_PAGE]
+            for table in request.group_block_ids:
+                assert len(table) == len(request.block_ids), f"{request}: a group table of {len(table)} blocks"
+            for block_id in request.block_ids + pages:
                 assert self.kv.pool.ref_counts[block_id] > 0, f"{request} holds unreferenced block {block_id}"
                 if block_id in owners and not self.kv.pool.cached[block_id]:
                     raise AssertionError(f"private block {block_id} owned by {owners[block_id]} and {request}")
                 owners[block_id] = request.request_id
         for request in self.waiting:
-            assert not request.block_ids, f"waiting {request} holds blocks"
+            assert not request.block_ids and not request.group_block_ids, f"waiting {request} holds blocks"
 
 
 __all__ = ["Scheduler", "EMPTY_HIT", "PrefixHit"]

@@ -4,7 +4,8 @@ Every block is exactly one of
     free       ref_count == 0 and not cached       (on the free list)
     used       ref_count >= 1                      (in at least one running request's block table)
     evictable  ref_count == 0 and cached           (held by the prefix tree, reclaimable)
-so free + used + evictable == total at all times (``check_invariants``).
+so free + used + evictable == total at all times (``check_invariants``). A pool may reserve block 0 as a
+null page (kv_layout.py): it is never handed out and counts in none of the three.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from collections import deque
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, reserve_null: bool = False) -> None:
+        if num_blocks < 1 + reserve_null:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.cached = [False] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(int(reserve_null), num_blocks))
+        self.num_reserved = int(reserve_null)
+        if reserve_null:
+            self.ref_counts[0] = 1  # held for good: never free, never evictable
         self._num_evictable = 0
 
     # --- counts -------------------------------------------------------------------------------------------
@@ -33,11 +37,11 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free) - self._num_evictable
+        return self.num_blocks - self.num_reserved - len(self._free) - self._num_evictable
 
     @property
     def usage(self) -> float:
-        return self.num_used / self.num_blocks
+        return self.num_used / (self.num_blocks - self.num_reserved)
 
     # --- allocation -----------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -95,9 +99,11 @@ class BlockPool:
         for block_id in free:
             assert self.ref_counts[block_id] == 0, f"free block {block_id} is referenced"
             assert not self.cached[block_id], f"free block {block_id} is cached"
-        used = sum(1 for c in self.ref_counts if c > 0)
+        used = sum(1 for c in self.ref_counts if c > 0) - self.num_reserved
         evictable = sum(1 for c, cached in zip(self.ref_counts, self.cached, strict=True) if c == 0 and cached)
         assert evictable == self._num_evictable, f"evictable count {self._num_evictable} != {evictable}"
-        assert len(free) + used + evictable == self.num_blocks, (
-            f"free {len(free)} + used {used} + evictable {evictable} != total {self.num_blocks}"
+        assert len(free) + used + evictable + self.num_reserved == self.num_blocks, (
+            f"free {len(free)} + used {used} + evictable {evictable} + reserved {self.num_reserved} "
+            f"!= total {self.num_blocks}"
         )
+        assert not self.num_reserved or (self.ref_counts[0] == 1 and not self.cached[0]), "the null page was taken"

@@ -4,6 +4,11 @@ The scheduler sees ``PrefixHit`` (how many tokens are cached) and booleans; the 
 (cache/prefix_cache.py), reference counts and the tiers below device memory (cache/tier_coordinator.py,
 which also says how KV moves between them and device blocks) stay behind this class. While a request holds a
 hit or runs, the blocks on its path are locked in the prefix cache and cannot be evicted.
+
+A model whose sliding-window layers keep their KV in groups of their own (kv_layout.py) has several pages
+per block of tokens; ``GroupPages`` (cache/group_pages.py) keeps those of every group after the first, frees
+the window groups' pages as requests move past them and caches them with the prefix cache's blocks. Block
+counts below are then counts of pages.
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.group_pages import GroupPages
 from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.prefix_cache import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kvserve.cache.radix_cache import TailBlock
 from kvserve.cache.tier_coordinator import NoTiers, TierCoordinator, Tiers
 from kvserve.cache.tiers import TieredKVStore
+from kvserve.kv_layout import KVLayout
 from kvserve.request import BlockHash, Request
 
 DEVICE = "device"
@@ -41,6 +48,8 @@ class PrefixHit:
     pending: bool = False
     tail: TailBlock | None = None
     tail_tokens: int = 0
+    # The pages of the other KV groups for ``block_ids`` (per group, per block), acquired with the hit.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     def tokens_by_tier(self, block_size: int) -> dict[str, int]:
         out = {DEVICE: len(self.block_ids) * block_size + self.tail_tokens}
@@ -74,15 +83,25 @@ class KVCacheManager:
         tiers: TieredKVStore | None = None,
         keep_tails: bool = True,
         events: KVEventLog | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        grouped = layout is not None and layout.is_grouped
+        # Grouped: ``num_blocks`` pages, page 0 the null page the window tables point at once freed.
+        self.pool = BlockPool(num_blocks, reserve_null=grouped)
+        self.groups = GroupPages(layout, block_size, self.pool) if layout is not None and grouped else None
+        self.pages_per_block = layout.num_groups if self.groups is not None and layout is not None else 1
+        if self.groups is not None and tiers is not None:
+            raise ValueError("KV tiers store whole blocks of every layer: not with grouped KV pages")
         # With the cache off nothing is hashed, locked or kept after a request, and the tiers, which only
-        # extend the prefix cache, stay off too.
-        self.prefix_cache: PrefixCache = (RadixPrefixCache(block_size, self.pool, keep_tails, events)
-                                          if enable_prefix_caching else NoPrefixCache())
+        # extend the prefix cache, stay off too. Tails (partly filled blocks) are group 0's alone: not kept
+        # when there are other groups.
+        self.prefix_cache: PrefixCache = (
+            RadixPrefixCache(block_size, self.pool, keep_tails and self.groups is None, events)
+            if enable_prefix_caching else NoPrefixCache())
         self.tiers: Tiers = TierCoordinator(tiers, block_size) if tiers is not None and enable_prefix_caching else NoTiers()
-        self.prefix_cache.on_evict = self.tiers.offload_evicted
+        self.prefix_cache.on_evict = (self.groups.on_block_evicted if self.groups is not None
+                                      else self.tiers.offload_evicted)
         self.enable_prefix_caching = enable_prefix_caching
         self.tier_names = [DEVICE, *self.tiers.names]
         self.stats = PrefixCacheStats(hits_by_tier=dict.fromkeys(self.tier_names, 0))
@@ -96,6 +115,13 @@ class KVCacheManager:
         """Longest cached prefix of the request, leaving at least its last token to compute (for logits)."""
         max_blocks = (request.num_tokens - 1) // self.block_size
         match = self.prefix_cache.match(request, max_blocks)
+        group_pages: list[list[int]] = []
+        if self.groups is not None and match.block_ids:
+            usable = self.groups.usable_hit(match.block_ids)
+            if usable < len(match.block_ids):
+                match = self.prefix_cache.match(request, usable)
+            if match.block_ids:
+                group_pages = self.groups.take_hit(match.block_ids)
         num_device = len(match.block_ids)
         loaded: list[tuple[str, bytes]] = []
         if num_device < max_blocks:
@@ -118,7 +144,7 @@ class KVCacheManager:
             self.prefix_cache.lock(match.handle)
             handle = match.handle
         return PrefixHit((num_device + len(loaded)) * self.block_size + tail_tokens, match.block_ids, handle, loaded,
-                         tail=tail, tail_tokens=tail_tokens)
+                         tail=tail, tail_tokens=tail_tokens, group_block_ids=group_pages)
 
     def wait_for_fetches(self, timeout_s: float) -> None:
         """Block until a pending lower-tier read finishes (or the timeout): for an engine with nothing else
@@ -137,6 +163,8 @@ class KVCacheManager:
         if hit.tail is not None:
             self.prefix_cache.restore_tail(hit.tail)
             self.pool.release([hit.tail.block_id])
+        if self.groups is not None and hit.group_block_ids:
+            self.groups.release_pages(hit.group_block_ids, hit.block_ids)
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
         """Count a first admission's prefix lookup (re-admissions after preemption are not cache hits) and
@@ -158,21 +186,27 @@ class KVCacheManager:
         for loading and inserted into the prefix cache. Returns False (and changes nothing, loads nothing)
         when the pool cannot provide the blocks even after evicting; the caller then releases the hit.
         """
+        if self.groups is not None:
+            self.groups.drop_out_of_window(request)
         num_existing = len(request.block_ids) + len(hit.block_ids) + (hit.tail is not None)
         num_computed = request.num_computed_tokens + hit.num_tokens
         num_needed = request.num_blocks_needed(num_computed + num_new_tokens, self.block_size) - num_existing
-        if num_needed > 0 and not self._make_room(num_needed, hit):
+        if num_needed > 0 and not self._make_room(num_needed * self.pages_per_block, hit):
             return False
         if hit.block_ids:
             self.pool.acquire(hit.block_ids)
             request.block_ids.extend(hit.block_ids)
             request.cache_handle = hit.handle
+            if self.groups is not None:
+                self.groups.adopt(request, hit.group_block_ids)
         if hit.tail is not None:
             # The request writes its own tokens into the rest of the block: it is the request's alone now.
             self.pool.uncache(hit.tail.block_id)
             request.block_ids.append(hit.tail.block_id)
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
+            if self.groups is not None:
+                self.groups.allocate(request, num_needed)
         request.num_computed_tokens += hit.num_tokens
         self.tiers.forget(request.request_id)
         if hit.loaded:
@@ -210,12 +244,21 @@ class KVCacheManager:
         reserved = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0)
         if num_needed > self.pool.num_free + self.pool.num_evictable - reserved:
             return False
-        self.prefix_cache.evict(num_needed - self.pool.num_free)
+        if self.groups is None:
+            self.prefix_cache.evict(num_needed - self.pool.num_free)
+            return num_needed <= self.pool.num_free
+        # Least recently used prefixes first (each block with its pages), then window pages no request holds.
+        while self.pool.num_free < num_needed:
+            short = num_needed - self.pool.num_free
+            if (not self.prefix_cache.evict(max(1, short // self.pages_per_block))
+                    and not self.groups.evict_idle(short)):
+                break
         return num_needed <= self.pool.num_free
 
     def num_tokens_without_eviction(self, request: Request) -> int:
         """More tokens of KV the request could take from its own blocks and the free ones, evicting nothing."""
-        return (len(request.block_ids) + self.pool.num_free) * self.block_size - request.num_computed_tokens
+        free_blocks = self.pool.num_free // self.pages_per_block
+        return (len(request.block_ids) + free_blocks) * self.block_size - request.num_computed_tokens
 
     # --- caching and freeing ------------------------------------------------------------------------------
     def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
@@ -231,7 +274,10 @@ class KVCacheManager:
         if num_full == 0:
             return
         if not self.tiers.write_through:
+            start = self.prefix_cache.cached_depth(request.cache_handle)
             self._set_handle(request, self.prefix_cache.insert(request, num_full, start=request.cache_handle))
+            if self.groups is not None and self.enable_prefix_caching:
+                self.groups.attach(request, start, num_full)
             return
         # Blocks the insert newly hands the prefix cache go down to the tiers once computed (they are full).
         cached = self.pool.cached
@@ -254,6 +300,8 @@ class KVCacheManager:
         self.cache_blocks(request)
         self.prefix_cache.keep_tail(request)
         self.pool.release(request.block_ids)
+        if self.groups is not None:
+            self.groups.release(request)
         if request.cache_handle is not None:
             self.prefix_cache.unlock(request.cache_handle)
         request.cache_handle = None
@@ -293,6 +341,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        self.prefix_cache.check_invariants()
+        self.prefix_cache.check_invariants(self.groups.num_cached_pages if self.groups is not None else 0)
+        if self.groups is not None:
+            self.groups.check_invariants()
         for block_id in self.tiers.pending_load_block_ids():
             assert self.pool.ref_counts[block_id] > 0, f"block {block_id} queued for a load is not in use"

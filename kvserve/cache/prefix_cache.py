@@ -77,7 +77,9 @@ class PrefixCache(Protocol):
     @property
     def num_evicted_blocks(self) -> int: ...
 
-    def check_invariants(self) -> None: ...
+    def check_invariants(self, other_cached: int = 0) -> None:
+        """``other_cached``: blocks marked cached in the pool that something else owns (group pages)."""
+        ...
 
 
 class RadixPrefixCache:
@@ -171,8 +173,8 @@ class RadixPrefixCache:
     def num_evicted_blocks(self) -> int:
         return self.tree.num_evicted_blocks
 
-    def check_invariants(self) -> None:
-        self.tree.check_invariants()
+    def check_invariants(self, other_cached: int = 0) -> None:
+        self.tree.check_invariants(other_cached)
 
 
 class NoPrefixCache:
@@ -221,5 +223,5 @@ class NoPrefixCache:
     def cached_blocks(self) -> list[tuple[int, BlockHash, bytes]]:
         return []
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, other_cached: int = 0) -> None:
         return None

@@ -407,7 +407,8 @@ class RadixCache:
         return block_identity(parent, node.token_ids[i * size : (i + 1) * size])
 
     # --- integrity ----------------------------------------------------------------------------------------
-    def check_invariants(self) -> None:
+    def check_invariants(self, other_cached: int = 0) -> None:
+        """``other_cached``: blocks marked cached in the pool that the tree does not own (group pages)."""
         seen: set[int] = set()
         stack = [self.root]
         while stack:
@@ -438,4 +439,4 @@ class RadixCache:
             seen.add(tail.block_id)
             assert self.pool.cached[tail.block_id] and self.pool.ref_counts[tail.block_id] == 0, (
                 f"tail block {tail.block_id} is not an unreferenced cached block")
-        assert sum(self.pool.cached) == len(seen), "pool's cached flags disagree with the tree"
+        assert sum(self.pool.cached) == len(seen) + other_cached, "pool's cached flags disagree with the tree"

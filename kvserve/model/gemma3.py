@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -69,14 +69,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        group_metas: Sequence[AttentionMetadata] = (),
     ) -> torch.Tensor:
         hidden = self.ops.embedding(input_ids, self.embed_tokens) * self.embed_scale
         global_cos, global_sin = self.rotary.lookup(positions)
         local_cos, local_sin = self.local_rotary.lookup(positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        metas = self.layer_metas(meta, group_metas)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
             cos, sin = (local_cos, local_sin) if layer.sliding else (global_cos, global_sin)
-            hidden, residual = layer.forward(hidden, residual, cos, sin, meta, kv_cache)
+            hidden, residual = layer.forward(hidden, residual, cos, sin, layer_meta, kv_cache)
         assert residual is not None
         return hidden + residual
 

@@ -6,13 +6,14 @@ Weights arrive under Hugging Face names; Q/K/V and gate/up are fused into one ma
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
+from kvserve.kv_layout import KVLayout
 from kvserve.model.backends.base import AttentionMetadata, Backend, FusedDecode, PagedAttention
 from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.mlp import FeedForward, GatedMLP, Take
@@ -80,6 +81,8 @@ class LlamaForCausalLM:
         self.ops = backend.ops
         # One attention object per layer: what a kernel keeps across steps is that layer's own.
         self.layers = [self.make_layer(i) for i in range(arch.num_layers)]
+        # Which KV group's table each layer reads, when the engine keeps the window layers' KV apart.
+        self.layer_group = KVLayout.for_arch(arch).layer_group
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
         self.embed_tokens: Weight  # [vocab, hidden]
         self.final_norm: torch.Tensor
@@ -98,17 +101,28 @@ class LlamaForCausalLM:
         positions: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        group_metas: Sequence[AttentionMetadata] = (),
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        """``meta`` is the step's layout over the requests' block tables, ``group_metas`` over the tables of
+        the other KV groups, when the layers keep their KV in groups (kv_layout.py)."""
         hidden = self.ops.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.lookup(positions)
-        if self.fused_decode is not None and self.fused_decode.accepts(hidden, meta):
+        if not group_metas and self.fused_decode is not None and self.fused_decode.accepts(hidden, meta):
             last_hidden, last_residual = self.fused_decode(hidden, cos, sin, meta, kv_caches)
             return last_hidden + last_residual
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer.forward(hidden, residual, cos, sin, meta, kv_cache)
+        metas = self.layer_metas(meta, group_metas)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
+            hidden, residual = layer.forward(hidden, residual, cos, sin, layer_meta, kv_cache)
         assert residual is not None
         return hidden + residual
+
+    def layer_metas(self, meta: AttentionMetadata, group_metas: Sequence[AttentionMetadata]) -> list[AttentionMetadata]:
+        """Each layer's attention layout: its KV group's."""
+        if not group_metas:
+            return [meta] * len(self.layers)
+        metas = (meta, *group_metas)
+        return [metas[group] for group in self.layer_group]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (only the rows that sample). Kept there:

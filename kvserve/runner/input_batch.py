@@ -12,7 +12,8 @@ in order, 1 + len(its drafts) rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,9 @@ class ModelInputs:
     sample_rows: torch.Tensor  # [num_sample_rows]
     sample_request_ids: list[str]
     sample_drafts: list[list[int]]  # per sampled request: the drafts its rows after the first verify
+    # The same layout over the block tables of the other KV groups (kv_layout.py), one per group; empty for
+    # a model whose layers all read one table.
+    group_rows: list[StepRows] = field(default_factory=list)
 
 
 def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -36,80 +40,100 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
 
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     sample_rows: list[int] = []
     sample_ids: list[str] = []
     sample_drafts: list[list[int]] = []
-
-    row_tables: list[list[int]] = []  # per decode row: its request's block table
-    kv_lens: list[int] = []  # per decode row: keys it sees (its own position + 1)
     for s in singles:
         tokens = s.token_ids + s.draft_token_ids if s.draft_token_ids else s.token_ids
         first_row = len(input_ids)
-        for pos, token_id in enumerate(tokens, s.start_position):
-            input_ids.append(token_id)
-            positions.append(pos)
-            slots.append(s.block_ids[pos // block_size] * block_size + pos % block_size)
-            row_tables.append(s.block_ids)
-            kv_lens.append(pos + 1)
+        input_ids.extend(tokens)
+        positions.extend(range(s.start_position, s.start_position + len(tokens)))
         if s.sample:
             sample_rows.extend(range(first_row, len(input_ids)))
             sample_ids.append(s.request_id)
             sample_drafts.append(s.draft_token_ids)
-
-    prefills: list[PrefillChunk] = []
-    q_start = len(input_ids)
     for s in chunks:
         assert not s.draft_token_ids, "drafts ride on decodes only"
-        q_len = len(s.token_ids)
-        start = s.start_position
-        kv_len = start + q_len
         input_ids.extend(s.token_ids)
-        positions.extend(range(start, kv_len))
-        slots.extend(_chunk_slots(s, block_size))
-        prefills.append(PrefillChunk(q_start, q_len, kv_len, s.block_ids[: -(-kv_len // block_size)]))
+        positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
         if s.sample:
-            sample_rows.append(q_start + q_len - 1)
+            sample_rows.append(len(input_ids) - 1)
             sample_ids.append(s.request_id)
             sample_drafts.append([])
-        q_start += q_len
 
-    rows = StepRows(
+    num_groups = len(out.scheduled[0].group_block_ids) if out.scheduled else 0
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        rows=_step_rows(out, singles, chunks, _main_table, block_size, device),
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        sample_request_ids=sample_ids,
+        sample_drafts=sample_drafts,
+        group_rows=[_step_rows(out, singles, chunks, _group_table(g), block_size, device) for g in range(num_groups)],
+    )
+
+
+TableOf = Callable[[ScheduledRequest], list[int]]
+
+
+def _main_table(s: ScheduledRequest) -> list[int]:
+    return s.block_ids
+
+
+def _group_table(group: int) -> TableOf:
+    return lambda s: s.group_block_ids[group]
+
+
+def _step_rows(out: SchedulerOutput, singles: list[ScheduledRequest], chunks: list[ScheduledRequest],
+               table_of: TableOf, block_size: int, device: torch.device) -> StepRows:
+    """The step's rows over the block tables ``table_of`` gives (one group's): where each new token's K/V
+    goes, each decode row's table and keys, each prefill chunk's blocks."""
+    slots: list[int] = []
+    row_tables: list[list[int]] = []  # per decode row: its request's block table
+    kv_lens: list[int] = []  # per decode row: keys it sees (its own position + 1)
+    for s in singles:
+        table = table_of(s)
+        for pos in range(s.start_position, s.start_position + 1 + len(s.draft_token_ids)):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            row_tables.append(table)
+            kv_lens.append(pos + 1)
+    prefills: list[PrefillChunk] = []
+    q_start = len(slots)
+    for s in chunks:
+        table = table_of(s)
+        q_len = len(s.token_ids)
+        kv_len = s.start_position + q_len
+        slots.extend(_chunk_slots(s, table, block_size))
+        prefills.append(PrefillChunk(q_start, q_len, kv_len, table[: -(-kv_len // block_size)]))
+        q_start += q_len
+    return StepRows(
         block_size=block_size,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         decode_block_ids=row_tables,
         decode_kv_lens=kv_lens,
         prefills=prefills,
-        written_block_ids=written_block_ids(out, block_size),
-    )
-    return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        rows=rows,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        sample_request_ids=sample_ids,
-        sample_drafts=sample_drafts,
+        written_block_ids=written_block_ids(out, block_size, table_of),
     )
 
 
-def written_block_ids(out: SchedulerOutput, block_size: int) -> list[int]:
+def written_block_ids(out: SchedulerOutput, block_size: int, table_of: TableOf = _main_table) -> list[int]:
     """The blocks this step writes: its tier loads and the blocks of every scheduled token and draft."""
-    written = [block_id for block_id, _ in out.kv_loads]
+    written = [block_id for block_id, _ in out.kv_loads] if table_of is _main_table else []
     for s in out.scheduled:
         first = s.start_position // block_size
         last = (s.start_position + len(s.token_ids) + len(s.draft_token_ids) - 1) // block_size
-        written.extend(s.block_ids[first : last + 1])
+        written.extend(table_of(s)[first : last + 1])
     return written
 
 
-def _chunk_slots(s: ScheduledRequest, block_size: int) -> list[int]:
+def _chunk_slots(s: ScheduledRequest, table: list[int], block_size: int) -> list[int]:
     """Slots of positions start..start+len-1, one block-aligned run at a time (no per-token divisions)."""
     slots: list[int] = []
     pos, end = s.start_position, s.start_position + len(s.token_ids)
     while pos < end:
         block, offset = divmod(pos, block_size)
         run = min(block_size - offset, end - pos)
-        base = s.block_ids[block] * block_size + offset
+        base = table[block] * block_size + offset
         slots.extend(range(base, base + run))
         pos += run
     return slots

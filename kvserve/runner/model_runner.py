@@ -89,6 +89,7 @@ class ModelRunner:
         inputs = build_inputs(out, self.block_size, self.device)
         # Also how the backend learns which blocks this step rewrites, loads included.
         meta = self.backend.build_metadata(inputs.rows)
+        group_metas = [self.backend.build_metadata(rows) for rows in inputs.group_rows]
         if out.is_empty:
             return result
         masker = self.sampler.grammar_masker
@@ -98,7 +99,7 @@ class ModelRunner:
                 masker.prefetch(matchers)
         t0 = time.perf_counter()
         with self.model.thread_scope:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches)
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches, group_metas)
             if not inputs.sample_request_ids:
                 return result
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]

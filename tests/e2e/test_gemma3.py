@@ -27,12 +27,18 @@ def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
+def tiny_gemma_hf(tmp_path_factory):
     import transformers
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3", tie=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert hf.config.sliding_window == TINY_GEMMA3_WINDOW < max(len(p) for p in TINY_PROMPTS)
+    return model_dir, hf
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tiny_gemma_hf):
+    model_dir, hf = tiny_gemma_hf
     return model_dir, [hf_greedy(hf, p, MAX_TOKENS) for p in TINY_PROMPTS]
 
 
@@ -52,6 +58,36 @@ def test_tiny_gemma3_with_a_binding_window_matches_transformers(tiny_gemma, cpu_
     again = llm.generate(prompts, _greedy())  # the prompts now start from cached blocks
     assert _ids(again) == reference and sum(o.num_cached_tokens for o in again) > 0
     llm.engine.check_invariants()
+
+
+def test_tiny_gemma3_frees_its_window_pages_as_it_decodes(tiny_gemma_hf) -> None:
+    """The sliding layers keep KV pages for the last window only, step after step; the global layer keeps all
+    of its own; the output is still transformers' token for token."""
+    model_dir, hf = tiny_gemma_hf
+    prompts, max_tokens = TINY_PROMPTS[1:], 40
+    reference = [hf_greedy(hf, p, max_tokens) for p in prompts]
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=24,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    layout, kv = engine.kv_layout, engine.kv_manager
+    assert layout.is_grouped and layout.windowed == (False, True, True)
+    requests = [engine.add_request({"prompt_token_ids": p}, _greedy(max_tokens)) for p in prompts]
+    # A step's queries read at most the window and a 24-token chunk behind them: 9 blocks of 4, and one
+    # more where the window starts mid-block.
+    most_window_pages = -(-(TINY_GEMMA3_WINDOW + 24) // 4) + 1
+    peak_pages = peak_blocks = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+        running = [r for r in requests if r.block_ids]
+        for request in running:
+            for table in request.group_block_ids[1:]:
+                assert sum(page != 0 for page in table) <= most_window_pages
+        peak_pages = max(peak_pages, kv.pool.num_used)
+        peak_blocks = max(peak_blocks, sum(len(r.block_ids) for r in running))
+    assert [r.output_token_ids for r in requests] == reference
+    # With one table for every layer the pool would have held 3 pages per block at the peak.
+    assert peak_pages < 3 * peak_blocks * 0.75, (peak_pages, peak_blocks)
 
 
 def test_tiny_gemma3_preempted_without_prefix_cache_matches_transformers(tiny_gemma) -> None:
@@ -75,3 +111,11 @@ def test_real_gemma3_270m_matches_transformers() -> None:
     hf = hf_from_gguf(path)
     reference = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompt_ids]
     assert _ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy())) == reference
+
+
+def test_tiny_gemma3_with_kv_tiers_keeps_one_table_for_every_layer(tiny_gemma) -> None:
+    # The tiers store whole blocks of every layer, so the window layers then keep all their blocks.
+    model_dir, reference = tiny_gemma
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128, kv_host_gb=0.01)
+    assert not llm.engine.kv_layout.is_grouped
+    assert _ids(llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], _greedy())) == reference
