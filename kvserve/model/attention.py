@@ -74,21 +74,26 @@ class TorchPagedAttention:
 
     def _prefill_windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Each chunk's queries against the keys within the window behind them (explicit mask)."""
+        """Each chunk's queries against the keys within the window behind them (explicit mask), reading only
+        the blocks the window reaches."""
         assert self.sliding_window is not None
         nd = meta.num_decode_tokens
         out = torch.empty_like(q[nd:])
         for span in meta.prefills:
             qs = slice(span.q_start, span.q_start + span.q_len)
             query = q[qs].transpose(0, 1).unsqueeze(0)
+            block_size = k_cache.shape[1]
             if span.block_ids is None:
                 key, value = k[qs], v[qs]
-            else:
-                key = k_cache[span.block_ids].flatten(0, 1)[: span.kv_len]
-                value = v_cache[span.block_ids].flatten(0, 1)[: span.kv_len]
+            else:  # only the blocks the window reaches
+                first = span.window_start_block(self.sliding_window, block_size)
+                num_keys = span.kv_len - first * block_size
+                key = k_cache[span.block_ids[first:]].flatten(0, 1)[:num_keys]
+                value = v_cache[span.block_ids[first:]].flatten(0, 1)[:num_keys]
             o = F.scaled_dot_product_attention(
                 query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
-                attn_mask=span.window_mask(self.sliding_window, q.device), scale=self.scale, enable_gqa=True,
+                attn_mask=span.window_mask(self.sliding_window, block_size, q.device), scale=self.scale,
+                enable_gqa=True,
             )
             out[span.q_start - nd : span.q_start - nd + span.q_len] = o[0].transpose(0, 1)
         return out

@@ -74,11 +74,19 @@ class PrefillSpan:
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _window_mask: torch.Tensor | None = field(default=None, repr=False)
 
-    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
-        """[q_len, kv_len] bool: causal and within ``window`` keys back (a sliding-window layer's view)."""
+    def window_start_block(self, window: int, block_size: int) -> int:
+        """The first block a sliding-window layer reads: the first query sees keys ``window`` - 1 back."""
+        if self.block_ids is None:
+            return 0
+        return max(0, self.kv_len - self.q_len - window + 1) // block_size
+
+    def window_mask(self, window: int, block_size: int, device: torch.device) -> torch.Tensor:
+        """[q_len, kv_len - first key] bool, from the first key of ``window_start_block``: causal and within
+        ``window`` keys back (a sliding-window layer's view)."""
         if self._window_mask is None:
+            first_key = self.window_start_block(window, block_size) * block_size
             positions = torch.arange(self.kv_len - self.q_len, self.kv_len, device=device)[:, None]
-            keys = torch.arange(self.kv_len, device=device)[None, :]
+            keys = torch.arange(first_key, self.kv_len, device=device)[None, :]
             self._window_mask = (keys <= positions) & (keys > positions - window)
         return self._window_mask
 
@@ -96,11 +104,13 @@ class PrefillSpan:
 @dataclass(frozen=True, slots=True)
 class WindowLayout:
     """A step in which some row holds more keys than the model's sliding window: what its sliding-window
-    layers read instead of the fast layout (the decodes' whole tables, unsplit, and which keys they see)."""
+    layers read instead of the fast layout (each decode's blocks the window reaches, unsplit, and which keys
+    of them it sees)."""
 
     window: int
-    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] every block of each decode row
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]: True = in the window
+    # [num_decodes, width]: each decode row's blocks from the one holding its first key in the window, padded
+    decode_block_table: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, width * block_size]: True = in the window
 
 
 @dataclass(slots=True)

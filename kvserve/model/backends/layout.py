@@ -76,11 +76,15 @@ def window_layout(rows: StepRows, window: int, device: torch.device) -> WindowLa
         return None
     if not rows.num_decode_rows:
         return WindowLayout(window, None, None)
-    max_blocks = -(-max(rows.decode_kv_lens) // rows.block_size)
-    table = torch.tensor([blocks[:max_blocks] + [0] * (max_blocks - len(blocks[:max_blocks]))
-                          for blocks in rows.decode_block_ids], dtype=torch.long)
+    # A decode row's query is at position kv_len - 1 and sees keys kv_len - window .. kv_len - 1: its table
+    # starts at the block holding the first of them.
+    block_size = rows.block_size
+    starts = [max(0, kv_len - window) // block_size for kv_len in rows.decode_kv_lens]
+    tables = [blocks[start : -(-kv_len // block_size)]
+              for blocks, kv_len, start in zip(rows.decode_block_ids, rows.decode_kv_lens, starts, strict=True)]
+    width = max(len(table) for table in tables)
+    table = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.long)
     kv_lens = torch.tensor(rows.decode_kv_lens)[:, None]
-    keys = torch.arange(max_blocks * rows.block_size)[None, :]
-    # A decode row's query is at position kv_len - 1 and sees keys kv_len - window .. kv_len - 1.
+    keys = torch.arange(width * block_size)[None, :] + torch.tensor(starts)[:, None] * block_size
     mask = ((keys < kv_lens) & (keys >= kv_lens - window))[:, None, None, :]
     return WindowLayout(window, table.to(device, non_blocking=True), mask.to(device, non_blocking=True))
