@@ -11,8 +11,9 @@ dtype and thread count:
   ``--prompt-len`` tokens, time to its first token) and decode (the next ``--gen-len`` tokens); then
   ``--concurrency`` requests at once: prefill tokens/s until the last first token, decode tokens/s after it.
 - **transformers**, its model class built from the same dequantised weights: one forward over the prompts
-  (prefill), then ``generate`` with its KV cache (decode: the generate time less the prefill), batch 1 and
-  a batch of ``--concurrency`` prompts of equal length (no padding).
+  keeping the last position's logits (prefill), then ``generate`` with its KV cache (decode: a generate of
+  ``--gen-len`` tokens less one of a single token), batch 1 and a batch of ``--concurrency`` prompts of
+  equal length (no padding).
 - **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench``'s
   single-stream pp/tg at the same lengths and threads; and when ``--llama-server`` names that binary, the
   ``--concurrency`` requests at once through ``llama-server -np N -cb`` (continuous batching), timed as
@@ -102,16 +103,22 @@ def load_transformers(name: str, torch_dtype: torch.dtype):
 
 
 def bench_transformers(model, name: str, prompts: list[list[int]], gen_len: int) -> Speed:
+    """Prefill: one forward over the prompts with the last position's logits only, as ``generate`` computes
+    them (all of them would cost Gemma's 262k-row output projection on every prompt token). Decode: a
+    ``generate`` of ``gen_len`` tokens less one of a single token, so both runs pay the same prefill."""
     ids = torch.tensor(prompts)
+
+    def generate_s(num_tokens: int) -> float:
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
+        return time.perf_counter() - start
+
     with torch.no_grad():
-        model(ids[:, :16])  # warm-up
+        model(ids[:, :16], logits_to_keep=1)  # warm-up
         start = time.perf_counter()
-        model(ids)
+        model(ids, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False)
-        generate_s = time.perf_counter() - start
-    decode_s = max(generate_s - prefill_s, 1e-9)
+        decode_s = max(generate_s(gen_len) - generate_s(1), 1e-9)
     return Speed("transformers", name, len(prompts), ids.numel() / prefill_s, len(prompts) * (gen_len - 1) / decode_s)
 
 
