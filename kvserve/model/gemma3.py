@@ -16,7 +16,7 @@ import torch
 
 from kvserve.config import ArchConfig
 from kvserve.model.backends.base import AttentionMetadata, Backend, PagedAttention
-from kvserve.model.layers import RotaryEmbedding, rms_norm
+from kvserve.model.layers import RotaryEmbedding
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
 from kvserve.model.mlp import FeedForward, GeluGatedMLP, Take
 from kvserve.model.ops import ModelOps
@@ -42,9 +42,9 @@ class Gemma3DecoderLayer(DecoderLayer):
         eps, ops = self.arch.rms_norm_eps, self.ops
         x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, eps)
         attn = self.attend(x, cos, sin, meta, kv_cache)
-        attn = rms_norm(ops.linear(attn, self.o_weight, None), self.post_attention_norm, eps)
+        attn = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), None, self.post_attention_norm, eps)[0]
         x, residual = ops.add_rms_norm(attn, residual, self.pre_feedforward_norm, eps)
-        return rms_norm(self.mlp.forward(x), self.post_feedforward_norm, eps), residual
+        return ops.add_rms_norm(self.mlp.forward(x), None, self.post_feedforward_norm, eps)[0], residual
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

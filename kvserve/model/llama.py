@@ -62,8 +62,8 @@ class DecoderLayer:
         qk = qkv[:, : arch.q_size + arch.kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
         v = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, num_kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((rms_norm(qk[:, :num_heads], self.q_norm, eps),
-                            rms_norm(qk[:, num_heads:], self.k_norm, eps)), dim=1)
+            qk = torch.cat((ops.add_rms_norm(qk[:, :num_heads], None, self.q_norm, eps)[0],
+                            ops.add_rms_norm(qk[:, num_heads:], None, self.k_norm, eps)[0]), dim=1)
         qk = ops.rotary(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         return self.attention.forward(q, k, v, kv_cache, meta)

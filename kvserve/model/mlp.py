@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Protocol, Self
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.model.ops import ModelOps
 from kvserve.model.quantized import Weight, concat_rows
@@ -63,8 +62,8 @@ class GeluGatedMLP(GatedMLP):
     as the backends' fused gate-up kernel applies SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ops.linear(x, self.gate_up_weight, None).chunk(2, dim=-1)
-        return self.ops.linear(F.gelu(gate, approximate="tanh") * up, self.down_weight, None)
+        gate_up = self.ops.linear(x, self.gate_up_weight, None)
+        return self.ops.linear(self.ops.gelu_tanh_mul(gate_up), self.down_weight, None)
 
     def prepare(self) -> None:
         self.ops.prepare_weight(self.gate_up_weight)

@@ -31,6 +31,12 @@ def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def torch_gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate | up] along the last dim (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _nothing_to_prepare(weight: Weight) -> None:
     return None
 
@@ -44,6 +50,7 @@ class ModelOps:
     embedding: Callable[[torch.Tensor, Weight], torch.Tensor] = F.embedding  # type: ignore[assignment]
     add_rms_norm: AddRmsNorm = torch_add_rms_norm
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
+    gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor] = torch_gelu_tanh_mul
     # (x [T, H, D], cos [T, 1, D], signed_sin [T, 1, D]) -> rotated x
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
     # Called once per projection weight after loading (a kernel may keep its own layout of it).

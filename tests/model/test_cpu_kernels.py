@@ -15,7 +15,7 @@ from kvserve.model.backends.cpu_ops import DecodeRows, PackedGateUpSilu, PackedK
 from kvserve.model.backends.select import select_backend
 from kvserve.model.backends.torch_ref import TorchRefBackend
 from kvserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
-from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul
+from kvserve.model.ops import torch_add_rms_norm, torch_gelu_tanh_mul, torch_silu_mul
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels did not build on this machine")
@@ -183,6 +183,16 @@ def test_silu_mul_matches_torch(width) -> None:
     gate_up = torch.randn(5, 2 * width, dtype=torch.bfloat16) * 4
     torch.testing.assert_close(torch.ops.kvserve.silu_mul(gate_up).float(), torch_silu_mul(gate_up).float(),
                                atol=1e-6, rtol=2**-7)
+
+
+@pytest.mark.parametrize("width", [1024, 37])  # vector body only; vector body plus a scalar tail
+def test_gelu_tanh_mul_matches_torch(width) -> None:
+    # Gates from far negative (GELU ~ 0) to far positive (GELU ~ g): the exp form must not overflow either way.
+    gate = torch.linspace(-12, 12, 7 * width).view(7, width)
+    gate_up = torch.cat((gate, torch.randn(7, width) * 3), dim=-1).to(torch.bfloat16)
+    # One bf16 rounding of the activation, one of the product: the exp form may move each by one step.
+    torch.testing.assert_close(torch.ops.kvserve.gelu_tanh_mul(gate_up).float(),
+                               torch_gelu_tanh_mul(gate_up).float(), atol=1e-6, rtol=2**-6)
 
 
 @pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX on this CPU (or the kernel refused it)")

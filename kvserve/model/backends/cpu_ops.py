@@ -228,7 +228,8 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
     return CpuOps(ModelOps(
         linear=QuantizedOrDense(kernels.linear, dense.linear),  # type: ignore[arg-type]
         embedding=QuantizedOrDense(kernels.embedding, F.embedding),  # type: ignore[arg-type]
-        add_rms_norm=dense.add_rms_norm, silu_mul=dense.silu_mul, rotary=dense.rotary,
+        add_rms_norm=dense.add_rms_norm, silu_mul=dense.silu_mul, gelu_tanh_mul=dense.gelu_tanh_mul,
+        rotary=dense.rotary,
         prepare_weight=dense_only(dense.prepare_weight),
         fused_gate_up_silu=QuantizedOrDense(kernels.gate_up_silu, dense_gate_up),  # type: ignore[arg-type]
         prepare_gate_up=dense_only(dense.prepare_gate_up),
@@ -250,7 +251,7 @@ def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: b
     kernels = torch.ops.kvserve
     if packed_linear is None:
         return CpuOps(ModelOps(linear=linear, add_rms_norm=kernels.add_rms_norm, silu_mul=kernels.silu_mul,
-                               rotary=kernels.rotary))
+                               gelu_tanh_mul=kernels.gelu_tanh_mul, rotary=kernels.rotary))
 
     def gate_up_then_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvserve.silu_mul(linear(x, weight, None))
@@ -260,5 +261,5 @@ def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: b
                                prepare_fallback=packed_linear.prepare)
     ops = ModelOps(linear=linear, prepare_weight=packed_linear.prepare, fused_gate_up_silu=gate_up,
                    prepare_gate_up=gate_up.prepare, add_rms_norm=kernels.add_rms_norm, silu_mul=kernels.silu_mul,
-                   rotary=kernels.rotary)
+                   gelu_tanh_mul=kernels.gelu_tanh_mul, rotary=kernels.rotary)
     return CpuOps(ops, packed_linear, gate_up)

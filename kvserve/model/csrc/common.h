@@ -415,6 +415,7 @@ void mask_logits(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bi
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 
 }  // namespace kvserve

@@ -91,10 +91,46 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
   return {out, summed};
 }
 
-// silu(gate) * up for gate_up = [gate | up] along the last dim, bf16, as torch rounds it: silu to bf16,
-// then the product to bf16.
-at::Tensor silu_mul(const at::Tensor& gate_up_in) {
-  TORCH_CHECK(gate_up_in.scalar_type() == at::kBFloat16, "silu_mul: bf16 only");
+namespace {
+
+// silu(g) = g / (1 + exp(-g)).
+struct Silu {
+  static float scalar(float g) { return g / (1.f + std::exp(-g)); }
+#if KVSERVE_HAS_AVX512
+  static __m512 v16(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  }
+#elif KVSERVE_HAS_AVX2
+  static __m256 v8(__m256 g) { return silu8(g); }
+#endif
+};
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + exp(-2z)):
+// the same value, one exp instead of a tanh.
+struct GeluTanh {
+  static constexpr float kTwoC = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+  static constexpr float kCube = 0.044715f;
+  static float scalar(float g) { return g / (1.f + std::exp(-kTwoC * (g + kCube * g * g * g))); }
+#if KVSERVE_HAS_AVX512
+  static __m512 v16(__m512 g) {
+    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(g, g), g), _mm512_set1_ps(kCube), g);
+    const __m512 minus_2z = _mm512_mul_ps(inner, _mm512_set1_ps(-kTwoC));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(minus_2z)));
+  }
+#elif KVSERVE_HAS_AVX2
+  static __m256 v8(__m256 g) {
+    const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(g, g), g), _mm256_set1_ps(kCube), g);
+    const __m256 minus_2z = _mm256_mul_ps(inner, _mm256_set1_ps(-kTwoC));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(minus_2z)));
+  }
+#endif
+};
+
+// act(gate) * up for gate_up = [gate | up] along the last dim, bf16, as torch rounds it: the activation to
+// bf16, then the product to bf16 (round-to-nearest-even).
+template <typename Act>
+at::Tensor gated_mul(const at::Tensor& gate_up_in, const char* name) {
+  TORCH_CHECK(gate_up_in.scalar_type() == at::kBFloat16, name, ": bf16 only");
   at::Tensor gate_up = gate_up_in.contiguous();
   const int64_t I = gate_up.size(-1) / 2;
   const int64_t rows = gate_up.numel() / (2 * I);
@@ -110,26 +146,25 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
       at::BFloat16* o_row = op + r * I;
       int64_t i = 0;
 #if KVSERVE_HAS_AVX512
-      // silu(g) = g / (1 + exp(-g)); each product rounded to bf16 (round-to-nearest-even) like torch.
-      for (; i + 16 <= I; i += 16) {
-        const __m512 g = load16(g_row + i);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(
-                                                              _mm512_setzero_ps(), g))));
-        store16_bf16(o_row + i, _mm512_mul_ps(round16_bf16(silu), load16(u_row + i)));
-      }
+      for (; i + 16 <= I; i += 16)
+        store16_bf16(o_row + i, _mm512_mul_ps(round16_bf16(Act::v16(load16(g_row + i))), load16(u_row + i)));
 #elif KVSERVE_HAS_AVX2
       for (; i + 8 <= I; i += 8)
-        store8_bf16(o_row + i, _mm256_mul_ps(round8_bf16(silu8(load8(g_row + i))), load8(u_row + i)));
+        store8_bf16(o_row + i, _mm256_mul_ps(round8_bf16(Act::v8(load8(g_row + i))), load8(u_row + i)));
 #endif
-      for (; i < I; ++i) {
-        const float g = static_cast<float>(g_row[i]);
-        const float silu = round_bf16(g / (1.f + std::exp(-g)));
-        o_row[i] = at::BFloat16(silu * static_cast<float>(u_row[i]));
-      }
+      for (; i < I; ++i)
+        o_row[i] = at::BFloat16(round_bf16(Act::scalar(static_cast<float>(g_row[i]))) * static_cast<float>(u_row[i]));
     }
   });
   return out;
 }
+
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return gated_mul<Silu>(gate_up, "silu_mul"); }
+
+// Gemma's MLP activation; within a bf16 rounding of torch's gelu(approximate="tanh") * up.
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return gated_mul<GeluTanh>(gate_up, "gelu_tanh_mul"); }
 
 // Neox-style rotary embedding, bf16, rounded as torch rounds x * cos + rotate_half(x) * sin: each
 // product to bf16, then the sum. x [T, H, D] (rows may be strided, as Q and K are views into the fused

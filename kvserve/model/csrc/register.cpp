@@ -17,7 +17,7 @@
 //                    pack_kv_amx: a run of blocks in its tile layouts, for reuse across steps
 //   flash_attention_avx512.cpp  paged_attention_avx512: the same many-row attention on plain AVX-512
 //   paged_runs.cpp   check_paged_runs: the argument checks both many-row kernels share
-//   elementwise.cpp  add_rms_norm, silu_mul, rotary: the glue between projections
+//   elementwise.cpp  add_rms_norm, silu_mul, gelu_tanh_mul, rotary: the glue between projections
 //   sampling.cpp     argmax_rows: greedy sampling's reduction; mask_logits: a grammar's token mask
 //   decode_stack.cpp decode_stack: a decode step's whole decoder stack (the kernels above) in one call
 //   worker_pool.cpp  the threads the kernels' parallel regions run on; use_worker_pool: OpenMP instead
@@ -56,6 +56,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &kvserve::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &kvserve::silu_mul);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &kvserve::gelu_tanh_mul);
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor", &kvserve::rotary);
   m.def("paged_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
         "Tensor q_starts, float scale, bool causal, bool fp32_out, Tensor? packed=None, int shared_keys=0) -> "
