@@ -1,7 +1,7 @@
 """Prefill and decode tokens/s of each real model: kvserve against transformers and llama.cpp, side by side.
 
     python benchmarks/models.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,gemma-3-270m]
-        [--dtype bfloat16] [--threads 2] [--prompt-len 256] [--gen-len 64] [--concurrency 16]
+        [--dtype bfloat16] [--threads 2] [--prompt-len 256] [--gen-len 64] [--concurrency 16] [--repeats 1]
         [--llama-bench /path/to/llama-bench] [--llama-server /path/to/llama-server] [--json out.json]
 
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF,
@@ -19,7 +19,9 @@ dtype and thread count:
   ``--concurrency`` requests at once through ``llama-server -np N -cb`` (continuous batching), timed as
   kvserve's are: the same token ids streamed from ``/completion``, prompt cache off, EOS ignored.
 
-Ratios are printed per model; the machines are shared, so compare within one run.
+With ``--repeats N`` each kvserve figure is the median of N runs on one engine, and transformers' prefill the
+median of N forwards (its decode is one long and one short generate). Ratios are printed per model; the
+machines are shared, so compare within one run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import subprocess
 import threading
 import time
@@ -54,18 +57,21 @@ def _prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[i
     return torch.randint(1000, min(vocab_size, 30000), (count, length), generator=generator).tolist()
 
 
-def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int) -> Speed:
+def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int, repeats: int) -> Speed:
+    """The median prefill and decode rates of ``repeats`` runs of the prompts on one engine."""
     llm = LLM(model=name, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=4096,
               max_num_seqs=max(len(prompts), 1), num_kv_blocks=max(64, len(prompts) * 40))
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4))  # warm-up
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    first = max(o.metrics.first_token_time for o in outputs)
-    last = max(o.metrics.finished_time for o in outputs)
-    arrival = min(o.metrics.arrival_time for o in outputs)
-    prefill = sum(len(p) for p in prompts) / (first - arrival)
-    decode = len(prompts) * (gen_len - 1) / (last - first)
-    return Speed("kvserve", name, len(prompts), prefill, decode)
+    prefills, decodes = [], []
+    for _ in range(repeats):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        first = max(o.metrics.first_token_time for o in outputs)
+        last = max(o.metrics.finished_time for o in outputs)
+        arrival = min(o.metrics.arrival_time for o in outputs)
+        prefills.append(sum(len(p) for p in prompts) / (first - arrival))
+        decodes.append(len(prompts) * (gen_len - 1) / (last - first))
+    return Speed("kvserve", name, len(prompts), statistics.median(prefills), statistics.median(decodes))
 
 
 def _hf_config(arch):
@@ -102,10 +108,11 @@ def load_transformers(name: str, torch_dtype: torch.dtype):
     return model.eval(), arch
 
 
-def bench_transformers(model, name: str, prompts: list[list[int]], gen_len: int) -> Speed:
-    """Prefill: one forward over the prompts with the last position's logits only, as ``generate`` computes
-    them (all of them would cost Gemma's 262k-row output projection on every prompt token). Decode: a
-    ``generate`` of ``gen_len`` tokens less one of a single token, so both runs pay the same prefill."""
+def bench_transformers(model, name: str, prompts: list[list[int]], gen_len: int, repeats: int) -> Speed:
+    """Prefill: the median of ``repeats`` forwards over the prompts with the last position's logits only, as
+    ``generate`` computes them (all of them would cost Gemma's 262k-row output projection on every prompt
+    token). Decode: a ``generate`` of ``gen_len`` tokens less one of a single token, so both runs pay the
+    same prefill."""
     ids = torch.tensor(prompts)
 
     def generate_s(num_tokens: int) -> float:
@@ -115,9 +122,12 @@ def bench_transformers(model, name: str, prompts: list[list[int]], gen_len: int)
 
     with torch.no_grad():
         model(ids[:, :16], logits_to_keep=1)  # warm-up
-        start = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        prefill_s = time.perf_counter() - start
+        prefill_times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            prefill_times.append(time.perf_counter() - start)
+        prefill_s = statistics.median(prefill_times)
         decode_s = max(generate_s(gen_len) - generate_s(1), 1e-9)
     return Speed("transformers", name, len(prompts), ids.numel() / prefill_s, len(prompts) * (gen_len - 1) / decode_s)
 
@@ -203,6 +213,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
     parser.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="kvserve's runs and transformers' prefills per figure (the median is kept)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="write the figures here too")
     args = parser.parse_args()
@@ -216,12 +228,12 @@ def main() -> None:
         vocab = read_arch_config(resolve_model_path(name)).vocab_size
         single = _prompts(vocab, 1, args.prompt_len, seed=1)
         many = _prompts(vocab, args.concurrency, args.prompt_len, seed=2)
-        rows = [bench_kvserve(name, args.dtype, single, args.gen_len),
-                bench_kvserve(name, args.dtype, many, args.gen_len)]
+        rows = [bench_kvserve(name, args.dtype, single, args.gen_len, args.repeats),
+                bench_kvserve(name, args.dtype, many, args.gen_len, args.repeats)]
         if not args.skip_transformers:
             model, _ = load_transformers(name, torch_dtype)
-            rows += [bench_transformers(model, name, single, args.gen_len),
-                     bench_transformers(model, name, many, args.gen_len)]
+            rows += [bench_transformers(model, name, single, args.gen_len, args.repeats),
+                     bench_transformers(model, name, many, args.gen_len, args.repeats)]
             del model
         if args.llama_bench:
             rows.append(bench_llama_cpp(args.llama_bench, name, args.threads, args.prompt_len, args.gen_len))
