@@ -1,8 +1,8 @@
 """How a model's layers share KV pages: one group of layers per block table.
 
 Most models keep every layer's KV for every token, so one block table serves all layers and a page (a
-block's memory) holds every layer. A model that interleaves sliding-window layers with global ones (Gemma 2
-and 3) needs the window layers' KV only for the last ``window`` tokens: their pages can be freed once the
+block's memory) holds every layer. A model that interleaves sliding-window layers with global ones (Gemma 3)
+needs the window layers' KV only for the last ``window`` tokens: their pages can be freed once the
 queries have moved past them, while the global layers keep all of theirs. The layers are then cut into
 groups of equal size, each with a block table of its own over one shared pool of pages:
 
