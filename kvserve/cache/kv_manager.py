@@ -244,14 +244,12 @@ class KVCacheManager:
         reserved = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0)
         if num_needed > self.pool.num_free + self.pool.num_evictable - reserved:
             return False
-        if self.groups is None:
-            self.prefix_cache.evict(num_needed - self.pool.num_free)
-            return num_needed <= self.pool.num_free
-        # Least recently used prefixes first (each block with its pages), then window pages no request holds.
+        # Least recently used prefixes first (each block with its group pages), then window pages no request
+        # holds.
         while self.pool.num_free < num_needed:
             short = num_needed - self.pool.num_free
             if (not self.prefix_cache.evict(max(1, short // self.pages_per_block))
-                    and not self.groups.evict_idle(short)):
+                    and not (self.groups is not None and self.groups.evict_idle(short))):
                 break
         return num_needed <= self.pool.num_free
 

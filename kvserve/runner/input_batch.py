@@ -112,13 +112,15 @@ def _step_rows(out: SchedulerOutput, singles: list[ScheduledRequest], chunks: li
         decode_block_ids=row_tables,
         decode_kv_lens=kv_lens,
         prefills=prefills,
-        written_block_ids=written_block_ids(out, block_size, table_of),
+        written_block_ids=written_block_ids(out, block_size, table_of, with_loads=table_of is _main_table),
     )
 
 
-def written_block_ids(out: SchedulerOutput, block_size: int, table_of: TableOf = _main_table) -> list[int]:
-    """The blocks this step writes: its tier loads and the blocks of every scheduled token and draft."""
-    written = [block_id for block_id, _ in out.kv_loads] if table_of is _main_table else []
+def written_block_ids(out: SchedulerOutput, block_size: int, table_of: TableOf = _main_table,
+                      with_loads: bool = True) -> list[int]:
+    """The blocks this step writes in the tables ``table_of`` gives: the tier loads (blocks of the requests'
+    own tables, ``with_loads``) and the blocks of every scheduled token and draft."""
+    written = [block_id for block_id, _ in out.kv_loads] if with_loads else []
     for s in out.scheduled:
         first = s.start_position // block_size
         last = (s.start_position + len(s.token_ids) + len(s.draft_token_ids) - 1) // block_size
