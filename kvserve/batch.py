@@ -80,5 +80,7 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request: {token_id: logprob} for the sampled token plus the top-n, when logprobs were asked for.
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Per request that asked for it: the final-norm hidden state of the row its first token was sampled from.
+    hidden_states: dict[str, list[float]] = field(default_factory=dict)
     # (block_hash, serialised KV) of each block in SchedulerOutput.kv_offloads, in that order.
     offloaded: list[tuple[bytes, bytes]] = field(default_factory=list)

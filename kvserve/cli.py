@@ -1,4 +1,4 @@
-"""`kvserve serve | route | ray | generate | chat | models | bench | cost | trace` — the command line. The CLI may print."""
+"""`kvserve serve | route | ray | generate | chat | models | bench | cost | trace | eval` — the command line. The CLI may print."""
 
 from __future__ import annotations
 
@@ -196,6 +196,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
         server.stop()
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvserve.evals.commands import run_eval_command
+
+    return run_eval_command(args)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from kvserve.model_store.commands import run_models_command
 
@@ -265,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="one request's trip through a running kvserve server, as a timeline")
     bench_commands.add_trace_arguments(p)
     p.set_defaults(func=cmd_trace)
+
+    from kvserve.evals.commands import add_eval_arguments
+
+    p = sub.add_parser("eval", help="benchmarks of answer quality against an OpenAI-compatible endpoint")
+    add_eval_arguments(p)
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -343,6 +343,8 @@ class ServerConfig:
 
 
 RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_events", "ttft"]
+ModelPolicyName = Literal["random", "length", "cascade", "probe"]
+CascadeSignal = Literal["mean_logprob", "min_logprob", "mean_entropy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,8 +384,32 @@ class RouterConfig:
     replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
                                                   "models, load); requests pass on their client's key")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
+    model_policy: ModelPolicyName | None = setting(
+        None, "route requests for --auto-model to --small-model or --large-model by difficulty: random (a share "
+              "--route-threshold to the large), length (prompts longer than --route-threshold tokens to the large), "
+              "cascade (the small answers; below --route-threshold confidence the large answers instead) or probe "
+              "(a classifier on the small model's prompt state; --probe)", default_text="none: no auto model")
+    auto_model: str = setting("auto", "the model name routed by --model-policy")
+    small_model: str | None = setting(None, "--model-policy: the cheaper model")
+    large_model: str | None = setting(None, "--model-policy: the better model")
+    route_threshold: float | None = setting(
+        None, "--model-policy's threshold", default_text="random 0.5, length 256, cascade -0.1, probe 0.5")
+    cascade_signal: CascadeSignal = setting("mean_logprob", "cascade: the small answer's confidence")
+    probe_path: str | None = setting(None, "probe: the classifier's file (kvserve eval train-probe)",
+                                     flag="--probe")
+    route_seed: int = setting(0, "random: the seed of its choices")
 
     def __post_init__(self) -> None:
+        if self.model_policy is not None:
+            if not self.small_model or not self.large_model or self.small_model == self.large_model:
+                raise ConfigError("--model-policy needs --small-model and --large-model, two different models",
+                                  "model_policy")
+            if self.model_policy == "probe" and not self.probe_path:
+                raise ConfigError("--model-policy probe needs --probe FILE", "probe_path")
+            if self.model_policy == "random" and self.route_threshold is not None \
+                    and not 0.0 <= self.route_threshold <= 1.0:
+                raise ConfigError("random: --route-threshold is the large model's share, in [0, 1]",
+                                  "route_threshold")
         positive = ("health_interval_s", "startup_timeout_s", "request_timeout_s", "max_request_body_bytes",
                     "balance_abs_threshold", "prefix_page_tokens", "prefill_seconds_per_token",
                     "kv_events_interval_s")

@@ -96,6 +96,7 @@ class OutputProcessor:
             finish_reason=finish.reason.value if finish is not None else None,
             stop_reason=finish.stop_reason if finish is not None else None,
             logprobs=request.output_logprobs,
+            hidden_state=request.hidden_state,
         )
         return RequestOutput(
             request_id=request.request_id,

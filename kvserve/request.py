@@ -130,6 +130,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # What the output must match (a JSON Schema, a regex, a grammar, ...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # Also return the model's final-norm hidden state at the prompt's last token (/v1/embeddings).
+    return_hidden_state: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the dataclass stays hashable and immutable.
@@ -292,6 +294,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "block_ids", "group_block_ids", "num_cached_tokens", "block_hashes",
         "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
         "prompt", "cache_handle", "arrival_order", "output_logprobs", "draft_token_ids", "grammar",
+        "hidden_state",
     )
 
     def __init__(
@@ -333,6 +336,7 @@ class Request:
         self.cache_handle: object | None = None  # owned by the KV manager (locked radix node)
         self.arrival_order = arrival_order
         self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.hidden_state: list[float] | None = None  # when sampling_params.return_hidden_state
         # Speculative tokens proposed for the next step (verified by the runner, not part of the sequence).
         self.draft_token_ids: list[int] = []
         # The compiled constraint of params.structured_outputs (opaque here; the runner makes its matcher).
@@ -444,6 +448,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    hidden_state: list[float] | None = None  # final-norm, at the prompt's last token, when asked for
 
 
 @dataclass(slots=True)

@@ -295,6 +295,8 @@ class Scheduler:
                 metrics.num_decode_steps += 1
             metrics.last_token_time = now
             metrics.token_times.append(now)
+            if request.hidden_state is None and rid in result.hidden_states:
+                request.hidden_state = result.hidden_states[rid]
             updates.append(self._append_tokens(request, new_token_ids, result.logprobs.get(rid, {})))
         return updates
 

@@ -128,8 +128,11 @@ class LlamaForCausalLM:
         """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (only the rows that sample). Kept there:
         greedy argmax is exact in any dtype, and the sampler's general path converts to float32 itself. (The CPU
         argmax kernel takes bf16 and float32; float16 is refused on CPU at start-up.)"""
-        x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
-        return self.ops.linear(x, self.lm_head, None)
+        return self.ops.linear(self.final_hidden(hidden), self.lm_head, None)
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's output after the final norm: what the output projection reads."""
+        return rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
 
     # --- weights --------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:

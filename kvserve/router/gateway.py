@@ -37,9 +37,11 @@ from kvserve.errors import (
     NoHealthyReplica,
     RequestTooLarge,
 )
+from kvserve.router.difficulty import DifficultyRouter
 from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
 from kvserve.router.live_stats import find_trip, gateway_snapshot
 from kvserve.router.metrics import RouterMetrics
+from kvserve.router.model_policies import make_model_policy
 from kvserve.router.policies import Decision, RouteRequest, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica, ReplicaPool
@@ -80,11 +82,15 @@ class Gateway:
         self.policy = make_policy(config, self.kv_events.index if self.kv_events else None)
         self.prompts = PromptTokens(self.client, self.replica_headers)
         self.metrics = RouterMetrics(lambda: self.pool.replicas)
+        self.model_policy = make_model_policy(config)
+        self.difficulty = DifficultyRouter(self, self.model_policy, config) if self.model_policy else None
         self.pool.on_change.append(self.policy.forget)
 
     async def start(self) -> None:
         await self.pool.check_all(self.config.startup_timeout_s)
         await self.prompts.learn(self.pool.replicas)
+        if self.difficulty is not None:
+            self.difficulty.check_models(self.pool.models())
         self.pool.start()
         if self.kv_events is not None:
             await self.kv_events.refresh()
@@ -108,18 +114,32 @@ class Gateway:
         model = payload.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("'model' must be a string", param="model")
+        if self.difficulty is not None and model == self.config.auto_model:
+            return await self.difficulty.route(path, payload, http)
         if model is not None and model not in self.pool.models():
             error = ModelNotFound(f"the model '{model}' does not exist; the replicas serve "
-                                  f"{', '.join(self.pool.models()) or 'nothing'}")
+                                  f"{', '.join(self.models()) or 'nothing'}")
             error.param = "model"  # type: ignore[attr-defined]
             raise error
-        if len(body) > LONG_BODY_BYTES:
-            tokens = await asyncio.to_thread(self.prompts.of, path, payload)
-        else:
-            tokens = self.prompts.of(path, payload)
+        tokens = await self.tokens(path, payload, len(body))
+        return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http)
+
+    def models(self) -> list[str]:
+        """What clients may ask for: the replicas' models, and the auto model when one is routed by difficulty."""
+        served = self.pool.models()
+        return served + [self.config.auto_model] if self.model_policy is not None else served
+
+    async def tokens(self, path: str, payload: dict[str, Any], body_bytes: int) -> tuple[int, ...]:
+        if body_bytes > LONG_BODY_BYTES:
+            return await asyncio.to_thread(self.prompts.of, path, payload)
+        return self.prompts.of(path, payload)
+
+    async def dispatch(self, model: str | None, path: str, body: bytes, tokens: tuple[int, ...], stream: bool,
+                       http: Request) -> Response:
+        """Send a request to a healthy replica of ``model`` chosen by the replica policy; another one if that
+        one fails before answering."""
         request = RouteRequest(model, tokens)
         headers = self._upstream_headers(http)
-        stream = bool(payload.get("stream"))
         tried: set[str] = set()
         while True:
             candidates = [r for r in self.pool.healthy(model) if r.url not in tried]
@@ -178,7 +198,8 @@ class Gateway:
             await _close(upstream)
             in_flight.end()
         answer = _json_object(content)
-        if answer is None or (upstream.status_code == 200 and not isinstance(answer.get("choices"), list)):
+        listed = "data" if path.endswith("/embeddings") else "choices"
+        if answer is None or (upstream.status_code == 200 and not isinstance(answer.get(listed), list)):
             raise BadUpstreamResponse(f"replica {replica.url} answered {path} with {upstream.status_code} and a "
                                       f"body that is not an OpenAI answer: {content[:200]!r}")
         self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
@@ -339,6 +360,8 @@ def build_router_app(gateway: Gateway) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         ids = list(dict.fromkeys(m for r in gateway.pool.healthy() for m in r.models))
+        if gateway.model_policy is not None:
+            ids.append(gateway.config.auto_model)
         data = [{"id": m, "object": "model", "created": created, "owned_by": "kvserve"} for m in ids]
         return JSONResponse({"object": "list", "data": data})
 

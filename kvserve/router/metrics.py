@@ -33,6 +33,8 @@ class RouterMetrics:
                                      "cached_tokens).", ["replica"], registry=r)
         self.estimated_cached_tokens = Counter(f"{n}estimated_cached_tokens", "Prompt tokens the policy expected "
                                                "the replica to have cached.", ["replica"], registry=r)
+        self.model_choices = Counter(f"{n}model_choices", "Requests for the auto model, by the model that answered "
+                                     "and the model policy's reason.", ["policy", "model", "reason"], registry=r)
         self.errors = Counter(f"{n}http_errors", "Requests the router itself answered with an error, by status.",
                               ["status"], registry=r)
         r.register(_ReplicaCollector(replicas))

@@ -106,6 +106,9 @@ class ModelRunner:
             states = [self.states[rid] for rid in inputs.sample_request_ids]
             draft_probs = [self._draft_probs.pop(rid, None) for rid in inputs.sample_request_ids]
             verified = sample_and_verify(self.sampler, logits, states, inputs.sample_drafts, draft_probs)
+            if any(state.params.return_hidden_state for state in states):
+                result.hidden_states = self._hidden_states(hidden[inputs.sample_rows], inputs.sample_request_ids,
+                                                           states, inputs.sample_drafts)
         if self.proposer is not None and not inputs.rows.prefills:  # the cost of decode rows, for draft lengths
             self.draft_lengths.observe_step(int(inputs.input_ids.shape[0]), time.perf_counter() - t0)
         for request_id, drafts, outcome in zip(inputs.sample_request_ids, inputs.sample_drafts, verified, strict=True):
@@ -118,6 +121,19 @@ class ModelRunner:
         if self.proposer is not None and (limit is None or len(states) < limit):
             self._propose(inputs.sample_request_ids, states, inputs.sample_drafts, verified, result)
         return result
+
+    def _hidden_states(self, sampled: torch.Tensor, request_ids: list[str], states: list[SamplingState],
+                       drafts: list[list[int]]) -> dict[str, list[float]]:
+        """The final-norm hidden state of each asking request's first sampled row (its last prompt token on
+        its first step): what the output projection reads."""
+        normed = self.model.final_hidden(sampled)
+        found = {}
+        row = 0
+        for request_id, state, request_drafts in zip(request_ids, states, drafts, strict=True):
+            if state.params.return_hidden_state:
+                found[request_id] = normed[row].float().tolist()
+            row += 1 + len(request_drafts)
+        return found
 
     def _propose(self, request_ids: list[str], states: list[SamplingState], drafts: list[list[int]],
                  verified: list[Verified], result: RunnerOutput) -> None:

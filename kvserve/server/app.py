@@ -34,6 +34,7 @@ from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
+from kvserve.server.embeddings import embed, embedding_response, prepare_inputs
 from kvserve.server.live_stats import ComputeModel, RecentRequests, stats_snapshot
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
@@ -221,6 +222,16 @@ def build_app(
             await async_engine.compile_grammar(params.structured_outputs)
         prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in body.prompts()]
         return await state.respond(http, body, prompts, params, False, received_at)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: p.EmbeddingRequest, http: Request) -> Response:
+        state.check_admissible(body.model)
+        prompts = await _off_loop_if_long(body.input, prepare_inputs, async_engine, body)
+        try:
+            vectors = await until_disconnected(http, embed(async_engine, prompts))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(embedding_response(vectors, prompts, state.model_name))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -250,6 +250,25 @@ class ChatCompletionRequest(_SamplingRequest):
 PromptInput = str | list[int]
 
 
+def _prompt_value(value: Any, name: str) -> Any:
+    """A prompt as the completions and embeddings routes take it: str | list[str] | list[int] | list[list[int]]."""
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if _has_lone_surrogate(value):  # a plain validator: the model's before-validators do not run here
+        raise ValueError(_SURROGATE_MESSAGE)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value) or is_ids(value):
+            return value
+        if all(is_ids(p) for p in value):
+            return value
+    raise ValueError(
+        f"{name} must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists"
+    )
+
+
 class CompletionRequest(_SamplingRequest):
     # str | list[str] | list[int] | list[list[int]]; checked by hand for an error message that says so.
     prompt: Any
@@ -258,21 +277,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt", mode="plain")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
-        def is_ids(v: Any) -> bool:
-            return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-
-        if _has_lone_surrogate(value):  # a plain validator: the model's before-validators do not run here
-            raise ValueError(_SURROGATE_MESSAGE)
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and value:
-            if all(isinstance(p, str) for p in value) or is_ids(value):
-                return value
-            if all(is_ids(p) for p in value):
-                return value
-        raise ValueError(
-            "prompt must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists"
-        )
+        return _prompt_value(value, "prompt")
 
     def prompts(self) -> list[PromptInput]:
         """The prompt as a list of prompts (a string, or a list of token ids, each)."""
@@ -285,6 +290,35 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, "max_tokens", self.logprobs, "logprobs")
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request. The vector is the model's final-norm hidden state at the input's last
+    token (last-token pooling), L2-normalised: the only pooling a causal language model gives directly."""
+
+    model: str | None = None
+    input: Any  # str | list[str] | list[int] | list[list[int]], checked as completions' prompt is
+    encoding_format: Literal["float"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    @field_validator("input", mode="plain")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        return _prompt_value(value, "input")
+
+    @field_validator("dimensions", mode="after")
+    @classmethod
+    def _no_dimensions(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("dimensions is not supported: the vectors have the model's hidden size")
+        return value
+
+    def inputs(self) -> list[PromptInput]:
+        value = self.input
+        if isinstance(value, str) or all(isinstance(t, int) for t in value):
+            return [value]
+        return list(value)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -99,3 +99,18 @@ def test_speculative_decoding_under_preemption_matches_transformers(prompt_ids, 
     assert generate_ids(llm, prompt_ids) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.stats().num_accepted_draft_tokens > 0
+
+
+def test_returned_hidden_state_is_transformers_last_hidden_state(llm, prompt_ids, hf_reference) -> None:
+    """What /v1/embeddings serves: the final-norm hidden state at each prompt's last token, prompts batched,
+    equals transformers' last_hidden_state there."""
+    import torch
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, return_hidden_state=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    for ids, output in zip(prompt_ids, outputs, strict=True):
+        with torch.no_grad():
+            expected = hf_reference(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        got = torch.tensor(output.outputs[0].hidden_state)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected.float(), rtol=1e-3, atol=1e-3)

