@@ -26,8 +26,23 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write every completion and verdict to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    p = sub.add_parser("train-probe", help="train the gateway's probe policy on labelled prompts (the small "
+                                           "model's hidden states, from its server)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a server of the small model")
+    p.add_argument("--model", required=True, help="the small model, as the gateway names it")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--examples", help='JSON lines {"prompt": text or token ids, "label": 1 if the small '
+                                           'model fails else 0}')
+    source.add_argument("--humaneval", metavar="RESULTS", help="a kvserve eval humaneval --out file of the small "
+                                                                "model: its problems, labelled by its verdicts")
+    p.add_argument("--l2", type=float, default=1.0, help="the regularisation of the logistic regression")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--out", required=True, help="the probe file (kvserve route --probe)")
+
 
 def run_eval_command(args: argparse.Namespace) -> int:
+    if args.eval_command == "train-probe":
+        return _train_probe(args)
     config = EvalConfig(args.base_url.rstrip("/"), args.model, args.max_tokens, args.concurrency, args.limit,
                         tuple(args.task_id), args.api_key, sandbox=SandboxLimits(timeout_s=args.timeout))
     bar = None if args.quiet else tqdm(desc="humaneval", unit="problem", file=sys.stderr)
@@ -46,3 +61,24 @@ def run_eval_command(args: argparse.Namespace) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result.to_json(), f, indent=1)
     return 0 if not failed_to_generate else 1
+
+
+def _train_probe(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from kvserve.evals.probe_training import humaneval_examples, read_examples, train_probe
+
+    if args.humaneval:
+        with open(args.humaneval, encoding="utf-8") as f:
+            examples = humaneval_examples(json.load(f))
+        prompts, labels = [e["prompt"] for e in examples], np.array([float(e["label"]) for e in examples])
+    else:
+        prompts, labels = read_examples(args.examples)
+    if len(set(labels.tolist())) < 2:
+        print("kvserve: error: the examples need both labels", file=sys.stderr)
+        return 2
+    probe = train_probe(args.base_url.rstrip("/"), args.model, prompts, labels, args.l2, args.api_key)
+    probe.save(args.out)
+    print(f"probe of {args.model} on {len(labels)} examples ({int(labels.sum())} where it fails), "
+          f"{len(probe.weights)} features: {args.out}")
+    return 0

@@ -103,7 +103,7 @@ class DifficultyRouter:
     async def _hidden_state(self, tokens: tuple[int, ...], http: Request) -> tuple[float, ...] | None:
         """The small model's hidden state at the prompt's last token (its replica's /v1/embeddings, last-token
         pooling); None when it cannot be had."""
-        body = json.dumps({"model": self.small, "input": [list(tokens)], "pooling": "last"}).encode()
+        body = json.dumps({"model": self.small, "input": [list(tokens)]}).encode()
         try:
             response = await self.gateway.dispatch(self.small, "/v1/embeddings", body, tokens, False, http)
         except KVServeError as exc:  # the probe then routes to the large model; the request goes on

@@ -27,7 +27,7 @@ from kvserve.errors import ConfigError
 
 Size = Literal["small", "large"]
 
-DEFAULT_THRESHOLDS: dict[ModelPolicyName, float] = {"random": 0.5, "length": 256, "cascade": -0.1, "probe": 0.5}
+DEFAULT_THRESHOLDS: dict[ModelPolicyName, float] = {"random": 0.5, "length": 256, "cascade": -0.14, "probe": 0.5}
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -274,3 +275,27 @@ def test_models_health_and_metrics(base_url) -> None:
     assert metric_value(base_url, "kvserve:prompt_tokens_total") > 0
     assert metric_value(base_url, "kvserve:prefix_cache_hits_total") > 0
     assert metric_value(base_url, "kvserve:engine_alive") == 1
+
+
+def test_embeddings_are_the_last_tokens_hidden_state(base_url) -> None:
+    """/v1/embeddings: one unit vector of the hidden size per input, the same for a text and its token ids,
+    whether sent alone or in a batch; a generation on the same prompt afterwards finds its KV cached."""
+    c = client(base_url)
+    model = c.models.list().data[0].id
+    text = "def fibonacci(n):\n    \"\"\"The n-th Fibonacci number, computed by a loop.\"\"\"\n"
+    one = c.embeddings.create(model=model, input=text)
+    vector = np.array(one.data[0].embedding)
+    assert vector.shape == (576,) and abs(np.linalg.norm(vector) - 1.0) < 1e-5
+    answer = c.completions.create(model=model, prompt=text, max_tokens=2)
+    assert one.usage.prompt_tokens == answer.usage.prompt_tokens
+    assert answer.usage.prompt_tokens_details.cached_tokens > 0
+    batch = c.embeddings.create(model=model, input=["A different sentence about cats.", text])
+    assert [d.index for d in batch.data] == [0, 1]
+    assert np.allclose(batch.data[1].embedding, vector, atol=1e-4)
+    assert not np.allclose(batch.data[0].embedding, vector, atol=1e-2)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        c.embeddings.create(model=model, input=text, dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="input"):
+        c.embeddings.create(model=model, input=[])
+    with pytest.raises(openai.NotFoundError):
+        c.embeddings.create(model="no-such-model", input=text)

@@ -1,0 +1,316 @@
+"""Routing by difficulty on HumanEval: pass@1 against the share of requests the large model answers, per policy.
+
+    python benchmarks/model_routing.py [--small qwen2.5-coder-0.5b] [--large qwen2.5-coder-1.5b]
+        [--cache DIR] [--concurrency 8] [--transformers-sample 20] [--json out.json] [--plot out.png]
+
+Each model runs all 164 problems once through ``kvserve serve`` (``kvserve eval humaneval``: greedy, the
+standard prompt and stop sequences; cached in --cache), and the small model's server gives each prompt's hidden
+state (/v1/embeddings). Every policy is then evaluated on those results, its threshold swept:
+
+- ``random``: the expected pass@1 and cost of sending a share s to the large model, s from 0 to 1;
+- ``length``: prompts longer than t tokens to the large model;
+- ``cascade`` with each confidence signal: the small model's answer stands unless its confidence is below t
+  (escalated problems pay for both models);
+- ``probe``: a logistic classifier of the small model's failure on its hidden states, cross-validated in 5
+  folds: every problem is scored by a probe that never saw it; --probe-deals deals of the folds, each one's
+  APGR printed (the curve is the first deal's);
+- ``oracle``: the large model exactly where it alone passes.
+
+Cost is measured engine time: each model's wall time for all problems at --concurrency, shared among its
+problems by their completion tokens, plus the probe's prefill; and tokens. APGR (RouteLLM, arXiv 2406.18665)
+is the mean over the large model's share of (pass@1 - small's) / (large's - small's).
+
+``--transformers-sample N`` also runs the first N problems through transformers (float32, its own GGUF loader)
+for both models and compares their verdicts with kvserve's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.routing import Process  # noqa: E402
+from benchmarks.serve_compare import cpu_description  # noqa: E402
+from kvserve.evals.humaneval import STOP_SEQUENCES, EvalConfig, evaluate, load_problems  # noqa: E402
+from kvserve.evals.probe_training import hidden_states  # noqa: E402
+from kvserve.evals.sandbox import run_program  # noqa: E402
+from kvserve.router.model_policies import LogisticProbe, oracle_size  # noqa: E402
+
+FOLDS = 5
+PROBE_L2 = 10.0
+TARGET_QUALITY, TARGET_SHARE = 0.95, 0.5
+
+
+@dataclass
+class Point:
+    threshold: float | None
+    large_share: float
+    pass_at_1: float
+    seconds_per_problem: float
+    tokens_per_problem: float
+
+
+def run_model(model: str, args: argparse.Namespace, logs: Path, with_hidden: bool) -> dict[str, Any]:
+    """The model's HumanEval run (and, for the small one, its hidden states), from the cache where it is there."""
+    cached, hidden = args.cache / f"{model}.humaneval.json", args.cache / f"{model}.hidden.npy"
+    run = json.loads(cached.read_text()) if cached.exists() else None
+    need_hidden = with_hidden and not hidden.exists()
+    if run is not None and not need_hidden:
+        return run
+    server = Process(["serve", "--model", model], logs / f"{model}.log")
+    try:
+        server.wait_ready(600)
+        if run is None:
+            result = evaluate(EvalConfig(server.url, max_tokens=args.max_tokens, concurrency=args.concurrency))
+            run = result.to_json()
+            print(f"{model}: pass@1 {run['pass_at_1']:.3f} in {run['generation_seconds']:.0f} s", flush=True)
+        if need_hidden:
+            t0 = time.perf_counter()
+            np.save(hidden, hidden_states(server.url, None, [p.prompt for p in load_problems()]))
+            run["hidden_state_seconds"] = time.perf_counter() - t0
+    finally:
+        server.stop()
+    cached.write_text(json.dumps(run))
+    return run
+
+
+def per_problem_seconds(run: dict[str, Any]) -> np.ndarray:
+    """The run's generation time shared among its problems by completion tokens (decode dominates it)."""
+    tokens = np.array([max(1, c["completion_tokens"]) for c in run["completions"]], dtype=float)
+    return run["generation_seconds"] * tokens / tokens.sum()
+
+
+def tokens_of(run: dict[str, Any]) -> np.ndarray:
+    return np.array([c["prompt_tokens"] + c["completion_tokens"] for c in run["completions"]], dtype=float)
+
+
+def point(threshold: float | None, to_large: np.ndarray, small: dict[str, np.ndarray], large: dict[str, np.ndarray],
+          small_always_runs: bool, extra_seconds: np.ndarray | None = None) -> Point:
+    """The outcome of sending the problems where ``to_large`` (probabilities or booleans) to the large model."""
+    w = to_large.astype(float)
+    passed = (1 - w) * small["passed"] + w * large["passed"]
+    small_part = np.ones_like(w) if small_always_runs else 1 - w
+    seconds = small_part * small["seconds"] + w * large["seconds"]
+    tokens = small_part * small["tokens"] + w * large["tokens"]
+    if extra_seconds is not None:
+        seconds = seconds + extra_seconds
+    return Point(threshold, float(w.mean()), float(passed.mean()), float(seconds.mean()), float(tokens.mean()))
+
+
+def sweep(scores: np.ndarray, small: dict[str, np.ndarray], large: dict[str, np.ndarray], larger_is_harder: bool,
+          small_always_runs: bool = False, extra_seconds: np.ndarray | None = None) -> list[Point]:
+    """A threshold at every distinct score: the problems past it go to the large model."""
+    points = []
+    for t in np.unique(scores):
+        to_large = scores >= t if larger_is_harder else scores < t
+        points.append(point(float(t), to_large, small, large, small_always_runs, extra_seconds))
+    edge = np.zeros_like(scores, dtype=bool)  # nothing past the threshold
+    points.append(point(None, edge, small, large, small_always_runs, extra_seconds))
+    return sorted(points, key=lambda p: (p.large_share, -p.pass_at_1))
+
+
+def cross_validated_probe(features: np.ndarray, labels: np.ndarray, model: str, seed: int = 0) -> np.ndarray:
+    """Each problem's P(the small model fails) from a probe trained on the other folds (``seed`` deals them)."""
+    order = np.random.default_rng(seed).permutation(len(labels))
+    out = np.zeros(len(labels))
+    for fold in range(FOLDS):
+        test = order[fold::FOLDS]
+        train = np.setdiff1d(order, test)
+        probe = LogisticProbe.fit(model, features[train], labels[train], l2=PROBE_L2)
+        out[test] = [probe.predict(x) for x in features[test]]
+    return out
+
+
+def apgr(points: list[Point], small_pass: float, large_pass: float) -> float:
+    """Average performance gap recovered: the area under PGR = (pass@1 - small's) / (large's - small's) over the
+    large model's share from 0 (the small model alone, PGR 0) to 1 (the large one alone, PGR 1)."""
+    gap = large_pass - small_pass
+    curve = {0.0: 0.0, 1.0: 1.0}
+    for p in points:
+        curve[round(p.large_share, 9)] = (p.pass_at_1 - small_pass) / gap
+    shares = sorted(curve)
+    return float(np.trapezoid([curve[x] for x in shares], shares))
+
+
+def best_within(points: list[Point], share: float) -> Point:
+    return max((p for p in points if p.large_share <= share + 1e-9), key=lambda p: p.pass_at_1)
+
+
+def transformers_check(models: list[str], runs: list[dict[str, Any]], n: int, max_tokens: int) -> list[dict[str, Any]]:
+    """The first ``n`` problems through transformers (float32, greedy, its own GGUF loader), scored the same way."""
+    import torch
+
+    from kvserve.model.loader import resolve_model_path
+    from kvserve.tokenizer import Tokenizer
+    from tests.support.transformers_gguf import hf_from_gguf
+
+    problems = load_problems()[:n]
+    checks = []
+    for model, run in zip(models, runs, strict=True):
+        path = resolve_model_path(model)
+        t0 = time.perf_counter()
+        hf = hf_from_gguf(path)
+        tokenizer = Tokenizer.from_model_path(path)
+        load_s = time.perf_counter() - t0
+        same_text, agree, passed = 0, 0, 0
+        for problem, ours in zip(problems, run["completions"][:n], strict=True):
+            text = _hf_greedy(hf, tokenizer, tokenizer.encode(problem.prompt), max_tokens, torch)
+            verdict = run_program(problem.program(text)).passed
+            passed += verdict
+            agree += verdict == ours["passed"]
+            same_text += text == ours["completion"]
+        ours_passed = sum(c["passed"] for c in run["completions"][:n])
+        checks.append({"model": model, "problems": n, "transformers_passed": passed, "kvserve_passed": ours_passed,
+                       "same_verdict": agree, "same_completion": same_text, "load_seconds": load_s})
+        print(f"transformers {model}: {passed}/{n} passed, kvserve {ours_passed}/{n}; same verdict {agree}, "
+              f"same text {same_text}", flush=True)
+        del hf
+    return checks
+
+
+def _hf_greedy(hf: Any, tokenizer: Any, ids: list[int], max_tokens: int, torch: Any) -> str:
+    """Greedy tokens until a stop sequence appears in the text; the text before it."""
+    cache = None
+    tokens = torch.tensor([ids])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            result = hf(tokens, past_key_values=cache, use_cache=True)
+            cache = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            if token in tokenizer.eos_token_ids:
+                break
+            out.append(token)
+            text = tokenizer.decode(out)
+            cut = min((text.find(s) for s in STOP_SEQUENCES if s in text), default=-1)
+            if cut >= 0:
+                return text[:cut]
+            tokens = torch.tensor([[token]])
+    return tokenizer.decode(out)
+
+
+def plot(curves: dict[str, list[Point]], small_pass: float, large_pass: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for name, points in curves.items():
+        style = {"marker": "*", "markersize": 12, "linestyle": "none"} if name == "oracle" else {"linewidth": 1.5}
+        left.plot([p.large_share for p in points], [p.pass_at_1 for p in points], label=name, **style)
+        right.plot([p.seconds_per_problem for p in points], [p.pass_at_1 for p in points], label=name, **style)
+    for axis in (left, right):
+        axis.axhline(large_pass * TARGET_QUALITY, color="grey", linestyle=":", linewidth=1)
+        axis.axhline(small_pass, color="grey", linestyle="--", linewidth=0.8)
+        axis.axhline(large_pass, color="black", linestyle="--", linewidth=0.8)
+        axis.set_ylabel("HumanEval pass@1")
+        axis.grid(alpha=0.3)
+    left.axvline(TARGET_SHARE, color="grey", linestyle=":", linewidth=1)
+    left.set_xlabel("share of requests answered by the large model")
+    right.set_xlabel("engine seconds per problem (measured)")
+    left.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--large", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/kvserve-model-routing"))
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--transformers-sample", type=int, default=0)
+    parser.add_argument("--probe-deals", type=int, default=5, help="cross-validations of the probe, each "
+                                                                    "dealing the problems into folds afresh")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    args.cache.mkdir(parents=True, exist_ok=True)
+    small_run = run_model(args.small, args, args.cache, with_hidden=True)
+    large_run = run_model(args.large, args, args.cache, with_hidden=False)
+    n = len(small_run["completions"])
+    small = {"passed": np.array([c["passed"] for c in small_run["completions"]], dtype=float),
+             "seconds": per_problem_seconds(small_run), "tokens": tokens_of(small_run)}
+    large = {"passed": np.array([c["passed"] for c in large_run["completions"]], dtype=float),
+             "seconds": per_problem_seconds(large_run), "tokens": tokens_of(large_run)}
+    small_pass, large_pass = small["passed"].mean(), large["passed"].mean()
+
+    curves: dict[str, list[Point]] = {}
+    curves["random"] = [point(s, np.full(n, s), small, large, False) for s in np.linspace(0, 1, 21)]
+    prompt_tokens = np.array([c["prompt_tokens"] for c in small_run["completions"]], dtype=float)
+    curves["length"] = sweep(prompt_tokens, small, large, larger_is_harder=True)
+    for signal in ("mean_logprob", "min_logprob", "mean_entropy"):
+        values = np.array([c[signal] if c[signal] is not None else -np.inf for c in small_run["completions"]])
+        confidence = -values if signal == "mean_entropy" else values
+        curves[f"cascade ({signal})"] = sweep(confidence, small, large, larger_is_harder=False,
+                                              small_always_runs=True)
+    features = np.load(args.cache / f"{args.small}.hidden.npy")
+    probe_seconds = np.full(n, small_run.get("hidden_state_seconds", 0.0) / n)
+    probe_curves = [sweep(cross_validated_probe(features, 1.0 - small["passed"], args.small, seed), small, large,
+                          larger_is_harder=True, extra_seconds=probe_seconds) for seed in range(args.probe_deals)]
+    curves["probe"] = probe_curves[0]
+    oracle = np.array([oracle_size(bool(a), bool(b)) == "large"
+                       for a, b in zip(small["passed"], large["passed"], strict=True)])
+    curves["oracle"] = [point(None, oracle, small, large, False)]
+
+    summary = {}
+    for name, points in curves.items():
+        best = best_within(points, TARGET_SHARE)
+        summary[name] = {"apgr": apgr(points, small_pass, large_pass) if name != "oracle" else None,
+                         "best_pass_at_1_within_half": best.pass_at_1, "its_large_share": best.large_share,
+                         "its_threshold": best.threshold, "its_seconds_per_problem": best.seconds_per_problem,
+                         "quality_of_large": best.pass_at_1 / large_pass}
+    print(f"small {args.small}: pass@1 {small_pass:.3f}, {small['seconds'].mean():.2f} s and "
+          f"{small['tokens'].mean():.0f} tokens a problem; large {args.large}: {large_pass:.3f}, "
+          f"{large['seconds'].mean():.2f} s, {large['tokens'].mean():.0f} tokens")
+    print(f"{'policy':<26} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}")
+    for name, s in summary.items():
+        apgr_text = f"{s['apgr']:.3f}" if s["apgr"] is not None else "-"
+        print(f"{name:<26} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
+              f"{s['quality_of_large']:>9.3f} {s['its_seconds_per_problem']:>10.2f}")
+    probe_apgrs = [apgr(c, small_pass, large_pass) for c in probe_curves]
+    summary["probe"]["apgr_of_each_deal"] = probe_apgrs
+    print(f"probe APGR over {len(probe_apgrs)} deals of the folds: "
+          f"{', '.join(f'{a:.3f}' for a in probe_apgrs)} (mean {np.mean(probe_apgrs):.3f})")
+    met = [n for n, s in summary.items() if n != "oracle" and s["quality_of_large"] >= TARGET_QUALITY]
+    print(f"policies at >= {TARGET_QUALITY:.0%} of the large model's pass@1 with <= {TARGET_SHARE:.0%} of requests "
+          f"to it: {', '.join(met) or 'none'}")
+
+    checks = transformers_check([args.small, args.large], [small_run, large_run], args.transformers_sample,
+                                args.max_tokens) if args.transformers_sample else []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    title = (f"HumanEval, {args.small} / {args.large} through kvserve; {cpu_description()}; "
+             f"{datetime.date.today()}, {commit}")
+    if args.plot:
+        plot(curves, small_pass, large_pass, args.plot, title)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "machine": cpu_description(), "date": str(datetime.date.today()), "commit": commit,
+            "command": " ".join(sys.argv), "small": args.small, "large": args.large,
+            "small_pass_at_1": small_pass, "large_pass_at_1": large_pass,
+            "small_generation_seconds": small_run["generation_seconds"],
+            "large_generation_seconds": large_run["generation_seconds"], "concurrency": args.concurrency,
+            "summary": summary, "transformers_check": checks,
+            "curves": {k: [p.__dict__ for p in v] for k, v in curves.items()},
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
