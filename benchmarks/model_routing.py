@@ -149,8 +149,10 @@ def best_within(points: list[Point], share: float) -> Point:
 
 
 def transformers_check(models: list[str], runs: list[dict[str, Any]], n: int, max_tokens: int) -> list[dict[str, Any]]:
-    """The first ``n`` problems through transformers (float32, greedy, its own GGUF loader), scored the same way."""
+    """The first ``n`` problems through transformers (float32, greedy, its own GGUF loader; the prompts in one
+    left-padded batch, each row stopped at its first stop sequence), scored the same way."""
     import torch
+    import transformers
 
     from kvserve.model.loader import resolve_model_path
     from kvserve.tokenizer import Tokenizer
@@ -163,42 +165,46 @@ def transformers_check(models: list[str], runs: list[dict[str, Any]], n: int, ma
         t0 = time.perf_counter()
         hf = hf_from_gguf(path)
         tokenizer = Tokenizer.from_model_path(path)
-        load_s = time.perf_counter() - t0
+        prompts = [tokenizer.encode(p.prompt) for p in problems]
+        width = max(map(len, prompts))
+        pad = tokenizer.eos_token_ids[0]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        stop = transformers.StoppingCriteriaList([at_stop_sequence(tokenizer, width)])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                              pad_token_id=pad, stopping_criteria=stop)
+        seconds = time.perf_counter() - t0
         same_text, agree, passed = 0, 0, 0
-        for problem, ours in zip(problems, run["completions"][:n], strict=True):
-            text = _hf_greedy(hf, tokenizer, tokenizer.encode(problem.prompt), max_tokens, torch)
+        for problem, row, ours in zip(problems, out, run["completions"][:n], strict=True):
+            generated = [t for t in row[width:].tolist() if t not in tokenizer.eos_token_ids]
+            text = tokenizer.decode(generated)
+            cut = min((text.find(s) for s in STOP_SEQUENCES if s in text), default=len(text))
+            text = text[:cut]
             verdict = run_program(problem.program(text)).passed
             passed += verdict
             agree += verdict == ours["passed"]
             same_text += text == ours["completion"]
         ours_passed = sum(c["passed"] for c in run["completions"][:n])
         checks.append({"model": model, "problems": n, "transformers_passed": passed, "kvserve_passed": ours_passed,
-                       "same_verdict": agree, "same_completion": same_text, "load_seconds": load_s})
+                       "same_verdict": agree, "same_completion": same_text, "seconds": seconds})
         print(f"transformers {model}: {passed}/{n} passed, kvserve {ours_passed}/{n}; same verdict {agree}, "
               f"same text {same_text}", flush=True)
         del hf
     return checks
 
 
-def _hf_greedy(hf: Any, tokenizer: Any, ids: list[int], max_tokens: int, torch: Any) -> str:
-    """Greedy tokens until a stop sequence appears in the text; the text before it."""
-    cache = None
-    tokens = torch.tensor([ids])
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            result = hf(tokens, past_key_values=cache, use_cache=True)
-            cache = result.past_key_values
-            token = int(result.logits[0, -1].argmax())
-            if token in tokenizer.eos_token_ids:
-                break
-            out.append(token)
-            text = tokenizer.decode(out)
-            cut = min((text.find(s) for s in STOP_SEQUENCES if s in text), default=-1)
-            if cut >= 0:
-                return text[:cut]
-            tokens = torch.tensor([[token]])
-    return tokenizer.decode(out)
+def at_stop_sequence(tokenizer: Any, prompt_width: int) -> Any:
+    """transformers' stopping criterion: each row done once its generated text holds a stop sequence."""
+    import torch
+    import transformers
+
+    class AtStopSequence(transformers.StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            texts = [tokenizer.decode(row[prompt_width:].tolist()) for row in input_ids]
+            return torch.tensor([any(s in t for s in STOP_SEQUENCES) for t in texts])
+
+    return AtStopSequence()
 
 
 def plot(curves: dict[str, list[Point]], small_pass: float, large_pass: float, path: Path, title: str) -> None:

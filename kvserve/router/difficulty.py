@@ -28,7 +28,7 @@ from kvserve.router.answers import (
     wants_stream_usage,
     with_usage_of,
 )
-from kvserve.router.model_policies import Difficulty, ModelChoice, ModelPolicy, confidence
+from kvserve.router.model_policies import Difficulty, ModelChoice, ModelPolicy, ProbeRoute, confidence
 
 if TYPE_CHECKING:
     from kvserve.router.gateway import Gateway
@@ -50,27 +50,30 @@ class DifficultyRouter:
         if missing:
             raise ConfigError(f"no replica serves {', '.join(missing)} (the replicas serve {', '.join(served)})",
                               "model_policy")
+        if isinstance(self.policy, ProbeRoute) and self.policy.probe.model != self.small:
+            raise ConfigError(f"the probe was trained on {self.policy.probe.model}'s hidden states, not the small "
+                              f"model {self.small}'s", "probe_path")
 
     def model(self, choice: ModelChoice) -> str:
         return self.small if choice.size == "small" else self.large
 
-    async def route(self, path: str, payload: dict[str, Any], http: Request) -> Response:
+    async def route(self, path: str, payload: dict[str, Any], body_bytes: int, http: Request) -> Response:
         gateway = self.gateway
         small_payload = {**payload, "model": self.small}
-        tokens = await gateway.tokens(path, small_payload, 0)
+        tokens = await gateway.tokens(path, small_payload, body_bytes)
         hidden = await self._hidden_state(tokens, http) if self.policy.needs_hidden_state else None
         choice = self.policy.choose(Difficulty(len(tokens), hidden))
         if self.policy.cascades:
-            return await self._cascade(path, payload, tokens, http)
+            return await self._cascade(path, payload, tokens, body_bytes, http)
         model = self.model(choice)
         chosen = {**payload, "model": model}
         if model != self.small:
-            tokens = await gateway.tokens(path, chosen, 0)
+            tokens = await gateway.tokens(path, chosen, body_bytes)
         response = await gateway.dispatch(model, path, json.dumps(chosen).encode(), tokens,
                                           bool(payload.get("stream")), http)
         return self._named(response, model, choice.reason)
 
-    async def _cascade(self, path: str, payload: dict[str, Any], tokens: tuple[int, ...],
+    async def _cascade(self, path: str, payload: dict[str, Any], tokens: tuple[int, ...], body_bytes: int,
                        http: Request) -> Response:
         gateway = self.gateway
         first = await gateway.dispatch(self.small, path, json.dumps(for_cascade(payload, path, self.small)).encode(),
@@ -89,7 +92,7 @@ class DifficultyRouter:
                 response = JSONResponse(shown)
             return self._named(response, self.small, "confident")
         large_payload = {**payload, "model": self.large}
-        large_tokens = await gateway.tokens(path, large_payload, 0)
+        large_tokens = await gateway.tokens(path, large_payload, body_bytes)
         second = await gateway.dispatch(self.large, path, json.dumps(large_payload).encode(), large_tokens,
                                         bool(payload.get("stream")), http)
         small_usage = answer.get("usage")

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 LONG_BODY_BYTES = 64 * 1024  # bodies larger than this are rendered and tokenized off the event loop
 FORWARDED_HEADERS = ("authorization", "x-kvserve-timings", "x-request-id", "openai-organization")
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 
@@ -115,7 +115,7 @@ class Gateway:
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("'model' must be a string", param="model")
         if self.difficulty is not None and model == self.config.auto_model:
-            return await self.difficulty.route(path, payload, http)
+            return await self.difficulty.route(path, payload, len(body), http)
         if model is not None and model not in self.pool.models():
             error = ModelNotFound(f"the model '{model}' does not exist; the replicas serve "
                                   f"{', '.join(self.models()) or 'nothing'}")

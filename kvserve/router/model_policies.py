@@ -116,8 +116,8 @@ class ProbeRoute(_Upfront):
         self.threshold = threshold
 
     def choose(self, difficulty: Difficulty) -> ModelChoice:
-        if difficulty.hidden_state is None:  # the small model could not say: the safe side
-            return ModelChoice("large", "probe_unavailable")
+        if difficulty.hidden_state is None or len(difficulty.hidden_state) != len(self.probe.weights):
+            return ModelChoice("large", "probe_unavailable")  # the small model could not say: the safe side
         p_fail = self.probe.predict(np.asarray(difficulty.hidden_state, dtype=np.float64))
         return ModelChoice("large" if p_fail >= self.threshold else "small", "probe", p_fail)
 

@@ -64,7 +64,7 @@ class PromptTokens:
         try:
             if path.endswith("/chat/completions"):
                 return self._chat(tokenizer, payload)
-            return self._completion(tokenizer, payload.get("prompt"))
+            return self._completion(tokenizer, payload.get("input" if path.endswith("/embeddings") else "prompt"))
         except (KVServeError, TypeError, ValueError, AttributeError) as exc:
             logger.debug("routing on bytes: %r", exc)
             return tuple(json.dumps(payload.get("messages", payload.get("prompt")), sort_keys=True).encode())

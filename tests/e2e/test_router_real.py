@@ -195,3 +195,54 @@ def test_serve_with_replicas_is_one_command_that_stops_its_replicas(tmp_path: Pa
     for line in children:
         pid = int(line.split()[0])
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+
+
+def test_the_auto_model_over_real_replicas_of_two_models(tmp_path: Path) -> None:
+    """Two tiny models behind a real gateway: the cascade reads the replica's real logprobs (an answer it
+    accepts and one it escalates, streamed with both usages), and the probe the replica's real hidden states."""
+    from kvserve.router.model_policies import LogisticProbe
+
+    args = ["--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1"]
+    small = ServerProcess([*args, "--model", str(make_tiny_model(tmp_path, "llama", seed=1)), "--served-model-name",
+                           "small"], tmp_path / "small.log")
+    large = ServerProcess([*args, "--model", str(make_tiny_model(tmp_path, "llama", seed=2)), "--served-model-name",
+                           "large"], tmp_path / "large.log")
+    probe = tmp_path / "probe.json"
+    LogisticProbe("small", (0.0,) * 64, (1.0,) * 64, (0.0,) * 64, 5.0, 1.0).save(str(probe))  # always "fails"
+    common = ["--replica", small.base_url, "--replica", large.base_url, "--small-model", "small", "--large-model",
+              "large", "--startup-timeout", "120"]
+    gateways = {name: ServerProcess([*common, *policy], tmp_path / f"{name}.log", command="route")
+                for name, policy in (("accept", ["--model-policy", "cascade", "--route-threshold", "-1000"]),
+                                     ("escalate", ["--model-policy", "cascade", "--route-threshold", "1"]),
+                                     ("probe", ["--model-policy", "probe", "--probe", str(probe)]))}
+    started = [small, large, *gateways.values()]
+    try:
+        for server in started:
+            server.wait_ready()
+        messages = chat("Name a colour.")
+        accepted = client_of(gateways["accept"]).chat.completions.with_raw_response.create(
+            model="auto", messages=messages, max_tokens=6, temperature=0)
+        assert accepted.headers["x-kvserve-route"] == "cascade:confident" and accepted.parse().model == "small"
+        assert accepted.parse().choices[0].logprobs is None
+        direct = client_of(small).chat.completions.create(model="small", messages=messages, max_tokens=6,
+                                                          temperature=0)
+        assert accepted.parse().choices[0].message.content == direct.choices[0].message.content
+
+        stream = client_of(gateways["escalate"]).chat.completions.create(
+            model="auto", messages=messages, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        from_large = client_of(large).chat.completions.create(model="large", messages=messages, max_tokens=6,
+                                                              temperature=0, extra_body={"ignore_eos": True})
+        assert "".join(deltas(chunks)) == from_large.choices[0].message.content
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 12 and set(usage.model_extra["models"]) == {"small", "large"}
+
+        routed = client_of(gateways["probe"]).completions.with_raw_response.create(
+            model="auto", prompt="def add(a, b):", max_tokens=4, temperature=0)
+        assert (routed.headers["x-kvserve-model"], routed.headers["x-kvserve-route"]) == ("large", "probe:probe")
+    finally:
+        for server in started:
+            server.stop()
+    for name in gateways:
+        assert "Traceback" not in gateways[name].log_tail(10**7), gateways[name].log_tail()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -93,6 +94,7 @@ def test_probe_learns_a_separable_rule_and_survives_its_file(tmp_path: Path) -> 
     assert (hard.size, easy.size) == ("large", "small")
     assert hard.score is not None and hard.score > 0.9
     assert policy.choose(Difficulty(10, None)).size == "large"  # no hidden state: the safe side
+    assert policy.choose(Difficulty(10, (1.0, 2.0))).reason == "probe_unavailable"  # another model's
     path.write_text('{"kind": "something else"}')
     with pytest.raises(ConfigError, match="probe"):
         LogisticProbe.load(str(path))
@@ -157,7 +159,9 @@ class ModelReplica(FakeReplica):
         async def embeddings(http: Request) -> Response:
             body = await http.json()
             self.received.append({"route": "embeddings", **body})
-            hard = 1.0 if body["input"][0][0] == ord("h") else -1.0  # routed on the prompt's bytes
+            value = body["input"]  # text, or the prompt's bytes as the gateway tokenizes for a replica without
+            text = value if isinstance(value, str) else bytes(value[0]).decode()  # a tokenizer
+            hard = 1.0 if text.startswith("h") else -1.0
             return JSONResponse({"object": "list", "model": self.model, "usage": {"prompt_tokens": 1},
                                  "data": [{"object": "embedding", "index": 0, "embedding": [hard, 0, 0, 0]}]})
 
@@ -207,22 +211,22 @@ def models() -> Iterator[tuple[ModelReplica, ModelReplica]]:
     large.stop()
 
 
-def gateway(models: tuple[ModelReplica, ModelReplica], **options: object) -> BackgroundGateway:
+@contextmanager
+def routed(models: tuple[ModelReplica, ModelReplica], **options: object) -> Iterator[tuple[openai.OpenAI, str]]:
+    """A gateway over both models with these options: its client and its URL."""
     config = RouterConfig(replicas=tuple(r.url for r in models), health_interval_s=0.1, startup_timeout_s=5,
                           uvicorn_log_level="warning", small_model=SMALL, large_model=LARGE,
                           **options)  # type: ignore[arg-type]
-    return BackgroundGateway(config)
-
-
-def client(gw: BackgroundGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="unused", max_retries=0)
+    gw = BackgroundGateway(config)
+    try:
+        yield openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="unused", max_retries=0), gw.base_url
+    finally:
+        gw.stop()
 
 
 def test_length_policy_routes_auto_and_explicit_names_go_straight(models) -> None:
     small, large = models
-    gw = gateway(models, model_policy="length", route_threshold=5)
-    try:
-        c = client(gw)
+    with routed(models, model_policy="length", route_threshold=5) as (c, url):
         assert {m.id for m in c.models.list().data} == {SMALL, LARGE, "auto"}
         short = c.completions.with_raw_response.create(model="auto", prompt="ab", max_tokens=4)
         assert short.headers["x-kvserve-model"] == SMALL and short.parse().model == SMALL
@@ -234,18 +238,16 @@ def test_length_policy_routes_auto_and_explicit_names_go_straight(models) -> Non
         assert [r["model"] for r in large.received] == [LARGE]
         with pytest.raises(openai.NotFoundError):
             c.completions.create(model="coder-medium", prompt="x", max_tokens=4)
-        metrics = httpx.get(f"{gw.base_url}/metrics").text
+        embedded = c.embeddings.create(model=LARGE, input="hard")  # the gateway forwards embeddings too
+        assert embedded.data[0].embedding == [1.0, 0.0, 0.0, 0.0] and large.received[-1]["route"] == "embeddings"
+        metrics = httpx.get(f"{url}/metrics").text
         assert f'kvserve_router:model_choices_total{{model="{LARGE}",policy="length",reason="long_prompt"}} 1.0' \
             in metrics
-    finally:
-        gw.stop()
 
 
 def test_cascade_keeps_confident_answers_of_the_small_model(models) -> None:
     small, large = models
-    gw = gateway(models, model_policy="cascade", route_threshold=-0.5)
-    try:
-        c = client(gw)
+    with routed(models, model_policy="cascade", route_threshold=-0.5) as (c, url):
         answer = c.chat.completions.with_raw_response.create(
             model="auto", messages=[{"role": "user", "content": "easy"}], max_tokens=4)
         assert answer.headers["x-kvserve-route"] == "cascade:confident"
@@ -258,15 +260,11 @@ def test_cascade_keeps_confident_answers_of_the_small_model(models) -> None:
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == f"answer of {SMALL}"
         assert chunks[-1].usage.completion_tokens == 4
         assert large.received == []
-    finally:
-        gw.stop()
 
 
 def test_cascade_escalation_returns_only_the_large_answer_and_both_costs(models) -> None:
     small, large = models
-    gw = gateway(models, model_policy="cascade", route_threshold=-0.5)
-    try:
-        c = client(gw)
+    with routed(models, model_policy="cascade", route_threshold=-0.5) as (c, url):
         answer = c.completions.with_raw_response.create(model="auto", prompt="hard one", max_tokens=4)
         assert answer.headers["x-kvserve-route"] == "cascade:escalated"
         parsed = answer.parse()
@@ -282,8 +280,6 @@ def test_cascade_escalation_returns_only_the_large_answer_and_both_costs(models)
         assert chunks[-1].usage.total_tokens == 28
         assert chunks[-1].usage.model_extra["models"][LARGE]["total_tokens"] == 14
         assert len(small.received) == 2 and len(large.received) == 2
-    finally:
-        gw.stop()
 
 
 def test_probe_routes_on_the_small_models_hidden_state(models, tmp_path: Path) -> None:
@@ -292,13 +288,9 @@ def test_probe_routes_on_the_small_models_hidden_state(models, tmp_path: Path) -
     probe = LogisticProbe.fit(SMALL, features, np.array([1.0, 0.0] * 10))
     path = tmp_path / "probe.json"
     probe.save(str(path))
-    gw = gateway(models, model_policy="probe", probe_path=str(path))
-    try:
-        c = client(gw)
+    with routed(models, model_policy="probe", probe_path=str(path)) as (c, url):
         hard = c.completions.with_raw_response.create(model="auto", prompt="hard", max_tokens=4)
         easy = c.completions.with_raw_response.create(model="auto", prompt="easy", max_tokens=4)
         assert (hard.headers["x-kvserve-model"], easy.headers["x-kvserve-model"]) == (LARGE, SMALL)
         embedded = [r for r in small.received if r["route"] == "embeddings"]
         assert len(embedded) == 2 and embedded[0]["model"] == SMALL
-    finally:
-        gw.stop()
