@@ -246,6 +246,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     args.cache.mkdir(parents=True, exist_ok=True)
     small_run = run_model(args.small, args, args.cache, with_hidden=True)
     large_run = run_model(args.large, args, args.cache, with_hidden=False)
@@ -299,8 +301,6 @@ def main() -> int:
 
     checks = transformers_check([args.small, args.large], [small_run, large_run], args.transformers_sample,
                                 args.max_tokens) if args.transformers_sample else []
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     title = (f"HumanEval, {args.small} / {args.large} through kvserve; {cpu_description()}; "
              f"{datetime.date.today()}, {commit}")
     if args.plot:
