@@ -18,6 +18,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the endpoint (without /v1)")
     p.add_argument("--model", default=None, help="the model field of each request (default: the server's own)")
     p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--chat", action="store_true", help="ask through the chat route as for an instruct model (the "
+                                                       "function's code taken from the reply's code block), not "
+                                                       "the bare prompt to the completions route")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--limit", type=int, default=None, help="only the first N problems")
     p.add_argument("--task-id", action="append", default=[], help="only these problems (repeat the flag)")
@@ -43,8 +46,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def run_eval_command(args: argparse.Namespace) -> int:
     if args.eval_command == "train-probe":
         return _train_probe(args)
-    config = EvalConfig(args.base_url.rstrip("/"), args.model, args.max_tokens, args.concurrency, args.limit,
-                        tuple(args.task_id), args.api_key, sandbox=SandboxLimits(timeout_s=args.timeout))
+    config = EvalConfig(args.base_url.rstrip("/"), args.model, args.max_tokens, args.concurrency, args.chat,
+                        args.limit, tuple(args.task_id), args.api_key, sandbox=SandboxLimits(timeout_s=args.timeout))
     bar = None if args.quiet else tqdm(desc="humaneval", unit="problem", file=sys.stderr)
 
     def progress(stage: str, record: Completion) -> None:

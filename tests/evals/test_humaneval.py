@@ -44,6 +44,14 @@ def test_right_passes_wrong_fails_and_an_endless_loop_is_killed(first_problem) -
     assert time.monotonic() - t0 < 10
 
 
+def test_a_chat_reply_runs_as_a_whole_function_or_as_a_body(first_problem) -> None:
+    whole = ("Here it is:\n```python\nfrom typing import List\n\n\ndef has_close_elements(numbers: List[float], "
+             f"threshold: float) -> bool:\n{RIGHT}```\nIt compares every pair.")
+    assert run_program(first_problem.program_from_reply(whole)).passed
+    assert run_program(first_problem.program_from_reply(f"```python\n{RIGHT}```")).passed  # a body only
+    assert not run_program(first_problem.program_from_reply(f"```python\n{WRONG}```")).passed
+
+
 def test_the_sandbox_refuses_network_and_deletion_and_limits_memory(tmp_path) -> None:
     keep = tmp_path / "keep.txt"
     keep.write_text("x")
