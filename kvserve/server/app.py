@@ -231,7 +231,7 @@ def build_app(
             vectors = await until_disconnected(http, embed(async_engine, prompts))
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(embedding_response(vectors, prompts, state.model_name))
+        return JSONResponse(embedding_response(vectors, prompts, state.model_name, body.encoding_format))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -5,7 +5,9 @@ prompt's, so a generation on the same prompt afterwards finds it cached."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
+import struct
 import uuid
 from typing import Any
 
@@ -32,10 +34,12 @@ async def embed(engine: AsyncEngine, prompts: list[tuple[list[int], str | None]]
 
 
 def embedding_response(vectors: list[list[float]], prompts: list[tuple[list[int], str | None]],
-                       model: str) -> dict[str, Any]:
+                       model: str, encoding_format: str = "float") -> dict[str, Any]:
     tokens = sum(len(ids) for ids, _ in prompts)
+    encoded: list[Any] = vectors if encoding_format == "float" else [
+        base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii") for v in vectors]
     return {"object": "list", "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(encoded)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

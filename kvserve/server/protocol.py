@@ -298,7 +298,7 @@ class EmbeddingRequest(_Strict):
 
     model: str | None = None
     input: Any  # str | list[str] | list[int] | list[list[int]], checked as completions' prompt is
-    encoding_format: Literal["float"] = "float"
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 (the openai client's)
     dimensions: int | None = None
     user: str | None = None
 

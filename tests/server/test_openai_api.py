@@ -293,6 +293,9 @@ def test_embeddings_are_the_last_tokens_hidden_state(base_url) -> None:
     assert [d.index for d in batch.data] == [0, 1]
     assert np.allclose(batch.data[1].embedding, vector, atol=1e-4)
     assert not np.allclose(batch.data[0].embedding, vector, atol=1e-2)
+    as_floats = httpx.post(f"{base_url}/v1/embeddings", json={"model": model, "input": text,
+                                                                "encoding_format": "float"}).json()
+    assert np.allclose(as_floats["data"][0]["embedding"], vector, atol=1e-6)  # the client asked for base64
     ids = [28, 1106, 314, 253, 3500, 30]  # token ids, alone and as a list of one (what a gateway sends)
     flat, nested = (c.embeddings.create(model=model, input=x).data for x in (ids, [ids]))
     assert len(flat) == len(nested) == 1 and np.allclose(flat[0].embedding, nested[0].embedding, atol=1e-5)
