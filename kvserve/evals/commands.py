@@ -8,6 +8,7 @@ import sys
 
 from tqdm import tqdm
 
+from kvserve.errors import ConfigError
 from kvserve.evals.humaneval import Completion, EvalConfig, evaluate
 from kvserve.evals.sandbox import SandboxLimits
 
@@ -78,8 +79,8 @@ def _train_probe(args: argparse.Namespace) -> int:
     else:
         prompts, labels = read_examples(args.examples)
     if len(set(labels.tolist())) < 2:
-        print("kvserve: error: the examples need both labels", file=sys.stderr)
-        return 2
+        raise ConfigError("the examples need both labels: some where the small model fails, some where it "
+                          "does not", "examples")
     probe = train_probe(args.base_url.rstrip("/"), args.model, prompts, labels, args.l2, args.api_key)
     probe.save(args.out)
     print(f"probe of {args.model} on {len(labels)} examples ({int(labels.sum())} where it fails), "

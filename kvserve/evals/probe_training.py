@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvserve.errors import ConfigError
 from kvserve.router.model_policies import LogisticProbe
 
 EMBEDDING_BATCH = 16
@@ -28,7 +29,8 @@ def read_examples(path: str) -> tuple[list[str | list[int]], np.ndarray]:
                 continue
             example = json.loads(line)
             if not isinstance(example.get("prompt"), str | list) or example.get("label") not in (0, 1):
-                raise ValueError(f"{path}:{number}: an example is {{\"prompt\": ..., \"label\": 0 or 1}}")
+                raise ConfigError(f"{path}:{number}: an example is {{\"prompt\": ..., \"label\": 0 or 1}}",
+                                  "examples")
             prompts.append(example["prompt"])
             labels.append(float(example["label"]))
     return prompts, np.array(labels)

@@ -73,6 +73,17 @@ def wants_stream_usage(payload: dict[str, Any]) -> bool:
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
+def usage_event(line: bytes) -> dict[str, Any] | None:
+    """The event of one event-stream line, if it is a chunk that carries a ``usage`` object."""
+    if not (line.startswith(b"data: {") and b'"usage"' in line):
+        return None
+    try:
+        event = json.loads(line[len(b"data: "):])
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and isinstance(event.get("usage"), dict) else None
+
+
 def combined_usage(first: dict[str, Any] | None, second: dict[str, Any] | None, first_model: str,
                    second_model: str) -> dict[str, Any] | None:
     """What both models cost: the second's usage with the first's tokens added, and each one's own usage
@@ -96,11 +107,10 @@ async def with_usage_of(chunks: AsyncIterator[bytes], first: dict[str, Any] | No
         *lines, partial = (partial + chunk).split(b"\n")
         out = []
         for line in lines:
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                event = json.loads(line[len(b"data: "):])
-                if isinstance(event, dict) and isinstance(event.get("usage"), dict):
-                    event["usage"] = combined_usage(first, event["usage"], first_model, second_model)
-                    line = b"data: " + json.dumps(event).encode()
+            event = usage_event(line)
+            if event is not None:
+                event["usage"] = combined_usage(first, event["usage"], first_model, second_model)
+                line = b"data: " + json.dumps(event).encode()
             out.append(line + b"\n")
         if out:
             yield b"".join(out)

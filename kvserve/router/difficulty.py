@@ -61,10 +61,10 @@ class DifficultyRouter:
         gateway = self.gateway
         small_payload = {**payload, "model": self.small}
         tokens = await gateway.tokens(path, small_payload, body_bytes)
-        hidden = await self._hidden_state(tokens, http) if self.policy.needs_hidden_state else None
-        choice = self.policy.choose(Difficulty(len(tokens), hidden))
         if self.policy.cascades:
             return await self._cascade(path, payload, tokens, body_bytes, http)
+        hidden = await self._hidden_state(tokens, http) if self.policy.needs_hidden_state else None
+        choice = self.policy.choose(Difficulty(len(tokens), hidden))
         model = self.model(choice)
         chosen = {**payload, "model": model}
         if model != self.small:

@@ -37,6 +37,7 @@ from kvserve.errors import (
     NoHealthyReplica,
     RequestTooLarge,
 )
+from kvserve.router.answers import usage_event
 from kvserve.router.difficulty import DifficultyRouter
 from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
 from kvserve.router.live_stats import find_trip, gateway_snapshot
@@ -302,10 +303,9 @@ class _UsageScanner:
     def feed(self, chunk: bytes) -> None:
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         for line in lines:
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                event = _json_object(line[len(b"data: "):])
-                if event is not None and isinstance(event.get("usage"), dict):
-                    self.last = event["usage"]
+            event = usage_event(line)
+            if event is not None:
+                self.last = event["usage"]
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:

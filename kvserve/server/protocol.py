@@ -250,6 +250,13 @@ class ChatCompletionRequest(_SamplingRequest):
 PromptInput = str | list[int]
 
 
+def _as_prompts(value: Any) -> list[PromptInput]:
+    """A checked prompt value (``_prompt_value``) as a list of prompts: a string, or token ids, each."""
+    if isinstance(value, str) or all(isinstance(t, int) for t in value):
+        return [value]
+    return list(value)
+
+
 def _prompt_value(value: Any, name: str) -> Any:
     """A prompt as the completions and embeddings routes take it: str | list[str] | list[int] | list[list[int]]."""
     def is_ids(v: Any) -> bool:
@@ -281,12 +288,7 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[PromptInput]:
         """The prompt as a list of prompts (a string, or a list of token ids, each)."""
-        value = self.prompt
-        if isinstance(value, str):
-            return [value]
-        if all(isinstance(t, int) for t in value):
-            return [value]
-        return list(value)
+        return _as_prompts(self.prompt)
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, "max_tokens", self.logprobs, "logprobs")
@@ -315,10 +317,7 @@ class EmbeddingRequest(_Strict):
         return value
 
     def inputs(self) -> list[PromptInput]:
-        value = self.input
-        if isinstance(value, str) or all(isinstance(t, int) for t in value):
-            return [value]
-        return list(value)
+        return _as_prompts(self.input)
 
 
 # ---------------------------------------------------------------------------------------------------------
