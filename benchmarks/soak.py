@@ -19,9 +19,9 @@ Checks (the exit status is 1 if any fails, each is in the JSON report):
 - idle afterwards: ``GET /kvserve/audit`` holds (no request left, no block used, no prefix locked);
 - a --sample of the greedy answers that were not dropped equal the same request served alone on a fresh
   engine without tiers (``LLM``, float32, like the server);
-- the server's resident memory, open files and threads after the run are within --rss-growth-mb, 16 and 4 of
-  what they were after the warm-up (a request of each kind, then --concurrency prompts at the context limit
-  at once, and the first quarter of the run);
+- the server's resident memory, open files and threads, idle after the run, are within --rss-growth-mb, 16
+  and 4 of what they were idle after the warm-up (a request of each kind, then --concurrency prompts at the
+  context limit at once, and the first quarter of the run, after which the traffic pauses for the reading);
 - a SIGTERM while streams are open ends every stream with a final event (``[DONE]`` or an error event), the
   server exits 0, and every disk-tier file left is whole (but those the soak broke and nothing read since).
 """
@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ SYSTEM = " ".join(f"Tool {i}: call it with a JSON object of a path and a line ra
                   f"numbered, or an error naming what is wrong." for i in range(16))
 TOPICS = ["paged attention", "radix trees", "disk caches", "Redis", "prefill", "decoding", "speculation",
           "batching", "preemption", "eviction", "tokenizers", "sampling"]
+# The engine hands its free heap back to the OS half a second into an idle spell: memory is read after that.
+IDLE_SETTLE_S = 1.5
 KINDS = {"agentic": 0.35, "chat": 0.2, "long": 0.1, "sampled_n2": 0.1, "logprobs": 0.1, "stop": 0.15}
 
 
@@ -76,7 +79,8 @@ class Outcome:
 
 @dataclass
 class Report:
-    duration_s: float = 0.0
+    duration_s: float = 0.0  # of traffic, without the pause for the baseline
+    pause_s: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)  # start-up, warm-up, traffic, ... as run
     requests: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
@@ -281,15 +285,30 @@ async def warm_up(url: str, args: argparse.Namespace) -> None:
         await asyncio.gather(*(send(client, path, body, None, Outcome("long", path, body)) for path, body, _ in longs))
 
 
-async def traffic(url: str, args: argparse.Namespace, stop_at: float, outcomes: list[Outcome]) -> None:
+async def traffic(url: str, args: argparse.Namespace, outcomes: list[Outcome],
+                  at_quarter: Callable[[], None]) -> None:
+    """--duration seconds of traffic, with a pause a quarter of the way in: the workers finish what they
+    sent, ``at_quarter`` runs (on a thread) with nothing in flight, and the traffic resumes for the rest."""
     rng = random.Random(args.seed)
     sessions: list[list[dict[str, str]]] = [[{"role": "system", "content": SYSTEM}] for _ in range(2 * args.concurrency)]
     kinds, weights = list(KINDS), list(KINDS.values())
+    start = time.monotonic()
+    pause_at, stop_at = start + args.duration / 4, start + args.duration
+    resume = asyncio.Event()
+    parked: list[int] = []
+    all_parked = asyncio.Event()
 
     async def worker(worker_id: int) -> None:
+        nonlocal stop_at
         local = random.Random(args.seed * 1000 + worker_id)
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             while time.monotonic() < stop_at:
+                if not resume.is_set() and time.monotonic() >= pause_at:
+                    parked.append(worker_id)
+                    if len(parked) == args.concurrency:
+                        all_parked.set()
+                    await resume.wait()
+                    continue
                 kind = local.choices(kinds, weights)[0]
                 path, body, session = make_request(kind, rng, sessions)
                 streamed = bool(body.get("stream"))
@@ -302,7 +321,15 @@ async def traffic(url: str, args: argparse.Namespace, stop_at: float, outcomes: 
                     if len(sessions[session]) > 7:  # three turns: the conversation stays inside the context
                         sessions[session] = [{"role": "system", "content": SYSTEM}]
 
-    await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
+    async def quarter() -> None:
+        nonlocal stop_at
+        await all_parked.wait()
+        paused = time.monotonic()
+        await asyncio.to_thread(at_quarter)
+        stop_at += time.monotonic() - paused
+        resume.set()
+
+    await asyncio.gather(quarter(), *(worker(i) for i in range(args.concurrency)))
 
 
 # --- faults ---------------------------------------------------------------------------------------------
@@ -457,18 +484,18 @@ def run(args: argparse.Namespace) -> Report:
         faults.start()
 
         def warm_sample() -> None:
-            if not stop.wait(args.duration / 4):
-                report.rss_mb_warm, report.fds_warm, report.threads_warm = server.resources()
+            wait_idle(server.url)
+            time.sleep(IDLE_SETTLE_S)
+            report.rss_mb_warm, report.fds_warm, report.threads_warm = server.resources()
 
-        sampler = threading.Thread(target=warm_sample, daemon=True)
-        sampler.start()
-        asyncio.run(traffic(server.url, args, start + args.duration, outcomes))
-        report.duration_s = time.monotonic() - start
+        asyncio.run(traffic(server.url, args, outcomes, warm_sample))
+        report.pause_s = round(time.monotonic() - start - args.duration, 2)
+        report.duration_s = time.monotonic() - start - report.pause_s
         stop.set()
         faults.join()
-        sampler.join()
         phase("traffic")
         report.audit = wait_idle(server.url)
+        time.sleep(IDLE_SETTLE_S)
         phase("idle wait")
         report.rss_mb_end, report.fds_end, report.threads_end = server.resources()
         counters = parse_prometheus(httpx.get(f"{server.url}/metrics", timeout=10).text)

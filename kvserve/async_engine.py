@@ -19,12 +19,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.engine import Engine, EngineAudit, EngineStats, PromptType
 from kvserve.errors import CapacityError, EngineDeadError, KVServeError
+from kvserve.heap import release_free_heap
 from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams, StructuredOutputsParams
 from kvserve.structured.grammar import GrammarCompiler
 
@@ -63,9 +64,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine: Engine, max_waiting_requests: int | None = None,
+                 on_idle: Callable[[], object] = release_free_heap) -> None:
+        """``on_idle`` runs on the engine thread once each time the engine has had nothing to do for a
+        moment after working (by default it hands the heap's free memory back to the OS)."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self._on_idle = on_idle
         self._commands: queue.SimpleQueue[_Add | _Abort | _Audit | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -187,14 +192,19 @@ class AsyncEngine:
     # --- engine thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        worked_since_idle = False
         try:
             while True:
                 if not self._drain_commands():
                     break
                 if not engine.has_unfinished_requests():
-                    self._wakeup.wait(timeout=0.5)
+                    woken = self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
+                    if not woken and worked_since_idle:
+                        worked_since_idle = False
+                        self._on_idle()
                     continue
+                worked_since_idle = True
                 outputs = engine.step()
                 self._stats = engine.stats()
                 self.last_step_time = time.monotonic()
