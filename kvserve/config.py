@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from kvserve.arch import ArchConfig as ArchConfig  # re-exported: the model description lives in kvserve.arch
 from kvserve.errors import ConfigError
@@ -18,6 +18,7 @@ from kvserve.errors import ConfigError
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
+GrammarEngine = Literal["auto", "llguidance", "xgrammar"]
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
 SETTING = "kvserve.setting"  # the metadata key of a field's Setting (or an EngineConfig field's Section)
@@ -285,6 +286,11 @@ class StructuredOutputConfig:
                               flag="--grammar-cache-size", keyword="grammar_cache_size")
     compile_threads: int = setting(2, "threads that compile grammars, off the engine and HTTP threads",
                                    flag="--grammar-compile-threads", keyword="grammar_compile_threads")
+    engine: GrammarEngine = setting(
+        "auto", "grammar engine: auto (llguidance; a JSON Schema used again moves to xgrammar's precomputed "
+                "masks, where xgrammar is installed and enforces every keyword of it), llguidance, or xgrammar "
+                "(such schemas from their first use; everything else on llguidance)", flag="--grammar-engine",
+        keyword="grammar_engine")
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:
@@ -294,6 +300,9 @@ class StructuredOutputConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", name)
+        if self.engine not in get_args(GrammarEngine):
+            raise ConfigError(f"grammar engine must be one of {', '.join(get_args(GrammarEngine))}, got "
+                              f"{self.engine!r}", "engine")
 
 
 C = TypeVar("C")

