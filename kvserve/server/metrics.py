@@ -135,9 +135,9 @@ class _EngineCollector(Collector):
             "grammar_cache_hits": ("Constraints found compiled in the compile cache.", s.grammar.cache_hits),
             "grammar_compile_timeouts": ("Requests refused because their constraint compiled too slowly.",
                                          s.grammar.timeouts),
-            "grammar_xgrammar_compiles": ("JSON constraints used again, compiled in the background for xgrammar's "
-                                          "precomputed masks.", s.grammar.xgrammar_compiles),
-            "grammar_xgrammar_refusals": ("Of those, constraints xgrammar could not compile (left on llguidance).",
+            "grammar_xgrammar_compiles": ("JSON Schemas compiled on xgrammar (also in grammar_compiles).",
+                                          s.grammar.xgrammar_compiles),
+            "grammar_xgrammar_refusals": ("JSON Schemas xgrammar could not compile, compiled on llguidance instead.",
                                           s.grammar.xgrammar_refusals),
             "grammar_constrained_tokens": ("Tokens sampled under a grammar's mask.", s.num_constrained_tokens),
             "grammar_mask_seconds": ("Time spent computing and applying grammar masks.", s.grammar_mask_time_s),

@@ -47,18 +47,36 @@ int64_t argmax_row(const T* x, int64_t n) {
 }
 
 // x[0, n): -inf where a bit of words[0, num_words) is clear (bit i of word w is column 32 w + i), and past
-// the words' columns. A word with every bit set is skipped; the others are a branch-free select the compiler
-// vectorises (a grammar inside a string allows most tokens, so most words are mixed).
+// the words' columns. With AVX-512 a word is one masked store of -inf (two for fp32): the allowed logits
+// are never read. A word with every bit set is skipped (a grammar inside a string allows most tokens).
 template <typename T>
 void mask_row(T* x, int64_t n, const uint32_t* words, int64_t num_words) {
   const T neg = static_cast<T>(-std::numeric_limits<float>::infinity());
   const int64_t full = std::min(num_words, n / 32);
+#if KVSERVE_HAS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 neg16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t w = 0; w < full; ++w) {
+      const uint32_t refused = ~words[w];
+      if (refused == 0) continue;
+      _mm512_mask_storeu_ps(x + w * 32, static_cast<__mmask16>(refused), neg16);
+      _mm512_mask_storeu_ps(x + w * 32 + 16, static_cast<__mmask16>(refused >> 16), neg16);
+    }
+  } else {
+    const __m512i neg32 = _mm512_set1_epi16(static_cast<int16_t>(0xFF80));  // bf16 -inf
+    for (int64_t w = 0; w < full; ++w) {
+      const uint32_t refused = ~words[w];
+      if (refused != 0) _mm512_mask_storeu_epi16(x + w * 32, static_cast<__mmask32>(refused), neg32);
+    }
+  }
+#else
   for (int64_t w = 0; w < full; ++w) {
     const uint32_t allowed = words[w];
     if (allowed == 0xFFFFFFFFu) continue;
     T* y = x + w * 32;
     for (int b = 0; b < 32; ++b) y[b] = ((allowed >> b) & 1u) ? y[b] : neg;
   }
+#endif
   for (int64_t j = full * 32; j < n; ++j) {  // the last partial word, and columns past the mask
     const int64_t w = j / 32;
     if (w >= num_words || !((words[w] >> (j % 32)) & 1u)) x[j] = neg;
