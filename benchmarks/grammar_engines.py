@@ -5,8 +5,9 @@ Schema the time to compile it (cold: a schema neither engine has seen) and the t
 mask at every position of a document that matches it (the per-step cost constrained decoding adds). One
 thread, one process, alternating engines per schema, so the machine's noise hits both alike.
 
-xgrammar is optional (its wheel pulls triton and transformers): install it beside kvserve, e.g.
-``pip install --no-deps --target /tmp/xg xgrammar apache-tvm-ffi`` and run with ``PYTHONPATH=/tmp/xg``.
+Each engine as kvserve runs it (kvserve/structured/): llguidance's matcher, and xgrammar through
+``XGrammarEngine`` (its special tokens, control-character filter and forced-token rule included).
+xgrammar is optional; ``scripts/install.sh`` installs it (without the triton its wheel names).
 
     python benchmarks/grammar_engines.py [--models smollm2-135m qwen2.5-coder-0.5b] [--out results.json]
 """
@@ -29,6 +30,7 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from kvserve.model.loader import resolve_model_path
 from kvserve.structured.grammar import JSON_OPTIONS
+from kvserve.structured.xgrammar_engine import xgrammar_installed
 from kvserve.tokenizer import Tokenizer
 
 SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
@@ -52,6 +54,9 @@ SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
         "required": ["value", "children"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
         {"value": 1, "children": [{"value": 2, "children": []}, {"value": 3, "children": [{"value": 4,
                                                                                             "children": []}]}]}),
+    "bounded strings": ({"type": "object", "properties": {"words": {"type": "array", "items": {
+        "type": "string", "maxLength": 12}}}, "required": ["words"], "additionalProperties": False},
+        {"words": ["apple pie", "green tea", "hello world", "paged KV", "radix tree", "prefill"]}),
     "100 properties": ({"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(100)},
                         "required": [f"field_{i}" for i in range(100)], "additionalProperties": False},
                        {f"field_{i}": i for i in range(100)}),
@@ -89,37 +94,30 @@ class Xgrammar:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        import transformers
-        import xgrammar
+        from kvserve.structured.xgrammar_engine import XGrammarEngine
 
-        self.xgr = xgrammar
-        wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
-        info = xgrammar.TokenizerInfo.from_huggingface(wrapped, vocab_size=tokenizer.vocab_size,
-                                                       stop_token_ids=list(tokenizer.eos_token_ids))
-        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-        self.bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+        self.engine = XGrammarEngine(tokenizer, tokenizer.vocab_size)
+        self.engine.compile_json('{"type": "object"}')  # builds its view of the vocabulary, as set-up
+        self.bitmask = torch.zeros(1, (tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
 
     def compile(self, schema: dict[str, Any]) -> Any:
-        compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                     separators=(", ", ": "))
-        return self.xgr.GrammarMatcher(compiled)
+        return self.engine.new_matcher(self.engine.compile_json(json.dumps(schema)))
 
     def mask_times(self, matcher: Any, tokens: list[int]) -> list[float]:
         times = []
         for token in tokens:
-            _, elapsed = timed(lambda: matcher.fill_next_token_bitmask(self.bitmask))
+            _, elapsed = timed(lambda: matcher.fill_bitmask(self.bitmask, 0))
             times.append(elapsed)
-            assert matcher.accept_token(token)
+            assert matcher.accept(token), matcher.error
         return times
 
 
 def engines() -> list[type]:
     found: list[type] = [Llguidance]
-    try:
-        import xgrammar  # noqa: F401
+    if xgrammar_installed():
         found.append(Xgrammar)
-    except ImportError:
-        print("xgrammar is not installed: llguidance alone (see the docstring to add it)")
+    else:
+        print("xgrammar is not installed: llguidance alone (scripts/install.sh installs it)")
     return found
 
 

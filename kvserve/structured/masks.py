@@ -17,7 +17,7 @@ import llguidance
 import torch
 
 from kvserve.structured.grammar import GrammarMatcher, LLGuidanceMatcher
-from kvserve.structured.xgrammar_engine import XGrammarMatcher
+from kvserve.structured.xgrammar_engine import XGrammarMatcher, fill_bitmasks
 
 MaskLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # as the model backends define it
 
@@ -92,9 +92,7 @@ class GrammarMasker:
             self._executor.unsafe_compute_mask_ptr(on_llguidance, bitmask.data_ptr(), self.num_words * 4,
                                                    len(matchers))
         if len(on_llguidance) < len(matchers):
-            for j, m in enumerate(matchers):
-                if isinstance(m, XGrammarMatcher):
-                    m.fill_bitmask(bitmask, j)
+            fill_bitmasks([(m, j) for j, m in enumerate(matchers) if isinstance(m, XGrammarMatcher)], bitmask)
         return bitmask
 
     def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:

@@ -22,10 +22,9 @@ apache-tvm-ffi). Without it, every constraint stays on llguidance.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,15 +38,20 @@ SEPARATORS = (", ", ": ")  # llguidance's JSON_OPTIONS: the same compact JSON fr
 
 
 
-@dataclass(frozen=True, slots=True)
 class JsonVocabulary:
     """What every matcher of one tokenizer shares: the tokens compact JSON may hold (no raw control
-    character), as a bool per token and as mask words, and the tokenizer's encoder for forced text."""
+    character), as a bool per token and as mask words, and the first token of forced text."""
 
-    allowed: list[bool]
-    bitmask: torch.Tensor  # int32 [words]
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
+    def __init__(self, allowed: list[bool], bitmask: torch.Tensor, tokenizer: Tokenizer) -> None:
+        self.allowed = allowed
+        self.bitmask = bitmask  # int32 [words]
+
+        @functools.lru_cache(maxsize=4096)  # a schema forces few distinct texts (its keys, separators)
+        def first_forced_token(text: str) -> int | None:
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+            return tokens[0] if len(tokens) >= 2 and tokenizer.decode(tokens) == text else None
+
+        self.first_forced_token = first_forced_token
 
 
 # JSON Schema keywords xgrammar enforces as written. It ignores some others with a warning (lookahead in a
@@ -142,22 +146,11 @@ class XGrammarMatcher:
         """The first token of the text the grammar forces from here, where that text is more than one token
         (a single token's text might be the start of a longer token with what follows)."""
         text = self._matcher.find_jump_forward_string()
-        if not text:
-            return None
-        tokens = self._vocabulary.encode(text)
-        if len(tokens) < 2 or self._vocabulary.decode(tokens) != text:
-            return None
-        return tokens[0]
+        return self._vocabulary.first_forced_token(text) if text else None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        forced = self._forced_token()
-        with torch.inference_mode():  # the runner's buffers may be inference tensors, and this thread is not in it
-            if forced is not None:
-                bitmask[row].zero_()
-                bitmask[row, forced // 32] = 1 << (forced % 32) if forced % 32 < 31 else -(1 << 31)
-                return
-            self._matcher.fill_next_token_bitmask(bitmask, row)
-            bitmask[row].bitwise_and_(self._vocabulary.bitmask)
+        fill_bitmasks([(self, row)], bitmask)
+
 
     @property
     def is_error(self) -> bool:
@@ -170,6 +163,28 @@ class XGrammarMatcher:
     @property
     def is_finished(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+
+def fill_bitmasks(rows: list[tuple[XGrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+    """Row ``j`` of ``bitmask`` (int32 [R, words]) for each (matcher, j): its tokens allowed next."""
+    unforced: list[int] = []
+    with torch.inference_mode():  # the runner's buffers may be inference tensors, and this thread is not in it
+        for matcher, row in rows:
+            forced = matcher._forced_token()
+            if forced is None:
+                matcher._matcher.fill_next_token_bitmask(bitmask, row)
+                unforced.append(row)
+            else:
+                bitmask[row].zero_()
+                bitmask[row, forced // 32] = 1 << (forced % 32) if forced % 32 < 31 else -(1 << 31)
+        if not unforced:
+            return
+        json_tokens = rows[0][0]._vocabulary.bitmask  # the same for every matcher of one tokenizer
+        if len(unforced) == 1:
+            bitmask[unforced[0]].bitwise_and_(json_tokens)
+        else:
+            index = torch.tensor(unforced)
+            bitmask[index] = bitmask[index] & json_tokens
 
 
 class XGrammarEngine:
@@ -188,10 +203,7 @@ class XGrammarEngine:
             if self._compiler is None:
                 info = self._tokenizer_info()
                 allowed, bitmask = _json_tokens(info.decoded_vocab, self._vocab_size)
-                tokenizer = self._tokenizer
-                self._vocabulary = JsonVocabulary(
-                    allowed, bitmask, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                    tokenizer.decode)
+                self._vocabulary = JsonVocabulary(allowed, bitmask, self._tokenizer)
                 # kvserve keeps its own cache of compiled constraints; one thread per compile, as requests come.
                 self._compiler = xgrammar_module().GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
