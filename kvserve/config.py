@@ -287,9 +287,10 @@ class StructuredOutputConfig:
     compile_threads: int = setting(2, "threads that compile grammars, off the engine and HTTP threads",
                                    flag="--grammar-compile-threads", keyword="grammar_compile_threads")
     engine: GrammarEngine = setting(
-        "auto", "grammar engine: auto (xgrammar's precomputed masks for a JSON Schema with length-bounded "
-                "strings whose every keyword xgrammar enforces, where xgrammar is installed; llguidance for the "
-                "rest), llguidance, or xgrammar (every JSON Schema whose keywords it enforces)",
+        "auto", "grammar engine: auto (xgrammar's precomputed masks for a small JSON Schema with "
+                "length-bounded strings whose every keyword xgrammar enforces, where xgrammar is installed; "
+                "llguidance for the rest), llguidance, or xgrammar (every JSON Schema whose keywords it "
+                "enforces)",
         flag="--grammar-engine",
         keyword="grammar_engine")
 

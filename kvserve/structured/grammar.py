@@ -42,11 +42,17 @@ from kvserve.structured.xgrammar_engine import (
     XGrammarMatcher,
     enforces_exactly,
     has_bounded_string,
+    schema_size,
     xgrammar_installed,
 )
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# auto's bound on a schema for xgrammar: its compile grows by tens of milliseconds per schema inside
+# (benchmarks/grammar_engines.py), and a larger one would keep its first request waiting longer than its
+# masks save over llguidance's in a typical reply.
+AUTO_XGRAMMAR_MAX_SCHEMAS = 16
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -204,15 +210,20 @@ class GrammarCompiler:
         self.stats = GrammarStats()
 
     def engine_for(self, spec: StructuredOutputsParams) -> str:
-        """The engine ``spec`` compiles on: xgrammar for a JSON Schema whose every keyword it enforces, with
-        a length-bounded string in it (auto; any such schema with ``xgrammar``), where llguidance's lexer
-        costs most per token; llguidance for everything else, where the two cost about the same per token
-        and llguidance compiles in microseconds against xgrammar's milliseconds per property."""
+        """The engine ``spec`` compiles on. ``auto``: xgrammar for a JSON Schema of at most
+        AUTO_XGRAMMAR_MAX_SCHEMAS schemas whose every keyword it enforces, with a length-bounded string in
+        it, where llguidance's lexer costs most per token; llguidance for everything else, where the two
+        cost about the same per token and llguidance compiles in microseconds against xgrammar's
+        milliseconds per property. ``xgrammar``: every JSON Schema whose keywords it enforces."""
         if self._xgrammar is None or self.config.engine == "llguidance" or not _xgrammar_enforces(spec):
             return "llguidance"
         if self.config.engine == "xgrammar":
             return "xgrammar"
-        return "xgrammar" if spec.json is not None and has_bounded_string(json.loads(spec.json)) else "llguidance"
+        if spec.json is None:
+            return "llguidance"
+        schema = json.loads(spec.json)
+        small = schema_size(schema) <= AUTO_XGRAMMAR_MAX_SCHEMAS
+        return "xgrammar" if small and has_bounded_string(schema) else "llguidance"
 
     # --- compiling ------------------------------------------------------------------------------------------
     def submit(self, spec: StructuredOutputsParams, count_hit: bool = True) -> Future[CompiledGrammar]:

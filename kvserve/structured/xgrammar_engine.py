@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 SEPARATORS = (", ", ": ")  # llguidance's JSON_OPTIONS: the same compact JSON from either engine
 
 
-
 class JsonVocabulary:
     """What every matcher of one tokenizer shares: the tokens compact JSON may hold (no raw control
     character), as a bool per token and as mask words, and the first token of forced text."""
@@ -80,6 +79,14 @@ def has_bounded_string(schema: object) -> bool:
     if not isinstance(schema, dict):
         return False
     return "maxLength" in schema or "minLength" in schema or any(map(has_bounded_string, _subschemas(schema)))
+
+
+def schema_size(schema: object) -> int:
+    """How many schemas ``schema`` holds, itself included (a JSON Schema xgrammar enforces exactly): what
+    xgrammar's compile time grows with."""
+    if not isinstance(schema, dict):
+        return 1
+    return 1 + sum(map(schema_size, _subschemas(schema)))
 
 
 def _subschemas(schema: dict[str, Any]) -> list[object]:

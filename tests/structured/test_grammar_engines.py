@@ -14,9 +14,14 @@ from kvserve.errors import ConfigError, InvalidRequest
 from kvserve.model.loader import default_model_path
 from kvserve.request import StructuredOutputsParams
 from kvserve.structured import grammar as grammar_module
-from kvserve.structured.grammar import GrammarCompiler, LLGuidanceMatcher
+from kvserve.structured.grammar import AUTO_XGRAMMAR_MAX_SCHEMAS, GrammarCompiler, LLGuidanceMatcher
 from kvserve.structured.masks import GrammarMasker
-from kvserve.structured.xgrammar_engine import XGrammarMatcher, enforces_exactly, has_bounded_string
+from kvserve.structured.xgrammar_engine import (
+    XGrammarMatcher,
+    enforces_exactly,
+    has_bounded_string,
+    schema_size,
+)
 from kvserve.tokenizer import Tokenizer
 
 pytest.importorskip("xgrammar")
@@ -54,13 +59,15 @@ def test_auto_gives_length_bounded_schemas_to_xgrammar_and_the_rest_to_llguidanc
         assert {compiler.compile(bounded).engine for _ in range(3)} == {"xgrammar"}
         assert isinstance(compiler.compile(bounded).new_matcher(), XGrammarMatcher)
         plain = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
-        for spec in (plain, StructuredOutputsParams(json_object=True),
+        wide = StructuredOutputsParams(json={"type": "object", "properties": {
+            f"p{i}": {"type": "string", "maxLength": 8} for i in range(AUTO_XGRAMMAR_MAX_SCHEMAS)}})
+        for spec in (plain, wide, StructuredOutputsParams(json_object=True),
                      StructuredOutputsParams(json={"type": "string", "pattern": "^a+$", "maxLength": 4}),
                      StructuredOutputsParams(regex="[a-z]{1,3}"), StructuredOutputsParams(grammar='start: "y" | "n"')):
             grammar = compiler.compile(spec)
             assert grammar.engine == compiler.engine_for(spec) == "llguidance", spec
             assert isinstance(grammar.new_matcher(), LLGuidanceMatcher)
-        assert compiler.stats.compiles == 6 and compiler.stats.xgrammar_compiles == 1
+        assert compiler.stats.compiles == 7 and compiler.stats.xgrammar_compiles == 1
     finally:
         compiler.close()
 
@@ -179,6 +186,12 @@ def test_one_batch_of_masks_from_both_engines(tokenizer: Tokenizer) -> None:
 ])
 def test_which_schemas_xgrammar_enforces_exactly(schema: dict, exact: bool) -> None:
     assert enforces_exactly(schema) is exact
+
+
+def test_schema_size_counts_every_schema_inside() -> None:
+    assert schema_size({"type": "string"}) == 1
+    assert schema_size(PERSON) == 6  # the object, its four properties and the tags' items
+    assert schema_size({"anyOf": [{"type": "integer"}, {"prefixItems": [True, {}]}]}) == 5
 
 
 def test_bounded_strings_are_found_anywhere_but_in_values() -> None:
