@@ -8,9 +8,15 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
+from kvserve.config import StructuredOutputConfig
 from kvserve.engine import LLM
 from kvserve.request import SamplingParams, StructuredOutputsParams
+from kvserve.structured.grammar import GrammarCompiler
+from kvserve.structured.masks import GrammarMasker
+from kvserve.tokenizer import Tokenizer
+from tests.e2e.conftest import installed_model
 
 pytestmark = pytest.mark.slow
 
@@ -109,3 +115,39 @@ def test_the_same_tokens_with_the_cache_off_speculation_and_preemption(greedy_te
     if "speculative_config" in options:
         assert stats.num_draft_tokens > 0
     other.engine.check_invariants()
+
+
+def allowed_tokens(masker: GrammarMasker, matcher) -> set[int]:
+    words = masker.bitmask([matcher])[0]
+    return set(((words.unsqueeze(1) >> torch.arange(32)) & 1).flatten().nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"])
+def test_both_engines_follow_a_bounded_schema_on_each_real_vocabulary(model: str) -> None:
+    """Byte-level BPE (SmolLM2, Qwen2.5) and SentencePiece with byte fallback (Gemma 3): every token of
+    matching documents is in each engine's mask and taken, no special token but the end is ever allowed,
+    and a closed object allows only the end."""
+    tokenizer = Tokenizer.from_model_path(installed_model(model))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}},
+                                               "n": {"type": "integer"}}, "required": ["name", "tags", "n"]}
+    documents = [{"name": "Ada Lovelace", "tags": ["math", "ü"], "n": 36}, {"name": "x", "tags": [], "n": -1}]
+    eos = set(tokenizer.eos_token_ids)
+    special = {i for i, added in tokenizer.backend.get_added_tokens_decoder().items() if added.special} - eos
+    for engine in ("llguidance", "xgrammar"):
+        compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, StructuredOutputConfig(engine=engine))
+        try:
+            grammar = compiler.compile(StructuredOutputsParams(json=schema))
+            assert grammar.engine == engine
+            masker = GrammarMasker(compiler.mask_vocab_size)
+            for document in documents:
+                matcher = grammar.new_matcher()
+                text = json.dumps(document, separators=(", ", ": "), ensure_ascii=False)
+                for token_id in tokenizer.encode(text, add_special_tokens=False):
+                    now = allowed_tokens(masker, matcher)
+                    assert token_id in now and not now & special, (engine, text, tokenizer.decode([token_id]))
+                    assert matcher.accept(token_id)
+                end = allowed_tokens(masker, matcher)
+                assert end & eos and end <= eos, engine
+        finally:
+            compiler.close()
