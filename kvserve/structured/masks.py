@@ -1,10 +1,10 @@
 """Token masks of a step's constrained rows, applied to their logits before anything is sampled.
 
 llguidance writes one bit per token for every constrained row at once (on its own threads, without the
-GIL); xgrammar's rows are filled one by one from its precomputed sets. The runner asks for a step's masks before its forward (``prefetch``), so that they are computed while
-the model runs, and sampling only waits for what is left. The backend's kernel, where it has one, sets the
-logits of clear bits to -inf a word at a time; otherwise the bits are expanded to a boolean mask with torch
-ops. Penalties, logprobs, top-k/p and the greedy argmax all see the masked logits.
+GIL); xgrammar's rows are filled one by one from its precomputed sets. The runner asks for a step's
+masks before its forward (``prefetch``), so that they are computed while the model runs, and sampling only
+waits for what is left. The backend's kernel, where it has one, sets the logits of clear bits to -inf a
+word at a time; otherwise the bits are expanded to a boolean mask with torch ops. Penalties, logprobs, top-k/p and the greedy argmax all see the masked logits.
 """
 
 from __future__ import annotations
