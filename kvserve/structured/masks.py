@@ -4,7 +4,8 @@ llguidance writes one bit per token for every constrained row at once (on its ow
 GIL); xgrammar's rows are filled one by one from its precomputed sets. The runner asks for a step's
 masks before its forward (``prefetch``), so that they are computed while the model runs, and sampling only
 waits for what is left. The backend's kernel, where it has one, sets the logits of clear bits to -inf a
-word at a time; otherwise the bits are expanded to a boolean mask with torch ops. Penalties, logprobs, top-k/p and the greedy argmax all see the masked logits.
+word at a time; otherwise the bits are expanded to a boolean mask with torch ops. Penalties, logprobs,
+top-k/p and the greedy argmax all see the masked logits.
 """
 
 from __future__ import annotations
