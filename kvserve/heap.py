@@ -9,15 +9,14 @@ request that arrives during those milliseconds.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 
 def release_free_heap() -> bool:
     """Return the free pages of the C heap to the OS; False where the C library has no ``malloc_trim``
     (not glibc), where this does nothing."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        trim = libc.malloc_trim
+        # The process's own symbols, libc's among them: no library search (find_library runs ldconfig).
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
     trim.argtypes = [ctypes.c_size_t]

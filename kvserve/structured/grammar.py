@@ -215,13 +215,20 @@ class GrammarCompiler:
         it, where llguidance's lexer costs most per token; llguidance for everything else, where the two
         cost about the same per token and llguidance compiles in microseconds against xgrammar's
         milliseconds per property. ``xgrammar``: every JSON Schema whose keywords it enforces."""
-        if self._xgrammar is None or self.config.engine == "llguidance" or not _xgrammar_enforces(spec):
+        if self._xgrammar is None or self.config.engine == "llguidance":
+            return "llguidance"
+        if spec.json_object:  # {"type": "object"}: enforced by xgrammar, no bounded string in it
+            return "xgrammar" if self.config.engine == "xgrammar" else "llguidance"
+        if spec.json is None:
+            return "llguidance"
+        try:
+            schema = json.loads(spec.json)
+        except json.JSONDecodeError:  # llguidance's compile says what is wrong with it
+            return "llguidance"
+        if not enforces_exactly(schema):
             return "llguidance"
         if self.config.engine == "xgrammar":
             return "xgrammar"
-        if spec.json is None:
-            return "llguidance"
-        schema = json.loads(spec.json)
         small = schema_size(schema) <= AUTO_XGRAMMAR_MAX_SCHEMAS
         return "xgrammar" if small and has_bounded_string(schema) else "llguidance"
 
@@ -338,18 +345,6 @@ def _allows_anything_xgrammar(matcher: XGrammarMatcher, vocab_size: int) -> bool
     bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
     matcher.fill_bitmask(bitmask, 0)
     return bool(bitmask.any())
-
-
-def _xgrammar_enforces(spec: StructuredOutputsParams) -> bool:
-    """A json_object, or a json constraint that parses and whose every keyword xgrammar enforces."""
-    if spec.json_object:
-        return True
-    if spec.json is None:
-        return False
-    try:
-        return enforces_exactly(json.loads(spec.json))
-    except json.JSONDecodeError:
-        return False
 
 
 def _short(error: str, limit: int = 600) -> str:
