@@ -4,7 +4,8 @@ A quantised GGUF file's projection and embedding matrices reach the model as ``Q
 backend runs their types (``Backend.quantized_types``); everything else (norms, biases, types without a
 kernel, ``--quantization none``) is dequantised at load as before. A weight is one or more row segments,
 each in one format: fusing Q, K and V (or gate and up) concatenates rows, and the files often store V in a
-wider format than Q and K.
+wider format than Q and K. A segment is held planar (below) or, where the backend's kernels read it so,
+interleaved sixteen rows at a time (``quantized_layout``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+
+from kvserve.model.quantized_layout import (
+    can_interleave,
+    from_interleaved,
+    pack_k_scales,
+    to_interleaved,
+    unpack_k_scales,
+)
 
 # The GGML types the quantised kernels take (csrc/quantized.cpp).
 KERNEL_TYPES: frozenset[int] = frozenset(int(t) for t in (
@@ -40,25 +49,10 @@ HELD_PARTS: dict[int, tuple[int, ...]] = {
 _K_SCALES = slice(4, 16)  # Q4_K and Q5_K: the twelve bytes packing eight 6-bit scales and eight mins
 
 
-def _unpack_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., 12] packed bytes -> ([..., 8] scales, [..., 8] mins), as ggml's get_scale_min_k4 reads them."""
-    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    scales = np.concatenate([low & 63, (high & 0xF) | ((low >> 6) << 4)], axis=-1)
-    mins = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
-    return scales, mins
-
-
-def _pack_k_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    low = scales[..., 0:4] | ((scales[..., 4:8] >> 4) << 6)
-    mid = mins[..., 0:4] | ((mins[..., 4:8] >> 4) << 6)
-    high = (scales[..., 4:8] & 0xF) | ((mins[..., 4:8] & 0xF) << 4)
-    return np.concatenate([low, mid, high], axis=-1)
-
-
 def _held_parts_of_blocks(ggml_type: int, blocks: np.ndarray) -> list[np.ndarray]:
     """[rows, num_blocks, file block bytes] -> the held parts, each [rows, num_blocks, part bytes]."""
     if ggml_type in (int(_Q.Q4_K), int(_Q.Q5_K)):
-        scales, mins = _unpack_k_scales(blocks[..., _K_SCALES])
+        scales, mins = unpack_k_scales(blocks[..., _K_SCALES])
         quants = [blocks[..., 16:48], blocks[..., 48:]] if ggml_type == int(_Q.Q5_K) else [blocks[..., 16:]]
         return [blocks[..., 0:2], blocks[..., 2:4], scales, mins, *quants]
     if ggml_type == int(_Q.Q6_K):
@@ -71,7 +65,7 @@ def _blocks_of_held_parts(ggml_type: int, parts: list[np.ndarray]) -> np.ndarray
     """The inverse of ``_held_parts_of_blocks``."""
     if ggml_type in (int(_Q.Q4_K), int(_Q.Q5_K)):
         d, dmin, scales, mins, *rest = parts
-        return np.concatenate([d, dmin, _pack_k_scales(scales, mins), *rest], axis=-1)
+        return np.concatenate([d, dmin, pack_k_scales(scales, mins), *rest], axis=-1)
     if ggml_type == int(_Q.Q6_K):
         d, scales, low, high = parts
         return np.concatenate([low, high, scales, d], axis=-1)
@@ -111,16 +105,37 @@ def row_bytes(ggml_type: int, cols: int) -> int:
     return cols // values * nbytes
 
 
+# Set in a segment's type id for the kernels when it is held interleaved (csrc/quantized.h).
+INTERLEAVED_FLAG = 0x100
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class QuantizedSegment:
-    """Rows of one format: ``data`` is uint8 [rows, held_row_bytes], the file's blocks held planar."""
+    """Rows of one format: ``data`` is uint8 [rows, held_row_bytes], the file's blocks held planar, or
+    (``interleaved``) sixteen rows at a time interleaved."""
 
     ggml_type: int
     data: torch.Tensor
+    interleaved: bool = False
 
     @property
     def rows(self) -> int:
         return self.data.shape[0]
+
+    @property
+    def kernel_type(self) -> int:
+        """The type id the kernels take: the GGML type, flagged when interleaved."""
+        return self.ggml_type | (INTERLEAVED_FLAG if self.interleaved else 0)
+
+    def file_blocks(self, cols: int) -> np.ndarray:
+        """[rows, row_bytes]: the blocks as the file has them."""
+        held = self.data.numpy()
+        return from_interleaved(self.ggml_type, held, cols) if self.interleaved else from_planar(self.ggml_type, held)
+
+    def planar(self, cols: int) -> QuantizedSegment:
+        if not self.interleaved:
+            return self
+        return QuantizedSegment(self.ggml_type, torch.from_numpy(to_planar(self.ggml_type, self.file_blocks(cols))))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -135,13 +150,20 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(s.data for s in self.segments))
-        object.__setattr__(self, "types", tuple(s.ggml_type for s in self.segments))
+        object.__setattr__(self, "types", tuple(s.kernel_type for s in self.segments))
 
     @classmethod
-    def from_blocks(cls, ggml_type: int, blocks: np.ndarray, cols: int) -> QuantizedWeight:
-        """From the file's blocks, [rows, row_bytes] uint8 (copied into the held layout)."""
+    def from_blocks(cls, ggml_type: int, blocks: np.ndarray, cols: int, interleave: bool = False) -> QuantizedWeight:
+        """From the file's blocks, [rows, row_bytes] uint8 (copied into the held layout): interleaved if asked
+        and the rows are whole groups of sixteen, else planar."""
         assert blocks.dtype == np.uint8 and blocks.ndim == 2 and blocks.shape[1] == row_bytes(ggml_type, cols)
+        if interleave and can_interleave(ggml_type, blocks.shape[0]):
+            return cls((QuantizedSegment(ggml_type, torch.from_numpy(to_interleaved(ggml_type, blocks)), True),), cols)
         return cls((QuantizedSegment(ggml_type, torch.from_numpy(to_planar(ggml_type, blocks))),), cols)
+
+    @property
+    def interleaved(self) -> bool:
+        return self.segments[0].interleaved
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -157,14 +179,14 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[rows, cols] values, by gguf's own dequantiser: the reference the kernels are tested against."""
-        parts = [torch.from_numpy(gguf_dequantize(from_planar(s.ggml_type, s.data.numpy()),
-                                                  GGMLQuantizationType(s.ggml_type)))
+        parts = [torch.from_numpy(gguf_dequantize(s.file_blocks(self.cols), GGMLQuantizationType(s.ggml_type)))
                  for s in self.segments]
         return torch.cat(parts).reshape(self.shape).to(dtype)
 
     def __repr__(self) -> str:
-        types = "+".join(type_name(t) for t in self.types)
-        return f"QuantizedWeight({types}, shape={self.shape})"
+        types = "+".join(type_name(s.ggml_type) for s in self.segments)
+        layout = ", interleaved" if self.interleaved else ""
+        return f"QuantizedWeight({types}, shape={self.shape}{layout})"
 
 
 Weight = torch.Tensor | QuantizedWeight
@@ -172,7 +194,8 @@ Weight = torch.Tensor | QuantizedWeight
 
 def concat_rows(parts: Sequence[Weight]) -> Weight:
     """Row-wise concatenation (a fused QKV or gate/up weight) of dense tensors, or of quantised weights, whose
-    segments are kept (adjacent segments of one format merge into one)."""
+    segments are kept (adjacent segments of one format merge into one). The kernels take a weight whose
+    segments are all interleaved or all planar: if the parts differ, the interleaved ones are made planar."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts)).contiguous()  # type: ignore[arg-type]
     if not all(isinstance(p, QuantizedWeight) for p in parts):
@@ -180,10 +203,14 @@ def concat_rows(parts: Sequence[Weight]) -> Weight:
     weights = [p for p in parts if isinstance(p, QuantizedWeight)]
     cols = weights[0].cols
     assert all(w.cols == cols for w in weights)
+    segments = [s for w in weights for s in w.segments]
+    if len({s.interleaved for s in segments}) > 1:
+        segments = [s.planar(cols) for s in segments]
     merged: list[QuantizedSegment] = []
-    for segment in (s for w in weights for s in w.segments):
+    for segment in segments:
         if merged and merged[-1].ggml_type == segment.ggml_type:
-            merged[-1] = QuantizedSegment(segment.ggml_type, torch.cat([merged[-1].data, segment.data]))
+            merged[-1] = QuantizedSegment(segment.ggml_type, torch.cat([merged[-1].data, segment.data]),
+                                          segment.interleaved)
         else:
             merged.append(segment)
     return QuantizedWeight(tuple(merged), cols)

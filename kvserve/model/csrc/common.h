@@ -345,6 +345,8 @@ at::Tensor quant_linear_silu_mul(const at::Tensor& x, at::TensorList data, at::I
 at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, const at::Tensor& rows,
                             at::ScalarType dtype);
 bool has_quantized_gemv();
+// Rows per group of the interleaved layout the quantised kernels take here (0: they take none).
+int64_t quant_interleaved_rows();
 
 // attention.cpp
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,

@@ -24,15 +24,11 @@
 // quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
 
 #include "common.h"
+#include "quantized.h"
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/silu.h>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && KVSERVE_HAS_AVX512
-#define KVSERVE_HAS_VNNI 1
-#else
-#define KVSERVE_HAS_VNNI 0
-#endif
 // The 8-lane decoders need F16C (every AVX2 CPU has it) for the fp16 scales.
 #if KVSERVE_HAS_AVX2 && defined(__F16C__)
 #define KVSERVE_HAS_QUANT_AVX2 1
@@ -45,47 +41,6 @@
 
 namespace kvserve {
 namespace {
-
-// ggml's type ids.
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-
-struct BlockShape {
-  int64_t values;  // weights per block
-  int64_t bytes;   // bytes per block, as held
-};
-
-bool known_type(int64_t type) {
-  switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
-    default: return false;
-  }
-}
-
-BlockShape block_shape(int64_t type) {
-  switch (type) {
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
-    case kQ5_1: return {32, 24};
-    case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 148};  // held: the file's 144 with the 6-bit scales and mins unpacked
-    case kQ5_K: return {256, 180};  // held: the file's 176, likewise
-    case kQ6_K: return {256, 210};
-    default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no kernel");
-  }
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// A 32-weight chunk: w[i] = d[i / 16] * q[i] + m[i / 16].
-struct ChunkScales {
-  float d[2];
-  float m[2];
-};
 
 // Every format is held planar (model/quantized.py lays it out at load): per row, one part of every block
 // after another, so that a chunk pair's quants, or sixteen chunks' scales, are one contiguous load.
@@ -432,22 +387,6 @@ struct Format : Traits<Type> {
 };
 #endif
 
-// f(std::integral_constant<int64_t, Type>) for a runtime type id.
-template <typename F>
-inline void with_type(int64_t type, const F& f) {
-  switch (type) {
-    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
-    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
-    case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
-    case kQ5_1: f(std::integral_constant<int64_t, kQ5_1>{}); break;
-    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
-    case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
-    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
-    case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
-    default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no kernel");
-  }
-}
-
 // One row of K weights as floats.
 void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 #if KVSERVE_HAS_AVX512
@@ -497,42 +436,6 @@ void dequantize_row_bf16(int64_t type, const uint8_t* row, int64_t K, at::BFloat
   for (int64_t k = 0; k < K; ++k) out[k] = at::BFloat16(values[k]);
 #endif
 }
-
-// The weight's row segments: which segment holds global row n, and where.
-struct Segments {
-  std::vector<const uint8_t*> data;
-  std::vector<int64_t> types, starts, row_bytes;  // starts: first global row of each segment, then N
-  int64_t K = 0;
-
-  Segments(at::TensorList tensors, at::IntArrayRef type_ids, int64_t cols, const char* op) : K(cols) {
-    TORCH_CHECK(!tensors.empty() && tensors.size() == type_ids.size(), op, ": one type per weight segment");
-    TORCH_CHECK(cols > 0 && cols % 32 == 0, op, ": the inner size must be a multiple of 32, got ", cols);
-    int64_t rows = 0;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const at::Tensor& t = tensors[i];
-      const int64_t type = type_ids[i];
-      TORCH_CHECK(known_type(type), op, ": GGML type ", type, " has no kernel");
-      const BlockShape shape = block_shape(type);
-      TORCH_CHECK(cols % shape.values == 0, op, ": ", cols, " columns are not whole blocks of ", shape.values);
-      TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() &&
-                      t.size(1) == cols / shape.values * shape.bytes,
-                  op, ": segment ", i, " must be contiguous uint8 [rows, ", cols / shape.values * shape.bytes, "]");
-      data.push_back(t.data_ptr<uint8_t>());
-      types.push_back(type);
-      starts.push_back(rows);
-      row_bytes.push_back(t.size(1));
-      rows += t.size(0);
-    }
-    starts.push_back(rows);
-  }
-  int64_t rows() const { return starts.back(); }
-  int64_t segment_of(int64_t n) const {
-    int64_t s = 0;
-    while (n >= starts[s + 1]) ++s;
-    return s;
-  }
-  const uint8_t* row(int64_t s, int64_t n) const { return data[s] + (n - starts[s]) * row_bytes[s]; }
-};
 
 // ------------------------------------------------------------------------------------------------------
 // Few rows: int8 activations, VNNI (or AVX2) dot products.
@@ -934,6 +837,13 @@ void dequantize_block(const Segments& w, const PanelRows& layout, int64_t p, int
 #if KVSERVE_HAS_AVX512
   // 16 consecutive rows of one segment (every block of the models' weights): straight into the tiles.
   const int64_t first = layout.row_of(p, 16 * half), last = layout.row_of(p, 16 * half + 15);
+#if KVSERVE_HAS_VNNI
+  if (w.interleaved) {  // every block is a group: whole groups per segment, N and N / 2 multiples of 16
+    const int64_t s = w.segment_of(first);
+    interleaved_dequantize_tiles(w.types[s], w.row(s, first), K, tiles);
+    return;
+  }
+#endif
   if (first >= 0 && last == first + 15) {
     const int64_t s = w.segment_of(first);
     if (last < w.starts[s + 1]) {
@@ -1297,6 +1207,23 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
   const at::BFloat16* bp = bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr;
   at::Tensor out = at::empty({M, width}, x.options());
   if (M == 0) return out.view(out_sizes);
+  if (w.interleaved) {
+    TORCH_CHECK(kHasInterleavedKernels, op, ": interleaved weights need the AVX-512 VNNI kernels");
+    TORCH_CHECK(!fused_silu || width % kInterleavedRows == 0, op,
+                ": an interleaved [gate | up] weight has whole groups of gate rows");
+#if KVSERVE_HAS_VNNI
+    // Up to the fused width the int8 dot products; wider inputs (prefill chunks) the slabs, dequantised.
+    if (M <= std::max(gemv_max_rows, fused_max_rows)) {
+      interleaved_linear(x.data_ptr<at::BFloat16>(), M, w, bp, fused_silu, out.data_ptr<at::BFloat16>(), width);
+    } else {
+      const bool amx = KVSERVE_HAS_AMX && request_amx();
+      const at::Tensor x_wide = amx || KVSERVE_HAS_AVX512_BF16 ? at::Tensor() : x.to(at::kFloat);
+      matmul_slabs(x.data_ptr<at::BFloat16>(), x_wide.defined() ? x_wide.data_ptr<float>() : nullptr, M, w,
+                   PanelRows{N, fused_silu}, bp, out.data_ptr<at::BFloat16>(), width, amx);
+    }
+#endif
+    return out.view(out_sizes);
+  }
 #if KVSERVE_HAS_INT8_DOTS
   if (M <= gemv_max_rows && K / 32 <= kMaxChunks) {
     if (!fused_silu) {
@@ -1366,6 +1293,17 @@ at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, 
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < N, "quant_dequantize: row ", id[r], " of ", N);
   at::Tensor out = at::empty({R, cols}, data.options().dtype(dtype));
+  if (w.interleaved) {  // a few rows at a time (an embedding lookup, a test): one row's values from its group
+    std::vector<float> values(cols);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t n = id[r];
+      float* dst = dtype == at::kFloat ? out.data_ptr<float>() + r * cols : values.data();
+      interleaved_dequantize_row(w.types[0], w.row(0, n - n % kInterleavedRows), n % kInterleavedRows, cols, dst);
+      if (dtype == at::kBFloat16)
+        for (int64_t k = 0; k < cols; ++k) out.data_ptr<at::BFloat16>()[r * cols + k] = at::BFloat16(values[k]);
+    }
+    return out;
+  }
   parallel_range(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (dtype == at::kFloat)
@@ -1378,5 +1316,7 @@ at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, 
 }
 
 bool has_quantized_gemv() { return KVSERVE_HAS_INT8_DOTS; }
+
+int64_t quant_interleaved_rows() { return kHasInterleavedKernels ? kInterleavedRows : 0; }
 
 }  // namespace kvserve

@@ -45,6 +45,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("quant_dequantize(Tensor data, int type, int cols, Tensor rows, ScalarType dtype) -> Tensor",
         &kvserve::quant_dequantize);
   m.def("has_quantized_gemv() -> bool", &kvserve::has_quantized_gemv);
+  m.def("quant_interleaved_rows() -> int", &kvserve::quant_interleaved_rows);
   m.def("pack_bf16_pairs(Tensor w) -> Tensor", &kvserve::pack_bf16_pairs);
   m.def("avx512_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &kvserve::avx512_linear);
   m.def("avx512_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::avx512_linear_silu_mul);

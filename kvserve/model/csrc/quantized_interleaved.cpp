@@ -1,0 +1,357 @@
+// Projections on GGUF-quantised weights held interleaved: sixteen rows at a time, so that one 512-bit
+// register holds four consecutive weights of each of sixteen rows, as llama.cpp's repacked AVX-512 formats
+// do. A VNNI dpbusd then multiplies all sixteen rows by one broadcast group of four int8 activations, and its
+// sixteen lanes are the sixteen outputs: no horizontal sums, and each half chunk's scales are applied to
+// sixteen rows by one FMA, where the planar few-row kernel applies them to one row.
+//
+// A group (16 x row_bytes bytes, model/quantized_layout.py lays it out) holds, per block of the format, each
+// part for its sixteen rows side by side:
+//   blocks of 32 (nb = K / 32 chunks): fp16 d [nb][16 rows], (Q4_1, Q5_1) fp16 m [nb][16], (Q5_0, Q5_1) high
+//     bits [nb][8 vectors][64 bits], then the quants: 4-bit formats [nb][4][64 bytes], byte 4r + j of the
+//     h-th 64 holding weights 8h + j (low nibble) and 8h + 4 + j (high) of row r; Q8_0 [nb][8][64 bytes],
+//     byte 4r + j of the g-th 64 holding weight 4g + j of row r plus 128.
+//   Q4_K, Q5_K (nb = K / 256): fp16 d [nb][16], fp16 dmin [nb][16], 6-bit scales [nb][8 chunks][16] and mins
+//     likewise a byte each, (Q5_K) high bits [nb * 8 chunks][8 vectors][64 bits], the nibbles per chunk as
+//     the 4-bit formats'.
+//   Q6_K: fp16 d [nb][16], signed scales [nb][16 halves][16], low nibbles per chunk as above, then the high
+//     bit pairs [nb * 8 chunks][2][64 bytes]: byte 4r + j of the h-th 64 holds, in bits 2v and 2v + 1, the
+//     high bits of weight 4 (4h + v) + j of row r.
+// A high-bit vector's bit 4r + j is that of weight 4g + j of row r: a 64-bit mask over the register's bytes.
+//
+// The activations are quantised per sixteen values to int8 (finer than llama.cpp's Q8 blocks of 32 or 256:
+// one more scale per chunk, and the batched products keep nearer the bf16 ones).
+
+#include "common.h"
+#include "quantized.h"
+
+namespace kvserve {
+namespace {
+
+// A group's parts.
+struct GroupPlanes {
+  const uint8_t* d;
+  const uint8_t* m;   // Q4_1, Q5_1: offsets; Q4_K, Q5_K: dmin
+  const uint8_t* sc;  // K-quants: sub-block scales
+  const uint8_t* mn;  // Q4_K, Q5_K: sub-block mins
+  const uint8_t* qh;
+  const uint8_t* qs;
+};
+
+GroupPlanes group_planes(int64_t type, const uint8_t* g, int64_t K) {
+  GroupPlanes p{g, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (type == kQ4_K || type == kQ5_K) {
+    const int64_t nb = K / 256;
+    p.m = g + 32 * nb;
+    p.sc = g + 64 * nb;
+    p.mn = g + 192 * nb;
+    if (type == kQ5_K) p.qh = g + 320 * nb;
+    p.qs = g + (type == kQ5_K ? 832 : 320) * nb;
+    return p;
+  }
+  if (type == kQ6_K) {
+    const int64_t nb = K / 256;
+    p.sc = g + 32 * nb;
+    p.qs = g + 288 * nb;
+    p.qh = g + 2336 * nb;
+    return p;
+  }
+  const int64_t nb = K / 32;
+  const uint8_t* at = g + 32 * nb;
+  if (type == kQ4_1 || type == kQ5_1) { p.m = at; at += 32 * nb; }
+  if (type == kQ5_0 || type == kQ5_1) { p.qh = at; at += 64 * nb; }
+  p.qs = at;
+  return p;
+}
+
+// Chunk c of row r: its scales and 32 unsigned weight bytes, as quantized.cpp's decode_chunk_scalar gives
+// the same row held planar (the same products, in the same order).
+ChunkScales decode_chunk(int64_t type, const GroupPlanes& p, int64_t r, int64_t c, uint8_t* bytes) {
+  auto nibble = [&](int i) {
+    const uint8_t b = p.qs[256 * c + 64 * (i / 8) + 4 * r + i % 4];
+    return static_cast<uint8_t>(i % 8 < 4 ? b & 0xF : b >> 4);
+  };
+  auto high_bit = [&](int i) {
+    const int64_t bit = 4 * r + i % 4;
+    return static_cast<uint8_t>((p.qh[64 * c + 8 * (i / 4) + bit / 8] >> (bit % 8)) & 1);
+  };
+  const bool high = type == kQ5_0 || type == kQ5_1 || type == kQ5_K;
+  switch (type) {
+    case kQ4_0: case kQ5_0: case kQ8_0: case kQ4_1: case kQ5_1: {
+      const float d = half_at(p.d + 32 * c + 2 * r);
+      const float offset = type == kQ4_0 ? -8.f * d : type == kQ5_0 ? -16.f * d : type == kQ8_0 ? -128.f * d
+                                                                                 : half_at(p.m + 32 * c + 2 * r);
+      for (int i = 0; i < 32; ++i)
+        bytes[i] = type == kQ8_0 ? p.qs[512 * c + 64 * (i / 4) + 4 * r + i % 4]
+                                 : static_cast<uint8_t>(nibble(i) | (high ? high_bit(i) << 4 : 0));
+      return {{d, d}, {offset, offset}};
+    }
+    case kQ4_K: case kQ5_K: {
+      const int64_t blk = c / 8, j = c % 8;
+      const float d = half_at(p.d + 32 * blk + 2 * r) * p.sc[128 * blk + 16 * j + r];
+      const float m = -half_at(p.m + 32 * blk + 2 * r) * p.mn[128 * blk + 16 * j + r];
+      for (int i = 0; i < 32; ++i) bytes[i] = static_cast<uint8_t>(nibble(i) | (high ? high_bit(i) << 4 : 0));
+      return {{d, d}, {m, m}};
+    }
+    case kQ6_K: {
+      const int64_t blk = c / 8, j = c % 8;
+      const float d = half_at(p.d + 32 * blk + 2 * r);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(p.sc) + 256 * blk + r;
+      const int8_t s0 = scales[16 * (2 * j)], s1 = scales[16 * (2 * j + 1)];
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t pairs = p.qh[128 * c + 64 * (i / 16) + 4 * r + i % 4];
+        bytes[i] = static_cast<uint8_t>(nibble(i) | (((pairs >> (2 * ((i / 4) % 4))) & 3) << 4));
+      }
+      return {{d * s0, d * s1}, {-32.f * d * s0, -32.f * d * s1}};
+    }
+    default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no kernel");
+  }
+}
+
+#if KVSERVE_HAS_VNNI
+// One format's chunk over a group's sixteen rows: eight registers of unsigned weight bytes (register g:
+// weights 4g .. 4g + 3 of each row, row r in bytes 4r ..), and each half's per-row scale d and offset m,
+// w = d q + m. A symmetric format's offset is -kOffset d (the dot products apply it in integers).
+template <int64_t Type>
+struct Interleaved {
+  static constexpr bool kSuper = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+  static constexpr bool kSymmetric = Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0 || Type == kQ6_K;
+  static constexpr int kOffset = Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : Type == kQ8_0 ? 128 : 32;
+
+  static inline void weights(const GroupPlanes& p, int64_t c, __m512i w[8]) {
+    if constexpr (Type == kQ8_0) {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p.qs + 512 * c + 64 * g);
+      return;
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int h = 0; h < 4; ++h) {
+      const __m512i v = _mm512_loadu_si512(p.qs + 256 * c + 64 * h);
+      w[2 * h] = _mm512_and_si512(v, low4);
+      w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    if constexpr (Type == kQ5_0 || Type == kQ5_1 || Type == kQ5_K) {
+      const __m512i sixteen = _mm512_set1_epi8(0x10);
+      for (int g = 0; g < 8; ++g) {
+        uint64_t bits;
+        std::memcpy(&bits, p.qh + 64 * c + 8 * g, 8);
+        w[g] = _mm512_mask_add_epi8(w[g], bits, w[g], sixteen);
+      }
+    }
+    if constexpr (Type == kQ6_K) {
+      const __m512i top2 = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i pairs = _mm512_loadu_si512(p.qh + 128 * c + 64 * h);
+        // Bits 2v, 2v + 1 of each byte to bits 4, 5 (the 16-bit shifts' spill across bytes is masked off).
+        const __m512i at4[4] = {_mm512_slli_epi16(pairs, 4), _mm512_slli_epi16(pairs, 2), pairs,
+                                _mm512_srli_epi16(pairs, 2)};
+        for (int v = 0; v < 4; ++v) w[4 * h + v] = _mm512_ternarylogic_epi32(w[4 * h + v], at4[v], top2, 0xF8);
+      }
+    }
+  }
+
+  // Chunk c's per-row scales for its two halves, and (asymmetric formats) its offset.
+  static inline void scales(const GroupPlanes& p, int64_t c, __m512* d0, __m512* d1, __m512* m) {
+    auto halves16 = [](const uint8_t* at) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    };
+    if constexpr (!kSuper) {
+      *d0 = *d1 = halves16(p.d + 32 * c);
+      if constexpr (!kSymmetric) *m = halves16(p.m + 32 * c);
+    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      const int64_t blk = c / 8, j = c % 8;
+      auto bytes16 = [](const uint8_t* at) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+      };
+      *d0 = *d1 = _mm512_mul_ps(halves16(p.d + 32 * blk), bytes16(p.sc + 128 * blk + 16 * j));
+      *m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves16(p.m + 32 * blk), bytes16(p.mn + 128 * blk + 16 * j)));
+    } else {  // Q6_K
+      const int64_t blk = c / 8, j = c % 8;
+      auto signed16 = [](const uint8_t* at) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+      };
+      const __m512 d = halves16(p.d + 32 * blk);
+      *d0 = _mm512_mul_ps(d, signed16(p.sc + 256 * blk + 16 * (2 * j)));
+      *d1 = _mm512_mul_ps(d, signed16(p.sc + 256 * blk + 16 * (2 * j + 1)));
+    }
+  }
+};
+
+// x rows quantised per sixteen values: q = round(x / scale), scale = max|x| / 127, with per half chunk
+// minus the sum of its q, and per chunk sum over its halves of scale * sum(q) (what an offset multiplies).
+struct HalfChunkActivations {
+  std::vector<int8_t> q;             // [M, K]
+  std::vector<float> scale;          // [M, K / 16]
+  std::vector<int32_t> neg_sums;     // [M, K / 16]
+  std::vector<float> scaled_sums;    // [M, K / 32]
+
+  HalfChunkActivations(const at::BFloat16* x, int64_t M, int64_t K)
+      : q(M * K), scale(M * K / 16), neg_sums(M * K / 16), scaled_sums(M * K / 32) {
+    for (int64_t h = 0; h < M * K / 16; ++h) {
+      const __m512 v = load16(x + 16 * h);
+      const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + 16 * h), _mm512_cvtsepi32_epi8(qi));
+      const int32_t sum = _mm512_reduce_add_epi32(qi);
+      scale[h] = d;
+      neg_sums[h] = -sum;
+      if (h % 2 == 0) scaled_sums[h / 2] = d * static_cast<float>(sum);
+      else scaled_sums[h / 2] += d * static_cast<float>(sum);
+    }
+  }
+};
+
+inline __m512i broadcast4(const int8_t* at) {
+  int32_t v;
+  std::memcpy(&v, at, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// acc[i] (16 rows' outputs) for activation rows m0 .. m0 + MT - 1 against one group. The next group (the
+// worker's next, `fetch`) is fetched as this one is read, a chunk's share at a time.
+template <int64_t Type, int MT>
+inline void group_tile(const GroupPlanes& p, int64_t K, const HalfChunkActivations& xa, int64_t m0,
+                       const uint8_t* fetch, int64_t fetch_step, __m512 acc[MT]) {
+  using F = Interleaved<Type>;
+  const int64_t chunks = K / 32;
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t b = 0; b < fetch_step; b += 64) _mm_prefetch(reinterpret_cast<const char*>(fetch + b), _MM_HINT_T0);
+    fetch += fetch_step;
+    __m512i w[8];
+    F::weights(p, c, w);
+    __m512 d0, d1, m = _mm512_setzero_ps();
+    F::scales(p, c, &d0, &d1, &m);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const int64_t h = ((m0 + i) * chunks + c) * 2;  // the chunk's first half
+      const int8_t* xq = xa.q.data() + (m0 + i) * K + 32 * c;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      if constexpr (F::kSymmetric) {
+        s0 = _mm512_set1_epi32(F::kOffset * xa.neg_sums[h]);
+        s1 = _mm512_set1_epi32(F::kOffset * xa.neg_sums[h + 1]);
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        s0 = _mm512_dpbusd_epi32(s0, w[g], broadcast4(xq + 4 * g));
+        s1 = _mm512_dpbusd_epi32(s1, w[g + 4], broadcast4(xq + 16 + 4 * g));
+      }
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, _mm512_set1_ps(xa.scale[h])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, _mm512_set1_ps(xa.scale[h + 1])), acc[i]);
+      if constexpr (!F::kSymmetric) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xa.scaled_sums[h / 2]), acc[i]);
+    }
+  }
+}
+
+// Every activation row against one group: out[m * 16 ..] in fp32, in tiles of 8, 4, 2 and 1 rows.
+template <int64_t Type>
+void group_products(const uint8_t* group, int64_t stride, int64_t K, const HalfChunkActivations& xa, int64_t M,
+                    float* out) {
+  const GroupPlanes p = group_planes(Type, group, K);
+  const int64_t group_bytes = kInterleavedRows * stride, chunks = K / 32;
+  const int64_t fetch_step = (group_bytes + chunks - 1) / chunks;
+  auto tile = [&](auto rows, int64_t m0, const uint8_t* fetch, int64_t step) {
+    constexpr int MT = decltype(rows)::value;
+    __m512 acc[MT];
+    group_tile<Type, MT>(p, K, xa, m0, fetch, step, acc);
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + (m0 + i) * 16, acc[i]);
+  };
+  int64_t m0 = 0;
+  // The first tile fetches the next group; the others find this one in cache.
+  auto fetch = [&](int64_t m) { return m == 0 ? fetch_step : 0; };
+  for (; M - m0 >= 8; m0 += 8) tile(std::integral_constant<int, 8>{}, m0, group + group_bytes, fetch(m0));
+  if (M - m0 >= 4) { tile(std::integral_constant<int, 4>{}, m0, group + group_bytes, fetch(m0)); m0 += 4; }
+  if (M - m0 >= 2) { tile(std::integral_constant<int, 2>{}, m0, group + group_bytes, fetch(m0)); m0 += 2; }
+  if (M - m0 >= 1) tile(std::integral_constant<int, 1>{}, m0, group + group_bytes, fetch(m0));
+}
+
+void products_of_rows(const Segments& w, int64_t n, const HalfChunkActivations& xa, int64_t M, float* out) {
+  const int64_t s = w.segment_of(n);
+  with_type(w.types[s], [&](auto tag) {
+    group_products<decltype(tag)::value>(w.row(s, n), w.row_bytes[s], w.K, xa, M, out);
+  });
+}
+
+// A pair of k's values as one dword of two bf16, rounded as the planar dequantiser rounds.
+inline __m512i bf16_pair_dwords(__m512 even, __m512 odd) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(cvt16_bf16(even)),
+                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt16_bf16(odd)), 16));
+}
+
+template <int64_t Type>
+void dequantize_tiles(const uint8_t* group, int64_t K, at::BFloat16* tiles) {
+  using F = Interleaved<Type>;
+  const GroupPlanes p = group_planes(Type, group, K);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t c = 0; c < K / 32; ++c) {
+    __m512i w[8];
+    F::weights(p, c, w);
+    __m512 d[2], m[2];
+    m[0] = _mm512_setzero_ps();
+    F::scales(p, c, &d[0], &d[1], &m[0]);
+    if constexpr (F::kSymmetric) {
+      for (int h = 0; h < 2; ++h) m[h] = _mm512_mul_ps(_mm512_set1_ps(-static_cast<float>(F::kOffset)), d[h]);
+    } else {
+      m[1] = m[0];
+    }
+    uint32_t* tile = reinterpret_cast<uint32_t*>(tiles + 512 * c);
+    for (int g = 0; g < 8; ++g) {
+      auto value = [&](__m512i q) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d[g / 4], m[g / 4]); };
+      const __m512 v0 = value(_mm512_and_si512(w[g], byte));
+      const __m512 v1 = value(_mm512_and_si512(_mm512_srli_epi32(w[g], 8), byte));
+      const __m512 v2 = value(_mm512_and_si512(_mm512_srli_epi32(w[g], 16), byte));
+      const __m512 v3 = value(_mm512_srli_epi32(w[g], 24));
+      _mm512_storeu_si512(tile + 16 * (2 * g), bf16_pair_dwords(v0, v1));
+      _mm512_storeu_si512(tile + 16 * (2 * g + 1), bf16_pair_dwords(v2, v3));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+void interleaved_dequantize_row(int64_t type, const uint8_t* group, int64_t r, int64_t K, float* out) {
+  const GroupPlanes p = group_planes(type, group, K);
+  uint8_t q[32];
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const ChunkScales s = decode_chunk(type, p, r, c, q);
+    for (int i = 0; i < 32; ++i) out[32 * c + i] = s.d[i / 16] * q[i] + s.m[i / 16];
+  }
+}
+
+#if KVSERVE_HAS_VNNI
+void interleaved_linear(const at::BFloat16* x, int64_t M, const Segments& w, const at::BFloat16* bias, bool silu_mul,
+                        at::BFloat16* out, int64_t ld) {
+  const int64_t N = w.rows(), width = silu_mul ? N / 2 : N;
+  const HalfChunkActivations xa(x, M, w.K);
+  parallel_range(0, width / 16, 1, [&](int64_t g0, int64_t g1) {
+    static thread_local std::vector<float> results;  // [2 (gate, up)][M][16]
+    if (static_cast<int64_t>(results.size()) < 2 * M * 16) results.resize(2 * M * 16);
+    float* const first = results.data();
+    float* const second = results.data() + M * 16;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = 16 * g;
+      products_of_rows(w, n, xa, M, first);
+      if (!silu_mul) {
+        const __m512 b = bias ? load16(bias + n) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < M; ++i) store16_bf16(out + i * ld + n, _mm512_add_ps(_mm512_loadu_ps(first + 16 * i), b));
+        continue;
+      }
+      products_of_rows(w, N / 2 + n, xa, M, second);
+      // Rounded at every step as silu_mul(linear(...)) rounds: gate and up to bf16, silu to bf16, product.
+      for (int64_t i = 0; i < M; ++i) {
+        const __m512 gate = round16_bf16(_mm512_loadu_ps(first + 16 * i));
+        const __m512 up = round16_bf16(_mm512_loadu_ps(second + 16 * i));
+        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                               exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+        store16_bf16(out + i * ld + n, _mm512_mul_ps(round16_bf16(silu), up));
+      }
+    }
+  });
+}
+
+void interleaved_dequantize_tiles(int64_t type, const uint8_t* group, int64_t K, at::BFloat16* tiles) {
+  with_type(type, [&](auto tag) { dequantize_tiles<decltype(tag)::value>(group, K, tiles); });
+}
+#endif
+
+}  // namespace kvserve
