@@ -15,12 +15,14 @@ and thread count:
   PROMPT -n GEN -t THREADS``, which reads the file as it is.
 
 With ``--widths``, instead: every decoder layer's quantised projections of each model at those numbers of
-input rows, side by side and alternating, through the three paths: few-row (int8 activations, VNNI dot
-products on the blocks), fused (each worker takes a panel of 32 weight rows and multiplies every input row
-against it while it is in cache: the weights' integers on VDPBF16PS where the CPU has AVX512-BF16, else the
-panel dequantised into the packed layout) and slabs (~2 MB of rows dequantised, then the CPU's bf16
-projection kernel over them): where the plan's limits (QUANTIZED_GEMV_MAX_ROWS, QUANTIZED_FUSED_MAX_ROWS)
-should sit on this CPU.
+input rows, side by side and alternating, through each path: on the rows held planar, few-row (int8
+activations, VNNI dot products on each row's blocks), fused (each worker takes a panel of 32 weight rows and
+multiplies every input row against it while it is in cache: the weights' integers on VDPBF16PS where the CPU
+has AVX512-BF16, else the panel dequantised into the packed layout) and slabs (~2 MB of rows dequantised,
+then the CPU's bf16 projection kernel over them); where the build has them, on the same weights held
+interleaved sixteen rows at a time, the int8 dot products with rows in the lanes and the slabs dequantised
+from that layout: where the plan's limits (QUANTIZED_GEMV_MAX_ROWS, QUANTIZED_FUSED_MAX_ROWS) should sit on
+this CPU.
 
 Ratios are printed per model; the machines are shared, so compare within one run.
 """
@@ -76,48 +78,55 @@ def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int,
 
 
 def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
-    """Seconds per pass over every layer's quantised projections at each width through each of the three
-    paths (few-row int8 dot products, fused per-panel dequantisation, slabs), alternating; speed-ups against
-    the slabs are medians over ``rounds`` alternating measurements."""
+    """Seconds per pass over every layer's quantised projections at each width through each path (planar:
+    few-row int8 dot products, fused panels, slabs; interleaved where the build has it: its int8 dot products
+    and its slabs), alternating; speed-ups against the planar slabs are medians over ``rounds`` alternating
+    measurements."""
     llm = LLM(model=name, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=1)
-    weights = [w for layer in llm.engine.model.layers
-               for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
-               if isinstance(w, QuantizedWeight)]
-    if not weights:
+    loaded = [w for layer in llm.engine.model.layers
+              for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
+              if isinstance(w, QuantizedWeight)]
+    if not loaded:
         raise SystemExit(f"{name}: no projection runs quantised on this CPU (see the backend line at start-up)")
+    layouts = {"planar": [QuantizedWeight(tuple(s.planar(w.cols) for s in w.segments), w.cols) for w in loaded]}
+    if all(w.interleaved for w in loaded):
+        layouts["interleaved"] = loaded
+    paths = {path: spec for path, spec in PATHS.items() if spec[0] in layouts}
     results = []
     with KernelThreadScope():  # as in an engine step: the kernels' threads, torch's ops on this thread
         for rows in widths:
-            inputs = {w.cols: torch.randn(rows, w.cols, dtype=torch.bfloat16) for w in weights}
+            inputs = {w.cols: torch.randn(rows, w.cols, dtype=torch.bfloat16) for w in loaded}
 
-            def run(gemv_rows: int, fused_rows: int, inputs: dict[int, torch.Tensor] = inputs) -> float:
+            def run(layout: str, gemv_rows: int, fused_rows: int, inputs: dict[int, torch.Tensor] = inputs) -> float:
                 def call() -> None:
-                    for w in weights:
+                    for w in layouts[layout]:
                         torch.ops.kvserve.quant_linear(inputs[w.cols], w.data, w.types, w.cols, None, gemv_rows,
                                                        fused_rows)
                 return seconds_per_call(call, min_time=0.3)
 
-            times: dict[str, list[float]] = {path: [] for path in PATHS}
+            times: dict[str, list[float]] = {path: [] for path in paths}
             for _ in range(rounds):
-                for path, (gemv_rows, fused_rows) in PATHS.items():
-                    times[path].append(run(gemv_rows * rows, fused_rows * rows))
+                for path, (layout, gemv_rows, fused_rows) in paths.items():
+                    times[path].append(run(layout, gemv_rows * rows, fused_rows * rows))
             r = {"model": name, "rows": rows}
-            for path in PATHS:
+            for path in paths:
                 r[f"{path}_ms"] = 1e3 * statistics.median(times[path])
                 r[f"{path}_speedup_over_slabs"] = statistics.median(
                     slab / t for slab, t in zip(times["slabs"], times[path], strict=True))
             results.append(r)
             print(f"{name:20s} {rows:3d} rows  " + "  ".join(
-                f"{path} {r[f'{path}_ms']:7.2f} ms ({r[f'{path}_speedup_over_slabs']:.2f}x)" for path in PATHS),
+                f"{path} {r[f'{path}_ms']:7.2f} ms ({r[f'{path}_speedup_over_slabs']:.2f}x)" for path in paths),
                 flush=True)
     del llm
     gc.collect()
     return results
 
 
-# The quantised paths, as quant_linear's (gemv_max_rows, fused_max_rows) given the width w: (w, 0) takes the
-# int8 dot products, (0, w) the panels multiplied by the worker that reads them, (0, 0) the slabs.
-PATHS = {"few_row": (1, 0), "fused": (0, 1), "slabs": (0, 0)}
+# The quantised paths, as the weights' layout and quant_linear's (gemv_max_rows, fused_max_rows) given the
+# width w: on planar weights (w, 0) takes the int8 dot products, (0, w) the panels multiplied by the worker
+# that reads them, (0, 0) the slabs; on interleaved weights (w, 0) their int8 dot products, (0, 0) their slabs.
+PATHS = {"few_row": ("planar", 1, 0), "fused": ("planar", 0, 1), "slabs": ("planar", 0, 0),
+         "interleaved": ("interleaved", 1, 0), "interleaved_slabs": ("interleaved", 0, 0)}
 
 
 def main() -> None:

@@ -185,7 +185,8 @@ class Engine:
         keep_blocks = quantization == "gguf" or (quantization == "auto" and backend.quantized_by_default)
         quantized_types = backend.quantized_types if keep_blocks else frozenset()
         model.load_weights(iter_weights(path, arch, self.dtype, show_progress=mc.show_progress,
-                                        quantized_types=quantized_types))
+                                        quantized_types=quantized_types,
+                                        interleave_quantized=backend.quantized_interleaved))
         logger.info("loaded %s (%s) in %.1fs; weights: %s", path.name, arch.architecture, time.perf_counter() - t0,
                     model.weight_summary())
         return backend, model

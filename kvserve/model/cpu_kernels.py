@@ -35,6 +35,8 @@ class CpuKernels:
     # AVX512-VNNI: int8 dot products on GGUF-quantised weights for few rows (quantized.cpp; the dequantising
     # many-row path builds everywhere)
     quantized_gemv: bool = False
+    # Rows per group of the interleaved quantised layout whose int8 kernels this build has (AVX512-VNNI; 0: none)
+    quantized_interleave_rows: int = 0
     avx2: bool = False  # AVX2 and FMA: the same fp32-FMA projections, 8 lanes wide (linear_avx2.cpp)
 
 
@@ -77,6 +79,7 @@ class _Loader:
                               amx=bool(torch.ops.kvserve.has_amx()),
                               avx512=bool(torch.ops.kvserve.has_avx512()),
                               quantized_gemv=bool(torch.ops.kvserve.has_quantized_gemv()),
+                              quantized_interleave_rows=int(torch.ops.kvserve.quant_interleaved_rows()),
                               avx2=bool(torch.ops.kvserve.has_avx2()))
         except Exception as exc:  # a missing compiler or ninja must not stop serving
             log.warning("kvserve CPU kernels unavailable, using the torch reference paths: %s", exc)

@@ -215,5 +215,8 @@ class LlamaForCausalLM:
         dtype = str(self.dtype).removeprefix("torch.")
         if not quantized:
             return f"{nbytes / 2**20:.1f} MiB, all {dtype}"
-        types = sorted({type_name(t) for w in quantized for t in w.types})
-        return f"{nbytes / 2**20:.1f} MiB; {len(quantized)} matrices in GGUF blocks ({', '.join(types)}), the rest {dtype}"
+        types = sorted({type_name(s.ggml_type) for w in quantized for s in w.segments})
+        interleaved = sum(w.interleaved for w in quantized)
+        layout = f", {interleaved} of them interleaved" if interleaved else ""
+        return (f"{nbytes / 2**20:.1f} MiB; {len(quantized)} matrices in GGUF blocks ({', '.join(types)}){layout}, "
+                f"the rest {dtype}")

@@ -298,19 +298,20 @@ def weight_names(arch: ArchConfig) -> list[str]:
 
 def iter_weights(
     path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool = True,
-    quantized_types: frozenset[int] = frozenset(),
+    quantized_types: frozenset[int] = frozenset(), interleave_quantized: bool = False,
 ) -> Iterator[tuple[str, Weight]]:
     """Yield ``(hf_name, tensor)`` for every name in ``weight_names(arch)``, converted to ``dtype``.
 
     Matrices are [out_features, in_features] as in torch. A GGUF projection or embedding matrix whose type
-    is in ``quantized_types`` comes as a ``QuantizedWeight`` instead, its blocks as in the file. Missing
-    tensors raise ``ModelLoadError`` before anything is yielded.
+    is in ``quantized_types`` comes as a ``QuantizedWeight`` instead, its blocks as in the file: the matrices
+    the model multiplies held interleaved where ``interleave_quantized`` (an embedding table that is only
+    looked up stays planar). Missing tensors raise ``ModelLoadError`` before anything is yielded.
     """
     path = Path(path)
     if path.is_dir():
         yield from _iter_safetensors(path, arch, dtype, show_progress)
     else:
-        yield from _iter_gguf(path, arch, dtype, show_progress, quantized_types)
+        yield from _iter_gguf(path, arch, dtype, show_progress, quantized_types, interleave_quantized)
 
 
 # The matrices a model multiplies through its backend's projections (or looks rows up in): the ones that may
@@ -334,7 +335,8 @@ def _progress(total: int, desc: str, show_progress: bool) -> tqdm:
 
 
 def _iter_gguf(
-    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool, quantized_types: frozenset[int]
+    path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool, quantized_types: frozenset[int],
+    interleave_quantized: bool,
 ) -> Iterator[tuple[str, Weight]]:
     header = read_gguf_header(path)
     by_hf_name: dict[str, GGUFTensorInfo] = {}
@@ -364,7 +366,8 @@ def _iter_gguf(
         for name in names:
             info = by_hf_name[name]
             if info.ggml_type in quantized_types and name not in expert_of and _may_stay_quantized(name, arch):
-                yield name, _quantized(path, info, data, arch, name, unpermute)
+                multiplied = name != "model.embed_tokens.weight" or arch.tie_word_embeddings
+                yield name, _quantized(path, info, data, arch, name, unpermute, interleave_quantized and multiplied)
                 progress.update(1)
                 continue
             if name in expert_of:
@@ -394,13 +397,13 @@ def _tensor_rows(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarr
 
 
 def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchConfig, name: str,
-               unpermute: bool) -> QuantizedWeight:
+               unpermute: bool, interleave: bool) -> QuantizedWeight:
     """A matrix's blocks as they are in the file (its rows put back in Hugging Face's order where the
     converter permuted them): a copy, so the model never holds the file's mapping."""
     rows = _tensor_rows(path, info, data)
     if unpermute:
         rows = _hf_row_order(rows, name, arch)
-    return QuantizedWeight.from_blocks(info.ggml_type, rows, info.shape[-1])
+    return QuantizedWeight.from_blocks(info.ggml_type, rows, info.shape[-1], interleave)
 
 
 def _hf_row_order(rows: np.ndarray, name: str, arch: ArchConfig) -> np.ndarray:

@@ -189,6 +189,8 @@ class Backend(Protocol):
     quantized_types: frozenset[int]
     # Whether --quantization auto keeps quantised weights in their blocks (else only --quantization gguf does).
     quantized_by_default: bool
+    # Whether its kernels read quantised weights held interleaved sixteen rows at a time (model/quantized_layout.py).
+    quantized_interleaved: bool
 
     def build_metadata(self, rows: StepRows) -> AttentionMetadata:
         """This step's layout for this backend's attention (called once per step that writes KV)."""

@@ -75,6 +75,9 @@ class KernelPlan:
     # Wider inputs up to this many rows on panels multiplied by the worker that reads them (0: none); wider
     # ones on the dequantised slabs.
     quantized_fused_max_rows: int = 0
+    # Whether they are held interleaved sixteen rows at a time (model/quantized_layout.py), whose int8 dot
+    # products then take every input up to the wider of the two widths above.
+    quantized_interleaved: bool = False
     # Whether --quantization auto (the default) keeps them in blocks: True where the quantised kernels are at
     # least as fast as dense weights at batch widths too; False where only --quantization gguf asks for them.
     quantized_by_default: bool = True
@@ -90,7 +93,10 @@ class KernelPlan:
         parts.append(f"{self.attention} attention" if self.attention else "decode-kernel attention")
         if self.fused_decode:
             parts.append("fused decode stack")
-        if self.quantized_gemv_max_rows is not None:
+        if self.quantized_interleaved:
+            rows = max(self.quantized_gemv_max_rows or 0, self.quantized_fused_max_rows)
+            parts.append(f"quantised weights packed (interleaved, int8 dot products up to {rows} rows)")
+        elif self.quantized_gemv_max_rows is not None:
             paths = ([f"int8 dot products up to {self.quantized_gemv_max_rows} rows"] if self.quantized_gemv_max_rows
                      else []) + ([f"panels multiplied where they are read up to {self.quantized_fused_max_rows} rows"]
                                  if self.quantized_fused_max_rows else [])
@@ -175,6 +181,10 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     # Without AVX-512 the int8 dot products beat dense weights at a few rows, but a batch's step dequantises
     # every weight into slabs, which made 16-row decode steps slower than dense weights (benchmarks/quantized.py
     # and docs/performance.md): under load, dense weights serve more.
+    # Where the build has them, the interleaved layout's kernels take every width up to the fused limit: at one
+    # row they stream the weights 1.6x as fast as the planar few-row kernel, at 4-64 rows 1.4-2.3x the
+    # planar paths (benchmarks/quantized.py --widths).
+    quantized_interleaved = bool(quantized_gemv_max_rows) and kernels.quantized_interleave_rows > 0
     quantized_by_default = quantized_gemv_max_rows is not None and kernels.avx512
     if quantized_gemv_max_rows is not None and not quantized_by_default:
         fallbacks.append("quantised weights in their blocks only with --quantization gguf: without AVX-512 a batch "
@@ -182,7 +192,7 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=bf16, attention=attention,
                       fused_decode=fused_decode, quantized_gemv_max_rows=quantized_gemv_max_rows,
                       quantized_fused_max_rows=quantized_fused_max_rows,
-                      quantized_by_default=quantized_by_default,
+                      quantized_interleaved=quantized_interleaved, quantized_by_default=quantized_by_default,
                       avx512_carries_step=projections in ("avx512", "bf16dot") and attention == "avx512"
                       and gemv_max_rows == 0,
                       fallbacks=tuple(fallbacks))
@@ -200,6 +210,7 @@ class CpuKernelsBackend:
         cpu_ops = build_cpu_ops(plan.projections, plan.gemv_max_rows, plan.elementwise, plan.quantized_widths)
         self.quantized_types = KERNEL_TYPES if plan.quantized_gemv_max_rows is not None else frozenset()
         self.quantized_by_default = plan.quantized_by_default
+        self.quantized_interleaved = plan.quantized_interleaved
         self.ops = cpu_ops.ops
         self._packed_linear, self._packed_gate_up = cpu_ops.packed_linear, cpu_ops.packed_gate_up
         # torch's argmax walks a bf16 row one element at a time; the kernel takes bf16 and float32.

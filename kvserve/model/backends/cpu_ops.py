@@ -189,7 +189,7 @@ class QuantizedKernels:
     @staticmethod
     def embedding(ids: torch.Tensor, table: QuantizedWeight) -> torch.Tensor:
         (segment,) = table.segments  # the loader keeps a table in one segment
-        rows = torch.ops.kvserve.quant_dequantize(segment.data, segment.ggml_type, table.cols, ids.reshape(-1),
+        rows = torch.ops.kvserve.quant_dequantize(segment.data, segment.kernel_type, table.cols, ids.reshape(-1),
                                                   torch.bfloat16)
         return rows.view(*ids.shape, table.cols)
 

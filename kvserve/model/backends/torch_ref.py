@@ -27,6 +27,7 @@ class TorchRefBackend:
         self.argmax = None
         self.mask_logits = None
         self.quantized_types: frozenset[int] = frozenset()
+        self.quantized_interleaved = False
         self.quantized_by_default = False
 
     def make_attention(self, layer_index: int) -> TorchPagedAttention:
