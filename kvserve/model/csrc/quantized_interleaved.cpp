@@ -273,8 +273,15 @@ void products_of_rows(const Segments& w, int64_t n, const HalfChunkActivations& 
 
 // A pair of k's values as one dword of two bf16, rounded as the planar dequantiser rounds.
 inline __m512i bf16_pair_dwords(__m512 even, __m512 odd) {
+#if KVSERVE_HAS_AVX512_BF16
+  // [even's 16 | odd's 16] as bf16, then word i of each half side by side.
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+#else
   return _mm512_or_si512(_mm512_cvtepu16_epi32(cvt16_bf16(even)),
                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt16_bf16(odd)), 16));
+#endif
 }
 
 template <int64_t Type>

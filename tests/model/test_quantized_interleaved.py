@@ -1,0 +1,174 @@
+"""Quantised weights held interleaved sixteen rows at a time (model/quantized_layout.py,
+csrc/quantized_interleaved.cpp): the layout against the file's blocks, and its kernels against float64
+references built from gguf's own dequantiser, for every format.
+
+The int8 dot products quantise the activations per sixteen values (scale max|x| / 127) and are compared
+against exactly that; wider inputs take the slabs, dequantised from this layout to bf16, compared against
+bf16 activations times the weights rounded to bf16. Tolerance as in test_quantized_kernels.py (the output is
+rounded to bf16): rtol = atol / max|ref| = 2^-7.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from kvserve.config import ArchConfig
+from kvserve.model.backends.cpu_kernels import plan_kernels
+from kvserve.model.cpu_kernels import CpuKernels
+from kvserve.model.quantized import QuantizedWeight, concat_rows, held_row_bytes
+from kvserve.model.quantized_layout import can_interleave, from_interleaved, to_interleaved
+from tests.model.test_quantized_kernels import FORMATS, RTOL, T, assert_close, kernels, random_blocks
+
+INTERLEAVED = kernels is not None and kernels.quantized_interleave_rows == 16
+needs_interleaved = pytest.mark.skipif(not INTERLEAVED, reason="the interleaved kernels need AVX512-VNNI")
+GEMV_ROWS, FUSED_ROWS = 4, 64
+
+
+def int8_half_chunks(x: torch.Tensor) -> torch.Tensor:
+    """What the interleaved dot products multiply: x quantised per sixteen values to int8, in float64."""
+    blocks = x.double().reshape(x.shape[0], -1, 16)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
+    return (q * scale).reshape(x.shape)
+
+
+# Inner sizes: an odd number of 32-blocks (96, 608); several super-blocks (768).
+SHAPES = {32: [(16, 96), (48, 608)], 256: [(16, 256), (32, 768)]}
+
+
+def shapes_of(qtype):
+    return SHAPES[GGML_QUANT_SIZES[qtype][0]]
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_the_layout_round_trips_and_dequantises_as_gguf_does(qtype) -> None:
+    for rows, cols in shapes_of(qtype):
+        blocks = random_blocks(qtype, rows, cols, seed=rows)
+        held = to_interleaved(int(qtype), blocks)
+        assert held.shape == (rows, held_row_bytes(int(qtype), cols))
+        assert np.array_equal(from_interleaved(int(qtype), held, cols), blocks)
+        weight = QuantizedWeight.from_blocks(int(qtype), blocks, cols, interleave=True)
+        assert weight.interleaved and weight.types == (int(qtype) | 0x100,)
+        assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(blocks, qtype)))
+
+
+def test_rows_that_are_not_whole_groups_stay_planar() -> None:
+    assert not can_interleave(int(T.Q4_K), 17) and can_interleave(int(T.Q4_K), 32)
+    weight = QuantizedWeight.from_blocks(int(T.Q8_0), random_blocks(T.Q8_0, 17, 64), 64, interleave=True)
+    assert not weight.interleaved and weight.types == (int(T.Q8_0),)
+
+
+def test_fusing_keeps_the_layout_or_makes_both_planar() -> None:
+    a = QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 32, 256, seed=1), 256, interleave=True)
+    b = QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 16, 256, seed=2), 256, interleave=True)
+    c = QuantizedWeight.from_blocks(int(T.Q6_K), random_blocks(T.Q6_K, 17, 256, seed=3), 256, interleave=True)
+    reference = torch.cat([w.dequantize() for w in (a, b, c)])
+    both = concat_rows([a, b])
+    assert both.interleaved and len(both.segments) == 1
+    assert torch.equal(both.dequantize(), reference[:48])
+    mixed = concat_rows([a, b, c])
+    assert not any(s.interleaved for s in mixed.segments) and len(mixed.segments) == 2
+    assert torch.equal(mixed.dequantize(), reference)
+
+
+@needs_interleaved
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_the_kernel_dequantiser_reads_rows_exactly(qtype) -> None:
+    for rows, cols in shapes_of(qtype):
+        blocks = random_blocks(qtype, rows, cols, seed=2)
+        weight = QuantizedWeight.from_blocks(int(qtype), blocks, cols, interleave=True)
+        ids = torch.tensor([rows - 1, 0, 5, rows // 2, 0])
+        ref = torch.from_numpy(dequantize(blocks, qtype))[ids]
+        got = torch.ops.kvserve.quant_dequantize(weight.data[0], weight.types[0], cols, ids, torch.float32)
+        assert torch.equal(got, ref)
+        got = torch.ops.kvserve.quant_dequantize(weight.data[0], weight.types[0], cols, ids, torch.bfloat16)
+        assert torch.equal(got, ref.bfloat16())
+
+
+@needs_interleaved
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 13, 16, 40, 64, 65])
+def test_quant_linear_matches_a_float64_reference(qtype, num_rows) -> None:
+    for rows, cols in shapes_of(qtype):
+        blocks = random_blocks(qtype, rows, cols, seed=num_rows)
+        weight = QuantizedWeight.from_blocks(int(qtype), blocks, cols, interleave=True)
+        w = torch.from_numpy(dequantize(blocks, qtype)).double()
+        x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        bias = torch.randn(rows).bfloat16()
+        got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, GEMV_ROWS, FUSED_ROWS)
+        if num_rows <= FUSED_ROWS:
+            ref = int8_half_chunks(x) @ w.T
+        else:
+            ref = x.double() @ w.bfloat16().double().T
+        assert_close(got, ref + bias.double())
+
+
+@needs_interleaved
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_the_slabs_multiply_exactly_the_planar_layouts_weight(qtype) -> None:
+    """Wider inputs dequantise the groups straight into the packed tiles: the same bf16 weights, bit for bit,
+    as the planar layout's slabs, so the same products."""
+    cols = {32: 608, 256: 768}[GGML_QUANT_SIZES[qtype][0]]
+    blocks = random_blocks(qtype, 48, cols, seed=3)
+    planar = QuantizedWeight.from_blocks(int(qtype), blocks, cols)
+    interleaved = QuantizedWeight.from_blocks(int(qtype), blocks, cols, interleave=True)
+    x = torch.randn(80, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+    expected = torch.ops.kvserve.quant_linear(x, planar.data, planar.types, cols, None, 0, 0)
+    got = torch.ops.kvserve.quant_linear(x, interleaved.data, interleaved.types, cols, None, GEMV_ROWS, FUSED_ROWS)
+    assert torch.equal(got, expected)
+
+
+@needs_interleaved
+@pytest.mark.parametrize("num_rows", [1, 6, 24, 70])
+def test_fused_weights_and_the_gate_up(num_rows) -> None:
+    """A QKV-like weight in two formats (Q4_K beside a Q6_K V) and a [gate | up] weight whose silu(gate) * up
+    comes from the kernel."""
+    cols = 512
+    parts = [QuantizedWeight.from_blocks(int(t), random_blocks(t, rows, cols, seed=rows), cols, interleave=True)
+             for t, rows in ((T.Q4_K, 64), (T.Q4_K, 16), (T.Q6_K, 16))]
+    fused = concat_rows(parts)
+    assert fused.interleaved and [s.rows for s in fused.segments] == [80, 16]
+    w = torch.cat([p.dequantize(torch.float64) for p in parts])
+    few = num_rows <= FUSED_ROWS
+    x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    xr, wr = (int8_half_chunks(x), w) if few else (x.double(), w.bfloat16().double())
+    got = torch.ops.kvserve.quant_linear(x, fused.data, fused.types, cols, None, GEMV_ROWS, FUSED_ROWS)
+    assert_close(got, xr @ wr.T)
+
+    gate_up = concat_rows([QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 48, cols, seed=s), cols,
+                                                       interleave=True) for s in (1, 2)])
+    w = gate_up.dequantize(torch.float64)
+    product = xr @ (w if few else w.bfloat16().double()).T
+    gate, up = product.chunk(2, dim=-1)
+    got = torch.ops.kvserve.quant_linear_silu_mul(x, gate_up.data, gate_up.types, cols, GEMV_ROWS, FUSED_ROWS)
+    ref = F.silu(gate) * up
+    torch.testing.assert_close(got.double(), ref, rtol=2 * RTOL, atol=2 * RTOL * ref.abs().max().item())
+
+
+@needs_interleaved
+def test_bad_layouts_are_clear_errors() -> None:
+    x = torch.randn(1, 256).bfloat16()
+    inter = QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 16, 256), 256, interleave=True)
+    planar = QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 16, 256), 256)
+    with pytest.raises(RuntimeError, match="all interleaved or none"):
+        torch.ops.kvserve.quant_linear(x, [*inter.data, *planar.data], [*inter.types, *planar.types], 256, None, 4, 64)
+    with pytest.raises(RuntimeError, match="not whole groups of 16"):
+        torch.ops.kvserve.quant_linear(x, [planar.data[0][:8].contiguous()], list(inter.types), 256, None, 4, 64)
+    with pytest.raises(RuntimeError, match="whole groups of gate rows"):  # 8 gate rows, 8 up rows
+        torch.ops.kvserve.quant_linear_silu_mul(x, list(inter.data), list(inter.types), 256, 4, 64)
+
+
+def test_the_plan_interleaves_where_the_build_has_the_kernels() -> None:
+    shape = ArchConfig("qwen2", vocab_size=256, hidden_size=896, intermediate_size=256, num_layers=2, num_heads=14,
+                       num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
+    with_kernels = CpuKernels(gemv_bf16=True, avx512=True, quantized_gemv=True, quantized_interleave_rows=16)
+    without = CpuKernels(gemv_bf16=True, avx512=True, quantized_gemv=True)
+    plan = plan_kernels(with_kernels, torch.bfloat16, shape)
+    assert plan.quantized_interleaved and "interleaved, int8 dot products up to 64 rows" in plan.description
+    assert not plan_kernels(without, torch.bfloat16, shape).quantized_interleaved
+    assert not plan_kernels(with_kernels, torch.float32, shape).quantized_interleaved
