@@ -22,7 +22,15 @@ from kvserve.model.backends.cpu_kernels import plan_kernels
 from kvserve.model.cpu_kernels import CpuKernels
 from kvserve.model.quantized import QuantizedWeight, concat_rows, held_row_bytes
 from kvserve.model.quantized_layout import can_interleave, from_interleaved, to_interleaved
-from tests.model.test_quantized_kernels import FORMATS, RTOL, T, assert_close, kernels, random_blocks
+from tests.model.test_quantized_kernels import (
+    FORMATS,
+    RTOL,
+    T,
+    assert_close,
+    int8_activations,
+    kernels,
+    random_blocks,
+)
 
 INTERLEAVED = kernels is not None and kernels.quantized_interleave_rows == 16
 needs_interleaved = pytest.mark.skipif(not INTERLEAVED, reason="the interleaved kernels need AVX512-VNNI")
@@ -31,10 +39,7 @@ GEMV_ROWS, FUSED_ROWS = 4, 64
 
 def int8_half_chunks(x: torch.Tensor) -> torch.Tensor:
     """What the interleaved dot products multiply: x quantised per sixteen values to int8, in float64."""
-    blocks = x.double().reshape(x.shape[0], -1, 16)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
-    return (q * scale).reshape(x.shape)
+    return int8_activations(x, block=16)
 
 
 # Inner sizes: an odd number of 32-blocks (96, 608); several super-blocks (768).

@@ -56,9 +56,9 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int =
     return blocks.reshape(rows, -1)
 
 
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the few-row path multiplies: x quantised per block of 32 to int8, in float64."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
+def int8_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """What the few-row path multiplies: x quantised per block of 32 (or ``block``) to int8, in float64."""
+    blocks = x.double().reshape(x.shape[0], -1, block)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
     return (q * scale).reshape(x.shape)

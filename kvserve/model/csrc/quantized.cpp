@@ -21,6 +21,9 @@
 //   widening FMAs (AVX-512's, or AVX2's). Without AVX2 (or for a width not in blocks of 16) panels of rows
 //   go through torch's matmul.
 //
+// Weights held interleaved sixteen rows at a time (quantized_interleaved.cpp, on AVX512-VNNI) take that file's
+// int8 dot products up to the fused width, and the slabs below, dequantised from their groups, above it.
+//
 // quant_dequantize gives a tensor's values (the embedding's rows, tests, the reference path).
 
 #include "common.h"
