@@ -34,6 +34,7 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,6 +42,7 @@ from cpu_kernels import seconds_per_call  # benchmarks/cpu_kernels.py
 from models import _prompts, bench_llama_cpp  # benchmarks/models.py
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.backends.cpu_kernels import QUANTIZED_GEMV_MAX_ROWS
 from kvserve.model.cpu_kernels import KernelThreadScope
 from kvserve.model.loader import read_arch_config, resolve_model_path
 from kvserve.model.quantized import QuantizedWeight
@@ -107,7 +109,7 @@ def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
             times: dict[str, list[float]] = {path: [] for path in paths}
             for _ in range(rounds):
                 for path, (layout, gemv_rows, fused_rows) in paths.items():
-                    times[path].append(run(layout, gemv_rows * rows, fused_rows * rows))
+                    times[path].append(run(layout, gemv_rows(rows), fused_rows(rows)))
             r = {"model": name, "rows": rows}
             for path in paths:
                 r[f"{path}_ms"] = 1e3 * statistics.median(times[path])
@@ -124,9 +126,15 @@ def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
 
 # The quantised paths, as the weights' layout and quant_linear's (gemv_max_rows, fused_max_rows) given the
 # width w: on planar weights (w, 0) takes the int8 dot products, (0, w) the panels multiplied by the worker
-# that reads them, (0, 0) the slabs; on interleaved weights (w, 0) their int8 dot products, (0, 0) their slabs.
-PATHS = {"few_row": ("planar", 1, 0), "fused": ("planar", 0, 1), "slabs": ("planar", 0, 0),
-         "interleaved": ("interleaved", 1, 0), "interleaved_slabs": ("interleaved", 0, 0)}
+# that reads them, (0, 0) the slabs; on interleaved weights (QUANTIZED_GEMV_MAX_ROWS, w) their int8 dot
+# products (with the activations' residuals past the few rows, as the plan runs them), (0, 0) their slabs.
+PATHS: dict[str, tuple[str, Callable[[int], int], Callable[[int], int]]] = {
+    "few_row": ("planar", lambda w: w, lambda w: 0),
+    "fused": ("planar", lambda w: 0, lambda w: w),
+    "slabs": ("planar", lambda w: 0, lambda w: 0),
+    "interleaved": ("interleaved", lambda w: QUANTIZED_GEMV_MAX_ROWS, lambda w: w),
+    "interleaved_slabs": ("interleaved", lambda w: 0, lambda w: 0),
+}
 
 
 def main() -> None:

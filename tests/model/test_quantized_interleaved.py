@@ -3,9 +3,10 @@ csrc/quantized_interleaved.cpp): the layout against the file's blocks, and its k
 references built from gguf's own dequantiser, for every format.
 
 The int8 dot products quantise the activations per sixteen values (scale max|x| / 127) and are compared
-against exactly that; wider inputs take the slabs, dequantised from this layout to bf16, compared against
-bf16 activations times the weights rounded to bf16. Tolerance as in test_quantized_kernels.py (the output is
-rounded to bf16): rtol = atol / max|ref| = 2^-7.
+against exactly that; past the few-row limit they add the activations' int8 residuals (about 16 bits), and
+are compared against the exact products; wider inputs than the interleaved limit take the slabs, dequantised
+from this layout to bf16, compared against bf16 activations times the weights rounded to bf16. Tolerance as
+in test_quantized_kernels.py (the output is rounded to bf16): rtol = atol / max|ref| = 2^-7.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from kvserve.config import ArchConfig
-from kvserve.model.backends.cpu_kernels import plan_kernels
+from kvserve.model.backends.cpu_kernels import QUANTIZED_INTERLEAVED_MAX_ROWS, plan_kernels
 from kvserve.model.cpu_kernels import CpuKernels
 from kvserve.model.quantized import QuantizedWeight, concat_rows, held_row_bytes
 from kvserve.model.quantized_layout import can_interleave, from_interleaved, to_interleaved
@@ -34,7 +35,7 @@ from tests.model.test_quantized_kernels import (
 
 INTERLEAVED = kernels is not None and kernels.quantized_interleave_rows == 16
 needs_interleaved = pytest.mark.skipif(not INTERLEAVED, reason="the interleaved kernels need AVX512-VNNI")
-GEMV_ROWS, FUSED_ROWS = 4, 64
+GEMV_ROWS, FUSED_ROWS = 4, 24
 
 
 def int8_half_chunks(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ def test_the_kernel_dequantiser_reads_rows_exactly(qtype) -> None:
 
 @needs_interleaved
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 13, 16, 40, 64, 65])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 13, 24, 25, 40])
 def test_quant_linear_matches_a_float64_reference(qtype, num_rows) -> None:
     for rows, cols in shapes_of(qtype):
         blocks = random_blocks(qtype, rows, cols, seed=num_rows)
@@ -106,11 +107,39 @@ def test_quant_linear_matches_a_float64_reference(qtype, num_rows) -> None:
         x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(rows)).bfloat16()
         bias = torch.randn(rows).bfloat16()
         got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, bias, GEMV_ROWS, FUSED_ROWS)
-        if num_rows <= FUSED_ROWS:
-            ref = int8_half_chunks(x) @ w.T
-        else:
-            ref = x.double() @ w.bfloat16().double().T
-        assert_close(got, ref + bias.double())
+        assert_close(got, reference(x, w) + bias.double())
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T as the interleaved path computes it at x's number of rows."""
+    if len(x) <= GEMV_ROWS:
+        return int8_half_chunks(x) @ w.T
+    if len(x) <= FUSED_ROWS:
+        return x.double() @ w.T
+    return x.double() @ w.bfloat16().double().T
+
+
+@needs_interleaved
+def test_the_residual_level_makes_batches_as_accurate_as_bf16_activations() -> None:
+    """Past the few rows, every row's products are nearer the exact ones than int8 activations' are, and
+    as near as the planar layout's panels, which multiply the bf16 activations themselves."""
+    cols = 512
+    blocks = random_blocks(T.Q4_K, 64, cols, seed=5)
+    planar = QuantizedWeight.from_blocks(int(T.Q4_K), blocks, cols)
+    interleaved = QuantizedWeight.from_blocks(int(T.Q4_K), blocks, cols, interleave=True)
+    # Activations with outlier channels, as a model's hidden states have.
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(8, cols, generator=gen) * (1 + 30 * (torch.rand(8, cols, generator=gen) < 0.02))).bfloat16()
+    exact = x.double() @ planar.dequantize(torch.float64).T
+
+    def error(weight: QuantizedWeight, gemv_rows: int, fused_rows: int) -> float:
+        got = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, cols, None, gemv_rows, fused_rows)
+        return ((got.double() - exact).norm() / exact.norm()).item()
+
+    int8_only = error(interleaved, 8, 8)
+    two_levels = error(interleaved, GEMV_ROWS, FUSED_ROWS)
+    panels = error(planar, 0, 64)
+    assert two_levels < int8_only / 3 and two_levels < 1.1 * panels, (two_levels, int8_only, panels)
 
 
 @needs_interleaved
@@ -139,17 +168,13 @@ def test_fused_weights_and_the_gate_up(num_rows) -> None:
     fused = concat_rows(parts)
     assert fused.interleaved and [s.rows for s in fused.segments] == [80, 16]
     w = torch.cat([p.dequantize(torch.float64) for p in parts])
-    few = num_rows <= FUSED_ROWS
     x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
-    xr, wr = (int8_half_chunks(x), w) if few else (x.double(), w.bfloat16().double())
     got = torch.ops.kvserve.quant_linear(x, fused.data, fused.types, cols, None, GEMV_ROWS, FUSED_ROWS)
-    assert_close(got, xr @ wr.T)
+    assert_close(got, reference(x, w))
 
     gate_up = concat_rows([QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 48, cols, seed=s), cols,
                                                        interleave=True) for s in (1, 2)])
-    w = gate_up.dequantize(torch.float64)
-    product = xr @ (w if few else w.bfloat16().double()).T
-    gate, up = product.chunk(2, dim=-1)
+    gate, up = reference(x, gate_up.dequantize(torch.float64)).chunk(2, dim=-1)
     got = torch.ops.kvserve.quant_linear_silu_mul(x, gate_up.data, gate_up.types, cols, GEMV_ROWS, FUSED_ROWS)
     ref = F.silu(gate) * up
     torch.testing.assert_close(got.double(), ref, rtol=2 * RTOL, atol=2 * RTOL * ref.abs().max().item())
@@ -174,6 +199,10 @@ def test_the_plan_interleaves_where_the_build_has_the_kernels() -> None:
     with_kernels = CpuKernels(gemv_bf16=True, avx512=True, quantized_gemv=True, quantized_interleave_rows=16)
     without = CpuKernels(gemv_bf16=True, avx512=True, quantized_gemv=True)
     plan = plan_kernels(with_kernels, torch.bfloat16, shape)
-    assert plan.quantized_interleaved and "interleaved, int8 dot products up to 64 rows" in plan.description
+    assert plan.quantized_interleaved and plan.quantized_fused_max_rows == QUANTIZED_INTERLEAVED_MAX_ROWS
+    assert f"interleaved, int8 dot products up to {QUANTIZED_INTERLEAVED_MAX_ROWS} rows" in plan.description
+    amx = CpuKernels(gemv_bf16=True, amx=True, avx512=True, quantized_gemv=True, quantized_interleave_rows=16)
+    plan = plan_kernels(amx, torch.bfloat16, shape)
+    assert plan.quantized_interleaved and plan.quantized_fused_max_rows == 0  # the AMX slabs past the few rows
     assert not plan_kernels(without, torch.bfloat16, shape).quantized_interleaved
     assert not plan_kernels(with_kernels, torch.float32, shape).quantized_interleaved

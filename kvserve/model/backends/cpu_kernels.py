@@ -51,6 +51,12 @@ QUANTIZED_GEMV_MAX_ROWS = 4
 # AVX-512's; wider ones, and every width on AMX (unmeasured there), the slabs (benchmarks/quantized.py
 # --widths).
 QUANTIZED_FUSED_MAX_ROWS = 64
+# On weights held interleaved (AVX512-VNNI builds, model/quantized_layout.py), the int8 dot products take
+# inputs up to this many rows, past QUANTIZED_GEMV_MAX_ROWS with the activations to about 16 bits (an int8
+# residual) so that they keep bf16's accuracy; wider ones take the slabs. Measured by width
+# (benchmarks/quantized.py --widths, Zen 4): level with the slabs at 24 rows on SmolLM2, ahead on
+# Qwen2.5-Coder-1.5B; behind at 32 on SmolLM2. On AMX the slabs take everything past the few rows.
+QUANTIZED_INTERLEAVED_MAX_ROWS = 24
 
 Family = Literal["amx", "bf16dot", "avx512", "avx2"]
 
@@ -181,10 +187,12 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     # Without AVX-512 the int8 dot products beat dense weights at a few rows, but a batch's step dequantises
     # every weight into slabs, which made 16-row decode steps slower than dense weights (benchmarks/quantized.py
     # and docs/performance.md): under load, dense weights serve more.
-    # Where the build has them, the interleaved layout's kernels take every width up to the fused limit: at one
-    # row they stream the weights 1.6x as fast as the planar few-row kernel, at 4-64 rows 1.4-2.3x the
-    # planar paths (benchmarks/quantized.py --widths).
+    # Where the build has them, the interleaved layout's kernels take every width up to their own limit: at one
+    # row they stream the weights 1.3-1.6x as fast as the planar few-row kernel (benchmarks/quantized.py
+    # --widths).
     quantized_interleaved = bool(quantized_gemv_max_rows) and kernels.quantized_interleave_rows > 0
+    if quantized_interleaved and quantized_fused_max_rows:
+        quantized_fused_max_rows = QUANTIZED_INTERLEAVED_MAX_ROWS
     quantized_by_default = quantized_gemv_max_rows is not None and kernels.avx512
     if quantized_gemv_max_rows is not None and not quantized_by_default:
         fallbacks.append("quantised weights in their blocks only with --quantization gguf: without AVX-512 a batch "

@@ -1215,9 +1215,11 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
     TORCH_CHECK(!fused_silu || width % kInterleavedRows == 0, op,
                 ": an interleaved [gate | up] weight has whole groups of gate rows");
 #if KVSERVE_HAS_VNNI
-    // Up to the fused width the int8 dot products; wider inputs (prefill chunks) the slabs, dequantised.
+    // Up to the fused width the int8 dot products (past the few-row limit with the activations' residuals);
+    // wider inputs (prefill chunks) the slabs, dequantised.
     if (M <= std::max(gemv_max_rows, fused_max_rows)) {
-      interleaved_linear(x.data_ptr<at::BFloat16>(), M, w, bp, fused_silu, out.data_ptr<at::BFloat16>(), width);
+      interleaved_linear(x.data_ptr<at::BFloat16>(), M, w, bp, fused_silu, M > gemv_max_rows,
+                         out.data_ptr<at::BFloat16>(), width);
     } else {
       const bool amx = KVSERVE_HAS_AMX && request_amx();
       const at::Tensor x_wide = amx || KVSERVE_HAS_AVX512_BF16 ? at::Tensor() : x.to(at::kFloat);

@@ -124,9 +124,9 @@ constexpr bool kHasInterleavedKernels = KVSERVE_HAS_VNNI;
 void interleaved_dequantize_row(int64_t type, const uint8_t* group, int64_t r, int64_t K, float* out);
 #if KVSERVE_HAS_VNNI
 // y = x W^T (+ bias) on int8 dot products, or (silu_mul, W = [gate | up]) silu(x G^T) * (x U^T); out is
-// [M, ld] bf16.
+// [M, ld] bf16. two_levels: the activations to about 16 bits (an int8 residual beside their int8 values).
 void interleaved_linear(const at::BFloat16* x, int64_t M, const Segments& w, const at::BFloat16* bias, bool silu_mul,
-                        at::BFloat16* out, int64_t ld);
+                        bool two_levels, at::BFloat16* out, int64_t ld);
 // A group's sixteen rows dequantised to bf16 into the packed projections' tiles (K / 32 tiles of 512 values,
 // a tile's sixteen pairs of k for each row side by side), as the slabs' planar dequantiser writes them.
 void interleaved_dequantize_tiles(int64_t type, const uint8_t* group, int64_t K, at::BFloat16* tiles);
