@@ -54,9 +54,9 @@ QUANTIZED_FUSED_MAX_ROWS = 64
 # On weights held interleaved (AVX512-VNNI builds, model/quantized_layout.py), the int8 dot products take
 # inputs up to this many rows, past QUANTIZED_GEMV_MAX_ROWS with the activations to about 16 bits (an int8
 # residual) so that they keep bf16's accuracy; wider ones take the slabs. Measured by width
-# (benchmarks/quantized.py --widths, Zen 4): level with the slabs at 24 rows on SmolLM2, ahead on
-# Qwen2.5-Coder-1.5B; behind at 32 on SmolLM2. On AMX the slabs take everything past the few rows.
-QUANTIZED_INTERLEAVED_MAX_ROWS = 24
+# (benchmarks/quantized.py --widths, Zen 4): ahead of the interleaved slabs up to 64 rows, behind at 512.
+# On AMX the slabs take everything past the few rows.
+QUANTIZED_INTERLEAVED_MAX_ROWS = 64
 
 Family = Literal["amx", "bf16dot", "avx512", "avx2"]
 
