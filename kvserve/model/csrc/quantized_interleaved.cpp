@@ -240,32 +240,25 @@ inline void group_tile(const GroupPlanes& p, int64_t K, const HalfChunkActivatio
     F::weights(p, c, w);
     __m512 d0, d1, m = _mm512_setzero_ps();
     F::scales(p, c, &d0, &d1, &m);
+    // Each half's integer products of one level's activations (`x`, minus sums `neg`), offsets included.
+    auto half_products = [&](const int8_t* x, const int32_t* neg, __m512i* s0, __m512i* s1) {
+      *s0 = F::kSymmetric ? _mm512_set1_epi32(F::kOffset * neg[0]) : _mm512_setzero_si512();
+      *s1 = F::kSymmetric ? _mm512_set1_epi32(F::kOffset * neg[1]) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        *s0 = _mm512_dpbusd_epi32(*s0, w[g], broadcast4(x + 4 * g));
+        *s1 = _mm512_dpbusd_epi32(*s1, w[g + 4], broadcast4(x + 16 + 4 * g));
+      }
+    };
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       const int64_t h = ((m0 + i) * chunks + c) * 2;  // the chunk's first half
-      const int8_t* xq = xa.q.data() + (m0 + i) * K + 32 * c;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      if constexpr (F::kSymmetric) {
-        s0 = _mm512_set1_epi32(F::kOffset * xa.neg_sums[h]);
-        s1 = _mm512_set1_epi32(F::kOffset * xa.neg_sums[h + 1]);
-      }
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        s0 = _mm512_dpbusd_epi32(s0, w[g], broadcast4(xq + 4 * g));
-        s1 = _mm512_dpbusd_epi32(s1, w[g + 4], broadcast4(xq + 16 + 4 * g));
-      }
+      const int64_t at = (m0 + i) * K + 32 * c;
+      __m512i s0, s1;
+      half_products(xa.q.data() + at, xa.neg_sums.data() + h, &s0, &s1);
       if constexpr (TwoLevels) {  // 256 sum(w q) + sum(w r): within int32 for every format's weights
-        const int8_t* xr = xa.r.data() + (m0 + i) * K + 32 * c;
-        __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
-        if constexpr (F::kSymmetric) {
-          r0 = _mm512_set1_epi32(F::kOffset * xa.neg_residual_sums[h]);
-          r1 = _mm512_set1_epi32(F::kOffset * xa.neg_residual_sums[h + 1]);
-        }
-#pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-          r0 = _mm512_dpbusd_epi32(r0, w[g], broadcast4(xr + 4 * g));
-          r1 = _mm512_dpbusd_epi32(r1, w[g + 4], broadcast4(xr + 16 + 4 * g));
-        }
+        __m512i r0, r1;
+        half_products(xa.r.data() + at, xa.neg_residual_sums.data() + h, &r0, &r1);
         s0 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), r0);
         s1 = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), r1);
       }
