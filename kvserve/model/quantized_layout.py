@@ -124,22 +124,30 @@ def _deinterleave_scales(plane: np.ndarray, nb: int, width: int, fp16: bool) -> 
     return g.reshape(groups * GROUP_ROWS, nb, width)
 
 
+def _rows_side_by_side(a: np.ndarray) -> np.ndarray:
+    """[groups, 16 rows, ..., 4 bytes] -> [groups, ..., 16 rows, 4 bytes], moving each row's four bytes as one
+    32-bit word (a transpose of bytes is several times slower)."""
+    words = np.ascontiguousarray(a).view(np.uint32)[..., 0]  # [groups, 16, ...]
+    order = (0, *range(2, words.ndim), 1)
+    return np.ascontiguousarray(words.transpose(order)).view(np.uint8).reshape(a.shape[0], -1)
+
+
 def _interleave_weights(ggml_type: int, low: np.ndarray, high: np.ndarray | None) -> list[np.ndarray]:
     rows, chunks, _ = low.shape
     groups = rows // GROUP_ROWS
     planes = []
     if ggml_type == int(_Q.Q8_0):
-        q = low.reshape(groups, GROUP_ROWS, chunks, 8, 4).transpose(0, 2, 3, 1, 4)
-        return [q.reshape(groups, -1)]
+        return [_rows_side_by_side(low.reshape(groups, GROUP_ROWS, chunks, 8, 4))]
     if high is not None and ggml_type in _HIGH_BIT:
-        bits = high.reshape(groups, GROUP_ROWS, chunks, 8, 4).transpose(0, 2, 3, 1, 4)
+        bits = _rows_side_by_side(high.reshape(groups, GROUP_ROWS, chunks, 8, 4))  # [g, (c, 8, r, j)]
         planes.append(np.packbits(bits.reshape(groups, chunks, 8, 64), axis=-1, bitorder="little").reshape(groups, -1))
-    nib = low.reshape(groups, GROUP_ROWS, chunks, 4, 2, 4).transpose(0, 2, 3, 1, 5, 4)
-    planes.append((nib[..., 0] | (nib[..., 1] << 4)).reshape(groups, -1))
+    # Bytes are combined where the rows are still apart (contiguous, fast), then the rows interleaved.
+    nib = low.reshape(groups, GROUP_ROWS, chunks, 4, 2, 4)
+    planes.append(_rows_side_by_side(nib[:, :, :, :, 0] | (nib[:, :, :, :, 1] << 4)))  # [g, r, c, h, j]
     if ggml_type == int(_Q.Q6_K):
-        pairs = high.reshape(groups, GROUP_ROWS, chunks, 2, 4, 4).transpose(0, 2, 3, 1, 5, 4)
-        shifted = pairs << (2 * np.arange(4, dtype=np.uint8))
-        planes.append(np.bitwise_or.reduce(shifted, axis=-1).reshape(groups, -1))
+        v = high.reshape(groups, GROUP_ROWS, chunks, 2, 4, 4)  # [g, r, c, h, v, j]
+        pairs = v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 2) | (v[:, :, :, :, 2] << 4) | (v[:, :, :, :, 3] << 6)
+        planes.append(_rows_side_by_side(pairs))
     return planes
 
 
@@ -178,10 +186,23 @@ def can_interleave(ggml_type: int, rows: int) -> bool:
     return ggml_type in _SCALE_PARTS and rows > 0 and rows % GROUP_ROWS == 0
 
 
+# Rows converted at a time: each group is independent, and a large matrix's temporaries (several times its
+# size) in one piece made an output projection's conversion ten times slower per byte.
+_ROWS_AT_A_TIME = 1024
+
+
 def to_interleaved(ggml_type: int, blocks: np.ndarray) -> np.ndarray:
     """[rows, row_bytes] of the file's blocks (rows a multiple of 16) -> [rows, held_row_bytes], interleaved."""
     rows = blocks.shape[0]
     assert can_interleave(ggml_type, rows), (ggml_type, rows)
+    if rows > _ROWS_AT_A_TIME:
+        return np.concatenate([_to_interleaved(ggml_type, blocks[r:r + _ROWS_AT_A_TIME])
+                               for r in range(0, rows, _ROWS_AT_A_TIME)])
+    return _to_interleaved(ggml_type, blocks)
+
+
+def _to_interleaved(ggml_type: int, blocks: np.ndarray) -> np.ndarray:
+    rows = blocks.shape[0]
     parts, low, high = _file_parts(ggml_type, blocks)
     planes = [_interleave_scales(parts[name], fp16) for name, _, fp16 in _SCALE_PARTS[ggml_type]]
     planes += _interleave_weights(ggml_type, low, high)
