@@ -1131,14 +1131,9 @@ void matmul_int_weights(const at::BFloat16* x, int64_t M, const Segments& w, con
         for (int64_t b = 0; b < blocks; ++b) int_block_products<1>(xp, sums(slots[b]), M, K, slots[b], block_of + b, out_of + b);
       }
       if (layout.silu_mul) {
-        // Rounded at every step as silu_mul(linear(...)) rounds: gate and up to bf16, silu to bf16, product.
-        for (int64_t m = 0; m < M; ++m) {
-          const __m512 gate = round16_bf16(_mm512_loadu_ps(results.data() + m * 16));
-          const __m512 up = round16_bf16(_mm512_loadu_ps(results.data() + (M + m) * 16));
-          const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                                 exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-          store16_bf16(out + m * ld + p * 16, _mm512_mul_ps(round16_bf16(silu), up));
-        }
+        for (int64_t m = 0; m < M; ++m)
+          store16_silu_mul(out + m * ld + p * 16, _mm512_loadu_ps(results.data() + m * 16),
+                           _mm512_loadu_ps(results.data() + (M + m) * 16));
         continue;
       }
       for (int64_t b = 0; b < blocks; ++b) {
@@ -1298,23 +1293,22 @@ at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, 
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < N, "quant_dequantize: row ", id[r], " of ", N);
   at::Tensor out = at::empty({R, cols}, data.options().dtype(dtype));
-  if (w.interleaved) {  // a few rows at a time (an embedding lookup, a test): one row's values from its group
-    std::vector<float> values(cols);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = id[r];
-      float* dst = dtype == at::kFloat ? out.data_ptr<float>() + r * cols : values.data();
-      interleaved_dequantize_row(w.types[0], w.row(0, n - n % kInterleavedRows), n % kInterleavedRows, cols, dst);
-      if (dtype == at::kBFloat16)
-        for (int64_t k = 0; k < cols; ++k) out.data_ptr<at::BFloat16>()[r * cols + k] = at::BFloat16(values[k]);
-    }
-    return out;
-  }
+  float* const out_f = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  at::BFloat16* const out_b = dtype == at::kBFloat16 ? out.data_ptr<at::BFloat16>() : nullptr;
   parallel_range(0, R, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> values(w.interleaved && out_b ? cols : 0);  // an interleaved row before its rounding
     for (int64_t r = r0; r < r1; ++r) {
-      if (dtype == at::kFloat)
-        dequantize_row(type, w.row(0, id[r]), cols, out.data_ptr<float>() + r * cols);
-      else
-        dequantize_row_bf16(type, w.row(0, id[r]), cols, out.data_ptr<at::BFloat16>() + r * cols);
+      const int64_t n = id[r];
+      if (w.interleaved) {  // the row's values read from its group, one at a time (lookups take few rows)
+        float* const dst = out_f ? out_f + r * cols : values.data();
+        interleaved_dequantize_row(w.types[0], w.row(0, n - n % kInterleavedRows), n % kInterleavedRows, cols, dst);
+        if (out_b)
+          for (int64_t k = 0; k < cols; ++k) out_b[r * cols + k] = at::BFloat16(values[k]);
+      } else if (out_f) {
+        dequantize_row(type, w.row(0, n), cols, out_f + r * cols);
+      } else {
+        dequantize_row_bf16(type, w.row(0, n), cols, out_b + r * cols);
+      }
     }
   });
   return out;

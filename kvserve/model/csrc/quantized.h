@@ -117,6 +117,17 @@ struct Segments {
   const uint8_t* row(int64_t s, int64_t n) const { return data[s] + (n - starts[s]) * row_bytes[s]; }
 };
 
+#if KVSERVE_HAS_AVX512
+// silu(gate) * up for sixteen outputs of fp32 products, rounded at every step as silu_mul(linear(...)) rounds:
+// gate and up to bf16, silu to bf16, then the product.
+inline void store16_silu_mul(at::BFloat16* dst, __m512 gate_products, __m512 up_products) {
+  const __m512 gate = round16_bf16(gate_products), up = round16_bf16(up_products);
+  const __m512 silu =
+      _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+  store16_bf16(dst, _mm512_mul_ps(round16_bf16(silu), up));
+}
+#endif
+
 // quantized_interleaved.cpp. A group: sixteen rows' blocks interleaved, 16 x row_bytes bytes.
 // Whether this build has the interleaved kernels (AVX-512 with VNNI); the layout is only made where it does.
 constexpr bool kHasInterleavedKernels = KVSERVE_HAS_VNNI;

@@ -372,14 +372,8 @@ void interleaved_linear(const at::BFloat16* x, int64_t M, const Segments& w, con
         continue;
       }
       products_of_rows(w, N / 2 + n, xa, M, second);
-      // Rounded at every step as silu_mul(linear(...)) rounds: gate and up to bf16, silu to bf16, product.
-      for (int64_t i = 0; i < M; ++i) {
-        const __m512 gate = round16_bf16(_mm512_loadu_ps(first + 16 * i));
-        const __m512 up = round16_bf16(_mm512_loadu_ps(second + 16 * i));
-        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                               exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-        store16_bf16(out + i * ld + n, _mm512_mul_ps(round16_bf16(silu), up));
-      }
+      for (int64_t i = 0; i < M; ++i)
+        store16_silu_mul(out + i * ld + n, _mm512_loadu_ps(first + 16 * i), _mm512_loadu_ps(second + 16 * i));
     }
   });
 }
