@@ -206,7 +206,9 @@ def _to_interleaved(ggml_type: int, blocks: np.ndarray) -> np.ndarray:
     parts, low, high = _file_parts(ggml_type, blocks)
     planes = [_interleave_scales(parts[name], fp16) for name, _, fp16 in _SCALE_PARTS[ggml_type]]
     planes += _interleave_weights(ggml_type, low, high)
-    return np.ascontiguousarray(np.concatenate(planes, axis=1).reshape(rows, -1))
+    # Block-major: each block's parts side by side, so that a group is read as one stream.
+    groups, nb = rows // GROUP_ROWS, low.shape[1] * 32 // GGML_QUANT_SIZES[_Q(ggml_type)][0]
+    return np.ascontiguousarray(np.concatenate([p.reshape(groups, nb, -1) for p in planes], axis=2).reshape(rows, -1))
 
 
 def from_interleaved(ggml_type: int, held: np.ndarray, cols: int) -> np.ndarray:
@@ -214,22 +216,20 @@ def from_interleaved(ggml_type: int, held: np.ndarray, cols: int) -> np.ndarray:
     rows = held.shape[0]
     values = GGML_QUANT_SIZES[_Q(ggml_type)][0]
     nb, chunks = cols // values, cols // 32
-    group = held.reshape(rows // GROUP_ROWS, -1)
-    parts: dict[str, np.ndarray] = {}
-    at = 0
-    for name, width, fp16 in _SCALE_PARTS[ggml_type]:
-        size = GROUP_ROWS * nb * width
-        parts[name] = _deinterleave_scales(group[:, at:at + size], nb, width, fp16)
-        at += size
-    sizes = {int(_Q.Q8_0): [512]}.get(ggml_type, [256])
+    groups = rows // GROUP_ROWS
+    sizes = [GROUP_ROWS * width for _, width, _ in _SCALE_PARTS[ggml_type]]
+    chunk_sizes = {int(_Q.Q8_0): [512]}.get(ggml_type, [256])  # a chunk's bytes in each weight plane
     if ggml_type in _HIGH_BIT:
-        sizes = [64, *sizes]
+        chunk_sizes = [64, *chunk_sizes]
     if ggml_type == int(_Q.Q6_K):
-        sizes = [256, 128]
-    planes = []
-    for size in sizes:
-        planes.append(group[:, at:at + size * chunks])
-        at += size * chunks
-    assert at == group.shape[1], (at, group.shape)
+        chunk_sizes = [256, 128]
+    sizes += [size * (chunks // nb) for size in chunk_sizes]
+    block = held.reshape(groups, nb, -1)
+    assert block.shape[2] == sum(sizes), (block.shape, sizes)
+    pieces = np.split(block, np.cumsum(sizes)[:-1], axis=2)
+    parts: dict[str, np.ndarray] = {}
+    for (name, width, fp16), piece in zip(_SCALE_PARTS[ggml_type], pieces, strict=False):
+        parts[name] = _deinterleave_scales(piece.reshape(groups, -1), nb, width, fp16)
+    planes = [piece.reshape(groups, -1) for piece in pieces[len(_SCALE_PARTS[ggml_type]):]]
     low, high = _deinterleave_weights(ggml_type, planes, chunks)
     return _to_file(ggml_type, parts, low, high, rows)

@@ -4,18 +4,20 @@
 // sixteen lanes are the sixteen outputs: no horizontal sums, and each half chunk's scales are applied to
 // sixteen rows by one FMA, where the planar few-row kernel applies them to one row.
 //
-// A group (16 x row_bytes bytes, model/quantized_layout.py lays it out) holds, per block of the format, each
-// part for its sixteen rows side by side:
-//   blocks of 32 (nb = K / 32 chunks): fp16 d [nb][16 rows], (Q4_1, Q5_1) fp16 m [nb][16], (Q5_0, Q5_1) high
-//     bits [nb][8 vectors][64 bits], then the quants: 4-bit formats [nb][4][64 bytes], byte 4r + j of the
-//     h-th 64 holding weights 8h + j (low nibble) and 8h + 4 + j (high) of row r; Q8_0 [nb][8][64 bytes],
-//     byte 4r + j of the g-th 64 holding weight 4g + j of row r plus 128.
-//   Q4_K, Q5_K (nb = K / 256): fp16 d [nb][16], fp16 dmin [nb][16], 6-bit scales [nb][8 chunks][16] and mins
-//     likewise a byte each, (Q5_K) high bits [nb * 8 chunks][8 vectors][64 bits], the nibbles per chunk as
-//     the 4-bit formats'.
-//   Q6_K: fp16 d [nb][16], signed scales [nb][16 halves][16], low nibbles per chunk as above, then the high
-//     bit pairs [nb * 8 chunks][2][64 bytes]: byte 4r + j of the h-th 64 holds, in bits 2v and 2v + 1, the
-//     high bits of weight 4 (4h + v) + j of row r.
+// A group (16 x row_bytes bytes, model/quantized_layout.py lays it out) is its blocks one after another
+// (block-major: a group is read as one stream, which the hardware prefetchers follow; a plane per part
+// read more slowly, benchmarks/quantized.py), each block holding its parts for the sixteen
+// rows side by side, in this order:
+//   blocks of 32 (one chunk each): fp16 d [16 rows], (Q4_1, Q5_1) fp16 m [16], (Q5_0, Q5_1) high bits
+//     [8 vectors][64 bits], then the quants: 4-bit formats [4][64 bytes], byte 4r + j of the h-th 64 holding
+//     weights 8h + j (low nibble) and 8h + 4 + j (high) of row r; Q8_0 [8][64 bytes], byte 4r + j of the
+//     g-th 64 holding weight 4g + j of row r plus 128.
+//   Q4_K, Q5_K (256 values, 8 chunks): fp16 d [16], fp16 dmin [16], 6-bit scales [8 chunks][16] and mins
+//     likewise a byte each, (Q5_K) high bits [8 chunks][8 vectors][64 bits], the nibbles [8 chunks] as the
+//     4-bit formats'.
+//   Q6_K: fp16 d [16], signed scales [16 halves][16], low nibbles [8 chunks] as above, then the high bit
+//     pairs [8 chunks][2][64 bytes]: byte 4r + j of the h-th 64 holds, in bits 2v and 2v + 1, the high bits
+//     of weight 4 (4h + v) + j of row r.
 // A high-bit vector's bit 4r + j is that of weight 4g + j of row r: a 64-bit mask over the register's bytes.
 //
 // The activations are quantised per sixteen values to int8 (finer than llama.cpp's Q8 blocks of 32 or 256).
@@ -29,8 +31,8 @@
 namespace kvserve {
 namespace {
 
-// A group's parts.
-struct GroupPlanes {
+// A group's parts for one block of the format (32 values, or a K-quant's 256), for its sixteen rows.
+struct BlockParts {
   const uint8_t* d;
   const uint8_t* m;   // Q4_1, Q5_1: offsets; Q4_K, Q5_K: dmin
   const uint8_t* sc;  // K-quants: sub-block scales
@@ -39,68 +41,74 @@ struct GroupPlanes {
   const uint8_t* qs;
 };
 
-GroupPlanes group_planes(int64_t type, const uint8_t* g, int64_t K) {
-  GroupPlanes p{g, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (type == kQ4_K || type == kQ5_K) {
-    const int64_t nb = K / 256;
-    p.m = g + 32 * nb;
-    p.sc = g + 64 * nb;
-    p.mn = g + 192 * nb;
-    if (type == kQ5_K) p.qh = g + 320 * nb;
-    p.qs = g + (type == kQ5_K ? 832 : 320) * nb;
-    return p;
+// Where a group's blocks and their parts are: the blocks one after another (block-major, so that a group
+// is one stream of reads), each block's parts in the order the header lists them.
+struct GroupParts {
+  const uint8_t* group;
+  int64_t block_bytes;  // one block's parts, for sixteen rows
+  int64_t m, sc, mn, qh, qs;  // offsets in a block; -1 where the format has no such part
+
+  BlockParts block(int64_t b) const {
+    const uint8_t* at = group + b * block_bytes;
+    auto part = [&](int64_t offset) { return offset < 0 ? nullptr : at + offset; };
+    return {at, part(m), part(sc), part(mn), part(qh), part(qs)};
   }
-  if (type == kQ6_K) {
-    const int64_t nb = K / 256;
-    p.sc = g + 32 * nb;
-    p.qs = g + 288 * nb;
-    p.qh = g + 2336 * nb;
-    return p;
+};
+
+GroupParts group_parts(int64_t type, const uint8_t* g) {
+  switch (type) {  // d first in every format, 32 bytes (sixteen fp16)
+    case kQ4_K: return {g, 2368, 32, 64, 192, -1, 320};
+    case kQ5_K: return {g, 2880, 32, 64, 192, 320, 832};
+    case kQ6_K: return {g, 3360, -1, 32, -1, 2336, 288};
+    case kQ4_0: return {g, 288, -1, -1, -1, -1, 32};
+    case kQ4_1: return {g, 320, 32, -1, -1, -1, 64};
+    case kQ5_0: return {g, 352, -1, -1, -1, 32, 96};
+    case kQ5_1: return {g, 384, 32, -1, -1, 64, 128};
+    case kQ8_0: return {g, 544, -1, -1, -1, -1, 32};
+    default: TORCH_CHECK(false, "quantized: GGML type ", type, " has no interleaved kernel");
   }
-  const int64_t nb = K / 32;
-  const uint8_t* at = g + 32 * nb;
-  if (type == kQ4_1 || type == kQ5_1) { p.m = at; at += 32 * nb; }
-  if (type == kQ5_0 || type == kQ5_1) { p.qh = at; at += 64 * nb; }
-  p.qs = at;
-  return p;
+}
+
+constexpr int64_t chunks_per_block(int64_t type) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 8 : 1;
 }
 
 // Chunk c of row r: its scales and 32 unsigned weight bytes, as quantized.cpp's decode_chunk_scalar gives
 // the same row held planar (the same products, in the same order).
-ChunkScales decode_chunk(int64_t type, const GroupPlanes& p, int64_t r, int64_t c, uint8_t* bytes) {
+ChunkScales decode_chunk(int64_t type, const GroupParts& parts, int64_t r, int64_t c, uint8_t* bytes) {
+  const int64_t j = c % chunks_per_block(type);  // the chunk within its block
+  const BlockParts p = parts.block(c / chunks_per_block(type));
   auto nibble = [&](int i) {
-    const uint8_t b = p.qs[256 * c + 64 * (i / 8) + 4 * r + i % 4];
+    const uint8_t b = p.qs[256 * j + 64 * (i / 8) + 4 * r + i % 4];
     return static_cast<uint8_t>(i % 8 < 4 ? b & 0xF : b >> 4);
   };
   auto high_bit = [&](int i) {
     const int64_t bit = 4 * r + i % 4;
-    return static_cast<uint8_t>((p.qh[64 * c + 8 * (i / 4) + bit / 8] >> (bit % 8)) & 1);
+    return static_cast<uint8_t>((p.qh[64 * j + 8 * (i / 4) + bit / 8] >> (bit % 8)) & 1);
   };
   const bool high = type == kQ5_0 || type == kQ5_1 || type == kQ5_K;
   switch (type) {
     case kQ4_0: case kQ5_0: case kQ8_0: case kQ4_1: case kQ5_1: {
-      const float d = half_at(p.d + 32 * c + 2 * r);
+      const float d = half_at(p.d + 2 * r);
       const float offset = type == kQ4_0 ? -8.f * d : type == kQ5_0 ? -16.f * d : type == kQ8_0 ? -128.f * d
-                                                                                 : half_at(p.m + 32 * c + 2 * r);
+                                                                                 : half_at(p.m + 2 * r);
       for (int i = 0; i < 32; ++i)
-        bytes[i] = type == kQ8_0 ? p.qs[512 * c + 64 * (i / 4) + 4 * r + i % 4]
+        bytes[i] = type == kQ8_0 ? p.qs[64 * (i / 4) + 4 * r + i % 4]
                                  : static_cast<uint8_t>(nibble(i) | (high ? high_bit(i) << 4 : 0));
       return {{d, d}, {offset, offset}};
     }
     case kQ4_K: case kQ5_K: {
-      const int64_t blk = c / 8, j = c % 8;
-      const float d = half_at(p.d + 32 * blk + 2 * r) * p.sc[128 * blk + 16 * j + r];
-      const float m = -half_at(p.m + 32 * blk + 2 * r) * p.mn[128 * blk + 16 * j + r];
+      const float d = half_at(p.d + 2 * r) * p.sc[16 * j + r];
+      const float m = -half_at(p.m + 2 * r) * p.mn[16 * j + r];
       for (int i = 0; i < 32; ++i) bytes[i] = static_cast<uint8_t>(nibble(i) | (high ? high_bit(i) << 4 : 0));
       return {{d, d}, {m, m}};
     }
     case kQ6_K: {
-      const int64_t blk = c / 8, j = c % 8;
-      const float d = half_at(p.d + 32 * blk + 2 * r);
-      const int8_t* scales = reinterpret_cast<const int8_t*>(p.sc) + 256 * blk + r;
+      const float d = half_at(p.d + 2 * r);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(p.sc) + r;
       const int8_t s0 = scales[16 * (2 * j)], s1 = scales[16 * (2 * j + 1)];
       for (int i = 0; i < 32; ++i) {
-        const uint8_t pairs = p.qh[128 * c + 64 * (i / 16) + 4 * r + i % 4];
+        const uint8_t pairs = p.qh[128 * j + 64 * (i / 16) + 4 * r + i % 4];
         bytes[i] = static_cast<uint8_t>(nibble(i) | (((pairs >> (2 * ((i / 4) % 4))) & 3) << 4));
       }
       return {{d * s0, d * s1}, {-32.f * d * s0, -32.f * d * s1}};
@@ -119,14 +127,17 @@ struct Interleaved {
   static constexpr bool kSymmetric = Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0 || Type == kQ6_K;
   static constexpr int kOffset = Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : Type == kQ8_0 ? 128 : 32;
 
-  static inline void weights(const GroupPlanes& p, int64_t c, __m512i w[8]) {
+  static constexpr int64_t kChunks = chunks_per_block(Type);
+
+  // Chunk j of block p.
+  static inline void weights(const BlockParts& p, int64_t j, __m512i w[8]) {
     if constexpr (Type == kQ8_0) {
-      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p.qs + 512 * c + 64 * g);
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p.qs + 64 * g);
       return;
     }
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int h = 0; h < 4; ++h) {
-      const __m512i v = _mm512_loadu_si512(p.qs + 256 * c + 64 * h);
+      const __m512i v = _mm512_loadu_si512(p.qs + 256 * j + 64 * h);
       w[2 * h] = _mm512_and_si512(v, low4);
       w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
@@ -134,14 +145,14 @@ struct Interleaved {
       const __m512i sixteen = _mm512_set1_epi8(0x10);
       for (int g = 0; g < 8; ++g) {
         uint64_t bits;
-        std::memcpy(&bits, p.qh + 64 * c + 8 * g, 8);
+        std::memcpy(&bits, p.qh + 64 * j + 8 * g, 8);
         w[g] = _mm512_mask_add_epi8(w[g], bits, w[g], sixteen);
       }
     }
     if constexpr (Type == kQ6_K) {
       const __m512i top2 = _mm512_set1_epi8(0x30);
       for (int h = 0; h < 2; ++h) {
-        const __m512i pairs = _mm512_loadu_si512(p.qh + 128 * c + 64 * h);
+        const __m512i pairs = _mm512_loadu_si512(p.qh + 128 * j + 64 * h);
         // Bits 2v, 2v + 1 of each byte to bits 4, 5 (the 16-bit shifts' spill across bytes is masked off).
         const __m512i at4[4] = {_mm512_slli_epi16(pairs, 4), _mm512_slli_epi16(pairs, 2), pairs,
                                 _mm512_srli_epi16(pairs, 2)};
@@ -150,29 +161,27 @@ struct Interleaved {
     }
   }
 
-  // Chunk c's per-row scales for its two halves, and (asymmetric formats) its offset.
-  static inline void scales(const GroupPlanes& p, int64_t c, __m512* d0, __m512* d1, __m512* m) {
+  // Chunk j's per-row scales for its two halves, and (asymmetric formats) its offset.
+  static inline void scales(const BlockParts& p, int64_t j, __m512* d0, __m512* d1, __m512* m) {
     auto halves16 = [](const uint8_t* at) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
     };
     if constexpr (!kSuper) {
-      *d0 = *d1 = halves16(p.d + 32 * c);
-      if constexpr (!kSymmetric) *m = halves16(p.m + 32 * c);
+      *d0 = *d1 = halves16(p.d);
+      if constexpr (!kSymmetric) *m = halves16(p.m);
     } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
-      const int64_t blk = c / 8, j = c % 8;
       auto bytes16 = [](const uint8_t* at) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
       };
-      *d0 = *d1 = _mm512_mul_ps(halves16(p.d + 32 * blk), bytes16(p.sc + 128 * blk + 16 * j));
-      *m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves16(p.m + 32 * blk), bytes16(p.mn + 128 * blk + 16 * j)));
+      *d0 = *d1 = _mm512_mul_ps(halves16(p.d), bytes16(p.sc + 16 * j));
+      *m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves16(p.m), bytes16(p.mn + 16 * j)));
     } else {  // Q6_K
-      const int64_t blk = c / 8, j = c % 8;
       auto signed16 = [](const uint8_t* at) {
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
       };
-      const __m512 d = halves16(p.d + 32 * blk);
-      *d0 = _mm512_mul_ps(d, signed16(p.sc + 256 * blk + 16 * (2 * j)));
-      *d1 = _mm512_mul_ps(d, signed16(p.sc + 256 * blk + 16 * (2 * j + 1)));
+      const __m512 d = halves16(p.d);
+      *d0 = _mm512_mul_ps(d, signed16(p.sc + 16 * (2 * j)));
+      *d1 = _mm512_mul_ps(d, signed16(p.sc + 16 * (2 * j + 1)));
     }
   }
 };
@@ -228,18 +237,21 @@ inline __m512i broadcast4(const int8_t* at) {
 // residuals where TwoLevels. The next group (the worker's next, `fetch`) is fetched as this one is read, a
 // chunk's share at a time.
 template <int64_t Type, int MT, bool TwoLevels>
-inline void group_tile(const GroupPlanes& p, int64_t K, const HalfChunkActivations& xa, int64_t m0,
+inline void group_tile(const GroupParts& p, int64_t K, const HalfChunkActivations& xa, int64_t m0,
                        const uint8_t* fetch, int64_t fetch_step, __m512 acc[MT]) {
   using F = Interleaved<Type>;
   const int64_t chunks = K / 32;
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  BlockParts block{};
   for (int64_t c = 0; c < chunks; ++c) {
     for (int64_t b = 0; b < fetch_step; b += 64) _mm_prefetch(reinterpret_cast<const char*>(fetch + b), _MM_HINT_T0);
     fetch += fetch_step;
+    const int64_t j = c % F::kChunks;  // the chunk in its block
+    if (j == 0) block = p.block(c / F::kChunks);
     __m512i w[8];
-    F::weights(p, c, w);
+    F::weights(block, j, w);
     __m512 d0, d1, m = _mm512_setzero_ps();
-    F::scales(p, c, &d0, &d1, &m);
+    F::scales(block, j, &d0, &d1, &m);
     // Each half's integer products of one level's activations (`x`, minus sums `neg`), offsets included.
     auto half_products = [&](const int8_t* x, const int32_t* neg, __m512i* s0, __m512i* s1) {
       *s0 = F::kSymmetric ? _mm512_set1_epi32(F::kOffset * neg[0]) : _mm512_setzero_si512();
@@ -273,7 +285,7 @@ inline void group_tile(const GroupPlanes& p, int64_t K, const HalfChunkActivatio
 template <int64_t Type>
 void group_products(const uint8_t* group, int64_t stride, int64_t K, const HalfChunkActivations& xa, int64_t M,
                     float* out) {
-  const GroupPlanes p = group_planes(Type, group, K);
+  const GroupParts p = group_parts(Type, group);
   const int64_t group_bytes = kInterleavedRows * stride, chunks = K / 32;
   const int64_t fetch_step = (group_bytes + chunks - 1) / chunks;
   auto tile = [&](auto rows, int64_t m0, const uint8_t* fetch, int64_t step) {
@@ -315,14 +327,17 @@ inline __m512i bf16_pair_dwords(__m512 even, __m512 odd) {
 template <int64_t Type>
 void dequantize_tiles(const uint8_t* group, int64_t K, at::BFloat16* tiles) {
   using F = Interleaved<Type>;
-  const GroupPlanes p = group_planes(Type, group, K);
+  const GroupParts p = group_parts(Type, group);
   const __m512i byte = _mm512_set1_epi32(0xFF);
+  BlockParts block{};
   for (int64_t c = 0; c < K / 32; ++c) {
+    const int64_t j = c % F::kChunks;  // the chunk in its block
+    if (j == 0) block = p.block(c / F::kChunks);
     __m512i w[8];
-    F::weights(p, c, w);
+    F::weights(block, j, w);
     __m512 d[2], m[2];
     m[0] = _mm512_setzero_ps();
-    F::scales(p, c, &d[0], &d[1], &m[0]);
+    F::scales(block, j, &d[0], &d[1], &m[0]);
     if constexpr (F::kSymmetric) {
       for (int h = 0; h < 2; ++h) m[h] = _mm512_mul_ps(_mm512_set1_ps(-static_cast<float>(F::kOffset)), d[h]);
     } else {
@@ -345,7 +360,7 @@ void dequantize_tiles(const uint8_t* group, int64_t K, at::BFloat16* tiles) {
 }  // namespace
 
 void interleaved_dequantize_row(int64_t type, const uint8_t* group, int64_t r, int64_t K, float* out) {
-  const GroupPlanes p = group_planes(type, group, K);
+  const GroupParts p = group_parts(type, group);
   uint8_t q[32];
   for (int64_t c = 0; c < K / 32; ++c) {
     const ChunkScales s = decode_chunk(type, p, r, c, q);
