@@ -47,6 +47,14 @@ class DraftKVCache:
     def holds(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def tokens_to_compute(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` a request not held yet would compute: those past what the prefix cache
+        holds (at least the last). Changes nothing."""
+        probe = Request(request_id, list(token_ids), _SHADOW_PARAMS, max_total_tokens=len(token_ids),
+                        hash_extra=self.hash_extra)
+        cached = self.kv.prefix_cache.match_length(probe, (len(token_ids) - 1) // self.block_size)
+        return len(token_ids) - cached * self.block_size
+
     def prepare(self, request_id: str, token_ids: Sequence[int], num_ahead: int) -> DraftSlots | None:
         """Make the request's draft KV ready to extend ``token_ids`` (its confirmed tokens) by ``num_ahead``
         more. At least the last token is left to compute, for its logits. None: the pool has no room now

@@ -14,6 +14,15 @@ measured as the engine runs, so the choice follows the load:
   scaled by what its whole proposals took over what their forwards predicted (catch-up rows, a new
   request's prefill in the draft, the work between forwards).
 
+- **Onboarding** (a draft model). A request's first drafts cost the draft the prefill of what its KV lacks
+  of the request (its prompt, less what the draft's prefix cache holds): paid once, then worth something
+  every step the request drafts. It is charged spread over the steps the request is expected to draft in
+  (its expected remaining output, as long as the outputs of the requests that recently left the batch and
+  at most what it may still write, over the tokens a step of its drafts brings). Before anything is measured the first
+  step drafts nothing (a plain step's cost is what drafts are weighed against) and then one request
+  alone drafts, the cheapest to onboard, so that a burst of new requests does not pay every prompt's
+  prefill in the draft before the draft's cost is known.
+
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
 SmartSpec and TurboSpec). Adding drafts in order of their expected worth (``a_i^j`` for request ``i``'s
 ``j``-th draft) and keeping the best prefix finds it, since that order is also each request's own order.
@@ -26,7 +35,7 @@ load.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 _MIN_ACCEPTANCE, _MAX_ACCEPTANCE = 0.01, 0.99
@@ -39,6 +48,10 @@ _ROW_MEAN_DECAY = 0.8  # a row count's recent mean: each observation moves it a 
 _MIN_ROW_OBSERVATIONS = 2
 _DRAFT_SCALE_DECAY = 0.9
 _MAX_DRAFT_SCALE_STEP = 2.0  # how far one slow proposal (a long prompt's prefill in the draft) moves the scale
+_PREFILL_ROWS = 32  # a draft forward of more rows than this is mostly a catch-up (a prompt's prefill)
+_PREFILL_RATE_DECAY = 0.8
+_OUTPUT_LEN_DECAY = 0.9
+_PRIOR_OUTPUT_TOKENS = 128  # a request's expected remaining output before any request has finished
 
 
 class LinearCost:
@@ -92,11 +105,13 @@ class StepCost:
     """Seconds of a forward by its number of rows: the recent average at each row count seen, and the linear
     fit elsewhere. Row counts matter one by one: a kernel that takes rows in tiles reads the weights once per
     tile, so one row past a tile can cost as much as the whole tile (on a 2-core AVX2 CPU, 5 rows took about
-    twice 4)."""
+    twice 4). Past the widest row count measured, a row costs at least its share of that step: a fit over
+    narrow steps, bound by reading the weights, would price wide ones, bound by compute, far too low."""
 
     def __init__(self) -> None:
         self.fit = LinearCost()
         self._by_rows: dict[int, tuple[float, int]] = {}  # rows -> (recent mean, observations)
+        self._widest = 0  # the most rows measured often enough to have a mean
 
     @property
     def has_data(self) -> bool:
@@ -110,10 +125,17 @@ class StepCost:
         self.fit.observe(rows, seconds)
         mean, count = self._by_rows.get(rows, (seconds, 0))
         self._by_rows[rows] = (mean + (seconds - mean) * max(1 - _ROW_MEAN_DECAY, 1 / (count + 1)), count + 1)
+        if count + 1 >= _MIN_ROW_OBSERVATIONS:
+            self._widest = max(self._widest, rows)
 
     def predict(self, rows: int) -> float:
         mean, count = self._by_rows.get(rows, (0.0, 0))
-        return mean if count >= _MIN_ROW_OBSERVATIONS else self.fit.predict(rows)
+        if count >= _MIN_ROW_OBSERVATIONS:
+            return mean
+        fitted = self.fit.predict(rows)
+        if self._widest and rows > self._widest:
+            fitted = max(fitted, self._by_rows[self._widest][0] * rows / self._widest)
+        return fitted
 
 
 @dataclass(slots=True)
@@ -141,6 +163,10 @@ class DraftLengthPolicy:
         self.draft_scale = 1.0
         self._predicted_draft_s = 0.0
         self.last_mean_length = 0.0  # the mean length chosen for the last batch (a gauge for /metrics)
+        self._onboarded: set[str] = set()  # requests the draft model has drafted for
+        self._onboarding: dict[str, int] = {}  # the last choice's new requests: the tokens their prefill computes
+        self._prefill_s_per_token: float | None = None  # the draft's catch-up forwards, per row
+        self._mean_output_tokens: float | None = None  # of recently finished requests
 
     # --- measurements -----------------------------------------------------------------------------------
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -149,12 +175,22 @@ class DraftLengthPolicy:
 
     def observe_draft(self, timings: Sequence[tuple[int, float]]) -> None:
         for rows, seconds in timings:
-            self.draft_cost.observe(rows, seconds)
+            if rows <= _PREFILL_ROWS:
+                self.draft_cost.observe(rows, seconds)
+                continue
+            rate, known = seconds / rows, self._prefill_s_per_token  # a catch-up, priced apart from draft rows
+            self._prefill_s_per_token = rate if known is None else known + (rate - known) * (1 - _PREFILL_RATE_DECAY)
 
-    def observe_propose(self, seconds: float) -> None:
-        """The proposer's whole work for the lengths last chosen took ``seconds``."""
-        if self.uses_model and self._predicted_draft_s > 0:
-            ratio = min(_MAX_DRAFT_SCALE_STEP, seconds / self._predicted_draft_s)
+    def observe_propose(self, seconds: float, drafted: Collection[str] = ()) -> None:
+        """The proposer's whole work for the lengths last chosen took ``seconds``; ``drafted``: the requests that
+        got drafts (a draft model now holds them)."""
+        if not self.uses_model:
+            return
+        onboarded = [rid for rid in drafted if rid in self._onboarding and rid not in self._onboarded]
+        predicted = self._predicted_draft_s + sum(self._prefill_seconds(self._onboarding[rid]) for rid in onboarded)
+        self._onboarded.update(drafted)
+        if predicted > 0:
+            ratio = min(_MAX_DRAFT_SCALE_STEP, seconds / predicted)
             self.draft_scale += (ratio - self.draft_scale) * (1 - _DRAFT_SCALE_DECAY)
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -167,8 +203,14 @@ class DraftLengthPolicy:
         method.accepted = method.accepted * _METHOD_DECAY + num_accepted
         method.trials = method.trials * _METHOD_DECAY + trials
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, output_tokens: int | None = None) -> None:
+        """The request left the batch; ``output_tokens``: how many it wrote, if it finished."""
         self._requests.pop(request_id, None)
+        self._onboarded.discard(request_id)
+        if output_tokens is not None:
+            mean = self._mean_output_tokens
+            self._mean_output_tokens = (float(output_tokens) if mean is None
+                                        else mean + (output_tokens - mean) * (1 - _OUTPUT_LEN_DECAY))
 
     def acceptance(self, request_id: str) -> float:
         """The request's estimated chance that a draft is accepted."""
@@ -182,24 +224,55 @@ class DraftLengthPolicy:
         return min(_MAX_ACCEPTANCE, max(_MIN_ACCEPTANCE, estimate))
 
     # --- the choice -------------------------------------------------------------------------------------
-    def lengths(self, request_ids: Sequence[str]) -> list[int]:
-        """Drafts for each request's next step, for a batch of these requests."""
+    def lengths(self, request_ids: Sequence[str], onboarding_tokens: Sequence[int] | None = None,
+                remaining: Sequence[int | None] | None = None) -> list[int]:
+        """Drafts for each request's next step, for a batch of these requests. For a draft model,
+        ``onboarding_tokens``: per request, what its first proposal computes before its first draft (0 once
+        the draft holds it); ``remaining``: the tokens each may still write (None: no limit)."""
         num = len(request_ids)
-        if not self.adaptive or not self.target_cost.has_data:
+        if not self.adaptive:
             self.last_mean_length = float(self.max_tokens) if num else 0.0
             return [self.max_tokens] * num
         self._num_calls += 1
-        lengths = self._best_lengths([self.acceptance(rid) for rid in request_ids])
-        if self._num_calls % self.probe_every == 0 and (self.target_cost.narrow or not any(lengths)):
-            # A probe: without drafts, one each (acceptance is only learnt by verifying); with drafts on a fit
-            # that has seen one row count only, half as many (another row count for the fit).
-            # A draft model starts on a request with the prefill of its prompt: probes go only to requests it
-            # has drafted for before.
-            lengths = [k // 2 for k in lengths] if any(lengths) else [
-                1 if not self.uses_model or rid in self._requests else 0 for rid in request_ids]
+        onboarding = list(onboarding_tokens) if self.uses_model and onboarding_tokens is not None else [0] * num
+        left = list(remaining) if remaining is not None else [None] * num
+        if not self.target_cost.has_data:
+            lengths = [0] * num  # a plain step first: what drafts are weighed against
+        elif self.uses_model and not self.draft_cost.has_data:
+            # The draft's cost is measured on one request's drafts, the cheapest to onboard.
+            lengths = [0] * num
+            if num:
+                lengths[min(range(num), key=lambda i: onboarding[i])] = self.max_tokens
+        else:
+            acceptance = [self.acceptance(rid) for rid in request_ids]
+            charges = [self._onboarding_charge(tokens, rest, a) if tokens else 0.0
+                       for tokens, rest, a in zip(onboarding, left, acceptance, strict=True)]
+            lengths = self._best_lengths(acceptance, charges)
+            if self._num_calls % self.probe_every == 0 and (self.target_cost.narrow or not any(lengths)):
+                # A probe: without drafts, one each (acceptance is only learnt by verifying); with drafts on a
+                # fit that has seen one row count only, half as many (another row count for the fit). A draft
+                # model's probes go only to requests it holds (a first draft costs the prompt's prefill).
+                lengths = [k // 2 for k in lengths] if any(lengths) else [
+                    1 if not self.uses_model or rid in self._onboarded else 0 for rid in request_ids]
         self.last_mean_length = sum(lengths) / num if num else 0.0
         self._predicted_draft_s = self._draft_seconds(_rows_at_depth(lengths, self.max_tokens), scaled=False)
+        self._onboarding = {rid: tokens for rid, tokens, k in zip(request_ids, onboarding, lengths, strict=True)
+                            if k and tokens}
         return lengths
+
+    def _prefill_seconds(self, tokens: int) -> float:
+        """What the draft's catch-up of ``tokens`` tokens takes."""
+        rate = self._prefill_s_per_token
+        return tokens * rate if rate is not None else self.draft_cost.predict(tokens)
+
+    def _onboarding_charge(self, tokens: int, remaining: int | None, acceptance: float) -> float:
+        """A new request's prefill in the draft, spread over the steps it is expected to draft in."""
+        mean = self._mean_output_tokens
+        expected = mean if mean is not None else _PRIOR_OUTPUT_TOKENS
+        if remaining is not None:
+            expected = min(expected, remaining)
+        tokens_per_step = 1.0 + sum(acceptance ** j for j in range(1, self.max_tokens + 1))
+        return self._prefill_seconds(tokens) * self.draft_scale / max(1.0, expected / tokens_per_step)
 
     def _draft_seconds(self, rows_at_depth: list[int], scaled: bool = True) -> float:
         if not self.uses_model:
@@ -207,26 +280,36 @@ class DraftLengthPolicy:
         seconds = sum(self.draft_cost.predict(rows) for rows in rows_at_depth if rows)
         return seconds * self.draft_scale if scaled else seconds
 
-    def _best_lengths(self, acceptance: list[float]) -> list[int]:
+    def _best_lengths(self, acceptance: list[float], onboarding_charges: list[float]) -> list[int]:
         num = len(acceptance)
-        if self.uses_model and not self.draft_cost.has_data:
-            return [self.max_tokens] * num  # the draft's cost is measured on its first forwards
         target = self.target_cost
-        # Every draft by its expected worth, best first; a request's j-th draft comes after its (j-1)-th.
-        candidates = sorted(((a ** j, j, i) for i, a in enumerate(acceptance) for j in range(1, self.max_tokens + 1)),
-                            key=lambda c: (-c[0], c[1]))
         tokens = float(num)
-        rows_at_depth = [0] * (self.max_tokens + 1)
         best_rate = tokens / max(target.predict(num), 1e-9)
+        # Every draft by its expected worth, best first; a request's j-th draft comes after its (j-1)-th. A new
+        # request's first draft is worth less by its onboarding charge in tokens of a plain step (and each later
+        # draft of it no more than that): drafts that cannot repay it are left out.
+        candidates = []
+        for i, a in enumerate(acceptance):
+            rank = a - onboarding_charges[i] * best_rate
+            for j in range(1, self.max_tokens + 1):
+                rank = min(rank, a ** j)
+                if rank <= 0:
+                    break
+                candidates.append((rank, a ** j, j, i))
+        candidates.sort(key=lambda c: (-c[0], c[2]))
+        rows_at_depth = [0] * (self.max_tokens + 1)
         best_count = 0
-        for count, (worth, depth, _) in enumerate(candidates, 1):
+        onboarding_s = 0.0
+        for count, (_, worth, depth, i) in enumerate(candidates, 1):
             tokens += worth
             rows_at_depth[depth] += 1
-            seconds = target.predict(num + count) + self._draft_seconds(rows_at_depth)
+            if depth == 1:
+                onboarding_s += onboarding_charges[i]
+            seconds = target.predict(num + count) + self._draft_seconds(rows_at_depth) + onboarding_s
             if seconds > 0 and tokens / seconds > best_rate:
                 best_rate, best_count = tokens / seconds, count
         lengths = [0] * num
-        for _, _, i in candidates[:best_count]:
+        for _, _, _, i in candidates[:best_count]:
             lengths[i] += 1
         return lengths
 

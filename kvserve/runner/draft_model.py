@@ -53,6 +53,8 @@ class DraftKV(Protocol):
 
     def holds(self, request_id: str) -> bool: ...
 
+    def tokens_to_compute(self, request_id: str, token_ids: Sequence[int]) -> int: ...
+
     def prepare(self, request_id: str, token_ids: Sequence[int], num_ahead: int) -> DraftSlotsLike | None: ...
 
     def computed(self, request_id: str, fed_drafts: Sequence[int]) -> None: ...
@@ -83,6 +85,7 @@ class DraftModelProposer:
         self.vocab_size = vocab_size  # columns both models have: a draft is always a token the target can take
         self._timings: list[tuple[int, float]] = []
         self._probs: dict[str, torch.Tensor] = {}
+        self._cached_on_sight: dict[str, int] = {}  # per request not held yet: its tokens the prefix cache holds
         # Samples the drafts of requests with a temperature, from the draft's distribution processed as the
         # target's sampler processes its own.
         self.sampler = Sampler(vocab_size, seed, argmax=backend.argmax)
@@ -90,6 +93,18 @@ class DraftModelProposer:
 
     def forget(self, request_id: str) -> None:
         self.kv.release(request_id)
+        self._cached_on_sight.pop(request_id, None)
+
+    def onboarding_tokens(self, request_id: str, state: SamplingState) -> int:
+        if self.kv.holds(request_id):
+            return 0
+        num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids)
+        cached = self._cached_on_sight.get(request_id)
+        if cached is None:  # looked up once per request: hashing a long prompt every step would cost
+            cached = num_tokens - self.kv.tokens_to_compute(request_id, [*state.prompt_token_ids,
+                                                                          *state.output_token_ids])
+            self._cached_on_sight[request_id] = cached
+        return num_tokens - cached
 
     def take_forward_timings(self) -> list[tuple[int, float]]:
         timings, self._timings = self._timings, []

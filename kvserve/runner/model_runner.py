@@ -76,11 +76,11 @@ class ModelRunner:
         if out.kv_loads:
             write_blocks(self.kv_caches, out.kv_loads)
         for request_id in out.finished_request_ids:
-            self.states.pop(request_id, None)
+            state = self.states.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
-                self.draft_lengths.forget(request_id)
+                self.draft_lengths.forget(request_id, len(state.output_token_ids) if state is not None else None)
         for new in out.new_requests:
             self.states[new.request_id] = new_sampling_state(new)
         if out.is_empty and not out.kv_loads:
@@ -148,7 +148,12 @@ class ModelRunner:
                 policy.observe_verified(request_id, *feedback)
             if state.params.logprobs is None:
                 eligible.append((request_id, state, feedback))
-        lengths = policy.lengths([request_id for request_id, _, _ in eligible])
+        onboarding = remaining = None
+        if policy.uses_model:
+            onboarding = [self.proposer.onboarding_tokens(request_id, state) for request_id, state, _ in eligible]
+            remaining = [None if state.params.max_tokens is None else state.params.max_tokens - len(state.output_token_ids)
+                         for _, state, _ in eligible]
+        lengths = policy.lengths([request_id for request_id, _, _ in eligible], onboarding, remaining)
         wanted = [ProposalRequest(request_id, state, feedback, length)
                   for (request_id, state, feedback), length in zip(eligible, lengths, strict=True) if length > 0]
         if not wanted:
@@ -157,7 +162,7 @@ class ModelRunner:
         proposals = self.proposer.propose(wanted)
         seconds = time.perf_counter() - t0
         self.propose_time_s += seconds
-        policy.observe_propose(seconds)
+        policy.observe_propose(seconds, [r.request_id for r, proposal in zip(wanted, proposals, strict=True) if proposal])
         policy.observe_draft(self.proposer.take_forward_timings())
         draft_probs = self.proposer.take_draft_probs()
         for request, proposal in zip(wanted, proposals, strict=True):

@@ -57,6 +57,11 @@ class Proposer(Protocol):
 
     def forget(self, request_id: str) -> None: ...
 
+    def onboarding_tokens(self, request_id: str, state: SamplingState) -> int:
+        """Tokens a first proposal for the request computes before its first draft (a draft model's prefill of
+        what its KV lacks); 0 once the proposer holds the request, and always for a model-free one."""
+        ...
+
     def take_forward_timings(self) -> list[tuple[int, float]]:
         """(rows, seconds) of each forward the proposer ran since the last call; none for a model-free one."""
         ...
@@ -100,6 +105,9 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
+
+    def onboarding_tokens(self, request_id: str, state: SamplingState) -> int:
+        return 0
 
     def take_forward_timings(self) -> list[tuple[int, float]]:
         return []

@@ -69,9 +69,55 @@ def test_a_draft_model_pays_for_its_forwards() -> None:
     assert sum(costly.lengths(["a", "b"])) < sum(free.lengths(["a", "b"]))
 
 
-def test_fixed_lengths_when_not_adaptive_or_before_any_measurement() -> None:
+def test_fixed_lengths_when_not_adaptive() -> None:
     assert DraftLengthPolicy(3, adaptive=False).lengths(["a", "b"]) == [3, 3]
-    assert DraftLengthPolicy(3).lengths(["a"]) == [3]  # nothing measured yet
+
+
+def test_before_any_measurement_a_plain_step_then_one_request_measures_the_draft() -> None:
+    policy = DraftLengthPolicy(3, uses_model=True)
+    assert policy.lengths(["a", "b", "c"], [300, 0, 0], [None] * 3) == [0, 0, 0]  # no step measured yet
+    policy.observe_step(3, 0.030)
+    # No draft forward measured: the request cheapest to onboard drafts alone, not all three prompts' prefills.
+    assert policy.lengths(["a", "b", "c"], [300, 40, 90], [None] * 3) == [0, 3, 0]
+    ngram = DraftLengthPolicy(3)
+    assert ngram.lengths(["a", "b"]) == [0, 0]
+    ngram.observe_step(2, 0.030)
+    assert all(ngram.lengths(["a", "b"]))  # free drafts: the prior acceptance is enough
+
+
+def onboarding_policy() -> DraftLengthPolicy:
+    """Cheap target rows, good acceptance, a draft whose catch-up costs 1 ms a token."""
+    policy = policy_with(intercept=0.020, slope=0.0002, acceptance=0.9, uses_model=True)
+    policy.observe_draft([(rows, 0.002 + 0.0002 * rows) for rows in (1, 2, 4, 8)] + [(200, 0.2)])
+    return policy
+
+
+def test_a_new_requests_prefill_in_the_draft_is_paid_only_where_its_remaining_output_repays_it() -> None:
+    policy = onboarding_policy()
+    held, new_long, new_short = policy.lengths(["held", "long", "short"], [0, 100, 100], [1000, 1000, 4])
+    assert held == 4 and new_long > 0 and new_short == 0
+    # A prompt's prefill (2 s) that a request's expected 128 tokens do not repay.
+    assert policy.lengths(["new"], [2000], [None]) == [0]
+
+
+def test_the_expected_remaining_output_follows_the_requests_that_left() -> None:
+    policy = onboarding_policy()
+    assert policy.lengths(["new"], [100], [1000])[0] > 0
+    for k in range(40):
+        policy.forget(f"done{k}", output_tokens=3)  # short replies: no prefill is repaid
+    assert policy.lengths(["new"], [100], [1000]) == [0]
+    assert policy.lengths(["held"], [0], [1000])[0] > 0
+
+
+def test_an_onboarding_prefill_is_predicted_not_mistaken_for_a_slow_draft() -> None:
+    policy = onboarding_policy()
+    for _ in range(30):
+        lengths = policy.lengths(["a", "b"], [100, 0], [1000, 1000])
+        assert lengths[0] > 0
+        predicted_forwards = policy._predicted_draft_s
+        policy.observe_propose(predicted_forwards + 100 * 0.001, ["a", "b"])  # forwards, and a's prefill
+        policy.forget("a")
+    assert policy.draft_scale == pytest.approx(1.0, abs=0.05)
 
 
 def test_a_narrow_fit_probes_another_row_count() -> None:
@@ -96,6 +142,20 @@ def test_row_counts_past_a_tile_are_priced_as_measured() -> None:
     assert policy.lengths(["a"]) == [3]
 
 
+def test_rows_past_the_widest_measured_step_cost_at_least_their_share_of_it() -> None:
+    """Steps of 1 to 4 rows barely differ (reading the weights); 8 rows are not priced from their slope."""
+    policy = DraftLengthPolicy(4)
+    for _ in range(3):
+        for rows, seconds in ((1, 0.040), (4, 0.044)):
+            policy.observe_step(rows, seconds)
+    assert policy.target_cost.predict(3) < 0.044
+    assert policy.target_cost.predict(8) == pytest.approx(0.088)
+    for _ in range(50):
+        policy.observe_verified("a", 4, 4)
+    # Four requests that accept nearly everything still draft nothing: 8 rows would cost twice 4.
+    assert policy.lengths(["a", "b", "c", "d"]) == [0, 0, 0, 0]
+
+
 def test_proposals_slower_than_their_forwards_predict_scale_the_draft_cost_up() -> None:
     policy = policy_with(intercept=0.020, slope=0.001, acceptance=0.9, uses_model=True)
     policy.observe_draft([(rows, 0.004 + 0.0005 * rows) for rows in (1, 2, 4, 8)])
@@ -113,5 +173,6 @@ def test_a_draft_model_probes_only_requests_it_has_drafted_for() -> None:
     for _ in range(200):
         policy.observe_step(16, 0.05)
         policy.observe_verified("seen", 4, 0)
-    chosen = [policy.lengths(["seen", "new"]) for _ in range(4)]
+    policy.observe_propose(0.03, ["seen"])  # the draft holds "seen"
+    chosen = [policy.lengths(["seen", "new"], [0, 100], [None, None]) for _ in range(4)]
     assert [0, 0] in chosen and [1, 0] in chosen and all(lengths[1] == 0 for lengths in chosen)
