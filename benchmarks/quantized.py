@@ -13,6 +13,10 @@ and thread count:
   memory: the bytes the model holds them in plus the copies the kernels packed.
 - **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench -p
   PROMPT -n GEN -t THREADS``, which reads the file as it is.
+- **The machine's streaming read** before and after each model's runs (a sum over 1 GiB on the same
+  threads): what single-stream decode, which reads every weight once a token, can reach at best. On a
+  shared VM it moves by tens of percent from minute to minute; each engine's decode is printed beside it as
+  the file's bytes read per second.
 
 With ``--widths``, instead: every decoder layer's quantised projections of each model at those numbers of
 input rows, side by side and alternating, through each path: on the rows held planar, few-row (int8
@@ -77,6 +81,20 @@ def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int,
     gc.collect()
     engine = "kvserve-gguf" if quantization == "gguf" else "kvserve-bf16"
     return Row(engine, name, prefill, decode, weight_mib, file_mib)
+
+
+def streaming_read_gb_s(threads: int, repeats: int = 5) -> float:
+    """GB/s of the fastest of ``repeats`` sums over 1 GiB on ``threads`` threads: the memory's streaming read."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    data = torch.ones(2**27, dtype=torch.int64)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data.sum()
+        best = max(best, data.numel() * data.element_size() / (time.perf_counter() - t0) / 1e9)
+    torch.set_num_threads(before)
+    return best
 
 
 def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
@@ -159,19 +177,25 @@ def main() -> None:
         return
 
     results: list[Row] = []
+    streams: dict[str, list[float]] = {}
     for name in args.models.split(","):
         path = resolve_model_path(name)
         prompt = _prompts(read_arch_config(path).vocab_size, 1, args.prompt_len, seed=1)[0]
+        streams[name] = [streaming_read_gb_s(args.threads)]
         rows = [bench_kvserve(name, "gguf", prompt, args.gen_len, args.repeats),
                 bench_kvserve(name, "none", prompt, args.gen_len, args.repeats)]
         if args.llama_bench:
             speed = bench_llama_cpp(args.llama_bench, name, args.threads, args.prompt_len, args.gen_len)
             rows.append(Row("llama.cpp", name, speed.prefill_tok_s, speed.decode_tok_s, None,
                             path.stat().st_size / 2**20))
+        streams[name].append(streaming_read_gb_s(args.threads))
         for row in rows:
             memory = f"weights {row.weight_mib:7.1f} MiB (file {row.file_mib:.1f})" if row.weight_mib else ""
             print(f"{row.model:20s} {row.engine:13s} prefill {row.prefill_tok_s:8.1f} tok/s  decode "
-                  f"{row.decode_tok_s:7.1f} tok/s  {memory}", flush=True)
+                  f"{row.decode_tok_s:7.1f} tok/s ({row.file_mib * 2**20 * row.decode_tok_s / 1e9:4.1f} GB/s of "
+                  f"the file)  {memory}", flush=True)
+        print(f"{'':20s} streaming read, before and after: " + " and ".join(f"{g:.1f}" for g in streams[name])
+              + " GB/s", flush=True)
         quantized = rows[0]
         for row in rows[1:]:
             print(f"{'':20s} kvserve-gguf / {row.engine}: prefill {quantized.prefill_tok_s / row.prefill_tok_s:.2f}x, "
@@ -180,7 +204,7 @@ def main() -> None:
         time.sleep(1)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+            json.dump({"rows": [asdict(r) for r in results], "streaming_read_gb_s": streams}, f, indent=1)
 
 
 if __name__ == "__main__":
