@@ -8,24 +8,24 @@ measured as the engine runs, so the choice follows the load:
   accepted in a row until the first rejection, ``k`` drafts are worth ``a + a^2 + ... + a^k`` tokens
   beyond the one every step brings.
 - **Cost.** What a target step of ``R`` rows takes, and a draft forward of ``R`` rows (none for n-gram
-  lookup): the recent average at each row count seen, a linear fit over recent steps elsewhere. Small
-  batches are bound by reading the weights, so extra rows are cheap there; large ones are bound by
-  compute, where each row costs its full share and drafts stop paying. The draft's predicted cost is
-  scaled by what its whole proposals took over what their forwards predicted (catch-up rows, a new
-  request's prefill in the draft, the work between forwards).
-
+  lookup): the recent average at each row count seen, a linear fit over recent steps elsewhere, and past
+  the widest step measured at least that step's cost per row. Small batches are bound by reading the
+  weights, so extra rows are cheap there; large ones are bound by compute, where each row costs its full
+  share and drafts stop paying. The draft's predicted cost is scaled by what its whole proposals took over
+  what was predicted for them (catch-up rows, the work between forwards).
 - **Onboarding** (a draft model). A request's first drafts cost the draft the prefill of what its KV lacks
   of the request (its prompt, less what the draft's prefix cache holds): paid once, then worth something
-  every step the request drafts. It is charged spread over the steps the request is expected to draft in
-  (its expected remaining output, as long as the outputs of the requests that recently left the batch and
-  at most what it may still write, over the tokens a step of its drafts brings). Before anything is measured the first
-  step drafts nothing (a plain step's cost is what drafts are weighed against) and then one request
-  alone drafts, the cheapest to onboard, so that a burst of new requests does not pay every prompt's
-  prefill in the draft before the draft's cost is known.
+  every step the request drafts. It is charged spread over the steps the request is expected to draft in:
+  its expected remaining output (as long as the outputs of the requests that recently left the batch, at
+  most what it may still write) over the tokens a step of its drafts brings. Before anything is measured
+  the first step drafts nothing (a plain step's cost is what drafts are weighed against), then one request
+  alone drafts, the cheapest to onboard: a burst of new requests does not pay every prompt's prefill in
+  the draft before the draft's cost is known.
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
-SmartSpec and TurboSpec). Adding drafts in order of their expected worth (``a_i^j`` for request ``i``'s
-``j``-th draft) and keeping the best prefix finds it, since that order is also each request's own order.
+SmartSpec and TurboSpec). Drafts are added in order of their expected worth (``a_i^j`` for request ``i``'s
+``j``-th draft; a request still to onboard ranks lower by its charge) and the best prefix is kept: that
+order is also each request's own order.
 Every ``probe_every`` steps a probe changes the lengths: where none were chosen, one draft each (for a
 draft model, only to requests it has drafted for: a first draft costs the prompt's prefill in the draft),
 so that acceptance, which only verification measures, is not left at a stale estimate; where the cost fit has seen
@@ -204,7 +204,7 @@ class DraftLengthPolicy:
         method.trials = method.trials * _METHOD_DECAY + trials
 
     def forget(self, request_id: str, output_tokens: int | None = None) -> None:
-        """The request left the batch; ``output_tokens``: how many it wrote, if it finished."""
+        """The request left the batch (finished, aborted or preempted); ``output_tokens``: how many it wrote."""
         self._requests.pop(request_id, None)
         self._onboarded.discard(request_id)
         if output_tokens is not None:
