@@ -6,8 +6,8 @@
 //
 // A group (16 x row_bytes bytes, model/quantized_layout.py lays it out) is its blocks one after another
 // (block-major: a group is read as one stream, which the hardware prefetchers follow; a plane per part
-// read more slowly, benchmarks/quantized.py), each block holding its parts for the sixteen
-// rows side by side, in this order:
+// read more slowly, docs/performance.md), each block holding its parts for the sixteen rows side by side,
+// in this order:
 //   blocks of 32 (one chunk each): fp16 d [16 rows], (Q4_1, Q5_1) fp16 m [16], (Q5_0, Q5_1) high bits
 //     [8 vectors][64 bits], then the quants: 4-bit formats [4][64 bytes], byte 4r + j of the h-th 64 holding
 //     weights 8h + j (low nibble) and 8h + 4 + j (high) of row r; Q8_0 [8][64 bytes], byte 4r + j of the
