@@ -41,6 +41,24 @@ def test_a_shared_prompt_is_computed_once() -> None:
     kv.check_invariants()
 
 
+def test_tokens_to_compute_counts_what_the_prefix_cache_lacks_and_changes_nothing() -> None:
+    kv = DraftKVCache(num_blocks=32, block_size=BLOCK, hash_extra=b"draft")
+    prompt = list(range(100, 113))  # 3 full blocks and one token
+    assert kv.tokens_to_compute("a", prompt) == 13  # nothing cached yet
+    kv.prepare("a", prompt, num_ahead=1)
+    kv.computed("a", [])
+    kv.check_invariants()
+    free_before = kv.kv.pool.num_free
+    assert kv.tokens_to_compute("b", [*prompt[:12], 999]) == 1  # three blocks cached: only its own token
+    assert kv.tokens_to_compute("c", [*prompt[:6], 7, 7, 7]) == 5  # one block cached
+    assert kv.tokens_to_compute("d", prompt[:8]) == 4  # the last token is always computed (its logits)
+    assert kv.tokens_to_compute("e", [5, 5, 5, 5, 5]) == 5
+    assert kv.kv.pool.num_free == free_before and not kv.holds("b")
+    slots = kv.prepare("b", [*prompt[:12], 999], num_ahead=1)  # what the count promised
+    assert slots is not None and slots.num_computed == 12
+    kv.check_invariants()
+
+
 def test_unconfirmed_drafts_never_enter_the_prefix_cache() -> None:
     kv = DraftKVCache(num_blocks=32, block_size=BLOCK, hash_extra=b"draft")
     prompt = list(range(6))

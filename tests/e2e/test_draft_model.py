@@ -14,6 +14,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ConfigError
+from kvserve.runner.draft_model import DraftModelProposer
+from kvserve.runner.sampler import SamplingState
 from tests.e2e.conftest import hf_greedy
 from tests.support.tiny_models import make_tiny_model
 
@@ -98,6 +100,19 @@ def test_prefix_cache_hits_in_target_and_draft(models) -> None:
     assert llm.engine.stats().prefix_cache_hits >= 2 * 40
     assert llm.engine.draft_kv is not None and llm.engine.draft_kv.num_cached_tokens >= 2 * 40
     drain(llm)
+
+
+def test_a_new_requests_onboarding_is_what_the_drafts_prefix_cache_lacks(models) -> None:
+    shared = list(range(500, 541))  # ten full blocks of 4 and one token
+    llm = speculating(models, "draft")
+    proposer = llm.engine.runner.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    new = SamplingState(SamplingParams(max_tokens=4), [*shared, 7, 900], [])
+    assert proposer.onboarding_tokens("first", new) == 43  # nothing cached in the draft yet
+    proposer.kv.prepare("other", [*shared, 8, 901], num_ahead=1)
+    proposer.kv.computed("other", [])  # the shared blocks enter the draft's prefix cache
+    assert proposer.onboarding_tokens("second", new) == 3  # its own two tokens and the shared prefix's last
+    assert proposer.onboarding_tokens("other", new) == 0  # held: its catch-up is a decode row, not a prefill
 
 
 def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(models) -> None:
