@@ -6,7 +6,8 @@ lookup, and none, at several concurrencies.
         [--workloads humaneval,agentic] [--concurrency 1,4,16] [--requests 16] [--output-len 128] [--rounds 1]
 
 Three modes of one engine on the target: ``off``, ``ngram`` (prompt lookup) and ``draft`` (the draft model),
-both speculating ones with the adaptive draft length (``--fixed`` turns it off). Each concurrency level keeps that
+both speculating ones with the adaptive draft length (``--fixed`` turns it off); ``--draft-vocab-sizes``
+adds a mode ``draft-vN`` per size, the draft proposing among the token ids below N. Each concurrency level keeps that
 many requests in flight (a closed loop on the engine's step: a finished request is replaced at once) until
 ``--requests`` are done; the modes run one after another, their order rotating round by round.
 
@@ -34,6 +35,7 @@ from kvserve.bench.workloads import Workload, WorkloadConfig
 from kvserve.engine import EngineStats
 from kvserve.request import RequestOutput
 from kvserve.runner.draft_lengths import DraftLengthPolicy
+from kvserve.runner.draft_model import DraftModelProposer
 from kvserve.runner.speculative import NgramProposer, Proposer
 
 ENGINES = ("off", "ngram", "draft")
@@ -124,7 +126,8 @@ class Modes:
     the target's weights (three engines of a 1.5B model do not fit in 24 GB with their packed copies). Each
     run starts with empty prefix caches, so no mode finds what an earlier one computed."""
 
-    def __init__(self, llm: LLM, ngram: Proposer, ngram_lengths: DraftLengthPolicy) -> None:
+    def __init__(self, llm: LLM, ngram: Proposer, ngram_lengths: DraftLengthPolicy,
+                 draft_vocab_sizes: list[int]) -> None:
         self.llm = llm
         runner = llm.engine.runner
         self._settings: dict[str, tuple[Proposer | None, DraftLengthPolicy]] = {
@@ -132,11 +135,17 @@ class Modes:
             "ngram": (ngram, ngram_lengths),
             "draft": (runner.proposer, runner.draft_lengths),
         }
+        draft = runner.proposer
+        assert isinstance(draft, DraftModelProposer)
+        for size in draft_vocab_sizes:  # the same draft model and KV, its output projection pruned
+            pruned = DraftModelProposer(draft.model, draft.backend, draft.kv_caches, draft.block_size, draft.kv,
+                                        draft.max_model_len, draft.vocab_size, draft_vocab_size=size)
+            self._settings[draft_vocab_mode(size)] = (pruned, runner.draft_lengths)
 
     def reset_lengths(self, max_tokens: int, adaptive: bool) -> None:
         for name, (proposer, _) in self._settings.items():
             self._settings[name] = (proposer, DraftLengthPolicy(max_tokens, adaptive=adaptive,
-                                                                uses_model=name == "draft"))
+                                                                uses_model=name.startswith("draft")))
 
     def use(self, name: str) -> None:
         engine = self.llm.engine
@@ -152,9 +161,10 @@ def make_modes(args: argparse.Namespace, max_num_seqs: int) -> Modes:
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=max_num_seqs, kv_cache_gb=args.kv_cache_gb,
               speculative_config=spec)
     ngram = NgramProposer(args.num_speculative_tokens, min_n=2, max_n=4)
-    modes = Modes(llm, ngram, DraftLengthPolicy(args.num_speculative_tokens, adaptive=not args.fixed))
+    sizes = [int(size) for size in args.draft_vocab_sizes.split(",") if size]
+    modes = Modes(llm, ngram, DraftLengthPolicy(args.num_speculative_tokens, adaptive=not args.fixed), sizes)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for name in ENGINES:
+    for name in [*ENGINES, *map(draft_vocab_mode, sizes)]:
         modes.use(name)
         llm.generate([{"prompt_token_ids": list(range(100, 400))}], warm)
     modes.reset_lengths(args.num_speculative_tokens, adaptive=not args.fixed)  # nothing learnt from the warm-up
@@ -172,6 +182,9 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-quantization", default=None, help="the draft's --quantization (default: the target's)")
     parser.add_argument("--fixed", action="store_true", help="a fixed draft length, not the adaptive one")
+    parser.add_argument("--draft-vocab-sizes", default="",
+                        help="comma-separated: a mode per size, the draft proposing among the token ids below it "
+                             "(draft_vocab_size), named draft-vN")
     parser.add_argument("--modes", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16")
@@ -179,7 +192,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_results/speculative_decode.json")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    engines = args.modes.split(",")
+    engines = [*args.modes.split(","), *(draft_vocab_mode(int(size)) for size in args.draft_vocab_sizes.split(",")
+                                         if size)]
     modes = make_modes(args, max(levels))
     llm = modes.llm
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
@@ -209,6 +223,10 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def draft_vocab_mode(size: int) -> str:
+    return f"draft-v{size}"
+
+
 def print_row(row: dict, engines: list[str]) -> None:
     base = row.get("off")
     print(f"{row['workload']} c={row['concurrency']} round {row['round']} (same tokens: {row['same_tokens']})")
@@ -220,7 +238,7 @@ def print_row(row: dict, engines: list[str]) -> None:
             spec = (f"; accepted {r['accepted']}/{r['drafts']} ({r['acceptance_rate']:.2f}), "
                     f"{r['accepted_per_verifying_decode']:.2f} per verifying decode, draft length "
                     f"{r['mean_draft_length']:.2f}, draft share {r['draft_time_share']:.2f}")
-        print(f"  {name:5s} {r['output_tok_s']:7.2f} tok/s{ratio}, TPOT p50 {r['tpot_p50_ms']:.1f} ms, "
+        print(f"  {name:12s} {r['output_tok_s']:7.2f} tok/s{ratio}, TPOT p50 {r['tpot_p50_ms']:.1f} ms, "
               f"TTFT p50 {r['ttft_p50_ms']:.0f} ms{spec}", flush=True)
 
 

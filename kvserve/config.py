@@ -232,6 +232,11 @@ class SpeculativeConfig:
     # How the draft's quantised GGUF weights run (as --quantization); None: as the target's. A draft decodes
     # a row or a few at a time, where GGUF blocks are fastest, even on CPUs where auto keeps dense weights.
     quantization: Quantization | None = None
+    # The draft proposes only token ids below this (its output projection cut to those rows; a BPE
+    # tokenizer's lowest ids are its most frequent tokens); None: the whole vocabulary. A draft's output
+    # projection can be a third of what it reads a token; a target token the pruned draft cannot propose is
+    # a rejected draft, never a wrong token.
+    draft_vocab_size: int | None = None
     adaptive: bool = True
     # No drafts in a step that samples for this many requests or more (vLLM's option of the same name); the
     # adaptive rule usually gets there by itself.
@@ -261,11 +266,14 @@ class SpeculativeConfig:
                               "quantization")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}", "adaptive")
+        size = self.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {size!r}", "draft_vocab_size")
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("method 'draft_model' needs the draft's 'model' (a name or a path)", "model")
         else:
-            for name in ("model", "quantization"):
+            for name in ("model", "quantization", "draft_vocab_size"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"'{name}' is the draft's, of method 'draft_model'; method is {self.method!r}",
                                       name)

@@ -216,12 +216,14 @@ class Engine:
         kv_caches = allocate_kv_caches(arch, num_blocks, cc.block_size, self.dtype, self.device)
         draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{model_fingerprint(path)}:{cc.hash_salt}".encode(),
                                 enable_prefix_caching=cc.enable_prefix_caching)
-        logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s", path.name, num_blocks,
-                    spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "")
+        logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s%s", path.name, num_blocks,
+                    spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "",
+                    "" if spec.draft_vocab_size is None else f", drafts among token ids below {spec.draft_vocab_size}")
         self.draft_kv = draft_kv
         return DraftModelProposer(model, backend, kv_caches, cc.block_size, draft_kv,
                                   max_model_len=min(arch.max_position_embeddings, self.max_model_len),
-                                  vocab_size=min(arch.vocab_size, self.arch.vocab_size), seed=self.config.model.seed)
+                                  vocab_size=min(arch.vocab_size, self.arch.vocab_size), seed=self.config.model.seed,
+                                  draft_vocab_size=spec.draft_vocab_size)
 
     def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
         """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""

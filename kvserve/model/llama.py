@@ -124,11 +124,12 @@ class LlamaForCausalLM:
         metas = (meta, *group_metas)
         return [metas[group] for group in self.layer_group]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, head: Weight | None = None) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (only the rows that sample). Kept there:
         greedy argmax is exact in any dtype, and the sampler's general path converts to float32 itself. (The CPU
-        argmax kernel takes bf16 and float32; float16 is refused on CPU at start-up.)"""
-        return self.ops.linear(self.final_hidden(hidden), self.lm_head, None)
+        argmax kernel takes bf16 and float32; float16 is refused on CPU at start-up.) ``head``: leading rows of
+        the output projection to use instead of the whole (a draft's pruned vocabulary)."""
+        return self.ops.linear(self.final_hidden(hidden), self.lm_head if head is None else head, None)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last layer's output after the final norm: what the output projection reads."""

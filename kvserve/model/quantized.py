@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvserve.model.quantized_layout import (
+    GROUP_ROWS,
     can_interleave,
     from_interleaved,
     pack_k_scales,
@@ -176,6 +177,19 @@ class QuantizedWeight:
     def numel(self) -> int:
         rows, cols = self.shape
         return rows * cols
+
+    def leading_rows(self, rows: int) -> QuantizedWeight:
+        """The first ``rows`` rows, or a few more: an interleaved segment is cut after whole groups of sixteen.
+        Views of the same blocks, nothing copied."""
+        assert 0 < rows <= self.shape[0]
+        kept: list[QuantizedSegment] = []
+        for segment in self.segments:
+            if rows <= 0:
+                break
+            take = min(segment.rows, -(-rows // GROUP_ROWS) * GROUP_ROWS if segment.interleaved else rows)
+            kept.append(QuantizedSegment(segment.ggml_type, segment.data[:take], segment.interleaved))
+            rows -= take
+        return QuantizedWeight(tuple(kept), self.cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[rows, cols] values, by gguf's own dequantiser: the reference the kernels are tested against."""

@@ -23,14 +23,16 @@ cache.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.batch import ScheduledRequest, SchedulerOutput
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.quantized import QuantizedWeight, Weight
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import DRAFT_SALT, ProposalRequest
@@ -75,6 +77,7 @@ class DraftModelProposer:
         max_model_len: int,
         vocab_size: int,
         seed: int = 0,
+        draft_vocab_size: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -83,6 +86,12 @@ class DraftModelProposer:
         self.kv = kv
         self.max_model_len = max_model_len  # the draft's context: no drafts past it
         self.vocab_size = vocab_size  # columns both models have: a draft is always a token the target can take
+        # The token ids the draft proposes from: the first ``draft_vocab_size`` (a BPE tokenizer numbers its
+        # merges in the order it learnt them, the most frequent first). The output projection is a large share
+        # of a small draft's weights; its other rows are never read.
+        self.num_logits = min(vocab_size, draft_vocab_size or vocab_size)
+        self.head = (None if self.num_logits == model.lm_head.shape[0]
+                     else _leading_rows(model.lm_head, self.num_logits, model.ops.prepare_weight))
         self._timings: list[tuple[int, float]] = []
         self._probs: dict[str, torch.Tensor] = {}
         self._cached_on_sight: dict[str, int] = {}  # per request not held yet: its tokens the prefix cache holds
@@ -181,13 +190,15 @@ class DraftModelProposer:
                 offset += 1 + len(extra)
                 last_rows[request_id] = sample_rows[offset - 1]
             index = torch.tensor([last_rows[row.request_id] for row in rows], device=hidden.device)
-            logits = self.model.compute_logits(hidden[index])[:, : self.vocab_size]
+            logits = self.model.compute_logits(hidden[index], self.head)[:, : self.num_logits]
             tokens = self.backend.argmax(logits).tolist()
             probs: dict[str, torch.Tensor] = {}
             if sampled:
                 index = torch.tensor(list(sampled), device=logits.device)
                 sampled_states = list(sampled.values())
-                q = self.sampler.probabilities(logits[index], sampled_states)  # [S, V]
+                # Ids past the pruned vocabulary: probability 0 (penalties and filters leave -inf as it is).
+                q_logits = F.pad(logits[index], (0, self.vocab_size - self.num_logits), value=float("-inf"))
+                q = self.sampler.probabilities(q_logits, sampled_states)  # [S, V]
                 for k, token_id, row in zip(sampled, self.sampler.sample_from(q, sampled_states, DRAFT_SALT), q,
                                             strict=True):
                     tokens[k] = token_id
@@ -196,6 +207,16 @@ class DraftModelProposer:
         self._timings.append((int(inputs.input_ids.shape[0]), seconds))
         self.forward_time_s += seconds
         return tokens, probs
+
+
+def _leading_rows(weight: Weight, rows: int, prepare: Callable[[Weight], None]) -> Weight:
+    """An output projection's first ``rows`` rows (a quantised one may keep up to fifteen more)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.leading_rows(rows)
+    # A copy: the kernels find a dense weight's packed copy by its storage address, which a view would share.
+    head = weight[:rows].clone()
+    prepare(head)
+    return head
 
 
 def _catch_up_row(request_id: str, tokens: list[int], num_computed: int, block_ids: list[int]) -> ScheduledRequest:

@@ -115,6 +115,42 @@ def test_a_new_requests_onboarding_is_what_the_drafts_prefix_cache_lacks(models)
     assert proposer.onboarding_tokens("other", new) == 0  # held: its catch-up is a decode row, not a prefill
 
 
+def recording_drafts(llm: LLM) -> list[int]:
+    """Every draft token the engine's draft model proposes from now on."""
+    proposer = llm.engine.runner.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    proposed: list[int] = []
+    propose = proposer.propose
+
+    def recording(requests):
+        drafts = propose(requests)
+        proposed.extend(token for request_drafts in drafts for token in request_drafts)
+        return drafts
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    return proposed
+
+
+def test_a_pruned_draft_vocabulary_proposes_only_its_ids_and_changes_no_token(models, reference) -> None:
+    """The target as its own draft, pruned to the ids below 2,048 (the prompts hold higher ones): every
+    draft is below it, the drafts agree where the target's token is below it, and the output is unchanged."""
+    llm = speculating(models, "target", speculative={"adaptive": False, "draft_vocab_size": 2048})
+    proposed = recording_drafts(llm)
+    assert greedy_ids(llm) == reference
+    assert proposed and max(proposed) < 2048
+    stats = llm.engine.stats()
+    expected_agreement = sum(token < 2048 for ids in reference for token in ids)
+    assert 0 < stats.num_accepted_draft_tokens <= expected_agreement < stats.num_draft_tokens
+    drain(llm)
+    # Sampled drafts (penalties over prompt ids past the pruned vocabulary): q is zero there, p is not.
+    params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, max_tokens=MAX_TOKENS,
+                            ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+    assert max(proposed) < 2048
+    drain(llm)
+
+
 def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(models) -> None:
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(PROMPTS))]

@@ -63,6 +63,27 @@ def test_the_layout_round_trips_and_dequantises_as_gguf_does(qtype) -> None:
         assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(blocks, qtype)))
 
 
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "planar"])
+def test_leading_rows_are_views_of_the_first_rows(interleave: bool) -> None:
+    """A pruned output projection: the first rows, cut after whole groups of sixteen where interleaved, and
+    the products of those rows are the full weight's first columns."""
+    first = QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 32, 256, seed=4), 256, interleave)
+    rest = QuantizedWeight.from_blocks(int(T.Q6_K), random_blocks(T.Q6_K, 32, 256, seed=5), 256, interleave)
+    weight = concat_rows([first, rest])
+    reference = weight.dequantize()
+    for rows, held in [(16, 16), (20, 32 if interleave else 20), (32, 32), (40, 48 if interleave else 40), (64, 64)]:
+        head = weight.leading_rows(rows)
+        assert head.shape == (held, 256)
+        assert torch.equal(head.dequantize(), reference[:held])
+        assert head.segments[0].data.data_ptr() == weight.segments[0].data.data_ptr()  # nothing copied
+    if kernels is not None:
+        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+        head = weight.leading_rows(40)
+        full = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, 256, None, GEMV_ROWS, FUSED_ROWS)
+        got = torch.ops.kvserve.quant_linear(x, head.data, head.types, 256, None, GEMV_ROWS, FUSED_ROWS)
+        assert torch.equal(got, full[:, : head.shape[0]])
+
+
 def test_rows_that_are_not_whole_groups_stay_planar() -> None:
     assert not can_interleave(int(T.Q4_K), 17) and can_interleave(int(T.Q4_K), 32)
     weight = QuantizedWeight.from_blocks(int(T.Q8_0), random_blocks(T.Q8_0, 17, 64), 64, interleave=True)

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvserve.cli import parse_speculative_config
 from kvserve.config import SpeculativeConfig
@@ -137,6 +138,8 @@ def test_seeded_sampling_draws_the_same_tokens_with_or_without_drafts() -> None:
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min (3) must be <="),
     ('{"method": "ngram", "draft_model": "x"}', "unknown speculative config field(s) draft_model"),
     ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size must be an integer >= 1"),
+    ('{"method": "draft_model", "model": "m", "draft_vocab_size": 0}', "draft_vocab_size must be an integer >= 1"),
+    ('{"method": "ngram", "draft_vocab_size": 4096}', "'draft_vocab_size' is the draft's, of method 'draft_model'"),
 ])
 def test_bad_speculative_configs_are_refused_by_name(text: str, message: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
@@ -154,17 +157,19 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - probs).abs().sum())
 
 
-def test_rejection_sampling_leaves_the_target_distribution_exact() -> None:
+@pytest.mark.parametrize("draft_vocab", [VOCAB, VOCAB // 2], ids=["whole-vocabulary", "pruned-draft-vocabulary"])
+def test_rejection_sampling_leaves_the_target_distribution_exact(draft_vocab: int) -> None:
     """Drafts sampled from a distribution q unlike the target's p: the tokens emitted (the first, and the
-    second where the first draft was accepted) are distributed as p, over 20,000 seeded trials."""
+    second where the first draft was accepted) are distributed as p, over 30,000 seeded trials. A draft with
+    a pruned vocabulary gives q over the first ids only: the others still come, from the residual."""
     generator = torch.Generator().manual_seed(0)
-    num = 20_000
+    num = 30_000
     target_logits = torch.randn(3, VOCAB, generator=generator) * 2  # depths 0, 1 and the bonus row
     params = SamplingParams(temperature=0.8, top_k=6, max_tokens=8)
     sampler = Sampler(VOCAB, base_seed=1)
     p = sampler.probabilities(target_logits, [SamplingState(params, [1], []) for _ in range(3)])
     # q puts mass where p has none (top_k drops two tokens): those drafts must always be rejected.
-    q = torch.softmax(torch.randn(2, VOCAB, generator=generator), dim=-1)
+    q = torch.softmax(torch.randn(2, VOCAB, generator=generator)[:, :draft_vocab], dim=-1)
     drafts = torch.multinomial(q, num, replacement=True, generator=generator).T.tolist()  # [num, 2]
     states = [SamplingState(params, [1], []) for _ in range(num)]
     verified = sample_and_verify(sampler, target_logits.repeat(num, 1), states, drafts, [q] * num)
@@ -176,7 +181,7 @@ def test_rejection_sampling_leaves_the_target_distribution_exact() -> None:
     assert total_variation(second, p[1]) < 0.02
     assert second.sum() > 3_000  # enough first drafts were accepted to judge the second token
     # The test has power: taking the drafts as they come would give q, far from p.
-    assert 0.5 * float((q[0] - p[0]).abs().sum()) > 0.2
+    assert 0.5 * float((F.pad(q[0], (0, VOCAB - draft_vocab)) - p[0]).abs().sum()) > 0.2
     assert all(v.num_accepted + 1 == len(s.output_token_ids) for v, s in zip(verified, states, strict=True))
 
 
