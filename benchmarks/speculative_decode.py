@@ -6,8 +6,9 @@ lookup, and none, at several concurrencies.
         [--workloads humaneval,agentic] [--concurrency 1,4,16] [--requests 16] [--output-len 128] [--rounds 1]
 
 Three modes of one engine on the target: ``off``, ``ngram`` (prompt lookup) and ``draft`` (the draft model),
-both speculating ones with the adaptive draft length (``--fixed`` turns it off); ``--draft-vocab-sizes``
-adds a mode ``draft-vN`` per size, the draft proposing among the token ids below N. Each concurrency level keeps that
+both speculating ones with the adaptive draft length (``--fixed`` turns it off); ``--draft-variants``
+adds draft-model modes: ``draft-vN`` proposing among the token ids below N, ``draft-lookup`` with prompt
+lookup first (the draft model only where lookup finds nothing), ``draft-lookup-vN`` both. Each concurrency level keeps that
 many requests in flight (a closed loop on the engine's step: a finished request is replaced at once) until
 ``--requests`` are done; the modes run one after another, their order rotating round by round.
 
@@ -116,6 +117,8 @@ def summarise(outputs: list[RequestOutput], wall: float, before: EngineStats, af
         "accepted_per_verifying_decode": accepted / steps if steps else None,
         "mean_draft_length": drafts / steps if steps else None,
         "draft_time_share": (after.draft_time_s - before.draft_time_s) / busy if busy else None,
+        "lookup_drafts": after.num_lookup_draft_tokens - before.num_lookup_draft_tokens,
+        "lookup_accepted": after.num_lookup_accepted_tokens - before.num_lookup_accepted_tokens,
         "engine_steps": after.num_steps - before.num_steps,
         "token_ids": [o.outputs[0].token_ids for o in outputs],
     }
@@ -127,7 +130,7 @@ class Modes:
     run starts with empty prefix caches, so no mode finds what an earlier one computed."""
 
     def __init__(self, llm: LLM, ngram: Proposer, ngram_lengths: DraftLengthPolicy,
-                 draft_vocab_sizes: list[int]) -> None:
+                 draft_variants: list[str], num_tokens: int) -> None:
         self.llm = llm
         runner = llm.engine.runner
         self._settings: dict[str, tuple[Proposer | None, DraftLengthPolicy]] = {
@@ -137,10 +140,13 @@ class Modes:
         }
         draft = runner.proposer
         assert isinstance(draft, DraftModelProposer)
-        for size in draft_vocab_sizes:  # the same draft model and KV, its output projection pruned
-            pruned = DraftModelProposer(draft.model, draft.backend, draft.kv_caches, draft.block_size, draft.kv,
-                                        draft.max_model_len, draft.vocab_size, draft_vocab_size=size)
-            self._settings[draft_vocab_mode(size)] = (pruned, runner.draft_lengths)
+        for variant in draft_variants:  # the same draft model and KV
+            size, lookup = parse_variant(variant)
+            proposer = DraftModelProposer(
+                draft.model, draft.backend, draft.kv_caches, draft.block_size, draft.kv, draft.max_model_len,
+                draft.vocab_size, draft_vocab_size=size,
+                lookup=NgramProposer(num_tokens, min_n=2, max_n=4) if lookup else None)
+            self._settings[f"draft-{variant}"] = (proposer, runner.draft_lengths)
 
     def reset_lengths(self, max_tokens: int, adaptive: bool) -> None:
         for name, (proposer, _) in self._settings.items():
@@ -161,10 +167,11 @@ def make_modes(args: argparse.Namespace, max_num_seqs: int) -> Modes:
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=max_num_seqs, kv_cache_gb=args.kv_cache_gb,
               speculative_config=spec)
     ngram = NgramProposer(args.num_speculative_tokens, min_n=2, max_n=4)
-    sizes = [int(size) for size in args.draft_vocab_sizes.split(",") if size]
-    modes = Modes(llm, ngram, DraftLengthPolicy(args.num_speculative_tokens, adaptive=not args.fixed), sizes)
+    variants = [variant for variant in args.draft_variants.split(",") if variant]
+    modes = Modes(llm, ngram, DraftLengthPolicy(args.num_speculative_tokens, adaptive=not args.fixed), variants,
+                  args.num_speculative_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for name in [*ENGINES, *map(draft_vocab_mode, sizes)]:
+    for name in [*ENGINES, *(f"draft-{variant}" for variant in variants)]:
         modes.use(name)
         llm.generate([{"prompt_token_ids": list(range(100, 400))}], warm)
     modes.reset_lengths(args.num_speculative_tokens, adaptive=not args.fixed)  # nothing learnt from the warm-up
@@ -182,9 +189,9 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-quantization", default=None, help="the draft's --quantization (default: the target's)")
     parser.add_argument("--fixed", action="store_true", help="a fixed draft length, not the adaptive one")
-    parser.add_argument("--draft-vocab-sizes", default="",
-                        help="comma-separated: a mode per size, the draft proposing among the token ids below it "
-                             "(draft_vocab_size), named draft-vN")
+    parser.add_argument("--draft-variants", default="",
+                        help="comma-separated draft-model variants, each a mode draft-VARIANT: vN (proposing among "
+                             "the token ids below N: draft_vocab_size), lookup (prompt lookup first), lookup-vN")
     parser.add_argument("--modes", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16")
@@ -192,8 +199,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_results/speculative_decode.json")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    engines = [*args.modes.split(","), *(draft_vocab_mode(int(size)) for size in args.draft_vocab_sizes.split(",")
-                                         if size)]
+    engines = [*args.modes.split(","), *(f"draft-{variant}" for variant in args.draft_variants.split(",") if variant)]
     modes = make_modes(args, max(levels))
     llm = modes.llm
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
@@ -223,8 +229,14 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def draft_vocab_mode(size: int) -> str:
-    return f"draft-v{size}"
+def parse_variant(variant: str) -> tuple[int | None, bool]:
+    """A draft variant's (draft_vocab_size, prompt lookup): "v65536", "lookup", "lookup-v65536"."""
+    parts = variant.split("-")
+    lookup = "lookup" in parts
+    sizes = [int(part[1:]) for part in parts if part.startswith("v")]
+    if len(parts) != lookup + len(sizes) or len(sizes) > 1:
+        raise SystemExit(f"unknown draft variant {variant!r}: vN, lookup or lookup-vN")
+    return (sizes[0] if sizes else None), lookup
 
 
 def print_row(row: dict, engines: list[str]) -> None:
@@ -238,6 +250,8 @@ def print_row(row: dict, engines: list[str]) -> None:
             spec = (f"; accepted {r['accepted']}/{r['drafts']} ({r['acceptance_rate']:.2f}), "
                     f"{r['accepted_per_verifying_decode']:.2f} per verifying decode, draft length "
                     f"{r['mean_draft_length']:.2f}, draft share {r['draft_time_share']:.2f}")
+            if name.startswith("draft") and r["lookup_drafts"]:
+                spec += f"; from lookup {r['lookup_accepted']}/{r['lookup_drafts']}"
         print(f"  {name:12s} {r['output_tok_s']:7.2f} tok/s{ratio}, TPOT p50 {r['tpot_p50_ms']:.1f} ms, "
               f"TTFT p50 {r['ttft_p50_ms']:.0f} ms{spec}", flush=True)
 

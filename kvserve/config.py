@@ -218,7 +218,9 @@ class SpeculativeConfig:
     ``prompt_lookup_min`` tokens long) is searched for in its earlier tokens (prompt and output); the tokens
     that followed the latest match are the draft.
     ``draft_model``: a smaller ``model`` with the same tokenizer runs beside the target on its own KV blocks
-    and proposes the drafts, one batched forward per draft token.
+    and proposes the drafts, one batched forward per draft token. With ``prompt_lookup``, a request whose
+    own tokens hold a match for its last ones gets the lookup's drafts that step, and the draft model runs
+    for the others only.
 
     With ``adaptive`` (the default) the number of drafts each request gets is chosen every step from the
     measured acceptance and the measured cost of a row, for the most tokens per second; it falls to none
@@ -237,6 +239,7 @@ class SpeculativeConfig:
     # projection can be a third of what it reads a token; a target token the pruned draft cannot propose is
     # a rejected draft, never a wrong token.
     draft_vocab_size: int | None = None
+    prompt_lookup: bool = False  # draft_model: prompt lookup first, the draft model where it finds nothing
     adaptive: bool = True
     # No drafts in a step that samples for this many requests or more (vLLM's option of the same name); the
     # adaptive rule usually gets there by itself.
@@ -264,8 +267,9 @@ class SpeculativeConfig:
         if self.quantization is not None and self.quantization not in ("auto", "gguf", "none"):
             raise ConfigError(f"quantization must be 'auto', 'gguf' or 'none', got {self.quantization!r}",
                               "quantization")
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}", "adaptive")
+        for name in ("adaptive", "prompt_lookup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         size = self.draft_vocab_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {size!r}", "draft_vocab_size")
@@ -273,8 +277,8 @@ class SpeculativeConfig:
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("method 'draft_model' needs the draft's 'model' (a name or a path)", "model")
         else:
-            for name in ("model", "quantization", "draft_vocab_size"):
-                if getattr(self, name) is not None:
+            for name in ("model", "quantization", "draft_vocab_size", "prompt_lookup"):
+                if getattr(self, name) not in (None, False):
                     raise ConfigError(f"'{name}' is the draft's, of method 'draft_model'; method is {self.method!r}",
                                       name)
 

@@ -100,6 +100,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_proposed_draft_tokens: int = 0
+    # Of the drafts verified, those prompt lookup found (n-gram's all; a draft model's with prompt_lookup).
+    num_lookup_draft_tokens: int = 0
+    num_lookup_accepted_tokens: int = 0
     draft_time_s: float = 0.0
     draft_length: float = 0.0
     grammar: GrammarStats = field(default_factory=GrammarStats)  # structured output: compiles and cache
@@ -216,14 +219,17 @@ class Engine:
         kv_caches = allocate_kv_caches(arch, num_blocks, cc.block_size, self.dtype, self.device)
         draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{model_fingerprint(path)}:{cc.hash_salt}".encode(),
                                 enable_prefix_caching=cc.enable_prefix_caching)
-        logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s%s", path.name, num_blocks,
+        logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s%s%s", path.name, num_blocks,
                     spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "",
-                    "" if spec.draft_vocab_size is None else f", drafts among token ids below {spec.draft_vocab_size}")
+                    "" if spec.draft_vocab_size is None else f", drafts among token ids below {spec.draft_vocab_size}",
+                    ", prompt lookup first" if spec.prompt_lookup else "")
         self.draft_kv = draft_kv
         return DraftModelProposer(model, backend, kv_caches, cc.block_size, draft_kv,
                                   max_model_len=min(arch.max_position_embeddings, self.max_model_len),
                                   vocab_size=min(arch.vocab_size, self.arch.vocab_size), seed=self.config.model.seed,
-                                  draft_vocab_size=spec.draft_vocab_size)
+                                  draft_vocab_size=spec.draft_vocab_size,
+                                  lookup=(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                        spec.prompt_lookup_max) if spec.prompt_lookup else None))
 
     def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
         """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""
@@ -329,6 +335,8 @@ class Engine:
             num_draft_steps=self.scheduler.num_draft_steps,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_proposed_draft_tokens=self.runner.num_proposed_tokens,
+            num_lookup_draft_tokens=self.runner.num_lookup_draft_tokens,
+            num_lookup_accepted_tokens=self.runner.num_lookup_accepted_tokens,
             draft_time_s=self.runner.propose_time_s,
             draft_length=self.runner.draft_lengths.last_mean_length,
             num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,

@@ -8,7 +8,7 @@ measured as the engine runs, so the choice follows the load:
   accepted in a row until the first rejection, ``k`` drafts are worth ``a + a^2 + ... + a^k`` tokens
   beyond the one every step brings.
 - **Cost.** What a target step of ``R`` rows takes, and a draft forward of ``R`` rows (none for n-gram
-  lookup): the recent average at each row count seen, a linear fit over recent steps elsewhere, and past
+  lookup, nor for a draft model's requests whose drafts prompt lookup finds that step): the recent average at each row count seen, a linear fit over recent steps elsewhere, and past
   the widest step measured at least that step's cost per row. Small batches are bound by reading the
   weights, so extra rows are cheap there; large ones are bound by compute, where each row costs its full
   share and drafts stop paying. The draft's predicted cost is scaled by what its whole proposals took over
@@ -162,6 +162,7 @@ class DraftLengthPolicy:
         # request's prefill in the draft and the glue between forwards are in the measurement, not the fit.
         self.draft_scale = 1.0
         self._predicted_draft_s = 0.0
+        self._free: set[str] = set()  # the last choice's requests whose drafts cost the draft model nothing
         self.last_mean_length = 0.0  # the mean length chosen for the last batch (a gauge for /metrics)
         self._onboarded: set[str] = set()  # requests the draft model has drafted for
         self._onboarding: dict[str, int] = {}  # the last choice's new requests: the tokens their prefill computes
@@ -183,9 +184,10 @@ class DraftLengthPolicy:
 
     def observe_propose(self, seconds: float, drafted: Collection[str] = ()) -> None:
         """The proposer's whole work for the lengths last chosen took ``seconds``; ``drafted``: the requests that
-        got drafts (a draft model now holds them)."""
+        got drafts (a draft model now holds those whose drafts were not free)."""
         if not self.uses_model:
             return
+        drafted = [rid for rid in drafted if rid not in self._free]
         onboarded = [rid for rid in drafted if rid in self._onboarding and rid not in self._onboarded]
         predicted = self._predicted_draft_s + sum(self._prefill_seconds(self._onboarding[rid]) for rid in onboarded)
         self._onboarded.update(drafted)
@@ -225,37 +227,45 @@ class DraftLengthPolicy:
 
     # --- the choice -------------------------------------------------------------------------------------
     def lengths(self, request_ids: Sequence[str], onboarding_tokens: Sequence[int] | None = None,
-                remaining: Sequence[int | None] | None = None) -> list[int]:
+                remaining: Sequence[int | None] | None = None, free: Sequence[bool] | None = None) -> list[int]:
         """Drafts for each request's next step, for a batch of these requests. For a draft model,
         ``onboarding_tokens``: per request, what its first proposal computes before its first draft (0 once
-        the draft holds it); ``remaining``: the tokens each may still write (None: no limit)."""
+        the draft holds it); ``remaining``: the tokens each may still write (None: no limit); ``free``: per
+        request, whether its drafts cost the draft model nothing this step (prompt lookup found them)."""
         num = len(request_ids)
         if not self.adaptive:
             self.last_mean_length = float(self.max_tokens) if num else 0.0
             return [self.max_tokens] * num
         self._num_calls += 1
-        onboarding = list(onboarding_tokens) if self.uses_model and onboarding_tokens is not None else [0] * num
+        no_cost = list(free) if self.uses_model and free is not None else [False] * num
+        onboarding = ([0 if f else tokens for tokens, f in zip(onboarding_tokens, no_cost, strict=True)]
+                      if self.uses_model and onboarding_tokens is not None else [0] * num)
         left = list(remaining) if remaining is not None else [None] * num
         if not self.target_cost.has_data:
             lengths = [0] * num  # a plain step first: what drafts are weighed against
         elif self.uses_model and not self.draft_cost.has_data:
-            # The draft's cost is measured on one request's drafts, the cheapest to onboard.
-            lengths = [0] * num
-            if num:
-                lengths[min(range(num), key=lambda i: onboarding[i])] = self.max_tokens
+            # The draft's cost is measured on one request's drafts, the cheapest to onboard; free drafts cost
+            # it nothing.
+            lengths = [self.max_tokens if f else 0 for f in no_cost]
+            paid = [i for i in range(num) if not no_cost[i]]
+            if paid:
+                lengths[min(paid, key=lambda i: onboarding[i])] = self.max_tokens
         else:
             acceptance = [self.acceptance(rid) for rid in request_ids]
             charges = [self._onboarding_charge(tokens, rest, a) if tokens else 0.0
                        for tokens, rest, a in zip(onboarding, left, acceptance, strict=True)]
-            lengths = self._best_lengths(acceptance, charges)
+            lengths = self._best_lengths(acceptance, charges, no_cost)
             if self._num_calls % self.probe_every == 0 and (self.target_cost.narrow or not any(lengths)):
                 # A probe: without drafts, one each (acceptance is only learnt by verifying); with drafts on a
                 # fit that has seen one row count only, half as many (another row count for the fit). A draft
                 # model's probes go only to requests it holds (a first draft costs the prompt's prefill).
                 lengths = [k // 2 for k in lengths] if any(lengths) else [
-                    1 if not self.uses_model or rid in self._onboarded else 0 for rid in request_ids]
+                    1 if not self.uses_model or f or rid in self._onboarded else 0
+                    for rid, f in zip(request_ids, no_cost, strict=True)]
         self.last_mean_length = sum(lengths) / num if num else 0.0
-        self._predicted_draft_s = self._draft_seconds(_rows_at_depth(lengths, self.max_tokens), scaled=False)
+        paid_lengths = [0 if f else k for k, f in zip(lengths, no_cost, strict=True)]
+        self._predicted_draft_s = self._draft_seconds(_rows_at_depth(paid_lengths, self.max_tokens), scaled=False)
+        self._free = {rid for rid, f in zip(request_ids, no_cost, strict=True) if f}
         self._onboarding = {rid: tokens for rid, tokens, k in zip(request_ids, onboarding, lengths, strict=True)
                             if k and tokens}
         return lengths
@@ -280,14 +290,15 @@ class DraftLengthPolicy:
         seconds = sum(self.draft_cost.predict(rows) for rows in rows_at_depth if rows)
         return seconds * self.draft_scale if scaled else seconds
 
-    def _best_lengths(self, acceptance: list[float], onboarding_charges: list[float]) -> list[int]:
+    def _best_lengths(self, acceptance: list[float], onboarding_charges: list[float], free: list[bool]) -> list[int]:
         num = len(acceptance)
         target = self.target_cost
         tokens = float(num)
         best_rate = tokens / max(target.predict(num), 1e-9)
         # Every draft by its expected worth, best first; a request's j-th draft comes after its (j-1)-th. A new
         # request's first draft is worth less by its onboarding charge in tokens of a plain step (and each later
-        # draft of it no more than that): drafts that cannot repay it are left out.
+        # draft of it no more than that): drafts that cannot repay it are left out. Free drafts (prompt lookup's,
+        # a row of the target's forward each) come before any that costs the draft model a forward.
         candidates = []
         for i, a in enumerate(acceptance):
             rank = a - onboarding_charges[i] * best_rate
@@ -296,13 +307,13 @@ class DraftLengthPolicy:
                 if rank <= 0:
                     break
                 candidates.append((rank, a ** j, j, i))
-        candidates.sort(key=lambda c: (-c[0], c[2]))
+        candidates.sort(key=lambda c: (not free[c[3]], -c[0], c[2]))
         rows_at_depth = [0] * (self.max_tokens + 1)
         best_count = 0
         onboarding_s = 0.0
         for count, (_, worth, depth, i) in enumerate(candidates, 1):
             tokens += worth
-            rows_at_depth[depth] += 1
+            rows_at_depth[depth] += not free[i]  # a free draft is a row of the target's forward only
             if depth == 1:
                 onboarding_s += onboarding_charges[i]
             seconds = target.predict(num + count) + self._draft_seconds(rows_at_depth) + onboarding_s

@@ -15,6 +15,10 @@ Requests with a temperature and no seed get samples from the draft's distributio
 target's sampler processes p), kept for the verification's rejection sampling (runner/speculative.py).
 Seeded requests get greedy drafts: their tokens then never depend on speculation.
 
+With prompt lookup (``lookup``), a request whose own tokens hold a match for its last ones takes the
+lookup's drafts that step, at no model's cost, and the draft model runs for the others only. The draft's KV
+of a request the lookup served falls behind and is caught up in its next model draft's first forward.
+
 What the draft's KV holds is kept by a ``DraftKV`` (the engine's, from kvserve/cache): rejected drafts' KV
 is overwritten the next step, and a request that returns after a preemption starts from the draft's prefix
 cache.
@@ -35,7 +39,7 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.quantized import QuantizedWeight, Weight
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.sampler import Sampler, SamplingState
-from kvserve.runner.speculative import DRAFT_SALT, ProposalRequest
+from kvserve.runner.speculative import DRAFT_SALT, NgramProposer, ProposalRequest
 
 _MAX_DECODE_CATCH_UP = 16  # tokens the draft catches up on as decode rows; more go as a prefill chunk
 
@@ -78,6 +82,7 @@ class DraftModelProposer:
         vocab_size: int,
         seed: int = 0,
         draft_vocab_size: int | None = None,
+        lookup: NgramProposer | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -95,6 +100,8 @@ class DraftModelProposer:
         self._timings: list[tuple[int, float]] = []
         self._probs: dict[str, torch.Tensor] = {}
         self._cached_on_sight: dict[str, int] = {}  # per request not held yet: its tokens the prefix cache holds
+        self.lookup = lookup
+        self._found: dict[str, list[int]] = {}  # this step's drafts prompt lookup found, by request
         # Samples the drafts of requests with a temperature, from the draft's distribution processed as the
         # target's sampler processes its own.
         self.sampler = Sampler(vocab_size, seed, argmax=backend.argmax)
@@ -103,6 +110,9 @@ class DraftModelProposer:
     def forget(self, request_id: str) -> None:
         self.kv.release(request_id)
         self._cached_on_sight.pop(request_id, None)
+        self._found.pop(request_id, None)
+        if self.lookup is not None:
+            self.lookup.forget(request_id)
 
     def onboarding_tokens(self, request_id: str, state: SamplingState) -> int:
         if self.kv.holds(request_id):
@@ -123,13 +133,28 @@ class DraftModelProposer:
         probs, self._probs = self._probs, {}
         return probs
 
+    def free_proposal(self, request: ProposalRequest) -> bool:
+        if self.lookup is None:
+            return False
+        found = self.lookup.propose([request])[0]
+        if found:
+            self._found[request.request_id] = found
+        else:
+            self._found.pop(request.request_id, None)
+        return bool(found)
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         self._probs = {}
         sampled_rows: dict[str, list[torch.Tensor]] = {}
         active: list[tuple[int, ScheduledRequest, int]] = []  # (index in requests, its row, drafts wanted)
+        found = self._found
+        self._found = {}
         for i, r in enumerate(requests):
+            if r.request_id in found:
+                drafts[i] = found[r.request_id][: r.max_tokens]
+                continue
             state = r.state
             tokens = [*state.prompt_token_ids, *state.output_token_ids]
             num_drafts = min(r.max_tokens, self.max_model_len - len(tokens))
@@ -160,7 +185,7 @@ class DraftModelProposer:
                                   num_drafts))
             active = still
         for r, request_drafts in zip(requests, drafts, strict=True):
-            if request_drafts:
+            if request_drafts and r.request_id not in found:
                 self.kv.computed(r.request_id, request_drafts[:-1])  # the last draft was not fed back in
         self._probs = {rid: torch.stack(rows) for rid, rows in sampled_rows.items() if rows}
         return drafts

@@ -49,6 +49,11 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.num_proposed_tokens = 0  # drafts the proposer offered, and the time it took to offer them
         self.propose_time_s = 0.0
+        # Drafts that came from prompt lookup (all of n-gram's; a draft model's where lookup found a match):
+        # the requests whose pending drafts are such, and how many of them were verified and accepted.
+        self._lookup_pending: set[str] = set()
+        self.num_lookup_draft_tokens = 0
+        self.num_lookup_accepted_tokens = 0
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
@@ -78,6 +83,7 @@ class ModelRunner:
         for request_id in out.finished_request_ids:
             state = self.states.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
+            self._lookup_pending.discard(request_id)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
                 self.draft_lengths.forget(request_id, len(state.output_token_ids) if state is not None else None)
@@ -115,6 +121,10 @@ class ModelRunner:
             result.sampled_token_ids[request_id] = outcome.token_id
             if drafts:
                 result.num_accepted_drafts[request_id] = outcome.num_accepted
+                if request_id in self._lookup_pending:
+                    self.num_lookup_draft_tokens += len(drafts)
+                    self.num_lookup_accepted_tokens += outcome.num_accepted
+            self._lookup_pending.discard(request_id)
             if outcome.logprobs is not None:
                 result.logprobs[request_id] = outcome.logprobs
         limit = self.propose_below_batch_size
@@ -148,20 +158,30 @@ class ModelRunner:
                 policy.observe_verified(request_id, *feedback)
             if state.params.logprobs is None:
                 eligible.append((request_id, state, feedback))
+        # Drafts prompt lookup finds (all of n-gram's) cost no model's forward: the proposer says which, with
+        # each request's feedback, before the lengths are chosen.
+        t0 = time.perf_counter()
+        free = [self.proposer.free_proposal(ProposalRequest(request_id, state, feedback, policy.max_tokens))
+                for request_id, state, feedback in eligible]
+        lookup_s = time.perf_counter() - t0
         onboarding = remaining = None
         if policy.uses_model:
-            onboarding = [self.proposer.onboarding_tokens(request_id, state) for request_id, state, _ in eligible]
+            onboarding = [0 if is_free else self.proposer.onboarding_tokens(request_id, state)
+                          for (request_id, state, _), is_free in zip(eligible, free, strict=True)]
             remaining = [None if state.params.max_tokens is None else state.params.max_tokens - len(state.output_token_ids)
                          for _, state, _ in eligible]
-        lengths = policy.lengths([request_id for request_id, _, _ in eligible], onboarding, remaining)
-        wanted = [ProposalRequest(request_id, state, feedback, length)
-                  for (request_id, state, feedback), length in zip(eligible, lengths, strict=True) if length > 0]
+        lengths = policy.lengths([request_id for request_id, _, _ in eligible], onboarding, remaining, free)
+        wanted = [ProposalRequest(request_id, state, None if is_free else feedback, length)
+                  for (request_id, state, feedback), length, is_free in zip(eligible, lengths, free, strict=True)
+                  if length > 0]
+        lookup = {request_id for (request_id, _, _), is_free in zip(eligible, free, strict=True) if is_free}
         if not wanted:
+            self.propose_time_s += lookup_s
             return
         t0 = time.perf_counter()
         proposals = self.proposer.propose(wanted)
         seconds = time.perf_counter() - t0
-        self.propose_time_s += seconds
+        self.propose_time_s += seconds + lookup_s
         policy.observe_propose(seconds, [r.request_id for r, proposal in zip(wanted, proposals, strict=True) if proposal])
         policy.observe_draft(self.proposer.take_forward_timings())
         draft_probs = self.proposer.take_draft_probs()
@@ -172,6 +192,8 @@ class ModelRunner:
             if proposal:
                 result.draft_token_ids[request.request_id] = proposal
                 self.num_proposed_tokens += len(proposal)
+                if request.request_id in lookup:
+                    self._lookup_pending.add(request.request_id)
                 if request.request_id in draft_probs:  # the scheduler may cut the drafts, never reorder them
                     self._draft_probs[request.request_id] = draft_probs[request.request_id]
 

@@ -71,6 +71,12 @@ class Proposer(Protocol):
         from, [num drafts, V]; requests absent had their drafts chosen deterministically."""
         ...
 
+    def free_proposal(self, request: ProposalRequest) -> bool:
+        """Whether the request's next proposal costs no model's forward: a model-free proposer's always, a draft
+        model's where prompt lookup finds drafts. Asked once a step, before ``propose``, with the request's
+        feedback (``propose`` then gets none for it)."""
+        ...
+
 
 @dataclass(slots=True)
 class _NgramIndex:
@@ -115,11 +121,15 @@ class NgramProposer:
     def take_draft_probs(self) -> dict[str, torch.Tensor]:
         return {}
 
+    def free_proposal(self, request: ProposalRequest) -> bool:
+        self._index(request.request_id, request.state, request.verified)
+        return True
+
     def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
         return [self._propose_one(r.request_id, r.state, r.verified, r.max_tokens) for r in requests]
 
-    def _propose_one(self, request_id: str, state: SamplingState, verified: tuple[int, int] | None,
-                     max_tokens: int) -> list[int]:
+    def _index(self, request_id: str, state: SamplingState, verified: tuple[int, int] | None) -> _NgramIndex:
+        """The request's index, its draft length following the feedback."""
         index = self._indexes.get(request_id)
         if index is None:
             index = self._indexes[request_id] = _NgramIndex(max_drafts=min(2, self.num_tokens))
@@ -127,6 +137,11 @@ class NgramProposer:
         if verified is not None:
             num_verified, num_accepted = verified
             index.max_drafts = self.num_tokens if num_accepted == num_verified else num_accepted + 1
+        return index
+
+    def _propose_one(self, request_id: str, state: SamplingState, verified: tuple[int, int] | None,
+                     max_tokens: int) -> list[int]:
+        index = self._index(request_id, state, verified)
         outputs = state.output_token_ids
         if len(outputs) > index.num_output_seen:
             self._extend(index, outputs[index.num_output_seen:])

@@ -159,6 +159,10 @@ def _speculative_metrics(s: EngineStats) -> Iterator[Metric]:
         ("spec_decode_num_rejected_tokens", "Speculative draft tokens rejected.", verified - accepted),
         ("spec_decode_num_proposed_tokens", "Draft tokens proposed (the scheduler may cut some).",
          s.num_proposed_draft_tokens),
+        ("spec_decode_num_lookup_draft_tokens", "Of the draft tokens verified, those prompt lookup found.",
+         s.num_lookup_draft_tokens),
+        ("spec_decode_num_lookup_accepted_tokens", "Of the draft tokens accepted, those prompt lookup found.",
+         s.num_lookup_accepted_tokens),
         ("spec_decode_draft_seconds", "Time spent proposing drafts (a draft model's forwards).", s.draft_time_s),
     )
     gauges = (

@@ -151,6 +151,23 @@ def test_a_pruned_draft_vocabulary_proposes_only_its_ids_and_changes_no_token(mo
     drain(llm)
 
 
+@pytest.mark.parametrize("draft", ["draft", "target"], ids=["smaller-draft", "target-as-its-own-draft"])
+def test_prompt_lookup_first_then_the_draft_model_changes_no_token(models, reference, draft: str) -> None:
+    """Prompt lookup serves the requests whose tokens repeat (the prompt of nines), the draft model the
+    others; chunked, batched and in a pool that preempts, the output is the target's, and the draft's KV of
+    requests the lookup served catches up when the model drafts for them again."""
+    llm = speculating(models, draft, num_kv_blocks=40, max_num_batched_tokens=24,
+                      speculative={"adaptive": False, "prompt_lookup": True})
+    assert greedy_ids(llm) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    stats = llm.engine.stats()
+    assert 0 < stats.num_lookup_draft_tokens < stats.num_draft_tokens  # both sources drafted
+    assert stats.num_lookup_accepted_tokens <= stats.num_lookup_draft_tokens
+    proposer = llm.engine.runner.proposer
+    assert isinstance(proposer, DraftModelProposer) and proposer.lookup is not None
+    drain(llm)
+
+
 def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(models) -> None:
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(PROMPTS))]

@@ -176,3 +176,23 @@ def test_a_draft_model_probes_only_requests_it_has_drafted_for() -> None:
     policy.observe_propose(0.03, ["seen"])  # the draft holds "seen"
     chosen = [policy.lengths(["seen", "new"], [0, 100], [None, None]) for _ in range(4)]
     assert [0, 0] in chosen and [1, 0] in chosen and all(lengths[1] == 0 for lengths in chosen)
+
+
+def test_drafts_prompt_lookup_finds_cost_the_draft_model_nothing() -> None:
+    """A request whose drafts prompt lookup finds pays no draft forward and no onboarding: where the draft
+    model's forwards cost as much as a target step (nothing pays), it still drafts, and the draft's cost scale
+    compares the proposal's time with the other requests' forwards only."""
+    policy = policy_with(intercept=0.020, slope=0.001, acceptance=0.9, uses_model=True)
+    policy.observe_draft([(rows, 0.030) for rows in (1, 2, 4, 8)])  # a draft forward costs more than a step
+    assert policy.lengths(["model", "lookup"], [0, 0], [None, None], [False, False]) == [0, 0]
+    lengths = policy.lengths(["model", "lookup"], [0, 500], [None, None], [False, True])
+    assert lengths[0] == 0 and lengths[1] > 0  # no onboarding charged for the lookup's drafts either
+    assert policy._predicted_draft_s == 0
+    policy.observe_propose(0.0005, ["lookup"])  # the lookup's time: nothing to compare with the forwards
+    assert policy.draft_scale == 1.0
+
+
+def test_before_the_draft_is_measured_free_drafts_go_ahead_and_one_paid_request_measures_it() -> None:
+    policy = DraftLengthPolicy(4, uses_model=True)
+    policy.observe_step(1, 0.02)
+    assert policy.lengths(["a", "b", "c"], [50, 10, 0], [None] * 3, [False, False, True]) == [0, 4, 4]

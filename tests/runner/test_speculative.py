@@ -140,6 +140,8 @@ def test_seeded_sampling_draws_the_same_tokens_with_or_without_drafts() -> None:
     ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size must be an integer >= 1"),
     ('{"method": "draft_model", "model": "m", "draft_vocab_size": 0}', "draft_vocab_size must be an integer >= 1"),
     ('{"method": "ngram", "draft_vocab_size": 4096}', "'draft_vocab_size' is the draft's, of method 'draft_model'"),
+    ('{"method": "ngram", "prompt_lookup": true}', "'prompt_lookup' is the draft's, of method 'draft_model'"),
+    ('{"method": "draft_model", "model": "m", "prompt_lookup": 1}', "prompt_lookup must be true or false"),
 ])
 def test_bad_speculative_configs_are_refused_by_name(text: str, message: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
