@@ -17,7 +17,8 @@ measured as the engine runs, so the choice follows the load:
   of the request (its prompt, less what the draft's prefix cache holds): paid once, then worth something
   every step the request drafts. It is charged spread over the steps the request is expected to draft in:
   its expected remaining output (as long as the outputs of the requests that recently left the batch, at
-  most what it may still write) over the tokens a step of its drafts brings. Before anything is measured
+  most what it may still write) over the tokens a step of its drafts brings, and with prompt lookup first,
+  over only the share of its steps lookup has left to the model. Before anything is measured
   the first step drafts nothing (a plain step's cost is what drafts are weighed against), then one request
   alone drafts, the cheapest to onboard: a burst of new requests does not pay every prompt's prefill in
   the draft before the draft's cost is known.
@@ -52,6 +53,7 @@ _PREFILL_ROWS = 32  # a draft forward of more rows than this is mostly a catch-u
 _PREFILL_RATE_DECAY = 0.8
 _OUTPUT_LEN_DECAY = 0.9
 _PRIOR_OUTPUT_TOKENS = 128  # a request's expected remaining output before any request has finished
+_MIN_MODEL_SHARE = 0.02  # of a request's steps, at least this share is expected to need the draft model
 
 
 class LinearCost:
@@ -168,6 +170,10 @@ class DraftLengthPolicy:
         self._onboarding: dict[str, int] = {}  # the last choice's new requests: the tokens their prefill computes
         self._prefill_s_per_token: float | None = None  # the draft's catch-up forwards, per row
         self._mean_output_tokens: float | None = None  # of recently finished requests
+        # The share of a request's steps whose drafts were free (prompt lookup found them), and of all requests'
+        # steps: only its other steps draw on the draft model, and repay its onboarding.
+        self._free_share: dict[str, float] = {}
+        self._method_free_share = 0.0
 
     # --- measurements -----------------------------------------------------------------------------------
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -208,6 +214,7 @@ class DraftLengthPolicy:
     def forget(self, request_id: str, output_tokens: int | None = None) -> None:
         """The request left the batch (finished, aborted or preempted); ``output_tokens``: how many it wrote."""
         self._requests.pop(request_id, None)
+        self._free_share.pop(request_id, None)
         self._onboarded.discard(request_id)
         if output_tokens is not None:
             mean = self._mean_output_tokens
@@ -238,6 +245,11 @@ class DraftLengthPolicy:
             return [self.max_tokens] * num
         self._num_calls += 1
         no_cost = list(free) if self.uses_model and free is not None else [False] * num
+        if free is not None and self.uses_model:
+            for rid, f in zip(request_ids, no_cost, strict=True):
+                share = self._free_share.get(rid, self._method_free_share)
+                self._free_share[rid] = share + (f - share) * (1 - _REQUEST_DECAY)
+                self._method_free_share += (f - self._method_free_share) * (1 - _METHOD_DECAY)
         onboarding = ([0 if f else tokens for tokens, f in zip(onboarding_tokens, no_cost, strict=True)]
                       if self.uses_model and onboarding_tokens is not None else [0] * num)
         left = list(remaining) if remaining is not None else [None] * num
@@ -252,8 +264,9 @@ class DraftLengthPolicy:
                 lengths[min(paid, key=lambda i: onboarding[i])] = self.max_tokens
         else:
             acceptance = [self.acceptance(rid) for rid in request_ids]
-            charges = [self._onboarding_charge(tokens, rest, a) if tokens else 0.0
-                       for tokens, rest, a in zip(onboarding, left, acceptance, strict=True)]
+            model_shares = [1.0 - self._free_share.get(rid, self._method_free_share) for rid in request_ids]
+            charges = [self._onboarding_charge(tokens, rest, a, share) if tokens else 0.0
+                       for tokens, rest, a, share in zip(onboarding, left, acceptance, model_shares, strict=True)]
             lengths = self._best_lengths(acceptance, charges, no_cost)
             if self._num_calls % self.probe_every == 0 and (self.target_cost.narrow or not any(lengths)):
                 # A probe: without drafts, one each (acceptance is only learnt by verifying); with drafts on a
@@ -275,14 +288,16 @@ class DraftLengthPolicy:
         rate = self._prefill_s_per_token
         return tokens * rate if rate is not None else self.draft_cost.predict(tokens)
 
-    def _onboarding_charge(self, tokens: int, remaining: int | None, acceptance: float) -> float:
-        """A new request's prefill in the draft, spread over the steps it is expected to draft in."""
+    def _onboarding_charge(self, tokens: int, remaining: int | None, acceptance: float, model_share: float) -> float:
+        """A new request's prefill in the draft, spread over the steps it is expected to draft in with the
+        model (``model_share`` of its steps: the others' drafts prompt lookup finds)."""
         mean = self._mean_output_tokens
         expected = mean if mean is not None else _PRIOR_OUTPUT_TOKENS
         if remaining is not None:
             expected = min(expected, remaining)
         tokens_per_step = 1.0 + sum(acceptance ** j for j in range(1, self.max_tokens + 1))
-        return self._prefill_seconds(tokens) * self.draft_scale / max(1.0, expected / tokens_per_step)
+        model_steps = expected / tokens_per_step * max(model_share, _MIN_MODEL_SHARE)
+        return self._prefill_seconds(tokens) * self.draft_scale / max(1.0, model_steps)
 
     def _draft_seconds(self, rows_at_depth: list[int], scaled: bool = True) -> float:
         if not self.uses_model:

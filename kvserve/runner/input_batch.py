@@ -113,6 +113,7 @@ def _step_rows(out: SchedulerOutput, singles: list[ScheduledRequest], chunks: li
         decode_kv_lens=kv_lens,
         prefills=prefills,
         written_block_ids=written_block_ids(out, block_size, table_of, with_loads=table_of is _main_table),
+        num_decode_requests=len(singles),
     )
 
 

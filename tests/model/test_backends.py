@@ -290,3 +290,25 @@ def test_the_runner_tells_the_backend_every_block_a_step_writes() -> None:
     with pytest.raises(AssertionError, match="no forward"):  # this one has tokens: the forward runs
         runner.execute(SchedulerOutput(scheduled=[ScheduledRequest("r", [3, 4], 3, [0, 3], sample=True)]))
     assert backend.written == [[1], [0, 3]]
+
+
+def test_a_step_with_drafts_counts_its_decode_requests_and_sets_their_activation_level() -> None:
+    """One request's last token and four drafts: five decode rows of one request. The backend gives every
+    row the quantised kernels' one int8 level, as that request's plain decode step has."""
+    from kvserve.batch import ScheduledRequest, SchedulerOutput
+    from kvserve.runner.input_batch import build_inputs
+
+    out = SchedulerOutput(scheduled=[ScheduledRequest("r", [3], 6, [0, 1, 2], sample=True, draft_token_ids=[4, 5, 6, 7])])
+    rows = build_inputs(out, 4, CPU).rows
+    assert rows.num_decode_rows == 5 and rows.num_decode_requests == 1
+    assert StepRows(4, torch.arange(3), decode_block_ids=[[0]] * 3, decode_kv_lens=[1, 2, 3]).num_decode_requests == 3
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.quantized_interleave_rows:
+        pytest.skip("no interleaved quantised kernels on this CPU")
+    backend = select.select_backend(CPU, torch.bfloat16, arch(), True, BackendConfig())
+    levels = backend._activation_levels
+    assert levels is not None
+    backend.build_metadata(rows)
+    assert levels.one_level_rows == 5
+    backend.build_metadata(StepRows(4, torch.arange(6), decode_block_ids=[[0]] * 6, decode_kv_lens=[1] * 6))
+    assert levels.one_level_rows == levels.few_rows  # six requests' plain decode step: two levels past the limit

@@ -20,6 +20,7 @@ from gguf.quants import dequantize
 
 from kvserve.config import ArchConfig
 from kvserve.model.backends.cpu_kernels import QUANTIZED_INTERLEAVED_MAX_ROWS, plan_kernels
+from kvserve.model.backends.cpu_ops import ActivationLevels
 from kvserve.model.cpu_kernels import CpuKernels
 from kvserve.model.quantized import QuantizedWeight, concat_rows, held_row_bytes
 from kvserve.model.quantized_layout import can_interleave, from_interleaved, to_interleaved
@@ -227,3 +228,42 @@ def test_the_plan_interleaves_where_the_build_has_the_kernels() -> None:
     assert plan.quantized_interleaved and plan.quantized_fused_max_rows == 0  # the AMX slabs past the few rows
     assert not plan_kernels(without, torch.bfloat16, shape).quantized_interleaved
     assert not plan_kernels(with_kernels, torch.float32, shape).quantized_interleaved
+
+
+@needs_interleaved
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_each_rows_one_level_products_do_not_depend_on_the_rows_beside_it(qtype) -> None:
+    """A request's drafts are verified as extra rows of one step: at one int8 level each row's products are
+    bit for bit what the row alone gives, so speculation changes no logit of plain decoding."""
+    rows, cols = shapes_of(qtype)[-1]
+    weight = QuantizedWeight.from_blocks(int(qtype), random_blocks(qtype, rows, cols, seed=7), cols, interleave=True)
+    gate_up = QuantizedWeight.from_blocks(int(qtype), random_blocks(qtype, 2 * rows, cols, seed=8), cols,
+                                          interleave=True)
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(9)).bfloat16()
+    ops = torch.ops.kvserve
+    for num_rows in (5, 8, 13):
+        together = ops.quant_linear(x[:num_rows], weight.data, weight.types, cols, None, num_rows, FUSED_ROWS)
+        fused = ops.quant_linear_silu_mul(x[:num_rows], gate_up.data, gate_up.types, cols, num_rows, FUSED_ROWS)
+        for i in range(num_rows):
+            alone = ops.quant_linear(x[i : i + 1], weight.data, weight.types, cols, None, GEMV_ROWS, FUSED_ROWS)
+            assert torch.equal(together[i : i + 1], alone)
+            alone = ops.quant_linear_silu_mul(x[i : i + 1], gate_up.data, gate_up.types, cols, GEMV_ROWS, FUSED_ROWS)
+            assert torch.equal(fused[i : i + 1], alone)
+    # The residual level (the default past the few-row limit) does change them: the test can tell.
+    two_levels = ops.quant_linear(x[:8], weight.data, weight.types, cols, None, GEMV_ROWS, FUSED_ROWS)
+    one_level = ops.quant_linear(x[:8], weight.data, weight.types, cols, None, 8, FUSED_ROWS)
+    assert not torch.equal(two_levels, one_level)
+
+
+def test_a_decode_step_of_few_requests_takes_one_level_for_every_row() -> None:
+    levels = ActivationLevels(few_rows=4)
+    levels.set_step(num_decode_requests=1, num_rows=5, has_prefill=False)  # one request, four drafts
+    assert levels.one_level_rows == 5
+    levels.set_step(num_decode_requests=4, num_rows=20, has_prefill=False)
+    assert levels.one_level_rows == 20
+    levels.set_step(num_decode_requests=5, num_rows=10, has_prefill=False)  # plain decoding of 5: two levels
+    assert levels.one_level_rows == 4
+    levels.set_step(num_decode_requests=1, num_rows=40, has_prefill=True)  # a prompt chunk: two levels
+    assert levels.one_level_rows == 4
+    levels.set_step(num_decode_requests=2, num_rows=2, has_prefill=False)
+    assert levels.one_level_rows == 4

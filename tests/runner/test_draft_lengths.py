@@ -196,3 +196,13 @@ def test_before_the_draft_is_measured_free_drafts_go_ahead_and_one_paid_request_
     policy = DraftLengthPolicy(4, uses_model=True)
     policy.observe_step(1, 0.02)
     assert policy.lengths(["a", "b", "c"], [50, 10, 0], [None] * 3, [False, False, True]) == [0, 4, 4]
+
+
+def test_a_request_prompt_lookup_mostly_serves_is_not_onboarded_into_the_draft_model() -> None:
+    """Onboarding is repaid only by the steps the draft model drafts: a request whose drafts prompt lookup
+    found on most of its steps is expected to need the model on few, and its prefill in the draft waits."""
+    policy = onboarding_policy()
+    for _ in range(20):
+        policy.lengths(["lookup", "plain"], [0, 0], [1000, 1000], [True, False])
+    lengths = policy.lengths(["lookup", "plain"], [100, 100], [1000, 1000], [False, False])
+    assert lengths[0] == 0 and lengths[1] > 0

@@ -72,6 +72,9 @@ def test_speculative_steps_stream_several_tokens_and_count_each(base_url) -> Non
     steps = metric_value(base_url, "kvserve:spec_decode_num_drafts_total", ngram)
     assert metric_value(base_url, "kvserve:spec_decode_mean_accepted_length", ngram) == pytest.approx(accepted / steps)
     assert metric_value(base_url, "kvserve:spec_decode_num_proposed_tokens_total", ngram) >= verified
+    # Every n-gram draft is prompt lookup's.
+    assert metric_value(base_url, "kvserve:spec_decode_num_lookup_draft_tokens_total", ngram) == verified
+    assert metric_value(base_url, "kvserve:spec_decode_num_lookup_accepted_tokens_total", ngram) == accepted
 
 
 def test_chat_non_streaming_and_streaming_agree(base_url) -> None:

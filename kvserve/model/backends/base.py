@@ -56,6 +56,12 @@ class StepRows:
     # Every block whose KV this step rewrites (tier loads, then the blocks its tokens land in; repeats
     # allowed). A backend that keeps something derived from blocks' contents tells stale copies by it.
     written_block_ids: list[int] = field(default_factory=list)
+    # The requests the decode rows belong to: a request's drafts are decode rows after its own.
+    num_decode_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_decode_requests is None:  # one row each
+            object.__setattr__(self, "num_decode_requests", self.num_decode_rows)
 
     @property
     def num_decode_rows(self) -> int:

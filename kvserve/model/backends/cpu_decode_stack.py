@@ -19,7 +19,7 @@ import torch
 from kvserve.config import ArchConfig
 from kvserve.model.backends.base import DecoderWeights
 from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention
-from kvserve.model.backends.cpu_ops import PackedGateUpSilu, PackedLinear, QuantizedWidths
+from kvserve.model.backends.cpu_ops import ActivationLevels, PackedGateUpSilu, PackedLinear, QuantizedWidths
 from kvserve.model.quantized import QuantizedWeight
 
 
@@ -28,12 +28,19 @@ class QuantizedStackWeights:
     segment counts and inner sizes, and every segment's blocks and type in that order (decode_stack's
     quant_* arguments)."""
 
-    def __init__(self, weights: list[QuantizedWeight], widths: QuantizedWidths) -> None:
+    def __init__(self, weights: list[QuantizedWeight], widths: QuantizedWidths,
+                 levels: ActivationLevels | None = None) -> None:
         self.data = [d for w in weights for d in w.data]
         self.types = [t for w in weights for t in w.types]
         self.segments = [len(w.segments) for w in weights]
         self.cols = [w.cols for w in weights]
         self.widths = widths
+        # The step's one-level rows apply where every weight is interleaved (the planar kernel keeps its limit).
+        self.levels = levels if all(w.interleaved for w in weights) else None
+
+    @property
+    def gemv_max_rows(self) -> int:
+        return self.levels.one_level_rows if self.levels is not None else self.widths.gemv_max_rows
 
 
 class FusedDecodeStack:
@@ -62,7 +69,8 @@ class FusedDecodeStack:
     @classmethod
     def build(cls, arch: ArchConfig, layers: Sequence[DecoderWeights], linear: PackedLinear,
               gate_up: PackedGateUpSilu, single_row_gemv: bool,
-              quantized_widths: QuantizedWidths | None = None) -> FusedDecodeStack | None:
+              quantized_widths: QuantizedWidths | None = None,
+              activation_levels: ActivationLevels | None = None) -> FusedDecodeStack | None:
         """The stack for these layers, whose projections the packed kernels ``linear`` and ``gate_up`` take
         (a single row on the GEMV when ``single_row_gemv``, as the Python layer does), or, where every
         projection weight is GGUF-quantised and ``quantized_widths`` is given, the quantised kernels;
@@ -85,7 +93,7 @@ class FusedDecodeStack:
                 return None
             return cls(arch, attentions, [layer.input_norm for layer in layers],
                        [layer.post_attention_norm for layer in layers], {"qkv": [], "o": [], "gate_up": [], "down": []},
-                       [], biases, (q_norms, k_norms), QuantizedStackWeights(quantized, quantized_widths))
+                       [], biases, (q_norms, k_norms), QuantizedStackWeights(quantized, quantized_widths, activation_levels))
         packed: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
         for layer in layers:
             weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "down": layer.mlp.down_weight}
@@ -108,7 +116,7 @@ class FusedDecodeStack:
     def _quantized_args(self) -> tuple[list[torch.Tensor], list[int], list[int], list[int], int, int]:
         q = self.quantized
         return (([], [], [], [], 0, 0) if q is None
-                else (q.data, q.types, q.segments, q.cols, q.widths.gemv_max_rows, q.widths.fused_max_rows))
+                else (q.data, q.types, q.segments, q.cols, q.gemv_max_rows, q.widths.fused_max_rows))
 
     def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
         rows = hidden.shape[0]

@@ -221,6 +221,7 @@ class CpuKernelsBackend:
         self.quantized_interleaved = plan.quantized_interleaved
         self.ops = cpu_ops.ops
         self._packed_linear, self._packed_gate_up = cpu_ops.packed_linear, cpu_ops.packed_gate_up
+        self._activation_levels = cpu_ops.activation_levels
         # torch's argmax walks a bf16 row one element at a time; the kernel takes bf16 and float32.
         self.argmax = torch.ops.kvserve.argmax_rows
         self.mask_logits = torch.ops.kvserve.mask_logits
@@ -242,7 +243,8 @@ class CpuKernelsBackend:
         assert self._packed_linear is not None and self._packed_gate_up is not None
         stack = FusedDecodeStack.build(self.arch, layers, self._packed_linear, self._packed_gate_up,
                                        single_row_gemv=self.plan.gemv_max_rows == 1,
-                                       quantized_widths=self.plan.quantized_widths)
+                                       quantized_widths=self.plan.quantized_widths,
+                                       activation_levels=self._activation_levels)
         if stack is None:
             # Decided at load, after the start-up line that named the stack: say that it is off after all.
             logger.info("no fused decode stack: a projection weight did not pack for the %s kernels, or the layers "
@@ -263,6 +265,9 @@ class CpuKernelsBackend:
         return KernelThreadScope() if self._carries_step else nullcontext()
 
     def build_metadata(self, rows: StepRows) -> CpuAttentionMetadata:
+        if self._activation_levels is not None:
+            num_rows = rows.num_decode_rows + sum(chunk.q_len for chunk in rows.prefills)
+            self._activation_levels.set_step(rows.num_decode_requests or 0, num_rows, bool(rows.prefills))
         versions = self._versions
         if versions is not None:
             versions.bump(rows.written_block_ids)

@@ -171,20 +171,45 @@ class QuantizedWidths:
     fused_max_rows: int = 0
 
 
+class ActivationLevels:
+    """How many rows of the current step the interleaved int8 products give one int8 level of activations
+    (csrc/quantized_interleaved.cpp); wider inputs get a second, residual level. Each row's products depend
+    on its level only, not on how many rows come with it.
+
+    The backend sets it each step (``set_step``): a decode step of at most ``few_rows`` requests gives all its
+    rows one level, so that a request's drafts, riding as extra rows, are verified on exactly the logits its
+    plain decode step would compute (plain decoding of that many requests takes one level). Other steps
+    (prompt chunks, larger batches) keep one level for at most ``few_rows`` rows."""
+
+    def __init__(self, few_rows: int) -> None:
+        self.few_rows = few_rows
+        self.one_level_rows = few_rows
+
+    def set_step(self, num_decode_requests: int, num_rows: int, has_prefill: bool) -> None:
+        decode_rows_of_few = not has_prefill and 0 < num_decode_requests <= self.few_rows
+        self.one_level_rows = max(num_rows, self.few_rows) if decode_rows_of_few else self.few_rows
+
+
 class QuantizedKernels:
     """Projections, the MLP's fused gate/up and embedding lookups on GGUF-quantised weights
-    (``QuantizedWeight``, csrc/quantized.cpp), each width on the path ``widths`` gives it."""
+    (``QuantizedWeight``, csrc/quantized.cpp), each width on the path ``widths`` gives it; interleaved
+    weights' activation levels as ``levels`` has them for the step."""
 
-    def __init__(self, widths: QuantizedWidths) -> None:
+    def __init__(self, widths: QuantizedWidths, levels: ActivationLevels) -> None:
         self.widths = widths
+        self.levels = levels
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.kvserve.quant_linear(x, weight.data, weight.types, weight.cols, bias,
-                                              self.widths.gemv_max_rows, self.widths.fused_max_rows)
+                                              self._one_level_rows(weight), self.widths.fused_max_rows)
 
     def gate_up_silu(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         return torch.ops.kvserve.quant_linear_silu_mul(x, weight.data, weight.types, weight.cols,
-                                                       self.widths.gemv_max_rows, self.widths.fused_max_rows)
+                                                       self._one_level_rows(weight), self.widths.fused_max_rows)
+
+    def _one_level_rows(self, weight: QuantizedWeight) -> int:
+        # The planar layout's few-row kernel keeps its own limit.
+        return self.levels.one_level_rows if weight.interleaved else self.widths.gemv_max_rows
 
     @staticmethod
     def embedding(ids: torch.Tensor, table: QuantizedWeight) -> torch.Tensor:
@@ -210,6 +235,7 @@ class CpuOps:
     ops: ModelOps
     packed_linear: PackedLinear | None = None
     packed_gate_up: PackedGateUpSilu | None = None
+    activation_levels: ActivationLevels | None = None  # with quantised weights: set by the backend each step
 
 
 def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool,
@@ -221,7 +247,8 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
     ops = _build_dense_ops(projections, gemv_max_rows, elementwise)
     if quantized is None:
         return ops
-    kernels = QuantizedKernels(quantized)
+    levels = ActivationLevels(quantized.gemv_max_rows)
+    kernels = QuantizedKernels(quantized, levels)
     dense = ops.ops
     # Without a fused dense gate/up, a quantised one still runs fused; a dense one as silu_mul(linear(...)).
     dense_gate_up = dense.fused_gate_up_silu or (lambda x, w: dense.silu_mul(dense.linear(x, w, None)))
@@ -233,7 +260,7 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
         prepare_weight=dense_only(dense.prepare_weight),
         fused_gate_up_silu=QuantizedOrDense(kernels.gate_up_silu, dense_gate_up),  # type: ignore[arg-type]
         prepare_gate_up=dense_only(dense.prepare_gate_up),
-    ), ops.packed_linear, ops.packed_gate_up)
+    ), ops.packed_linear, ops.packed_gate_up, levels)
 
 
 def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:
