@@ -456,7 +456,7 @@ class RouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
-    """Thresholds of the kernel backends (model/backends/); outputs do not depend on them."""
+    """Thresholds of the kernel backends (model/backends/); outputs do not depend on them beyond rounding."""
 
     cascade_min_tokens: int = setting(
         256, "decodes sharing at least this many prefix tokens read the shared KV once (cascade attention)")

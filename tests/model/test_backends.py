@@ -312,3 +312,20 @@ def test_a_step_with_drafts_counts_its_decode_requests_and_sets_their_activation
     assert levels.one_level_rows == 5
     backend.build_metadata(StepRows(4, torch.arange(6), decode_block_ids=[[0]] * 6, decode_kv_lens=[1] * 6))
     assert levels.one_level_rows == levels.few_rows  # six requests' plain decode step: two levels past the limit
+
+
+def test_one_requests_rows_are_not_split_at_a_shared_prefix() -> None:
+    """A request's drafts ride as rows with its own block table: they share its whole context, but their
+    attention stays unsplit, as its plain one-row decode step's is. Two requests' rows split as before."""
+    from kvserve.model.backends.layout import split_decodes
+
+    table = list(range(20))
+    one = StepRows(16, torch.arange(5), decode_block_ids=[table] * 5, decode_kv_lens=[300 + i for i in range(5)],
+                   num_decode_requests=1)
+    split = split_decodes(one, min_shared_tokens=16)
+    assert split is not None and split.shared_block_ids == []
+    other = list(range(18)) + [40, 41]
+    two = StepRows(16, torch.arange(6), decode_block_ids=[table] * 5 + [other],
+                   decode_kv_lens=[300 + i for i in range(5)] + [310], num_decode_requests=2)
+    split = split_decodes(two, min_shared_tokens=16)
+    assert split is not None and split.shared_block_ids == list(range(18))

@@ -30,8 +30,10 @@ def split_decodes(rows: StepRows, min_shared_tokens: int) -> DecodeSplit | None:
     block_size = rows.block_size
     tables, kv_lens = rows.decode_block_ids, rows.decode_kv_lens
     # Blocks every decode shares (a common system prompt held once by the prefix cache): their KV is read
-    # once for the whole batch instead of once per request.
-    num_shared = shared_prefix_blocks(tables, kv_lens, block_size)
+    # once for the whole batch instead of once per request. Not the rows of one request alone (its drafts):
+    # split, their attention would round differently from its plain decode step's, which is not split, and
+    # verification would no longer see the logits plain decoding computes.
+    num_shared = shared_prefix_blocks(tables, kv_lens, block_size) if (rows.num_decode_requests or 0) > 1 else 0
     if num_shared * block_size < min_shared_tokens:
         num_shared = 0
     max_blocks = -(-max(kv_lens) // block_size) - num_shared
