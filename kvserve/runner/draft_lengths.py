@@ -8,8 +8,9 @@ measured as the engine runs, so the choice follows the load:
   accepted in a row until the first rejection, ``k`` drafts are worth ``a + a^2 + ... + a^k`` tokens
   beyond the one every step brings.
 - **Cost.** What a target step of ``R`` rows takes, and a draft forward of ``R`` rows (none for n-gram
-  lookup, nor for a draft model's requests whose drafts prompt lookup finds that step): the recent average at each row count seen, a linear fit over recent steps elsewhere, and past
-  the widest step measured at least that step's cost per row. Small batches are bound by reading the
+  lookup, nor for a draft model's requests whose drafts prompt lookup finds that step): the recent
+  average at each row count seen, a linear fit over recent steps elsewhere, and past the widest step
+  measured at least that step's cost per row. Small batches are bound by reading the
   weights, so extra rows are cheap there; large ones are bound by compute, where each row costs its full
   share and drafts stop paying. The draft's predicted cost is scaled by what its whole proposals took over
   what was predicted for them (catch-up rows, the work between forwards).
@@ -18,15 +19,15 @@ measured as the engine runs, so the choice follows the load:
   every step the request drafts. It is charged spread over the steps the request is expected to draft in:
   its expected remaining output (as long as the outputs of the requests that recently left the batch, at
   most what it may still write) over the tokens a step of its drafts brings, and with prompt lookup first,
-  over only the share of its steps lookup has left to the model. Before anything is measured
-  the first step drafts nothing (a plain step's cost is what drafts are weighed against), then one request
+  over only the share of its steps lookup has left to the model. Before anything is measured the first
+  step drafts nothing (a plain step's cost is what drafts are weighed against), then one request
   alone drafts, the cheapest to onboard: a burst of new requests does not pay every prompt's prefill in
   the draft before the draft's cost is known.
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
 SmartSpec and TurboSpec). Drafts are added in order of their expected worth (``a_i^j`` for request ``i``'s
-``j``-th draft; a request still to onboard ranks lower by its charge) and the best prefix is kept: that
-order is also each request's own order.
+``j``-th draft; a request still to onboard ranks lower by its charge; free drafts before any the draft model
+pays for) and the best prefix is kept: that order is also each request's own order.
 Every ``probe_every`` steps a probe changes the lengths: where none were chosen, one draft each (for a
 draft model, only to requests it has drafted for: a first draft costs the prompt's prefill in the draft),
 so that acceptance, which only verification measures, is not left at a stale estimate; where the cost fit has seen
