@@ -150,8 +150,10 @@ class Modes:
 
     def reset_lengths(self, max_tokens: int, adaptive: bool) -> None:
         for name, (proposer, _) in self._settings.items():
-            self._settings[name] = (proposer, DraftLengthPolicy(max_tokens, adaptive=adaptive,
-                                                                uses_model=name.startswith("draft")))
+            policy = DraftLengthPolicy(max_tokens, adaptive=adaptive, uses_model=name.startswith("draft"))
+            if isinstance(proposer, DraftModelProposer) and adaptive:  # as the engine does at start-up
+                policy.observe_draft(proposer.measure_forwards())
+            self._settings[name] = (proposer, policy)
 
     def use(self, name: str) -> None:
         engine = self.llm.engine

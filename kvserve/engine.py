@@ -151,6 +151,9 @@ class Engine:
             proposer = self._build_draft_proposer(spec, num_blocks)
         draft_lengths = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
                                           uses_model=spec.method == "draft_model")
+        if isinstance(proposer, DraftModelProposer) and spec.adaptive:
+            # The draft's costs measured now, so that no live request's prefill in the draft measures them.
+            draft_lengths.observe_draft(proposer.measure_forwards())
         self.runner = ModelRunner(self.model, self.backend, kv_caches, cc.block_size, sampler, proposer=proposer,
                                   propose_below_batch_size=spec.disable_by_batch_size, draft_lengths=draft_lengths)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.

@@ -20,9 +20,9 @@ measured as the engine runs, so the choice follows the load:
   its expected remaining output (as long as the outputs of the requests that recently left the batch, at
   most what it may still write) over the tokens a step of its drafts brings, and with prompt lookup first,
   over only the share of its steps lookup has left to the model. Before anything is measured the first
-  step drafts nothing (a plain step's cost is what drafts are weighed against), then one request
-  alone drafts, the cheapest to onboard: a burst of new requests does not pay every prompt's prefill in
-  the draft before the draft's cost is known.
+  step drafts nothing (a plain step's cost is what drafts are weighed against). The engine measures the
+  draft's forwards at start-up; without that, one request alone drafts next, the cheapest to onboard: a
+  burst of new requests does not pay every prompt's prefill in the draft before the draft's cost is known.
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
 SmartSpec and TurboSpec). Drafts are added in order of their expected worth (``a_i^j`` for request ``i``'s

@@ -133,6 +133,36 @@ class DraftModelProposer:
         probs, self._probs = self._probs, {}
         return probs
 
+    @torch.inference_mode()
+    def measure_forwards(self, row_counts: Sequence[int] = (1, 2, 3, 4, 5), repeats: int = 2,
+                         prefill_tokens: int = 64) -> list[tuple[int, float]]:
+        """(rows, seconds) of draft forwards on made-up tokens: a prefill chunk and steps of ``row_counts`` decode
+        rows, each ``repeats`` times after one untimed pass. The draft-length policy then starts from
+        measured costs instead of onboarding a live request to measure them. Nothing stays in the draft's KV."""
+        request_id = "\0draft-costs"
+        prefill_tokens = min(prefill_tokens, self.max_model_len - max(row_counts) - 1)
+        if prefill_tokens < 1:
+            return []
+        tokens = [i % self.num_logits for i in range(prefill_tokens)]
+        slots = self.kv.prepare(request_id, tokens, max(row_counts))
+        if slots is None:
+            return []
+        forward_time_s = self.forward_time_s
+        try:
+            forwards = [ScheduledRequest(request_id, tokens, 0, slots.block_ids, True)] + [
+                ScheduledRequest(request_id, tokens[-1:], prefill_tokens, slots.block_ids, True,
+                                 draft_token_ids=tokens[: rows - 1]) for rows in row_counts]
+            for row in forwards:  # untimed: the first forwards pay one-time costs (threads, packing, caches)
+                self._forward([row], {})
+            self.take_forward_timings()
+            for _ in range(repeats):
+                for row in forwards:
+                    self._forward([row], {})
+            return self.take_forward_timings()
+        finally:
+            self.kv.release(request_id)
+            self.forward_time_s = forward_time_s
+
     def free_proposal(self, request: ProposalRequest) -> bool:
         if self.lookup is None:
             return False

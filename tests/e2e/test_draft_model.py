@@ -221,3 +221,16 @@ def test_a_draft_that_cannot_be_found_is_refused(models, tmp_path) -> None:
         LLM(str(models["target"]), dtype="float32", num_kv_blocks=16,
             speculative_config={"method": "draft_model", "model": str(tmp_path / "nowhere")})
     assert caught.value.param == "model"
+
+
+def test_the_drafts_costs_are_measured_at_start_up_and_leave_nothing_behind(models) -> None:
+    """The draft-length policy starts from the draft's measured forwards (one to five rows, a prefill chunk),
+    so no live request's prefill in the draft is spent measuring them; nothing stays in the draft's KV."""
+    llm = speculating(models, "draft")
+    policy = llm.engine.runner.draft_lengths
+    assert policy.draft_cost.has_data and policy._prefill_s_per_token is not None
+    draft_kv = llm.engine.draft_kv
+    assert draft_kv is not None and draft_kv.num_requests == 0
+    assert draft_kv.kv.prefix_cache.num_cached_blocks == 0
+    draft_kv.check_invariants()
+    assert llm.engine.stats().draft_time_s == 0
