@@ -126,38 +126,33 @@ def summarise(outputs: list[RequestOutput], wall: float, before: EngineStats, af
 
 class Modes:
     """One engine on the target, its speculation switched between runs: ``off``, ``ngram`` and ``draft`` share
-    the target's weights (three engines of a 1.5B model do not fit in 24 GB with their packed copies). Each
-    run starts with empty prefix caches, so no mode finds what an earlier one computed."""
+    the target's weights (three engines of a 1.5B model do not fit in 24 GB with their packed copies), and the
+    draft variants the draft model and its KV. Each run starts with empty prefix caches, so no mode finds what
+    an earlier one computed, and a draft-length policy that has learnt nothing yet."""
 
-    def __init__(self, llm: LLM, ngram: Proposer, ngram_lengths: DraftLengthPolicy,
-                 draft_variants: list[str], num_tokens: int) -> None:
+    def __init__(self, llm: LLM, ngram: Proposer, draft_variants: list[str], num_tokens: int, adaptive: bool) -> None:
         self.llm = llm
-        runner = llm.engine.runner
-        self._settings: dict[str, tuple[Proposer | None, DraftLengthPolicy]] = {
-            "off": (None, runner.draft_lengths),
-            "ngram": (ngram, ngram_lengths),
-            "draft": (runner.proposer, runner.draft_lengths),
-        }
-        draft = runner.proposer
+        self.num_tokens = num_tokens
+        self.adaptive = adaptive
+        draft = llm.engine.runner.proposer
         assert isinstance(draft, DraftModelProposer)
+        self._proposers: dict[str, Proposer | None] = {"off": None, "ngram": ngram, "draft": draft}
         for variant in draft_variants:  # the same draft model and KV
             size, lookup = parse_variant(variant)
-            proposer = DraftModelProposer(
+            self._proposers[f"draft-{variant}"] = DraftModelProposer(
                 draft.model, draft.backend, draft.kv_caches, draft.block_size, draft.kv, draft.max_model_len,
                 draft.vocab_size, draft_vocab_size=size,
                 lookup=NgramProposer(num_tokens, min_n=2, max_n=4) if lookup else None)
-            self._settings[f"draft-{variant}"] = (proposer, runner.draft_lengths)
-
-    def reset_lengths(self, max_tokens: int, adaptive: bool) -> None:
-        for name, (proposer, _) in self._settings.items():
-            policy = DraftLengthPolicy(max_tokens, adaptive=adaptive, uses_model=name.startswith("draft"))
-            if isinstance(proposer, DraftModelProposer) and adaptive:  # as the engine does at start-up
-                policy.observe_draft(proposer.measure_forwards())
-            self._settings[name] = (proposer, policy)
 
     def use(self, name: str) -> None:
+        """The mode, with a policy of its own (a run of another workload or concurrency would leave it costs
+        measured at other context lengths and batch sizes), and empty prefix caches."""
         engine = self.llm.engine
-        engine.runner.proposer, engine.runner.draft_lengths = self._settings[name]
+        proposer = self._proposers[name]
+        policy = DraftLengthPolicy(self.num_tokens, adaptive=self.adaptive, uses_model=name.startswith("draft"))
+        if isinstance(proposer, DraftModelProposer) and self.adaptive:  # as the engine does at start-up
+            policy.observe_draft(proposer.measure_forwards())
+        engine.runner.proposer, engine.runner.draft_lengths = proposer, policy
         engine.kv_manager.prefix_cache.evict(engine.kv_manager.num_blocks)
         if engine.draft_kv is not None:
             engine.draft_kv.kv.prefix_cache.evict(engine.draft_kv.kv.num_blocks)
@@ -170,13 +165,11 @@ def make_modes(args: argparse.Namespace, max_num_seqs: int) -> Modes:
               speculative_config=spec)
     ngram = NgramProposer(args.num_speculative_tokens, min_n=2, max_n=4)
     variants = [variant for variant in args.draft_variants.split(",") if variant]
-    modes = Modes(llm, ngram, DraftLengthPolicy(args.num_speculative_tokens, adaptive=not args.fixed), variants,
-                  args.num_speculative_tokens)
+    modes = Modes(llm, ngram, variants, args.num_speculative_tokens, adaptive=not args.fixed)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for name in [*ENGINES, *(f"draft-{variant}" for variant in variants)]:
         modes.use(name)
         llm.generate([{"prompt_token_ids": list(range(100, 400))}], warm)
-    modes.reset_lengths(args.num_speculative_tokens, adaptive=not args.fixed)  # nothing learnt from the warm-up
     return modes
 
 

@@ -153,7 +153,11 @@ class Engine:
                                           uses_model=spec.method == "draft_model")
         if isinstance(proposer, DraftModelProposer) and spec.adaptive:
             # The draft's costs measured now, so that no live request's prefill in the draft measures them.
-            draft_lengths.observe_draft(proposer.measure_forwards())
+            timings = proposer.measure_forwards()
+            draft_lengths.observe_draft(timings)
+            if timings:  # the last pass: the prefill chunk, then each row count
+                logger.info("draft forwards measured: %s", ", ".join(
+                    f"{rows} rows {seconds * 1e3:.1f} ms" for rows, seconds in timings[-len(timings) // 2:]))
         self.runner = ModelRunner(self.model, self.backend, kv_caches, cc.block_size, sampler, proposer=proposer,
                                   propose_below_batch_size=spec.disable_by_batch_size, draft_lengths=draft_lengths)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
