@@ -21,8 +21,9 @@ measured as the engine runs, so the choice follows the load:
   most what it may still write) over the tokens a step of its drafts brings, and with prompt lookup first,
   over only the share of its steps lookup has left to the model. Before anything is measured the first
   step drafts nothing (a plain step's cost is what drafts are weighed against). The engine measures the
-  draft's forwards at start-up; without that, one request alone drafts next, the cheapest to onboard: a
-  burst of new requests does not pay every prompt's prefill in the draft before the draft's cost is known.
+  draft's forwards at start-up, but acceptance only verification measures: until a draft is verified, one
+  request alone drafts, the cheapest to onboard (a burst of new requests does not pay every prompt's
+  prefill in the draft before it is known whether the draft's tokens are accepted).
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
 SmartSpec and TurboSpec). Drafts are added in order of their expected worth (``a_i^j`` for request ``i``'s
@@ -166,6 +167,7 @@ class DraftLengthPolicy:
         self.draft_scale = 1.0
         self._predicted_draft_s = 0.0
         self._free: set[str] = set()  # the last choice's requests whose drafts cost the draft model nothing
+        self._verified_any = False  # whether any draft was verified yet (acceptance is only the prior before)
         self.last_mean_length = 0.0  # the mean length chosen for the last batch (a gauge for /metrics)
         self._onboarded: set[str] = set()  # requests the draft model has drafted for
         self._onboarding: dict[str, int] = {}  # the last choice's new requests: the tokens their prefill computes
@@ -205,6 +207,7 @@ class DraftLengthPolicy:
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """``num_drafts`` of the request's drafts were verified; the first ``num_accepted`` were accepted."""
         trials = num_accepted + (num_accepted < num_drafts)
+        self._verified_any = True
         own = self._requests.setdefault(request_id, _Acceptance())
         own.accepted = own.accepted * _REQUEST_DECAY + num_accepted
         own.trials = own.trials * _REQUEST_DECAY + trials
@@ -256,9 +259,9 @@ class DraftLengthPolicy:
         left = list(remaining) if remaining is not None else [None] * num
         if not self.target_cost.has_data:
             lengths = [0] * num  # a plain step first: what drafts are weighed against
-        elif self.uses_model and not self.draft_cost.has_data:
-            # The draft's cost is measured on one request's drafts, the cheapest to onboard; free drafts cost
-            # it nothing.
+        elif self.uses_model and not (self.draft_cost.has_data and self._verified_any):
+            # The draft's cost (unless measured at start-up) and its acceptance, which only verification
+            # measures, are learnt on one request's drafts, the cheapest to onboard; free drafts cost it nothing.
             lengths = [self.max_tokens if f else 0 for f in no_cost]
             paid = [i for i in range(num) if not no_cost[i]]
             if paid:

@@ -206,3 +206,15 @@ def test_a_request_prompt_lookup_mostly_serves_is_not_onboarded_into_the_draft_m
         policy.lengths(["lookup", "plain"], [0, 0], [1000, 1000], [True, False])
     lengths = policy.lengths(["lookup", "plain"], [100, 100], [1000, 1000], [False, False])
     assert lengths[0] == 0 and lengths[1] > 0
+
+
+def test_with_the_drafts_costs_measured_at_start_up_one_request_still_measures_acceptance() -> None:
+    """The engine measures the draft's forwards at start-up, but not how often its drafts are accepted: until a
+    draft is verified one request drafts, the cheapest to onboard, even where the prior acceptance would
+    not pay for drafting (the policy would otherwise never learn better)."""
+    policy = DraftLengthPolicy(4, uses_model=True, prior_acceptance=0.3)
+    policy.observe_draft([(rows, 0.012) for rows in (1, 2, 3, 4, 5)] + [(64, 0.2)])
+    policy.observe_step(1, 0.035)
+    assert policy.lengths(["a", "b"], [200, 50], [None, None]) == [0, 4]
+    policy.observe_verified("b", 4, 4)
+    assert policy.lengths(["a", "b"], [200, 0], [None, None])[0] == 0
