@@ -171,9 +171,8 @@ class ModelRunner:
             remaining = [None if state.params.max_tokens is None else state.params.max_tokens - len(state.output_token_ids)
                          for _, state, _ in eligible]
         lengths = policy.lengths([request_id for request_id, _, _ in eligible], onboarding, remaining, free)
-        wanted = [ProposalRequest(request_id, state, None if is_free else feedback, length)
-                  for (request_id, state, feedback), length, is_free in zip(eligible, lengths, free, strict=True)
-                  if length > 0]
+        wanted = [ProposalRequest(request_id, state, None, length)  # the feedback went to free_proposal
+                  for (request_id, state, _), length in zip(eligible, lengths, strict=True) if length > 0]
         lookup = {request_id for (request_id, _, _), is_free in zip(eligible, free, strict=True) if is_free}
         if not wanted:
             self.propose_time_s += lookup_s
