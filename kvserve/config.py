@@ -389,9 +389,9 @@ class RouterConfig:
     max_request_body_bytes: int = setting(16 * 1024 * 1024, "request bodies larger than this get 413",
                                           default_text="16777216 (16 MiB)")
     balance_abs_threshold: int = setting(
-        4, "cache_aware: load is imbalanced when the busiest replica has this many more requests than the idlest "
-           "(and --balance-rel-threshold times as many); then only replicas within this many of the idlest compete")
-    balance_rel_threshold: float = setting(1.5, "cache_aware: see --balance-abs-threshold")
+        4, "every policy: a replica does not compete for a request that would leave it more than this many "
+           "requests above the idlest replica (and more than --balance-rel-threshold times its load)")
+    balance_rel_threshold: float = setting(1.5, "every policy: see --balance-abs-threshold")
     kv_events_interval_s: float = setting(0.2, "kv_events: seconds between reads of each replica's block events",
                                           flag="--kv-events-interval")
     cache_threshold: float = setting(0.5, "cache_aware, kv_events: the share of a prompt a replica must hold for the prefix "

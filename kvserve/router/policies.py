@@ -8,16 +8,19 @@ down, or came back). Policies run on the gateway's event loop, one call at a tim
 - ``least_load``: fewest requests (the router's own count, or the replica's report if higher), then fewest
   uncached prompt tokens still waiting for a first byte.
 - ``cache_aware``: the replica holding the longest prefix of the whole rendered prompt (ApproximatePrefixIndex),
-  when it holds at least ``cache_threshold`` of it; else the least-loaded one. When load is imbalanced (the
-  busiest has ``balance_abs_threshold`` more requests than the idlest and ``balance_rel_threshold`` times as
-  many), only replicas within ``balance_abs_threshold`` of the idlest compete, and among them the prefix still
-  decides: rebalancing keeps what affinity it can.
+  when it holds at least ``cache_threshold`` of it; else the least-loaded one.
 - ``kv_events``: ``cache_aware``'s rule over what the replicas report holding (KVBlockIndex).
 - ``ttft``: the lowest estimated time to first token (EstimatedTTFT).
+
+Every policy chooses within the load bound (``WithinLoadBound``): a replica that the request would leave
+``balance_abs_threshold`` requests above the idlest (and ``balance_rel_threshold`` times as many) does not
+compete, so no replica idles while another queues past the bound, and among those left the prefix still
+decides: rebalancing keeps what affinity it can.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,18 +181,13 @@ class CacheAware:
         self._turn = itertools.count()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
-        c = self._config
-        idlest = min(r.load for r in candidates)
-        busiest = max(r.load for r in candidates)
-        balancing = busiest - idlest > c.balance_abs_threshold and busiest > c.balance_rel_threshold * idlest
-        pool = [r for r in candidates if r.load <= idlest + c.balance_abs_threshold] if balancing else candidates
-        matched = self.prefixes.match(request, pool)
-        best = max(pool, key=lambda r: (matched[r.url], -r.load))
-        if request.token_ids and matched[best.url] >= c.cache_threshold * len(request.token_ids):
-            decision = Decision(best, "balance_prefix" if balancing else "prefix", matched[best.url])
+        matched = self.prefixes.match(request, candidates)
+        best = max(candidates, key=lambda r: (matched[r.url], -r.load))
+        if request.token_ids and matched[best.url] >= self._config.cache_threshold * len(request.token_ids):
+            decision = Decision(best, "prefix", matched[best.url])
         else:
-            chosen = least_loaded(pool, next(self._turn))
-            decision = Decision(chosen, "balance" if balancing else "miss", matched[chosen.url])
+            chosen = least_loaded(candidates, next(self._turn))
+            decision = Decision(chosen, "miss", matched[chosen.url])
         self.prefixes.routed(decision.replica, request)
         return decision
 
@@ -264,15 +262,50 @@ class PrefillRate:
         return self._seconds / self._tokens * work_tokens
 
 
+class WithinLoadBound:
+    """A policy choosing only among the replicas the request would not overload: one competes unless taking
+    the request leaves it more than ``balance_abs_threshold`` requests above the idlest replica and more than
+    ``balance_rel_threshold`` times its load. The idlest always competes, so the pool is never empty; when
+    the bound left a replica out, the decision's reason says so (``balance_`` before the policy's own)."""
+
+    def __init__(self, policy: RoutingPolicy, config: RouterConfig) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self._abs = config.balance_abs_threshold
+        self._rel = config.balance_rel_threshold
+
+    def within(self, candidates: Sequence[Replica]) -> list[Replica]:
+        idlest = min(r.load for r in candidates)
+        return [r for r in candidates
+                if not (r.load + 1 - idlest > self._abs and r.load + 1 > self._rel * idlest)]
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
+        pool = self.within(candidates)
+        decision = self.policy.choose(request, pool)
+        if len(pool) < len(candidates):
+            return dataclasses.replace(decision, reason=f"balance_{decision.reason}")
+        return decision
+
+    def forget(self, replica: Replica) -> None:
+        self.policy.forget(replica)
+
+    def observe_ttft(self, decision: Decision, seconds: float) -> None:
+        self.policy.observe_ttft(decision, seconds)
+
+
 def make_policy(config: RouterConfig, kv_index: KVBlockIndex | None = None) -> RoutingPolicy:
-    """The configured policy; ``kv_events`` reads ``kv_index``, which the caller keeps fed."""
+    """The configured policy, within the load bound; ``kv_events`` reads ``kv_index``, which the caller keeps
+    fed."""
+    policy: RoutingPolicy
     if config.policy == "kv_events":
         assert kv_index is not None, "the kv_events policy needs a KVBlockIndex"
-        return CacheAware(config, ReplicaBlocks(kv_index), name="kv_events")
-    if config.policy == "round_robin":
-        return RoundRobin()
-    if config.policy == "least_load":
-        return LeastLoad()
-    if config.policy == "ttft":
-        return EstimatedTTFT(config)
-    return CacheAware(config)
+        policy = CacheAware(config, ReplicaBlocks(kv_index), name="kv_events")
+    elif config.policy == "round_robin":
+        policy = RoundRobin()
+    elif config.policy == "least_load":
+        policy = LeastLoad()
+    elif config.policy == "ttft":
+        policy = EstimatedTTFT(config)
+    else:
+        policy = CacheAware(config)
+    return WithinLoadBound(policy, config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +16,7 @@ from kvserve.router.policies import (
     PrefillRate,
     RoundRobin,
     RouteRequest,
+    make_policy,
 )
 from kvserve.router.replicas import Replica
 
@@ -70,7 +73,7 @@ def test_cache_aware_below_the_threshold_goes_to_the_least_loaded_replica() -> N
 
 
 def test_cache_aware_rebalances_among_replicas_within_the_bound_and_keeps_affinity_there() -> None:
-    policy, pool = CacheAware(CONFIG), replicas(0, 0, 0)
+    policy, pool = make_policy(CONFIG), replicas(0, 0, 0)
     homes = {}
     for name, system in (("a", SYSTEM_A), ("b", SYSTEM_B)):
         homes[name] = policy.choose(request(*system), pool).replica
@@ -80,7 +83,25 @@ def test_cache_aware_rebalances_among_replicas_within_the_bound_and_keeps_affini
     decision = policy.choose(request(*SYSTEM_B, 7), pool)
     assert decision.replica is homes["b"] and decision.reason == "balance_prefix"
     decision = policy.choose(request(*SYSTEM_A, 7), pool)
-    assert decision.replica is not homes["a"] and decision.reason == "balance"
+    assert decision.replica is not homes["a"] and decision.reason == "balance_miss"
+
+
+def test_the_bound_counts_the_request_being_placed() -> None:
+    policy, pool = make_policy(CONFIG), replicas(0, 0)
+    home = policy.choose(request(*SYSTEM_A), pool).replica
+    home.in_flight = CONFIG.balance_abs_threshold - 1  # one more keeps it within the bound
+    assert policy.choose(request(*SYSTEM_A, 1), pool) == Decision(home, "prefix", 40)
+    home.in_flight = CONFIG.balance_abs_threshold  # one more would put it past the bound while the other idles
+    moved = policy.choose(request(*SYSTEM_A, 2), pool)
+    assert moved.replica is not home and moved.reason == "balance_miss"
+
+
+def test_the_relative_threshold_lets_busy_replicas_keep_their_prefixes() -> None:
+    policy, pool = make_policy(CONFIG), replicas(0, 0)
+    home = policy.choose(request(*SYSTEM_A), pool).replica
+    other = pool[1] if home is pool[0] else pool[0]
+    home.in_flight, other.in_flight = 14, 10  # 5 above the idlest, but not 1.5 times its load
+    assert policy.choose(request(*SYSTEM_A, 1), pool).replica is home
 
 
 def test_forgetting_a_replica_drops_its_prefixes() -> None:
@@ -92,16 +113,22 @@ def test_forgetting_a_replica_drops_its_prefixes() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(loads=st.lists(st.integers(0, 40), min_size=2, max_size=5),
-       prompts=st.lists(st.sampled_from([SYSTEM_A, SYSTEM_B, SYSTEM_A[:12]]), min_size=1, max_size=20))
-def test_cache_aware_never_sends_to_a_replica_whose_queue_is_over_the_bound_while_another_is_idle(
-        loads: list[int], prompts: list[tuple[int, ...]]) -> None:
-    policy, pool = CacheAware(CONFIG), replicas(*loads)
-    for prompt in prompts:
+@given(policy_name=st.sampled_from(["round_robin", "least_load", "cache_aware", "ttft"]),
+       loads=st.lists(st.integers(0, 40), min_size=2, max_size=5),
+       steps=st.lists(st.tuples(st.sampled_from([SYSTEM_A, SYSTEM_B, SYSTEM_A[:12]]), st.integers(-1, 4)),
+                      min_size=1, max_size=30))
+def test_no_policy_leaves_a_replica_idle_while_it_sends_another_past_the_bound(
+        policy_name: str, loads: list[int], steps: list[tuple[tuple[int, ...], int]]) -> None:
+    """Requests arrive and finish in random order; a request never lands where it puts its replica more than
+    the bound above an idle one, unless that replica was already there before it arrived."""
+    policy = make_policy(dataclasses.replace(CONFIG, policy=policy_name))
+    pool = replicas(*loads)
+    for prompt, finished in steps:
+        if 0 <= finished < len(pool) and pool[finished].in_flight > 0:
+            pool[finished].in_flight -= 1
         decision = policy.choose(request(*prompt), pool)
-        idlest = min(r.load for r in pool)
-        if idlest == 0:
-            assert decision.replica.load <= idlest + CONFIG.balance_abs_threshold
+        if min(r.load for r in pool) == 0:
+            assert decision.replica.load + 1 <= CONFIG.balance_abs_threshold
         decision.replica.in_flight += 1
 
 
