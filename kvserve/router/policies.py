@@ -5,7 +5,7 @@ Each is a ``RoutingPolicy``: ``choose`` picks one of the candidates (never empty
 down, or came back). Policies run on the gateway's event loop, one call at a time.
 
 - ``round_robin``: each in turn.
-- ``least_load``: fewest requests (the router's own count, or the replica's report if higher), then fewest
+- ``least_load``: fewest requests (``Replica.load``: the router's own count plus others' reported), then fewest
   uncached prompt tokens still waiting for a first byte.
 - ``cache_aware``: the replica holding the longest prefix of the whole rendered prompt (ApproximatePrefixIndex),
   when it holds at least ``cache_threshold`` of it; else the least-loaded one.

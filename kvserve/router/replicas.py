@@ -45,14 +45,18 @@ class Replica:
     queued_prompt_tokens: int = 0  # uncached prompt tokens (as the policy estimated) not yet answered a first byte
     reported_running: int = 0
     reported_waiting: int = 0
+    in_flight_at_read: int = 0  # this router's in_flight when the replica's report was read
     load_read_at: float = 0.0  # time.monotonic() of the last load read; 0 = never
     last_error: str = ""
 
     @property
     def load(self) -> int:
-        """Requests on the replica: the router's own count, or what the replica reported if that is more
-        (other routers' requests, or requests this router has not yet seen end)."""
-        return max(self.in_flight, self.reported_running + self.reported_waiting)
+        """Requests on the replica: the router's own count, exact and current, plus the others' (other
+        routers', other clients') that its last report held beyond this router's count at the time. Not
+        the report itself: up to a health interval old, it still holds this router's requests that have
+        ended since, and a replica would look busy while it idles."""
+        others = self.reported_running + self.reported_waiting - self.in_flight_at_read
+        return self.in_flight + max(0, others)
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models
@@ -169,6 +173,7 @@ class ReplicaPool:
             callback(replica)
 
     async def _read_load(self, replica: Replica) -> None:
+        in_flight_before = replica.in_flight
         try:
             response = await self._client.get(f"{replica.url}/metrics", headers=self._headers,
                                               timeout=self._interval + 1.0)
@@ -179,6 +184,8 @@ class ReplicaPool:
         values = {name: float(value) for name, value in _GAUGE.findall(response.text)}
         replica.reported_running = int(values.get("num_requests_running", 0))
         replica.reported_waiting = int(values.get("num_requests_waiting", 0))
+        # The report was taken at some point of the read: the larger count errs towards fewer others' requests.
+        replica.in_flight_at_read = max(in_flight_before, replica.in_flight)
         replica.load_read_at = time.monotonic()
 
 

@@ -47,6 +47,7 @@ class FakeReplica:
         self.num_chunks = num_chunks
         self.received: list[dict] = []
         self.abandoned = 0  # streams whose client left before the end
+        self.reported_running = 0  # what its /metrics says is running
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server: uvicorn.Server | None = None
@@ -83,7 +84,7 @@ class FakeReplica:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return Response("fake:num_requests_running 0\nfake:num_requests_waiting 0\n")
+            return Response(f"fake:num_requests_running {self.reported_running}\nfake:num_requests_waiting 0\n")
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")

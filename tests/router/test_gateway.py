@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -11,6 +12,7 @@ import pytest
 
 from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError
+from kvserve.router.replicas import ReplicaPool
 from tests.router.conftest import MODEL, BackgroundGateway, FakeReplica, gateway_over, stream_chunks
 
 
@@ -166,3 +168,18 @@ def test_a_replica_url_that_is_not_an_openai_server_is_refused_at_start(replicas
         BackgroundGateway(RouterConfig(replicas=("http://127.0.0.1:9",), startup_timeout_s=0.5))
     with pytest.raises(ConfigError, match="base URL"):
         RouterConfig(replicas=("localhost:8000",))
+
+
+def test_a_replicas_load_is_the_routers_count_plus_the_others_its_report_held(replicas: list[FakeReplica]) -> None:
+    async def read_report() -> ReplicaPool:
+        async with httpx.AsyncClient() as client:
+            pool = ReplicaPool((replicas[0].url,), client, health_interval_s=1.0, headers={})
+            pool.replicas[0].in_flight = 1
+            await pool._read_load(pool.replicas[0])
+            return pool
+
+    replicas[0].reported_running = 3  # this router's one request and two of another client's
+    replica = asyncio.run(read_report()).replicas[0]
+    assert replica.load == 3
+    replica.in_flight = 0  # this router's request ended; the report, not read again, still holds it
+    assert replica.load == 2

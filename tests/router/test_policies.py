@@ -47,7 +47,10 @@ def test_least_load_counts_requests_then_queued_tokens_and_shares_ties() -> None
     pool[1].queued_prompt_tokens = 500
     assert policy.choose(request(1), pool).replica.url == "http://r2"
     pool[2].reported_running, pool[2].reported_waiting = 2, 3  # the replica reports more than this router sent
-    assert policy.choose(request(1), pool).replica.url == "http://r1"
+    pool[2].in_flight_at_read = 1
+    assert pool[2].load == 5 and policy.choose(request(1), pool).replica.url == "http://r1"
+    pool[2].in_flight = 0  # this router's request ended after the report: the report's other 4 remain
+    assert pool[2].load == 4
     even = replicas(0, 0)
     assert {policy.choose(request(1), even).replica.url for _ in range(2)} == {"http://r0", "http://r1"}
 
