@@ -47,6 +47,7 @@ from kvserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 ROUTING_TOKENS = "routing_tokens"
+INGRESS_MAX_ONGOING_REQUESTS = 4096
 APP_NAME = "kvserve"
 
 
@@ -221,7 +222,10 @@ def build_app(serve_args: Sequence[str], num_replicas: int, threads_each: int, c
                                                   request_router_kwargs=policy_settings(config)),
         health_check_period_s=2, max_ongoing_requests=256,
     ).bind([*serve_args, "--num-threads", str(threads_each)])
-    return KVServeIngress.options(ray_actor_options={"num_cpus": 0}).bind(replicas)
+    # The ingress only renders, tokenizes and relays: Ray Serve's default of 5 ongoing requests would queue
+    # the rest at the proxy, below the replicas' own batching.
+    return KVServeIngress.options(ray_actor_options={"num_cpus": 0},
+                                  max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS).bind(replicas)
 
 
 def deploy(address: str, serve_args: Sequence[str], num_replicas: int, threads_each: int, config: RouterConfig) -> None:
