@@ -390,7 +390,7 @@ class RouterConfig:
                                           default_text="16777216 (16 MiB)")
     balance_abs_threshold: int = setting(
         4, "every policy: a replica does not compete for a request that would leave it more than this many "
-           "requests above the idlest replica (and more than --balance-rel-threshold times its load)")
+           "requests above the idlest replica (and more than --balance-rel-threshold times the idlest's load)")
     balance_rel_threshold: float = setting(1.5, "every policy: see --balance-abs-threshold")
     kv_events_interval_s: float = setting(0.2, "kv_events: seconds between reads of each replica's block events",
                                           flag="--kv-events-interval")

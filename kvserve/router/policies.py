@@ -14,7 +14,7 @@ down, or came back). Policies run on the gateway's event loop, one call at a tim
 
 Every policy chooses within the load bound (``WithinLoadBound``): a replica that the request would leave
 ``balance_abs_threshold`` requests above the idlest (and ``balance_rel_threshold`` times as many) does not
-compete, so no replica idles while another queues past the bound, and among those left the prefix still
+compete, so no request is sent past the bound while a replica idles, and among those left the prefix still
 decides: rebalancing keeps what affinity it can.
 """
 
@@ -265,7 +265,7 @@ class PrefillRate:
 class WithinLoadBound:
     """A policy choosing only among the replicas the request would not overload: one competes unless taking
     the request leaves it more than ``balance_abs_threshold`` requests above the idlest replica and more than
-    ``balance_rel_threshold`` times its load. The idlest always competes, so the pool is never empty; when
+    ``balance_rel_threshold`` times the idlest's load. The idlest always competes, so the pool is never empty; when
     the bound left a replica out, the decision's reason says so (``balance_`` before the policy's own)."""
 
     def __init__(self, policy: RoutingPolicy, config: RouterConfig) -> None:
