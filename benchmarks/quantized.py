@@ -7,8 +7,9 @@
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF
 and thread count:
 
-- **kvserve, quantised** (``--quantization gguf``, the default on CPUs with AVX-512) and **kvserve, bf16** (``--quantization
-  none``): single-stream prefill tokens/s (a prompt of ``--prompt-len`` random tokens, to its first token)
+- **kvserve, quantised** (``--quantization gguf``, the default on CPUs with AVX-512), **kvserve, quantised with
+  int8 activations** (``--quantized-activations int8``; where the build has the interleaved kernels) and
+  **kvserve, bf16** (``--quantization none``): single-stream prefill tokens/s (a prompt of ``--prompt-len`` random tokens, to its first token)
   and decode tokens/s (the next ``--gen-len`` tokens), the best of ``--repeats`` runs; and the weights'
   memory: the bytes the model holds them in plus the copies the kernels packed.
 - **llama.cpp** when ``--llama-bench`` names its binary (../shared/PEERS.md builds it): ``llama-bench -p
@@ -24,9 +25,10 @@ activations, VNNI dot products on each row's blocks), fused (each worker takes a
 multiplies every input row against it while it is in cache: the weights' integers on VDPBF16PS where the CPU
 has AVX512-BF16, else the panel dequantised into the packed layout) and slabs (~2 MB of rows dequantised,
 then the CPU's bf16 projection kernel over them); where the build has them, on the same weights held
-interleaved sixteen rows at a time, the int8 dot products with rows in the lanes and the slabs dequantised
-from that layout: where the plan's limits (QUANTIZED_GEMV_MAX_ROWS, QUANTIZED_FUSED_MAX_ROWS) should sit on
-this CPU.
+interleaved sixteen rows at a time, the int8 dot products with rows in the lanes (int16 activations past the
+few rows, as by default; and int8 ones, one level per 32 values, as ``--quantized-activations int8`` takes
+them at every width) and the slabs dequantised from that layout: where the plan's limits
+(QUANTIZED_GEMV_MAX_ROWS, QUANTIZED_FUSED_MAX_ROWS, QUANTIZED_INTERLEAVED_MAX_ROWS) should sit on this CPU.
 
 Ratios are printed per model; the machines are shared, so compare within one run.
 """
@@ -47,7 +49,7 @@ from models import _prompts, bench_llama_cpp  # benchmarks/models.py
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.backends.cpu_kernels import QUANTIZED_GEMV_MAX_ROWS
-from kvserve.model.cpu_kernels import KernelThreadScope
+from kvserve.model.cpu_kernels import KernelThreadScope, load_cpu_kernels
 from kvserve.model.loader import read_arch_config, resolve_model_path
 from kvserve.model.quantized import QuantizedWeight
 
@@ -64,9 +66,10 @@ class Row:
     file_mib: float
 
 
-def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int, repeats: int) -> Row:
+def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int, repeats: int,
+                  activations: str = "int16") -> Row:
     llm = LLM(model=name, quantization=quantization, enable_prefix_caching=False, max_num_batched_tokens=4096,
-              max_num_seqs=1, num_kv_blocks=NUM_KV_BLOCKS)
+              max_num_seqs=1, num_kv_blocks=NUM_KV_BLOCKS, quantized_activations=activations)
     weight_mib = (llm.engine.model.weight_nbytes() + llm.engine.backend.packed_weight_nbytes()) / 2**20
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt[:32]}], SamplingParams(max_tokens=4))  # warm-up
@@ -79,7 +82,7 @@ def bench_kvserve(name: str, quantization: str, prompt: list[int], gen_len: int,
     file_mib = resolve_model_path(name).stat().st_size / 2**20
     del llm
     gc.collect()
-    engine = "kvserve-gguf" if quantization == "gguf" else "kvserve-bf16"
+    engine = "kvserve-bf16" if quantization == "none" else "kvserve-gguf" + ("-int8" if activations == "int8" else "")
     return Row(engine, name, prefill, decode, weight_mib, file_mib)
 
 
@@ -117,17 +120,18 @@ def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
         for rows in widths:
             inputs = {w.cols: torch.randn(rows, w.cols, dtype=torch.bfloat16) for w in loaded}
 
-            def run(layout: str, gemv_rows: int, fused_rows: int, inputs: dict[int, torch.Tensor] = inputs) -> float:
+            def run(layout: str, gemv_rows: int, fused_rows: int, int8: bool,
+                    inputs: dict[int, torch.Tensor] = inputs) -> float:
                 def call() -> None:
                     for w in layouts[layout]:
                         torch.ops.kvserve.quant_linear(inputs[w.cols], w.data, w.types, w.cols, None, gemv_rows,
-                                                       fused_rows)
+                                                       fused_rows, int8)
                 return seconds_per_call(call, min_time=0.3)
 
             times: dict[str, list[float]] = {path: [] for path in paths}
             for _ in range(rounds):
-                for path, (layout, gemv_rows, fused_rows) in paths.items():
-                    times[path].append(run(layout, gemv_rows(rows), fused_rows(rows)))
+                for path, (layout, gemv_rows, fused_rows, int8) in paths.items():
+                    times[path].append(run(layout, gemv_rows(rows), fused_rows(rows), int8))
             r = {"model": name, "rows": rows}
             for path in paths:
                 r[f"{path}_ms"] = 1e3 * statistics.median(times[path])
@@ -142,16 +146,19 @@ def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
     return results
 
 
-# The quantised paths, as the weights' layout and quant_linear's (gemv_max_rows, fused_max_rows) given the
-# width w: on planar weights (w, 0) takes the int8 dot products, (0, w) the panels multiplied by the worker
-# that reads them, (0, 0) the slabs; on interleaved weights (QUANTIZED_GEMV_MAX_ROWS, w) their int8 dot
-# products (with the activations' residuals past the few rows, as the plan runs them), (0, 0) their slabs.
-PATHS: dict[str, tuple[str, Callable[[int], int], Callable[[int], int]]] = {
-    "few_row": ("planar", lambda w: w, lambda w: 0),
-    "fused": ("planar", lambda w: 0, lambda w: w),
-    "slabs": ("planar", lambda w: 0, lambda w: 0),
-    "interleaved": ("interleaved", lambda w: QUANTIZED_GEMV_MAX_ROWS, lambda w: w),
-    "interleaved_slabs": ("interleaved", lambda w: 0, lambda w: 0),
+# The quantised paths, as the weights' layout and quant_linear's (gemv_max_rows, fused_max_rows,
+# int8_activations) given the width w: on planar weights (w, 0) takes the int8 dot products, (0, w) the
+# panels multiplied by the worker that reads them, (0, 0) the slabs; on interleaved weights
+# (QUANTIZED_GEMV_MAX_ROWS, w) their int8 dot products (with the activations' residuals past the few rows, as
+# the plan runs them by default), the same with int8 activations (one level per 32 values, as
+# --quantized-activations int8 runs them), (0, 0) their slabs.
+PATHS: dict[str, tuple[str, Callable[[int], int], Callable[[int], int], bool]] = {
+    "few_row": ("planar", lambda w: w, lambda w: 0, False),
+    "fused": ("planar", lambda w: 0, lambda w: w, False),
+    "slabs": ("planar", lambda w: 0, lambda w: 0, False),
+    "interleaved": ("interleaved", lambda w: QUANTIZED_GEMV_MAX_ROWS, lambda w: w, False),
+    "interleaved_int8": ("interleaved", lambda w: QUANTIZED_GEMV_MAX_ROWS, lambda w: w, True),
+    "interleaved_slabs": ("interleaved", lambda w: 0, lambda w: 0, False),
 }
 
 
@@ -182,8 +189,11 @@ def main() -> None:
         path = resolve_model_path(name)
         prompt = _prompts(read_arch_config(path).vocab_size, 1, args.prompt_len, seed=1)[0]
         streams[name] = [streaming_read_gb_s(args.threads)]
-        rows = [bench_kvserve(name, "gguf", prompt, args.gen_len, args.repeats),
-                bench_kvserve(name, "none", prompt, args.gen_len, args.repeats)]
+        rows = [bench_kvserve(name, "gguf", prompt, args.gen_len, args.repeats)]
+        kernels = load_cpu_kernels()
+        if kernels is not None and kernels.quantized_interleave_rows:
+            rows.append(bench_kvserve(name, "gguf", prompt, args.gen_len, args.repeats, activations="int8"))
+        rows.append(bench_kvserve(name, "none", prompt, args.gen_len, args.repeats))
         if args.llama_bench:
             speed = bench_llama_cpp(args.llama_bench, name, args.threads, args.prompt_len, args.gen_len)
             rows.append(Row("llama.cpp", name, speed.prefill_tok_s, speed.decode_tok_s, None,
@@ -191,15 +201,16 @@ def main() -> None:
         streams[name].append(streaming_read_gb_s(args.threads))
         for row in rows:
             memory = f"weights {row.weight_mib:7.1f} MiB (file {row.file_mib:.1f})" if row.weight_mib else ""
-            print(f"{row.model:20s} {row.engine:13s} prefill {row.prefill_tok_s:8.1f} tok/s  decode "
+            print(f"{row.model:20s} {row.engine:17s} prefill {row.prefill_tok_s:8.1f} tok/s  decode "
                   f"{row.decode_tok_s:7.1f} tok/s ({row.file_mib * 2**20 * row.decode_tok_s / 1e9:4.1f} GB/s of "
                   f"the file)  {memory}", flush=True)
         print(f"{'':20s} streaming read, before and after: " + " and ".join(f"{g:.1f}" for g in streams[name])
               + " GB/s", flush=True)
-        quantized = rows[0]
-        for row in rows[1:]:
-            print(f"{'':20s} kvserve-gguf / {row.engine}: prefill {quantized.prefill_tok_s / row.prefill_tok_s:.2f}x, "
-                  f"decode {quantized.decode_tok_s / row.decode_tok_s:.2f}x", flush=True)
+        for quantized in [r for r in rows if r.engine.startswith("kvserve-gguf")]:
+            for row in [r for r in rows if not r.engine.startswith("kvserve-gguf")]:
+                print(f"{'':20s} {quantized.engine} / {row.engine}: prefill "
+                      f"{quantized.prefill_tok_s / row.prefill_tok_s:.2f}x, "
+                      f"decode {quantized.decode_tok_s / row.decode_tok_s:.2f}x", flush=True)
         results += rows
         time.sleep(1)
     if args.json:

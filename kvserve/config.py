@@ -17,6 +17,7 @@ from kvserve.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
+QuantizedActivations = Literal["int16", "int8"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 GrammarEngine = Literal["auto", "llguidance", "xgrammar"]
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -89,6 +90,11 @@ class ModelConfig:
                 "their blocks where the backend has kernels for their types (the rest is dequantised to --dtype); "
                 "none dequantises every weight to --dtype at load; auto is gguf where the backend runs blocks at "
                 "least as fast as dense weights under load (CPUs with AVX-512), else none")
+    quantized_activations: QuantizedActivations = setting(
+        "int16", "how the int8 kernels of weights kept in their blocks quantise the activations: int16 keeps an int8 "
+                 "residual beside each int8 value in batches and prompt chunks (as exact as bf16 activations); int8 "
+                 "takes one int8 level per 32 values at every width, as llama.cpp does: faster prefill and batched "
+                 "decode, at the perplexity docs/performance.md gives. Needs AVX512-VNNI; elsewhere int16")
     device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
     max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "
                                               "context length, capped by the KV pool)")
@@ -99,6 +105,11 @@ class ModelConfig:
     # LLM(...) turns it off unless asked for: offline scripts print their own output.
     show_progress: bool = setting(True, "a progress bar while the weights load (LLM(...): off unless asked for)",
                                   flag=None)
+
+    def __post_init__(self) -> None:
+        if self.quantized_activations not in ("int16", "int8"):
+            raise ConfigError(f"quantized_activations must be 'int16' or 'int8', got {self.quantized_activations!r}",
+                              "quantized_activations")
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,7 +190,8 @@ class Engine:
         mc = self.config.model
         quantization = quantization or mc.quantization
         t0 = time.perf_counter()
-        backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self.config.backend)
+        backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self.config.backend,
+                                 int8_activations=mc.quantized_activations == "int8")
         model = build_model(arch, self.dtype, self.device, backend)
         keep_blocks = quantization == "gguf" or (quantization == "auto" and backend.quantized_by_default)
         quantized_types = backend.quantized_types if keep_blocks else frozenset()

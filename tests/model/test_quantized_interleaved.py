@@ -5,8 +5,10 @@ references built from gguf's own dequantiser, for every format.
 The int8 dot products quantise the activations per sixteen values (scale max|x| / 127) and are compared
 against exactly that; past the few-row limit they add the activations' int8 residuals (about 16 bits), and
 are compared against the exact products; wider inputs than the interleaved limit take the slabs, dequantised
-from this layout to bf16, compared against bf16 activations times the weights rounded to bf16. Tolerance as
-in test_quantized_kernels.py (the output is rounded to bf16): rtol = atol / max|ref| = 2^-7.
+from this layout to bf16, compared against bf16 activations times the weights rounded to bf16. With int8
+activations (--quantized-activations int8) every width quantises them per 32 values, one level, compared
+against exactly that. Tolerance as in test_quantized_kernels.py (the output is rounded to bf16):
+rtol = atol / max|ref| = 2^-7.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from kvserve.config import ArchConfig
-from kvserve.model.backends.cpu_kernels import QUANTIZED_INTERLEAVED_MAX_ROWS, plan_kernels
+from kvserve.model.backends.cpu_kernels import (
+    QUANTIZED_FUSED_MAX_ROWS,
+    QUANTIZED_INT8_MAX_ROWS,
+    QUANTIZED_INTERLEAVED_MAX_ROWS,
+    plan_kernels,
+)
 from kvserve.model.backends.cpu_ops import ActivationLevels
 from kvserve.model.cpu_kernels import CpuKernels
 from kvserve.model.quantized import QuantizedWeight, concat_rows, held_row_bytes
@@ -228,6 +235,71 @@ def test_the_plan_interleaves_where_the_build_has_the_kernels() -> None:
     assert plan.quantized_interleaved and plan.quantized_fused_max_rows == 0  # the AMX slabs past the few rows
     assert not plan_kernels(without, torch.bfloat16, shape).quantized_interleaved
     assert not plan_kernels(with_kernels, torch.float32, shape).quantized_interleaved
+
+
+def test_the_plan_takes_int8_activations_at_every_width_where_it_can() -> None:
+    shape = ArchConfig("qwen2", vocab_size=256, hidden_size=896, intermediate_size=256, num_layers=2, num_heads=14,
+                       num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
+    with_kernels = CpuKernels(gemv_bf16=True, avx512=True, quantized_gemv=True, quantized_interleave_rows=16)
+    plan = plan_kernels(with_kernels, torch.bfloat16, shape, int8_activations=True)
+    assert plan.quantized_int8_activations and plan.quantized_fused_max_rows == QUANTIZED_INT8_MAX_ROWS
+    assert plan.quantized_widths is not None and plan.quantized_widths.int8_activations
+    assert "int8 dot products at every width, int8 activations" in plan.description and not plan.fallbacks
+    assert not plan_kernels(with_kernels, torch.bfloat16, shape).quantized_int8_activations  # int16 unless asked
+    amx = CpuKernels(gemv_bf16=True, amx=True, avx512=True, quantized_gemv=True, quantized_interleave_rows=16)
+    plan = plan_kernels(amx, torch.bfloat16, shape, int8_activations=True)
+    assert plan.quantized_int8_activations and plan.quantized_fused_max_rows == 0
+    assert "int8 activations up to 4 rows: wider inputs take the AMX tiles" in plan.description
+    planar = CpuKernels(gemv_bf16=True, avx512=True, quantized_gemv=True)
+    plan = plan_kernels(planar, torch.bfloat16, shape, int8_activations=True)
+    assert not plan.quantized_int8_activations and plan.quantized_fused_max_rows == QUANTIZED_FUSED_MAX_ROWS
+    assert "int16 activations: int8 ones need the interleaved kernels" in plan.description
+
+
+@needs_interleaved
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 13, 70])
+def test_int8_activations_match_a_float64_reference(qtype, num_rows) -> None:
+    """One int8 level per 32 values at every width (no residual, no slabs), against exactly that, the
+    [gate | up] weight's silu(gate) * up included."""
+    ops = torch.ops.kvserve
+    for rows, cols in shapes_of(qtype):
+        blocks = random_blocks(qtype, rows, cols, seed=num_rows + 1)
+        weight = QuantizedWeight.from_blocks(int(qtype), blocks, cols, interleave=True)
+        w = torch.from_numpy(dequantize(blocks, qtype)).double()
+        x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(rows + 1)).bfloat16()
+        bias = torch.randn(rows).bfloat16()
+        got = ops.quant_linear(x, weight.data, weight.types, cols, None if num_rows == 8 else bias, GEMV_ROWS,
+                               QUANTIZED_INT8_MAX_ROWS, True)
+        assert_close(got, int8_activations(x, block=32) @ w.T + (0 if num_rows == 8 else bias.double()))
+    gate_up = concat_rows([QuantizedWeight.from_blocks(int(qtype), random_blocks(qtype, rows, cols, seed=s), cols,
+                                                       interleave=True) for s in (1, 2)])
+    gate, up = (int8_activations(x, block=32) @ gate_up.dequantize(torch.float64).T).chunk(2, dim=-1)
+    got = ops.quant_linear_silu_mul(x, gate_up.data, gate_up.types, cols, GEMV_ROWS, QUANTIZED_INT8_MAX_ROWS, True)
+    ref = F.silu(gate) * up
+    torch.testing.assert_close(got.double(), ref, rtol=2 * RTOL, atol=2 * RTOL * ref.abs().max().item())
+
+
+@needs_interleaved
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_int8_activations_give_each_row_what_it_gets_alone(qtype) -> None:
+    """With int8 activations a row's products do not depend on how many rows come with it, at any width
+    (drafts verified beside their request, a request decoded beside others, a prompt in chunks of any size);
+    and they are not the int16 activations' products (the test can tell)."""
+    rows, cols = shapes_of(qtype)[-1]
+    weight = QuantizedWeight.from_blocks(int(qtype), random_blocks(qtype, rows, cols, seed=7), cols, interleave=True)
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(9)).bfloat16()
+    ops = torch.ops.kvserve
+
+    def products(inputs: torch.Tensor, int8: bool = True) -> torch.Tensor:
+        return ops.quant_linear(inputs, weight.data, weight.types, cols, None, GEMV_ROWS, QUANTIZED_INT8_MAX_ROWS,
+                                int8)
+
+    together = products(x)
+    for i in (0, 7, 8, 33, 69):
+        assert torch.equal(together[i : i + 1], products(x[i : i + 1]))
+    assert torch.equal(together[5:18], products(x[5:18]))
+    assert not torch.equal(together[:8], products(x[:8], int8=False))
 
 
 @needs_interleaved

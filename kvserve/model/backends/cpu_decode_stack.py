@@ -113,10 +113,11 @@ class FusedDecodeStack:
                    [layer.post_attention_norm for layer in layers], packed, single_row, biases, (q_norms, k_norms),
                    projections=linear.kernels.name)
 
-    def _quantized_args(self) -> tuple[list[torch.Tensor], list[int], list[int], list[int], int, int]:
+    def _quantized_args(self) -> tuple[list[torch.Tensor], list[int], list[int], list[int], int, int, bool]:
         q = self.quantized
-        return (([], [], [], [], 0, 0) if q is None
-                else (q.data, q.types, q.segments, q.cols, q.gemv_max_rows, q.widths.fused_max_rows))
+        return (([], [], [], [], 0, 0, False) if q is None
+                else (q.data, q.types, q.segments, q.cols, q.gemv_max_rows, q.widths.fused_max_rows,
+                      q.widths.int8_activations))
 
     def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
         rows = hidden.shape[0]

@@ -57,6 +57,10 @@ QUANTIZED_FUSED_MAX_ROWS = 64
 # (benchmarks/quantized.py --widths, Zen 4): ahead of the interleaved slabs up to 64 rows, behind at 512.
 # On AMX the slabs take everything past the few rows.
 QUANTIZED_INTERLEAVED_MAX_ROWS = 64
+# With int8 activations (--quantized-activations int8, one level per 32 values) the interleaved int8 dot
+# products take every width where there is no AMX: ahead of the slabs at prompt-chunk widths too
+# (benchmarks/quantized.py --widths).
+QUANTIZED_INT8_MAX_ROWS = 2**31 - 1
 
 Family = Literal["amx", "bf16dot", "avx512", "avx2"]
 
@@ -84,6 +88,9 @@ class KernelPlan:
     # Whether they are held interleaved sixteen rows at a time (model/quantized_layout.py), whose int8 dot
     # products then take every input up to the wider of the two widths above.
     quantized_interleaved: bool = False
+    # Whether their int8 dot products take one int8 level of activations per 32 values at every width they
+    # take (--quantized-activations int8), rather than an int8 residual past the few rows.
+    quantized_int8_activations: bool = False
     # Whether --quantization auto (the default) keeps them in blocks: True where the quantised kernels are at
     # least as fast as dense weights at batch widths too; False where only --quantization gguf asks for them.
     quantized_by_default: bool = True
@@ -101,7 +108,9 @@ class KernelPlan:
             parts.append("fused decode stack")
         if self.quantized_interleaved:
             rows = max(self.quantized_gemv_max_rows or 0, self.quantized_fused_max_rows)
-            parts.append(f"quantised weights packed (interleaved, int8 dot products up to {rows} rows)")
+            widths = "at every width" if rows == QUANTIZED_INT8_MAX_ROWS else f"up to {rows} rows"
+            activations = ", int8 activations" if self.quantized_int8_activations else ""
+            parts.append(f"quantised weights packed (interleaved, int8 dot products {widths}{activations})")
         elif self.quantized_gemv_max_rows is not None:
             paths = ([f"int8 dot products up to {self.quantized_gemv_max_rows} rows"] if self.quantized_gemv_max_rows
                      else []) + ([f"panels multiplied where they are read up to {self.quantized_fused_max_rows} rows"]
@@ -115,10 +124,12 @@ class KernelPlan:
         """The quantised kernels' paths by width; None where quantised weights are dequantised at load."""
         if self.quantized_gemv_max_rows is None:
             return None
-        return QuantizedWidths(self.quantized_gemv_max_rows, self.quantized_fused_max_rows)
+        return QuantizedWidths(self.quantized_gemv_max_rows, self.quantized_fused_max_rows,
+                               self.quantized_int8_activations)
 
 
-def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> KernelPlan:
+def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig,
+                 int8_activations: bool = False) -> KernelPlan:
     bf16 = dtype == torch.bfloat16
     head_dim = arch.head_dim
     dtype_name = str(dtype).removeprefix("torch.")
@@ -192,7 +203,13 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
     # --widths).
     quantized_interleaved = bool(quantized_gemv_max_rows) and kernels.quantized_interleave_rows > 0
     if quantized_interleaved and quantized_fused_max_rows:
-        quantized_fused_max_rows = QUANTIZED_INTERLEAVED_MAX_ROWS
+        quantized_fused_max_rows = QUANTIZED_INT8_MAX_ROWS if int8_activations else QUANTIZED_INTERLEAVED_MAX_ROWS
+    quantized_int8_activations = int8_activations and quantized_interleaved
+    if int8_activations and not quantized_int8_activations and quantized_gemv_max_rows is not None:
+        fallbacks.append("int16 activations: int8 ones need the interleaved kernels (AVX512-VNNI)")
+    elif quantized_int8_activations and not quantized_fused_max_rows:
+        fallbacks.append(f"int8 activations up to {quantized_gemv_max_rows} rows: wider inputs take the AMX tiles "
+                         "on dequantised weights")
     quantized_by_default = quantized_gemv_max_rows is not None and kernels.avx512
     if quantized_gemv_max_rows is not None and not quantized_by_default:
         fallbacks.append("quantised weights in their blocks only with --quantization gguf: without AVX-512 a batch "
@@ -201,6 +218,7 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig) -> K
                       fused_decode=fused_decode, quantized_gemv_max_rows=quantized_gemv_max_rows,
                       quantized_fused_max_rows=quantized_fused_max_rows,
                       quantized_interleaved=quantized_interleaved, quantized_by_default=quantized_by_default,
+                      quantized_int8_activations=quantized_int8_activations,
                       avx512_carries_step=projections in ("avx512", "bf16dot") and attention == "avx512"
                       and gemv_max_rows == 0,
                       fallbacks=tuple(fallbacks))

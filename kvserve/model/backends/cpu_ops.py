@@ -165,10 +165,12 @@ class QuantizedWidths:
     at most ``gemv_max_rows`` the int8 dot products on the blocks (0: none), else at most ``fused_max_rows``
     panels of the weight multiplied by the worker that reads them (the weights' integers on VDPBF16PS, or
     dequantised panels; 0: none), wider ones the weight dequantised in slabs ahead of the packed bf16
-    kernels (or torch's matmul)."""
+    kernels (or torch's matmul). ``int8_activations``: interleaved weights' int8 dot products take one int8
+    level of activations per 32 values at every width they take."""
 
     gemv_max_rows: int
     fused_max_rows: int = 0
+    int8_activations: bool = False
 
 
 class ActivationLevels:
@@ -201,11 +203,13 @@ class QuantizedKernels:
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.kvserve.quant_linear(x, weight.data, weight.types, weight.cols, bias,
-                                              self._one_level_rows(weight), self.widths.fused_max_rows)
+                                              self._one_level_rows(weight), self.widths.fused_max_rows,
+                                              self.widths.int8_activations)
 
     def gate_up_silu(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         return torch.ops.kvserve.quant_linear_silu_mul(x, weight.data, weight.types, weight.cols,
-                                                       self._one_level_rows(weight), self.widths.fused_max_rows)
+                                                       self._one_level_rows(weight), self.widths.fused_max_rows,
+                                                       self.widths.int8_activations)
 
     def _one_level_rows(self, weight: QuantizedWeight) -> int:
         # The planar layout's few-row kernel keeps its own limit.

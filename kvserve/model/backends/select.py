@@ -16,13 +16,15 @@ logger = logging.getLogger(__name__)
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, arch: ArchConfig, want_kernels: bool,
-                   config: BackendConfig) -> Backend:
+                   config: BackendConfig, int8_activations: bool = False) -> Backend:
     """The C++ kernels on a CPU where they build and load (unless ``want_kernels`` is False), else the torch
-    reference. What each kernel takes is decided by the backend's own plan, from the CPU, dtype and shape."""
+    reference. What each kernel takes is decided by the backend's own plan, from the CPU, dtype and shape, and
+    whether quantised weights' kernels may take int8 activations at every width."""
     kernels = load_cpu_kernels() if want_kernels and device.type == "cpu" else None
     if kernels is not None:
         # Its description names each part's kernel and why any part fell back (the plan's reasons).
-        backend: Backend = CpuKernelsBackend(plan_kernels(kernels, dtype, arch), arch, device, config)
+        backend: Backend = CpuKernelsBackend(plan_kernels(kernels, dtype, arch, int8_activations),
+                                               arch, device, config)
         logger.info("backend: %s", backend.description)
         return backend
     why = ("not wanted" if not want_kernels else f"none for {device.type}" if device.type != "cpu"

@@ -339,9 +339,10 @@ void avx2_matmul_packed(const float* x_wide, int64_t M, const at::BFloat16* pack
 
 // quantized.cpp
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows, int64_t fused_max_rows);
+                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows, int64_t fused_max_rows,
+                        bool int8_activations = false);
 at::Tensor quant_linear_silu_mul(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                                 int64_t gemv_max_rows, int64_t fused_max_rows);
+                                 int64_t gemv_max_rows, int64_t fused_max_rows, bool int8_activations = false);
 at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t cols, const at::Tensor& rows,
                             at::ScalarType dtype);
 bool has_quantized_gemv();
@@ -407,7 +408,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
     at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
-    int64_t quant_fused_max_rows, c10::string_view projections, c10::string_view attention);
+    int64_t quant_fused_max_rows, bool quant_int8_activations, c10::string_view projections,
+    c10::string_view attention);
 
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& x);

@@ -79,7 +79,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
     at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
-    int64_t quant_fused_max_rows, c10::string_view projections, c10::string_view attention) {
+    int64_t quant_fused_max_rows, bool quant_int8_activations, c10::string_view projections,
+    c10::string_view attention) {
   const ProjectionFamily family = ProjectionFamily::named(projections);
   TORCH_CHECK(attention == "amx" || attention == "avx512" || attention == "none",
               "decode_stack: unknown attention family ", attention);
@@ -144,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
       if (!quantized) return family.project(in, packed[l], raw(i), bias);
       const int64_t a = first_segment[4 * l + i], b = first_segment[4 * l + i + 1];
       return quant_linear(in, quant_data.slice(a, b - a), quant_types.slice(a, b - a), quant_cols[4 * l + i], bias,
-                          quant_gemv_max_rows, quant_fused_max_rows);
+                          quant_gemv_max_rows, quant_fused_max_rows, quant_int8_activations);
     };
     const at::Tensor qkv = projection(x, 0, qkv_packed,
                                       qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[l]));
@@ -182,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     if (quantized) {
       const int64_t a = first_segment[4 * l + 2], b = first_segment[4 * l + 3];
       h = quant_linear_silu_mul(x2, quant_data.slice(a, b - a), quant_types.slice(a, b - a), quant_cols[4 * l + 2],
-                                quant_gemv_max_rows, quant_fused_max_rows);
+                                quant_gemv_max_rows, quant_fused_max_rows, quant_int8_activations);
     } else {
       h = gemv ? silu_mul(family.project(x2, gate_up_packed[l], raw(2)))
                : family.linear_silu_mul(x2, gate_up_packed[l]);

@@ -1185,7 +1185,7 @@ void matmul_panels_torch(const at::Tensor& x, const Segments& w, const PanelRows
 
 at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArrayRef types, int64_t cols,
                          const c10::optional<at::Tensor>& bias_in, bool fused_silu, int64_t gemv_max_rows,
-                         int64_t fused_max_rows, const char* op) {
+                         int64_t fused_max_rows, bool int8_activations, const char* op) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, op, ": bf16 activations only");
   const Segments w(data, types, cols, op);
   const int64_t K = cols, N = w.rows();
@@ -1210,11 +1210,15 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
     TORCH_CHECK(!fused_silu || width % kInterleavedRows == 0, op,
                 ": an interleaved [gate | up] weight has whole groups of gate rows");
 #if KVSERVE_HAS_VNNI
-    // Up to the fused width the int8 dot products (past the few-row limit with the activations' residuals);
-    // wider inputs (prefill chunks) the slabs, dequantised.
+    // Up to the fused width the int8 dot products (past the few-row limit with the activations' residuals,
+    // unless int8_activations asks for one int8 level per chunk at every width); wider inputs (prefill
+    // chunks) the slabs, dequantised.
     if (M <= std::max(gemv_max_rows, fused_max_rows)) {
-      interleaved_linear(x.data_ptr<at::BFloat16>(), M, w, bp, fused_silu, M > gemv_max_rows,
-                         out.data_ptr<at::BFloat16>(), width);
+      const ActivationCode code = int8_activations  ? ActivationCode::kInt8Coarse
+                                  : M > gemv_max_rows ? ActivationCode::kInt16
+                                                      : ActivationCode::kInt8;
+      interleaved_linear(x.data_ptr<at::BFloat16>(), M, w, bp, fused_silu, code, out.data_ptr<at::BFloat16>(),
+                         width);
     } else {
       const bool amx = KVSERVE_HAS_AMX && request_amx();
       const at::Tensor x_wide = amx || KVSERVE_HAS_AVX512_BF16 ? at::Tensor() : x.to(at::kFloat);
@@ -1272,13 +1276,15 @@ at::Tensor quant_forward(const at::Tensor& x_in, at::TensorList data, at::IntArr
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows, int64_t fused_max_rows) {
-  return quant_forward(x, data, types, cols, bias, false, gemv_max_rows, fused_max_rows, "quant_linear");
+                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows, int64_t fused_max_rows,
+                        bool int8_activations) {
+  return quant_forward(x, data, types, cols, bias, false, gemv_max_rows, fused_max_rows, int8_activations,
+                       "quant_linear");
 }
 
 at::Tensor quant_linear_silu_mul(const at::Tensor& x, at::TensorList data, at::IntArrayRef types, int64_t cols,
-                                 int64_t gemv_max_rows, int64_t fused_max_rows) {
-  return quant_forward(x, data, types, cols, c10::nullopt, true, gemv_max_rows, fused_max_rows,
+                                 int64_t gemv_max_rows, int64_t fused_max_rows, bool int8_activations) {
+  return quant_forward(x, data, types, cols, c10::nullopt, true, gemv_max_rows, fused_max_rows, int8_activations,
                        "quant_linear_silu_mul");
 }
 

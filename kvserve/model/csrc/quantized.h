@@ -128,6 +128,12 @@ inline void store16_silu_mul(at::BFloat16* dst, __m512 gate_products, __m512 up_
 }
 #endif
 
+// How the interleaved kernels quantise the activations: one int8 level per sixteen values; two levels, an int8
+// value and an int8 residual (about 16 bits, as near the exact products as bf16 activations, for twice the dot
+// products); or one int8 level per 32 values, a weight chunk's (llama.cpp's Q8_0 grain: a chunk's products are
+// converted and scaled once, where the finer codes take two conversions and scales per chunk).
+enum class ActivationCode { kInt8, kInt16, kInt8Coarse };
+
 // quantized_interleaved.cpp. A group: sixteen rows' blocks interleaved, 16 x row_bytes bytes.
 // Whether this build has the interleaved kernels (AVX-512 with VNNI); the layout is only made where it does.
 constexpr bool kHasInterleavedKernels = KVSERVE_HAS_VNNI;
@@ -135,9 +141,9 @@ constexpr bool kHasInterleavedKernels = KVSERVE_HAS_VNNI;
 void interleaved_dequantize_row(int64_t type, const uint8_t* group, int64_t r, int64_t K, float* out);
 #if KVSERVE_HAS_VNNI
 // y = x W^T (+ bias) on int8 dot products, or (silu_mul, W = [gate | up]) silu(x G^T) * (x U^T); out is
-// [M, ld] bf16. two_levels: the activations to about 16 bits (an int8 residual beside their int8 values).
+// [M, ld] bf16, the activations coded as `code`.
 void interleaved_linear(const at::BFloat16* x, int64_t M, const Segments& w, const at::BFloat16* bias, bool silu_mul,
-                        bool two_levels, at::BFloat16* out, int64_t ld);
+                        ActivationCode code, at::BFloat16* out, int64_t ld);
 // A group's sixteen rows dequantised to bf16 into the packed projections' tiles (K / 32 tiles of 512 values,
 // a tile's sixteen pairs of k for each row side by side), as the slabs' planar dequantiser writes them.
 void interleaved_dequantize_tiles(int64_t type, const uint8_t* group, int64_t K, at::BFloat16* tiles);

@@ -186,44 +186,71 @@ struct Interleaved {
   }
 };
 
-// x rows quantised per sixteen values: q = round(x / scale), scale = max|x| / 127, and (two levels) the
-// residual r = round(256 (x / scale - q)), so x = scale (q + r / 256) to about 16 bits. Per half chunk: the
-// scale (divided by 256 with two levels, as the products are then 256 q + r), minus the sum of q (and of r);
-// per chunk: the sum over its halves of the values' sums (what an offset multiplies).
-struct HalfChunkActivations {
-  bool two_levels;
+// x rows quantised to int8, q = round(x / scale), scale = max|x| / 127: kInt8 and kInt16 per sixteen values,
+// kInt16 with the residual r = round(256 (x / scale - q)) beside, so x = scale (q + r / 256) to about 16 bits;
+// kInt8Coarse per 32 values (a weight chunk's). Per scale: the scale (divided by 256 with two levels, as the
+// products are then 256 q + r); per sixteen values: minus the sum of q (and of r); per chunk: the sum over its
+// halves of the values' sums (what an offset multiplies).
+struct ChunkActivations {
+  ActivationCode code;
   std::vector<int8_t> q, r;           // [M, K]
-  std::vector<float> scale;           // [M, K / 16]
+  std::vector<float> scale;           // [M, K / 16], kInt8Coarse [M, K / 32]
   std::vector<int32_t> neg_sums;      // [M, K / 16]
   std::vector<int32_t> neg_residual_sums;  // [M, K / 16]
   std::vector<float> scaled_sums;     // [M, K / 32]
 
-  HalfChunkActivations(const at::BFloat16* x, int64_t M, int64_t K, bool two_levels)
-      : two_levels(two_levels), q(M * K), r(two_levels ? M * K : 0), scale(M * K / 16), neg_sums(M * K / 16),
-        neg_residual_sums(two_levels ? M * K / 16 : 0), scaled_sums(M * K / 32) {
-    for (int64_t h = 0; h < M * K / 16; ++h) {
-      const __m512 v = load16(x + 16 * h);
-      const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      const __m512 scaled = _mm512_mul_ps(v, _mm512_set1_ps(inv));
-      const __m512i qi = _mm512_cvtps_epi32(scaled);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + 16 * h), _mm512_cvtsepi32_epi8(qi));
-      const int32_t sum = _mm512_reduce_add_epi32(qi);
-      neg_sums[h] = -sum;
-      float value_sum = d * static_cast<float>(sum);
-      scale[h] = d;
-      if (two_levels) {
-        const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(qi)), _mm512_set1_ps(256.f));
-        const __m128i ri = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rest));  // |rest| <= 128: 128 saturates
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(r.data() + 16 * h), ri);
-        const int32_t rest_sum = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(ri));
-        neg_residual_sums[h] = -rest_sum;
-        value_sum = d * (static_cast<float>(sum) + static_cast<float>(rest_sum) / 256.f);
-        scale[h] = d / 256.f;
+  ChunkActivations(const at::BFloat16* x, int64_t M, int64_t K, ActivationCode code)
+      : code(code), q(M * K), r(code == ActivationCode::kInt16 ? M * K : 0),
+        scale(code == ActivationCode::kInt8Coarse ? M * K / 32 : M * K / 16), neg_sums(M * K / 16),
+        neg_residual_sums(code == ActivationCode::kInt16 ? M * K / 16 : 0), scaled_sums(M * K / 32) {
+    // Rows split between the workers where there are enough of them to pay for the hand-off (prompt chunks).
+    parallel_range(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+      for (int64_t c = m0 * K / 32; c < m1 * K / 32; ++c) {
+        if (this->code == ActivationCode::kInt8Coarse) quantize_chunk(x, c);
+        else for (int64_t h = 2 * c; h < 2 * c + 2; ++h) quantize_half(x, h);
       }
-      if (h % 2 == 0) scaled_sums[h / 2] = value_sum;
-      else scaled_sums[h / 2] += value_sum;
+    });
+  }
+
+ private:
+  void quantize_half(const at::BFloat16* x, int64_t h) {
+    const __m512 v = load16(x + 16 * h);
+    const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 scaled = _mm512_mul_ps(v, _mm512_set1_ps(inv));
+    const __m512i qi = _mm512_cvtps_epi32(scaled);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + 16 * h), _mm512_cvtsepi32_epi8(qi));
+    const int32_t sum = _mm512_reduce_add_epi32(qi);
+    neg_sums[h] = -sum;
+    float value_sum = d * static_cast<float>(sum);
+    scale[h] = d;
+    if (code == ActivationCode::kInt16) {
+      const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(qi)), _mm512_set1_ps(256.f));
+      const __m128i ri = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rest));  // |rest| <= 128: 128 saturates
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.data() + 16 * h), ri);
+      const int32_t rest_sum = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(ri));
+      neg_residual_sums[h] = -rest_sum;
+      value_sum = d * (static_cast<float>(sum) + static_cast<float>(rest_sum) / 256.f);
+      scale[h] = d / 256.f;
     }
+    if (h % 2 == 0) scaled_sums[h / 2] = value_sum;
+    else scaled_sums[h / 2] += value_sum;
+  }
+
+  void quantize_chunk(const at::BFloat16* x, int64_t c) {
+    const __m512 v[2] = {load16(x + 32 * c), load16(x + 32 * c + 16)};
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int half = 0; half < 2; ++half) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[half], _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + 32 * c + 16 * half), _mm512_cvtsepi32_epi8(qi));
+      const int32_t half_sum = _mm512_reduce_add_epi32(qi);
+      neg_sums[2 * c + half] = -half_sum;
+      sum += half_sum;
+    }
+    scale[c] = d;
+    scaled_sums[c] = d * static_cast<float>(sum);
   }
 };
 
@@ -233,11 +260,50 @@ inline __m512i broadcast4(const int8_t* at) {
   return _mm512_set1_epi32(v);
 }
 
-// acc[i] (16 rows' outputs) for activation rows m0 .. m0 + MT - 1 against one group, with the activations'
-// residuals where TwoLevels. The next group (the worker's next, `fetch`) is fetched as this one is read, a
-// chunk's share at a time.
-template <int64_t Type, int MT, bool TwoLevels>
-inline void group_tile(const GroupParts& p, int64_t K, const HalfChunkActivations& xa, int64_t m0,
+// Chunk c's products for MT activation rows coded kInt8Coarse, added to acc: one scale per chunk, so a chunk
+// is one sum of products converted once (Q6_K, whose halves have their own weight scales: one per half). The
+// rows' sums advance together, a weight register at a time, so that MT independent chains of dot products
+// are in flight.
+template <typename F, int MT>
+inline void coarse_products(const ChunkActivations& xa, int64_t m0, int64_t c, int64_t chunks, int64_t K,
+                            const __m512i w[8], __m512 d0, __m512 d1, __m512 m, __m512 acc[MT]) {
+  // Weight registers g0 .. g1 - 1 (half: 0 or 1 for one half's four, -1 for the chunk's eight) at scale d.
+  auto products = [&](int g0, int g1, int half, __m512 d) {
+    __m512i s[MT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const int32_t* neg = xa.neg_sums.data() + ((m0 + i) * chunks + c) * 2;
+      s[i] = F::kSymmetric ? _mm512_set1_epi32(F::kOffset * (half < 0 ? neg[0] + neg[1] : neg[half]))
+                           : _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int g = g0; g < g1; ++g)
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i)
+        s[i] = _mm512_dpbusd_epi32(s[i], w[g], broadcast4(xa.q.data() + (m0 + i) * K + 32 * c + 4 * g));
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m512 scale = _mm512_set1_ps(xa.scale[(m0 + i) * chunks + c]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, scale), acc[i]);
+    }
+  };
+  if constexpr (std::is_same_v<F, Interleaved<kQ6_K>>) {
+    products(0, 4, 0, d0);
+    products(4, 8, 1, d1);
+  } else {
+    products(0, 8, -1, d0);
+  }
+  if constexpr (!F::kSymmetric)
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xa.scaled_sums[(m0 + i) * chunks + c]), acc[i]);
+}
+
+// acc[i] (16 rows' outputs) for activation rows m0 .. m0 + MT - 1 against one group, the activations coded
+// as Code. The next group (the worker's next, `fetch`) is fetched as this one is read, a chunk's share at a
+// time.
+template <int64_t Type, int MT, ActivationCode Code>
+inline void group_tile(const GroupParts& p, int64_t K, const ChunkActivations& xa, int64_t m0,
                        const uint8_t* fetch, int64_t fetch_step, __m512 acc[MT]) {
   using F = Interleaved<Type>;
   const int64_t chunks = K / 32;
@@ -262,13 +328,17 @@ inline void group_tile(const GroupParts& p, int64_t K, const HalfChunkActivation
         *s1 = _mm512_dpbusd_epi32(*s1, w[g + 4], broadcast4(x + 16 + 4 * g));
       }
     };
+    if constexpr (Code == ActivationCode::kInt8Coarse) {
+      coarse_products<F, MT>(xa, m0, c, chunks, K, w, d0, d1, m, acc);
+      continue;
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       const int64_t h = ((m0 + i) * chunks + c) * 2;  // the chunk's first half
       const int64_t at = (m0 + i) * K + 32 * c;
       __m512i s0, s1;
       half_products(xa.q.data() + at, xa.neg_sums.data() + h, &s0, &s1);
-      if constexpr (TwoLevels) {  // 256 sum(w q) + sum(w r): within int32 for every format's weights
+      if constexpr (Code == ActivationCode::kInt16) {  // 256 sum(w q) + sum(w r): within int32 for every format
         __m512i r0, r1;
         half_products(xa.r.data() + at, xa.neg_residual_sums.data() + h, &r0, &r1);
         s0 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), r0);
@@ -283,7 +353,7 @@ inline void group_tile(const GroupParts& p, int64_t K, const HalfChunkActivation
 
 // Every activation row against one group: out[m * 16 ..] in fp32, in tiles of 8, 4, 2 and 1 rows.
 template <int64_t Type>
-void group_products(const uint8_t* group, int64_t stride, int64_t K, const HalfChunkActivations& xa, int64_t M,
+void group_products(const uint8_t* group, int64_t stride, int64_t K, const ChunkActivations& xa, int64_t M,
                     float* out) {
   const GroupParts p = group_parts(Type, group);
   const int64_t group_bytes = kInterleavedRows * stride, chunks = K / 32;
@@ -291,8 +361,13 @@ void group_products(const uint8_t* group, int64_t stride, int64_t K, const HalfC
   auto tile = [&](auto rows, int64_t m0, const uint8_t* fetch, int64_t step) {
     constexpr int MT = decltype(rows)::value;
     __m512 acc[MT];
-    if (xa.two_levels) group_tile<Type, MT, true>(p, K, xa, m0, fetch, step, acc);
-    else group_tile<Type, MT, false>(p, K, xa, m0, fetch, step, acc);
+    switch (xa.code) {
+      case ActivationCode::kInt8: group_tile<Type, MT, ActivationCode::kInt8>(p, K, xa, m0, fetch, step, acc); break;
+      case ActivationCode::kInt16: group_tile<Type, MT, ActivationCode::kInt16>(p, K, xa, m0, fetch, step, acc); break;
+      case ActivationCode::kInt8Coarse:
+        group_tile<Type, MT, ActivationCode::kInt8Coarse>(p, K, xa, m0, fetch, step, acc);
+        break;
+    }
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + (m0 + i) * 16, acc[i]);
   };
   int64_t m0 = 0;
@@ -304,7 +379,7 @@ void group_products(const uint8_t* group, int64_t stride, int64_t K, const HalfC
   if (M - m0 >= 1) tile(std::integral_constant<int, 1>{}, m0, group + group_bytes, fetch(m0));
 }
 
-void products_of_rows(const Segments& w, int64_t n, const HalfChunkActivations& xa, int64_t M, float* out) {
+void products_of_rows(const Segments& w, int64_t n, const ChunkActivations& xa, int64_t M, float* out) {
   const int64_t s = w.segment_of(n);
   with_type(w.types[s], [&](auto tag) {
     group_products<decltype(tag)::value>(w.row(s, n), w.row_bytes[s], w.K, xa, M, out);
@@ -370,9 +445,9 @@ void interleaved_dequantize_row(int64_t type, const uint8_t* group, int64_t r, i
 
 #if KVSERVE_HAS_VNNI
 void interleaved_linear(const at::BFloat16* x, int64_t M, const Segments& w, const at::BFloat16* bias, bool silu_mul,
-                        bool two_levels, at::BFloat16* out, int64_t ld) {
+                        ActivationCode code, at::BFloat16* out, int64_t ld) {
   const int64_t N = w.rows(), width = silu_mul ? N / 2 : N;
-  const HalfChunkActivations xa(x, M, w.K, two_levels);
+  const ChunkActivations xa(x, M, w.K, code);
   parallel_range(0, width / 16, 1, [&](int64_t g0, int64_t g1) {
     static thread_local std::vector<float> results;  // [2 (gate, up)][M][16]
     if (static_cast<int64_t>(results.size()) < 2 * M * 16) results.resize(2 * M * 16);

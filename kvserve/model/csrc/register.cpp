@@ -37,10 +37,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed) -> Tensor", &kvserve::amx_linear_silu_mul);
   m.def("has_avx512() -> bool", &kvserve::has_avx512);
   m.def("quant_linear(Tensor x, Tensor[] data, int[] types, int cols, Tensor? bias, int gemv_max_rows, "
-        "int fused_max_rows) -> Tensor",
+        "int fused_max_rows, bool int8_activations=False) -> Tensor",
         &kvserve::quant_linear);
   m.def("quant_linear_silu_mul(Tensor x, Tensor[] data, int[] types, int cols, int gemv_max_rows, "
-        "int fused_max_rows) -> Tensor",
+        "int fused_max_rows, bool int8_activations=False) -> Tensor",
         &kvserve::quant_linear_silu_mul);
   m.def("quant_dequantize(Tensor data, int type, int cols, Tensor rows, ScalarType dtype) -> Tensor",
         &kvserve::quant_dequantize);
@@ -78,7 +78,7 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor? prefix_kv_lens, Tensor? prefix_q_starts, Tensor[] prefix_packed, Tensor[] single_row_weights, "
         "Tensor[] qkv_biases, Tensor[] q_norms, Tensor[] k_norms, int num_heads, int num_kv_heads, "
         "float eps, float scale, int split_size, Tensor[] quant_data, int[] quant_types, int[] quant_segments, "
-        "int[] quant_cols, int quant_gemv_max_rows, int quant_fused_max_rows, str projections, str attention) -> (Tensor, Tensor)",
+        "int[] quant_cols, int quant_gemv_max_rows, int quant_fused_max_rows, bool quant_int8_activations, str projections, str attention) -> (Tensor, Tensor)",
         &kvserve::decode_stack);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int split_size) -> (Tensor, Tensor)",
