@@ -8,7 +8,8 @@ One server at a time, each started fresh (empty cache), the same `kvserve bench`
 the agentic workload (sessions sharing a ~1,500-token tool-schema system prompt, every turn resending
 the conversation) and the chat workload (distinct prompts), at each concurrency. ``kvserve-ngram`` is
 kvserve with n-gram speculative decoding on; ``kvserve-bf16`` is kvserve with the GGUF dequantised to bf16
-at load (``--quantization none``), compared as a peer of the quantised default. ``kvserve-dashboard`` is
+at load (``--quantization none``), compared as a peer of the quantised default; ``kvserve-int8`` is kvserve
+with int8 activations on its quantised kernels (``--quantized-activations int8``). ``kvserve-dashboard`` is
 kvserve with its live dashboard open in headless Chromium (through Playwright) for the whole run, and
 ``kvserve-stats-poll`` kvserve with a client fetching what the page fetches (``/kvserve/stats`` once a
 second) and no browser: each compared with plain kvserve, to tell what the page asks of the server from what
@@ -45,7 +46,8 @@ import httpx
 from kvserve.model.loader import resolve_model_path
 
 PORTS = {"kvserve": 8100, "llamacpp": 8101, "vllm": 8102, "kvserve-ngram": 8103, "vllm-fp32": 8104,
-         "kvserve-bf16": 8105, "llama-server": 8106, "kvserve-dashboard": 8107, "kvserve-stats-poll": 8108}
+         "kvserve-bf16": 8105, "llama-server": 8106, "kvserve-dashboard": 8107, "kvserve-stats-poll": 8108,
+         "kvserve-int8": 8109}
 # Variants compared with one kvserve setting only, not with the peers.
 COMPARED_WITH = {"kvserve-dashboard": "kvserve", "kvserve-stats-poll": "kvserve"}
 # kvserve-bf16: kvserve with the GGUF's weights dequantised to bf16 at load (--quantization none), the
@@ -72,9 +74,9 @@ def cpu_description() -> str:
 
 def server_command(name: str, gguf: Path, hf_dir: Path, llama_server: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name in ("kvserve", "kvserve-ngram", "kvserve-bf16", "kvserve-dashboard", "kvserve-stats-poll"):
-        extra = (["--speculative-config", NGRAM_CONFIG] if name == "kvserve-ngram"
-                 else ["--quantization", "none"] if name == "kvserve-bf16" else [])
+    if name.startswith("kvserve"):
+        extra = {"kvserve-ngram": ["--speculative-config", NGRAM_CONFIG], "kvserve-bf16": ["--quantization", "none"],
+                 "kvserve-int8": ["--quantized-activations", "int8"]}.get(name, [])
         return [sys.executable, "-m", "kvserve", "serve", "--port", str(PORTS[name]), "--uvicorn-log-level",
                 "warning", *extra], env
     if name == "llamacpp":

@@ -1,5 +1,6 @@
 """Quantised weights run in their GGUF blocks against the same file dequantised: perplexity on a fixed text
-(tests/data/perplexity.txt, code and prose) within 1% of the float32 dequantised model's, greedy output
+(tests/data/perplexity.txt, code and prose) within 1% of the float32 dequantised model's, with int16
+activations (the default) and, where the build has the interleaved kernels, int8 ones; greedy output
 agreeing with the bf16 dequantised run on most prompts, and the weights held in about the file's size.
 
 The quantised runs are bf16 (the quantised kernels take bf16 activations); the perplexities and the greedy
@@ -56,23 +57,26 @@ def perplexity(llm: LLM, text: str) -> float:
     return math.exp(nll / (num_tokens - 1))
 
 
-def engine_for(model: str, quantization: str, dtype: str) -> LLM:
+def engine_for(model: str, quantization: str, dtype: str, activations: str = "int16") -> LLM:
     num_blocks = math.ceil(len(TEXT) / BLOCK_SIZE) // 2 + 64  # ~2 characters a token, at the least
     return LLM(model=model, quantization=quantization, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
-               max_num_batched_tokens=4096, enable_prefix_caching=False)
+               max_num_batched_tokens=4096, enable_prefix_caching=False, quantized_activations=activations)
 
 
 def check_perplexity(model: str) -> None:
     path = installed_model(model)
-    quantized = engine_for(str(path), "gguf", "bfloat16")
-    if quantized.engine.backend.quantized_types:  # else this machine dequantises at load: bf16 against float32
-        assert "GGUF blocks" in quantized.engine.model.weight_summary()
-    ppl_quantized = perplexity(quantized, TEXT)
-    del quantized
     ppl_float32 = perplexity(engine_for(str(path), "none", "float32"), TEXT)
-    print(f"\n{model}: perplexity quantised (bf16) {ppl_quantized:.4f}, dequantised float32 {ppl_float32:.4f}, "
-          f"ratio {ppl_quantized / ppl_float32:.4f}")
-    assert abs(ppl_quantized / ppl_float32 - 1) < 0.01
+    for activations in ("int16", "int8"):
+        quantized = engine_for(str(path), "gguf", "bfloat16", activations)
+        if quantized.engine.backend.quantized_types:  # else this machine dequantises at load: bf16 against float32
+            assert "GGUF blocks" in quantized.engine.model.weight_summary()
+        if activations == "int8" and "int8 activations" not in quantized.engine.backend.description:
+            continue  # no interleaved kernels here: int8 activations fall back to int16
+        ppl_quantized = perplexity(quantized, TEXT)
+        del quantized
+        print(f"\n{model}: perplexity quantised (bf16, {activations} activations) {ppl_quantized:.4f}, dequantised "
+              f"float32 {ppl_float32:.4f}, ratio {ppl_quantized / ppl_float32:.4f}")
+        assert abs(ppl_quantized / ppl_float32 - 1) < 0.01
 
 
 @pytest.mark.slow
@@ -141,3 +145,39 @@ def test_the_weights_are_held_in_about_the_file_size() -> None:
     default = LLM(model=str(path), num_kv_blocks=16)
     in_blocks = "GGUF blocks" in default.engine.model.weight_summary()
     assert in_blocks == default.engine.backend.quantized_by_default, default.engine.model.weight_summary()
+
+
+@pytest.mark.slow
+def test_with_int8_activations_output_does_not_depend_on_the_batch_or_on_speculation() -> None:
+    """One int8 level per 32 values at every width: a row's products are the same whatever rows run beside
+    it, and so is its decode attention, so greedy output alone, in a batch, and verified from n-gram drafts is
+    the same token for token (int16 activations give a batch past the few rows the residual level: their
+    outputs may differ by batch, but not by a request's own drafts). The int8 outputs are not the int16 ones
+    (the test can tell)."""
+    path = str(installed_model("smollm2-135m"))
+    params = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
+    # Prompts whose continuations repeat them first, so that drafts are taken before the proposer has seen
+    # prompts whose drafts fail (it drafts less after those).
+    prompts = ["Count: one, two, three, four, five, six, seven, eight, nine, ten. Again: one, two, three,",
+               "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+               "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+               *AGREEMENT_PROMPTS]
+
+    def alone(llm: LLM) -> list[list[int]]:  # a prompt at a time: the batch is the request and its drafts
+        return [list(llm.generate([prompt], params)[0].outputs[0].token_ids) for prompt in prompts]
+
+    llm = LLM(model=path, quantized_activations="int8", num_kv_blocks=256, enable_prefix_caching=False)
+    if "int8 activations" not in llm.engine.backend.description:
+        pytest.skip("int8 activations need the interleaved kernels (AVX512-VNNI)")
+    plain = alone(llm)
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)] == plain
+    del llm
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    speculated = LLM(model=path, quantized_activations="int8", num_kv_blocks=256, speculative_config=ngram)
+    assert alone(speculated) == plain
+    assert speculated.engine.stats().num_accepted_draft_tokens > 0  # drafts were verified and taken
+    del speculated
+    # With int16 activations too, a request's drafts take its own one level: speculation changes no token.
+    int16 = alone(LLM(model=path, num_kv_blocks=256))
+    assert alone(LLM(model=path, num_kv_blocks=256, speculative_config=ngram)) == int16
+    assert int16 != plain

@@ -87,6 +87,31 @@ def test_paged_decode_matches_reference(dtype, dim, split_size, group) -> None:
     torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_size", [48, 256])
+def test_a_sequences_attention_does_not_depend_on_the_batch_beside_it(dtype, split_size) -> None:
+    """A sequence's key splits follow its own length, not the batch's: alone (where its splits shorten so that
+    every thread has work) and beside longer and shorter ones, bit for bit the same output and log-sum-exp,
+    so a request's drafts verified beside it, or other requests, change none of its logits."""
+    torch.manual_seed(split_size)
+    block_size, kv_heads, dim = 16, 2, 64
+    cache = random_cache(128, block_size, kv_heads, dim, dtype)
+    lens = torch.tensor([40, 1, 333, 40, 17, 200], dtype=torch.int32)
+    max_blocks = -(-int(lens.max()) // block_size)
+    table = torch.randperm(128)[: len(lens) * max_blocks].view(len(lens), max_blocks).to(torch.int32)
+    q = torch.randn(len(lens), kv_heads, 3, dim, dtype=dtype)
+    out, lse = torch.ops.kvserve.paged_decode(q, cache[0], cache[1], table, lens, dim**-0.5, split_size)
+    for b in range(len(lens)):
+        alone, alone_lse = torch.ops.kvserve.paged_decode(q[b : b + 1], cache[0], cache[1], table[b : b + 1],
+                                                          lens[b : b + 1], dim**-0.5, split_size)
+        assert torch.equal(out[b : b + 1], alone) and torch.equal(lse[b : b + 1], alone_lse)
+    # The first sequence's drafts: the same block table, one key longer each.
+    rows = torch.tensor([40, 41, 42, 43], dtype=torch.int32)
+    together, _ = torch.ops.kvserve.paged_decode(q[:1].expand(4, -1, -1, -1).contiguous(), cache[0], cache[1],
+                                                 table[:1].expand(4, -1).contiguous(), rows, dim**-0.5, split_size)
+    assert torch.equal(together[:1], out[:1])
+
+
 def test_empty_sequence_gives_zero_output_and_minus_infinite_lse() -> None:
     """A request whose keys all live in the shared prefix has an empty suffix: it must not poison the merge."""
     cache = random_cache(4, 16, 1, 64, torch.float32)

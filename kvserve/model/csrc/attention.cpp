@@ -394,15 +394,22 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t block_size = k_cache.size(1);
   const int64_t max_blocks = block_table.size(1);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
   split_size = std::max<int64_t>(block_size, split_size / block_size * block_size);
-  // A work item covers every KV head (below), so few sequences give few items: shorten the splits until
-  // each thread has two to claim, or they are one block long.
-  auto splits = [&](int64_t size) { return std::max<int64_t>(1, (max_len + size - 1) / size); };
-  while (split_size > block_size && B * splits(split_size) < 2 * kernel_threads())
-    split_size = std::max<int64_t>(block_size, split_size / 2 / block_size * block_size);
-  const int64_t S = splits(split_size);
+  // A work item covers every KV head (below), so a short sequence would be one item: its splits are shortened
+  // until it alone gives each thread one to claim, or they are one block long. A sequence's splits depend on
+  // its own length only, never on the batch, so that its attention is the same whatever runs beside it (a
+  // request's drafts verified beside it, other requests): the splits' partial results merge in a fixed order.
+  auto splits = [](int64_t len, int64_t size) { return std::max<int64_t>(1, (len + size - 1) / size); };
+  std::vector<int64_t> sizes(B), first_item(B + 1, 0);
+  int64_t S = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t size = split_size;
+    while (size > block_size && splits(lens[b], size) < kernel_threads())
+      size = std::max<int64_t>(block_size, size / 2 / block_size * block_size);
+    sizes[b] = size;
+    S = std::max(S, splits(lens[b], size));
+    first_item[b + 1] = first_item[b] + splits(lens[b], size);
+  }
   // Partials: [B, H, S, G, D] outputs and [B, H, S, G] running max / sum.
   std::vector<float> part_acc(B * H * S * G * D), part_m(B * H * S * G), part_l(B * H * S * G);
   const T* qp = q.data_ptr<T>();
@@ -414,16 +421,25 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
   // A work item is (sequence, key split) over every KV head: the heads of a token sit side by side in the
   // cache, so the item reads whole contiguous blocks, which the hardware prefetchers follow.
-  parallel_claim(B * S, [&](auto&& claim) {
+  // A sequence's unused partial slots (fewer splits than S) are empty: the merge skips them.
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t split = first_item[b + 1] - first_item[b]; split < S; ++split) {
+        const int64_t i = (b * H + h) * S + split;
+        std::fill(part_m.data() + i * G, part_m.data() + (i + 1) * G, neg_inf);
+        std::fill(part_l.data() + i * G, part_l.data() + (i + 1) * G, 0.f);
+      }
+  parallel_claim(first_item[B], [&](auto&& claim) {
     for (int64_t item; (item = claim()) >= 0;) {
-      const int64_t b = item / S, split = item % S;
-      const int64_t begin = split * split_size, end = std::min<int64_t>(lens[b], begin + split_size);
+      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t split = item - first_item[b];
+      const int64_t begin = split * sizes[b], end = std::min<int64_t>(lens[b], begin + sizes[b]);
       for (int64_t h = 0; h < H; ++h) {
         const int64_t i = (b * H + h) * S + split;
         float* acc = part_acc.data() + i * G * D;
         float* m = part_m.data() + i * G;
         float* l = part_l.data() + i * G;
-        if (begin >= end) {
+        if (begin >= end) {  // an empty sequence
           std::fill(m, m + G, neg_inf);
           std::fill(l, l + G, 0.f);
           std::fill(acc, acc + G * D, 0.f);
