@@ -23,7 +23,9 @@
 // The activations are quantised per sixteen values to int8 (finer than llama.cpp's Q8 blocks of 32 or 256).
 // Wider inputs than the few-row limit (decode batches, prompt chunks) add a second int8 level, the residual
 // at 1/256 of the scale: about 16 bits per value, as near the exact products as bf16 activations, for twice
-// the dot products on the same unpacked weights.
+// the dot products on the same unpacked weights. Or, asked for (ActivationCode::kInt8Coarse), one int8 level
+// per 32 values at every width, llama.cpp's Q8_0 grain: a chunk's sum of products is converted and scaled
+// once, where the finer codes take two conversions and scales per chunk.
 
 #include "common.h"
 #include "quantized.h"
