@@ -2,7 +2,8 @@
 
     python benchmarks/models.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,gemma-3-270m]
         [--dtype bfloat16] [--threads 2] [--prompt-len 256] [--gen-len 64] [--concurrency 16] [--repeats 1]
-        [--llama-bench /path/to/llama-bench] [--llama-server /path/to/llama-server] [--json out.json]
+        [--llama-bench /path/to/llama-bench] [--llama-server /path/to/llama-server] [--int8-activations]
+        [--json out.json]
 
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF,
 dtype and thread count:
@@ -10,6 +11,7 @@ dtype and thread count:
 - **kvserve** (``LLM``, prefix cache off so every prompt is computed): single-stream prefill (a prompt of
   ``--prompt-len`` tokens, time to its first token) and decode (the next ``--gen-len`` tokens); then
   ``--concurrency`` requests at once: prefill tokens/s until the last first token, decode tokens/s after it.
+  With ``--int8-activations``, the same again as **kvserve-int8** (``--quantized-activations int8``).
 - **transformers**, its model class built from the same dequantised weights: one forward over the prompts
   keeping the last position's logits (prefill), then ``generate`` with its KV cache (decode: a generate of
   ``--gen-len`` tokens less one of a single token), batch 1 and a batch of ``--concurrency`` prompts of
@@ -57,10 +59,12 @@ def _prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[i
     return torch.randint(1000, min(vocab_size, 30000), (count, length), generator=generator).tolist()
 
 
-def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int, repeats: int) -> Speed:
+def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int, repeats: int,
+                  activations: str = "int16") -> Speed:
     """The median prefill and decode rates of ``repeats`` runs of the prompts on one engine."""
     llm = LLM(model=name, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=4096,
-              max_num_seqs=max(len(prompts), 1), num_kv_blocks=max(64, len(prompts) * 40))
+              max_num_seqs=max(len(prompts), 1), num_kv_blocks=max(64, len(prompts) * 40),
+              quantized_activations=activations)
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4))  # warm-up
     prefills, decodes = [], []
@@ -71,7 +75,8 @@ def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int,
         arrival = min(o.metrics.arrival_time for o in outputs)
         prefills.append(sum(len(p) for p in prompts) / (first - arrival))
         decodes.append(len(prompts) * (gen_len - 1) / (last - first))
-    return Speed("kvserve", name, len(prompts), statistics.median(prefills), statistics.median(decodes))
+    engine = "kvserve-int8" if activations == "int8" else "kvserve"
+    return Speed(engine, name, len(prompts), statistics.median(prefills), statistics.median(decodes))
 
 
 def _hf_config(arch):
@@ -216,6 +221,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="kvserve's runs and transformers' prefills per figure (the median is kept)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="also kvserve with --quantized-activations int8 (kvserve-int8)")
     parser.add_argument("--json", default=None, help="write the figures here too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -230,6 +237,9 @@ def main() -> None:
         many = _prompts(vocab, args.concurrency, args.prompt_len, seed=2)
         rows = [bench_kvserve(name, args.dtype, single, args.gen_len, args.repeats),
                 bench_kvserve(name, args.dtype, many, args.gen_len, args.repeats)]
+        if args.int8_activations:
+            rows += [bench_kvserve(name, args.dtype, prompts, args.gen_len, args.repeats, activations="int8")
+                     for prompts in (single, many)]
         if not args.skip_transformers:
             model, _ = load_transformers(name, torch_dtype)
             rows += [bench_transformers(model, name, single, args.gen_len, args.repeats),
@@ -242,12 +252,14 @@ def main() -> None:
         for row in rows:
             print(f"{row.model:20s} {row.engine:13s} c={row.concurrency:<3d} prefill {row.prefill_tok_s:9.1f} tok/s  "
                   f"decode {row.decode_tok_s:8.1f} tok/s", flush=True)
-        ours = {r.concurrency: r for r in rows if r.engine == "kvserve"}
-        for row in rows:
-            if row.engine != "kvserve":
-                mine = ours[row.concurrency]
-                print(f"{'':20s} kvserve / {row.engine} at c={row.concurrency}: prefill "
-                      f"{mine.prefill_tok_s / row.prefill_tok_s:.2f}x, decode {mine.decode_tok_s / row.decode_tok_s:.2f}x")
+        for engine in ("kvserve", "kvserve-int8"):
+            ours = {r.concurrency: r for r in rows if r.engine == engine}
+            for row in rows:
+                if not row.engine.startswith("kvserve") and row.concurrency in ours:
+                    mine = ours[row.concurrency]
+                    print(f"{'':20s} {engine} / {row.engine} at c={row.concurrency}: prefill "
+                          f"{mine.prefill_tok_s / row.prefill_tok_s:.2f}x, "
+                          f"decode {mine.decode_tok_s / row.decode_tok_s:.2f}x")
         results += rows
     if args.json:
         with open(args.json, "w") as f:
