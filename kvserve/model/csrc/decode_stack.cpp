@@ -67,8 +67,8 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 // q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). quant_segments: empty, or (GGUF-
 // quantised weights, through quant_linear; the packed lists are then empty) per layer the number of row
 // segments of the QKV, O, gate/up and down weights, with quant_cols their inner sizes and quant_data /
-// quant_types the segments in that order, and quant_gemv_max_rows / quant_fused_max_rows quant_linear's
-// limits of its paths. Returns (hidden, residual) after the last layer.
+// quant_types the segments in that order, quant_gemv_max_rows / quant_fused_max_rows quant_linear's limits of
+// its paths and quant_int8_activations its int8_activations. Returns (hidden, residual) after the last layer.
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList input_norms,
     at::TensorList post_norms, at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
