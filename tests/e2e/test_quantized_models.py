@@ -9,6 +9,7 @@ agreement are printed (pytest -s) for the record.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -23,16 +24,7 @@ from tests.e2e.conftest import installed_model
 
 TEXT = (Path(__file__).parents[1] / "data" / "perplexity.txt").read_text()
 BLOCK_SIZE = 16
-AGREEMENT_PROMPTS = [
-    "The capital of France is",
-    "def merge_sorted(a, b):\n    ",
-    "Write a short poem about a lighthouse.",
-    "In 1905, Albert Einstein published",
-    "SELECT name, COUNT(*) FROM orders",
-    "The three primary colours are",
-    "class Stack:\n    def __init__(self):\n        ",
-    "Water boils at sea level at a temperature of",
-]
+AGREEMENT_PROMPTS = json.loads((Path(__file__).parents[1] / "data" / "agreement_prompts.json").read_text())
 AGREEMENT_TOKENS = 32
 
 
