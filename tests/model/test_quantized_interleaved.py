@@ -327,15 +327,23 @@ def test_each_rows_one_level_products_do_not_depend_on_the_rows_beside_it(qtype)
     assert not torch.equal(two_levels, one_level)
 
 
-def test_a_decode_step_of_few_requests_takes_one_level_for_every_row() -> None:
+def test_a_decode_step_takes_one_level_for_every_row_and_a_prompt_chunk_two_past_the_few_rows() -> None:
     levels = ActivationLevels(few_rows=4)
     levels.set_step(num_decode_requests=1, num_rows=5, has_prefill=False)  # one request, four drafts
     assert levels.one_level_rows == 5
     levels.set_step(num_decode_requests=4, num_rows=20, has_prefill=False)
     assert levels.one_level_rows == 20
-    levels.set_step(num_decode_requests=5, num_rows=10, has_prefill=False)  # plain decoding of 5: two levels
-    assert levels.one_level_rows == 4
-    levels.set_step(num_decode_requests=1, num_rows=40, has_prefill=True)  # a prompt chunk: two levels
+    levels.set_step(num_decode_requests=16, num_rows=16, has_prefill=False)  # plain decoding of 16: one level
+    assert levels.one_level_rows == 16
+    levels.set_step(num_decode_requests=16, num_rows=40, has_prefill=True)  # with a prompt chunk: two levels
     assert levels.one_level_rows == 4
     levels.set_step(num_decode_requests=2, num_rows=2, has_prefill=False)
     assert levels.one_level_rows == 4
+    levels.set_step(num_decode_requests=0, num_rows=30, has_prefill=True)  # a prompt chunk alone
+    assert levels.one_level_rows == 4
+    # On AMX, whose tiles take the wider inputs, only a few requests' decode steps take one level.
+    amx = ActivationLevels(few_rows=4, every_decode_step=False)
+    amx.set_step(num_decode_requests=4, num_rows=20, has_prefill=False)
+    assert amx.one_level_rows == 20
+    amx.set_step(num_decode_requests=5, num_rows=10, has_prefill=False)
+    assert amx.one_level_rows == 4

@@ -178,18 +178,24 @@ class ActivationLevels:
     (csrc/quantized_interleaved.cpp); wider inputs get a second, residual level. Each row's products depend
     on its level only, not on how many rows come with it.
 
-    The backend sets it each step (``set_step``): a decode step of at most ``few_rows`` requests gives all its
-    rows one level, so that a request's drafts, riding as extra rows, are verified on exactly the logits its
-    plain decode step would compute (plain decoding of that many requests takes one level). Other steps
-    (prompt chunks, larger batches) keep one level for at most ``few_rows`` rows."""
+    The backend sets it each step (``set_step``): a decode step (no prompt chunk in it) gives all its rows one
+    level, as a single request's decode step has them, so that its drafts, riding as extra rows, are verified
+    on exactly the logits its plain decode step computes, and a batch's decode reads each weight once per
+    step at the one level's cost. That holds for any number of requests where the int8 products take the mid
+    widths (``every_decode_step``: no AMX), and for at most ``few_rows`` requests on AMX, whose tiles take
+    wider inputs. Steps with a prompt chunk keep one level for at most ``few_rows`` rows: a prompt's rows
+    past that get the residual (the KV every later token reads), or the dequantised slabs past the
+    interleaved kernels' width."""
 
-    def __init__(self, few_rows: int) -> None:
+    def __init__(self, few_rows: int, every_decode_step: bool = True) -> None:
         self.few_rows = few_rows
+        self.every_decode_step = every_decode_step
         self.one_level_rows = few_rows
 
     def set_step(self, num_decode_requests: int, num_rows: int, has_prefill: bool) -> None:
-        decode_rows_of_few = not has_prefill and 0 < num_decode_requests <= self.few_rows
-        self.one_level_rows = max(num_rows, self.few_rows) if decode_rows_of_few else self.few_rows
+        requests_limit = num_decode_requests if self.every_decode_step else self.few_rows
+        decode_only = not has_prefill and 0 < num_decode_requests <= requests_limit
+        self.one_level_rows = max(num_rows, self.few_rows) if decode_only else self.few_rows
 
 
 class QuantizedKernels:
@@ -251,7 +257,7 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
     ops = _build_dense_ops(projections, gemv_max_rows, elementwise)
     if quantized is None:
         return ops
-    levels = ActivationLevels(quantized.gemv_max_rows)
+    levels = ActivationLevels(quantized.gemv_max_rows, every_decode_step=quantized.fused_max_rows > 0)
     kernels = QuantizedKernels(quantized, levels)
     dense = ops.ops
     # Without a fused dense gate/up, a quantised one still runs fused; a dense one as silu_mul(linear(...)).
