@@ -2,7 +2,7 @@
 
     python benchmarks/quantized.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b]
         [--threads 2] [--prompt-len 512] [--gen-len 128] [--llama-bench /path/to/llama-bench] [--json out.json]
-        [--widths 1,2,4,8,16,32,64]
+        [--widths 1,2,4,8,16,32,64] [--one-row-read]
 
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF
 and thread count:
@@ -26,9 +26,15 @@ multiplies every input row against it while it is in cache: the weights' integer
 has AVX512-BF16, else the panel dequantised into the packed layout) and slabs (~2 MB of rows dequantised,
 then the CPU's bf16 projection kernel over them); where the build has them, on the same weights held
 interleaved sixteen rows at a time, the int8 dot products with rows in the lanes (int16 activations past the
-few rows, as by default; and int8 ones, one level per 32 values, as ``--quantized-activations int8`` takes
-them at every width) and the slabs dequantised from that layout: where the plan's limits
+few rows, as a prompt chunk's by default; one int8 level per 16 values at every width, as a decode step's by
+default; and int8 ones, one level per 32 values, as ``--quantized-activations int8`` takes them at every
+width) and the slabs dequantised from that layout: where the plan's limits
 (QUANTIZED_GEMV_MAX_ROWS, QUANTIZED_FUSED_MAX_ROWS, QUANTIZED_INTERLEAVED_MAX_ROWS) should sit on this CPU.
+
+With ``--one-row-read``, instead: one row's pass over every layer's projections as the model holds them
+(streamed from memory) and over one projection again and again (in cache), in GB/s of the weights' bytes, at
+one and two threads, beside the streaming read: whether single-stream decode is bound by the memory or by
+the kernel's own arithmetic.
 
 Ratios are printed per model; the machines are shared, so compare within one run.
 """
@@ -146,17 +152,61 @@ def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
     return results
 
 
+def bench_one_row_read(name: str, rounds: int = 3) -> list[dict]:
+    """GB/s of one row's pass over the weights as the model holds them, at one and two kernel threads: every
+    layer's projections (streamed from memory), and the first layer's output projection again and again
+    (in cache), beside the streaming read of the same thread count. A kernel that reads from cache no faster
+    than from memory is bound by the memory; one whose streamed rate falls well below both is not overlapping
+    its arithmetic with its reads."""
+    llm = LLM(model=name, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=1)
+    layers = llm.engine.model.layers
+    streamed = [w for layer in layers
+                for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
+                if isinstance(w, QuantizedWeight)]
+    if not streamed:
+        raise SystemExit(f"{name}: no projection runs quantised on this CPU (see the backend line at start-up)")
+    cached = [layers[0].o_weight]
+    inputs = {w.cols: torch.randn(1, w.cols, dtype=torch.bfloat16) for w in streamed}
+
+    def gb_s(weights: list[QuantizedWeight]) -> float:
+        def call() -> None:
+            for w in weights:
+                torch.ops.kvserve.quant_linear(inputs[w.cols], w.data, w.types, w.cols, None, QUANTIZED_GEMV_MAX_ROWS,
+                                               0, False)
+        return sum(t.numel() * t.element_size() for w in weights for t in w.data) / seconds_per_call(call, 0.3) / 1e9
+
+    results = []
+    for threads in (1, 2):
+        rates: dict[str, list[float]] = {"streamed": [], "cached": [], "streaming_read": []}
+        for _ in range(rounds):
+            rates["streaming_read"].append(streaming_read_gb_s(threads))
+            with KernelThreadScope():
+                torch.ops.kvserve.set_kernel_threads(threads)
+                rates["streamed"].append(gb_s(streamed))
+                rates["cached"].append(gb_s(cached))
+        r = {"model": name, "threads": threads, **{f"{k}_gb_s": statistics.median(v) for k, v in rates.items()}}
+        results.append(r)
+        print(f"{name:20s} one row, {threads} thread(s): every layer's projections {r['streamed_gb_s']:5.1f} GB/s, "
+              f"one in cache {r['cached_gb_s']:5.1f} GB/s, streaming read {r['streaming_read_gb_s']:5.1f} GB/s",
+              flush=True)
+    del llm
+    gc.collect()
+    return results
+
+
 # The quantised paths, as the weights' layout and quant_linear's (gemv_max_rows, fused_max_rows,
 # int8_activations) given the width w: on planar weights (w, 0) takes the int8 dot products, (0, w) the
 # panels multiplied by the worker that reads them, (0, 0) the slabs; on interleaved weights
 # (QUANTIZED_GEMV_MAX_ROWS, w) their int8 dot products (with the activations' residuals past the few rows, as
-# the plan runs them by default), the same with int8 activations (one level per 32 values, as
+# the plan runs a prompt chunk's by default), (w, w) the same at one int8 level per 16 values (as a decode step
+# takes them by default), the same with int8 activations (one level per 32 values, as
 # --quantized-activations int8 runs them), (0, 0) their slabs.
 PATHS: dict[str, tuple[str, Callable[[int], int], Callable[[int], int], bool]] = {
     "few_row": ("planar", lambda w: w, lambda w: 0, False),
     "fused": ("planar", lambda w: 0, lambda w: w, False),
     "slabs": ("planar", lambda w: 0, lambda w: 0, False),
     "interleaved": ("interleaved", lambda w: QUANTIZED_GEMV_MAX_ROWS, lambda w: w, False),
+    "interleaved_one_level": ("interleaved", lambda w: w, lambda w: w, False),
     "interleaved_int8": ("interleaved", lambda w: QUANTIZED_GEMV_MAX_ROWS, lambda w: w, True),
     "interleaved_slabs": ("interleaved", lambda w: 0, lambda w: 0, False),
 }
@@ -173,11 +223,14 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures here too")
     parser.add_argument("--widths", default=None,
                         help="comma-separated row counts: compare the few-row and many-row quantised paths instead")
+    parser.add_argument("--one-row-read", action="store_true",
+                        help="instead: one row's read rate over the weights, streamed and in cache, at 1 and 2 threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.widths:
-        widths = [int(w) for w in args.widths.split(",")]
-        sweep = [r for name in args.models.split(",") for r in bench_widths(name, widths)]
+    if args.widths or args.one_row_read:
+        widths = [int(w) for w in args.widths.split(",")] if args.widths else []
+        sweep = [r for name in args.models.split(",")
+                 for r in (bench_widths(name, widths) if widths else bench_one_row_read(name))]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(sweep, f, indent=1)

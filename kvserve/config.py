@@ -91,10 +91,11 @@ class ModelConfig:
                 "none dequantises every weight to --dtype at load; auto is gguf where the backend runs blocks at "
                 "least as fast as dense weights under load (CPUs with AVX-512), else none")
     quantized_activations: QuantizedActivations = setting(
-        "int16", "how the int8 kernels of weights kept in their blocks quantise the activations: int16 keeps an int8 "
-                 "residual beside each int8 value in batches and prompt chunks (as exact as bf16 activations); int8 "
-                 "takes one int8 level per 32 values at every width, as llama.cpp does: faster prefill and batched "
-                 "decode, at the perplexity docs/performance.md gives. Needs AVX512-VNNI; elsewhere int16")
+        "int16", "how the int8 kernels of weights kept in their blocks quantise the activations: int16 takes one "
+                 "int8 level per 16 values in decode steps, and keeps an int8 residual beside each int8 value in "
+                 "prompt chunks (as exact as bf16 activations); int8 takes one int8 level per 32 values at every "
+                 "width, as llama.cpp does: faster prefill, at the KL divergence docs/performance.md gives. Needs "
+                 "AVX512-VNNI; elsewhere int16")
     device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
     max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "
                                               "context length, capped by the KV pool)")

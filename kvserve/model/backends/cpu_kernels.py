@@ -41,10 +41,11 @@ PREFIX_KEY_STEP = 32
 # portable loop).
 VECTOR_DECODE_HEAD_SIZES = (64, 128, 256)
 
-# Inputs of at most this many rows take the quantised weights' int8 dot products, wider ones their
-# dequantised slabs on the packed bf16 kernels (benchmarks/quantized.py). Without AMX the --widths sweep
-# puts the speed crossover at about eight rows, but at eight rows the int8 activations cost greedy
-# agreement with the dequantised model (tests/e2e/test_quantized_models.py), so the limit stays four.
+# Inputs of at most this many rows take the quantised weights' int8 dot products with one int8 level of
+# activations, wider ones their dequantised slabs on the packed bf16 kernels (benchmarks/quantized.py), or on
+# interleaved weights the residual level too (below). A decode step takes one level at any width where the
+# interleaved kernels take the mid widths (cpu_ops.ActivationLevels); prompt chunks keep this limit: one level
+# in a prompt's rows costs greedy agreement with the dequantised model (tests/e2e/test_quantized_models.py).
 QUANTIZED_GEMV_MAX_ROWS = 4
 # Wider inputs up to this many rows take panels of the weight multiplied by the worker that reads them (the
 # weights' integers on the BF16 dot products, else dequantised panels), on CPUs whose packed family is
@@ -52,8 +53,8 @@ QUANTIZED_GEMV_MAX_ROWS = 4
 # --widths).
 QUANTIZED_FUSED_MAX_ROWS = 64
 # On weights held interleaved (AVX512-VNNI builds, model/quantized_layout.py), the int8 dot products take
-# inputs up to this many rows, past QUANTIZED_GEMV_MAX_ROWS with the activations to about 16 bits (an int8
-# residual) so that they keep bf16's accuracy; wider ones take the slabs. Measured by width
+# inputs up to this many rows, a prompt chunk's past QUANTIZED_GEMV_MAX_ROWS with the activations to about 16
+# bits (an int8 residual) so that they keep bf16's accuracy; wider ones take the slabs. Measured by width
 # (benchmarks/quantized.py --widths, Zen 4): ahead of the interleaved slabs up to 64 rows, behind at 512.
 # On AMX the slabs take everything past the few rows.
 QUANTIZED_INTERLEAVED_MAX_ROWS = 64
@@ -89,7 +90,7 @@ class KernelPlan:
     # products then take every input up to the wider of the two widths above.
     quantized_interleaved: bool = False
     # Whether their int8 dot products take one int8 level of activations per 32 values at every width they
-    # take (--quantized-activations int8), rather than an int8 residual past the few rows.
+    # take (--quantized-activations int8), rather than an int8 residual in prompt chunks past the few rows.
     quantized_int8_activations: bool = False
     # Whether --quantization auto (the default) keeps them in blocks: True where the quantised kernels are at
     # least as fast as dense weights at batch widths too; False where only --quantization gguf asks for them.
