@@ -180,8 +180,8 @@ class ActivationLevels:
 
     The backend sets it each step (``set_step``): a decode step (no prompt chunk in it) gives all its rows one
     level, as a single request's decode step has them, so that its drafts, riding as extra rows, are verified
-    on exactly the logits its plain decode step computes, and a batch's decode reads each weight once per
-    step at the one level's cost. That holds for any number of requests where the int8 products take the mid
+    on exactly the logits its plain decode step computes, and a batch's decode costs one level's dot
+    products (half the two levels'). That holds for any number of requests where the int8 products take the mid
     widths (``every_decode_step``: no AMX), and for at most ``few_rows`` requests on AMX, whose tiles take
     wider inputs. Steps with a prompt chunk keep one level for at most ``few_rows`` rows: a prompt's rows
     past that get the residual (the KV every later token reads), or the dequantised slabs past the
