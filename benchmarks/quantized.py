@@ -106,17 +106,23 @@ def streaming_read_gb_s(threads: int, repeats: int = 5) -> float:
     return best
 
 
+def quantized_projections(llm: LLM, name: str) -> list[QuantizedWeight]:
+    """Every decoder layer's projections that run quantised, in the model's order."""
+    weights = [w for layer in llm.engine.model.layers
+               for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
+               if isinstance(w, QuantizedWeight)]
+    if not weights:
+        raise SystemExit(f"{name}: no projection runs quantised on this CPU (see the backend line at start-up)")
+    return weights
+
+
 def bench_widths(name: str, widths: list[int], rounds: int = 3) -> list[dict]:
     """Seconds per pass over every layer's quantised projections at each width through each path (planar:
     few-row int8 dot products, fused panels, slabs; interleaved where the build has it: its int8 dot products
     and its slabs), alternating; speed-ups against the planar slabs are medians over ``rounds`` alternating
     measurements."""
     llm = LLM(model=name, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=1)
-    loaded = [w for layer in llm.engine.model.layers
-              for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
-              if isinstance(w, QuantizedWeight)]
-    if not loaded:
-        raise SystemExit(f"{name}: no projection runs quantised on this CPU (see the backend line at start-up)")
+    loaded = quantized_projections(llm, name)
     layouts = {"planar": [QuantizedWeight(tuple(s.planar(w.cols) for s in w.segments), w.cols) for w in loaded]}
     if all(w.interleaved for w in loaded):
         layouts["interleaved"] = loaded
@@ -159,13 +165,8 @@ def bench_one_row_read(name: str, rounds: int = 3) -> list[dict]:
     than from memory is bound by the memory; one whose streamed rate falls well below both is not overlapping
     its arithmetic with its reads."""
     llm = LLM(model=name, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=1)
-    layers = llm.engine.model.layers
-    streamed = [w for layer in layers
-                for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
-                if isinstance(w, QuantizedWeight)]
-    if not streamed:
-        raise SystemExit(f"{name}: no projection runs quantised on this CPU (see the backend line at start-up)")
-    cached = [layers[0].o_weight]
+    streamed = quantized_projections(llm, name)
+    cached = [llm.engine.model.layers[0].o_weight]
     inputs = {w.cols: torch.randn(1, w.cols, dtype=torch.bfloat16) for w in streamed}
 
     def gb_s(weights: list[QuantizedWeight]) -> float:
@@ -228,9 +229,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.widths or args.one_row_read:
-        widths = [int(w) for w in args.widths.split(",")] if args.widths else []
-        sweep = [r for name in args.models.split(",")
-                 for r in (bench_widths(name, widths) if widths else bench_one_row_read(name))]
+        names = args.models.split(",")
+        if args.widths:
+            widths = [int(w) for w in args.widths.split(",")]
+            sweep = [r for name in names for r in bench_widths(name, widths)]
+        else:
+            sweep = [r for name in names for r in bench_one_row_read(name)]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(sweep, f, indent=1)

@@ -22,11 +22,11 @@ import statistics
 import time
 
 import torch
+from quantized import quantized_projections  # benchmarks/quantized.py
 from torch.utils.cpp_extension import load_inline
 
 from kvserve import LLM
 from kvserve.model.cpu_kernels import KernelThreadScope, load_cpu_kernels
-from kvserve.model.quantized import QuantizedWeight
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -105,9 +105,7 @@ class Projections:
 
     def __init__(self, model: str, rows: int) -> None:
         llm = LLM(model=model, num_kv_blocks=64, max_num_seqs=1, quantized_activations="int8")
-        self.weights = [w for layer in llm.engine.model.layers
-                        for w in (layer.qkv_weight, layer.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)
-                        if isinstance(w, QuantizedWeight) and w.interleaved]
+        self.weights = [w for w in quantized_projections(llm, model) if w.interleaved]
         if not self.weights:
             raise SystemExit(f"{model}: no projection is held interleaved here")
         self.inputs = {w.cols: torch.randn(rows, w.cols, dtype=torch.bfloat16) for w in self.weights}

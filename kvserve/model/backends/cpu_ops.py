@@ -193,8 +193,8 @@ class ActivationLevels:
         self.one_level_rows = few_rows
 
     def set_step(self, num_decode_requests: int, num_rows: int, has_prefill: bool) -> None:
-        requests_limit = num_decode_requests if self.every_decode_step else self.few_rows
-        decode_only = not has_prefill and 0 < num_decode_requests <= requests_limit
+        decode_only = (not has_prefill and num_decode_requests > 0
+                       and (self.every_decode_step or num_decode_requests <= self.few_rows))
         self.one_level_rows = max(num_rows, self.few_rows) if decode_only else self.few_rows
 
 
