@@ -102,18 +102,30 @@ inline __m512 hsum16(const __m512* v) {
 // == 16 * C: keys a block (<= 16 tokens) at a time, scores of a block as one vector per query head. With G
 // fixed, the loops over heads unroll and the G * C output accumulators live in registers; sized at run
 // time, they lived in memory, and every multiply-add of the value pass went through a load and a store.
-// `prefetch`: this call fetches the next block's rows for every KV head (the first head's call does).
+// A bf16 cache's scores are taken on VDPBF16PS where the CPU has it (the query and key rows as they are
+// held, 32 products an instruction, the scale applied to the sums), else each key row is widened once.
+// `prefetch`: this call fetches the next block's rows for every KV head into L2 (the first head's call
+// does), a block ahead, so that the misses overlap this block's arithmetic (into L2 ran faster than into L1).
 template <typename T, int C, int G>
 void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
                          int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
                          float scale, float* acc, float* m, float* l, bool prefetch) {
   constexpr int64_t D = 16 * C;
-  __m512 qv[G * C], av[G * C];
+#if KVSERVE_HAS_AVX512_BF16
+  constexpr bool kDotBf16 = std::is_same_v<T, at::BFloat16>;
+  __m512bh qb[kDotBf16 ? G * C / 2 : 1];  // the queries as held: 32 bf16 a register
+  if constexpr (kDotBf16)
+    for (int i = 0; i < G * C / 2; ++i) qb[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+#else
+  constexpr bool kDotBf16 = false;
+#endif
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 qv[kDotBf16 ? 1 : G * C], av[G * C];
   alignas(64) __m512 dots[G * 16];
   alignas(64) float probs[G * 16];
   for (int64_t g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
-      qv[g * C + c] = _mm512_mul_ps(load16(q + g * D + 16 * c), _mm512_set1_ps(scale));
+      if constexpr (!kDotBf16) qv[g * C + c] = _mm512_mul_ps(load16(q + g * D + 16 * c), vscale);
       av[g * C + c] = _mm512_setzero_ps();
     }
     m[g] = -std::numeric_limits<float>::infinity();
@@ -129,7 +141,7 @@ void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const i
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
     if (prefetch && start + n < key_end) {
       // The first head's pass fetches the next keys' rows for every head (the later heads find them in
-      // cache): issued a block ahead, the misses overlap this block's arithmetic.
+      // cache).
       const int64_t next = start + n;
       const int64_t next_blk = blocks[next / block_size], next_off = next % block_size;
       const int64_t rows = std::min<int64_t>({block_size - next_off, key_end - next, 16});
@@ -137,13 +149,26 @@ void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const i
       const char* vn = reinterpret_cast<const char*>(v_cache + (next_blk * block_size + next_off) * token_stride);
       const int64_t bytes = rows * token_stride * static_cast<int64_t>(sizeof(T));
       for (int64_t o = 0; o < bytes; o += 64) {
-        _mm_prefetch(kn + o, _MM_HINT_T0);
-        _mm_prefetch(vn + o, _MM_HINT_T0);
+        _mm_prefetch(kn + o, _MM_HINT_T1);
+        _mm_prefetch(vn + o, _MM_HINT_T1);
       }
     }
-    // Each key row is widened once and dotted with every query head of the group.
+    // Each key row is read once and dotted with every query head of the group.
     for (int64_t t = 0; t < n; ++t) {
       const T* kt = kb + t * token_stride;
+#if KVSERVE_HAS_AVX512_BF16
+      if constexpr (kDotBf16) {
+        __m512bh krow[C / 2];
+        for (int c = 0; c < C / 2; ++c) krow[c] = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512bh* qg = qb + g * C / 2;
+          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], krow[0]);
+          for (int c = 1; c < C / 2; ++c) dot = _mm512_dpbf16_ps(dot, qg[c], krow[c]);
+          dots[g * 16 + t] = dot;
+        }
+        continue;
+      }
+#endif
       __m512 krow[C];
       for (int c = 0; c < C; ++c) krow[c] = load16(kt + 16 * c);
       for (int64_t g = 0; g < G; ++g) {
@@ -155,7 +180,8 @@ void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const i
     }
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t t = n; t < 16; ++t) dots[g * 16 + t] = _mm512_setzero_ps();
-      const __m512 s = _mm512_maskz_mov_ps(valid, hsum16(dots + g * 16));
+      const __m512 sums = hsum16(dots + g * 16);
+      const __m512 s = _mm512_maskz_mov_ps(valid, kDotBf16 ? _mm512_mul_ps(sums, vscale) : sums);
       const float block_max = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
       const float rescale = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
       const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
