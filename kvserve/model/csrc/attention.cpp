@@ -102,30 +102,18 @@ inline __m512 hsum16(const __m512* v) {
 // == 16 * C: keys a block (<= 16 tokens) at a time, scores of a block as one vector per query head. With G
 // fixed, the loops over heads unroll and the G * C output accumulators live in registers; sized at run
 // time, they lived in memory, and every multiply-add of the value pass went through a load and a store.
-// A bf16 cache's scores are taken on VDPBF16PS where the CPU has it (the query and key rows as they are
-// held, 32 products an instruction, the scale applied to the sums), else each key row is widened once.
-// `prefetch`: this call fetches the next block's rows for every KV head into L2 (the first head's call
-// does), a block ahead, so that the misses overlap this block's arithmetic (into L2 ran faster than into L1).
+// `prefetch`: this call fetches its head's rows of the next block (the first run of query heads does).
 template <typename T, int C, int G>
 void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
                          int64_t block_size, int64_t kv_heads, int64_t head, int64_t key_begin, int64_t key_end,
                          float scale, float* acc, float* m, float* l, bool prefetch) {
   constexpr int64_t D = 16 * C;
-#if KVSERVE_HAS_AVX512_BF16
-  constexpr bool kDotBf16 = std::is_same_v<T, at::BFloat16>;
-  __m512bh qb[kDotBf16 ? G * C / 2 : 1];  // the queries as held: 32 bf16 a register
-  if constexpr (kDotBf16)
-    for (int i = 0; i < G * C / 2; ++i) qb[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
-#else
-  constexpr bool kDotBf16 = false;
-#endif
-  const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 qv[kDotBf16 ? 1 : G * C], av[G * C];
+  __m512 qv[G * C], av[G * C];
   alignas(64) __m512 dots[G * 16];
   alignas(64) float probs[G * 16];
   for (int64_t g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
-      if constexpr (!kDotBf16) qv[g * C + c] = _mm512_mul_ps(load16(q + g * D + 16 * c), vscale);
+      qv[g * C + c] = _mm512_mul_ps(load16(q + g * D + 16 * c), _mm512_set1_ps(scale));
       av[g * C + c] = _mm512_setzero_ps();
     }
     m[g] = -std::numeric_limits<float>::infinity();
@@ -140,35 +128,24 @@ void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const i
     const T* vb = v_cache + (blk * block_size + off) * token_stride + head * D;
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
     if (prefetch && start + n < key_end) {
-      // The first head's pass fetches the next keys' rows for every head (the later heads find them in
-      // cache).
+      // This head's rows of the next keys, into L2 (into L1 ran slower): issued a block ahead, the misses
+      // overlap this block's arithmetic.
       const int64_t next = start + n;
       const int64_t next_blk = blocks[next / block_size], next_off = next % block_size;
       const int64_t rows = std::min<int64_t>({block_size - next_off, key_end - next, 16});
-      const char* kn = reinterpret_cast<const char*>(k_cache + (next_blk * block_size + next_off) * token_stride);
-      const char* vn = reinterpret_cast<const char*>(v_cache + (next_blk * block_size + next_off) * token_stride);
-      const int64_t bytes = rows * token_stride * static_cast<int64_t>(sizeof(T));
-      for (int64_t o = 0; o < bytes; o += 64) {
-        _mm_prefetch(kn + o, _MM_HINT_T1);
-        _mm_prefetch(vn + o, _MM_HINT_T1);
-      }
+      const int64_t first = (next_blk * block_size + next_off) * token_stride + head * D;
+      const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+      const char* kn = reinterpret_cast<const char*>(k_cache + first);
+      const char* vn = reinterpret_cast<const char*>(v_cache + first);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(T)); o += 64) {
+          _mm_prefetch(kn + r * row_bytes + o, _MM_HINT_T1);
+          _mm_prefetch(vn + r * row_bytes + o, _MM_HINT_T1);
+        }
     }
-    // Each key row is read once and dotted with every query head of the group.
+    // Each key row is widened once and dotted with every query head of the group.
     for (int64_t t = 0; t < n; ++t) {
       const T* kt = kb + t * token_stride;
-#if KVSERVE_HAS_AVX512_BF16
-      if constexpr (kDotBf16) {
-        __m512bh krow[C / 2];
-        for (int c = 0; c < C / 2; ++c) krow[c] = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512bh* qg = qb + g * C / 2;
-          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], krow[0]);
-          for (int c = 1; c < C / 2; ++c) dot = _mm512_dpbf16_ps(dot, qg[c], krow[c]);
-          dots[g * 16 + t] = dot;
-        }
-        continue;
-      }
-#endif
       __m512 krow[C];
       for (int c = 0; c < C; ++c) krow[c] = load16(kt + 16 * c);
       for (int64_t g = 0; g < G; ++g) {
@@ -180,8 +157,7 @@ void attend_split_avx512(const T* q, const T* k_cache, const T* v_cache, const i
     }
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t t = n; t < 16; ++t) dots[g * 16 + t] = _mm512_setzero_ps();
-      const __m512 sums = hsum16(dots + g * 16);
-      const __m512 s = _mm512_maskz_mov_ps(valid, kDotBf16 ? _mm512_mul_ps(sums, vscale) : sums);
+      const __m512 s = _mm512_maskz_mov_ps(valid, hsum16(dots + g * 16));
       const float block_max = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
       const float rescale = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
       const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
@@ -216,7 +192,7 @@ void attend_groups_avx512(const T* q, int64_t G, const T* k_cache, const T* v_ca
   constexpr int64_t D = 16 * C;
   constexpr int64_t kRun = C >= 16 ? 1 : 4;
   for (int64_t g0 = 0; g0 < G; g0 += kRun) {
-    const bool prefetch = head == 0 && g0 == 0;
+    const bool prefetch = g0 == 0;
     const T* qg = q + g0 * D;
     float *ag = acc + g0 * D, *mg = m + g0, *lg = l + g0;
     switch (std::min<int64_t>(kRun, G - g0)) {
@@ -421,20 +397,25 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t max_blocks = block_table.size(1);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   split_size = std::max<int64_t>(block_size, split_size / block_size * block_size);
-  // A work item covers every KV head (below), so a short sequence would be one item: its splits are shortened
-  // until it alone gives each thread one to claim, or they are one block long. A sequence's splits depend on
-  // its own length only, never on the batch, so that its attention is the same whatever runs beside it (a
-  // request's drafts verified beside it, other requests): the splits' partial results merge in a fixed order.
+  // A work item is one KV head's share of one key split of a sequence. Its head's rows of each block are a
+  // stride apart (the heads of a token sit side by side), and the item fetches them a block ahead: every
+  // item reads its own keys as it computes. (With one item for every KV head of a split, the first head
+  // read the blocks from memory for all of them and the others computed from cache with the memory idle.)
+  // A sequence's splits are shortened until it has a split for each thread, or they are one block long.
+  // They depend on its own length only, never on the batch, so that its attention is the same whatever
+  // runs beside it (a request's drafts verified beside it, other requests): the splits' partial results
+  // merge in a fixed order.
   auto splits = [](int64_t len, int64_t size) { return std::max<int64_t>(1, (len + size - 1) / size); };
-  std::vector<int64_t> sizes(B), first_item(B + 1, 0);
+  std::vector<int64_t> sizes(B), num_splits(B), first_item(B + 1, 0);
   int64_t S = 1;
   for (int64_t b = 0; b < B; ++b) {
     int64_t size = split_size;
     while (size > block_size && splits(lens[b], size) < kernel_threads())
       size = std::max<int64_t>(block_size, size / 2 / block_size * block_size);
     sizes[b] = size;
-    S = std::max(S, splits(lens[b], size));
-    first_item[b + 1] = first_item[b] + splits(lens[b], size);
+    num_splits[b] = splits(lens[b], size);
+    S = std::max(S, num_splits[b]);
+    first_item[b + 1] = first_item[b] + H * num_splits[b];
   }
   // Partials: [B, H, S, G, D] outputs and [B, H, S, G] running max / sum.
   std::vector<float> part_acc(B * H * S * G * D), part_m(B * H * S * G), part_l(B * H * S * G);
@@ -445,12 +426,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // A work item is (sequence, key split) over every KV head: the heads of a token sit side by side in the
-  // cache, so the item reads whole contiguous blocks, which the hardware prefetchers follow.
   // A sequence's unused partial slots (fewer splits than S) are empty: the merge skips them.
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t split = first_item[b + 1] - first_item[b]; split < S; ++split) {
+      for (int64_t split = num_splits[b]; split < S; ++split) {
         const int64_t i = (b * H + h) * S + split;
         std::fill(part_m.data() + i * G, part_m.data() + (i + 1) * G, neg_inf);
         std::fill(part_l.data() + i * G, part_l.data() + (i + 1) * G, 0.f);
@@ -458,22 +437,21 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   parallel_claim(first_item[B], [&](auto&& claim) {
     for (int64_t item; (item = claim()) >= 0;) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-      const int64_t split = item - first_item[b];
+      // A split's heads are neighbours in the claim order: their rows share the blocks' memory pages.
+      const int64_t split = (item - first_item[b]) / H, h = (item - first_item[b]) % H;
       const int64_t begin = split * sizes[b], end = std::min<int64_t>(lens[b], begin + sizes[b]);
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t i = (b * H + h) * S + split;
-        float* acc = part_acc.data() + i * G * D;
-        float* m = part_m.data() + i * G;
-        float* l = part_l.data() + i * G;
-        if (begin >= end) {  // an empty sequence
-          std::fill(m, m + G, neg_inf);
-          std::fill(l, l + G, 0.f);
-          std::fill(acc, acc + G * D, 0.f);
-          continue;
-        }
-        attend<T>(qp + (b * H + h) * G * D, G, D, kp, vp, table + b * max_blocks, block_size, H, h, begin, end,
-                  fscale, acc, m, l);
+      const int64_t i = (b * H + h) * S + split;
+      float* acc = part_acc.data() + i * G * D;
+      float* m = part_m.data() + i * G;
+      float* l = part_l.data() + i * G;
+      if (begin >= end) {  // an empty sequence
+        std::fill(m, m + G, neg_inf);
+        std::fill(l, l + G, 0.f);
+        std::fill(acc, acc + G * D, 0.f);
+        continue;
       }
+      attend<T>(qp + (b * H + h) * G * D, G, D, kp, vp, table + b * max_blocks, block_size, H, h, begin, end,
+                fscale, acc, m, l);
     }
   });
 
