@@ -17,9 +17,10 @@ logger = logging.getLogger(__name__)
 
 def select_backend(device: torch.device, dtype: torch.dtype, arch: ArchConfig, want_kernels: bool,
                    config: BackendConfig, int8_activations: bool = False) -> Backend:
-    """The C++ kernels on a CPU where they build and load (unless ``want_kernels`` is False), else the torch
-    reference. What each kernel takes is decided by the backend's own plan, from the CPU, dtype and shape, and
-    whether quantised weights' kernels may take int8 activations at every width."""
+    """The C++ kernels on a CPU where they build and load (unless ``want_kernels`` is False), the CUDA backend
+    (Triton attention) on a GPU where Triton imports, else the torch reference. What each C++ kernel takes is
+    decided by the backend's own plan, from the CPU, dtype and shape, and whether quantised weights' kernels
+    may take int8 activations at every width."""
     kernels = load_cpu_kernels() if want_kernels and device.type == "cpu" else None
     if kernels is not None:
         # Its description names each part's kernel and why any part fell back (the plan's reasons).
@@ -27,6 +28,15 @@ def select_backend(device: torch.device, dtype: torch.dtype, arch: ArchConfig, w
                                                arch, device, config)
         logger.info("backend: %s", backend.description)
         return backend
+    if device.type == "cuda":
+        try:
+            from kvserve.model.backends.cuda import CudaBackend  # Triton is needed only here
+        except ImportError as error:
+            logger.warning("backend: no Triton (%s): CUDA runs the torch reference attention", error)
+        else:
+            backend = CudaBackend(arch, device, config)
+            logger.info("backend: %s", backend.description)
+            return backend
     why = ("not wanted" if not want_kernels else f"none for {device.type}" if device.type != "cpu"
            else "they did not build or load here")
     backend = TorchRefBackend(arch, device, config)

@@ -1,0 +1,217 @@
+"""Paged attention in Triton, for the CUDA backend: decode rows and prefill chunks read their keys in place
+from the block tables (no gather copy), as the CPU kernels do.
+
+- **Decode** (``paged_decode``): one program per (sequence, KV head, key split) takes the KV head's query
+  heads together (grouped-query attention reads each key once for all of them), an online softmax over
+  the split's blocks; the splits' partial results merge by log-sum-exp, so that a few long sequences still
+  fill the GPU (split-KV).
+- **Prefill** (``paged_prefill``): one program per (chunk, tile of query rows, query head), causal over the
+  chunk's history and itself; the chunk's own keys are in the cache already (written before attention).
+
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (Triton's interpreter), which is how the
+tests check them without a GPU; there the tiles are widened to float32 before their products (the
+interpreter's bf16 products are wrong). On a GPU bf16 tiles multiply as they are, with float32 sums, and
+the softmax's weights are rounded to the values' dtype before the second product, as FlashAttention does.
+Sliding-window layers and cascade (shared-prefix) decode are not here: the backend sends those to the
+torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.model.attention import TorchAttentionMetadata, TorchPagedAttention
+
+# Keys per decode work item: long enough to amortise a program's start, short enough that one long
+# sequence still spreads over the GPU.
+DECODE_SPLIT_BLOCKS = 16
+PREFILL_TILE_ROWS = 16
+MIN_DOT = 16  # tl.dot's smallest operand dimension on a GPU
+
+
+# Whether the kernels below are Triton's interpreter's (decided as they are decorated, at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale, max_blocks,
+                   split_blocks, stride_block, stride_token,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    q = tl.load(q_ptr + ((seq * NUM_KV_HEADS + kv_head) * GROUP + g[:, None]) * HEAD_DIM + d[None, :],
+                mask=g[:, None] < GROUP, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    first = split * split_blocks
+    last = tl.minimum(first + split_blocks, tl.cdiv(seq_len, BLOCK_SIZE))
+    for j in range(first, last):
+        block = tl.load(table_ptr + seq * max_blocks + j).to(tl.int64)
+        offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
+        k = tl.load(k_ptr + offsets)
+        v = tl.load(v_ptr + offsets)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where((j * BLOCK_SIZE + t)[None, :] < seq_len, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+    tl.store(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], acc)
+    tl.store(m_ptr + part * GROUP_PAD + g, m_i)
+    tl.store(l_ptr + part * GROUP_PAD + g, l_i)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, scale,
+                    max_blocks, stride_block, stride_token, stride_row,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    TILE_ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    chunk = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_len = tl.load(q_lens_ptr + chunk)
+    if tile * TILE_ROWS >= q_len:
+        return
+    q_start = tl.load(q_starts_ptr + chunk)
+    kv_len = tl.load(kv_lens_ptr + chunk)
+    kv_head = head // GROUP
+    rows = tile * TILE_ROWS + tl.arange(0, TILE_ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    row_ok = rows < q_len
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_row + head * HEAD_DIM + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    positions = kv_len - q_len + rows  # each query row's own key position
+    m_i = tl.full([TILE_ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_ROWS], tl.float32)
+    acc = tl.zeros([TILE_ROWS, HEAD_DIM], tl.float32)
+    keys_seen = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * TILE_ROWS)  # by the tile's last row
+    for j in range(0, tl.cdiv(keys_seen, BLOCK_SIZE)):
+        block = tl.load(table_ptr + chunk * max_blocks + j).to(tl.int64)
+        offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
+        k = tl.load(k_ptr + offsets)
+        v = tl.load(v_ptr + offsets)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        key_positions = j * BLOCK_SIZE + t
+        visible = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] < kv_len)
+        scores = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (q_start + rows)[:, None] * stride_row + head * HEAD_DIM + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, num_heads, D] (a KV head's query heads adjacent); caches [num_blocks, block_size, H_kv, D];
+    block_table int32 [B, max_blocks]; seq_lens int32 [B]. Returns [B, num_heads, D] in q's dtype."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad = max(MIN_DOT, triton.next_power_of_2(group))
+    max_blocks = block_table.shape[1]
+    num_splits = max(1, triton.cdiv(max_blocks, DECODE_SPLIT_BLOCKS))
+    parts = (batch, num_kv_heads, num_splits, group_pad)
+    acc = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
+    m = torch.empty(parts, dtype=torch.float32, device=q.device)
+    l = torch.empty(parts, dtype=torch.float32, device=q.device)  # noqa: E741
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q.contiguous(), k_cache, v_cache, block_table, seq_lens, acc, m, l, scale, max_blocks,
+        DECODE_SPLIT_BLOCKS, k_cache.stride(0), k_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits, UPCAST=INTERPRETED or q.dtype == torch.float32,
+    )
+    # The splits merged by log-sum-exp; a split with no keys has m = -inf and weighs nothing.
+    top = m.amax(dim=2, keepdim=True)
+    weight = torch.exp(m - top)
+    out = (acc * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=2)[..., None]
+    return out[:, :, :group].reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  spans: PrefillTables, scale: float) -> None:
+    """Every prefill chunk's rows of q [num_tokens, num_heads, D] attend causally to their keys (all in the
+    cache); the outputs land in the same rows of ``out`` (q's shape)."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    grid = (spans.q_starts.shape[0], triton.cdiv(spans.max_q_len, PREFILL_TILE_ROWS), num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, spans.block_table, spans.q_starts, spans.q_lens, spans.kv_lens, scale,
+        spans.block_table.shape[1], k_cache.stride(0), k_cache.stride(1), q.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_ROWS=PREFILL_TILE_ROWS,
+        UPCAST=INTERPRETED or q.dtype == torch.float32,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTables:
+    """A step's prefill chunks as the prefill kernel reads them, on the device."""
+
+    q_starts: torch.Tensor  # int32 [num_chunks]: each chunk's first row in the step
+    q_lens: torch.Tensor  # int32 [num_chunks]
+    kv_lens: torch.Tensor  # int32 [num_chunks]: keys 0..kv_len-1, the chunk's own last
+    block_table: torch.Tensor  # int32 [num_chunks, max_blocks], padded with block 0
+    max_q_len: int
+
+
+@dataclass
+class TritonAttentionMetadata(TorchAttentionMetadata):
+    """The reference layout, plus the prefill chunks' tables for the Triton kernel."""
+
+    prefill_tables: PrefillTables | None = None
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """The reference attention with its decode and prefill on the Triton kernels; sliding-window layers
+    (when their window binds) and cascade decode over a shared prefix stay on the reference paths."""
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        if meta.decode_prefix_blocks is not None or head_size_unsupported(self.head_dim):
+            return super()._decode(q, k_cache, v_cache, meta)
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        return paged_decode(q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+        tables = getattr(meta, "prefill_tables", None)
+        if tables is None or head_size_unsupported(self.head_dim):
+            return super()._prefill(q, k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        paged_prefill(q, k_cache, v_cache, out, tables, self.scale)
+        return out[meta.num_decode_tokens :]
+
+
+def head_size_unsupported(head_dim: int) -> bool:
+    """The kernels' tiles take power-of-two head sizes of at least 16."""
+    return head_dim < MIN_DOT or head_dim & (head_dim - 1) != 0

@@ -1,0 +1,133 @@
+"""The CUDA backend's Triton attention kernels, run by Triton's interpreter on CPU tensors, against float64
+references and against the torch reference attention."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton's interpreter runs the kernels on CPU tensors: it is chosen as they are decorated, at import,
+# and consulted again as they run (the fixture below); the rest of the session runs without it.
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("KVSERVE_REQUIRE_TRITON"):  # CI: a missing Triton fails instead of skipping
+    import triton  # noqa: F401
+else:
+    pytest.importorskip("triton")
+
+from kvserve.arch import ArchConfig  # noqa: E402
+from kvserve.config import BackendConfig  # noqa: E402
+from kvserve.model.attention import TorchPagedAttention  # noqa: E402
+from kvserve.model.backends import triton_attention  # noqa: E402
+from kvserve.model.backends.base import PrefillChunk, StepRows  # noqa: E402
+from kvserve.model.backends.cuda import CudaBackend, prefill_tables  # noqa: E402
+
+if _before is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _before
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+BLOCK_SIZE = 16
+
+
+def random_cache(num_blocks: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim).to(dtype)
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """q [Q, H, D], keys/values [K, H_kv, D], visible [Q, K] bool -> [Q, H, D] in float64."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, K, D]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (q.double().transpose(0, 1) @ k.transpose(1, 2)) * scale  # [H, Q, K]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+
+
+def keys_of(cache: torch.Tensor, blocks: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return cache[0][blocks].flatten(0, 1)[:n], cache[1][blocks].flatten(0, 1)[:n]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 32), (4, 4, 16), (4, 1, 64)])
+def test_paged_decode_matches_reference(monkeypatch, dtype, heads, kv_heads, dim) -> None:
+    monkeypatch.setattr(triton_attention, "DECODE_SPLIT_BLOCKS", 2)  # several splits to merge
+    torch.manual_seed(heads + dim)
+    cache = random_cache(40, kv_heads, dim, dtype)
+    lens = [1, 16, 17, 70]
+    max_blocks = -(-max(lens) // BLOCK_SIZE)
+    order = torch.randperm(40).tolist()
+    tables = [order[i * max_blocks:(i + 1) * max_blocks] for i in range(len(lens))]
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    scale = dim**-0.5
+    out = triton_attention.paged_decode(q, cache[0], cache[1], torch.tensor(tables, dtype=torch.int32),
+                                        torch.tensor(lens, dtype=torch.int32), scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lens):
+        keys, values = keys_of(cache, tables[i], n)
+        expected = reference(q[i : i + 1], keys, values, torch.ones(1, n, dtype=torch.bool), scale)
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_matches_reference(dtype) -> None:
+    """Chunks from position 0 and on cached history, longer than a tile, grouped-query heads."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 32
+    cache = random_cache(32, kv_heads, dim, dtype)
+    order = torch.randperm(32).tolist()
+    # (q_len, kv_len): a fresh prompt, a chunk on 20 cached keys, a one-row chunk at a block's edge
+    shapes = [(5, 5), (19, 39), (1, 33)]
+    chunks, start, used = [], 0, 0
+    for q_len, kv_len in shapes:
+        n_blocks = -(-kv_len // BLOCK_SIZE)
+        chunks.append(PrefillChunk(start, q_len, kv_len, order[used : used + n_blocks]))
+        start, used = start + q_len, used + n_blocks
+    q = torch.randn(start, heads, dim).to(dtype)
+    rows = StepRows(BLOCK_SIZE, torch.zeros(start, dtype=torch.long), prefills=chunks)
+    out = torch.zeros_like(q)
+    scale = dim**-0.5
+    tables = prefill_tables(rows, torch.device("cpu"))
+    assert tables is not None
+    triton_attention.paged_prefill(q, cache[0], cache[1], out, tables, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for chunk in chunks:
+        keys, values = keys_of(cache, chunk.block_ids, chunk.kv_len)
+        positions = torch.arange(chunk.kv_len - chunk.q_len, chunk.kv_len)[:, None]
+        visible = torch.arange(chunk.kv_len)[None, :] <= positions
+        rows_ = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        torch.testing.assert_close(out[rows_].double(), reference(q[rows_], keys, values, visible, scale),
+                                   atol=tol, rtol=tol)
+
+
+def test_a_mixed_step_matches_the_torch_reference_attention() -> None:
+    """A layer's forward with decode rows and two prefill chunks: the Triton attention (with the CUDA
+    backend's metadata, here on CPU) against the torch reference's, K/V written into the cache alike."""
+    torch.manual_seed(1)
+    arch = ArchConfig("llama", vocab_size=8, hidden_size=64, intermediate_size=16, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    backend = CudaBackend(arch, torch.device("cpu"), BackendConfig())
+    heads, kv_heads, dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    cache = random_cache(24, kv_heads, dim, torch.float32)
+    # Two decode rows (20 and 33 keys), then chunks: 7 fresh rows, and 9 rows on 16 cached keys.
+    decode_tables, decode_lens = [[3, 4], [5, 6, 7]], [20, 33]
+    chunks = [PrefillChunk(2, 7, 7, [8]), PrefillChunk(9, 9, 25, [9, 10])]
+    slots = [4 * BLOCK_SIZE + 3, 7 * BLOCK_SIZE + 0, *range(8 * BLOCK_SIZE, 8 * BLOCK_SIZE + 7),
+             *range(10 * BLOCK_SIZE + 0, 10 * BLOCK_SIZE + 9)]
+    rows = StepRows(BLOCK_SIZE, torch.tensor(slots), decode_block_ids=decode_tables, decode_kv_lens=decode_lens,
+                    prefills=chunks)
+    q, k, v = torch.randn(18, heads, dim), torch.randn(18, kv_heads, dim), torch.randn(18, kv_heads, dim)
+    reference_layer = TorchPagedAttention(heads, kv_heads, dim)
+    expected = reference_layer.forward(q, k, v, cache.clone(), backend.build_metadata(rows))
+    got = backend.make_attention(0).forward(q, k, v, cache.clone(), backend.build_metadata(rows))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
