@@ -39,6 +39,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    # float32 tiles multiply in full precision (a GPU's default for them is TF32, 10-bit mantissas).
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale, max_blocks,
                    split_blocks, stride_block, stride_token,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -68,13 +76,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = _dot(q, tl.trans(k), UPCAST) * scale
         scores = tl.where((j * BLOCK_SIZE + t)[None, :] < seq_len, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
     tl.store(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], acc)
@@ -119,12 +127,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_
             v = v.to(tl.float32)
         key_positions = j * BLOCK_SIZE + t
         visible = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] < kv_len)
-        scores = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        scores = tl.where(visible, _dot(q, tl.trans(k), UPCAST) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + rows)[:, None] * stride_row + head * HEAD_DIM + d[None, :],

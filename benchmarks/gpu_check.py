@@ -1,0 +1,223 @@
+"""The CUDA path checked on a GPU machine in one call: what scripts/gpu_check.sh runs.
+
+    python benchmarks/gpu_check.py OUT_DIR [--device cuda] [--smoke]
+
+Needs nothing downloaded: its models are random-weight Llama checkpoints built here with a small word-level
+tokenizer (the real GGUF does not travel), and kvserve from this checkout. The GPU machines have torch,
+transformers, tokenizers, numpy and triton; kvserve's offline path also imports gguf, llguidance,
+jsonschema (with attrs, referencing, rpds-py, jsonschema-specifications), jinja2, pyyaml and tqdm: the
+environment section lists any module missing there, which must then travel as wheels. Writes
+OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md:
+
+1. **Environment**: GPU, driver, torch, CUDA, Triton, the backend kvserve chose.
+2. **Greedy equality with transformers** on the same device, float32 and bfloat16, prefix cache on and off,
+   on a tiny model and on one of SmolLM2-135M's shape: token for token over every prompt (bf16: how many
+   agree, and where each first diverges).
+3. **Throughput**: offline output tokens/s at 1, 16, 64 and 256 concurrent requests (bf16), kvserve against
+   transformers' batched ``generate`` on the same GPU; CUDA graphs are not built yet (the column says so).
+4. **Against the H200's peaks** (989 TFLOP/s bf16 dense, 4.8 TB/s): prefill MFU of one 2,048-token prompt,
+   and single-stream decode's weight bytes per second.
+
+``--device cpu --smoke`` runs all of it at toy sizes on a CPU (the tests do, so that the script works when a
+GPU session gets to run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+H200_BF16_FLOPS = 989e12
+H200_BYTES_PER_S = 4.8e12
+OFFLINE_MODULES = ("gguf", "llguidance", "jsonschema", "jinja2", "yaml", "tqdm", "tokenizers", "transformers",
+                   "triton")
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152)
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "missing_modules": [m for m in OFFLINE_MODULES if importlib.util.find_spec(m) is None]}
+    if device == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=f"{props.major}.{props.minor}")
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+        env["triton"] = triton.__version__
+    return env
+
+
+def make_model(directory: Path, shape: dict, seed: int) -> Path:
+    """A random-weight Llama checkpoint (safetensors, float32) with a word-level tokenizer over its vocabulary."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=True,
+                                      rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1, so that a skipped or swapped norm changes the logits
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+    model.save_pretrained(directory, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory
+
+
+def prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def kvserve_generate(model_dir: Path, device: str, dtype: str, token_lists: list[list[int]], max_tokens: int,
+                     prefix_caching: bool = True, max_num_seqs: int = 64) -> tuple[list[list[int]], float, str]:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), device=device, dtype=dtype, enable_prefix_caching=prefix_caching,
+              max_num_seqs=max_num_seqs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": token_lists[0][:4]}], SamplingParams(max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params)
+    seconds = time.perf_counter() - start
+    backend = llm.engine.backend.description
+    del llm
+    return [list(o.outputs[0].token_ids) for o in outputs], seconds, backend
+
+
+def transformers_generate(model_dir: Path, device: str, dtype: torch.dtype, token_lists: list[list[int]],
+                          max_tokens: int, batched: bool) -> tuple[list[list[int]], float]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    groups = [token_lists] if batched else [[t] for t in token_lists]  # batched: prompts of one length
+    with torch.no_grad():
+        model.generate(torch.tensor([token_lists[0][:4]], device=device), max_new_tokens=2, pad_token_id=0)
+        start = time.perf_counter()
+        out = []
+        for group in groups:
+            ids = torch.tensor(group, device=device)
+            out += [row[ids.shape[1]:].tolist() for row in model.generate(ids, **kwargs)]
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def equality(model_dir: Path, device: str, vocab_size: int, lengths: list[int], max_tokens: int) -> list[dict]:
+    rows = []
+    token_lists = prompts(vocab_size, lengths, seed=1)
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        expected, _ = transformers_generate(model_dir, device, dtype, token_lists, max_tokens, batched=False)
+        for prefix_caching in (True, False):
+            # Twice through one engine would hit the prefix cache; the second prompt set shares prefixes.
+            got, _, backend = kvserve_generate(model_dir, device, dtype_name, token_lists, max_tokens,
+                                               prefix_caching)
+            first_diff = [next((i for i, (a, b) in enumerate(zip(g, e, strict=True)) if a != b), None)
+                          for g, e in zip(got, expected, strict=True)]
+            rows.append({"model": model_dir.name, "dtype": dtype_name, "prefix_caching": prefix_caching,
+                         "backend": backend, "prompts": len(token_lists),
+                         "equal": sum(d is None for d in first_diff), "first_divergence": first_diff})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def throughput(model_dir: Path, device: str, vocab_size: int, levels: list[int], prompt_len: int,
+               max_tokens: int) -> list[dict]:
+    rows = []
+    for concurrency in levels:
+        token_lists = prompts(vocab_size, [prompt_len] * concurrency, seed=concurrency)
+        _, seconds, _ = kvserve_generate(model_dir, device, "bfloat16", token_lists, max_tokens,
+                                         max_num_seqs=concurrency)
+        _, hf_seconds = transformers_generate(model_dir, device, torch.bfloat16, token_lists, max_tokens,
+                                              batched=True)
+        tokens = concurrency * max_tokens
+        rows.append({"concurrency": concurrency, "kvserve_tok_s": tokens / seconds,
+                     "kvserve_cuda_graphs_tok_s": None, "transformers_tok_s": tokens / hf_seconds,
+                     "ratio": hf_seconds / seconds})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def peaks(model_dir: Path, device: str, vocab_size: int, prompt_len: int, decode_tokens: int) -> dict:
+    """Prefill MFU of one prompt and single-stream decode's weight bytes per second (bf16)."""
+    import transformers
+
+    params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    (prompt,) = prompts(vocab_size, [prompt_len], seed=7)
+    _, prefill_seconds, _ = kvserve_generate(model_dir, device, "bfloat16", [prompt], 1)
+    _, seconds, _ = kvserve_generate(model_dir, device, "bfloat16", [prompt[:16]], decode_tokens)
+    flops = 2 * params * prompt_len
+    decode_bytes_per_s = 2 * params * decode_tokens / seconds
+    return {"parameters": params, "prefill_tok_s": prompt_len / prefill_seconds,
+            "prefill_mfu": flops / prefill_seconds / H200_BF16_FLOPS,
+            "decode_tok_s": decode_tokens / seconds, "decode_bandwidth_use": decode_bytes_per_s / H200_BYTES_PER_S}
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"# CUDA check: {env.get('gpu', results['device'])}", "",
+             "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+             "| model | dtype | prefix cache | backend | prompts equal to transformers | first divergence |",
+             "|---|---|---|---|---:|---|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {r['prefix_caching']} | {r['backend']} | {r['equal']} of "
+              f"{r['prompts']} | {r['first_divergence']} |" for r in results["equality"]]
+    lines += ["", "| concurrency | kvserve tok/s | with CUDA graphs | transformers tok/s | kvserve / transformers |",
+              "|---:|---:|---|---:|---:|"]
+    lines += [f"| {r['concurrency']} | {r['kvserve_tok_s']:.1f} | not built | {r['transformers_tok_s']:.1f} | "
+              f"{r['ratio']:.2f}x |" for r in results["throughput"]]
+    p = results["peaks"]
+    lines += ["", f"Prefill {p['prefill_tok_s']:.0f} tok/s (MFU {100 * p['prefill_mfu']:.2f}% of 989 TFLOP/s); "
+              f"decode {p['decode_tok_s']:.1f} tok/s ({100 * p['decode_bandwidth_use']:.2f}% of 4.8 TB/s)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes (a CPU run of the whole script)")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": args.device, "environment": environment(args.device), "argv": sys.argv[1:]}
+    print(json.dumps(results["environment"]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = make_model(Path(tmp) / "tiny-llama", TINY, seed=0)
+        shaped = tiny if args.smoke else make_model(Path(tmp) / "smollm2-shape-random", SMOLLM2_SHAPE, seed=0)
+        lengths, max_tokens = ([3, 17, 40], 8) if args.smoke else ([5, 17, 40, 130], 32)
+        results["equality"] = equality(tiny, args.device, TINY["vocab_size"], lengths, max_tokens)
+        if not args.smoke:
+            results["equality"] += equality(shaped, args.device, SMOLLM2_SHAPE["vocab_size"], lengths, max_tokens)
+        vocab = (TINY if args.smoke else SMOLLM2_SHAPE)["vocab_size"]
+        levels, prompt_len, out_len = ([1, 4], 16, 8) if args.smoke else ([1, 16, 64, 256], 128, 128)
+        results["throughput"] = throughput(shaped, args.device, vocab, levels, prompt_len, out_len)
+        results["peaks"] = peaks(shaped, args.device, vocab, 64 if args.smoke else 2048, 8 if args.smoke else 128)
+    (args.out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    (args.out_dir / "gpu_check.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""``scripts/gpu_check.sh``'s script, run whole at toy sizes on the CPU: so that a session lent a GPU finds it
+working. Its equality rows must agree with transformers on every prompt (float32 and bf16 on this tiny
+model, prefix cache on and off), and every section must be written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_whole_on_a_cpu(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", str(tmp_path), "--device", "cpu", "--smoke"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(r["dtype"], r["prefix_caching"]) for r in report["equality"]] == [
+        ("float32", True), ("float32", False), ("bfloat16", True), ("bfloat16", False)]
+    assert all(r["equal"] == r["prompts"] for r in report["equality"]), report["equality"]
+    assert [r["concurrency"] for r in report["throughput"]] == [1, 4]
+    assert report["peaks"]["prefill_tok_s"] > 0 and report["peaks"]["decode_tok_s"] > 0
+    assert "| concurrency |" in (tmp_path / "gpu_check.md").read_text()
