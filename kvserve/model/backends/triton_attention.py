@@ -47,6 +47,22 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, UPCAST: tl.constexpr):
+    """One block of keys k, values v (rows of the block) into the query rows' running max m_i, sum l_i and
+    output acc; ``visible`` masks the scores."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.where(visible, _dot(q, tl.trans(k), UPCAST) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale, max_blocks,
                    split_blocks, stride_block, stride_token,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -71,19 +87,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
     for j in range(first, last):
         block = tl.load(table_ptr + seq * max_blocks + j).to(tl.int64)
         offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
-        k = tl.load(k_ptr + offsets)
-        v = tl.load(v_ptr + offsets)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = _dot(q, tl.trans(k), UPCAST) * scale
-        scores = tl.where((j * BLOCK_SIZE + t)[None, :] < seq_len, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+        visible = (j * BLOCK_SIZE + t)[None, :] < seq_len
+        m_i, l_i, acc = _online_softmax_step(q, tl.load(k_ptr + offsets), tl.load(v_ptr + offsets), visible,
+                                             scale, m_i, l_i, acc, UPCAST)
     part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
     tl.store(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], acc)
     tl.store(m_ptr + part * GROUP_PAD + g, m_i)
@@ -120,20 +126,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_
     for j in range(0, tl.cdiv(keys_seen, BLOCK_SIZE)):
         block = tl.load(table_ptr + chunk * max_blocks + j).to(tl.int64)
         offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
-        k = tl.load(k_ptr + offsets)
-        v = tl.load(v_ptr + offsets)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
         key_positions = j * BLOCK_SIZE + t
         visible = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] < kv_len)
-        scores = tl.where(visible, _dot(q, tl.trans(k), UPCAST) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, tl.load(k_ptr + offsets), tl.load(v_ptr + offsets), visible,
+                                             scale, m_i, l_i, acc, UPCAST)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + rows)[:, None] * stride_row + head * HEAD_DIM + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
