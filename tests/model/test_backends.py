@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import nullcontext
 
 import pytest
@@ -139,14 +140,27 @@ def test_a_head_size_without_kernels_falls_back_and_says_why(head_dim) -> None:
         "(int8 dot products up to 4 rows)")
 
 
+def test_cuda_takes_the_triton_backend_where_triton_imports(monkeypatch, caplog) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setattr(select, "load_cpu_kernels", lambda: pytest.fail("no C++ kernels for a GPU"))
+    with caplog.at_level(logging.INFO, logger=select.__name__):
+        backend = select.select_backend(torch.device("cuda"), torch.bfloat16, arch(), True, BackendConfig())
+    assert backend.name == "cuda_triton"
+    assert [r.getMessage() for r in caplog.records] == [f"backend: {backend.description}"]
+
+
 def test_the_torch_reference_where_kernels_are_not_wanted_or_not_there(monkeypatch, caplog) -> None:
     built: list[bool] = []
     monkeypatch.setattr(select, "load_cpu_kernels", lambda: built.append(True) or AMX)
+    monkeypatch.setitem(sys.modules, "triton", None)  # a GPU without Triton: import triton raises ImportError
+    monkeypatch.delitem(sys.modules, "kvserve.model.backends.cuda", raising=False)
+    monkeypatch.delitem(sys.modules, "kvserve.model.backends.triton_attention", raising=False)
     for device, want, why in ((CPU, False, "not wanted"), (torch.device("cuda"), True, "none for cuda")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=select.__name__):
             backend = select.select_backend(device, torch.bfloat16, arch(), want, BackendConfig())
-        assert [r.getMessage() for r in caplog.records] == [f"backend: {backend.description}; no C++ kernels: {why}"]
+        messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+        assert messages == [f"backend: {backend.description}; no C++ kernels: {why}"]
         assert backend.name == "torch_ref" and backend.argmax is None and backend.ops == ModelOps()
         assert type(backend.make_attention(0)) is TorchPagedAttention
         assert isinstance(backend.step_scope(), nullcontext)
