@@ -58,8 +58,9 @@ def keys_of(cache: torch.Tensor, blocks: list[int], n: int) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 32), (4, 4, 16), (4, 1, 64)])
-def test_paged_decode_matches_reference(monkeypatch, dtype, heads, kv_heads, dim) -> None:
-    monkeypatch.setattr(triton_attention, "DECODE_SPLIT_BLOCKS", 2)  # several splits to merge
+@pytest.mark.parametrize("split_blocks", [2, 16])  # several splits to merge; one split
+def test_paged_decode_matches_reference(monkeypatch, dtype, heads, kv_heads, dim, split_blocks) -> None:
+    monkeypatch.setattr(triton_attention, "DECODE_SPLIT_BLOCKS", split_blocks)
     torch.manual_seed(heads + dim)
     cache = random_cache(40, kv_heads, dim, dtype)
     lens = [1, 16, 17, 70]

@@ -155,10 +155,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, UPCAST=INTERPRETED or q.dtype == torch.float32,
     )
-    # The splits merged by log-sum-exp; a split with no keys has m = -inf and weighs nothing.
-    top = m.amax(dim=2, keepdim=True)
-    weight = torch.exp(m - top)
-    out = (acc * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=2)[..., None]
+    if num_splits == 1:  # nothing to merge (and what the merge below would give, bit for bit)
+        out = acc[:, :, 0] / l[:, :, 0, :, None]
+    else:  # the splits merged by log-sum-exp; a split with no keys has m = -inf and weighs nothing
+        top = m.amax(dim=2, keepdim=True)
+        weight = torch.exp(m - top)
+        out = (acc * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=2)[..., None]
     return out[:, :, :group].reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
