@@ -11,10 +11,11 @@ OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md:
 
 1. **Environment**: GPU, driver, torch, CUDA, Triton, the backend kvserve chose.
 2. **Greedy equality with transformers** on the same device, float32 and bfloat16, prefix cache on (a second
-   pass over the prompts, served from the cache) and off, on a tiny model and on one of SmolLM2-135M's shape: token for token over every prompt (bf16: how many
+   pass over the prompts, served from the cache) and off, decode steps on CUDA graphs and (cache off) eager,
+   on a tiny model and on one of SmolLM2-135M's shape: token for token over every prompt (bf16: how many
    agree, and where each first diverges).
-3. **Throughput**: offline output tokens/s at 1, 16, 64 and 256 concurrent requests (bf16), kvserve against
-   transformers' batched ``generate`` on the same GPU; CUDA graphs are not built yet (the column says so).
+3. **Throughput**: offline output tokens/s at 1, 16, 64 and 256 concurrent requests (bf16), kvserve with CUDA
+   graphs and eager (``--enforce-eager``) against transformers' batched ``generate`` on the same GPU.
 4. **Against the H200's peaks** (989 TFLOP/s bf16 dense, 4.8 TB/s): prefill MFU of one 2,048-token prompt,
    and single-stream decode's weight bytes per second.
 
@@ -92,14 +93,14 @@ def prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:
 
 
 def kvserve_generate(model_dir: Path, device: str, dtype: str, token_lists: list[list[int]], max_tokens: int,
-                     prefix_caching: bool = True, max_num_seqs: int = 64,
-                     passes: int = 1) -> tuple[list[list[int]], float, str]:
+                     prefix_caching: bool = True, max_num_seqs: int = 64, passes: int = 1,
+                     eager: bool = False) -> tuple[list[list[int]], float, str]:
     """The outputs and seconds of the last of ``passes`` runs of the prompts through one engine (a second
-    pass finds the first's prompts in the prefix cache)."""
+    pass finds the first's prompts in the prefix cache); ``eager``: no CUDA graphs."""
     from kvserve import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), device=device, dtype=dtype, enable_prefix_caching=prefix_caching,
-              max_num_seqs=max_num_seqs)
+              max_num_seqs=max_num_seqs, enforce_eager=eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": token_lists[0][:4]}], SamplingParams(max_tokens=2))  # warm-up
     for _ in range(passes):
@@ -135,14 +136,14 @@ def equality(model_dir: Path, device: str, vocab_size: int, lengths: list[int], 
     token_lists = prompts(vocab_size, lengths, seed=1)
     for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         expected, _ = transformers_generate(model_dir, device, dtype, token_lists, max_tokens, batched=False)
-        for prefix_caching in (True, False):
+        for prefix_caching, eager in ((True, False), (False, False), (False, True)):
             # With the cache on, the second pass: its prompts' full blocks come from the first pass's KV.
             got, _, backend = kvserve_generate(model_dir, device, dtype_name, token_lists, max_tokens,
-                                               prefix_caching, passes=2 if prefix_caching else 1)
+                                               prefix_caching, passes=2 if prefix_caching else 1, eager=eager)
             first_diff = [next((i for i, (a, b) in enumerate(zip(g, e, strict=True)) if a != b), None)
                           for g, e in zip(got, expected, strict=True)]
             rows.append({"model": model_dir.name, "dtype": dtype_name, "prefix_caching": prefix_caching,
-                         "backend": backend, "prompts": len(token_lists),
+                         "cuda_graphs": not eager, "backend": backend, "prompts": len(token_lists),
                          "equal": sum(d is None for d in first_diff), "first_divergence": first_diff})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -155,12 +156,14 @@ def throughput(model_dir: Path, device: str, vocab_size: int, levels: list[int],
         token_lists = prompts(vocab_size, [prompt_len] * concurrency, seed=concurrency)
         _, seconds, _ = kvserve_generate(model_dir, device, "bfloat16", token_lists, max_tokens,
                                          max_num_seqs=concurrency)
+        _, eager_seconds, _ = kvserve_generate(model_dir, device, "bfloat16", token_lists, max_tokens,
+                                               max_num_seqs=concurrency, eager=True)
         _, hf_seconds = transformers_generate(model_dir, device, torch.bfloat16, token_lists, max_tokens,
                                               batched=True)
         tokens = concurrency * max_tokens
         rows.append({"concurrency": concurrency, "kvserve_tok_s": tokens / seconds,
-                     "kvserve_cuda_graphs_tok_s": None, "transformers_tok_s": tokens / hf_seconds,
-                     "ratio": hf_seconds / seconds})
+                     "kvserve_eager_tok_s": tokens / eager_seconds, "transformers_tok_s": tokens / hf_seconds,
+                     "ratio": hf_seconds / seconds, "graphs_over_eager": eager_seconds / seconds})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -184,14 +187,15 @@ def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [f"# CUDA check: {env.get('gpu', results['device'])}", "",
              "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
-             "| model | dtype | prefix cache | backend | prompts equal to transformers | first divergence |",
-             "|---|---|---|---|---:|---|"]
-    lines += [f"| {r['model']} | {r['dtype']} | {r['prefix_caching']} | {r['backend']} | {r['equal']} of "
-              f"{r['prompts']} | {r['first_divergence']} |" for r in results["equality"]]
-    lines += ["", "| concurrency | kvserve tok/s | with CUDA graphs | transformers tok/s | kvserve / transformers |",
-              "|---:|---:|---|---:|---:|"]
-    lines += [f"| {r['concurrency']} | {r['kvserve_tok_s']:.1f} | not built | {r['transformers_tok_s']:.1f} | "
-              f"{r['ratio']:.2f}x |" for r in results["throughput"]]
+             "| model | dtype | prefix cache | CUDA graphs | backend | prompts equal to transformers | first divergence |",
+             "|---|---|---|---|---|---:|---|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {r['prefix_caching']} | {r['cuda_graphs']} | {r['backend']} | "
+              f"{r['equal']} of {r['prompts']} | {r['first_divergence']} |" for r in results["equality"]]
+    lines += ["", "| concurrency | kvserve tok/s (CUDA graphs) | eager | graphs / eager | transformers tok/s | "
+              "kvserve / transformers |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['concurrency']} | {r['kvserve_tok_s']:.1f} | {r['kvserve_eager_tok_s']:.1f} | "
+              f"{r['graphs_over_eager']:.2f}x | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |"
+              for r in results["throughput"]]
     p = results["peaks"]
     lines += ["", f"Prefill {p['prefill_tok_s']:.0f} tok/s (MFU {100 * p['prefill_mfu']:.2f}% of 989 TFLOP/s); "
               f"decode {p['decode_tok_s']:.1f} tok/s ({100 * p['decode_bandwidth_use']:.2f}% of 4.8 TB/s)."]

@@ -478,9 +478,16 @@ class BackendConfig:
     decode_split_size: int = setting(
         256, "keys per work item of the decode attention kernel: short enough that one long sequence still "
              "spreads over every core")
+    enforce_eager: bool = setting(False, "CUDA: run every step eagerly, without CUDA graphs")
+    cuda_graph_max_rows: int = setting(
+        256, "CUDA: decode steps of up to this many rows (requests and their drafts) replay CUDA graphs, "
+             "padded to the next captured size (1, 2, 4, then multiples of 8); wider steps run eagerly")
+    cuda_graph_max_seq_len: int = setting(
+        8192, "CUDA: the longest sequence a CUDA-graph decode step holds; a step with a longer one runs eagerly")
 
     def __post_init__(self) -> None:
-        for name in ("cascade_min_tokens", "shared_prefill_min_tokens", "decode_split_size"):
+        for name in ("cascade_min_tokens", "shared_prefill_min_tokens", "decode_split_size", "cuda_graph_max_rows",
+                     "cuda_graph_max_seq_len"):
             value = getattr(self, name)
             if value is None and name == "shared_prefill_min_tokens":
                 continue

@@ -57,9 +57,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
         windowed = self._window_binds(meta)
         decode = self._decode_windowed if windowed else self._decode
@@ -71,6 +69,13 @@ class TorchPagedAttention:
         if not nd:
             return prefill_out.view(num_tokens, -1)
         return torch.cat((decode(q[:nd], k_cache, v_cache, meta), prefill_out)).view(num_tokens, -1)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """The step's new K/V rows into their cache slots."""
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
     def _prefill_windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

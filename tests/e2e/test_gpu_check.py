@@ -1,6 +1,7 @@
 """``scripts/gpu_check.sh``'s script, run whole at toy sizes on the CPU: so that a session lent a GPU finds it
 working. Its equality rows must agree with transformers on every prompt (float32 and bf16 on this tiny
-model, prefix cache on and off), and every section must be written."""
+model, prefix cache on and off, with and without CUDA graphs: a CPU runs none), and every section must be
+written."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def test_the_gpu_check_runs_whole_on_a_cpu(tmp_path: Path) -> None:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [(r["dtype"], r["prefix_caching"]) for r in report["equality"]] == [
-        ("float32", True), ("float32", False), ("bfloat16", True), ("bfloat16", False)]
+    assert [(r["dtype"], r["prefix_caching"], r["cuda_graphs"]) for r in report["equality"]] == [
+        (dtype, cache, graphs) for dtype in ("float32", "bfloat16")
+        for cache, graphs in ((True, True), (False, True), (False, False))]
     assert all(r["equal"] == r["prompts"] for r in report["equality"]), report["equality"]
     assert [r["concurrency"] for r in report["throughput"]] == [1, 4]
     assert report["peaks"]["prefill_tok_s"] > 0 and report["peaks"]["decode_tok_s"] > 0

@@ -23,6 +23,7 @@ from kvserve.model.attention import TorchPagedAttention  # noqa: E402
 from kvserve.model.backends import triton_attention  # noqa: E402
 from kvserve.model.backends.base import PrefillChunk, StepRows  # noqa: E402
 from kvserve.model.backends.cuda import CudaBackend, prefill_tables  # noqa: E402
+from kvserve.model.backends.torch_ref import TorchRefBackend  # noqa: E402
 
 if _before is None:
     del os.environ["TRITON_INTERPRET"]
@@ -112,7 +113,8 @@ def test_paged_prefill_matches_reference(dtype) -> None:
 
 def test_a_mixed_step_matches_the_torch_reference_attention() -> None:
     """A layer's forward with decode rows and two prefill chunks: the Triton attention (with the CUDA
-    backend's metadata, here on CPU) against the torch reference's, K/V written into the cache alike."""
+    backend's metadata, here on CPU) against the torch reference's (with its own), K/V written into the
+    cache alike."""
     torch.manual_seed(1)
     arch = ArchConfig("llama", vocab_size=8, hidden_size=64, intermediate_size=16, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=64)
@@ -128,7 +130,56 @@ def test_a_mixed_step_matches_the_torch_reference_attention() -> None:
                     prefills=chunks)
     q, k, v = torch.randn(18, heads, dim), torch.randn(18, kv_heads, dim), torch.randn(18, kv_heads, dim)
     reference_layer = TorchPagedAttention(heads, kv_heads, dim)
-    expected = reference_layer.forward(q, k, v, cache.clone(), backend.build_metadata(rows))
+    reference_meta = TorchRefBackend(arch, torch.device("cpu"), BackendConfig()).build_metadata(rows)
+    expected = reference_layer.forward(q, k, v, cache.clone(), reference_meta)
     got = backend.make_attention(0).forward(q, k, v, cache.clone(), backend.build_metadata(rows))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
+
+
+def test_the_kv_write_skips_padding_rows_and_reads_rows_of_any_stride() -> None:
+    """Rows of a wider tensor (as K and V are views of the QKV projection's output) into their slots; a
+    negative slot (a CUDA graph's padding row) writes nothing."""
+    torch.manual_seed(2)
+    kv_heads, dim = 2, 16
+    cache = random_cache(4, kv_heads, dim, torch.float32)
+    qkv = torch.randn(4, 3 * kv_heads, dim)
+    k, v = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
+    slots = torch.tensor([5, -1, 40, -1])
+    expected = cache.clone()
+    expected[0].view(-1, kv_heads, dim)[[5, 40]] = k[[0, 2]]
+    expected[1].view(-1, kv_heads, dim)[[5, 40]] = v[[0, 2]]
+    triton_attention.write_kv(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache, expected)
+
+
+def test_prefill_reads_queries_of_a_wider_row_stride() -> None:
+    """q a view of the rotated Q and K heads (a row stride past its own heads), the output contiguous."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim = 4, 2, 16
+    cache = random_cache(4, kv_heads, dim, torch.float32)
+    qk = torch.randn(9, heads + kv_heads, dim)
+    chunk = PrefillChunk(0, 9, 9, [2])
+    tables = prefill_tables(StepRows(BLOCK_SIZE, torch.zeros(9, dtype=torch.long), prefills=[chunk]),
+                            torch.device("cpu"))
+    assert tables is not None
+    out = torch.zeros(9, heads, dim)
+    triton_attention.paged_prefill(qk[:, :heads], cache[0], cache[1], out, tables, dim**-0.5)
+    keys, values = keys_of(cache, [2], 9)
+    visible = torch.arange(9)[None, :] <= torch.arange(9)[:, None]
+    torch.testing.assert_close(out.double(), reference(qk[:, :heads], keys, values, visible, dim**-0.5),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_table_padded_wider_gives_the_same_decode(monkeypatch) -> None:
+    """A CUDA graph's block table is as wide as its longest sequence allows: the splits past a row's keys are
+    neither computed nor merged, and the output is bit for bit the tight table's."""
+    monkeypatch.setattr(triton_attention, "DECODE_SPLIT_BLOCKS", 2)
+    torch.manual_seed(4)
+    cache = random_cache(40, 2, 32, torch.float32)
+    tables, lens = [[3, 9, 4], [7, 1, 0]], torch.tensor([40, 17], dtype=torch.int32)
+    q = torch.randn(2, 6, 32)
+    tight = triton_attention.paged_decode(q, cache[0], cache[1], torch.tensor(tables, dtype=torch.int32), lens, 0.2)
+    wide_table = torch.tensor([row + [39] * 9 for row in tables], dtype=torch.int32)  # 6 splits, 2 used at most
+    wide = triton_attention.paged_decode(q, cache[0], cache[1], wide_table, lens, 0.2)
+    assert torch.equal(wide, tight)

@@ -1,20 +1,26 @@
 """The CUDA backend: torch's projections and element-wise ops, with paged attention on Triton kernels
-(``triton_attention``). What it does not cover yet (sliding-window layers while their window binds, cascade
-decode over a shared prefix) runs the torch reference's paths."""
+(``triton_attention``) and decode steps replayed from CUDA graphs (``decode_graphs``). What the kernels do
+not cover yet (sliding-window layers while their window binds, head sizes the tiles cannot take) runs the
+torch reference's paths, eagerly."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from dataclasses import fields
 
 import torch
 
 from kvserve.config import ArchConfig, BackendConfig
-from kvserve.model.backends.base import StepRows
+from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
+from kvserve.model.backends.decode_graphs import CudaGraphCapture, DecodeGraphs, DecoderStep, replay_eagerly
+from kvserve.model.backends.layout import prefill_spans, split_decodes, window_layout
 from kvserve.model.backends.torch_ref import TorchRefBackend
 from kvserve.model.backends.triton_attention import (
     PrefillTables,
     TritonAttentionMetadata,
     TritonPagedAttention,
+    head_size_unsupported,
 )
 
 
@@ -23,18 +29,50 @@ class CudaBackend(TorchRefBackend):
 
     def __init__(self, arch: ArchConfig, device: torch.device, config: BackendConfig) -> None:
         super().__init__(arch, device, config)
-        self.description = (f"{self.name} (torch projections, Triton paged attention; sliding windows and "
-                            "shared-prefix decode on torch)")
+        self.triton_attention = not head_size_unsupported(arch.head_dim)
+        why_eager = self._why_eager()
+        graphs = (f"decode steps of up to {config.cuda_graph_max_rows} rows on CUDA graphs" if why_eager is None
+                  else f"every step eager: {why_eager}")
+        attention = ("Triton paged attention; sliding windows while they bind on torch" if self.triton_attention
+                     else f"torch attention: Triton's tiles take no head size {arch.head_dim}")
+        self.description = f"{self.name} (torch projections, {attention}; {graphs})"
+
+    def _why_eager(self) -> str | None:
+        """Why decode steps cannot replay CUDA graphs here, or None when they can."""
+        if self.config.enforce_eager:
+            return "--enforce-eager"
+        if not self.triton_attention:
+            return "no Triton attention for this head size"
+        if self.arch.is_moe:
+            return "a mixture of experts routes on the host"
+        return None
 
     def make_attention(self, layer_index: int) -> TritonPagedAttention:
         arch = self.arch
         return TritonPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
                                     arch.layer_window(layer_index))
 
+    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
+        if self._why_eager() is not None:
+            return None
+        capture = CudaGraphCapture(self.device) if self.device.type == "cuda" else replay_eagerly
+        steps: Sequence[DecoderStep] = layers  # type: ignore[assignment]  # the model's layers run themselves
+        return DecodeGraphs(steps, self.config.cuda_graph_max_rows, self.config.cuda_graph_max_seq_len, capture)
+
     def build_metadata(self, rows: StepRows) -> TritonAttentionMetadata:
-        reference = super().build_metadata(rows)
-        meta = TritonAttentionMetadata(**{f.name: getattr(reference, f.name) for f in fields(reference)})
-        meta.prefill_tables = prefill_tables(rows, self.device)
+        if not self.triton_attention:  # the reference's layout, masks included
+            reference = super().build_metadata(rows)
+            return TritonAttentionMetadata(**{f.name: getattr(reference, f.name) for f in fields(reference)})
+        device = self.device
+        meta = TritonAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
+                                       prefills=prefill_spans(rows, device),
+                                       window=window_layout(rows, self.arch.sliding_window, device),
+                                       prefill_tables=prefill_tables(rows, device))
+        # Triton's decode reads each row's whole table, shared prefix included: no cascade split, no mask.
+        split = split_decodes(rows, min_shared_tokens=sys.maxsize)
+        if split is not None:
+            meta.decode_block_table = split.block_table.to(device, non_blocking=True)
+            meta.decode_seq_lens = split.seq_lens.to(device, non_blocking=True)
         return meta
 
 

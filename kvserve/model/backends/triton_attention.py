@@ -1,10 +1,13 @@
 """Paged attention in Triton, for the CUDA backend: decode rows and prefill chunks read their keys in place
 from the block tables (no gather copy), as the CPU kernels do.
 
+- **KV write** (``write_kv``): each new token's K/V row into its slot; a negative slot is a padding row
+  (a CUDA graph's batch padded to its captured size) and writes nothing.
 - **Decode** (``paged_decode``): one program per (sequence, KV head, key split) takes the KV head's query
   heads together (grouped-query attention reads each key once for all of them), an online softmax over
-  the split's blocks; the splits' partial results merge by log-sum-exp, so that a few long sequences still
-  fill the GPU (split-KV).
+  the split's blocks; a second kernel merges a sequence's splits by log-sum-exp, reading only the splits
+  its keys reach, so that a few long sequences still fill the GPU (split-KV) and a block table padded wider
+  than the step needs (a CUDA graph's) costs little. With one split the first kernel writes the output.
 - **Prefill** (``paged_prefill``): one program per (chunk, tile of query rows, query head), causal over the
   chunk's history and itself; the chunk's own keys are in the cache already (written before attention).
 
@@ -63,7 +66,21 @@ def _online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, UPCAST: tl.cons
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale, max_blocks,
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v,
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)
+    if slot < 0:  # a padding row
+        return
+    i = tl.arange(0, ROW_PAD)
+    inside = i < ROW
+    at = slot.to(tl.int64) * ROW + i
+    tl.store(k_cache_ptr + at, tl.load(k_ptr + token * stride_k + i, mask=inside), mask=inside)
+    tl.store(v_cache_ptr + at, tl.load(v_ptr + token * stride_v + i, mask=inside), mask=inside)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, scale, max_blocks,
                    split_blocks, stride_block, stride_token,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -72,6 +89,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
+    first = split * split_blocks
+    last = tl.minimum(first + split_blocks, tl.cdiv(seq_len, BLOCK_SIZE))
+    if split > 0 and first >= last:  # past the sequence's keys: the merge does not read this split
+        return
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, BLOCK_SIZE)
@@ -82,23 +103,57 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    first = split * split_blocks
-    last = tl.minimum(first + split_blocks, tl.cdiv(seq_len, BLOCK_SIZE))
     for j in range(first, last):
         block = tl.load(table_ptr + seq * max_blocks + j).to(tl.int64)
         offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
         visible = (j * BLOCK_SIZE + t)[None, :] < seq_len
         m_i, l_i, acc = _online_softmax_step(q, tl.load(k_ptr + offsets), tl.load(v_ptr + offsets), visible,
                                              scale, m_i, l_i, acc, UPCAST)
-    part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
-    tl.store(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], acc)
-    tl.store(m_ptr + part * GROUP_PAD + g, m_i)
-    tl.store(l_ptr + part * GROUP_PAD + g, l_i)
+    if NUM_SPLITS == 1:
+        _store_heads(out_ptr, seq, kv_head, acc / l_i[:, None], g, d, NUM_KV_HEADS, GROUP, HEAD_DIM)
+    else:
+        part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+        tl.store(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], acc)
+        tl.store(m_ptr + part * GROUP_PAD + g, m_i)
+        tl.store(l_ptr + part * GROUP_PAD + g, l_i)
+
+
+@triton.jit
+def _store_heads(out_ptr, seq, kv_head, out, g, d, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    """A KV head's query heads' outputs (rows g, padded past GROUP) into out [B, num_heads, D]."""
+    tl.store(out_ptr + ((seq * NUM_KV_HEADS + kv_head) * GROUP + g[:, None]) * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, split_blocks,
+                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A sequence's splits that hold keys, merged by log-sum-exp."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + seq)
+    num_parts = tl.maximum(1, tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), split_blocks))
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    first_part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS
+    top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    for s in range(0, num_parts):
+        top = tl.maximum(top, tl.load(m_ptr + (first_part + s) * GROUP_PAD + g))
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for s in range(0, num_parts):
+        part = first_part + s
+        weight = tl.exp(tl.load(m_ptr + part * GROUP_PAD + g) - top)
+        total += tl.load(l_ptr + part * GROUP_PAD + g) * weight
+        out += tl.load(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :]) * weight[:, None]
+    _store_heads(out_ptr, seq, kv_head, out / total[:, None], g, d, NUM_KV_HEADS, GROUP, HEAD_DIM)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, scale,
-                    max_blocks, stride_block, stride_token, stride_row,
+                    max_blocks, stride_block, stride_token, stride_q, stride_o,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     TILE_ROWS: tl.constexpr, UPCAST: tl.constexpr):
     chunk = tl.program_id(0)
@@ -114,7 +169,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, BLOCK_SIZE)
     row_ok = rows < q_len
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_row + head * HEAD_DIM + d[None, :],
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q + head * HEAD_DIM + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -131,14 +186,30 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_
         m_i, l_i, acc = _online_softmax_step(q, tl.load(k_ptr + offsets), tl.load(v_ptr + offsets), visible,
                                              scale, m_i, l_i, acc, UPCAST)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + (q_start + rows)[:, None] * stride_row + head * HEAD_DIM + d[None, :],
+    tl.store(o_ptr + (q_start + rows)[:, None] * stride_o + head * HEAD_DIM + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [num_tokens, H_kv, D] into caches [num_blocks, block_size, H_kv, D] (contiguous) at slot_mapping
+    [num_tokens]; a negative slot writes nothing."""
+    k, v = _rows_contiguous(k), _rows_contiguous(v)
+    row = k.shape[1] * k.shape[2]
+    _write_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                    ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with each row's H * D values contiguous (any row stride)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, num_heads, D] (a KV head's query heads adjacent); caches [num_blocks, block_size, H_kv, D];
-    block_table int32 [B, max_blocks]; seq_lens int32 [B]. Returns [B, num_heads, D] in q's dtype."""
+    block_table int32 [B, max_blocks]; seq_lens int32 [B], each at least 1. Returns [B, num_heads, D] in q's
+    dtype. Nothing here reads a device value on the host: a CUDA graph can hold it."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -149,31 +220,31 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     acc = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
     m = torch.empty(parts, dtype=torch.float32, device=q.device)
     l = torch.empty(parts, dtype=torch.float32, device=q.device)  # noqa: E741
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    shape = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+                 BLOCK_SIZE=block_size, NUM_SPLITS=num_splits)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q.contiguous(), k_cache, v_cache, block_table, seq_lens, acc, m, l, scale, max_blocks,
-        DECODE_SPLIT_BLOCKS, k_cache.stride(0), k_cache.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, UPCAST=INTERPRETED or q.dtype == torch.float32,
+        q.contiguous(), k_cache, v_cache, block_table, seq_lens, acc, m, l, out, scale, max_blocks,
+        DECODE_SPLIT_BLOCKS, k_cache.stride(0), k_cache.stride(1), **shape,
+        UPCAST=INTERPRETED or q.dtype == torch.float32,
     )
-    if num_splits == 1:  # nothing to merge (and what the merge below would give, bit for bit)
-        out = acc[:, :, 0] / l[:, :, 0, :, None]
-    else:  # the splits merged by log-sum-exp; a split with no keys has m = -inf and weighs nothing
-        top = m.amax(dim=2, keepdim=True)
-        weight = torch.exp(m - top)
-        out = (acc * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=2)[..., None]
-    return out[:, :, :group].reshape(batch, num_heads, head_dim).to(q.dtype)
+    if num_splits > 1:
+        _merge_kernel[(batch, num_kv_heads)](acc, m, l, seq_lens, out, DECODE_SPLIT_BLOCKS, **shape)
+    return out
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   spans: PrefillTables, scale: float) -> None:
     """Every prefill chunk's rows of q [num_tokens, num_heads, D] attend causally to their keys (all in the
-    cache); the outputs land in the same rows of ``out`` (q's shape)."""
+    cache); the outputs land in the same rows of ``out`` (q's shape). Each row's heads contiguous in both;
+    their row strides may differ (q is a view of the QKV projection's output)."""
+    q = _rows_contiguous(q)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     grid = (spans.q_starts.shape[0], triton.cdiv(spans.max_q_len, PREFILL_TILE_ROWS), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, spans.block_table, spans.q_starts, spans.q_lens, spans.kv_lens, scale,
-        spans.block_table.shape[1], k_cache.stride(0), k_cache.stride(1), q.stride(0),
+        spans.block_table.shape[1], k_cache.stride(0), k_cache.stride(1), q.stride(0), out.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_ROWS=PREFILL_TILE_ROWS,
         UPCAST=INTERPRETED or q.dtype == torch.float32,
     )
@@ -201,6 +272,10 @@ class TritonPagedAttention(TorchPagedAttention):
     """The reference attention with its decode and prefill on the Triton kernels; sliding-window layers
     (when their window binds) and cascade decode over a shared prefix stay on the reference paths."""
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TorchAttentionMetadata) -> torch.Tensor:
         if meta.decode_prefix_blocks is not None or head_size_unsupported(self.head_dim):
@@ -213,7 +288,7 @@ class TritonPagedAttention(TorchPagedAttention):
         tables = getattr(meta, "prefill_tables", None)
         if tables is None or head_size_unsupported(self.head_dim):
             return super()._prefill(q, k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_prefill(q, k_cache, v_cache, out, tables, self.scale)
         return out[meta.num_decode_tokens :]
 

@@ -1,0 +1,167 @@
+"""The CUDA backend's decode steps on persistent buffers (model/backends/decode_graphs.py), run on a CPU: the
+sizes captured, the padding, the buffers' reuse and what falls back to eager steps. On a CPU a "capture"
+replays the step itself on the same buffers (the recording into a CUDA graph needs a GPU:
+scripts/gpu_check.sh measures it there); the attention kernels run under Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # chosen as the kernels are decorated, at import (test_triton_attention.py)
+if os.environ.get("KVSERVE_REQUIRE_TRITON"):
+    import triton  # noqa: F401
+else:
+    pytest.importorskip("triton")
+
+from kvserve import engine as engine_module  # noqa: E402
+from kvserve.config import BackendConfig  # noqa: E402
+from kvserve.engine import LLM  # noqa: E402
+from kvserve.model.backends.base import AttentionMetadata  # noqa: E402
+from kvserve.model.backends.cuda import CudaBackend  # noqa: E402
+from kvserve.model.backends.decode_graphs import (  # noqa: E402
+    PADDING_SLOT,
+    DecodeGraphs,
+    StepBuffers,
+    bucket_for,
+    capture_sizes,
+)
+from kvserve.request import SamplingParams  # noqa: E402
+from tests.model.test_backends import arch  # noqa: E402
+from tests.support.tiny_models import make_tiny_model  # noqa: E402
+
+if _before is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _before
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_the_sizes_captured_and_the_size_a_step_is_padded_to() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(4) == [1, 2, 4]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    assert [bucket_for(rows, sizes) for rows in (1, 3, 5, 9, 249, 256, 257)] == [1, 4, 8, 16, 256, 256, None]
+
+
+def test_padding_rows_write_no_kv_and_read_one_key() -> None:
+    hidden, cos = torch.randn(3, 8), torch.randn(3, 1, 4)
+    buffers = StepBuffers.like(hidden, cos, rows=8, table_width=5)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([40, 17, 3]), num_decode_tokens=3,
+                             decode_block_table=torch.tensor([[2, 1], [1, 0], [0, 0]], dtype=torch.int32),
+                             decode_seq_lens=torch.tensor([20, 2, 4], dtype=torch.int32))
+    buffers.slot_mapping.fill_(7)  # what an earlier, wider step left
+    buffers.seq_lens.fill_(30)
+    buffers.fill(hidden, cos, -cos, meta, size=4)
+    assert buffers.slot_mapping[:4].tolist() == [40, 17, 3, PADDING_SLOT]
+    assert buffers.seq_lens[:4].tolist() == [20, 2, 4, 1]
+    assert buffers.block_table[:3, :2].tolist() == [[2, 1], [1, 0], [0, 0]]
+    assert torch.equal(buffers.hidden[:3], hidden) and torch.equal(buffers.sin[:3], -cos)
+    step_meta = buffers.metadata(4)
+    assert step_meta.decode_block_table is not None and step_meta.decode_block_table.shape == (4, 5)
+    assert step_meta.slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()  # views, not copies
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("graphs"), "llama")
+
+
+Replies = list[tuple[list[int], list[dict[int, float]] | None]]  # per request: tokens, top logprobs
+
+
+def generate(model: Path, monkeypatch: pytest.MonkeyPatch | None, prompts: list[list[int]],
+             params: list[SamplingParams], **options: object) -> tuple[Replies, LLM]:
+    """Outputs through an engine on the CUDA backend (``monkeypatch`` given; here on the CPU) or on the torch
+    reference (without)."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(engine_module, "select_backend",
+                            lambda device, dtype, arch, want, config, **_: CudaBackend(arch, device, config))
+    llm = LLM(str(model), dtype="float32", cpu_kernels=False, max_num_seqs=8, **options)
+    return replies(llm, prompts, params), llm
+
+
+def replies(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Replies:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+
+def assert_same(got: Replies, expected: Replies) -> None:
+    """The same tokens and, where asked for, top logprobs within float32 rounding: the tiny model's greedy
+    replies repeat one token, its logprobs move with any change to the logits (a KV row written into a live
+    slot, a padding row's output read)."""
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, got_logprobs), (_, expected_logprobs) in zip(got, expected, strict=True):
+        assert (got_logprobs is None) == (expected_logprobs is None)
+        for got_top, expected_top in zip(got_logprobs or [], expected_logprobs or [], strict=True):
+            assert got_top.keys() == expected_top.keys()
+            assert all(abs(got_top[t] - expected_top[t]) < 1e-4 for t in got_top)
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(200, 40000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int, logprobs: int | None = 5) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+
+
+def test_decode_steps_on_the_buffers_give_the_reference_tokens(tiny_llama, monkeypatch) -> None:
+    """Five requests finishing at different steps (decode steps of 5, 4, 3, 2 and 1 rows, padded to 8, 4, 4,
+    2 and 1 while the first request's KV is live), one of them longer than the captured table (its steps
+    run eagerly): the same tokens as the torch reference, the same buffers every step."""
+    prompts, params = random_prompts((3, 9, 17, 30, 5), seed=3), [greedy(n) for n in (6, 12, 20, 9, 15)]
+    expected, _ = generate(tiny_llama, None, prompts, params)
+    got, llm = generate(tiny_llama, monkeypatch, prompts, params, cuda_graph_max_rows=8,
+                        cuda_graph_max_seq_len=32)
+    assert_same(got, expected)
+    graphs = llm.engine.model.fused_decode
+    assert isinstance(graphs, DecodeGraphs) and sorted(graphs.steps) == [1, 2, 4, 8]
+    assert graphs.table_width == 32 // 16 and graphs.buffers is not None
+    assert graphs.buffers.hidden.shape[0] == 8
+    # The steps holding the 30-token prompt past 32 keys ran eagerly; the rest replayed.
+    decode_steps = max(p.max_tokens for p in params) - 1  # type: ignore[type-var]
+    assert 0 < graphs.num_replays < decode_steps
+    buffers = graphs.buffers.hidden.data_ptr()
+    assert_same(replies(llm, prompts[1:2], params[1:2]), expected[1:2])
+    assert graphs.buffers.hidden.data_ptr() == buffers and sorted(graphs.steps) == [1, 2, 4, 8]
+
+
+def test_drafts_and_prefix_hits_on_the_buffers(tiny_llama, monkeypatch) -> None:
+    """n-gram drafts (a request's rows: its token and its drafts; past 8 rows a step runs eagerly) for two
+    requests beside one asking for logprobs (which drafts nothing), then the same prompts again, served
+    from the prefix cache."""
+    prompts = random_prompts((12, 30, 7), seed=5)
+    prompts = [p * 2 for p in prompts]  # something for prompt lookup to find
+    params = [greedy(16), greedy(16, logprobs=None), greedy(16, logprobs=None)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False}
+    expected, _ = generate(tiny_llama, None, prompts, params, speculative_config=spec)
+    got, llm = generate(tiny_llama, monkeypatch, prompts, params, speculative_config=spec, cuda_graph_max_rows=8)
+    assert_same(got, expected)
+    assert_same(replies(llm, prompts, params), expected)
+    assert llm.engine.stats().prefix_cache_hits > 0
+    graphs = llm.engine.model.fused_decode
+    assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0 and 8 in graphs.steps
+    assert llm.engine.runner.num_proposed_tokens > 0
+
+
+def test_enforce_eager_a_mixture_of_experts_and_untiled_heads_build_no_graphs() -> None:
+    cpu = torch.device("cpu")
+    built = CudaBackend(arch(16), cpu, BackendConfig())
+    assert isinstance(built.build_fused_decode([]), DecodeGraphs) and "CUDA graphs" in built.description
+    for backend, why in ((CudaBackend(arch(16), cpu, BackendConfig(enforce_eager=True)), "--enforce-eager"),
+                         (CudaBackend(arch(16, num_experts=8, num_experts_per_token=2), cpu, BackendConfig()),
+                          "mixture of experts"),
+                         (CudaBackend(arch(80), cpu, BackendConfig()), "head size")):
+        assert backend.build_fused_decode([]) is None and why in backend.description
