@@ -19,6 +19,7 @@ import torch
 
 from kvserve.batch import ScheduledRequest, SchedulerOutput
 from kvserve.model.backends.base import PrefillChunk, StepRows
+from kvserve.model.host_inputs import to_device
 
 
 @dataclass(slots=True)
@@ -63,10 +64,10 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
 
     num_groups = len(out.scheduled[0].group_block_ids) if out.scheduled else 0
     return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=to_device(input_ids, device, torch.long),
+        positions=to_device(positions, device, torch.long),
         rows=_step_rows(out, singles, chunks, _main_table, block_size, device),
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        sample_rows=to_device(sample_rows, device, torch.long),
         sample_request_ids=sample_ids,
         sample_drafts=sample_drafts,
         group_rows=[_step_rows(out, singles, chunks, _group_table(g), block_size, device) for g in range(num_groups)],
@@ -108,7 +109,7 @@ def _step_rows(out: SchedulerOutput, singles: list[ScheduledRequest], chunks: li
         q_start += q_len
     return StepRows(
         block_size=block_size,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=to_device(slots, device, torch.long),
         decode_block_ids=row_tables,
         decode_kv_lens=kv_lens,
         prefills=prefills,

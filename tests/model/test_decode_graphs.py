@@ -142,9 +142,9 @@ def test_drafts_and_prefix_hits_on_the_buffers(tiny_llama, monkeypatch) -> None:
     """n-gram drafts (a request's rows: its token and its drafts; past 8 rows a step runs eagerly) for two
     requests beside one asking for logprobs (which drafts nothing), then the same prompts again, served
     from the prefix cache."""
-    prompts = random_prompts((12, 30, 7), seed=5)
+    prompts = random_prompts((10, 20, 6), seed=5)
     prompts = [p * 2 for p in prompts]  # something for prompt lookup to find
-    params = [greedy(16), greedy(16, logprobs=None), greedy(16, logprobs=None)]
+    params = [greedy(12), greedy(12, logprobs=None), greedy(12, logprobs=None)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False}
     expected, _ = generate(tiny_llama, None, prompts, params, speculative_config=spec)
     got, llm = generate(tiny_llama, monkeypatch, prompts, params, speculative_config=spec, cuda_graph_max_rows=8)

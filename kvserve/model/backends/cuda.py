@@ -1,7 +1,7 @@
-"""The CUDA backend: torch's projections and element-wise ops, with paged attention on Triton kernels
-(``triton_attention``) and decode steps replayed from CUDA graphs (``decode_graphs``). What the kernels do
-not cover yet (sliding-window layers while their window binds, head sizes the tiles cannot take) runs the
-torch reference's paths, eagerly."""
+"""The CUDA backend: torch's projections, with paged attention and the element-wise ops on Triton kernels
+(``triton_attention``, ``triton_ops``) and decode steps replayed from CUDA graphs (``decode_graphs``). What
+the kernels do not cover yet (sliding-window layers while their window binds, head sizes the tiles cannot
+take) runs the torch reference's paths, eagerly."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import fields
 import torch
 
 from kvserve.config import ArchConfig, BackendConfig
+from kvserve.model.backends import triton_ops
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.decode_graphs import CudaGraphCapture, DecodeGraphs, DecoderStep, replay_eagerly
 from kvserve.model.backends.layout import prefill_spans, split_decodes, window_layout
@@ -22,6 +23,8 @@ from kvserve.model.backends.triton_attention import (
     TritonPagedAttention,
     head_size_unsupported,
 )
+from kvserve.model.host_inputs import to_device
+from kvserve.model.ops import ModelOps
 
 
 class CudaBackend(TorchRefBackend):
@@ -29,13 +32,15 @@ class CudaBackend(TorchRefBackend):
 
     def __init__(self, arch: ArchConfig, device: torch.device, config: BackendConfig) -> None:
         super().__init__(arch, device, config)
+        self.ops = ModelOps(add_rms_norm=triton_ops.add_rms_norm, silu_mul=triton_ops.silu_mul,
+                            rotary=triton_ops.rotary)
         self.triton_attention = not head_size_unsupported(arch.head_dim)
         why_eager = self._why_eager()
         graphs = (f"decode steps of up to {config.cuda_graph_max_rows} rows on CUDA graphs" if why_eager is None
                   else f"every step eager: {why_eager}")
         attention = ("Triton paged attention; sliding windows while they bind on torch" if self.triton_attention
                      else f"torch attention: Triton's tiles take no head size {arch.head_dim}")
-        self.description = f"{self.name} (torch projections, {attention}; {graphs})"
+        self.description = f"{self.name} (torch projections, Triton norms, rotary and SiLU, {attention}; {graphs})"
 
     def _why_eager(self) -> str | None:
         """Why decode steps cannot replay CUDA graphs here, or None when they can."""
@@ -71,8 +76,8 @@ class CudaBackend(TorchRefBackend):
         # Triton's decode reads each row's whole table, shared prefix included: no cascade split, no mask.
         split = split_decodes(rows, min_shared_tokens=sys.maxsize)
         if split is not None:
-            meta.decode_block_table = split.block_table.to(device, non_blocking=True)
-            meta.decode_seq_lens = split.seq_lens.to(device, non_blocking=True)
+            meta.decode_block_table = to_device(split.block_table, device)
+            meta.decode_seq_lens = to_device(split.seq_lens, device)
         return meta
 
 
@@ -86,11 +91,11 @@ def prefill_tables(rows: StepRows, device: torch.device) -> PrefillTables | None
              for chunk in chunks]
 
     def column(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+        return to_device(values, device, torch.int32)
 
     return PrefillTables(
         q_starts=column([chunk.q_start for chunk in chunks]), q_lens=column([chunk.q_len for chunk in chunks]),
         kv_lens=column([chunk.kv_len for chunk in chunks]),
-        block_table=torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True),
+        block_table=to_device(table, device, torch.int32),
         max_q_len=max(chunk.q_len for chunk in chunks),
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.model.backends.base import PrefillSpan, StepRows, WindowLayout
+from kvserve.model.host_inputs import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ def prefill_spans(rows: StepRows, device: torch.device) -> list[PrefillSpan]:
         if chunk.kv_len == chunk.q_len:  # from position 0
             spans.append(PrefillSpan(chunk.q_start, chunk.q_len, chunk.kv_len))
         else:
-            block_ids = torch.tensor(chunk.block_ids).to(device, non_blocking=True)
+            block_ids = to_device(chunk.block_ids, device, torch.long)
             spans.append(PrefillSpan(chunk.q_start, chunk.q_len, chunk.kv_len, block_ids))
     return spans
 
@@ -89,4 +90,4 @@ def window_layout(rows: StepRows, window: int, device: torch.device) -> WindowLa
     kv_lens = torch.tensor(rows.decode_kv_lens)[:, None]
     keys = torch.arange(width * block_size)[None, :] + torch.tensor(starts)[:, None] * block_size
     mask = ((keys < kv_lens) & (keys >= kv_lens - window))[:, None, None, :]
-    return WindowLayout(window, table.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+    return WindowLayout(window, to_device(table, device), to_device(mask, device))

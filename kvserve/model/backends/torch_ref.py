@@ -12,6 +12,7 @@ from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.attention import TorchAttentionMetadata, TorchPagedAttention
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.layout import prefill_spans, split_decodes, window_layout
+from kvserve.model.host_inputs import to_device
 from kvserve.model.ops import ModelOps
 
 
@@ -54,10 +55,9 @@ class TorchRefBackend:
             num_keys = split.block_table.shape[1] * rows.block_size
             # [num_decodes, 1, 1, max_blocks * block_size]: True where the key exists
             mask = (torch.arange(num_keys)[None, :] < split.seq_lens[:, None])[:, None, None, :]
-            meta.decode_block_table = split.block_table.to(device, non_blocking=True)
-            meta.decode_seq_lens = split.seq_lens.to(device, non_blocking=True)
-            meta.decode_mask = mask.to(device, non_blocking=True)
+            meta.decode_block_table = to_device(split.block_table, device)
+            meta.decode_seq_lens = to_device(split.seq_lens, device)
+            meta.decode_mask = to_device(mask, device)
             if split.shared_block_ids:
-                meta.decode_prefix_blocks = torch.tensor(split.shared_block_ids, dtype=torch.long).to(
-                    device, non_blocking=True)
+                meta.decode_prefix_blocks = to_device(split.shared_block_ids, device, torch.long)
         return meta

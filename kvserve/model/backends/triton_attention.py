@@ -91,7 +91,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
     seq_len = tl.load(lens_ptr + seq)
     first = split * split_blocks
     last = tl.minimum(first + split_blocks, tl.cdiv(seq_len, BLOCK_SIZE))
-    if split > 0 and first >= last:  # past the sequence's keys: the merge does not read this split
+    if (split > 0) & (first >= last):  # past the sequence's keys: the merge does not read this split
         return
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
