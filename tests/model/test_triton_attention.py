@@ -183,3 +183,52 @@ def test_a_table_padded_wider_gives_the_same_decode(monkeypatch) -> None:
     wide_table = torch.tensor([row + [39] * 9 for row in tables], dtype=torch.int32)  # 6 splits, 2 used at most
     wide = triton_attention.paged_decode(q, cache[0], cache[1], wide_table, lens, 0.2)
     assert torch.equal(wide, tight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_with_a_window_reads_only_its_keys(monkeypatch, dtype) -> None:
+    """Each row sees its last ``window`` keys; the blocks wholly before them are not read (they hold NaN
+    here, as a freed window page may hold anything), over several splits counted from the window."""
+    monkeypatch.setattr(triton_attention, "DECODE_SPLIT_BLOCKS", 2)
+    torch.manual_seed(5)
+    window, lens = 20, [7, 20, 21, 70]
+    cache = random_cache(40, 2, 32, dtype)
+    cache[:, 0] = float("nan")  # the page a freed block's table entry points to
+    order = torch.randperm(39).add(1).tolist()
+    tables = []
+    for i, n in enumerate(lens):
+        own = order[5 * i : 5 * i + 5]
+        first_seen = max(0, n - window) // BLOCK_SIZE
+        tables.append([0] * first_seen + own[first_seen:])
+    q = torch.randn(len(lens), 6, 32).to(dtype)
+    out = triton_attention.paged_decode(q, cache[0], cache[1], torch.tensor(tables, dtype=torch.int32),
+                                        torch.tensor(lens, dtype=torch.int32), 0.2, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lens):
+        keys, values = keys_of(cache, tables[i], n)
+        visible = (torch.arange(n) >= n - window)[None, :]
+        expected = reference(q[i : i + 1], keys.nan_to_num(), values.nan_to_num(), visible, 0.2)
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=tol, rtol=tol)
+
+
+def test_paged_prefill_with_a_window() -> None:
+    """A chunk on cached history longer than the window, and a fresh one: each row sees the keys within the
+    window behind it; a tile's later rows start past blocks its first row still sees."""
+    torch.manual_seed(6)
+    heads, kv_heads, dim, window = 4, 2, 16, 11
+    cache = random_cache(16, kv_heads, dim, torch.float32)
+    chunks = [PrefillChunk(0, 21, 50, [3, 4, 5, 6]), PrefillChunk(21, 13, 13, [7])]
+    q = torch.randn(34, heads, dim)
+    tables = prefill_tables(StepRows(BLOCK_SIZE, torch.zeros(34, dtype=torch.long), prefills=chunks),
+                            torch.device("cpu"))
+    assert tables is not None
+    out = torch.zeros_like(q)
+    triton_attention.paged_prefill(q, cache[0], cache[1], out, tables, 0.25, window)
+    for chunk in chunks:
+        keys, values = keys_of(cache, chunk.block_ids, chunk.kv_len)
+        positions = torch.arange(chunk.kv_len - chunk.q_len, chunk.kv_len)[:, None]
+        key_positions = torch.arange(chunk.kv_len)[None, :]
+        visible = (key_positions <= positions) & (key_positions > positions - window)
+        rows_ = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        torch.testing.assert_close(out[rows_].double(), reference(q[rows_], keys, values, visible, 0.25),
+                                   atol=1e-5, rtol=1e-5)

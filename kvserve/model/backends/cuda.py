@@ -1,7 +1,6 @@
 """The CUDA backend: torch's projections, with paged attention and the element-wise ops on Triton kernels
 (``triton_attention``, ``triton_ops``) and decode steps replayed from CUDA graphs (``decode_graphs``). What
-the kernels do not cover yet (sliding-window layers while their window binds, head sizes the tiles cannot
-take) runs the torch reference's paths, eagerly."""
+the kernels do not cover (head sizes the tiles cannot take) runs the torch reference's paths, eagerly."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.backends import triton_ops
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.decode_graphs import CudaGraphCapture, DecodeGraphs, DecoderStep, replay_eagerly
-from kvserve.model.backends.layout import prefill_spans, split_decodes, window_layout
+from kvserve.model.backends.layout import prefill_spans, split_decodes
 from kvserve.model.backends.torch_ref import TorchRefBackend
 from kvserve.model.backends.triton_attention import (
     PrefillTables,
@@ -38,7 +37,7 @@ class CudaBackend(TorchRefBackend):
         why_eager = self._why_eager()
         graphs = (f"decode steps of up to {config.cuda_graph_max_rows} rows on CUDA graphs" if why_eager is None
                   else f"every step eager: {why_eager}")
-        attention = ("Triton paged attention; sliding windows while they bind on torch" if self.triton_attention
+        attention = ("Triton paged attention" if self.triton_attention
                      else f"torch attention: Triton's tiles take no head size {arch.head_dim}")
         self.description = f"{self.name} (torch projections, Triton norms, rotary and SiLU, {attention}; {graphs})"
 
@@ -69,10 +68,9 @@ class CudaBackend(TorchRefBackend):
             reference = super().build_metadata(rows)
             return TritonAttentionMetadata(**{f.name: getattr(reference, f.name) for f in fields(reference)})
         device = self.device
+        # The kernels apply a layer's sliding window themselves: no window layout.
         meta = TritonAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
-                                       prefills=prefill_spans(rows, device),
-                                       window=window_layout(rows, self.arch.sliding_window, device),
-                                       prefill_tables=prefill_tables(rows, device))
+                                       prefills=prefill_spans(rows, device), prefill_tables=prefill_tables(rows, device))
         # Triton's decode reads each row's whole table, shared prefix included: no cascade split, no mask.
         split = split_decodes(rows, min_shared_tokens=sys.maxsize)
         if split is not None:

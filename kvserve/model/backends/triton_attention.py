@@ -15,8 +15,8 @@ Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (Triton's inter
 tests check them without a GPU; there the tiles are widened to float32 before their products (the
 interpreter's bf16 products are wrong). On a GPU bf16 tiles multiply as they are, with float32 sums, and
 the softmax's weights are rounded to the values' dtype before the second product, as FlashAttention does.
-Sliding-window layers and cascade (shared-prefix) decode are not here: the backend sends those to the
-torch reference.
+Both take a sliding window (a layer's last ``window`` keys; the blocks before them are not read). Cascade
+(shared-prefix) decode is not here: the CUDA backend's layout never splits a prefix off.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def _online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, UPCAST: tl.cons
         v = v.to(tl.float32)
     scores = tl.where(visible, _dot(q, tl.trans(k), UPCAST) * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(scores - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (a window's edge)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
     return m_new, l_i, acc
@@ -80,8 +81,15 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k
 
 
 @triton.jit
+def _first_block(seq_len, window, BLOCK_SIZE: tl.constexpr):
+    """The first key a decode row sees (window 0: none hidden) and the block that holds it."""
+    first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    return first_key, first_key // BLOCK_SIZE
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, scale, max_blocks,
-                   split_blocks, stride_block, stride_token,
+                   split_blocks, window, stride_block, stride_token,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    UPCAST: tl.constexpr):
@@ -89,7 +97,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
-    first = split * split_blocks
+    first_key, first_block = _first_block(seq_len, window, BLOCK_SIZE)
+    first = first_block + split * split_blocks  # splits count from the window's first block
     last = tl.minimum(first + split_blocks, tl.cdiv(seq_len, BLOCK_SIZE))
     if (split > 0) & (first >= last):  # past the sequence's keys: the merge does not read this split
         return
@@ -106,7 +115,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
     for j in range(first, last):
         block = tl.load(table_ptr + seq * max_blocks + j).to(tl.int64)
         offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
-        visible = (j * BLOCK_SIZE + t)[None, :] < seq_len
+        key = j * BLOCK_SIZE + t
+        visible = ((key < seq_len) & (key >= first_key))[None, :]
         m_i, l_i, acc = _online_softmax_step(q, tl.load(k_ptr + offsets), tl.load(v_ptr + offsets), visible,
                                              scale, m_i, l_i, acc, UPCAST)
     if NUM_SPLITS == 1:
@@ -127,14 +137,15 @@ def _store_heads(out_ptr, seq, kv_head, out, g, d, NUM_KV_HEADS: tl.constexpr, G
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, split_blocks,
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, split_blocks, window,
                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """A sequence's splits that hold keys, merged by log-sum-exp."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + seq)
-    num_parts = tl.maximum(1, tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), split_blocks))
+    _, first_block = _first_block(seq_len, window, BLOCK_SIZE)
+    num_parts = tl.maximum(1, tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE) - first_block, split_blocks))
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     first_part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS
@@ -153,7 +164,7 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, split_blocks,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, scale,
-                    max_blocks, stride_block, stride_token, stride_q, stride_o,
+                    max_blocks, window, stride_block, stride_token, stride_q, stride_o,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     TILE_ROWS: tl.constexpr, UPCAST: tl.constexpr):
     chunk = tl.program_id(0)
@@ -178,14 +189,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_starts_ptr, q_lens_
     l_i = tl.zeros([TILE_ROWS], tl.float32)
     acc = tl.zeros([TILE_ROWS, HEAD_DIM], tl.float32)
     keys_seen = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * TILE_ROWS)  # by the tile's last row
-    for j in range(0, tl.cdiv(keys_seen, BLOCK_SIZE)):
+    # A window hides the keys more than ``window`` behind a row: from the tile's first row's first key.
+    first_key = tl.where(window > 0, tl.maximum(kv_len - q_len + tile * TILE_ROWS - window + 1, 0), 0)
+    for j in range(first_key // BLOCK_SIZE, tl.cdiv(keys_seen, BLOCK_SIZE)):
         block = tl.load(table_ptr + chunk * max_blocks + j).to(tl.int64)
         offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
         key_positions = j * BLOCK_SIZE + t
         visible = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] < kv_len)
+        visible = visible & ((window == 0) | (key_positions[None, :] > positions[:, None] - window))
         m_i, l_i, acc = _online_softmax_step(q, tl.load(k_ptr + offsets), tl.load(v_ptr + offsets), visible,
                                              scale, m_i, l_i, acc, UPCAST)
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]  # rows past the chunk saw nothing (and are not stored)
     tl.store(o_ptr + (q_start + rows)[:, None] * stride_o + head * HEAD_DIM + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -206,10 +220,11 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q [B, num_heads, D] (a KV head's query heads adjacent); caches [num_blocks, block_size, H_kv, D];
-    block_table int32 [B, max_blocks]; seq_lens int32 [B], each at least 1. Returns [B, num_heads, D] in q's
-    dtype. Nothing here reads a device value on the host: a CUDA graph can hold it."""
+    block_table int32 [B, max_blocks]; seq_lens int32 [B], each at least 1; ``window``: each row sees its
+    last ``window`` keys only (0: all of them; the blocks before them are not read). Returns [B, num_heads, D]
+    in q's dtype. Nothing here reads a device value on the host: a CUDA graph can hold it."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -225,26 +240,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  BLOCK_SIZE=block_size, NUM_SPLITS=num_splits)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q.contiguous(), k_cache, v_cache, block_table, seq_lens, acc, m, l, out, scale, max_blocks,
-        DECODE_SPLIT_BLOCKS, k_cache.stride(0), k_cache.stride(1), **shape,
+        DECODE_SPLIT_BLOCKS, window, k_cache.stride(0), k_cache.stride(1), **shape,
         UPCAST=INTERPRETED or q.dtype == torch.float32,
     )
     if num_splits > 1:
-        _merge_kernel[(batch, num_kv_heads)](acc, m, l, seq_lens, out, DECODE_SPLIT_BLOCKS, **shape)
+        _merge_kernel[(batch, num_kv_heads)](acc, m, l, seq_lens, out, DECODE_SPLIT_BLOCKS, window, **shape)
     return out
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                  spans: PrefillTables, scale: float) -> None:
+                  spans: PrefillTables, scale: float, window: int = 0) -> None:
     """Every prefill chunk's rows of q [num_tokens, num_heads, D] attend causally to their keys (all in the
     cache); the outputs land in the same rows of ``out`` (q's shape). Each row's heads contiguous in both;
-    their row strides may differ (q is a view of the QKV projection's output)."""
+    their row strides may differ (q is a view of the QKV projection's output). ``window``: each row sees
+    its last ``window`` keys only (0: all)."""
     q = _rows_contiguous(q)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     grid = (spans.q_starts.shape[0], triton.cdiv(spans.max_q_len, PREFILL_TILE_ROWS), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, spans.block_table, spans.q_starts, spans.q_lens, spans.kv_lens, scale,
-        spans.block_table.shape[1], k_cache.stride(0), k_cache.stride(1), q.stride(0), out.stride(0),
+        spans.block_table.shape[1], window, k_cache.stride(0), k_cache.stride(1), q.stride(0), out.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_ROWS=PREFILL_TILE_ROWS,
         UPCAST=INTERPRETED or q.dtype == torch.float32,
     )
@@ -269,8 +285,9 @@ class TritonAttentionMetadata(TorchAttentionMetadata):
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """The reference attention with its decode and prefill on the Triton kernels; sliding-window layers
-    (when their window binds) and cascade decode over a shared prefix stay on the reference paths."""
+    """The reference attention with its KV write, decode and prefill on the Triton kernels, a sliding-window
+    layer's window applied by them; a layout with a shared prefix split off (cascade decode) or a head size
+    the tiles cannot take stays on the reference paths."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -281,7 +298,8 @@ class TritonPagedAttention(TorchPagedAttention):
         if meta.decode_prefix_blocks is not None or head_size_unsupported(self.head_dim):
             return super()._decode(q, k_cache, v_cache, meta)
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-        return paged_decode(q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale)
+        return paged_decode(q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale,
+                            self.sliding_window or 0)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
@@ -289,7 +307,7 @@ class TritonPagedAttention(TorchPagedAttention):
         if tables is None or head_size_unsupported(self.head_dim):
             return super()._prefill(q, k, v, k_cache, v_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        paged_prefill(q, k_cache, v_cache, out, tables, self.scale)
+        paged_prefill(q, k_cache, v_cache, out, tables, self.scale, self.sliding_window or 0)
         return out[meta.num_decode_tokens :]
 
 

@@ -1,7 +1,8 @@
-"""The CUDA backend's decode steps on persistent buffers (model/backends/decode_graphs.py), run on a CPU: the
-sizes captured, the padding, the buffers' reuse and what falls back to eager steps. On a CPU a "capture"
-replays the step itself on the same buffers (the recording into a CUDA graph needs a GPU:
-scripts/gpu_check.sh measures it there); the attention kernels run under Triton's interpreter."""
+"""The CUDA backend through the engine, run on a CPU (its kernels under Triton's interpreter) against the torch
+reference: decode steps on persistent buffers (model/backends/decode_graphs.py: the sizes captured, the
+padding, the buffers' reuse and what falls back to eager steps; on a CPU a "capture" replays the step
+itself on the same buffers, the recording into a CUDA graph needs a GPU: scripts/gpu_check.sh measures it
+there), and Gemma 3's sliding-window layers on the Triton kernels."""
 
 from __future__ import annotations
 
@@ -165,3 +166,14 @@ def test_enforce_eager_a_mixture_of_experts_and_untiled_heads_build_no_graphs() 
                           "mixture of experts"),
                          (CudaBackend(arch(80), cpu, BackendConfig()), "head size")):
         assert backend.build_fused_decode([]) is None and why in backend.description
+
+
+def test_gemma3_window_layers_on_the_triton_kernels(tmp_path, monkeypatch) -> None:
+    """Prompts longer than the tiny Gemma 3's window of 8, its window layers' freed pages pointing at the null
+    page: the kernels apply the window and read none of those pages."""
+    model = make_tiny_model(tmp_path, "gemma3")
+    prompts, params = random_prompts((5, 13, 30), seed=7), [greedy(n) for n in (12, 9, 14)]
+    expected, _ = generate(model, None, prompts, params)
+    got, llm = generate(model, monkeypatch, prompts, params, max_num_batched_tokens=16)  # prompts in chunks
+    assert_same(got, expected)
+    assert llm.engine.kv_layout.is_grouped and llm.engine.backend.name == "cuda_triton"
