@@ -480,8 +480,9 @@ class BackendConfig:
              "spreads over every core")
     enforce_eager: bool = setting(False, "CUDA: run every step eagerly, without CUDA graphs")
     cuda_graph_max_rows: int = setting(
-        256, "CUDA: decode steps of up to this many rows (requests and their drafts) replay CUDA graphs, "
-             "padded to the next captured size (1, 2, 4, then multiples of 8); wider steps run eagerly")
+        256, "CUDA: decode steps of up to this many rows (requests and their drafts; at most --max-num-seqs "
+             "times 1 + the drafts a request may get) replay CUDA graphs, padded to the next captured size "
+             "(1, 2, 4, then multiples of 8); wider steps run eagerly")
     cuda_graph_max_seq_len: int = setting(
         8192, "CUDA: the longest sequence a CUDA-graph decode step holds; a step with a longer one runs eagerly")
 

@@ -26,7 +26,7 @@ from kvserve.cache.draft_kv import DraftKVCache
 from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import TieredKVStore
-from kvserve.config import ArchConfig, EngineConfig, SpeculativeConfig, StorageConfig
+from kvserve.config import ArchConfig, BackendConfig, EngineConfig, SpeculativeConfig, StorageConfig
 from kvserve.config_args import engine_config_from_keywords
 from kvserve.errors import ConfigError, InvalidRequest, ModelNotFound
 from kvserve.input_processor import InputProcessor, PromptType
@@ -190,7 +190,7 @@ class Engine:
         mc = self.config.model
         quantization = quantization or mc.quantization
         t0 = time.perf_counter()
-        backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self.config.backend,
+        backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self._backend_config(),
                                  int8_activations=mc.quantized_activations == "int8")
         model = build_model(arch, self.dtype, self.device, backend)
         keep_blocks = quantization == "gguf" or (quantization == "auto" and backend.quantized_by_default)
@@ -201,6 +201,15 @@ class Engine:
         logger.info("loaded %s (%s) in %.1fs; weights: %s", path.name, arch.architecture, time.perf_counter() - t0,
                     model.weight_summary())
         return backend, model
+
+    def _backend_config(self) -> BackendConfig:
+        """The backend options, CUDA graphs captured no wider than a decode step can be: every running
+        request with its most drafts."""
+        config = self.config
+        spec = config.speculative
+        rows_per_request = 1 + (spec.num_speculative_tokens if spec.method != "none" else 0)
+        widest = config.scheduler.max_num_seqs * rows_per_request
+        return replace(config.backend, cuda_graph_max_rows=min(config.backend.cuda_graph_max_rows, widest))
 
     def _build_draft_proposer(self, spec: SpeculativeConfig, target_blocks: int) -> DraftModelProposer:
         """The draft model on its own KV pool, after checking it can draft for this target: the same

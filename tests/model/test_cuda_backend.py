@@ -88,7 +88,7 @@ def generate(model: Path, monkeypatch: pytest.MonkeyPatch | None, prompts: list[
     if monkeypatch is not None:
         monkeypatch.setattr(engine_module, "select_backend",
                             lambda device, dtype, arch, want, config, **_: CudaBackend(arch, device, config))
-    llm = LLM(str(model), dtype="float32", cpu_kernels=False, max_num_seqs=8, **options)
+    llm = LLM(str(model), dtype="float32", cpu_kernels=False, **{"max_num_seqs": 8, **options})
     return replies(llm, prompts, params), llm
 
 
@@ -155,6 +155,9 @@ def test_drafts_and_prefix_hits_on_the_buffers(tiny_llama, monkeypatch) -> None:
     graphs = llm.engine.model.fused_decode
     assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0 and 8 in graphs.steps
     assert llm.engine.runner.num_proposed_tokens > 0
+    assert graphs.sizes == [1, 2, 4, 8]  # no wider than 8 rows asked for (8 requests with 3 drafts: 32)
+    narrow = LLM(str(tiny_llama), dtype="float32", cpu_kernels=False, max_num_seqs=3)
+    assert narrow.engine.model.fused_decode.sizes == [1, 2, 4]  # 3 requests, one row each, at most
 
 
 def test_enforce_eager_a_mixture_of_experts_and_untiled_heads_build_no_graphs() -> None:
