@@ -1,4 +1,5 @@
-"""A step's integer inputs (token ids, positions, slots, block tables) from the host to the model's device.
+"""A step's inputs from the host to the model's device: token ids, positions, slots, block tables, the
+sampler's per-row parameters.
 
 On CUDA they go through pinned memory with an asynchronous copy, so that building the rest of the step goes
 on while they land, instead of a copy from pageable memory that waits for the device; torch's caching host
@@ -12,9 +13,9 @@ from collections.abc import Sequence
 import torch
 
 
-def to_device(values: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], device: torch.device,
+def to_device(values: torch.Tensor | Sequence[float] | Sequence[Sequence[int]], device: torch.device,
               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``values`` (a host tensor, or lists of ints made one in ``dtype``) on ``device``."""
+    """``values`` (a host tensor, or lists of numbers made one in ``dtype``) on ``device``."""
     if device.type != "cuda":
         if isinstance(values, torch.Tensor):
             return values.to(device)

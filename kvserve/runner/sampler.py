@@ -35,6 +35,7 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.host_inputs import to_device
 from kvserve.request import SamplingParams
 from kvserve.structured.grammar import GrammarMatcher
 from kvserve.structured.masks import GrammarMasker
@@ -206,11 +207,11 @@ class Sampler:
         top_k = top_p = min_p = None
         if any(0 < p.top_k < vocab_size for p in params):
             # Clamped first: a top_k of 2**63 (no filter) in a batch with a real one must not overflow.
-            top_k = _to_device([min(p.top_k, vocab_size) for p in params], torch.long, device)  # [S]
+            top_k = to_device([min(p.top_k, vocab_size) for p in params], device, torch.long)  # [S]
         if any(p.top_p < 1 for p in params):
-            top_p = _to_device([p.top_p for p in params], torch.float32, device)  # [S]
+            top_p = to_device([p.top_p for p in params], device, torch.float32)  # [S]
         if any(p.min_p > 0 for p in params):
-            min_p = _to_device([p.min_p for p in params], torch.float32, device)  # [S]
+            min_p = to_device([p.min_p for p in params], device, torch.float32)  # [S]
         return apply_top_k_top_p_min_p(x, top_k, top_p, min_p).softmax(dim=-1)
 
     def _exponential_noise(
@@ -303,7 +304,7 @@ def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
     if rows:
         device = logits.device
         logits.index_put_((_index(rows, device), _index(cols, device)),
-                          _to_device(biases, torch.float32, device), accumulate=True)
+                          to_device(biases, device, torch.float32), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -403,22 +404,12 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list → device tensor without a blocking copy (pinned staging buffer on CUDA)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return _to_device(values, torch.long, device)
+    return to_device(values, device, torch.long)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return _to_device(values, torch.float32, device).unsqueeze(1)  # [N, 1]
+    return to_device(values, device, torch.float32).unsqueeze(1)  # [N, 1]
 
 
 def _token_index(
