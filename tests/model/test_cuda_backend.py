@@ -6,18 +6,14 @@ there), and Gemma 3's sliding-window layers on the Triton kernels."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # chosen as the kernels are decorated, at import (test_triton_attention.py)
-if os.environ.get("KVSERVE_REQUIRE_TRITON"):
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton")
+from tests.support.triton_interpreter import load_cuda_backend, triton_interpreter  # noqa: F401
+
+load_cuda_backend()
 
 from kvserve import engine as engine_module  # noqa: E402
 from kvserve.config import BackendConfig  # noqa: E402
@@ -35,15 +31,7 @@ from kvserve.request import SamplingParams  # noqa: E402
 from tests.model.test_backends import arch  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
-if _before is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _before
-
-
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def test_the_sizes_captured_and_the_size_a_step_is_padded_to() -> None:

@@ -3,19 +3,12 @@ references and against the torch reference attention."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# Triton's interpreter runs the kernels on CPU tensors: it is chosen as they are decorated, at import,
-# and consulted again as they run (the fixture below); the rest of the session runs without it.
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-if os.environ.get("KVSERVE_REQUIRE_TRITON"):  # CI: a missing Triton fails instead of skipping
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton")
+from tests.support.triton_interpreter import load_cuda_backend, triton_interpreter  # noqa: F401
+
+load_cuda_backend()
 
 from kvserve.arch import ArchConfig  # noqa: E402
 from kvserve.config import BackendConfig  # noqa: E402
@@ -25,16 +18,7 @@ from kvserve.model.backends.base import PrefillChunk, StepRows  # noqa: E402
 from kvserve.model.backends.cuda import CudaBackend, prefill_tables  # noqa: E402
 from kvserve.model.backends.torch_ref import TorchRefBackend  # noqa: E402
 
-if _before is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _before
-
-
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 BLOCK_SIZE = 16
 
 
@@ -134,7 +118,6 @@ def test_a_mixed_step_matches_the_torch_reference_attention() -> None:
     expected = reference_layer.forward(q, k, v, cache.clone(), reference_meta)
     got = backend.make_attention(0).forward(q, k, v, cache.clone(), backend.build_metadata(rows))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
 
 
 def test_the_kv_write_skips_padding_rows_and_reads_rows_of_any_stride() -> None:

@@ -3,31 +3,18 @@ CPU tensors, against the torch reference ops they replace."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # chosen as the kernels are decorated, at import (test_triton_attention.py)
-if os.environ.get("KVSERVE_REQUIRE_TRITON"):
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton")
+from tests.support.triton_interpreter import load_cuda_backend, triton_interpreter  # noqa: F401
+
+load_cuda_backend()
 
 from kvserve.model.backends import triton_ops  # noqa: E402
 from kvserve.model.layers import apply_rotary  # noqa: E402
 from kvserve.model.ops import torch_add_rms_norm, torch_silu_mul  # noqa: E402
 
-if _before is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _before
-
-
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 BF16_ULP = 2.0**-7  # relative: one unit in the last place of a bf16 value, at most
