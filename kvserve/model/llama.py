@@ -117,6 +117,11 @@ class LlamaForCausalLM:
         assert residual is not None
         return hidden + residual
 
+    def prepare_decode(self, kv_caches: list[torch.Tensor]) -> None:
+        """Called once the KV caches exist, before the first step (the fused decode may record its steps)."""
+        if self.fused_decode is not None:
+            self.fused_decode.prepare(kv_caches)
+
     def layer_metas(self, meta: AttentionMetadata, group_metas: Sequence[AttentionMetadata]) -> list[AttentionMetadata]:
         """Each layer's attention layout: its KV group's."""
         if not group_metas:

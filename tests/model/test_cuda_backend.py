@@ -45,7 +45,9 @@ def test_the_sizes_captured_and_the_size_a_step_is_padded_to() -> None:
 
 def test_padding_rows_write_no_kv_and_read_one_key() -> None:
     hidden, cos = torch.randn(3, 8), torch.randn(3, 1, 4)
-    buffers = StepBuffers.like(hidden, cos, rows=8, table_width=5)
+    buffers = StepBuffers.allocate(8, hidden_size=8, head_dim=4, table_width=5, dtype=torch.float32,
+                                   device=torch.device("cpu"))
+    assert buffers.slot_mapping.tolist() == [PADDING_SLOT] * 8 and buffers.seq_lens.tolist() == [1] * 8
     meta = AttentionMetadata(slot_mapping=torch.tensor([40, 17, 3]), num_decode_tokens=3,
                              decode_block_table=torch.tensor([[2, 1], [1, 0], [0, 0]], dtype=torch.int32),
                              decode_seq_lens=torch.tensor([20, 2, 4], dtype=torch.int32))

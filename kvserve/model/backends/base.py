@@ -174,6 +174,11 @@ class DecoderWeights(Protocol):
 class FusedDecode(Protocol):
     """Every decoder layer of the steps it accepts in one call, bit for bit what the layers would give."""
 
+    def prepare(self, kv_caches: list[torch.Tensor]) -> None:
+        """Called once the KV caches exist, before the first step: one that records its steps (CUDA graphs)
+        records them now."""
+        ...
+
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool: ...
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,

@@ -119,6 +119,9 @@ class FusedDecodeStack:
                 else (q.data, q.types, q.segments, q.cols, q.gemv_max_rows, q.widths.fused_max_rows,
                       q.widths.int8_activations))
 
+    def prepare(self, kv_caches: list[torch.Tensor]) -> None:
+        return None  # nothing recorded: each step calls the C++ stack with its own tensors
+
     def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
         rows = hidden.shape[0]
         return (rows >= 1 and meta.num_decode_tokens == rows and not meta.prefills

@@ -61,7 +61,8 @@ class CudaBackend(TorchRefBackend):
             return None
         capture = CudaGraphCapture(self.device) if self.device.type == "cuda" else replay_eagerly
         steps: Sequence[DecoderStep] = layers  # type: ignore[assignment]  # the model's layers run themselves
-        return DecodeGraphs(steps, self.config.cuda_graph_max_rows, self.config.cuda_graph_max_seq_len, capture)
+        return DecodeGraphs(steps, self.arch.hidden_size, self.arch.head_dim, self.config.cuda_graph_max_rows,
+                            self.config.cuda_graph_max_seq_len, capture)
 
     def build_metadata(self, rows: StepRows) -> TritonAttentionMetadata:
         if not self.triton_attention:  # the reference's layout, masks included

@@ -6,7 +6,7 @@ fixed shapes and fixed addresses, so the step runs on persistent buffers:
 
 - **Sizes**: graphs are captured for decode steps of 1, 2, 4, 8, 16, 24, ... rows (requests and their
   drafts) up to ``cuda_graph_max_rows``; a step is padded to the next captured size. All of them are
-  captured together, largest first, sharing one memory pool, at the first decode step that can use one.
+  captured together at start-up, once the KV caches exist, largest first, sharing one memory pool.
 - **Buffers**: the hidden rows, rotary cos/sin, slot mapping, block table and sequence lengths, copied in
   each step. The block table is as wide as ``cuda_graph_max_seq_len`` keys need; the decode kernel reads
   only a row's own blocks, and its merge only the key splits a row's keys reach.
@@ -14,7 +14,7 @@ fixed shapes and fixed addresses, so the step runs on persistent buffers:
   outputs are never read.
 
 Steps a graph cannot take run eagerly: any prefill chunk, more rows than the largest size, a sequence longer
-than the captured table, a sliding window that binds. ``GraphCapture`` records a step: on a GPU into a CUDA
+than the captured table. ``GraphCapture`` records a step: on a GPU into a CUDA
 graph; on a CPU (the tests) it runs the same step on the same buffers again at each replay, so that
 everything but the recording itself (sizes, padding, buffer reuse, what falls back) is tested without a GPU.
 """
@@ -106,11 +106,12 @@ class StepBuffers:
     seq_lens: torch.Tensor  # int32 [rows]
 
     @classmethod
-    def like(cls, hidden: torch.Tensor, cos: torch.Tensor, rows: int, table_width: int) -> StepBuffers:
-        device = hidden.device
-        return cls(hidden=torch.zeros((rows, *hidden.shape[1:]), dtype=hidden.dtype, device=device),
-                   cos=torch.zeros((rows, *cos.shape[1:]), dtype=cos.dtype, device=device),
-                   sin=torch.zeros((rows, *cos.shape[1:]), dtype=cos.dtype, device=device),
+    def allocate(cls, rows: int, hidden_size: int, head_dim: int, table_width: int, dtype: torch.dtype,
+                 device: torch.device) -> StepBuffers:
+        """Every row a padding row: no KV written, one key read."""
+        return cls(hidden=torch.zeros((rows, hidden_size), dtype=dtype, device=device),
+                   cos=torch.zeros((rows, 1, head_dim), dtype=dtype, device=device),
+                   sin=torch.zeros((rows, 1, head_dim), dtype=dtype, device=device),
                    slot_mapping=torch.full((rows,), PADDING_SLOT, dtype=torch.long, device=device),
                    block_table=torch.zeros((rows, table_width), dtype=torch.int32, device=device),
                    seq_lens=torch.ones(rows, dtype=torch.int32, device=device))
@@ -140,9 +141,11 @@ class StepBuffers:
 class DecodeGraphs:
     """The decoder layers of decode steps, replayed from captured graphs (``FusedDecode``)."""
 
-    def __init__(self, layers: Sequence[DecoderStep], max_rows: int, max_seq_len: int,
-                 capture: GraphCapture) -> None:
+    def __init__(self, layers: Sequence[DecoderStep], hidden_size: int, head_dim: int, max_rows: int,
+                 max_seq_len: int, capture: GraphCapture) -> None:
         self.layers = list(layers)
+        self.hidden_size = hidden_size
+        self.head_dim = head_dim
         self.sizes = capture_sizes(max_rows)
         self.max_seq_len = max_seq_len
         self.capture = capture
@@ -154,33 +157,31 @@ class DecodeGraphs:
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         table = meta.decode_block_table
-        return (meta.num_decode_tokens == hidden.shape[0] and not meta.prefills and meta.window is None
-                and meta.decode_prefix_blocks is None and table is not None
-                and bucket_for(hidden.shape[0], self.sizes) is not None
-                and (not self.table_width or table.shape[1] <= self.table_width))
+        return (self.buffers is not None and meta.num_decode_tokens == hidden.shape[0] and not meta.prefills
+                and meta.window is None and meta.decode_prefix_blocks is None and table is not None
+                and bucket_for(hidden.shape[0], self.sizes) is not None and table.shape[1] <= self.table_width)
+
+    def prepare(self, kv_caches: list[torch.Tensor]) -> None:
+        """Every size's step captured on the buffers (whose padding rows write nothing to the caches)."""
+        cache = kv_caches[0]  # [2, blocks, block_size, kv_heads, head_dim], in the model's dtype
+        self.table_width = -(-self.max_seq_len // cache.shape[2])
+        self.buffers = StepBuffers.allocate(self.sizes[-1], self.hidden_size, self.head_dim, self.table_width,
+                                            cache.dtype, cache.device)
+        self._kv_caches = kv_caches
+        with torch.inference_mode():  # as the steps run
+            for size in reversed(self.sizes):  # the largest first: the smaller ones fit in its memory
+                self.steps[size] = self.capture(self._step(size))
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.buffers is None:
-            self._capture_all(hidden, cos, kv_caches)
         assert self.buffers is not None and kv_caches is self._kv_caches, "graphs hold the caches they captured"
         rows = hidden.shape[0]
         size = bucket_for(rows, self.sizes)
-        assert size is not None and meta.decode_block_table is not None
-        if meta.decode_block_table.shape[1] > self.table_width:  # longer than captured (the first step's check)
-            return self._eager(hidden, cos, sin, meta, kv_caches)
+        assert size is not None
         self.buffers.fill(hidden, cos, sin, meta, size)
         out, residual = self.steps[size]()
         self.num_replays += 1
         return out[:rows], residual[:rows]
-
-    def _capture_all(self, hidden: torch.Tensor, cos: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
-        block_size = kv_caches[0].shape[2]
-        self.table_width = -(-self.max_seq_len // block_size)
-        self.buffers = StepBuffers.like(hidden, cos, self.sizes[-1], self.table_width)
-        self._kv_caches = kv_caches
-        for size in reversed(self.sizes):  # the largest first: the smaller ones fit in its memory
-            self.steps[size] = self.capture(self._step(size))
 
     def _step(self, size: int) -> Step:
         buffers = self.buffers
@@ -192,10 +193,6 @@ class DecodeGraphs:
             return self._layers(hidden, cos, sin, meta, caches)
 
         return step
-
-    def _eager(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-               kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._layers(hidden, cos, sin, meta, kv_caches)
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
