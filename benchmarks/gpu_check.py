@@ -96,7 +96,8 @@ def kvserve_generate(model_dir: Path, device: str, dtype: str, token_lists: list
                      prefix_caching: bool = True, max_num_seqs: int = 64, passes: int = 1,
                      eager: bool = False) -> tuple[list[list[int]], float, str]:
     """The outputs and seconds of the last of ``passes`` runs of the prompts through one engine (a second
-    pass finds the first's prompts in the prefix cache); ``eager``: no CUDA graphs."""
+    pass finds the first's prompts in the prefix cache); ``eager``: no CUDA graphs. The backend's
+    description says what ran: its CUDA graphs' sizes and replays, or why there were none."""
     from kvserve import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), device=device, dtype=dtype, enable_prefix_caching=prefix_caching,
@@ -107,9 +108,18 @@ def kvserve_generate(model_dir: Path, device: str, dtype: str, token_lists: list
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params)
         seconds = time.perf_counter() - start
-    backend = llm.engine.backend.description
+    backend = llm.engine.backend.description + graphs_used(llm.engine.model.fused_decode)
     del llm
     return [list(o.outputs[0].token_ids) for o in outputs], seconds, backend
+
+
+def graphs_used(fused_decode: object) -> str:
+    """What the engine's CUDA graphs did: sizes captured and decode steps replayed, or the capture's error."""
+    if fused_decode is None or not hasattr(fused_decode, "capture_error"):
+        return "; no CUDA graphs"
+    if fused_decode.capture_error is not None:
+        return f"; CUDA graph capture FAILED, eager: {fused_decode.capture_error}"
+    return f"; CUDA graphs: {len(fused_decode.steps)} sizes captured, {fused_decode.num_replays} steps replayed"
 
 
 def transformers_generate(model_dir: Path, device: str, dtype: torch.dtype, token_lists: list[list[int]],

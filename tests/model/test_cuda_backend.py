@@ -170,3 +170,21 @@ def test_gemma3_window_layers_on_the_triton_kernels(tmp_path, monkeypatch) -> No
     got, llm = generate(model, monkeypatch, prompts, params, max_num_batched_tokens=16)  # prompts in chunks
     assert_same(got, expected)
     assert llm.engine.kv_layout.is_grouped and llm.engine.backend.name == "cuda_triton"
+
+
+def test_a_failed_capture_leaves_every_step_eager(tiny_llama, monkeypatch, caplog) -> None:
+    """A capture that raises (as an unforeseen CUDA error would) is logged; the engine serves eagerly."""
+    def failing(step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    from kvserve.model.backends import cuda
+
+    monkeypatch.setattr(cuda, "replay_eagerly", failing)
+    prompts, params = random_prompts((4, 9), seed=8), [greedy(5), greedy(7)]
+    expected, _ = generate(tiny_llama, None, prompts, params)
+    got, llm = generate(tiny_llama, monkeypatch, prompts, params)
+    assert_same(got, expected)
+    graphs = llm.engine.model.fused_decode
+    assert isinstance(graphs, DecodeGraphs) and graphs.num_replays == 0 and not graphs.steps
+    assert graphs.capture_error == "RuntimeError: operation not permitted when stream is capturing"
+    assert "capture failed, decode steps run eagerly" in caplog.text

@@ -22,6 +22,7 @@ everything but the recording itself (sizes, padding, buffer reuse, what falls ba
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +31,8 @@ import torch
 
 from kvserve.model.backends.base import AttentionMetadata
 from kvserve.model.backends.triton_attention import TritonAttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 PADDING_SLOT = -1
 WARMUP_RUNS = 2  # before a capture: Triton compiles its kernels, torch settles its workspaces
@@ -154,6 +157,7 @@ class DecodeGraphs:
         self.steps: dict[int, Step] = {}
         self._kv_caches: list[torch.Tensor] | None = None
         self.num_replays = 0
+        self.capture_error: str | None = None  # why the steps run eagerly, when a capture failed
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         table = meta.decode_block_table
@@ -162,15 +166,21 @@ class DecodeGraphs:
                 and bucket_for(hidden.shape[0], self.sizes) is not None and table.shape[1] <= self.table_width)
 
     def prepare(self, kv_caches: list[torch.Tensor]) -> None:
-        """Every size's step captured on the buffers (whose padding rows write nothing to the caches)."""
+        """Every size's step captured on the buffers (whose padding rows write nothing to the caches). A
+        capture that fails leaves every step eager, with a warning: serving goes on, slower."""
         cache = kv_caches[0]  # [2, blocks, block_size, kv_heads, head_dim], in the model's dtype
         self.table_width = -(-self.max_seq_len // cache.shape[2])
         self.buffers = StepBuffers.allocate(self.sizes[-1], self.hidden_size, self.head_dim, self.table_width,
                                             cache.dtype, cache.device)
         self._kv_caches = kv_caches
-        with torch.inference_mode():  # as the steps run
-            for size in reversed(self.sizes):  # the largest first: the smaller ones fit in its memory
-                self.steps[size] = self.capture(self._step(size))
+        try:
+            with torch.inference_mode():  # as the steps run
+                for size in reversed(self.sizes):  # the largest first: the smaller ones fit in its memory
+                    self.steps[size] = self.capture(self._step(size))
+        except Exception as error:  # any failure of a capture: the eager path still serves
+            self.capture_error = f"{type(error).__name__}: {error}"
+            self.buffers, self.steps = None, {}
+            logger.warning("CUDA graphs: capture failed, decode steps run eagerly: %s", self.capture_error)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
