@@ -12,8 +12,9 @@ OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md:
 1. **Environment**: GPU, driver, torch, CUDA, Triton, the backend kvserve chose.
 2. **Greedy equality with transformers** on the same device, float32 and bfloat16, prefix cache on (a second
    pass over the prompts, served from the cache) and off, decode steps on CUDA graphs and (cache off) eager,
-   on a tiny model and on one of SmolLM2-135M's shape: token for token over every prompt (bf16: how many
-   agree, and where each first diverges).
+   on a tiny model, a tiny Gemma 3 (sliding-window layers, a window shorter than the longer prompts) and one
+   of SmolLM2-135M's shape: token for token over every prompt (bf16: how many agree, and where each first
+   diverges).
 3. **Throughput**: offline output tokens/s at 1, 16, 64 and 256 concurrent requests (bf16), kvserve with CUDA
    graphs and eager (``--enforce-eager``) against transformers' batched ``generate`` on the same GPU.
 4. **Against the H200's peaks** (989 TFLOP/s bf16 dense, 4.8 TB/s): prefill MFU of one 2,048-token prompt,
@@ -45,6 +46,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=512)
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, vocab_size=49152)
+# Gemma 3's layout at toy size: two sliding-window layers (window shorter than the longer prompts) and a global
+# one, so that the Triton kernels' windows and the freed window pages are checked against transformers.
+TINY_GEMMA3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], pad_token_id=0)
 
 
 def environment(device: str) -> dict:
@@ -65,13 +71,15 @@ def environment(device: str) -> dict:
     return env
 
 
-def make_model(directory: Path, shape: dict, seed: int) -> Path:
-    """A random-weight Llama checkpoint (safetensors, float32) with a word-level tokenizer over its vocabulary."""
+def make_model(directory: Path, shape: dict, seed: int, family: str = "llama") -> Path:
+    """A random-weight Llama (or Gemma 3) checkpoint (safetensors, float32) with a word-level tokenizer over
+    its vocabulary."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    config = transformers.LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=True,
-                                      rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None)
+    config_class = transformers.Gemma3TextConfig if family == "gemma3" else transformers.LlamaConfig
+    config = config_class(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                          bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms away from 1, so that a skipped or swapped norm changes the logits
@@ -226,6 +234,8 @@ def main() -> None:
         shaped = tiny if args.smoke else make_model(Path(tmp) / "smollm2-shape-random", SMOLLM2_SHAPE, seed=0)
         lengths, max_tokens = ([3, 17, 40], 8) if args.smoke else ([5, 17, 40, 130], 32)
         results["equality"] = equality(tiny, args.device, TINY["vocab_size"], lengths, max_tokens)
+        gemma = make_model(Path(tmp) / "tiny-gemma3", TINY_GEMMA3, seed=0, family="gemma3")
+        results["equality"] += equality(gemma, args.device, TINY_GEMMA3["vocab_size"], lengths, max_tokens)
         if not args.smoke:
             results["equality"] += equality(shaped, args.device, SMOLLM2_SHAPE["vocab_size"], lengths, max_tokens)
         vocab = (TINY if args.smoke else SMOLLM2_SHAPE)["vocab_size"]

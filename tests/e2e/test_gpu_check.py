@@ -23,8 +23,8 @@ def test_the_gpu_check_runs_whole_on_a_cpu(tmp_path: Path) -> None:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [(r["dtype"], r["prefix_caching"], r["cuda_graphs"]) for r in report["equality"]] == [
-        (dtype, cache, graphs) for dtype in ("float32", "bfloat16")
+    assert [(r["model"], r["dtype"], r["prefix_caching"], r["cuda_graphs"]) for r in report["equality"]] == [
+        (model, dtype, cache, graphs) for model in ("tiny-llama", "tiny-gemma3") for dtype in ("float32", "bfloat16")
         for cache, graphs in ((True, True), (False, True), (False, False))]
     assert all(r["equal"] == r["prompts"] for r in report["equality"]), report["equality"]
     assert [r["concurrency"] for r in report["throughput"]] == [1, 4]

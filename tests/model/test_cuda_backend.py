@@ -130,24 +130,24 @@ def test_decode_steps_on_the_buffers_give_the_reference_tokens(tiny_llama, monke
 
 
 def test_drafts_and_prefix_hits_on_the_buffers(tiny_llama, monkeypatch) -> None:
-    """n-gram drafts (a request's rows: its token and its drafts; past 8 rows a step runs eagerly) for two
-    requests beside one asking for logprobs (which drafts nothing), then the same prompts again, served
-    from the prefix cache."""
-    prompts = random_prompts((10, 20, 6), seed=5)
-    prompts = [p * 2 for p in prompts]  # something for prompt lookup to find
-    params = [greedy(12), greedy(12, logprobs=None), greedy(12, logprobs=None)]
+    """n-gram drafts (a request's rows: its token and its drafts; past 4 rows a step runs eagerly) for a
+    request beside one asking for logprobs (which drafts nothing), then the same prompts again, served from
+    the prefix cache."""
+    prompts = [p * 2 for p in random_prompts((10, 16), seed=5)]  # something for prompt lookup to find
+    params = [greedy(8), greedy(8, logprobs=None)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False}
     expected, _ = generate(tiny_llama, None, prompts, params, speculative_config=spec)
-    got, llm = generate(tiny_llama, monkeypatch, prompts, params, speculative_config=spec, cuda_graph_max_rows=8)
+    got, llm = generate(tiny_llama, monkeypatch, prompts, params, speculative_config=spec, cuda_graph_max_rows=4)
     assert_same(got, expected)
     assert_same(replies(llm, prompts, params), expected)
     assert llm.engine.stats().prefix_cache_hits > 0
     graphs = llm.engine.model.fused_decode
-    assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0 and 8 in graphs.steps
+    assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0 and graphs.sizes == [1, 2, 4]
     assert llm.engine.runner.num_proposed_tokens > 0
-    assert graphs.sizes == [1, 2, 4, 8]  # no wider than 8 rows asked for (8 requests with 3 drafts: 32)
     narrow = LLM(str(tiny_llama), dtype="float32", cpu_kernels=False, max_num_seqs=3)
     assert narrow.engine.model.fused_decode.sizes == [1, 2, 4]  # 3 requests, one row each, at most
+    wide = LLM(str(tiny_llama), dtype="float32", cpu_kernels=False, max_num_seqs=5, speculative_config=spec)
+    assert wide.engine.model.fused_decode.sizes[-1] == 24  # 5 requests with 3 drafts each: 20 rows
 
 
 def test_enforce_eager_a_mixture_of_experts_and_untiled_heads_build_no_graphs() -> None:

@@ -68,18 +68,19 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, ROUND
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_token, num_heads, HEAD_DIM: tl.constexpr,
-                   ROUNDING: tl.constexpr):
+                   HEADS_PAD: tl.constexpr, ROUNDING: tl.constexpr):
     token = tl.program_id(0)
-    head = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
-    at = x_ptr + token * stride_token + head * HEAD_DIM
-    x = tl.load(at + d).to(tl.float32)
-    rotated = tl.load(at + (d + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)  # cat(x2, x1)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    inside = h < num_heads
+    at = x_ptr + token * stride_token + h * HEAD_DIM
+    x = tl.load(at + d, mask=inside, other=0.0).to(tl.float32)
+    rotated = tl.load(at + (d + HEAD_DIM // 2) % HEAD_DIM, mask=inside, other=0.0).to(tl.float32)  # cat(x2, x1)
     cos = tl.load(cos_ptr + token * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(sin_ptr + token * HEAD_DIM + d).to(tl.float32)
     # each product rounded, as torch's ops in the model's dtype round them
     total = _round(_round(x * cos, ROUNDING) + _round(rotated * sin, ROUNDING), ROUNDING)
-    tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + d, total.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (token * num_heads + h) * HEAD_DIM + d, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def _rounding(dtype: torch.dtype) -> int:
@@ -123,7 +124,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     if x.stride(2) != 1 or x.stride(1) != dim or dim & (dim - 1) or not cos.is_contiguous():
         return apply_rotary(x, cos, signed_sin)
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-    _rotary_kernel[(tokens, heads)](x, cos, signed_sin.contiguous(), out, x.stride(0), heads, HEAD_DIM=dim,
-                                    ROUNDING=_rounding(x.dtype))
+    _rotary_kernel[(tokens,)](x, cos, signed_sin.contiguous(), out, x.stride(0), heads, HEAD_DIM=dim,
+                              HEADS_PAD=triton.next_power_of_2(heads), ROUNDING=_rounding(x.dtype))
     return out
 
