@@ -15,6 +15,7 @@ OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md:
    on a tiny model, a tiny Gemma 3 (sliding-window layers, a window shorter than the longer prompts) and one
    of SmolLM2-135M's shape: token for token over every prompt (bf16: how many agree, and where each first
    diverges).
+   Then the tiny model's prompts served again after other prompts pushed their KV into the host tier.
 3. **Throughput**: offline output tokens/s at 1, 16, 64 and 256 concurrent requests (bf16), kvserve with CUDA
    graphs and eager (``--enforce-eager``) against transformers' batched ``generate`` on the same GPU.
 4. **Against the H200's peaks** (989 TFLOP/s bf16 dense, 4.8 TB/s): prefill MFU of one 2,048-token prompt,
@@ -167,6 +168,28 @@ def equality(model_dir: Path, device: str, vocab_size: int, lengths: list[int], 
     return rows
 
 
+def tier_equality(model_dir: Path, device: str, vocab_size: int, lengths: list[int], max_tokens: int) -> dict:
+    """Prompts served again after other prompts pushed their KV out of a small device pool into the host tier:
+    their blocks come back from the host (the offloads' copies on a side stream, the loads through pinned
+    memory), and the tokens still equal transformers' (float32)."""
+    from kvserve import LLM, SamplingParams
+
+    token_lists = prompts(vocab_size, lengths, seed=1)
+    expected, _ = transformers_generate(model_dir, device, torch.float32, token_lists, max_tokens, batched=False)
+    blocks = sum(-(-(n + max_tokens) // 16) for n in lengths) + 4  # room for one pass's requests at a time
+    llm = LLM(model=str(model_dir), device=device, dtype="float32", num_kv_blocks=blocks, kv_host_gb=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": t} for t in token_lists], params)
+    llm.generate([{"prompt_token_ids": t} for t in prompts(vocab_size, lengths, seed=2)], params)  # evicts them
+    outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params)
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    row = {"model": model_dir.name, "dtype": "float32", "prompts": len(token_lists),
+           "equal": sum(g == e for g, e in zip(got, expected, strict=True)),
+           "cached_tokens_by_tier": dict(llm.engine.stats().cached_tokens_by_tier)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def throughput(model_dir: Path, device: str, vocab_size: int, levels: list[int], prompt_len: int,
                max_tokens: int) -> list[dict]:
     rows = []
@@ -214,6 +237,9 @@ def markdown(results: dict) -> str:
     lines += [f"| {r['concurrency']} | {r['kvserve_tok_s']:.1f} | {r['kvserve_eager_tok_s']:.1f} | "
               f"{r['graphs_over_eager']:.2f}x | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |"
               for r in results["throughput"]]
+    t = results["host_tier"]
+    lines += ["", f"Host tier: {t['equal']} of {t['prompts']} prompts served again from the host tier equal to "
+              f"transformers (float32); cached prompt tokens by tier: {t['cached_tokens_by_tier']}."]
     p = results["peaks"]
     lines += ["", f"Prefill {p['prefill_tok_s']:.0f} tok/s (MFU {100 * p['prefill_mfu']:.2f}% of 989 TFLOP/s); "
               f"decode {p['decode_tok_s']:.1f} tok/s ({100 * p['decode_bandwidth_use']:.2f}% of 4.8 TB/s)."]
@@ -234,6 +260,7 @@ def main() -> None:
         shaped = tiny if args.smoke else make_model(Path(tmp) / "smollm2-shape-random", SMOLLM2_SHAPE, seed=0)
         lengths, max_tokens = ([3, 17, 40], 8) if args.smoke else ([5, 17, 40, 130], 32)
         results["equality"] = equality(tiny, args.device, TINY["vocab_size"], lengths, max_tokens)
+        results["host_tier"] = tier_equality(tiny, args.device, TINY["vocab_size"], lengths, max_tokens)
         gemma = make_model(Path(tmp) / "tiny-gemma3", TINY_GEMMA3, seed=0, family="gemma3")
         results["equality"] += equality(gemma, args.device, TINY_GEMMA3["vocab_size"], lengths, max_tokens)
         if not args.smoke:

@@ -12,7 +12,7 @@ from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.input_batch import build_inputs
-from kvserve.runner.kv_transfer import read_blocks, write_blocks
+from kvserve.runner.kv_transfer import read_blocks, start_read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import ProposalRequest, Proposer, Verified, sample_and_verify
 from kvserve.structured.grammar import CompiledGrammar
@@ -54,6 +54,8 @@ class ModelRunner:
         self._lookup_pending: set[str] = set()
         self.num_lookup_draft_tokens = 0
         self.num_lookup_accepted_tokens = 0
+        # Offloaded blocks' copies to the host run beside the step on CUDA.
+        self._transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
@@ -74,12 +76,18 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         result = RunnerOutput()
         # KV transfers first, in this order: an offloaded block may be reused by a load or by this forward.
-        if out.kv_offloads:
-            payloads = read_blocks(self.kv_caches, [block_id for block_id, _ in out.kv_offloads])
-            result.offloaded = [(block_hash, payload)
-                                for (_, block_hash), payload in zip(out.kv_offloads, payloads, strict=True)]
+        # The offloads' copy to the host overlaps the step (on CUDA) and is read once the step is done.
+        offloads = start_read_blocks(self.kv_caches, [block_id for block_id, _ in out.kv_offloads],
+                                     self._transfer_stream)
         if out.kv_loads:
             write_blocks(self.kv_caches, out.kv_loads)
+        self._step(out, result)
+        result.offloaded = [(block_hash, payload)
+                            for (_, block_hash), payload in zip(out.kv_offloads, offloads.result(), strict=True)]
+        return result
+
+    def _step(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        """The step's forward, sampling and drafts, into ``result``."""
         for request_id in out.finished_request_ids:
             state = self.states.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
@@ -90,14 +98,14 @@ class ModelRunner:
         for new in out.new_requests:
             self.states[new.request_id] = new_sampling_state(new)
         if out.is_empty and not out.kv_loads:
-            return result
+            return
 
         inputs = build_inputs(out, self.block_size, self.device)
         # Also how the backend learns which blocks this step rewrites, loads included.
         meta = self.backend.build_metadata(inputs.rows)
         group_metas = [self.backend.build_metadata(rows) for rows in inputs.group_rows]
         if out.is_empty:
-            return result
+            return
         masker = self.sampler.grammar_masker
         if masker is not None:  # the grammar masks of the rows sampled first are computed during the forward
             matchers = [m for rid in inputs.sample_request_ids if (m := self.states[rid].matcher) is not None]
@@ -107,7 +115,7 @@ class ModelRunner:
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches, group_metas)
             if not inputs.sample_request_ids:
-                return result
+                return
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
             states = [self.states[rid] for rid in inputs.sample_request_ids]
             draft_probs = [self._draft_probs.pop(rid, None) for rid in inputs.sample_request_ids]
@@ -130,7 +138,6 @@ class ModelRunner:
         limit = self.propose_below_batch_size
         if self.proposer is not None and (limit is None or len(states) < limit):
             self._propose(inputs.sample_request_ids, states, inputs.sample_drafts, verified, result)
-        return result
 
     def _hidden_states(self, sampled: torch.Tensor, request_ids: list[str], states: list[SamplingState],
                        drafts: list[list[int]]) -> dict[str, list[float]]:

@@ -29,6 +29,8 @@ def test_the_gpu_check_runs_whole_on_a_cpu(tmp_path: Path) -> None:
     # float32 token for token; in bf16 the tiny Gemma 3's near-ties go either way on a CPU (reported, not held)
     held = [r for r in report["equality"] if r["dtype"] == "float32" or r["model"] == "tiny-llama"]
     assert len(held) == 9 and all(r["equal"] == r["prompts"] for r in held), report["equality"]
+    tier = report["host_tier"]
+    assert tier["equal"] == tier["prompts"] and tier["cached_tokens_by_tier"].get("host", 0) > 0, tier
     assert [r["concurrency"] for r in report["throughput"]] == [1, 4]
     assert report["peaks"]["prefill_tok_s"] > 0 and report["peaks"]["decode_tok_s"] > 0
     assert "| concurrency |" in (tmp_path / "gpu_check.md").read_text()
