@@ -188,3 +188,15 @@ def test_a_failed_capture_leaves_every_step_eager(tiny_llama, monkeypatch, caplo
     assert isinstance(graphs, DecodeGraphs) and graphs.num_replays == 0 and not graphs.steps
     assert graphs.capture_error == "RuntimeError: operation not permitted when stream is capturing"
     assert "capture failed, decode steps run eagerly" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qkv_bias_and_qk_norm_families_on_the_buffers(tmp_path, monkeypatch, family) -> None:
+    """Qwen2's QKV bias and Qwen3's QK-norm (with a head size unlike hidden / heads) inside the replayed steps."""
+    model = make_tiny_model(tmp_path, family)
+    prompts, params = random_prompts((6, 11), seed=9), [greedy(6), greedy(4)]
+    expected, _ = generate(model, None, prompts, params)
+    got, llm = generate(model, monkeypatch, prompts, params)
+    assert_same(got, expected)
+    graphs = llm.engine.model.fused_decode
+    assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0
