@@ -14,8 +14,8 @@ fixed shapes and fixed addresses, so the step runs on persistent buffers:
   outputs are never read.
 
 Steps a graph cannot take run eagerly: any prefill chunk, more rows than the largest size, a sequence longer
-than the captured table. ``GraphCapture`` records a step: on a GPU into a CUDA
-graph; on a CPU (the tests) it runs the same step on the same buffers again at each replay, so that
+than the captured table; every step, when a capture failed. ``GraphCapture`` records a step: on a GPU into a
+CUDA graph; on a CPU (the tests) it runs the same step on the same buffers again at each replay, so that
 everything but the recording itself (sizes, padding, buffer reuse, what falls back) is tested without a GPU.
 """
 
