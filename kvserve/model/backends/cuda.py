@@ -4,7 +4,6 @@ the kernels do not cover (head sizes the tiles cannot take) runs the torch refer
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -14,7 +13,7 @@ from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.backends import triton_ops
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.decode_graphs import CudaGraphCapture, DecodeGraphs, DecoderStep, replay_eagerly
-from kvserve.model.backends.layout import prefill_spans, split_decodes
+from kvserve.model.backends.layout import prefill_spans, whole_decodes
 from kvserve.model.backends.torch_ref import TorchRefBackend
 from kvserve.model.backends.triton_attention import (
     PrefillTables,
@@ -73,7 +72,7 @@ class CudaBackend(TorchRefBackend):
         meta = TritonAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
                                        prefills=prefill_spans(rows, device), prefill_tables=prefill_tables(rows, device))
         # Triton's decode reads each row's whole table, shared prefix included: no cascade split, no mask.
-        split = split_decodes(rows, min_shared_tokens=sys.maxsize)
+        split = whole_decodes(rows)
         if split is not None:
             meta.decode_block_table = to_device(split.block_table, device)
             meta.decode_seq_lens = to_device(split.seq_lens, device)

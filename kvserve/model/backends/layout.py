@@ -37,6 +37,18 @@ def split_decodes(rows: StepRows, min_shared_tokens: int) -> DecodeSplit | None:
     num_shared = shared_prefix_blocks(tables, kv_lens, block_size) if (rows.num_decode_requests or 0) > 1 else 0
     if num_shared * block_size < min_shared_tokens:
         num_shared = 0
+    return _split_at(rows, num_shared)
+
+
+def whole_decodes(rows: StepRows) -> DecodeSplit | None:
+    """The decode rows' whole tables, nothing split off (for kernels that read every row's own table);
+    None without decode rows."""
+    return _split_at(rows, 0) if rows.num_decode_rows else None
+
+
+def _split_at(rows: StepRows, num_shared: int) -> DecodeSplit:
+    """The decode rows' tables after their first ``num_shared`` blocks, padded with block 0."""
+    block_size, tables, kv_lens = rows.block_size, rows.decode_block_ids, rows.decode_kv_lens
     max_blocks = -(-max(kv_lens) // block_size) - num_shared
     table = [blocks[num_shared : num_shared + max_blocks] for blocks in tables]
     table = [row + [0] * (max_blocks - len(row)) for row in table]

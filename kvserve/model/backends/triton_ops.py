@@ -87,7 +87,7 @@ def _rounding(dtype: torch.dtype) -> int:
     return BF16 if dtype == torch.bfloat16 else FP16 if dtype == torch.float16 else NO_ROUNDING
 
 
-def _rows_contiguous(x: torch.Tensor) -> bool:
+def _has_contiguous_rows(x: torch.Tensor) -> bool:
     """A 2-D tensor whose rows are each contiguous (any row stride)."""
     return x.dim() == 2 and x.stride(1) == 1
 
@@ -95,7 +95,7 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual), as model/ops.py's torch_add_rms_norm."""
-    if not _rows_contiguous(x) or (residual is not None and not _rows_contiguous(residual)):
+    if not _has_contiguous_rows(x) or (residual is not None and not _has_contiguous_rows(residual)):
         return torch_add_rms_norm(x, residual, weight, eps)
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -109,7 +109,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim, as model/ops.py's torch_silu_mul."""
-    if not _rows_contiguous(gate_up):
+    if not _has_contiguous_rows(gate_up):
         return torch_silu_mul(gate_up)
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
