@@ -24,8 +24,6 @@ from kvserve.errors import ConfigError, KVServeError
 
 __all__ = ["build_parser", "engine_config_from_args", "main", "parse_duration", "parse_speculative_config"]
 
-SERVE_GIL_SWITCH_INTERVAL_S = 0.0001
-
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -108,17 +106,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # workers, whose default spin-waiting then collapses under load (benchmarks/serve_compare.py measures
     # it). Must be set before torch loads; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # The engine thread takes the GIL back after every kernel (hundreds of times a step) while the HTTP
-    # thread writes the streams; a waiting thread only asks the holder to let go after the switch interval
-    # (5 ms by default), so a short one keeps steps from waiting on it (benchmarks/server_step_profile.py
-    # times the server's steps); an engine process of its own would remove the wait altogether.
-    sys.setswitchinterval(SERVE_GIL_SWITCH_INTERVAL_S)
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}", "replicas")
     if args.replicas > 1:
         return _serve_replicas(args)
     from kvserve.server.openai_api import serve
+    from kvserve.server.serving import SERVE_GIL_SWITCH_INTERVAL_S
 
+    sys.setswitchinterval(SERVE_GIL_SWITCH_INTERVAL_S)
     return serve(engine_config_from_args(args), server_config_from_args(args))
 
 

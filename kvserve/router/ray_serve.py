@@ -1,37 +1,28 @@
-"""kvserve on Ray Serve: replicas as a Ray Serve deployment across a Ray cluster, kvserve's routing policy as
-Ray Serve's request router, an OpenAI front as the ingress deployment (``kvserve ray``).
+"""kvserve on Ray Serve, the routing half: kvserve's routing policy as Ray Serve's request router, and the OpenAI
+front as the ingress deployment (``kvserve ray``; the engine replicas are server/ray_replica.py's, the
+application that joins them kvserve/ray_app.py's).
 
-- ``KVServeReplica``: one deployment replica runs one ``kvserve serve`` process on its node's loopback (the
-  engine keeps its own process, threads and KV; Ray places, restarts and scales it) and relays requests to it.
 - ``KVServeRequestRouter``: Ray Serve's ``RequestRouter`` around a kvserve ``RoutingPolicy``; a request's routing
   key (the rendered prompt's token ids, computed by the ingress) travels as the ``routing_tokens`` keyword.
   Load is Ray Serve's own count of each replica's ongoing requests.
 - ``KVServeIngress``: the OpenAI routes; it renders and tokenizes prompts with the replicas' tokenizer and
   streams answers back chunk for chunk.
 
-``deploy`` and ``teardown`` are the Ray driver's two jobs, each run as ``python -m kvserve.router.ray_serve``
-by ``kvserve ray`` (router/serving.py: run_on_ray). Ray is an optional extra (``pip install 'kvserve[ray]'``);
-nothing else in kvserve imports this module.
+Ray is an optional extra (``pip install 'kvserve[ray]'``); nothing else in kvserve imports this module but the
+Ray application's builder.
 """
 
 # No ``from __future__ import annotations``: Ray Serve's ingress reads the route methods' annotations at run time.
 import asyncio
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -40,7 +31,6 @@ from kvserve.errors import ConfigError, InvalidRequest
 from kvserve.router.policies import RouteRequest, RoutingPolicy, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica
-from kvserve.router.serving import die_with_parent, free_port, policy_settings
 from kvserve.server.protocol import error_body
 from kvserve.tokenizer import Tokenizer
 
@@ -48,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 ROUTING_TOKENS = "routing_tokens"
 INGRESS_MAX_ONGOING_REQUESTS = 4096
-APP_NAME = "kvserve"
 
 
 class KVServeRequestRouter(FIFOMixin, RequestRouter):
@@ -97,55 +86,6 @@ class KVServeRequestRouter(FIFOMixin, RequestRouter):
         view = self._views.pop(replica_id.to_full_id_str(), None)
         if view is not None:
             self._policy.forget(view)
-
-
-@serve.deployment
-class KVServeReplica:
-    """One ``kvserve serve`` process on this node's loopback, and the relay to it."""
-
-    def __init__(self, serve_args: Sequence[str], startup_timeout_s: float = 300.0) -> None:
-        port = free_port()
-        self._url = f"http://127.0.0.1:{port}"
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *serve_args, "--host",
-                                       "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"],
-                                      preexec_fn=die_with_parent)
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"kvserve serve exited with {self._proc.returncode} before it was ready")
-            try:
-                if httpx.get(f"{self._url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvserve serve not ready after {startup_timeout_s:.0f}s")
-            time.sleep(0.2)
-        self._client = httpx.AsyncClient(base_url=self._url, timeout=httpx.Timeout(600.0, connect=10.0))
-
-    async def describe(self) -> dict[str, Any]:
-        """The served model's name and the tokenizer description the ingress routes with."""
-        models = (await self._client.get("/v1/models")).json()
-        tokenizer = (await self._client.get("/kvserve/tokenizer")).json()
-        return {"models": [m["id"] for m in models["data"]], "tokenizer": tokenizer}
-
-    async def forward(self, path: str, body: bytes, headers: dict[str, str],
-                      routing_tokens: Sequence[int] = ()) -> AsyncIterator[Any]:
-        """The answer as the engine's server gives it: first (status, content type), then its raw chunks."""
-        async with self._client.stream("POST", path, content=body, headers=headers) as response:
-            yield response.status_code, response.headers.get("content-type", "application/json")
-            async for chunk in response.aiter_raw():
-                yield chunk
-
-    def check_health(self) -> None:
-        """Ray Serve's health check: the engine process is alive and answers."""
-        if self._proc.poll() is not None:
-            raise RuntimeError(f"kvserve serve exited with {self._proc.returncode}")
-
-    def __del__(self) -> None:
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
 
 
 ingress_app = FastAPI(title="kvserve on Ray Serve")
@@ -212,55 +152,3 @@ class KVServeIngress:
     async def _rest(answer: Any) -> AsyncIterator[bytes]:
         async for chunk in answer:
             yield chunk
-
-
-def build_app(serve_args: Sequence[str], num_replicas: int, threads_each: int, config: RouterConfig) -> Any:
-    """The Ray Serve application: ingress -> replicas, with kvserve's policy as the replicas' router."""
-    replicas = KVServeReplica.options(
-        num_replicas=num_replicas, ray_actor_options={"num_cpus": threads_each},
-        request_router_config=RequestRouterConfig(request_router_class=KVServeRequestRouter,
-                                                  request_router_kwargs=policy_settings(config)),
-        health_check_period_s=2, max_ongoing_requests=256,
-    ).bind([*serve_args, "--num-threads", str(threads_each)])
-    # The ingress only renders, tokenizes and relays: Ray Serve's default of 5 ongoing requests would queue
-    # the rest at the proxy, below the replicas' own batching.
-    return KVServeIngress.options(ray_actor_options={"num_cpus": 0},
-                                  max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS).bind(replicas)
-
-
-def deploy(address: str, serve_args: Sequence[str], num_replicas: int, threads_each: int, config: RouterConfig) -> None:
-    """Deploy the application on the Ray cluster at ``address``, HTTP on ``config.host:config.port``, and
-    disconnect: Serve applications outlive the driver that deployed them."""
-    import ray
-
-    package_root = str(Path(__file__).resolve().parents[2])  # workers import this kvserve, installed or not
-    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": config.host, "port": config.port})
-        serve.run(build_app(serve_args, num_replicas, threads_each, config), name=APP_NAME, route_prefix="/")
-    finally:
-        ray.shutdown()
-
-
-def teardown(address: str) -> None:
-    """Delete the application and stop Serve on the Ray cluster at ``address``."""
-    import ray
-
-    ray.init(address=address, log_to_driver=False)
-    try:
-        serve.delete(APP_NAME)
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-
-
-if __name__ == "__main__":
-    # ``kvserve ray`` runs the Ray driver here, in a process of its own: Ray's driver aborts its process on
-    # SIGTERM, and the command's own process must stop cleanly (kvserve/router/serving.py: run_on_ray).
-    command, arguments = sys.argv[1], json.loads(sys.argv[2])
-    if command == "deploy":
-        deploy(arguments["address"], arguments["serve_args"], arguments["num_replicas"], arguments["threads_each"],
-               RouterConfig(**arguments["router"]))
-    else:
-        teardown(arguments["address"])

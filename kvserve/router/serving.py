@@ -88,7 +88,7 @@ class ReplicaProcesses:
 
 def run_on_ray(address: str, serve_args: Sequence[str], num_replicas: int, threads_each: int,
                config: RouterConfig) -> int:
-    """``kvserve ray``: deploy on the Ray cluster at ``address`` (router/ray_serve.py, run as a driver process of
+    """``kvserve ray``: deploy on the Ray cluster at ``address`` (kvserve/ray_app.py, run as a driver process of
     its own), wait for SIGTERM or SIGINT, then delete the application. 2 when a driver fails."""
     stop = threading.Event()
 
@@ -117,7 +117,7 @@ def policy_settings(config: RouterConfig) -> dict[str, Any]:
 
 
 def _ray_driver(command: str, arguments: dict[str, object]) -> int:
-    return subprocess.run([sys.executable, "-m", "kvserve.router.ray_serve", command, json.dumps(arguments)]).returncode
+    return subprocess.run([sys.executable, "-m", "kvserve.ray_app", command, json.dumps(arguments)]).returncode
 
 
 def die_with_parent() -> None:

@@ -16,6 +16,7 @@ import time
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.config import EngineConfig, ServerConfig
@@ -24,6 +25,12 @@ from kvserve.server.app import AppState, build_app
 from kvserve.server.live_stats import compute_model
 
 logger = logging.getLogger(__name__)
+
+# The engine thread takes the GIL back after every kernel (hundreds of times a step) while the HTTP thread
+# writes the streams; a waiting thread only asks the holder to let go after the switch interval (5 ms by
+# default), so a short one keeps steps from waiting on it (benchmarks/server_step_profile.py times the
+# server's steps); an engine process of its own would remove the wait altogether.
+SERVE_GIL_SWITCH_INTERVAL_S = 0.0001
 
 
 class _GracefulServer(uvicorn.Server):
@@ -63,13 +70,20 @@ def served_name(engine: Engine, server_config: ServerConfig) -> str:
     return server_config.served_model_name or engine.config.model.model or engine.model_path.stem
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Load the model, start the engine thread and serve until SIGTERM/SIGINT. Returns the exit status."""
+def build_server(engine_config: EngineConfig, server_config: ServerConfig) -> tuple[Engine, AsyncEngine, FastAPI]:
+    """The model loaded, its engine thread started, and the OpenAI app over it: what every way of serving
+    shares (``serve``, ``BackgroundServer``, a Ray Serve replica). The caller shuts the engine down."""
     engine = Engine(engine_config)
     async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
     app = build_app(async_engine, server_config, engine.tokenizer, model_name=served_name(engine, server_config),
                     max_model_len=engine.max_model_len, model_root=str(engine.model_path),
                     compute=compute_model(engine, server_config.hardware))
+    return engine, async_engine, app
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the model, start the engine thread and serve until SIGTERM/SIGINT. Returns the exit status."""
+    engine, async_engine, app = build_server(engine_config, server_config)
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level=server_config.uvicorn_log_level,
                                lifespan="off", timeout_graceful_shutdown=2)
@@ -94,12 +108,7 @@ class BackgroundServer:
                 s.bind(("127.0.0.1", 0))
                 config = ServerConfig(host="127.0.0.1", port=s.getsockname()[1],
                                       served_model_name=config.served_model_name)
-        self.engine = Engine(engine_config)
-        self.async_engine = AsyncEngine(self.engine, max_waiting_requests=config.max_waiting_requests)
-        app = build_app(self.async_engine, config, self.engine.tokenizer,
-                        model_name=served_name(self.engine, config),
-                        max_model_len=self.engine.max_model_len, model_root=str(self.engine.model_path),
-                        compute=compute_model(self.engine, config.hardware))
+        self.engine, self.async_engine, app = build_server(engine_config, config)
         self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                      lifespan="off"))
         self._thread = threading.Thread(target=self._server.run, name="kvserve-http", daemon=True)
