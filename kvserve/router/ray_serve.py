@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError, InvalidRequest
@@ -40,8 +40,9 @@ ROUTING_TOKENS = "routing_tokens"
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 
 
-class KVServeRequestRouter(FIFOMixin, RequestRouter):
-    """Ray Serve's request router, deciding with a kvserve routing policy."""
+class KVServeRequestRouter(RequestRouter):
+    """Ray Serve's request router, deciding with a kvserve routing policy. The replica chosen for a request goes
+    to that request: Ray Serve's FIFO mixin would hand it to the oldest one waiting, whatever its prefix."""
 
     def initialize_state(self, **router_options: Any) -> None:
         config = RouterConfig(**router_options)
