@@ -4,7 +4,7 @@ distinct agents, and device KV pools too small for every agent's prefix, so that
     python benchmarks/routing.py [--replicas 2] [--agents 8] [--system-tokens 1500] [--sessions 32] [--turns 4]
                                  [--concurrency 8] [--kv-blocks 320] [--policies round_robin,least_load,cache_aware,kv_events,ttft]
                                  [--no-cache-baseline] [--redis [--redis-policies round_robin,cache_aware]]
-                                 [--ray POLICY]
+                                 [--ray POLICY [--ray-throughput-optimized]]
                                  [--output FILE] [--plot FILE]
 
 Each policy gets fresh replicas (``kvserve serve``, one thread each unless --threads says otherwise) and a fresh
@@ -19,7 +19,9 @@ than --balance-bound requests in flight. ``--no-cache-baseline`` adds round robi
 cache off. ``--redis`` repeats --redis-policies with all replicas writing their KV through to one shared
 redis-server (started here on a free loopback port), so a prefix computed on one replica is a hit on the others.
 ``--ray POLICY`` runs POLICY once more with the replicas as a Ray Serve deployment (``kvserve ray``, on a local Ray
-cluster started here on loopback), for its throughput against the same policy behind ``kvserve route``.
+cluster started here on loopback), for its throughput against the same policy behind ``kvserve route``;
+``--ray-throughput-optimized`` once more on a cluster in Ray Serve's throughput-optimized mode. An empty
+``--policies ""`` runs the Ray deployment alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import signal
 import socket
@@ -214,8 +217,12 @@ def run_policy(name: str, policy: str, engine_args: list[str], args: argparse.Na
             process.stop()
 
 
-def run_on_ray(policy: str, engine_args: list[str], args: argparse.Namespace, logs: Path) -> PolicyResult:
-    """The same replicas as a Ray Serve deployment (``kvserve ray``) on a local Ray cluster started here."""
+def run_on_ray(policy: str, engine_args: list[str], args: argparse.Namespace, logs: Path,
+               throughput_optimized: bool = False) -> PolicyResult:
+    """The same replicas as a Ray Serve deployment (``kvserve ray``) on a local Ray cluster started here; with
+    ``throughput_optimized``, the cluster runs Ray Serve's throughput-optimized mode
+    (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: HTTP straight to the ingress replica, gRPC between deployments, user
+    code on the replicas' event loops)."""
     ray = shutil.which("ray")
     if ray is None:
         raise SystemExit("--ray needs Ray Serve: pip install 'kvserve[ray]'")
@@ -223,13 +230,15 @@ def run_on_ray(policy: str, engine_args: list[str], args: argparse.Namespace, lo
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                     "--include-dashboard", "false", "--num-cpus", str(args.replicas * args.threads),
-                    "--disable-usage-stats", "--temp-dir", temp_dir], check=True, capture_output=True)
+                    "--disable-usage-stats", "--temp-dir", temp_dir], check=True, capture_output=True,
+                   env={**os.environ, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if throughput_optimized else "0"})
+    name = f"{policy} on Ray Serve{', throughput-optimized' if throughput_optimized else ''}"
     deployment = None
     try:
         deployment = Process(["ray", "--address", f"127.0.0.1:{port}", "--replicas", str(args.replicas),
                               "--routing-policy", policy, *engine_args], logs / f"ray-{policy}.log")
         deployment.wait_ready()
-        return measure(f"{policy} on Ray Serve", deployment.url, args, router_metrics=False)
+        return measure(name, deployment.url, args, router_metrics=False)
     finally:
         if deployment is not None:
             deployment.stop()
@@ -299,13 +308,15 @@ def main() -> int:
     parser.add_argument("--redis-policies", default="round_robin,cache_aware")
     parser.add_argument("--ray", default=None, metavar="POLICY",
                         help="also run POLICY with the replicas as a Ray Serve deployment (kvserve ray)")
+    parser.add_argument("--ray-throughput-optimized", action="store_true",
+                        help="run --ray's deployment a second time, on a cluster in Ray Serve's throughput-optimized mode")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write TTFT CDFs per policy (PNG) here")
     args = parser.parse_args()
 
     engine_args = ["--num-threads", str(args.threads), "--num-kv-blocks", str(args.kv_blocks), "--max-model-len",
                    "4096", "--served-model-name", MODEL_NAME, *(["--model", args.model] if args.model else [])]
-    policies = args.policies.split(",")
+    policies = [p for p in args.policies.split(",") if p]  # empty: the Ray deployment alone
     with tempfile.TemporaryDirectory(prefix="kvserve-routing-") as tmp:
         logs = Path(tmp)
         baseline = None
@@ -320,6 +331,9 @@ def main() -> int:
         if args.ray:
             results.append(run_on_ray(args.ray, engine_args, args, logs))
             print(table(results[-1:], None), flush=True)
+            if args.ray_throughput_optimized:
+                results.append(run_on_ray(args.ray, engine_args, args, logs, throughput_optimized=True))
+                print(table(results[-1:], None), flush=True)
         shared = []
         if args.redis:
             redis, url = start_redis(logs)
@@ -341,9 +355,10 @@ def main() -> int:
     print(table(results + shared, baseline))
     by_name = {r.name: r for r in results}
     if args.ray and args.ray in by_name:
-        on_ray = by_name[f"{args.ray} on Ray Serve"]
-        print(f"{args.ray} on Ray Serve / behind kvserve route: output tok/s "
-              f"{on_ray.output_tok_s / by_name[args.ray].output_tok_s:.2f}x")
+        for name, result in by_name.items():
+            if name.startswith(f"{args.ray} on Ray Serve"):
+                print(f"{name} / behind kvserve route: output tok/s "
+                      f"{result.output_tok_s / by_name[args.ray].output_tok_s:.2f}x")
     if "round_robin" in by_name and "cache_aware" in by_name:
         rr, ca = by_name["round_robin"], by_name["cache_aware"]
         print(f"cache_aware / round_robin: hit rate {ca.hit_rate / max(rr.hit_rate, 1e-9):.2f}x, "

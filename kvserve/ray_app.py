@@ -34,7 +34,8 @@ def build_app(serve_args: Sequence[str], num_replicas: int, threads_each: int, c
     replicas = KVServeReplica.options(
         num_replicas=num_replicas, ray_actor_options={"num_cpus": threads_each},
         request_router_config=RequestRouterConfig(request_router_class=KVServeRequestRouter,
-                                                  request_router_kwargs=policy_settings(config)),
+                                                  request_router_kwargs={**policy_settings(config),
+                                                                         "expected_replicas": num_replicas}),
         health_check_period_s=2, max_ongoing_requests=256,
     ).bind([*serve_args, "--num-threads", str(threads_each)])
     # The ingress only renders, tokenizes and relays: Ray Serve's default of 5 ongoing requests would queue

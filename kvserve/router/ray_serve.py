@@ -38,29 +38,52 @@ logger = logging.getLogger(__name__)
 
 ROUTING_TOKENS = "routing_tokens"
 INGRESS_MAX_ONGOING_REQUESTS = 4096
+STARTUP_WAIT_S = 60.0
+STARTUP_POLL_S = 0.05
 
 
 class KVServeRequestRouter(RequestRouter):
     """Ray Serve's request router, deciding with a kvserve routing policy. The replica chosen for a request goes
     to that request: Ray Serve's FIFO mixin would hand it to the oldest one waiting, whatever its prefix."""
 
-    def initialize_state(self, **router_options: Any) -> None:
+    # A replica busy with its engine answers Ray Serve's queue-length probe late; at the default 0.1 s a
+    # missed probe makes Ray Serve ask for another choice.
+    queue_len_response_deadline_s = 1.0
+
+    def initialize_state(self, expected_replicas: int = 1, **router_options: Any) -> None:
         config = RouterConfig(**router_options)
         if config.policy == "kv_events":
             raise ConfigError("the kv_events policy needs the replicas' URLs: use kvserve route", "policy")
         self._policy: RoutingPolicy = make_policy(config)
         self._views: dict[str, Replica] = {}
+        self._expected_replicas = expected_replicas
+        self._wait_for_all_until: float | None = time.monotonic() + STARTUP_WAIT_S
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
+        if not candidate_replicas or self._waiting_for_replicas(len(candidate_replicas)):
+            await asyncio.sleep(STARTUP_POLL_S)  # Ray Serve asks again at once, without a back-off
             return []
         views = [self._view(r) for r in candidate_replicas]
         await self._read_loads(candidate_replicas, views)
         tokens = tuple(pending_request.kwargs.get(ROUTING_TOKENS, ())) if pending_request is not None else ()
         decision = self._policy.choose(RouteRequest(None, tokens), views)
         chosen = next(r for r, v in zip(candidate_replicas, views, strict=True) if v is decision.replica)
-        return [[chosen], [r for r in candidate_replicas if r is not chosen]]  # the rest if it rejects
+        # The chosen replica only: were it not confirmed in time (Ray Serve probes its queue length), a second
+        # rank would send the request elsewhere while the policy's index says it went here. Ray Serve asks again.
+        return [[chosen]]
+
+    def _waiting_for_replicas(self, known: int) -> bool:
+        """At start-up, until every replica of the deployment is known here (or ``STARTUP_WAIT_S`` has passed):
+        Ray Serve tells a handle of its replicas one by one, and requests routed among the first alone would
+        all place their prefixes there. Never again once all were known: a replica that dies must not stop
+        routing."""
+        if self._wait_for_all_until is None:
+            return False
+        if known >= self._expected_replicas or time.monotonic() > self._wait_for_all_until:
+            self._wait_for_all_until = None
+            return False
+        return True
 
     def _view(self, replica: RunningReplica) -> Replica:
         key = replica.replica_id.to_full_id_str()
@@ -102,13 +125,18 @@ class KVServeIngress:
         self._prompts = PromptTokens()
         self._models: list[str] = []
         self._created = int(time.time())
+        self._learning = asyncio.Lock()
 
     async def _learn(self) -> None:
-        if not self._models:
-            description = await self._replicas.describe.remote()
-            self._models = description["models"]
-            for model in self._models:
-                self._prompts.add(model, Tokenizer.from_description(description["tokenizer"]))
+        """The replicas' model and tokenizer, asked once (the first requests wait for one answer)."""
+        if self._models:
+            return
+        async with self._learning:
+            if not self._models:
+                description = await self._replicas.describe.remote()
+                for model in description["models"]:
+                    self._prompts.add(model, Tokenizer.from_description(description["tokenizer"]))
+                self._models = description["models"]
 
     @ingress_app.post("/v1/chat/completions")
     async def chat_completions(self, http: Request) -> Response:

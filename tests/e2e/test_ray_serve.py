@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -56,6 +57,11 @@ def test_kvserve_on_ray_serve_routes_a_repeated_prompt_to_its_cache(ray_cluster:
         for prompt in reversed(prompts):  # each again, in another order: it goes where it was, 10 blocks cached
             again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
             assert again.usage.prompt_tokens_details.cached_tokens == 40
+        # At once: each still goes where its prefix is (within the load bound of 4, whatever the placement).
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            together = list(pool.map(lambda prompt: client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=2, temperature=0), prompts[:4]))
+        assert [a.usage.prompt_tokens_details.cached_tokens for a in together] == [40] * 4
         streamed = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=5, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True})
         assert sum(1 for chunk in streamed if chunk.choices and chunk.choices[0].text) >= 1
