@@ -13,7 +13,7 @@ from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.backends import triton_ops
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.decode_graphs import CudaGraphCapture, DecodeGraphs, DecoderStep, replay_eagerly
-from kvserve.model.backends.layout import prefill_spans, whole_decodes
+from kvserve.model.backends.layout import whole_decodes
 from kvserve.model.backends.torch_ref import TorchRefBackend
 from kvserve.model.backends.triton_attention import (
     PrefillTables,
@@ -68,9 +68,10 @@ class CudaBackend(TorchRefBackend):
             reference = super().build_metadata(rows)
             return TritonAttentionMetadata(**{f.name: getattr(reference, f.name) for f in fields(reference)})
         device = self.device
-        # The kernels apply a layer's sliding window themselves: no window layout.
+        # The kernels apply a layer's sliding window themselves: no window layout. The Triton prefill reads its
+        # tables, not the reference's spans (each span on history copies its block ids to the device).
         meta = TritonAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
-                                       prefills=prefill_spans(rows, device), prefill_tables=prefill_tables(rows, device))
+                                       prefill_tables=prefill_tables(rows, device))
         # Triton's decode reads each row's whole table, shared prefix included: no cascade split, no mask.
         split = whole_decodes(rows)
         if split is not None:
