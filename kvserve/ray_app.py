@@ -24,6 +24,8 @@ from kvserve.router.serving import policy_settings
 from kvserve.server.ray_replica import KVServeReplica
 
 APP_NAME = "kvserve"
+# How often Ray Serve asks each replica for its routing stats: the router waits for the first at start-up.
+ROUTING_STATS_PERIOD_S = 1.0
 
 # Every Ray worker's environment. OMP_WAIT_POLICY as kvserve serve sets it (cli.py), before torch loads.
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -35,7 +37,8 @@ def build_app(serve_args: Sequence[str], num_replicas: int, threads_each: int, c
         num_replicas=num_replicas, ray_actor_options={"num_cpus": threads_each},
         request_router_config=RequestRouterConfig(request_router_class=KVServeRequestRouter,
                                                   request_router_kwargs={**policy_settings(config),
-                                                                         "expected_replicas": num_replicas}),
+                                                                         "expected_replicas": num_replicas},
+                                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         health_check_period_s=2, max_ongoing_requests=256,
     ).bind([*serve_args, "--num-threads", str(threads_each)])
     # The ingress only renders, tokenizes and relays: Ray Serve's default of 5 ongoing requests would queue

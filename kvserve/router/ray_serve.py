@@ -40,6 +40,10 @@ ROUTING_TOKENS = "routing_tokens"
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 STARTUP_WAIT_S = 60.0
 STARTUP_POLL_S = 0.05
+# The routing stats a replica reports (server/ray_replica.py: record_routing_stats): its device KV cache in
+# tokens, and whether it reads a KV tier the other replicas write (a prefix held anywhere is cheap there).
+KV_CAPACITY_TOKENS = "kv_capacity_tokens"
+SHARED_KV_TIER = "shared_kv_tier"
 
 
 class KVServeRequestRouter(RequestRouter):
@@ -61,7 +65,7 @@ class KVServeRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas or self._waiting_for_replicas(len(candidate_replicas)):
+        if not candidate_replicas or self._waiting_for_replicas(candidate_replicas):
             await asyncio.sleep(STARTUP_POLL_S)  # Ray Serve asks again at once, without a back-off
             return []
         views = [self._view(r) for r in candidate_replicas]
@@ -73,14 +77,16 @@ class KVServeRequestRouter(RequestRouter):
         # rank would send the request elsewhere while the policy's index says it went here. Ray Serve asks again.
         return [[chosen]]
 
-    def _waiting_for_replicas(self, known: int) -> bool:
-        """At start-up, until every replica of the deployment is known here (or ``STARTUP_WAIT_S`` has passed):
-        Ray Serve tells a handle of its replicas one by one, and requests routed among the first alone would
-        all place their prefixes there. Never again once all were known: a replica that dies must not stop
+    def _waiting_for_replicas(self, known: list[RunningReplica]) -> bool:
+        """At start-up, until every replica of the deployment is known here and has reported its KV capacity
+        (or ``STARTUP_WAIT_S`` has passed): Ray Serve tells a handle of its replicas one by one, and requests
+        routed among the first alone would all place their prefixes there; a replica's capacity bounds what
+        the policy believes it still holds. Never again once all were known: a replica that dies must not stop
         routing."""
         if self._wait_for_all_until is None:
             return False
-        if known >= self._expected_replicas or time.monotonic() > self._wait_for_all_until:
+        ready = len(known) >= self._expected_replicas and all(KV_CAPACITY_TOKENS in r.routing_stats for r in known)
+        if ready or time.monotonic() > self._wait_for_all_until:
             self._wait_for_all_until = None
             return False
         return True
@@ -88,7 +94,9 @@ class KVServeRequestRouter(RequestRouter):
     def _view(self, replica: RunningReplica) -> Replica:
         key = replica.replica_id.to_full_id_str()
         if key not in self._views:
-            self._views[key] = Replica(key, healthy=True)
+            stats = replica.routing_stats
+            self._views[key] = Replica(key, healthy=True, kv_capacity_tokens=stats.get(KV_CAPACITY_TOKENS),
+                                       shared_kv_tier=bool(stats.get(SHARED_KV_TIER)))
         return self._views[key]
 
     async def _read_loads(self, replicas: list[RunningReplica], views: list[Replica]) -> None:

@@ -22,6 +22,7 @@ from kvserve.config_args import (
     engine_config_from_args,
     server_config_from_args,
 )
+from kvserve.router.ray_serve import KV_CAPACITY_TOKENS, SHARED_KV_TIER
 from kvserve.server.in_process import call_app
 from kvserve.server.serving import SERVE_GIL_SWITCH_INTERVAL_S, build_server
 
@@ -51,6 +52,14 @@ class KVServeReplica:
         ``routing_tokens`` is the request router's (router/ray_serve.py), unused here."""
         async for item in call_app(self._app, "POST", path, body, headers):
             yield item
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Ray Serve hands the request router of this replica (``RunningReplica.routing_stats``): the
+        tokens its device KV cache holds, which bound the router's estimate of the prefixes still here, and
+        whether it reads a KV tier the other replicas write."""
+        config = self._engine.config
+        return {KV_CAPACITY_TOKENS: self._async_engine.stats().num_kv_blocks * config.cache.block_size,
+                SHARED_KV_TIER: config.storage.redis_url is not None}
 
     def check_health(self) -> None:
         """Ray Serve's health check: the engine loop is running."""
