@@ -116,15 +116,15 @@ class ReplicaPrefixes:
     def __init__(self, config: RouterConfig) -> None:
         self._capacity = config.prefix_capacity_tokens
         self.index = ApproximatePrefixIndex(config.prefix_page_tokens)
-        self._known: set[str] = set()
+        self._known: dict[str, int] = {}  # replica -> the capacity its index was sized for
         self._last: tuple[RouteRequest, list[int]] | None = None
 
     def match(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict[str, int]:
         for replica in candidates:
-            if replica.url not in self._known:
-                capacity = self._capacity or replica.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS
+            capacity = self._capacity or replica.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS
+            if self._known.get(replica.url) != capacity:  # new, or its capacity became known
                 self.index.add_replica(replica.url, capacity)
-                self._known.add(replica.url)
+                self._known[replica.url] = capacity
         keys = page_keys(request.token_ids, self.index.page_tokens)
         self._last = (request, keys)
         pages = self.index.match(keys, (r.url for r in candidates))
@@ -139,7 +139,7 @@ class ReplicaPrefixes:
 
     def forget(self, replica: Replica) -> None:
         self.index.remove_replica(replica.url)
-        self._known.discard(replica.url)
+        self._known.pop(replica.url, None)
 
 
 class ReplicaBlocks:

@@ -92,12 +92,16 @@ class KVServeRequestRouter(RequestRouter):
         return True
 
     def _view(self, replica: RunningReplica) -> Replica:
+        """The policy's view of ``replica``, with its routing stats as far as Ray Serve has them."""
         key = replica.replica_id.to_full_id_str()
-        if key not in self._views:
-            stats = replica.routing_stats
-            self._views[key] = Replica(key, healthy=True, kv_capacity_tokens=stats.get(KV_CAPACITY_TOKENS),
-                                       shared_kv_tier=bool(stats.get(SHARED_KV_TIER)))
-        return self._views[key]
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = Replica(key, healthy=True)
+        stats = replica.routing_stats  # a replica reports them a little after it starts serving
+        if KV_CAPACITY_TOKENS in stats:
+            view.kv_capacity_tokens = stats[KV_CAPACITY_TOKENS]
+            view.shared_kv_tier = bool(stats.get(SHARED_KV_TIER))
+        return view
 
     async def _read_loads(self, replicas: list[RunningReplica], views: list[Replica]) -> None:
         """Each replica's ongoing requests, from Ray Serve's queue-length cache, probed when not cached."""

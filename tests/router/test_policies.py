@@ -115,6 +115,16 @@ def test_forgetting_a_replica_drops_its_prefixes() -> None:
     assert policy.choose(request(*SYSTEM_A), pool).replica is not home
 
 
+def test_a_replica_capacity_learnt_late_bounds_what_its_index_remembers() -> None:
+    policy, pool = CacheAware(dataclasses.replace(CONFIG, prefix_capacity_tokens=None)), replicas(0)
+    policy.choose(request(*SYSTEM_A), pool)
+    policy.choose(request(*SYSTEM_B), pool)  # no capacity known yet: both remembered
+    assert policy.choose(request(*SYSTEM_A), pool).estimated_cached_tokens == 40
+    pool[0].kv_capacity_tokens = 40  # reported later (a Ray Serve replica's routing stats): room for one prompt
+    assert policy.choose(request(*SYSTEM_B), pool).estimated_cached_tokens == 0  # routed least recently: gone
+    assert policy.choose(request(*SYSTEM_B), pool).estimated_cached_tokens == 40
+
+
 @settings(max_examples=200, deadline=None)
 @given(policy_name=st.sampled_from(["round_robin", "least_load", "cache_aware", "ttft"]),
        loads=st.lists(st.integers(0, 40), min_size=2, max_size=5),
