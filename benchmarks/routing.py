@@ -4,7 +4,7 @@ distinct agents, and device KV pools too small for every agent's prefix, so that
     python benchmarks/routing.py [--replicas 2] [--agents 8] [--system-tokens 1500] [--sessions 32] [--turns 4]
                                  [--concurrency 8] [--kv-blocks 320] [--policies round_robin,least_load,cache_aware,kv_events,ttft]
                                  [--no-cache-baseline] [--redis [--redis-policies round_robin,cache_aware]]
-                                 [--ray POLICY [--ray-throughput-optimized]]
+                                 [--ray POLICY [--ray-throughput-optimized] [--ray-default-niceness]]
                                  [--output FILE] [--plot FILE]
 
 Each policy gets fresh replicas (``kvserve serve``, one thread each unless --threads says otherwise) and a fresh
@@ -20,7 +20,9 @@ cache off. ``--redis`` repeats --redis-policies with all replicas writing their 
 redis-server (started here on a free loopback port), so a prefix computed on one replica is a hit on the others.
 ``--ray POLICY`` runs POLICY once more with the replicas as a Ray Serve deployment (``kvserve ray``, on a local Ray
 cluster started here on loopback), for its throughput against the same policy behind ``kvserve route``;
-``--ray-throughput-optimized`` once more on a cluster in Ray Serve's throughput-optimized mode. An empty
+``--ray-throughput-optimized`` once more on a cluster in Ray Serve's throughput-optimized mode. The cluster
+starts its workers (engines, ingress, proxy) at niceness 0, as `kvserve route` and its replicas run;
+``--ray-default-niceness`` runs the deployment once more at Ray's default worker niceness. An empty
 ``--policies ""`` runs the Ray deployment alone.
 """
 
@@ -52,6 +54,7 @@ from kvserve.bench.client import RequestOptions, RequestRecord, build_payload, s
 from kvserve.bench.workloads import Conversation, _rng, words  # noqa: E402
 
 MODEL_NAME = "smol"
+RAY_DEFAULT_NICENESS = 15  # Ray's worker_niceness, what `ray start` gives its workers unless RAY_worker_niceness says
 
 
 @dataclass
@@ -218,21 +221,25 @@ def run_policy(name: str, policy: str, engine_args: list[str], args: argparse.Na
 
 
 def run_on_ray(policy: str, engine_args: list[str], args: argparse.Namespace, logs: Path,
-               throughput_optimized: bool = False) -> PolicyResult:
+               throughput_optimized: bool = False, worker_niceness: int = 0) -> PolicyResult:
     """The same replicas as a Ray Serve deployment (``kvserve ray``) on a local Ray cluster started here; with
     ``throughput_optimized``, the cluster runs Ray Serve's throughput-optimized mode
     (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: HTTP straight to the ingress replica, gRPC between deployments, user
-    code on the replicas' event loops)."""
+    code on the replicas' event loops). ``worker_niceness``: the niceness Ray starts its workers at."""
     ray = shutil.which("ray")
     if ray is None:
         raise SystemExit("--ray needs Ray Serve: pip install 'kvserve[ray]'")
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    # Ray starts its workers (here the engines, the ingress and the proxy) at niceness 15 unless told
+    # otherwise; `kvserve route` and its replicas run at 0, as the load generator and Ray's own daemons do.
     subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                     "--include-dashboard", "false", "--num-cpus", str(args.replicas * args.threads),
                     "--disable-usage-stats", "--temp-dir", temp_dir], check=True, capture_output=True,
-                   env={**os.environ, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if throughput_optimized else "0"})
-    name = f"{policy} on Ray Serve{', throughput-optimized' if throughput_optimized else ''}"
+                   env={**os.environ, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if throughput_optimized else "0",
+                        "RAY_worker_niceness": str(worker_niceness)})
+    name = (f"{policy} on Ray Serve{', throughput-optimized' if throughput_optimized else ''}"
+            f"{f', workers at niceness {worker_niceness}' if worker_niceness else ''}")
     deployment = None
     try:
         deployment = Process(["ray", "--address", f"127.0.0.1:{port}", "--replicas", str(args.replicas),
@@ -310,6 +317,9 @@ def main() -> int:
                         help="also run POLICY with the replicas as a Ray Serve deployment (kvserve ray)")
     parser.add_argument("--ray-throughput-optimized", action="store_true",
                         help="run --ray's deployment a second time, on a cluster in Ray Serve's throughput-optimized mode")
+    parser.add_argument("--ray-default-niceness", action="store_true",
+                        help=f"run --ray's deployment a second time, its workers at Ray's default niceness "
+                             f"({RAY_DEFAULT_NICENESS}) instead of 0")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write TTFT CDFs per policy (PNG) here")
     args = parser.parse_args()
@@ -333,6 +343,8 @@ def main() -> int:
             print(table(results[-1:], None), flush=True)
             if args.ray_throughput_optimized:
                 results.append(run_on_ray(args.ray, engine_args, args, logs, throughput_optimized=True))
+            if args.ray_default_niceness:
+                results.append(run_on_ray(args.ray, engine_args, args, logs, worker_niceness=RAY_DEFAULT_NICENESS))
                 print(table(results[-1:], None), flush=True)
         shared = []
         if args.redis:
