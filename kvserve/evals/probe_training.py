@@ -2,8 +2,8 @@
 server's /v1/embeddings) -> a logistic classifier of whether the small model fails, saved for the gateway.
 
 Labelled examples are JSON lines ``{"prompt": text or token ids, "label": 1 if the small model fails else 0}``.
-From two HumanEval runs (``kvserve eval humaneval --out``) they are each problem's prompt, labelled by the
-small model's verdict.
+From a run of the small model on HumanEval or on the LeetCode problems (``kvserve eval humaneval --out``,
+``kvserve eval leetcode --out``) they are each problem's prompt, labelled by its verdict.
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ def read_examples(path: str) -> tuple[list[str | list[int]], np.ndarray]:
     return prompts, np.array(labels)
 
 
-def humaneval_examples(small_run: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each problem of a HumanEval run of the small model, labelled 1 where it failed."""
-    from kvserve.evals.humaneval import load_problems
+def run_examples(small_run: dict[str, Any], benchmark: str = "humaneval") -> list[dict[str, Any]]:
+    """Each problem of the small model's run of ``benchmark`` (``kvserve eval humaneval`` or ``leetcode``),
+    labelled 1 where it failed."""
+    if benchmark == "leetcode":
+        from kvserve.evals.leetcode import load_problems
+    else:
+        from kvserve.evals.humaneval import load_problems
 
     prompts = {p.task_id: p.prompt for p in load_problems()}
     return [{"prompt": prompts[c["task_id"]], "label": int(not c["passed"])} for c in small_run["completions"]]
