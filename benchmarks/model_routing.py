@@ -22,6 +22,9 @@ cached too), a labelled set of coding prompts from outside HumanEval, and two mo
 ``probe (LeetCode + folds)``, cross-validated on HumanEval as above with the LeetCode problems added to every
 fold's training set. Their regularisation is chosen by cross-validation on the LeetCode problems alone.
 
+Each swept policy's APGR also gets an interval over --bootstrap resamples of the problems (with replacement),
+and the share of resamples in which it is above random routing's 0.5: whether it beats random beyond chance.
+
 Cost is measured engine time: each model's wall time for all problems at --concurrency, shared among its
 problems by their completion tokens, plus the probe's prefill; and tokens. APGR (RouteLLM, arXiv 2406.18665)
 is the mean over the large model's share of (pass@1 - small's) / (large's - small's).
@@ -59,6 +62,7 @@ FOLDS = 5
 PROBE_L2 = 10.0
 L2_GRID = (1.0, 10.0, 100.0, 1000.0, 10000.0)  # the LeetCode probes' regularisation, chosen among these
 TARGET_QUALITY, TARGET_SHARE = 0.95, 0.5
+RANDOM_APGR = 0.5  # random routing's: its pass@1 is linear in the large model's share
 
 
 @dataclass
@@ -202,6 +206,24 @@ def apgr(points: list[Point], small_pass: float, large_pass: float) -> float:
     return float(np.trapezoid([curve[x] for x in shares], shares))
 
 
+def bootstrap_apgr(scores: np.ndarray, larger_is_harder: bool, small_passed: np.ndarray, large_passed: np.ndarray,
+                   resamples: int, seed: int = 0) -> np.ndarray:
+    """A swept policy's APGR over the problems resampled with replacement (a resample in which the large model
+    is not ahead has no gap to recover, and is left out): how far the policy's APGR is from chance."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(resamples):
+        pick = rng.integers(0, len(scores), len(scores))
+        small_pass, large_pass = small_passed[pick].mean(), large_passed[pick].mean()
+        if large_pass <= small_pass:
+            continue
+        unit = np.ones(len(pick))
+        points = sweep(scores[pick], {"passed": small_passed[pick], "seconds": unit, "tokens": unit},
+                       {"passed": large_passed[pick], "seconds": unit, "tokens": unit}, larger_is_harder)
+        out.append(apgr(points, small_pass, large_pass))
+    return np.array(out)
+
+
 def best_within(points: list[Point], share: float) -> Point:
     return max((p for p in points if p.large_share <= share + 1e-9), key=lambda p: p.pass_at_1)
 
@@ -301,6 +323,8 @@ def main() -> int:
     parser.add_argument("--transformers-sample", type=int, default=0)
     parser.add_argument("--probe-deals", type=int, default=5, help="cross-validations of the probe, each "
                                                                     "dealing the problems into folds afresh")
+    parser.add_argument("--bootstrap", type=int, default=1000,
+                        help="resamples of the problems for each swept policy's APGR interval (0: none)")
     parser.add_argument("--leetcode", action="store_true",
                         help="also train probes on the small model's run of the LeetCode problems")
     parser.add_argument("--json", type=Path, default=None)
@@ -322,28 +346,36 @@ def main() -> int:
     curves["random"] = [point(s, np.full(n, s), small, large, False) for s in np.linspace(0, 1, 21)]
     prompt_tokens = np.array([c["prompt_tokens"] for c in small_run["completions"]], dtype=float)
     curves["length"] = sweep(prompt_tokens, small, large, larger_is_harder=True)
+    scored: dict[str, tuple[np.ndarray, bool]] = {"length": (prompt_tokens, True)}  # a swept policy's scores
     for signal in ("mean_logprob", "min_logprob", "mean_entropy"):
         values = np.array([c[signal] if c[signal] is not None else -np.inf for c in small_run["completions"]])
         confidence = -values if signal == "mean_entropy" else values
         curves[f"cascade ({signal})"] = sweep(confidence, small, large, larger_is_harder=False,
                                               small_always_runs=True)
+        scored[f"cascade ({signal})"] = (confidence, False)
     features = np.load(args.cache / f"{args.small}.hidden.npy")
     probe_seconds = np.full(n, small_run.get("hidden_state_seconds", 0.0) / n)
-    probe_curves = [sweep(cross_validated_probe(features, 1.0 - small["passed"], args.small, seed), small, large,
-                          larger_is_harder=True, extra_seconds=probe_seconds) for seed in range(args.probe_deals)]
+    probe_scores = [cross_validated_probe(features, 1.0 - small["passed"], args.small, seed)
+                    for seed in range(args.probe_deals)]
+    probe_curves = [sweep(p, small, large, larger_is_harder=True, extra_seconds=probe_seconds) for p in probe_scores]
     curves["probe"] = probe_curves[0]
+    scored["probe"] = (probe_scores[0], True)
     leetcode_summary: dict[str, Any] = {}
     if args.leetcode:
         lc_run, lc_features = run_leetcode(args.small, args, args.cache)
         lc_labels = np.array([not c["passed"] for c in lc_run["completions"]], dtype=float)
         l2, losses = choose_l2(lc_features, lc_labels, args.small)
         transferred = LogisticProbe.fit(args.small, lc_features, lc_labels, l2=l2)
-        curves["probe (LeetCode)"] = sweep(np.array([transferred.predict(x) for x in features]), small, large,
-                                           larger_is_harder=True, extra_seconds=probe_seconds)
-        with_folds = [sweep(probe_with_extra(features, 1.0 - small["passed"], lc_features, lc_labels, args.small,
-                                             l2, seed), small, large, larger_is_harder=True,
-                            extra_seconds=probe_seconds) for seed in range(args.probe_deals)]
+        transferred_scores = np.array([transferred.predict(x) for x in features])
+        curves["probe (LeetCode)"] = sweep(transferred_scores, small, large, larger_is_harder=True,
+                                           extra_seconds=probe_seconds)
+        scored["probe (LeetCode)"] = (transferred_scores, True)
+        fold_scores = [probe_with_extra(features, 1.0 - small["passed"], lc_features, lc_labels, args.small, l2, seed)
+                       for seed in range(args.probe_deals)]
+        with_folds = [sweep(p, small, large, larger_is_harder=True, extra_seconds=probe_seconds)
+                      for p in fold_scores]
         curves["probe (LeetCode + folds)"] = with_folds[0]
+        scored["probe (LeetCode + folds)"] = (fold_scores[0], True)
         leetcode_summary = {"problems": len(lc_labels), "small_pass_at_1": float(1 - lc_labels.mean()), "l2": l2,
                             "cross_validated_log_loss_by_l2": {str(k): v for k, v in losses.items()},
                             "apgr_of_each_deal_with_folds": [apgr(c, small_pass, large_pass) for c in with_folds]}
@@ -361,14 +393,22 @@ def main() -> int:
                          "best_pass_at_1_within_half": best.pass_at_1, "its_large_share": best.large_share,
                          "its_threshold": best.threshold, "its_seconds_per_problem": best.seconds_per_problem,
                          "quality_of_large": best.pass_at_1 / large_pass}
+        if name in scored and args.bootstrap:
+            resampled = bootstrap_apgr(*scored[name], small["passed"], large["passed"], args.bootstrap)
+            summary[name]["apgr_bootstrap_95"] = [float(np.percentile(resampled, 2.5)),
+                                                  float(np.percentile(resampled, 97.5))]
+            summary[name]["share_of_resamples_above_random"] = float((resampled > RANDOM_APGR).mean())
     print(f"small {args.small}: pass@1 {small_pass:.3f}, {small['seconds'].mean():.2f} s and "
           f"{small['tokens'].mean():.0f} tokens a problem; large {args.large}: {large_pass:.3f}, "
           f"{large['seconds'].mean():.2f} s, {large['tokens'].mean():.0f} tokens")
-    print(f"{'policy':<26} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}")
+    print(f"{'policy':<26} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}"
+          f"  APGR over {args.bootstrap} resamples: 95% interval, share above random")
     for name, s in summary.items():
         apgr_text = f"{s['apgr']:.3f}" if s["apgr"] is not None else "-"
+        interval = (f"  [{s['apgr_bootstrap_95'][0]:.3f}, {s['apgr_bootstrap_95'][1]:.3f}], "
+                    f"{s['share_of_resamples_above_random']:.3f}" if "apgr_bootstrap_95" in s else "")
         print(f"{name:<26} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
-              f"{s['quality_of_large']:>9.3f} {s['its_seconds_per_problem']:>10.2f}")
+              f"{s['quality_of_large']:>9.3f} {s['its_seconds_per_problem']:>10.2f}{interval}")
     probe_apgrs = [apgr(c, small_pass, large_pass) for c in probe_curves]
     summary["probe"]["apgr_of_each_deal"] = probe_apgrs
     print(f"probe APGR over {len(probe_apgrs)} deals of the folds: "
