@@ -54,13 +54,11 @@ from benchmarks.routing import Process  # noqa: E402
 from benchmarks.serve_compare import cpu_description  # noqa: E402
 from kvserve.evals import leetcode  # noqa: E402
 from kvserve.evals.humaneval import STOP_SEQUENCES, EvalConfig, evaluate, load_problems  # noqa: E402
-from kvserve.evals.probe_training import hidden_states  # noqa: E402
+from kvserve.evals.probe_training import choose_l2, cross_validated, hidden_states  # noqa: E402
 from kvserve.evals.sandbox import run_program  # noqa: E402
 from kvserve.router.model_policies import LogisticProbe, oracle_size  # noqa: E402
 
-FOLDS = 5
-PROBE_L2 = 10.0
-L2_GRID = (1.0, 10.0, 100.0, 1000.0, 10000.0)  # the LeetCode probes' regularisation, chosen among these
+PROBE_L2 = 10.0  # the probe trained on HumanEval's own folds (131 problems a fold)
 TARGET_QUALITY, TARGET_SHARE = 0.95, 0.5
 RANDOM_APGR = 0.5  # random routing's: its pass@1 is linear in the large model's share
 
@@ -119,34 +117,6 @@ def run_leetcode(model: str, args: argparse.Namespace, logs: Path) -> tuple[dict
     return json.loads(cached.read_text()), np.load(hidden)
 
 
-def log_loss(p: np.ndarray, labels: np.ndarray) -> float:
-    p = np.clip(p, 1e-9, 1 - 1e-9)
-    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
-
-
-def choose_l2(features: np.ndarray, labels: np.ndarray, model: str) -> tuple[float, dict[float, float]]:
-    """The regularisation of least cross-validated log loss on these examples alone, and each one's loss."""
-    losses = {}
-    for l2 in L2_GRID:
-        predicted = cross_validated_probe(features, labels, model, l2=l2)
-        losses[l2] = log_loss(predicted, labels)
-    return min(losses, key=lambda l2: losses[l2]), losses
-
-
-def probe_with_extra(features: np.ndarray, labels: np.ndarray, extra_features: np.ndarray,
-                     extra_labels: np.ndarray, model: str, l2: float, seed: int = 0) -> np.ndarray:
-    """Each problem's P(the small model fails) from a probe trained on the other folds and every extra example."""
-    order = np.random.default_rng(seed).permutation(len(labels))
-    out = np.zeros(len(labels))
-    for fold in range(FOLDS):
-        test = order[fold::FOLDS]
-        train = np.setdiff1d(order, test)
-        probe = LogisticProbe.fit(model, np.vstack([features[train], extra_features]),
-                                  np.concatenate([labels[train], extra_labels]), l2=l2)
-        out[test] = [probe.predict(x) for x in features[test]]
-    return out
-
-
 def per_problem_seconds(run: dict[str, Any]) -> np.ndarray:
     """The run's generation time shared among its problems by completion tokens (decode dominates it)."""
     tokens = np.array([max(1, c["completion_tokens"]) for c in run["completions"]], dtype=float)
@@ -180,19 +150,6 @@ def sweep(scores: np.ndarray, small: dict[str, np.ndarray], large: dict[str, np.
     edge = np.zeros_like(scores, dtype=bool)  # nothing past the threshold
     points.append(point(None, edge, small, large, small_always_runs, extra_seconds))
     return sorted(points, key=lambda p: (p.large_share, -p.pass_at_1))
-
-
-def cross_validated_probe(features: np.ndarray, labels: np.ndarray, model: str, seed: int = 0,
-                          l2: float = PROBE_L2) -> np.ndarray:
-    """Each problem's P(the small model fails) from a probe trained on the other folds (``seed`` deals them)."""
-    order = np.random.default_rng(seed).permutation(len(labels))
-    out = np.zeros(len(labels))
-    for fold in range(FOLDS):
-        test = order[fold::FOLDS]
-        train = np.setdiff1d(order, test)
-        probe = LogisticProbe.fit(model, features[train], labels[train], l2=l2)
-        out[test] = [probe.predict(x) for x in features[test]]
-    return out
 
 
 def apgr(points: list[Point], small_pass: float, large_pass: float) -> float:
@@ -355,7 +312,7 @@ def main() -> int:
         scored[f"cascade ({signal})"] = (confidence, False)
     features = np.load(args.cache / f"{args.small}.hidden.npy")
     probe_seconds = np.full(n, small_run.get("hidden_state_seconds", 0.0) / n)
-    probe_scores = [cross_validated_probe(features, 1.0 - small["passed"], args.small, seed)
+    probe_scores = [cross_validated(features, 1.0 - small["passed"], args.small, PROBE_L2, seed)
                     for seed in range(args.probe_deals)]
     probe_curves = [sweep(p, small, large, larger_is_harder=True, extra_seconds=probe_seconds) for p in probe_scores]
     curves["probe"] = probe_curves[0]
@@ -370,7 +327,7 @@ def main() -> int:
         curves["probe (LeetCode)"] = sweep(transferred_scores, small, large, larger_is_harder=True,
                                            extra_seconds=probe_seconds)
         scored["probe (LeetCode)"] = (transferred_scores, True)
-        fold_scores = [probe_with_extra(features, 1.0 - small["passed"], lc_features, lc_labels, args.small, l2, seed)
+        fold_scores = [cross_validated(features, 1.0 - small["passed"], args.small, l2, seed, lc_features, lc_labels)
                        for seed in range(args.probe_deals)]
         with_folds = [sweep(p, small, large, larger_is_harder=True, extra_seconds=probe_seconds)
                       for p in fold_scores]

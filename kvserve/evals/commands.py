@@ -33,7 +33,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                                                                 "model: its problems, labelled by its verdicts")
     source.add_argument("--leetcode", metavar="RESULTS", help="a kvserve eval leetcode --out file of the small "
                                                                "model: its problems, labelled by its verdicts")
-    p.add_argument("--l2", type=float, default=1.0, help="the regularisation of the logistic regression")
+    p.add_argument("--l2", type=float, default=None, help="the regularisation of the logistic regression "
+                                                          "(default: chosen by 5-fold cross-validation)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--out", required=True, help="the probe file (kvserve route --probe)")
 
@@ -99,5 +100,5 @@ def _train_probe(args: argparse.Namespace) -> int:
     probe = train_probe(args.base_url.rstrip("/"), args.model, prompts, labels, args.l2, args.api_key)
     probe.save(args.out)
     print(f"probe of {args.model} on {len(labels)} examples ({int(labels.sum())} where it fails), "
-          f"{len(probe.weights)} features: {args.out}")
+          f"{len(probe.weights)} features, l2 {probe.l2:g}: {args.out}")
     return 0

@@ -19,6 +19,8 @@ from kvserve.errors import ConfigError
 from kvserve.router.model_policies import LogisticProbe
 
 EMBEDDING_BATCH = 16
+FOLDS = 5
+L2_GRID = (1.0, 10.0, 100.0, 1000.0, 10000.0)  # the regularisations cross-validation chooses among
 
 
 def read_examples(path: str) -> tuple[list[str | list[int]], np.ndarray]:
@@ -65,5 +67,39 @@ def hidden_states(base_url: str, model: str | None, prompts: Sequence[str | list
 
 
 def train_probe(base_url: str, model: str, prompts: Sequence[str | list[int]], labels: np.ndarray,
-                l2: float = 1.0, api_key: str | None = None) -> LogisticProbe:
-    return LogisticProbe.fit(model, hidden_states(base_url, model, prompts, api_key), labels, l2=l2)
+                l2: float | None = None, api_key: str | None = None) -> LogisticProbe:
+    """The probe on the prompts' hidden states; ``l2`` None: chosen by cross-validation (``choose_l2``)."""
+    features = hidden_states(base_url, model, prompts, api_key)
+    if l2 is None:
+        l2, _ = choose_l2(features, labels, model)
+    return LogisticProbe.fit(model, features, labels, l2=l2)
+
+
+def cross_validated(features: np.ndarray, labels: np.ndarray, model: str, l2: float, seed: int = 0,
+                    extra_features: np.ndarray | None = None, extra_labels: np.ndarray | None = None) -> np.ndarray:
+    """Each example's P(the small model fails) from a probe trained on the other folds (``seed`` deals the
+    examples into FOLDS) and on every extra example."""
+    order = np.random.default_rng(seed).permutation(len(labels))
+    out = np.zeros(len(labels))
+    for fold in range(FOLDS):
+        test = order[fold::FOLDS]
+        train = np.setdiff1d(order, test)
+        x, y = features[train], labels[train]
+        if extra_features is not None and extra_labels is not None:
+            x, y = np.vstack([x, extra_features]), np.concatenate([y, extra_labels])
+        probe = LogisticProbe.fit(model, x, y, l2=l2)
+        out[test] = [probe.predict(row) for row in features[test]]
+    return out
+
+
+def log_loss(p_fail: np.ndarray, labels: np.ndarray) -> float:
+    p = np.clip(p_fail, 1e-9, 1 - 1e-9)
+    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
+
+
+def choose_l2(features: np.ndarray, labels: np.ndarray, model: str,
+              grid: Sequence[float] = L2_GRID) -> tuple[float, dict[float, float]]:
+    """The regularisation in ``grid`` of least cross-validated log loss on these examples, and each one's loss:
+    how much to shrink depends on how many examples there are against the hidden state's width."""
+    losses = {l2: log_loss(cross_validated(features, labels, model, l2), labels) for l2 in grid}
+    return min(losses, key=lambda l2: losses[l2]), losses

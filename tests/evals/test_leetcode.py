@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.cli import main
 from kvserve.evals import leetcode
-from kvserve.evals.probe_training import run_examples
+from kvserve.evals.probe_training import L2_GRID, choose_l2, run_examples
 from kvserve.evals.sandbox import run_program
 from tests.evals.test_humaneval import CannedEndpoint
 
@@ -115,3 +115,13 @@ def test_kvserve_eval_leetcode_scores_a_run_with_the_code_block_stop(tmp_path: P
     run = json.loads(out.read_text())
     assert [(c["task_id"], c["passed"]) for c in run["completions"]] == [("LeetCode/1", True), ("LeetCode/167", False)]
     assert endpoint.requests[0]["stop"] == list(leetcode.STOP_SEQUENCES) and "\n```" in leetcode.STOP_SEQUENCES
+
+
+def test_cross_validation_shrinks_a_probe_of_noise_and_not_one_of_a_clear_signal() -> None:
+    rng = np.random.default_rng(0)
+    noise, coin = rng.normal(size=(80, 50)), rng.integers(0, 2, 80).astype(float)
+    assert choose_l2(noise, coin, "m")[0] >= 100.0  # nothing to learn: shrink the weights hard
+    signal = rng.normal(size=(200, 2))
+    labels = (signal[:, 0] + 0.1 * rng.normal(size=200) > 0).astype(float)
+    l2, losses = choose_l2(signal, labels, "m")
+    assert l2 <= 10.0 and losses[l2] < 0.5 * losses[max(L2_GRID)]
