@@ -163,6 +163,13 @@ def apgr(points: list[Point], small_pass: float, large_pass: float) -> float:
     return float(np.trapezoid([curve[x] for x in shares], shares))
 
 
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The probability that a positive example scores above a negative one (ties count half)."""
+    positive, negative = scores[labels == 1], scores[labels == 0]
+    above = (positive[:, None] > negative[None, :]).mean()
+    return float(above + 0.5 * (positive[:, None] == negative[None, :]).mean())
+
+
 def bootstrap_apgr(scores: np.ndarray, larger_is_harder: bool, small_passed: np.ndarray, large_passed: np.ndarray,
                    resamples: int, seed: int = 0) -> np.ndarray:
     """A swept policy's APGR over the problems resampled with replacement (a resample in which the large model
@@ -336,6 +343,13 @@ def main() -> int:
         leetcode_summary = {"problems": len(lc_labels), "small_pass_at_1": float(1 - lc_labels.mean()), "l2": l2,
                             "cross_validated_log_loss_by_l2": {str(k): v for k, v in losses.items()},
                             "apgr_of_each_deal_with_folds": [apgr(c, small_pass, large_pass) for c in with_folds]}
+        lc_tokens = np.array([c["prompt_tokens"] for c in lc_run["completions"]], dtype=float)
+        quarters = np.array_split(np.argsort(lc_tokens, kind="stable"), 4)
+        leetcode_summary["small_fails_by_prompt_length_quarter"] = [float(lc_labels[q].mean()) for q in quarters]
+        leetcode_summary["prompt_length_auc_of_failure"] = auc(lc_tokens, lc_labels)
+        by_quarter = ", ".join(f"{r:.3f}" for r in leetcode_summary["small_fails_by_prompt_length_quarter"])
+        print(f"LeetCode: the small model fails {by_quarter} of each quarter of the prompts by length, shortest "
+              f"first (the length's AUC for its failure {leetcode_summary['prompt_length_auc_of_failure']:.3f})")
         print(f"LeetCode: {len(lc_labels)} problems, the small model passes {1 - lc_labels.mean():.3f}; the probes' "
               f"l2 {l2:g} (cross-validated log loss there: "
               f"{', '.join(f'{k:g}: {v:.4f}' for k, v in losses.items())})")
