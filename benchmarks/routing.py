@@ -343,6 +343,7 @@ def main() -> int:
             print(table(results[-1:], None), flush=True)
             if args.ray_throughput_optimized:
                 results.append(run_on_ray(args.ray, engine_args, args, logs, throughput_optimized=True))
+                print(table(results[-1:], None), flush=True)
             if args.ray_default_niceness:
                 results.append(run_on_ray(args.ray, engine_args, args, logs, worker_niceness=RAY_DEFAULT_NICENESS))
                 print(table(results[-1:], None), flush=True)
