@@ -1,7 +1,8 @@
 """Routing by difficulty on HumanEval: pass@1 against the share of requests the large model answers, per policy.
 
     python benchmarks/model_routing.py [--small qwen2.5-coder-0.5b] [--large qwen2.5-coder-1.5b]
-        [--cache DIR] [--concurrency 8] [--transformers-sample 20] [--leetcode] [--json out.json] [--plot out.png]
+        [--cache DIR] [--concurrency 8] [--transformers-sample 20] [--leetcode [--leetcode-large N]]
+        [--json out.json] [--plot out.png]
 
 Each model runs all 164 problems once through ``kvserve serve`` (``kvserve eval humaneval``: greedy, the
 standard prompt and stop sequences; cached in --cache), and the small model's server gives each prompt's hidden
@@ -21,6 +22,9 @@ cached too), a labelled set of coding prompts from outside HumanEval, and two mo
 ``probe (LeetCode)``, trained on the LeetCode problems alone and scoring all 164 HumanEval problems, and
 ``probe (LeetCode + folds)``, cross-validated on HumanEval as above with the LeetCode problems added to every
 fold's training set. Their regularisation is chosen by cross-validation on the LeetCode problems alone.
+
+``--leetcode-large N`` has the large model run the first N LeetCode problems too and scores every policy on
+them, a second benchmark none was shaped on: the probe there is trained on the other LeetCode problems.
 
 Each swept policy's APGR also gets an interval over --bootstrap resamples of the problems (with replacement),
 and the share of resamples in which it is above random routing's 0.5: whether it beats random beyond chance.
@@ -96,11 +100,15 @@ def run_model(model: str, args: argparse.Namespace, logs: Path, with_hidden: boo
     return run
 
 
-def run_leetcode(model: str, args: argparse.Namespace, logs: Path) -> tuple[dict[str, Any], np.ndarray]:
-    """The model's run of the LeetCode problems and each problem's hidden state, from the cache where they are."""
-    cached, hidden = args.cache / f"{model}.leetcode.json", args.cache / f"{model}.leetcode-hidden.npy"
-    if not (cached.exists() and hidden.exists()):
-        problems = leetcode.load_problems()
+def run_leetcode(model: str, args: argparse.Namespace, logs: Path, first: int | None = None,
+                 with_hidden: bool = True) -> tuple[dict[str, Any], np.ndarray | None]:
+    """The model's run of the LeetCode problems (the first ``first``, or all) and, ``with_hidden``, each
+    problem's hidden state, from the cache where they are."""
+    stem = f"{model}.leetcode" + (f"-first{first}" if first is not None else "")
+    cached, hidden = args.cache / f"{stem}.json", args.cache / f"{stem}-hidden.npy"
+    need_hidden = with_hidden and not hidden.exists()
+    if not cached.exists() or need_hidden:
+        problems = leetcode.load_problems()[:first]
         server = Process(["serve", "--model", model], logs / f"{model}-leetcode.log")
         try:
             server.wait_ready(600)
@@ -110,11 +118,11 @@ def run_leetcode(model: str, args: argparse.Namespace, logs: Path) -> tuple[dict
                 cached.write_text(json.dumps(result.to_json()))
                 print(f"{model}: LeetCode pass@1 {result.pass_at_1:.3f} over {result.num_problems} problems in "
                       f"{result.generation_seconds:.0f} s", flush=True)
-            if not hidden.exists():
+            if need_hidden:
                 np.save(hidden, hidden_states(server.url, None, [p.prompt for p in problems]))
         finally:
             server.stop()
-    return json.loads(cached.read_text()), np.load(hidden)
+    return json.loads(cached.read_text()), np.load(hidden) if with_hidden else None
 
 
 def per_problem_seconds(run: dict[str, Any]) -> np.ndarray:
@@ -186,6 +194,92 @@ def bootstrap_apgr(scores: np.ndarray, larger_is_harder: bool, small_passed: np.
                        {"passed": large_passed[pick], "seconds": unit, "tokens": unit}, larger_is_harder)
         out.append(apgr(points, small_pass, large_pass))
     return np.array(out)
+
+
+def outcomes(run: dict[str, Any], first: int | None = None) -> dict[str, np.ndarray]:
+    """Per problem (the run's first ``first``): passed, engine seconds, tokens."""
+    completions = run["completions"][:first]
+    return {"passed": np.array([c["passed"] for c in completions], dtype=float),
+            "seconds": per_problem_seconds(run)[:first], "tokens": tokens_of(run)[:first]}
+
+
+def answer_policies(completions: list[dict[str, Any]], small: dict[str, np.ndarray], large: dict[str, np.ndarray]
+                    ) -> tuple[dict[str, list[Point]], dict[str, tuple[np.ndarray, bool]]]:
+    """The curves of random, length and the cascades from the small model's answers, and the swept ones'
+    scores (larger_is_harder with each)."""
+    n = len(completions)
+    curves = {"random": [point(s, np.full(n, s), small, large, False) for s in np.linspace(0, 1, 21)]}
+    prompt_tokens = np.array([c["prompt_tokens"] for c in completions], dtype=float)
+    curves["length"] = sweep(prompt_tokens, small, large, larger_is_harder=True)
+    scored: dict[str, tuple[np.ndarray, bool]] = {"length": (prompt_tokens, True)}
+    for signal in ("mean_logprob", "min_logprob", "mean_entropy"):
+        values = np.array([c[signal] if c[signal] is not None else -np.inf for c in completions])
+        confidence = -values if signal == "mean_entropy" else values
+        curves[f"cascade ({signal})"] = sweep(confidence, small, large, larger_is_harder=False,
+                                              small_always_runs=True)
+        scored[f"cascade ({signal})"] = (confidence, False)
+    return curves, scored
+
+
+def oracle_curve(small: dict[str, np.ndarray], large: dict[str, np.ndarray]) -> list[Point]:
+    oracle = np.array([oracle_size(bool(a), bool(b)) == "large"
+                       for a, b in zip(small["passed"], large["passed"], strict=True)])
+    return [point(None, oracle, small, large, False)]
+
+
+def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features: np.ndarray,
+                   labels: np.ndarray) -> dict[str, Any]:
+    """Every policy on the first --leetcode-large LeetCode problems, which the large model runs too: the probe
+    trained on the other LeetCode problems (its regularisation cross-validated on those alone; its prefill is
+    not counted in its engine time here)."""
+    large_run, _ = run_leetcode(args.large, args, args.cache, first=args.leetcode_large, with_hidden=False)
+    n = len(large_run["completions"])
+    assert [c["task_id"] for c in large_run["completions"]] == [c["task_id"] for c in small_run["completions"][:n]]
+    small, large = outcomes(small_run, n), outcomes(large_run)
+    result: dict[str, Any] = {"problems": n, "small_pass_at_1": float(small["passed"].mean()),
+                              "large_pass_at_1": float(large["passed"].mean())}
+    print(f"On the first {n} LeetCode problems: small pass@1 {result['small_pass_at_1']:.3f}, large "
+          f"{result['large_pass_at_1']:.3f}")
+    if result["large_pass_at_1"] <= result["small_pass_at_1"]:
+        return result  # no gap for a router to recover
+    curves, scored = answer_policies(small_run["completions"][:n], small, large)
+    l2, _ = choose_l2(features[n:], labels[n:], args.small)
+    probe = LogisticProbe.fit(args.small, features[n:], labels[n:], l2=l2)
+    scores = np.array([probe.predict(x) for x in features[:n]])
+    curves["probe (other LeetCode)"] = sweep(scores, small, large, larger_is_harder=True)
+    scored["probe (other LeetCode)"] = (scores, True)
+    curves["oracle"] = oracle_curve(small, large)
+    print(f"the probe trained on the other {len(labels) - n} LeetCode problems (l2 {l2:g})")
+    return {**result, "probe_l2": l2, "summary": summarise(curves, scored, small, large, args.bootstrap)}
+
+
+def summarise(curves: dict[str, list[Point]], scored: dict[str, tuple[np.ndarray, bool]],
+              small: dict[str, np.ndarray], large: dict[str, np.ndarray], bootstrap: int) -> dict[str, dict[str, Any]]:
+    """Each policy's APGR, its best point with at most TARGET_SHARE to the large model, and (a swept policy)
+    its APGR's interval over resampled problems; printed as a table."""
+    small_pass, large_pass = small["passed"].mean(), large["passed"].mean()
+    summary: dict[str, dict[str, Any]] = {}
+    for name, points in curves.items():
+        best = best_within(points, TARGET_SHARE)
+        summary[name] = {"apgr": apgr(points, small_pass, large_pass) if name != "oracle" else None,
+                         "best_pass_at_1_within_half": best.pass_at_1, "its_large_share": best.large_share,
+                         "its_threshold": best.threshold, "its_seconds_per_problem": best.seconds_per_problem,
+                         "quality_of_large": best.pass_at_1 / large_pass}
+        resampled = bootstrap_apgr(*scored[name], small["passed"], large["passed"], bootstrap) \
+            if name in scored and bootstrap else np.array([])
+        if len(resampled):
+            summary[name]["apgr_bootstrap_95"] = [float(np.percentile(resampled, 2.5)),
+                                                  float(np.percentile(resampled, 97.5))]
+            summary[name]["share_of_resamples_above_random"] = float((resampled > RANDOM_APGR).mean())
+    print(f"{'policy':<26} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}"
+          f"  APGR over {bootstrap} resamples: 95% interval, share above random")
+    for name, s in summary.items():
+        apgr_text = f"{s['apgr']:.3f}" if s["apgr"] is not None else "-"
+        interval = (f"  [{s['apgr_bootstrap_95'][0]:.3f}, {s['apgr_bootstrap_95'][1]:.3f}], "
+                    f"{s['share_of_resamples_above_random']:.3f}" if "apgr_bootstrap_95" in s else "")
+        print(f"{name:<26} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
+              f"{s['quality_of_large']:>9.3f} {s['its_seconds_per_problem']:>10.2f}{interval}")
+    return summary
 
 
 def best_within(points: list[Point], share: float) -> Point:
@@ -291,6 +385,9 @@ def main() -> int:
                         help="resamples of the problems for each swept policy's APGR interval (0: none)")
     parser.add_argument("--leetcode", action="store_true",
                         help="also train probes on the small model's run of the LeetCode problems")
+    parser.add_argument("--leetcode-large", type=int, default=0, metavar="N",
+                        help="with --leetcode: the large model runs the first N LeetCode problems too, and every "
+                             "policy is scored on them")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
@@ -300,23 +397,10 @@ def main() -> int:
     small_run = run_model(args.small, args, args.cache, with_hidden=True)
     large_run = run_model(args.large, args, args.cache, with_hidden=False)
     n = len(small_run["completions"])
-    small = {"passed": np.array([c["passed"] for c in small_run["completions"]], dtype=float),
-             "seconds": per_problem_seconds(small_run), "tokens": tokens_of(small_run)}
-    large = {"passed": np.array([c["passed"] for c in large_run["completions"]], dtype=float),
-             "seconds": per_problem_seconds(large_run), "tokens": tokens_of(large_run)}
+    small, large = outcomes(small_run), outcomes(large_run)
     small_pass, large_pass = small["passed"].mean(), large["passed"].mean()
 
-    curves: dict[str, list[Point]] = {}
-    curves["random"] = [point(s, np.full(n, s), small, large, False) for s in np.linspace(0, 1, 21)]
-    prompt_tokens = np.array([c["prompt_tokens"] for c in small_run["completions"]], dtype=float)
-    curves["length"] = sweep(prompt_tokens, small, large, larger_is_harder=True)
-    scored: dict[str, tuple[np.ndarray, bool]] = {"length": (prompt_tokens, True)}  # a swept policy's scores
-    for signal in ("mean_logprob", "min_logprob", "mean_entropy"):
-        values = np.array([c[signal] if c[signal] is not None else -np.inf for c in small_run["completions"]])
-        confidence = -values if signal == "mean_entropy" else values
-        curves[f"cascade ({signal})"] = sweep(confidence, small, large, larger_is_harder=False,
-                                              small_always_runs=True)
-        scored[f"cascade ({signal})"] = (confidence, False)
+    curves, scored = answer_policies(small_run["completions"], small, large)
     features = np.load(args.cache / f"{args.small}.hidden.npy")
     probe_seconds = np.full(n, small_run.get("hidden_state_seconds", 0.0) / n)
     probe_scores = [cross_validated(features, 1.0 - small["passed"], args.small, PROBE_L2, seed)
@@ -327,6 +411,7 @@ def main() -> int:
     leetcode_summary: dict[str, Any] = {}
     if args.leetcode:
         lc_run, lc_features = run_leetcode(args.small, args, args.cache)
+        assert lc_features is not None
         lc_labels = np.array([not c["passed"] for c in lc_run["completions"]], dtype=float)
         l2, losses = choose_l2(lc_features, lc_labels, args.small)
         transferred = LogisticProbe.fit(args.small, lc_features, lc_labels, l2=l2)
@@ -353,33 +438,14 @@ def main() -> int:
         print(f"LeetCode: {len(lc_labels)} problems, the small model passes {1 - lc_labels.mean():.3f}; the probes' "
               f"l2 {l2:g} (cross-validated log loss there: "
               f"{', '.join(f'{k:g}: {v:.4f}' for k, v in losses.items())})")
-    oracle = np.array([oracle_size(bool(a), bool(b)) == "large"
-                       for a, b in zip(small["passed"], large["passed"], strict=True)])
-    curves["oracle"] = [point(None, oracle, small, large, False)]
+        if args.leetcode_large:
+            leetcode_summary["routing_on_its_first_problems"] = route_leetcode(args, lc_run, lc_features, lc_labels)
+    curves["oracle"] = oracle_curve(small, large)
 
-    summary = {}
-    for name, points in curves.items():
-        best = best_within(points, TARGET_SHARE)
-        summary[name] = {"apgr": apgr(points, small_pass, large_pass) if name != "oracle" else None,
-                         "best_pass_at_1_within_half": best.pass_at_1, "its_large_share": best.large_share,
-                         "its_threshold": best.threshold, "its_seconds_per_problem": best.seconds_per_problem,
-                         "quality_of_large": best.pass_at_1 / large_pass}
-        if name in scored and args.bootstrap:
-            resampled = bootstrap_apgr(*scored[name], small["passed"], large["passed"], args.bootstrap)
-            summary[name]["apgr_bootstrap_95"] = [float(np.percentile(resampled, 2.5)),
-                                                  float(np.percentile(resampled, 97.5))]
-            summary[name]["share_of_resamples_above_random"] = float((resampled > RANDOM_APGR).mean())
-    print(f"small {args.small}: pass@1 {small_pass:.3f}, {small['seconds'].mean():.2f} s and "
+    print(f"HumanEval: small {args.small}: pass@1 {small_pass:.3f}, {small['seconds'].mean():.2f} s and "
           f"{small['tokens'].mean():.0f} tokens a problem; large {args.large}: {large_pass:.3f}, "
           f"{large['seconds'].mean():.2f} s, {large['tokens'].mean():.0f} tokens")
-    print(f"{'policy':<26} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}"
-          f"  APGR over {args.bootstrap} resamples: 95% interval, share above random")
-    for name, s in summary.items():
-        apgr_text = f"{s['apgr']:.3f}" if s["apgr"] is not None else "-"
-        interval = (f"  [{s['apgr_bootstrap_95'][0]:.3f}, {s['apgr_bootstrap_95'][1]:.3f}], "
-                    f"{s['share_of_resamples_above_random']:.3f}" if "apgr_bootstrap_95" in s else "")
-        print(f"{name:<26} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
-              f"{s['quality_of_large']:>9.3f} {s['its_seconds_per_problem']:>10.2f}{interval}")
+    summary = summarise(curves, scored, small, large, args.bootstrap)
     probe_apgrs = [apgr(c, small_pass, large_pass) for c in probe_curves]
     summary["probe"]["apgr_of_each_deal"] = probe_apgrs
     print(f"probe APGR over {len(probe_apgrs)} deals of the folds: "
