@@ -89,8 +89,11 @@ def _train_probe(args: argparse.Namespace) -> int:
     from kvserve.evals.probe_training import read_examples, run_examples, train_probe
 
     if args.humaneval or args.leetcode:
+        from kvserve.evals import humaneval, leetcode
+
+        problems = leetcode.load_problems() if args.leetcode else humaneval.load_problems()
         with open(args.humaneval or args.leetcode, encoding="utf-8") as f:
-            examples = run_examples(json.load(f), "leetcode" if args.leetcode else "humaneval")
+            examples = run_examples(json.load(f), problems)
         prompts, labels = [e["prompt"] for e in examples], np.array([float(e["label"]) for e in examples])
     else:
         prompts, labels = read_examples(args.examples)

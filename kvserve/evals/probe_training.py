@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 
 from kvserve.errors import ConfigError
+from kvserve.evals.humaneval import Problem
 from kvserve.router.model_policies import LogisticProbe
 
 EMBEDDING_BATCH = 16
@@ -38,15 +39,10 @@ def read_examples(path: str) -> tuple[list[str | list[int]], np.ndarray]:
     return prompts, np.array(labels)
 
 
-def run_examples(small_run: dict[str, Any], benchmark: str = "humaneval") -> list[dict[str, Any]]:
-    """Each problem of the small model's run of ``benchmark`` (``kvserve eval humaneval`` or ``leetcode``),
-    labelled 1 where it failed."""
-    if benchmark == "leetcode":
-        from kvserve.evals.leetcode import load_problems
-    else:
-        from kvserve.evals.humaneval import load_problems
-
-    prompts = {p.task_id: p.prompt for p in load_problems()}
+def run_examples(small_run: dict[str, Any], problems: Sequence[Problem]) -> list[dict[str, Any]]:
+    """Each problem of the small model's run (``kvserve eval humaneval`` or ``leetcode``, whose ``problems``
+    these are), labelled 1 where it failed."""
+    prompts = {p.task_id: p.prompt for p in problems}
     return [{"prompt": prompts[c["task_id"]], "label": int(not c["passed"])} for c in small_run["completions"]]
 
 

@@ -82,15 +82,14 @@ def test_problems_that_are_not_one_function_are_left_out(change: dict[str, Any])
     assert leetcode.problem_from(problem_file(**change)) is None
 
 
-def test_the_problems_load_in_file_order_and_label_a_run_for_the_probe(tmp_path: Path, monkeypatch) -> None:
+def test_the_problems_load_in_file_order_and_label_a_run_for_the_probe(tmp_path: Path) -> None:
     design = problem_file("lru_cache", "146", _solution_methods={"list": [{"name": "a", "signature": "(self)"},
                                                                            {"name": "b", "signature": "(self)"}]})
     directory = write(tmp_path / "problems", problem_file(), design, problem_file("two_sum_ii", "167"))
     problems = leetcode.load_problems(directory)
     assert [p.task_id for p in problems] == ["LeetCode/1", "LeetCode/167"]
-    monkeypatch.setattr(leetcode, "problems_dir", lambda: directory)
     run = {"completions": [{"task_id": "LeetCode/167", "passed": True}, {"task_id": "LeetCode/1", "passed": False}]}
-    examples = run_examples(run, "leetcode")
+    examples = run_examples(run, problems)
     assert [e["prompt"] for e in examples] == [problems[1].prompt, problems[0].prompt]
     assert np.array([e["label"] for e in examples]).tolist() == [0, 1]  # 1 where the small model failed
 
