@@ -18,6 +18,10 @@ OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md:
    Then the tiny model's prompts served again after other prompts pushed their KV into the host tier.
 3. **Throughput**: offline output tokens/s at 1, 16, 64 and 256 concurrent requests (bf16), kvserve with CUDA
    graphs and eager (``--enforce-eager``) against transformers' batched ``generate`` on the same GPU.
+   **Shared prefix (cascade decode)**: requests sharing a long system prompt (the shared blocks served from
+   the prefix cache), with the prefix read once per step for every request and with each request reading
+   its whole table (``--cascade-min-tokens`` past any prompt): tokens/s of both and their tokens compared;
+   and the tiny model's shared-prefix prompts against transformers in float32.
 4. **Against the H200's peaks** (989 TFLOP/s bf16 dense, 4.8 TB/s): prefill MFU of one 2,048-token prompt,
    and single-stream decode's weight bytes per second.
 
@@ -103,14 +107,15 @@ def prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:
 
 def kvserve_generate(model_dir: Path, device: str, dtype: str, token_lists: list[list[int]], max_tokens: int,
                      prefix_caching: bool = True, max_num_seqs: int = 64, passes: int = 1,
-                     eager: bool = False) -> tuple[list[list[int]], float, str]:
+                     eager: bool = False, **options: object) -> tuple[list[list[int]], float, str]:
     """The outputs and seconds of the last of ``passes`` runs of the prompts through one engine (a second
-    pass finds the first's prompts in the prefix cache); ``eager``: no CUDA graphs. The backend's
-    description says what ran: its CUDA graphs' sizes and replays, or why there were none."""
+    pass finds the first's prompts in the prefix cache); ``eager``: no CUDA graphs; ``options``: more of the
+    engine's settings. The backend's description says what ran: its CUDA graphs' sizes and replays, or why
+    there were none."""
     from kvserve import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), device=device, dtype=dtype, enable_prefix_caching=prefix_caching,
-              max_num_seqs=max_num_seqs, enforce_eager=eager)
+              max_num_seqs=max_num_seqs, enforce_eager=eager, **options)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": token_lists[0][:4]}], SamplingParams(max_tokens=2))  # warm-up
     for _ in range(passes):
@@ -209,6 +214,46 @@ def throughput(model_dir: Path, device: str, vocab_size: int, levels: list[int],
     return rows
 
 
+NO_CASCADE = 1 << 30  # --cascade-min-tokens past any prompt: every decode row reads its whole table
+
+
+def shared_prefix_prompts(vocab_size: int, concurrency: int, prefix_len: int, tail_len: int) -> list[list[int]]:
+    (shared,) = prompts(vocab_size, [prefix_len], seed=3)
+    return [shared + tail for tail in prompts(vocab_size, [tail_len] * concurrency, seed=4)]
+
+
+def shared_prefix_equality(model_dir: Path, device: str, vocab_size: int, max_tokens: int) -> dict:
+    """Prompts sharing 64 tokens (four blocks) before tails of their own, served again from the prefix cache so
+    that every decode step's rows share those blocks: cascade decode's tokens against transformers' (float32)."""
+    token_lists = shared_prefix_prompts(vocab_size, 4, 64, 9)
+    expected, _ = transformers_generate(model_dir, device, torch.float32, token_lists, max_tokens, batched=False)
+    got, _, backend = kvserve_generate(model_dir, device, "float32", token_lists, max_tokens, passes=2,
+                                       cascade_min_tokens=16)
+    row = {"model": model_dir.name, "dtype": "float32", "prompts": len(token_lists), "backend": backend,
+           "equal": sum(g == e for g, e in zip(got, expected, strict=True))}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def shared_prefix_throughput(model_dir: Path, device: str, vocab_size: int, levels: list[int], prefix_len: int,
+                             tail_len: int, max_tokens: int) -> list[dict]:
+    """Output tokens/s of requests sharing a ``prefix_len``-token prompt prefix (from the prefix cache: the
+    timed pass is the second), cascade decode against whole tables, both on CUDA graphs (bf16)."""
+    rows = []
+    for concurrency in levels:
+        token_lists = shared_prefix_prompts(vocab_size, concurrency, prefix_len, tail_len)
+        runs = {name: kvserve_generate(model_dir, device, "bfloat16", token_lists, max_tokens,
+                                       max_num_seqs=concurrency, passes=2, cascade_min_tokens=min_tokens)
+                for name, min_tokens in (("cascade", 16), ("whole_tables", NO_CASCADE))}
+        tokens = concurrency * max_tokens
+        (cascade, cascade_seconds, _), (whole, whole_seconds, _) = runs["cascade"], runs["whole_tables"]
+        rows.append({"concurrency": concurrency, "prefix_len": prefix_len, "cascade_tok_s": tokens / cascade_seconds,
+                     "whole_tables_tok_s": tokens / whole_seconds, "cascade_over_whole": whole_seconds / cascade_seconds,
+                     "same_tokens": sum(a == b for a, b in zip(cascade, whole, strict=True))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def peaks(model_dir: Path, device: str, vocab_size: int, prompt_len: int, decode_tokens: int) -> dict:
     """Prefill MFU of one prompt and single-stream decode's weight bytes per second (bf16)."""
     import transformers
@@ -237,6 +282,14 @@ def markdown(results: dict) -> str:
     lines += [f"| {r['concurrency']} | {r['kvserve_tok_s']:.1f} | {r['kvserve_eager_tok_s']:.1f} | "
               f"{r['graphs_over_eager']:.2f}x | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |"
               for r in results["throughput"]]
+    c = results["shared_prefix_equality"]
+    lines += ["", f"Shared prefix, cascade decode: {c['equal']} of {c['prompts']} prompts equal to transformers "
+              f"(float32, {c['model']}; {c['backend']}).", "",
+              "| concurrency | shared prefix tokens | cascade tok/s | whole tables tok/s | cascade / whole | "
+              "same tokens (bf16) |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['concurrency']} | {r['prefix_len']} | {r['cascade_tok_s']:.1f} | {r['whole_tables_tok_s']:.1f} | "
+              f"{r['cascade_over_whole']:.2f}x | {r['same_tokens']} of {r['concurrency']} |"
+              for r in results["shared_prefix"]]
     t = results["host_tier"]
     lines += ["", f"Host tier: {t['equal']} of {t['prompts']} prompts served again from the host tier equal to "
               f"transformers (float32); cached prompt tokens by tier: {t['cached_tokens_by_tier']}."]
@@ -268,6 +321,10 @@ def main() -> None:
         vocab = (TINY if args.smoke else SMOLLM2_SHAPE)["vocab_size"]
         levels, prompt_len, out_len = ([1, 4], 16, 8) if args.smoke else ([1, 16, 64, 256], 128, 128)
         results["throughput"] = throughput(shaped, args.device, vocab, levels, prompt_len, out_len)
+        results["shared_prefix_equality"] = shared_prefix_equality(tiny, args.device, TINY["vocab_size"], max_tokens)
+        shared_levels, shared_len = ([4], 64) if args.smoke else ([16, 64, 256], 1024)
+        results["shared_prefix"] = shared_prefix_throughput(shaped, args.device, vocab, shared_levels, shared_len,
+                                                            16, 8 if args.smoke else 64)
         results["peaks"] = peaks(shaped, args.device, vocab, 64 if args.smoke else 2048, 8 if args.smoke else 128)
     (args.out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1))
     (args.out_dir / "gpu_check.md").write_text(markdown(results))

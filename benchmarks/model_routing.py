@@ -24,7 +24,9 @@ cached too), a labelled set of coding prompts from outside HumanEval, and two mo
 fold's training set. Their regularisation is chosen by cross-validation on the LeetCode problems alone.
 
 ``--leetcode-large N`` has the large model run the first N LeetCode problems too and scores every policy on
-them, a second benchmark none was shaped on: the probe there is trained on the other LeetCode problems.
+them, a second benchmark none was shaped on: each of those problems is scored by a probe trained on the other
+LeetCode problems (the other folds of the N, and every problem past them; its regularisation cross-validated
+on that training set alone), so that N may be all of them. ``--plot`` then draws their curves too.
 
 Each swept policy's APGR also gets an interval over --bootstrap resamples of the problems (with replacement),
 and the share of resamples in which it is above random routing's 0.5: whether it beats random beyond chance.
@@ -58,7 +60,7 @@ from benchmarks.routing import Process  # noqa: E402
 from benchmarks.serve_compare import cpu_description  # noqa: E402
 from kvserve.evals import leetcode  # noqa: E402
 from kvserve.evals.humaneval import STOP_SEQUENCES, EvalConfig, evaluate, load_problems  # noqa: E402
-from kvserve.evals.probe_training import choose_l2, cross_validated, hidden_states  # noqa: E402
+from kvserve.evals.probe_training import FOLDS, choose_l2, cross_validated, hidden_states  # noqa: E402
 from kvserve.evals.sandbox import run_program  # noqa: E402
 from kvserve.router.model_policies import LogisticProbe, oracle_size  # noqa: E402
 
@@ -229,9 +231,9 @@ def oracle_curve(small: dict[str, np.ndarray], large: dict[str, np.ndarray]) -> 
 
 def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features: np.ndarray,
                    labels: np.ndarray) -> dict[str, Any]:
-    """Every policy on the first --leetcode-large LeetCode problems, which the large model runs too: the probe
-    trained on the other LeetCode problems (its regularisation cross-validated on those alone; its prefill is
-    not counted in its engine time here)."""
+    """Every policy on the first --leetcode-large LeetCode problems, which the large model runs too: each problem
+    scored by a probe trained on the other LeetCode problems (``cross_fitted``; its prefill is not counted in
+    its engine time here)."""
     large_run, _ = run_leetcode(args.large, args, args.cache, first=args.leetcode_large, with_hidden=False)
     n = len(large_run["completions"])
     assert [c["task_id"] for c in large_run["completions"]] == [c["task_id"] for c in small_run["completions"][:n]]
@@ -243,14 +245,34 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
     if result["large_pass_at_1"] <= result["small_pass_at_1"]:
         return result  # no gap for a router to recover
     curves, scored = answer_policies(small_run["completions"][:n], small, large)
-    l2, _ = choose_l2(features[n:], labels[n:], args.small)
-    probe = LogisticProbe.fit(args.small, features[n:], labels[n:], l2=l2)
-    scores = np.array([probe.predict(x) for x in features[:n]])
+    scores, l2s = cross_fitted(features, labels, n, args.small)
     curves["probe (other LeetCode)"] = sweep(scores, small, large, larger_is_harder=True)
     scored["probe (other LeetCode)"] = (scores, True)
     curves["oracle"] = oracle_curve(small, large)
-    print(f"the probe trained on the other {len(labels) - n} LeetCode problems (l2 {l2:g})")
-    return {**result, "probe_l2": l2, "summary": summarise(curves, scored, small, large, args.bootstrap)}
+    print(f"each problem scored by a probe trained on the other LeetCode problems (l2 by fold: "
+          f"{', '.join(f'{l2:g}' for l2 in l2s)})")
+    if args.plot:
+        plot(curves, result["small_pass_at_1"], result["large_pass_at_1"],
+             args.plot.with_name(f"{args.plot.stem}-leetcode{args.plot.suffix}"),
+             f"LeetCode, first {n} problems, {args.small} / {args.large}; {cpu_description()}", "LeetCode")
+    return {**result, "probe_l2_by_fold": l2s, "summary": summarise(curves, scored, small, large, args.bootstrap)}
+
+
+def cross_fitted(features: np.ndarray, labels: np.ndarray, n: int, model: str) -> tuple[np.ndarray, list[float]]:
+    """P(the small model fails) for each of the first ``n`` examples, from a probe that never saw it: the n are
+    dealt into FOLDS, and each fold scored by a probe trained on every other example (the other folds and all
+    past n), its regularisation chosen by cross-validation on that training set alone. Returns the scores and
+    each fold's regularisation."""
+    order = np.random.default_rng(0).permutation(n)
+    scores, l2s = np.zeros(n), []
+    for fold in range(FOLDS):
+        test = order[fold::FOLDS]
+        train = np.setdiff1d(np.arange(len(labels)), test)
+        l2, _ = choose_l2(features[train], labels[train], model)
+        probe = LogisticProbe.fit(model, features[train], labels[train], l2=l2)
+        scores[test] = [probe.predict(x) for x in features[test]]
+        l2s.append(l2)
+    return scores, l2s
 
 
 def summarise(curves: dict[str, list[Point]], scored: dict[str, tuple[np.ndarray, bool]],
@@ -345,7 +367,8 @@ def at_stop_sequence(tokenizer: Any, prompt_width: int) -> Any:
     return AtStopSequence()
 
 
-def plot(curves: dict[str, list[Point]], small_pass: float, large_pass: float, path: Path, title: str) -> None:
+def plot(curves: dict[str, list[Point]], small_pass: float, large_pass: float, path: Path, title: str,
+         benchmark: str = "HumanEval") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,7 +383,7 @@ def plot(curves: dict[str, list[Point]], small_pass: float, large_pass: float, p
         axis.axhline(large_pass * TARGET_QUALITY, color="grey", linestyle=":", linewidth=1)
         axis.axhline(small_pass, color="grey", linestyle="--", linewidth=0.8)
         axis.axhline(large_pass, color="black", linestyle="--", linewidth=0.8)
-        axis.set_ylabel("HumanEval pass@1")
+        axis.set_ylabel(f"{benchmark} pass@1")
         axis.grid(alpha=0.3)
     left.axvline(TARGET_SHARE, color="grey", linestyle=":", linewidth=1)
     left.set_xlabel("share of requests answered by the large model")

@@ -32,5 +32,9 @@ def test_the_gpu_check_runs_whole_on_a_cpu(tmp_path: Path) -> None:
     tier = report["host_tier"]
     assert tier["equal"] == tier["prompts"] and tier["cached_tokens_by_tier"].get("host", 0) > 0, tier
     assert [r["concurrency"] for r in report["throughput"]] == [1, 4]
+    shared = report["shared_prefix_equality"]
+    assert shared["equal"] == shared["prompts"] == 4, shared
+    assert [(r["concurrency"], r["same_tokens"]) for r in report["shared_prefix"]] == [(4, 4)]
+    assert "| cascade / whole |" in (tmp_path / "gpu_check.md").read_text()
     assert report["peaks"]["prefill_tok_s"] > 0 and report["peaks"]["decode_tok_s"] > 0
     assert "| concurrency |" in (tmp_path / "gpu_check.md").read_text()

@@ -46,7 +46,7 @@ def test_the_sizes_captured_and_the_size_a_step_is_padded_to() -> None:
 def test_padding_rows_write_no_kv_and_read_one_key() -> None:
     hidden, cos = torch.randn(3, 8), torch.randn(3, 1, 4)
     buffers = StepBuffers.allocate(8, hidden_size=8, head_dim=4, table_width=5, dtype=torch.float32,
-                                   device=torch.device("cpu"))
+                                   device=torch.device("cpu"), cascade=False)
     assert buffers.slot_mapping.tolist() == [PADDING_SLOT] * 8 and buffers.seq_lens.tolist() == [1] * 8
     meta = AttentionMetadata(slot_mapping=torch.tensor([40, 17, 3]), num_decode_tokens=3,
                              decode_block_table=torch.tensor([[2, 1], [1, 0], [0, 0]], dtype=torch.int32),
@@ -200,3 +200,31 @@ def test_qkv_bias_and_qk_norm_families_on_the_buffers(tmp_path, monkeypatch, fam
     assert_same(got, expected)
     graphs = llm.engine.model.fused_decode
     assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0
+
+
+def test_cascade_decode_on_the_buffers(tiny_llama, monkeypatch) -> None:
+    """Three requests sharing a 32-token prompt prefix (two full blocks, held once by the prefix cache) before
+    tails of their own: replayed decode steps read the shared blocks once for every row, with the torch
+    reference's tokens and logprobs."""
+    from kvserve.model.backends import triton_attention
+
+    prefix_blocks: list[int] = []  # each launch's count of shared blocks (0: a step without a prefix)
+    kernel = triton_attention._prefix_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                prefix_blocks.append(int(args[4][0]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_prefix_kernel", Counted())
+    shared = random_prompts((32,), seed=10)[0]
+    prompts = [shared + tail for tail in random_prompts((3, 7, 1), seed=11)]
+    params = [greedy(n) for n in (4, 6, 3)]
+    expected, _ = generate(tiny_llama, None, prompts, params, cascade_min_tokens=16)
+    got, llm = generate(tiny_llama, monkeypatch, prompts, params, cascade_min_tokens=16)
+    assert_same(got, expected)
+    graphs = llm.engine.model.fused_decode
+    assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0
+    assert max(prefix_blocks) == 2, "no replayed decode step read the shared prefix"

@@ -3,6 +3,8 @@ references and against the torch reference attention."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -215,3 +217,56 @@ def test_paged_prefill_with_a_window() -> None:
         rows_ = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         torch.testing.assert_close(out[rows_].double(), reference(q[rows_], keys, values, visible, 0.25),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_reads_the_shared_prefix_once_for_every_row(monkeypatch, dtype) -> None:
+    """Six requests (18 query rows of each KV head: two tiles) sharing a prefix of three blocks (two key splits)
+    before their own keys (none, one, a block and more), the prefix's buffer wider than the prefix with NaN
+    pages past it (never read): each row as if it read the prefix and its own keys in one table."""
+    monkeypatch.setattr(triton_attention, "PREFIX_SPLIT_BLOCKS", 2)
+    monkeypatch.setattr(triton_attention, "DECODE_SPLIT_BLOCKS", 2)
+    monkeypatch.setattr(triton_attention, "MAX_PREFIX_TILE_ROWS", 16)
+    torch.manual_seed(7)
+    heads, kv_heads, dim, scale = 6, 2, 32, 0.2
+    cache = random_cache(40, kv_heads, dim, dtype)
+    cache[:, 39] = float("nan")
+    prefix_blocks, own_lens = [5, 2, 11], [0, 1, 7, 16, 17, 40]
+    order = [b for b in range(1, 39) if b not in prefix_blocks]
+    own_tables = [order[3 * i : 3 * i + 3] for i in range(len(own_lens))]
+    prefix = triton_attention.SharedPrefix(torch.tensor([*prefix_blocks, 39, 39, 39], dtype=torch.int32),
+                                           torch.tensor([len(prefix_blocks)], dtype=torch.int32))
+    q = torch.randn(len(own_lens), heads, dim).to(dtype)
+    out = triton_attention.paged_decode(q, cache[0], cache[1], torch.tensor(own_tables, dtype=torch.int32),
+                                        torch.tensor(own_lens, dtype=torch.int32), scale, prefix=prefix)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    whole_lens = [len(prefix_blocks) * BLOCK_SIZE + n for n in own_lens]
+    for i, n in enumerate(whole_lens):
+        keys, values = keys_of(cache, prefix_blocks + own_tables[i], n)
+        expected = reference(q[i : i + 1], keys, values, torch.ones(1, n, dtype=torch.bool), scale)
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=tol, rtol=tol)
+    # A step without a prefix on the same buffer (its count 0): every row reads its own table only.
+    prefix.num_blocks.zero_()
+    tables, lens = torch.tensor(own_tables[1:], dtype=torch.int32), torch.tensor(own_lens[1:], dtype=torch.int32)
+    alone = triton_attention.paged_decode(q[1:], cache[0], cache[1], tables, lens, scale)
+    without = triton_attention.paged_decode(q[1:], cache[0], cache[1], tables, lens, scale, prefix=prefix)
+    torch.testing.assert_close(without, alone, atol=tol, rtol=tol)
+
+
+def test_the_cuda_backend_splits_a_shared_prefix_off_unless_a_window_layer_reads_the_tables() -> None:
+    """Three decode rows sharing two full blocks: the prefix split off when it is long enough; never for a
+    model with sliding-window layers (a freed window page is shared by every row too)."""
+    rows = StepRows(BLOCK_SIZE, torch.tensor([0, 1, 2]), decode_block_ids=[[4, 6, 1], [4, 6, 2], [4, 6, 3, 7]],
+                    decode_kv_lens=[40, 35, 50], num_decode_requests=3)
+    arch = ArchConfig("llama", vocab_size=8, hidden_size=64, intermediate_size=16, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    meta = CudaBackend(arch, torch.device("cpu"), BackendConfig(cascade_min_tokens=32)).build_metadata(rows)
+    assert meta.decode_shared_prefix is not None and meta.decode_shared_prefix.block_ids.tolist() == [4, 6]
+    assert meta.decode_shared_prefix.num_blocks.tolist() == [2]
+    assert meta.decode_seq_lens.tolist() == [8, 3, 18] and meta.decode_block_table.tolist() == [[1, 0], [2, 0], [3, 7]]
+    assert meta.decode_prefix_blocks is None  # not the reference's cascade
+    assert CudaBackend(arch, torch.device("cpu"), BackendConfig(cascade_min_tokens=48)).build_metadata(
+        rows).decode_shared_prefix is None
+    windowed = dataclasses.replace(arch, sliding_window=8, sliding_layers=(0,))
+    meta = CudaBackend(windowed, torch.device("cpu"), BackendConfig(cascade_min_tokens=32)).build_metadata(rows)
+    assert meta.decode_shared_prefix is None and meta.decode_seq_lens.tolist() == [40, 35, 50]

@@ -13,10 +13,11 @@ from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.backends import triton_ops
 from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.decode_graphs import CudaGraphCapture, DecodeGraphs, DecoderStep, replay_eagerly
-from kvserve.model.backends.layout import whole_decodes
+from kvserve.model.backends.layout import split_decodes, whole_decodes
 from kvserve.model.backends.torch_ref import TorchRefBackend
 from kvserve.model.backends.triton_attention import (
     PrefillTables,
+    SharedPrefix,
     TritonAttentionMetadata,
     TritonPagedAttention,
     head_size_unsupported,
@@ -33,6 +34,8 @@ class CudaBackend(TorchRefBackend):
         self.ops = ModelOps(add_rms_norm=triton_ops.add_rms_norm, silu_mul=triton_ops.silu_mul,
                             rotary=triton_ops.rotary)
         self.triton_attention = not head_size_unsupported(arch.head_dim)
+        # Cascade decode for models without window layers (whose windows would start inside a shared prefix).
+        self.cascade = not (arch.sliding_window and arch.sliding_layers)
         why_eager = self._why_eager()
         graphs = (f"decode steps of up to {config.cuda_graph_max_rows} rows on CUDA graphs" if why_eager is None
                   else f"every step eager: {why_eager}")
@@ -61,7 +64,7 @@ class CudaBackend(TorchRefBackend):
         capture = CudaGraphCapture(self.device) if self.device.type == "cuda" else replay_eagerly
         steps: Sequence[DecoderStep] = layers  # type: ignore[assignment]  # the model's layers run themselves
         return DecodeGraphs(steps, self.arch.hidden_size, self.arch.head_dim, self.config.cuda_graph_max_rows,
-                            self.config.cuda_graph_max_seq_len, capture)
+                            self.config.cuda_graph_max_seq_len, capture, cascade=self.cascade)
 
     def build_metadata(self, rows: StepRows) -> TritonAttentionMetadata:
         if not self.triton_attention:  # the reference's layout, masks included
@@ -72,11 +75,16 @@ class CudaBackend(TorchRefBackend):
         # tables, not the reference's spans (each span on history copies its block ids to the device).
         meta = TritonAttentionMetadata(slot_mapping=rows.slot_mapping, num_decode_tokens=rows.num_decode_rows,
                                        prefill_tables=prefill_tables(rows, device))
-        # Triton's decode reads each row's whole table, shared prefix included: no cascade split, no mask.
-        split = whole_decodes(rows)
+        # No reference decode mask. A shared prefix is split off (cascade) unless a window layer reads these
+        # tables: its window starts inside the rows' own keys.
+        split = split_decodes(rows, self.config.cascade_min_tokens) if self.cascade else whole_decodes(rows)
         if split is not None:
             meta.decode_block_table = to_device(split.block_table, device)
             meta.decode_seq_lens = to_device(split.seq_lens, device)
+            if split.shared_block_ids:
+                ids = split.shared_block_ids
+                meta.decode_shared_prefix = SharedPrefix(to_device(ids, device, torch.int32),
+                                                         to_device([len(ids)], device, torch.int32))
         return meta
 
 

@@ -8,8 +8,10 @@ fixed shapes and fixed addresses, so the step runs on persistent buffers:
   drafts) up to ``cuda_graph_max_rows``; a step is padded to the next captured size. All of them are
   captured together at start-up, once the KV caches exist, largest first, sharing one memory pool.
 - **Buffers**: the hidden rows, rotary cos/sin, slot mapping, block table and sequence lengths, copied in
-  each step. The block table is as wide as ``cuda_graph_max_seq_len`` keys need; the decode kernel reads
-  only a row's own blocks, and its merge only the key splits a row's keys reach.
+  each step, and for cascade decode the shared prefix's block ids and their count. The block table and the
+  prefix are each as wide as ``cuda_graph_max_seq_len`` keys need; the decode kernel reads only a row's own
+  blocks, the prefix programs past the prefix's blocks (all of them, in a step without one) exit at once,
+  and the merge reads only the splits that hold keys.
 - **Padding rows** write no KV (slot -1, which the Triton KV write skips) and attend to one key; their
   outputs are never read.
 
@@ -30,7 +32,7 @@ from typing import Protocol
 import torch
 
 from kvserve.model.backends.base import AttentionMetadata
-from kvserve.model.backends.triton_attention import TritonAttentionMetadata
+from kvserve.model.backends.triton_attention import SharedPrefix, TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -107,17 +109,20 @@ class StepBuffers:
     slot_mapping: torch.Tensor  # int64 [rows]
     block_table: torch.Tensor  # int32 [rows, table_width]
     seq_lens: torch.Tensor  # int32 [rows]
+    shared_prefix: SharedPrefix | None  # block ids [table_width] and their count; None: no cascade decode
 
     @classmethod
     def allocate(cls, rows: int, hidden_size: int, head_dim: int, table_width: int, dtype: torch.dtype,
-                 device: torch.device) -> StepBuffers:
-        """Every row a padding row: no KV written, one key read."""
+                 device: torch.device, cascade: bool) -> StepBuffers:
+        """Every row a padding row: no KV written, one key read; no shared prefix."""
+        prefix = (SharedPrefix(torch.zeros(table_width, dtype=torch.int32, device=device),
+                               torch.zeros(1, dtype=torch.int32, device=device)) if cascade else None)
         return cls(hidden=torch.zeros((rows, hidden_size), dtype=dtype, device=device),
                    cos=torch.zeros((rows, 1, head_dim), dtype=dtype, device=device),
                    sin=torch.zeros((rows, 1, head_dim), dtype=dtype, device=device),
                    slot_mapping=torch.full((rows,), PADDING_SLOT, dtype=torch.long, device=device),
                    block_table=torch.zeros((rows, table_width), dtype=torch.int32, device=device),
-                   seq_lens=torch.ones(rows, dtype=torch.int32, device=device))
+                   seq_lens=torch.ones(rows, dtype=torch.int32, device=device), shared_prefix=prefix)
 
     def fill(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
              size: int) -> None:
@@ -130,6 +135,13 @@ class StepBuffers:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.block_table[:n, : meta.decode_block_table.shape[1]].copy_(meta.decode_block_table)
         self.seq_lens[:n].copy_(meta.decode_seq_lens)
+        if self.shared_prefix is not None:
+            prefix = getattr(meta, "decode_shared_prefix", None)
+            if prefix is None:
+                self.shared_prefix.num_blocks.zero_()
+            else:
+                self.shared_prefix.block_ids[: prefix.block_ids.shape[0]].copy_(prefix.block_ids)
+                self.shared_prefix.num_blocks.copy_(prefix.num_blocks)
         if size > n:
             self.slot_mapping[n:size].fill_(PADDING_SLOT)
             self.seq_lens[n:size].fill_(1)
@@ -138,15 +150,16 @@ class StepBuffers:
         """The attention layout a step of ``size`` rows reads: views of the buffers."""
         return TritonAttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
                                        decode_block_table=self.block_table[:size],
-                                       decode_seq_lens=self.seq_lens[:size])
+                                       decode_seq_lens=self.seq_lens[:size], decode_shared_prefix=self.shared_prefix)
 
 
 class DecodeGraphs:
     """The decoder layers of decode steps, replayed from captured graphs (``FusedDecode``)."""
 
     def __init__(self, layers: Sequence[DecoderStep], hidden_size: int, head_dim: int, max_rows: int,
-                 max_seq_len: int, capture: GraphCapture) -> None:
+                 max_seq_len: int, capture: GraphCapture, cascade: bool = False) -> None:
         self.layers = list(layers)
+        self.cascade = cascade  # the steps read a shared prefix's blocks once (a buffer for its ids)
         self.hidden_size = hidden_size
         self.head_dim = head_dim
         self.sizes = capture_sizes(max_rows)
@@ -161,9 +174,11 @@ class DecodeGraphs:
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         table = meta.decode_block_table
+        prefix = getattr(meta, "decode_shared_prefix", None)
         return (self.buffers is not None and meta.num_decode_tokens == hidden.shape[0] and not meta.prefills
                 and meta.window is None and meta.decode_prefix_blocks is None and table is not None
-                and bucket_for(hidden.shape[0], self.sizes) is not None and table.shape[1] <= self.table_width)
+                and bucket_for(hidden.shape[0], self.sizes) is not None and table.shape[1] <= self.table_width
+                and (prefix is None or (self.cascade and prefix.block_ids.shape[0] <= self.table_width)))
 
     def prepare(self, kv_caches: list[torch.Tensor]) -> None:
         """Every size's step captured on the buffers (whose padding rows write nothing to the caches). A
@@ -171,7 +186,7 @@ class DecodeGraphs:
         cache = kv_caches[0]  # [2, blocks, block_size, kv_heads, head_dim], in the model's dtype
         self.table_width = -(-self.max_seq_len // cache.shape[2])
         self.buffers = StepBuffers.allocate(self.sizes[-1], self.hidden_size, self.head_dim, self.table_width,
-                                            cache.dtype, cache.device)
+                                            cache.dtype, cache.device, self.cascade)
         self._kv_caches = kv_caches
         try:
             with torch.inference_mode():  # as the steps run

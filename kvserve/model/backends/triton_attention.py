@@ -15,8 +15,15 @@ Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (Triton's inter
 tests check them without a GPU; there the tiles are widened to float32 before their products (the
 interpreter's bf16 products are wrong). On a GPU bf16 tiles multiply as they are, with float32 sums, and
 the softmax's weights are rounded to the values' dtype before the second product, as FlashAttention does.
-Both take a sliding window (a layer's last ``window`` keys; the blocks before them are not read). Cascade
-(shared-prefix) decode is not here: the CUDA backend's layout never splits a prefix off.
+- **Cascade decode** (``paged_decode`` with a ``SharedPrefix``): when the decode rows share leading blocks
+  (a common system prompt held once by the prefix cache), one program per (KV head, tile of query rows, key
+  split) reads each shared block once for a tile of every row's query heads (a matrix product, not one
+  matrix-vector product per row); the rows' own blocks after it run the decode kernel above, and the merge
+  takes both kinds of partial results. The prefix's length is read on the device, so a CUDA graph holds
+  every prefix up to its buffer's width (no prefix: its programs exit at once).
+
+Both take a sliding window (a layer's last ``window`` keys; the blocks before them are not read); a window
+layer never takes a shared prefix.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from kvserve.model.attention import TorchAttentionMetadata, TorchPagedAttention
 # sequence still spreads over the GPU.
 DECODE_SPLIT_BLOCKS = 16
 PREFILL_TILE_ROWS = 16
+# Keys per shared-prefix work item: several rows' queries share each program, so a split can be long.
+PREFIX_SPLIT_BLOCKS = 32
+MAX_PREFIX_TILE_ROWS = 64  # query rows (requests x query heads of a KV head) per shared-prefix program
 MIN_DOT = 16  # tl.dot's smallest operand dimension on a GPU
 
 
@@ -92,7 +102,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
                    split_blocks, window, stride_block, stride_token,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   PREFIX_SLOTS: tl.constexpr, UPCAST: tl.constexpr):
+    """A row's own keys, split by split_blocks; its partial results at slots PREFIX_SLOTS... of NUM_SPLITS
+    (the ones before are the shared prefix's), or with one slot in all its output."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,10 +134,50 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, m_ptr, l_p
     if NUM_SPLITS == 1:
         _store_heads(out_ptr, seq, kv_head, acc / l_i[:, None], g, d, NUM_KV_HEADS, GROUP, HEAD_DIM)
     else:
-        part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+        part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + PREFIX_SLOTS + split
         tl.store(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], acc)
         tl.store(m_ptr + part * GROUP_PAD + g, m_i)
         tl.store(l_ptr + part * GROUP_PAD + g, l_i)
+
+
+@triton.jit
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, num_prefix_ptr, acc_ptr, m_ptr, l_ptr, scale, batch,
+                   split_blocks, stride_block, stride_token,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   TILE_ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    """A split of the shared prefix's blocks (all full, all visible to every row) for a tile of query rows:
+    row r is request r // GROUP's query head r % GROUP of this KV head. Partial results at slot ``split``."""
+    kv_head = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    first = split * split_blocks
+    last = tl.minimum(first + split_blocks, tl.load(num_prefix_ptr))
+    if first >= last:  # past the prefix (or no prefix this step): the merge does not read this slot
+        return
+    r = tile * TILE_ROWS + tl.arange(0, TILE_ROWS)
+    seq = r // GROUP
+    g = r % GROUP
+    row_ok = seq < batch
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    q = tl.load(q_ptr + ((seq * NUM_KV_HEADS + kv_head) * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([TILE_ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_ROWS], tl.float32)
+    acc = tl.zeros([TILE_ROWS, HEAD_DIM], tl.float32)
+    visible = (t < BLOCK_SIZE)[None, :]
+    for j in range(first, last):
+        block = tl.load(prefix_ptr + j).to(tl.int64)
+        offsets = block * stride_block + t[:, None] * stride_token + kv_head * HEAD_DIM + d[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, tl.load(k_ptr + offsets), tl.load(v_ptr + offsets), visible,
+                                             scale, m_i, l_i, acc, UPCAST)
+    part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+    tl.store(acc_ptr + (part * GROUP_PAD + g)[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+    tl.store(m_ptr + part * GROUP_PAD + g, m_i, mask=row_ok)
+    tl.store(l_ptr + part * GROUP_PAD + g, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -137,29 +189,53 @@ def _store_heads(out_ptr, seq, kv_head, out, g, d, NUM_KV_HEADS: tl.constexpr, G
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, split_blocks, window,
-                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """A sequence's splits that hold keys, merged by log-sum-exp."""
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, num_prefix_ptr, out_ptr, split_blocks, prefix_split_blocks,
+                  window, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  PREFIX_SLOTS: tl.constexpr):
+    """A sequence's slots that hold keys (the shared prefix's splits, then its own blocks' splits), merged
+    by log-sum-exp."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + seq)
     _, first_block = _first_block(seq_len, window, BLOCK_SIZE)
-    num_parts = tl.maximum(1, tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE) - first_block, split_blocks))
+    num_own = tl.maximum(1, tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE) - first_block, split_blocks))
+    num_prefix = 0
+    if PREFIX_SLOTS > 0:
+        num_prefix = tl.cdiv(tl.load(num_prefix_ptr), prefix_split_blocks)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
+    head = g < GROUP  # the rows past a KV head's query heads are padding (the prefix's slots leave them unset)
     first_part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for s in range(0, num_parts):
-        top = tl.maximum(top, tl.load(m_ptr + (first_part + s) * GROUP_PAD + g))
+    for s in range(0, num_prefix):
+        top = tl.maximum(top, tl.load(m_ptr + (first_part + s) * GROUP_PAD + g, mask=head, other=float("-inf")))
+    for s in range(0, num_own):
+        top = tl.maximum(top, tl.load(m_ptr + (first_part + PREFIX_SLOTS + s) * GROUP_PAD + g, mask=head,
+                                      other=float("-inf")))
+    top = tl.where(head, top, 0.0)
     total = tl.zeros([GROUP_PAD], tl.float32)
     out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for s in range(0, num_parts):
-        part = first_part + s
-        weight = tl.exp(tl.load(m_ptr + part * GROUP_PAD + g) - top)
-        total += tl.load(l_ptr + part * GROUP_PAD + g) * weight
-        out += tl.load(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :]) * weight[:, None]
-    _store_heads(out_ptr, seq, kv_head, out / total[:, None], g, d, NUM_KV_HEADS, GROUP, HEAD_DIM)
+    for s in range(0, num_prefix):
+        total, out = _merge_part(acc_ptr, m_ptr, l_ptr, first_part + s, top, total, out, g, d, head, GROUP_PAD,
+                                 HEAD_DIM)
+    for s in range(0, num_own):
+        total, out = _merge_part(acc_ptr, m_ptr, l_ptr, first_part + PREFIX_SLOTS + s, top, total, out, g, d,
+                                 head, GROUP_PAD, HEAD_DIM)
+    _store_heads(out_ptr, seq, kv_head, out / tl.where(head, total, 1.0)[:, None], g, d, NUM_KV_HEADS, GROUP,
+                 HEAD_DIM)
+
+
+@triton.jit
+def _merge_part(acc_ptr, m_ptr, l_ptr, part, top, total, out, g, d, head, GROUP_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """One slot's partial results into the running total and output, scaled to the common maximum."""
+    m = tl.load(m_ptr + part * GROUP_PAD + g, mask=head, other=float("-inf"))
+    weight = tl.exp(m - top)  # 0 for a slot that saw no key, and for padding rows
+    total += tl.load(l_ptr + part * GROUP_PAD + g, mask=head, other=0.0) * weight
+    out += tl.load(acc_ptr + (part * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], mask=head[:, None],
+                   other=0.0) * weight[:, None]
+    return total, out
 
 
 @triton.jit
@@ -219,32 +295,57 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Leading blocks every decode row of a step holds (full, the same physical blocks), on the device."""
+
+    block_ids: torch.Tensor  # int32 [capacity]: the first num_blocks are the prefix's
+    num_blocks: torch.Tensor  # int32 [1]
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, window: int = 0,
+                 prefix: SharedPrefix | None = None) -> torch.Tensor:
     """q [B, num_heads, D] (a KV head's query heads adjacent); caches [num_blocks, block_size, H_kv, D];
-    block_table int32 [B, max_blocks]; seq_lens int32 [B], each at least 1; ``window``: each row sees its
-    last ``window`` keys only (0: all of them; the blocks before them are not read). Returns [B, num_heads, D]
-    in q's dtype. Nothing here reads a device value on the host: a CUDA graph can hold it."""
+    block_table int32 [B, max_blocks]; seq_lens int32 [B]; ``window``: each row sees its last ``window`` keys
+    only (0: all of them; the blocks before them are not read). With a ``prefix``, every row's keys are the
+    prefix's blocks and then its own table's seq_lens keys (none, possibly); without one, seq_lens are at
+    least 1. Returns [B, num_heads, D] in q's dtype. Nothing here reads a device value on the host: a CUDA
+    graph can hold it."""
+    assert prefix is None or not window, "a window layer takes no shared prefix"
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     group_pad = max(MIN_DOT, triton.next_power_of_2(group))
     max_blocks = block_table.shape[1]
-    num_splits = max(1, triton.cdiv(max_blocks, DECODE_SPLIT_BLOCKS))
+    prefix_slots = 0 if prefix is None else triton.cdiv(prefix.block_ids.shape[0], PREFIX_SPLIT_BLOCKS)
+    own_splits = max(1, triton.cdiv(max_blocks, DECODE_SPLIT_BLOCKS))
+    num_splits = prefix_slots + own_splits
     parts = (batch, num_kv_heads, num_splits, group_pad)
     acc = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
     m = torch.empty(parts, dtype=torch.float32, device=q.device)
     l = torch.empty(parts, dtype=torch.float32, device=q.device)  # noqa: E741
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q = q.contiguous()
+    upcast = INTERPRETED or q.dtype == torch.float32
     shape = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
                  BLOCK_SIZE=block_size, NUM_SPLITS=num_splits)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q.contiguous(), k_cache, v_cache, block_table, seq_lens, acc, m, l, out, scale, max_blocks,
-        DECODE_SPLIT_BLOCKS, window, k_cache.stride(0), k_cache.stride(1), **shape,
-        UPCAST=INTERPRETED or q.dtype == torch.float32,
+    if prefix is not None and prefix_slots:
+        tile_rows = min(MAX_PREFIX_TILE_ROWS, max(MIN_DOT, triton.next_power_of_2(batch * group)))
+        _prefix_kernel[(num_kv_heads, triton.cdiv(batch * group, tile_rows), prefix_slots)](
+            q, k_cache, v_cache, prefix.block_ids, prefix.num_blocks, acc, m, l, scale, batch,
+            PREFIX_SPLIT_BLOCKS, k_cache.stride(0), k_cache.stride(1), **shape, TILE_ROWS=tile_rows,
+            UPCAST=upcast,
+        )
+    _decode_kernel[(batch, num_kv_heads, own_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, acc, m, l, out, scale, max_blocks,
+        DECODE_SPLIT_BLOCKS, window, k_cache.stride(0), k_cache.stride(1), **shape, PREFIX_SLOTS=prefix_slots,
+        UPCAST=upcast,
     )
     if num_splits > 1:
-        _merge_kernel[(batch, num_kv_heads)](acc, m, l, seq_lens, out, DECODE_SPLIT_BLOCKS, window, **shape)
+        num_prefix = seq_lens if prefix is None else prefix.num_blocks  # read only with prefix slots
+        _merge_kernel[(batch, num_kv_heads)](acc, m, l, seq_lens, num_prefix, out, DECODE_SPLIT_BLOCKS,
+                                             PREFIX_SPLIT_BLOCKS, window, **shape, PREFIX_SLOTS=prefix_slots)
     return out
 
 
@@ -279,15 +380,17 @@ class PrefillTables:
 
 @dataclass
 class TritonAttentionMetadata(TorchAttentionMetadata):
-    """The reference layout, plus the prefill chunks' tables for the Triton kernel."""
+    """The reference layout, plus the prefill chunks' tables for the Triton kernel and the decode rows' shared
+    prefix (their tables then start after it)."""
 
     prefill_tables: PrefillTables | None = None
+    decode_shared_prefix: SharedPrefix | None = None
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """The reference attention with its KV write, decode and prefill on the Triton kernels, a sliding-window
-    layer's window applied by them; a layout with a shared prefix split off (cascade decode) or a head size
-    the tiles cannot take stays on the reference paths."""
+    """The reference attention with its KV write, decode (cascade decode included) and prefill on the Triton
+    kernels, a sliding-window layer's window applied by them; the reference's own layouts and head sizes the
+    tiles cannot take stay on the reference paths."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -299,7 +402,7 @@ class TritonPagedAttention(TorchPagedAttention):
             return super()._decode(q, k_cache, v_cache, meta)
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
         return paged_decode(q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale,
-                            self.sliding_window or 0)
+                            self.sliding_window or 0, getattr(meta, "decode_shared_prefix", None))
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
