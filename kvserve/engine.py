@@ -133,7 +133,7 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len(
             self.kv_layout.max_tokens(num_pages, cc.block_size, config.scheduler.max_num_batched_tokens))
         kv_caches = allocate_kv_caches(self.arch, num_pages, cc.block_size, self.dtype, self.device, self.kv_layout)
-        self.model.prepare_decode(kv_caches)
+        self.model.prepare_decode(kv_caches, self.kv_layout.layer_group)
         self.tiers = self._build_tiers(config.storage, kv_caches)
         # The device prefix cache's blocks as events a gateway follows (GET /kvserve/kv_events).
         self.kv_events = KVEventLog() if cc.enable_prefix_caching else None
@@ -235,7 +235,7 @@ class Engine:
         num_blocks = target_blocks + self.config.scheduler.max_num_seqs * (
             -(-spec.num_speculative_tokens // cc.block_size) + 1)
         kv_caches = allocate_kv_caches(arch, num_blocks, cc.block_size, self.dtype, self.device)
-        model.prepare_decode(kv_caches)
+        model.prepare_decode(kv_caches, KVLayout.single(arch.num_layers).layer_group)
         draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{model_fingerprint(path)}:{cc.hash_salt}".encode(),
                                 enable_prefix_caching=cc.enable_prefix_caching)
         logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s%s%s", path.name, num_blocks,

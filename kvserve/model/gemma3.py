@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from kvserve.config import ArchConfig
-from kvserve.model.backends.base import AttentionMetadata, Backend, PagedAttention
+from kvserve.model.backends.base import AttentionMetadata, Backend, DecoderLayout, PagedAttention
 from kvserve.model.layers import RotaryEmbedding
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
 from kvserve.model.mlp import FeedForward, GeluGatedMLP, Take
@@ -48,8 +48,8 @@ class Gemma3DecoderLayer(DecoderLayer):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    # Four norms per layer and a GELU MLP: not the layout the fused decode stack runs.
-    fused_decode_layout = False
+    # Four norms per layer and a GELU MLP: not Llama's layout (a fused decode runs the layers' own forwards).
+    llama_layers = False
 
     def __init__(self, arch: ArchConfig, backend: Backend, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(arch, backend, dtype, device)
@@ -63,24 +63,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return Gemma3DecoderLayer(self.arch, self.backend.make_attention(layer_index), self.ops,
                                   sliding=self.arch.layer_window(layer_index) is not None)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-        group_metas: Sequence[AttentionMetadata] = (),
-    ) -> torch.Tensor:
-        hidden = self.ops.embedding(input_ids, self.embed_tokens) * self.embed_scale
-        global_cos, global_sin = self.rotary.lookup(positions)
-        local_cos, local_sin = self.local_rotary.lookup(positions)
-        residual: torch.Tensor | None = None
-        metas = self.layer_metas(meta, group_metas)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
-            cos, sin = (local_cos, local_sin) if layer.sliding else (global_cos, global_sin)
-            hidden, residual = layer.forward(hidden, residual, cos, sin, layer_meta, kv_cache)
-        assert residual is not None
-        return hidden + residual
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.embedding(input_ids, self.embed_tokens) * self.embed_scale
+
+    def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.rotary.lookup(positions), self.local_rotary.lookup(positions)]
+
+    def decoder_layout(self) -> DecoderLayout:
+        return DecoderLayout(llama_layers=False, layer_rotations=tuple(int(layer.sliding) for layer in self.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -14,7 +14,7 @@ import torch
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
 from kvserve.kv_layout import KVLayout
-from kvserve.model.backends.base import AttentionMetadata, Backend, FusedDecode, PagedAttention
+from kvserve.model.backends.base import AttentionMetadata, Backend, DecoderLayout, FusedDecode, PagedAttention
 from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.mlp import FeedForward, GatedMLP, Take
 from kvserve.model.moe import MoeMLP
@@ -70,8 +70,8 @@ class DecoderLayer:
 
 
 class LlamaForCausalLM:
-    # The layer layout the backend's fused decode stack runs (a family with another layout says False).
-    fused_decode_layout = True
+    # Llama's layer layout, which a backend's fused decode stack may run itself (a family with another says False).
+    llama_layers = True
 
     def __init__(self, arch: ArchConfig, backend: Backend, dtype: torch.dtype, device: torch.device) -> None:
         self.arch = arch
@@ -84,6 +84,7 @@ class LlamaForCausalLM:
         # Which KV group's table each layer reads, when the engine keeps the window layers' KV apart.
         self.layer_group = KVLayout.for_arch(arch).layer_group
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
+        self.layer_rotations = self.decoder_layout().layer_rotations
         self.embed_tokens: Weight  # [vocab, hidden]
         self.final_norm: torch.Tensor
         self.lm_head: Weight  # [vocab, hidden]; the embedding itself when tied
@@ -105,22 +106,34 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         """``meta`` is the step's layout over the requests' block tables, ``group_metas`` over the tables of
         the other KV groups, when the layers keep their KV in groups (kv_layout.py)."""
-        hidden = self.ops.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.lookup(positions)
-        if not group_metas and self.fused_decode is not None and self.fused_decode.accepts(hidden, meta):
-            last_hidden, last_residual = self.fused_decode(hidden, cos, sin, meta, kv_caches)
+        hidden = self.embed(input_ids)
+        rotations = self.rotations(positions)
+        if self.fused_decode is not None and self.fused_decode.accepts(hidden, (meta, *group_metas)):
+            last_hidden, last_residual = self.fused_decode(hidden, rotations, (meta, *group_metas), kv_caches)
             return last_hidden + last_residual
         residual: torch.Tensor | None = None
         metas = self.layer_metas(meta, group_metas)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
+        for layer, kv_cache, layer_meta, r in zip(self.layers, kv_caches, metas, self.layer_rotations, strict=True):
+            cos, sin = rotations[r]
             hidden, residual = layer.forward(hidden, residual, cos, sin, layer_meta, kv_cache)
         assert residual is not None
         return hidden + residual
 
-    def prepare_decode(self, kv_caches: list[torch.Tensor]) -> None:
-        """Called once the KV caches exist, before the first step (the fused decode may record its steps)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.embedding(input_ids, self.embed_tokens)
+
+    def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) at the positions for each rope base the layers use (``DecoderLayout.layer_rotations``)."""
+        return [self.rotary.lookup(positions)]
+
+    def decoder_layout(self) -> DecoderLayout:
+        return DecoderLayout(llama_layers=self.llama_layers, layer_rotations=(0,) * len(self.layers))
+
+    def prepare_decode(self, kv_caches: list[torch.Tensor], layer_tables: Sequence[int]) -> None:
+        """Called once the KV caches exist, before the first step, with each layer's KV group (all 0 when the
+        engine keeps one table for every layer): the fused decode may record its steps."""
         if self.fused_decode is not None:
-            self.fused_decode.prepare(kv_caches)
+            self.fused_decode.prepare(kv_caches, layer_tables)
 
     def layer_metas(self, meta: AttentionMetadata, group_metas: Sequence[AttentionMetadata]) -> list[AttentionMetadata]:
         """Each layer's attention layout: its KV group's."""
@@ -182,7 +195,7 @@ class LlamaForCausalLM:
                 self.ops.prepare_weight(weight)
             layer.mlp.prepare()
         self.ops.prepare_weight(self.lm_head)
-        self.fused_decode = self.backend.build_fused_decode(self.layers) if self.fused_decode_layout else None
+        self.fused_decode = self.backend.build_fused_decode(self.layers, self.decoder_layout())
         self.thread_scope = self.backend.step_scope()
         # Tolerate biases some checkpoints carry as zeros; anything else unexpected is a layout we don't know.
         leftover = [name for name in parts if not name.endswith(".bias")]

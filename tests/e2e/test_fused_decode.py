@@ -31,7 +31,7 @@ def test_fused_decode_matches_the_python_layers_bit_for_bit(llm, monkeypatch) ->
     def both_ways(self, input_ids, positions, meta, kv_caches, group_metas=()):
         assert not group_metas, "SmolLM2 keeps one block table for every layer"
         fused = plain_forward(self, input_ids, positions, meta, kv_caches)
-        if stack.accepts(fused, meta):
+        if stack.accepts(fused, (meta,)):
             self.fused_decode = None
             try:  # the same step again through the Python layers (rewriting the same KV)
                 python = plain_forward(self, input_ids, positions, meta, kv_caches)

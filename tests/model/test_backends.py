@@ -14,7 +14,7 @@ from kvserve.config import ArchConfig, BackendConfig
 from kvserve.errors import ConfigError
 from kvserve.model.attention import TorchPagedAttention
 from kvserve.model.backends import select
-from kvserve.model.backends.base import PrefillChunk, StepRows
+from kvserve.model.backends.base import DecoderLayout, PrefillChunk, StepRows
 from kvserve.model.backends.cpu_attention import CpuKernelPagedAttention
 from kvserve.model.backends.cpu_kernels import (
     QUANTIZED_FUSED_MAX_ROWS,
@@ -164,7 +164,7 @@ def test_the_torch_reference_where_kernels_are_not_wanted_or_not_there(monkeypat
         assert backend.name == "torch_ref" and backend.argmax is None and backend.ops == ModelOps()
         assert type(backend.make_attention(0)) is TorchPagedAttention
         assert isinstance(backend.step_scope(), nullcontext)
-        assert backend.build_fused_decode([]) is None
+        assert backend.build_fused_decode([], DecoderLayout(llama_layers=True, layer_rotations=())) is None
     assert not built, "the kernels are not even built where they are not wanted"
     monkeypatch.setattr(select, "load_cpu_kernels", lambda: None)  # they did not build
     assert select.select_backend(CPU, torch.bfloat16, arch(), True, BackendConfig()).name == "torch_ref"

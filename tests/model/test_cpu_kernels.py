@@ -711,7 +711,7 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(name, heads, kv_heads
         inputs = build_inputs(SchedulerOutput(scheduled=scheduled), block_size, torch.device("cpu"))
         meta = backend.build_metadata(inputs.rows)
         python_caches = [cache.clone() for cache in caches]
-        accepted = stack.accepts(torch.empty(len(scheduled), shape.hidden_size, dtype=torch.bfloat16), meta)
+        accepted = stack.accepts(torch.empty(len(scheduled), shape.hidden_size, dtype=torch.bfloat16), (meta,))
         cascade_steps += meta.decode_prefix_blocks is not None
         if plan.attention is None and meta.decode_prefix_blocks is not None:
             assert not accepted, f"{label}: the stack took a shared prefix without a many-row kernel"

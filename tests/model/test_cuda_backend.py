@@ -18,7 +18,7 @@ load_cuda_backend()
 from kvserve import engine as engine_module  # noqa: E402
 from kvserve.config import BackendConfig  # noqa: E402
 from kvserve.engine import LLM  # noqa: E402
-from kvserve.model.backends.base import AttentionMetadata  # noqa: E402
+from kvserve.model.backends.base import AttentionMetadata, DecoderLayout  # noqa: E402
 from kvserve.model.backends.cuda import CudaBackend  # noqa: E402
 from kvserve.model.backends.decode_graphs import (  # noqa: E402
     PADDING_SLOT,
@@ -46,21 +46,29 @@ def test_the_sizes_captured_and_the_size_a_step_is_padded_to() -> None:
 def test_padding_rows_write_no_kv_and_read_one_key() -> None:
     hidden, cos = torch.randn(3, 8), torch.randn(3, 1, 4)
     buffers = StepBuffers.allocate(8, hidden_size=8, head_dim=4, table_width=5, dtype=torch.float32,
-                                   device=torch.device("cpu"), cascade=False)
-    assert buffers.slot_mapping.tolist() == [PADDING_SLOT] * 8 and buffers.seq_lens.tolist() == [1] * 8
+                                   device=torch.device("cpu"), cascade=False, num_rotations=2, num_tables=2)
+    table, window_table = buffers.tables
+    assert table.slot_mapping.tolist() == [PADDING_SLOT] * 8 and table.seq_lens.tolist() == [1] * 8
     meta = AttentionMetadata(slot_mapping=torch.tensor([40, 17, 3]), num_decode_tokens=3,
                              decode_block_table=torch.tensor([[2, 1], [1, 0], [0, 0]], dtype=torch.int32),
                              decode_seq_lens=torch.tensor([20, 2, 4], dtype=torch.int32))
-    buffers.slot_mapping.fill_(7)  # what an earlier, wider step left
-    buffers.seq_lens.fill_(30)
-    buffers.fill(hidden, cos, -cos, meta, size=4)
-    assert buffers.slot_mapping[:4].tolist() == [40, 17, 3, PADDING_SLOT]
-    assert buffers.seq_lens[:4].tolist() == [20, 2, 4, 1]
-    assert buffers.block_table[:3, :2].tolist() == [[2, 1], [1, 0], [0, 0]]
-    assert torch.equal(buffers.hidden[:3], hidden) and torch.equal(buffers.sin[:3], -cos)
-    step_meta = buffers.metadata(4)
+    # A KV group of its own (Gemma 3's window layers): other slots and tables for the same rows.
+    window_meta = AttentionMetadata(slot_mapping=torch.tensor([8, 9, 10]), num_decode_tokens=3,
+                                    decode_block_table=torch.tensor([[0, 3], [4, 0], [5, 0]], dtype=torch.int32),
+                                    decode_seq_lens=torch.tensor([20, 2, 4], dtype=torch.int32))
+    table.slot_mapping.fill_(7)  # what an earlier, wider step left
+    table.seq_lens.fill_(30)
+    buffers.fill(hidden, [(cos, -cos), (2 * cos, cos)], [meta, window_meta], size=4)
+    assert table.slot_mapping[:4].tolist() == [40, 17, 3, PADDING_SLOT]
+    assert window_table.slot_mapping[:4].tolist() == [8, 9, 10, PADDING_SLOT]
+    assert table.seq_lens[:4].tolist() == [20, 2, 4, 1]
+    assert table.block_table[:3, :2].tolist() == [[2, 1], [1, 0], [0, 0]]
+    assert window_table.block_table[:3, :2].tolist() == [[0, 3], [4, 0], [5, 0]]
+    assert torch.equal(buffers.hidden[:3], hidden) and torch.equal(buffers.rotations[0][1][:3], -cos)
+    assert torch.equal(buffers.rotations[1][0][:3], 2 * cos)
+    step_meta, _ = buffers.metadata(4)
     assert step_meta.decode_block_table is not None and step_meta.decode_block_table.shape == (4, 5)
-    assert step_meta.slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()  # views, not copies
+    assert step_meta.slot_mapping.data_ptr() == table.slot_mapping.data_ptr()  # views, not copies
 
 
 @pytest.fixture(scope="module")
@@ -153,23 +161,30 @@ def test_drafts_and_prefix_hits_on_the_buffers(tiny_llama, monkeypatch) -> None:
 def test_enforce_eager_a_mixture_of_experts_and_untiled_heads_build_no_graphs() -> None:
     cpu = torch.device("cpu")
     built = CudaBackend(arch(16), cpu, BackendConfig())
-    assert isinstance(built.build_fused_decode([]), DecodeGraphs) and "CUDA graphs" in built.description
+    layout = DecoderLayout(llama_layers=True, layer_rotations=())
+    assert isinstance(built.build_fused_decode([], layout), DecodeGraphs) and "CUDA graphs" in built.description
     for backend, why in ((CudaBackend(arch(16), cpu, BackendConfig(enforce_eager=True)), "--enforce-eager"),
                          (CudaBackend(arch(16, num_experts=8, num_experts_per_token=2), cpu, BackendConfig()),
                           "mixture of experts"),
                          (CudaBackend(arch(80), cpu, BackendConfig()), "head size")):
-        assert backend.build_fused_decode([]) is None and why in backend.description
+        assert backend.build_fused_decode([], layout) is None and why in backend.description
 
 
-def test_gemma3_window_layers_on_the_triton_kernels(tmp_path, monkeypatch) -> None:
+def test_gemma3_window_layers_on_the_triton_kernels_and_the_buffers(tmp_path, monkeypatch) -> None:
     """Prompts longer than the tiny Gemma 3's window of 8, its window layers' freed pages pointing at the null
-    page: the kernels apply the window and read none of those pages."""
+    page: the kernels apply the window and read none of those pages, in eager steps and in replayed ones
+    (each KV group's tables and each rope base's rotation on buffers of their own)."""
     model = make_tiny_model(tmp_path, "gemma3")
     prompts, params = random_prompts((5, 13, 30), seed=7), [greedy(n) for n in (12, 9, 14)]
     expected, _ = generate(model, None, prompts, params)
     got, llm = generate(model, monkeypatch, prompts, params, max_num_batched_tokens=16)  # prompts in chunks
     assert_same(got, expected)
-    assert llm.engine.kv_layout.is_grouped and llm.engine.backend.name == "cuda_triton"
+    layout = llm.engine.kv_layout
+    assert layout.is_grouped and llm.engine.backend.name == "cuda_triton"
+    graphs = llm.engine.model.fused_decode
+    assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0 and graphs.buffers is not None
+    assert len(graphs.buffers.tables) == layout.num_groups and len(graphs.buffers.rotations) == 2
+    assert graphs.layer_tables == layout.layer_group and set(graphs.layer_rotations) == {0, 1}
 
 
 def test_a_failed_capture_leaves_every_step_eager(tiny_llama, monkeypatch, caplog) -> None:

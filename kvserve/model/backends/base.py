@@ -171,19 +171,31 @@ class DecoderWeights(Protocol):
     post_attention_norm: torch.Tensor
 
 
-class FusedDecode(Protocol):
-    """Every decoder layer of the steps it accepts in one call, bit for bit what the layers would give."""
+@dataclass(frozen=True, slots=True)
+class DecoderLayout:
+    """What a fused decode needs to know of a model's decoder layers besides their weights."""
 
-    def prepare(self, kv_caches: list[torch.Tensor]) -> None:
-        """Called once the KV caches exist, before the first step: one that records its steps (CUDA graphs)
-        records them now."""
+    # Llama's layer (two norms, a SiLU-gated MLP), which a kernel stack may run itself; a family with more
+    # (Gemma 3's four norms) only runs as its layers' own forwards.
+    llama_layers: bool
+    # Per layer, which of the step's rotations it takes: 0 the model's, 1 the local one (Gemma 3's window layers).
+    layer_rotations: tuple[int, ...]
+
+
+class FusedDecode(Protocol):
+    """Every decoder layer of the steps it accepts in one call, bit for bit what the layers would give. A step
+    has one attention layout per KV group (``metas``: the step's own first) and one rotation per rope base."""
+
+    def prepare(self, kv_caches: list[torch.Tensor], layer_tables: Sequence[int]) -> None:
+        """Called once the KV caches exist, before the first step, with each layer's KV group (the index of the
+        layout it reads in ``metas``): one that records its steps (CUDA graphs) records them now."""
         ...
 
-    def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+    def accepts(self, hidden: torch.Tensor, metas: Sequence[AttentionMetadata]) -> bool: ...
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after the last layer."""
+    def __call__(self, hidden: torch.Tensor, rotations: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 metas: Sequence[AttentionMetadata], kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the last layer; ``rotations``: (cos, sin) of each rope base."""
         ...
 
 
@@ -211,7 +223,7 @@ class Backend(Protocol):
         """The attention of one layer; it keeps its own state across steps."""
         ...
 
-    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
+    def build_fused_decode(self, layers: Sequence[DecoderWeights], layout: DecoderLayout) -> FusedDecode | None:
         """The fused decode stack for these layers, or None; called once their weights are prepared."""
         ...
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.config import ArchConfig
-from kvserve.model.backends.base import DecoderWeights
+from kvserve.model.backends.base import AttentionMetadata, DecoderWeights
 from kvserve.model.backends.cpu_attention import CpuAttentionMetadata, CpuKernelPagedAttention
 from kvserve.model.backends.cpu_ops import ActivationLevels, PackedGateUpSilu, PackedLinear, QuantizedWidths
 from kvserve.model.quantized import QuantizedWeight
@@ -119,10 +119,14 @@ class FusedDecodeStack:
                 else (q.data, q.types, q.segments, q.cols, q.gemv_max_rows, q.widths.fused_max_rows,
                       q.widths.int8_activations))
 
-    def prepare(self, kv_caches: list[torch.Tensor]) -> None:
+    def prepare(self, kv_caches: list[torch.Tensor], layer_tables: Sequence[int]) -> None:
         return None  # nothing recorded: each step calls the C++ stack with its own tensors
 
-    def accepts(self, hidden: torch.Tensor, meta: CpuAttentionMetadata) -> bool:
+    def accepts(self, hidden: torch.Tensor, metas: Sequence[AttentionMetadata]) -> bool:
+        if len(metas) != 1:  # one table for every layer
+            return False
+        meta = metas[0]
+        assert isinstance(meta, CpuAttentionMetadata)
         rows = hidden.shape[0]
         return (rows >= 1 and meta.num_decode_tokens == rows and not meta.prefills
                 and hidden.dtype == torch.bfloat16 and meta.decode_block_table is not None
@@ -130,9 +134,11 @@ class FusedDecodeStack:
                 and (meta.decode_prefix_blocks is None
                      or (meta.decode_prefix_runs is not None and self.attention != "none")))
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: CpuAttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, hidden: torch.Tensor, rotations: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 metas: Sequence[AttentionMetadata], kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, as the layers' own forwards would leave them."""
+        ((cos, sin),), (meta,) = rotations, metas
+        assert isinstance(meta, CpuAttentionMetadata)
         runs = meta.decode_prefix_runs if meta.decode_prefix_blocks is not None else None
         prefix_packed: list[torch.Tensor] = []
         missing: list[int] = []

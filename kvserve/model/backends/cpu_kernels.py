@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from kvserve.config import ArchConfig, BackendConfig
-from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
+from kvserve.model.backends.base import DecoderLayout, DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.block_versions import BlockVersions
 from kvserve.model.backends.cpu_attention import (
     MANY_ROW_HEAD_SIZES,
@@ -256,8 +256,8 @@ class CpuKernelsBackend:
                                        arch.layer_window(layer_index), amx=plan.attention == "amx",
                                        avx512=plan.attention == "avx512", split_size=self.config.decode_split_size)
 
-    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
-        if not self.plan.fused_decode:
+    def build_fused_decode(self, layers: Sequence[DecoderWeights], layout: DecoderLayout) -> FusedDecode | None:
+        if not self.plan.fused_decode or not layout.llama_layers:
             return None
         assert self._packed_linear is not None and self._packed_gate_up is not None
         stack = FusedDecodeStack.build(self.arch, layers, self._packed_linear, self._packed_gate_up,

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.backends import triton_ops
-from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
+from kvserve.model.backends.base import DecoderLayout, DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.decode_graphs import CudaGraphCapture, DecodeGraphs, DecoderStep, replay_eagerly
 from kvserve.model.backends.layout import split_decodes, whole_decodes
 from kvserve.model.backends.torch_ref import TorchRefBackend
@@ -58,13 +58,14 @@ class CudaBackend(TorchRefBackend):
         return TritonPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
                                     arch.layer_window(layer_index))
 
-    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
+    def build_fused_decode(self, layers: Sequence[DecoderWeights], layout: DecoderLayout) -> FusedDecode | None:
         if self._why_eager() is not None:
             return None
         capture = CudaGraphCapture(self.device) if self.device.type == "cuda" else replay_eagerly
         steps: Sequence[DecoderStep] = layers  # type: ignore[assignment]  # the model's layers run themselves
         return DecodeGraphs(steps, self.arch.hidden_size, self.arch.head_dim, self.config.cuda_graph_max_rows,
-                            self.config.cuda_graph_max_seq_len, capture, cascade=self.cascade)
+                            self.config.cuda_graph_max_seq_len, capture, cascade=self.cascade,
+                            layer_rotations=layout.layer_rotations)
 
     def build_metadata(self, rows: StepRows) -> TritonAttentionMetadata:
         if not self.triton_attention:  # the reference's layout, masks included

@@ -7,11 +7,13 @@ fixed shapes and fixed addresses, so the step runs on persistent buffers:
 - **Sizes**: graphs are captured for decode steps of 1, 2, 4, 8, 16, 24, ... rows (requests and their
   drafts) up to ``cuda_graph_max_rows``; a step is padded to the next captured size. All of them are
   captured together at start-up, once the KV caches exist, largest first, sharing one memory pool.
-- **Buffers**: the hidden rows, rotary cos/sin, slot mapping, block table and sequence lengths, copied in
-  each step, and for cascade decode the shared prefix's block ids and their count. The block table and the
-  prefix are each as wide as ``cuda_graph_max_seq_len`` keys need; the decode kernel reads only a row's own
-  blocks, the prefix programs past the prefix's blocks (all of them, in a step without one) exit at once,
-  and the merge reads only the splits that hold keys.
+- **Buffers**: the hidden rows and the rotary cos/sin of each rope base (Gemma 3's window layers have their
+  own), and for each KV group (one, or Gemma 3's global and window groups, each with its own tables) the
+  slot mapping, block table and sequence lengths, and for cascade decode the shared prefix's block ids and
+  their count; copied in each step. The block table and the prefix are each as wide as
+  ``cuda_graph_max_seq_len`` keys need; the decode kernel reads only a row's own blocks, the prefix
+  programs past the prefix's blocks (all of them, in a step without one) exit at once, and the merge reads
+  only the splits that hold keys.
 - **Padding rows** write no KV (slot -1, which the Triton KV write skips) and attend to one key; their
   outputs are never read.
 
@@ -100,38 +102,26 @@ def bucket_for(rows: int, sizes: Sequence[int]) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class StepBuffers:
-    """What a captured step reads, at the largest size; a size's step reads their first rows."""
+class TableBuffers:
+    """One KV group's part of a captured step, at the largest size; a size's step reads their first rows."""
 
-    hidden: torch.Tensor  # [rows, hidden]
-    cos: torch.Tensor  # [rows, 1, head_dim]
-    sin: torch.Tensor
     slot_mapping: torch.Tensor  # int64 [rows]
     block_table: torch.Tensor  # int32 [rows, table_width]
     seq_lens: torch.Tensor  # int32 [rows]
     shared_prefix: SharedPrefix | None  # block ids [table_width] and their count; None: no cascade decode
 
     @classmethod
-    def allocate(cls, rows: int, hidden_size: int, head_dim: int, table_width: int, dtype: torch.dtype,
-                 device: torch.device, cascade: bool) -> StepBuffers:
+    def allocate(cls, rows: int, table_width: int, device: torch.device, cascade: bool) -> TableBuffers:
         """Every row a padding row: no KV written, one key read; no shared prefix."""
         prefix = (SharedPrefix(torch.zeros(table_width, dtype=torch.int32, device=device),
                                torch.zeros(1, dtype=torch.int32, device=device)) if cascade else None)
-        return cls(hidden=torch.zeros((rows, hidden_size), dtype=dtype, device=device),
-                   cos=torch.zeros((rows, 1, head_dim), dtype=dtype, device=device),
-                   sin=torch.zeros((rows, 1, head_dim), dtype=dtype, device=device),
-                   slot_mapping=torch.full((rows,), PADDING_SLOT, dtype=torch.long, device=device),
+        return cls(slot_mapping=torch.full((rows,), PADDING_SLOT, dtype=torch.long, device=device),
                    block_table=torch.zeros((rows, table_width), dtype=torch.int32, device=device),
                    seq_lens=torch.ones(rows, dtype=torch.int32, device=device), shared_prefix=prefix)
 
-    def fill(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-             size: int) -> None:
-        """This step's rows, then padding rows up to ``size``: no KV written, one key read."""
-        n = hidden.shape[0]
+    def fill(self, meta: AttentionMetadata, n: int, size: int) -> None:
+        """This step's ``n`` rows, then padding rows up to ``size``: no KV written, one key read."""
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-        self.hidden[:n].copy_(hidden)
-        self.cos[:n].copy_(cos)
-        self.sin[:n].copy_(sin)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.block_table[:n, : meta.decode_block_table.shape[1]].copy_(meta.decode_block_table)
         self.seq_lens[:n].copy_(meta.decode_seq_lens)
@@ -152,14 +142,61 @@ class StepBuffers:
                                        decode_block_table=self.block_table[:size],
                                        decode_seq_lens=self.seq_lens[:size], decode_shared_prefix=self.shared_prefix)
 
+    def takes(self, meta: AttentionMetadata) -> bool:
+        """Whether a step's layout fits these buffers."""
+        table, prefix = meta.decode_block_table, getattr(meta, "decode_shared_prefix", None)
+        width = self.block_table.shape[1]
+        return (meta.window is None and meta.decode_prefix_blocks is None and table is not None
+                and table.shape[1] <= width
+                and (prefix is None or (self.shared_prefix is not None and prefix.block_ids.shape[0] <= width)))
+
+
+@dataclass(frozen=True, slots=True)
+class StepBuffers:
+    """What a captured step reads, at the largest size; a size's step reads their first rows."""
+
+    hidden: torch.Tensor  # [rows, hidden]
+    rotations: list[tuple[torch.Tensor, torch.Tensor]]  # per rope base: cos, sin [rows, 1, head_dim]
+    tables: list[TableBuffers]  # per KV group
+
+    @classmethod
+    def allocate(cls, rows: int, hidden_size: int, head_dim: int, table_width: int, dtype: torch.dtype,
+                 device: torch.device, cascade: bool, num_rotations: int = 1, num_tables: int = 1) -> StepBuffers:
+        """Every row a padding row: no KV written, one key read; no shared prefix."""
+        def rotary() -> torch.Tensor:
+            return torch.zeros((rows, 1, head_dim), dtype=dtype, device=device)
+
+        return cls(hidden=torch.zeros((rows, hidden_size), dtype=dtype, device=device),
+                   rotations=[(rotary(), rotary()) for _ in range(num_rotations)],
+                   tables=[TableBuffers.allocate(rows, table_width, device, cascade) for _ in range(num_tables)])
+
+    def fill(self, hidden: torch.Tensor, rotations: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             metas: Sequence[AttentionMetadata], size: int) -> None:
+        """This step's rows, then padding rows up to ``size``: no KV written, one key read."""
+        n = hidden.shape[0]
+        self.hidden[:n].copy_(hidden)
+        for (cos, sin), (cos_buffer, sin_buffer) in zip(rotations, self.rotations, strict=True):
+            cos_buffer[:n].copy_(cos)
+            sin_buffer[:n].copy_(sin)
+        for meta, table in zip(metas, self.tables, strict=True):
+            table.fill(meta, n, size)
+
+    def metadata(self, size: int) -> list[TritonAttentionMetadata]:
+        """Each KV group's attention layout for a step of ``size`` rows: views of the buffers."""
+        return [table.metadata(size) for table in self.tables]
+
 
 class DecodeGraphs:
     """The decoder layers of decode steps, replayed from captured graphs (``FusedDecode``)."""
 
     def __init__(self, layers: Sequence[DecoderStep], hidden_size: int, head_dim: int, max_rows: int,
-                 max_seq_len: int, capture: GraphCapture, cascade: bool = False) -> None:
+                 max_seq_len: int, capture: GraphCapture, cascade: bool = False,
+                 layer_rotations: Sequence[int] | None = None) -> None:
         self.layers = list(layers)
         self.cascade = cascade  # the steps read a shared prefix's blocks once (a buffer for its ids)
+        # Per layer: the rope base (index into a step's rotations) and, once prepared, the KV group it reads.
+        self.layer_rotations = tuple(layer_rotations) if layer_rotations is not None else (0,) * len(self.layers)
+        self.layer_tables: tuple[int, ...] = (0,) * len(self.layers)
         self.hidden_size = hidden_size
         self.head_dim = head_dim
         self.sizes = capture_sizes(max_rows)
@@ -172,21 +209,23 @@ class DecodeGraphs:
         self.num_replays = 0
         self.capture_error: str | None = None  # why the steps run eagerly, when a capture failed
 
-    def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        table = meta.decode_block_table
-        prefix = getattr(meta, "decode_shared_prefix", None)
-        return (self.buffers is not None and meta.num_decode_tokens == hidden.shape[0] and not meta.prefills
-                and meta.window is None and meta.decode_prefix_blocks is None and table is not None
-                and bucket_for(hidden.shape[0], self.sizes) is not None and table.shape[1] <= self.table_width
-                and (prefix is None or (self.cascade and prefix.block_ids.shape[0] <= self.table_width)))
+    def accepts(self, hidden: torch.Tensor, metas: Sequence[AttentionMetadata]) -> bool:
+        rows = hidden.shape[0]
+        return (self.buffers is not None and len(metas) == len(self.buffers.tables)
+                and bucket_for(rows, self.sizes) is not None
+                and all(meta.num_decode_tokens == rows and not meta.prefills and table.takes(meta)
+                        for meta, table in zip(metas, self.buffers.tables, strict=True)))
 
-    def prepare(self, kv_caches: list[torch.Tensor]) -> None:
+    def prepare(self, kv_caches: list[torch.Tensor], layer_tables: Sequence[int]) -> None:
         """Every size's step captured on the buffers (whose padding rows write nothing to the caches). A
         capture that fails leaves every step eager, with a warning: serving goes on, slower."""
         cache = kv_caches[0]  # [2, blocks, block_size, kv_heads, head_dim], in the model's dtype
         self.table_width = -(-self.max_seq_len // cache.shape[2])
+        self.layer_tables = tuple(layer_tables)
         self.buffers = StepBuffers.allocate(self.sizes[-1], self.hidden_size, self.head_dim, self.table_width,
-                                            cache.dtype, cache.device, self.cascade)
+                                            cache.dtype, cache.device, self.cascade,
+                                            num_rotations=max(self.layer_rotations) + 1,
+                                            num_tables=max(self.layer_tables) + 1)
         self._kv_caches = kv_caches
         try:
             with torch.inference_mode():  # as the steps run
@@ -197,13 +236,13 @@ class DecodeGraphs:
             self.buffers, self.steps = None, {}
             logger.warning("CUDA graphs: capture failed, decode steps run eagerly: %s", self.capture_error)
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, hidden: torch.Tensor, rotations: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 metas: Sequence[AttentionMetadata], kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.buffers is not None and kv_caches is self._kv_caches, "graphs hold the caches they captured"
         rows = hidden.shape[0]
         size = bucket_for(rows, self.sizes)
         assert size is not None
-        self.buffers.fill(hidden, cos, sin, meta, size)
+        self.buffers.fill(hidden, rotations, metas, size)
         out, residual = self.steps[size]()
         self.num_replays += 1
         return out[:rows], residual[:rows]
@@ -211,18 +250,20 @@ class DecodeGraphs:
     def _step(self, size: int) -> Step:
         buffers = self.buffers
         assert buffers is not None and self._kv_caches is not None
-        meta, caches = buffers.metadata(size), self._kv_caches
-        hidden, cos, sin = buffers.hidden[:size], buffers.cos[:size], buffers.sin[:size]
+        metas, caches = buffers.metadata(size), self._kv_caches
+        hidden = buffers.hidden[:size]
+        rotations = [(cos[:size], sin[:size]) for cos, sin in buffers.rotations]
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            return self._layers(hidden, cos, sin, meta, caches)
+            return self._layers(hidden, rotations, metas, caches)
 
         return step
 
-    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layers(self, hidden: torch.Tensor, rotations: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                metas: Sequence[AttentionMetadata], kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer.forward(hidden, residual, cos, sin, meta, kv_cache)
+        for layer, kv_cache, t, r in zip(self.layers, kv_caches, self.layer_tables, self.layer_rotations, strict=True):
+            cos, sin = rotations[r]
+            hidden, residual = layer.forward(hidden, residual, cos, sin, metas[t], kv_cache)
         assert residual is not None
         return hidden, residual

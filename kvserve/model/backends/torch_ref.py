@@ -10,7 +10,7 @@ import torch
 
 from kvserve.config import ArchConfig, BackendConfig
 from kvserve.model.attention import TorchAttentionMetadata, TorchPagedAttention
-from kvserve.model.backends.base import DecoderWeights, FusedDecode, StepRows
+from kvserve.model.backends.base import DecoderLayout, DecoderWeights, FusedDecode, StepRows
 from kvserve.model.backends.layout import prefill_spans, split_decodes, window_layout
 from kvserve.model.host_inputs import to_device
 from kvserve.model.ops import ModelOps
@@ -36,7 +36,7 @@ class TorchRefBackend:
         return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
                                    arch.layer_window(layer_index))
 
-    def build_fused_decode(self, layers: Sequence[DecoderWeights]) -> FusedDecode | None:
+    def build_fused_decode(self, layers: Sequence[DecoderWeights], layout: DecoderLayout) -> FusedDecode | None:
         return None
 
     def packed_weight_nbytes(self) -> int:
