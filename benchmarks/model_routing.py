@@ -1,7 +1,7 @@
 """Routing by difficulty on HumanEval: pass@1 against the share of requests the large model answers, per policy.
 
     python benchmarks/model_routing.py [--small qwen2.5-coder-0.5b] [--large qwen2.5-coder-1.5b]
-        [--cache DIR] [--concurrency 8] [--transformers-sample 20] [--leetcode [--leetcode-large N]]
+        [--cache DIR] [--concurrency 8] [--transformers-sample 20] [--leetcode [--leetcode-large N [--leetcode-large-cached]]]
         [--json out.json] [--plot out.png]
 
 Each model runs all 164 problems once through ``kvserve serve`` (``kvserve eval humaneval``: greedy, the
@@ -26,7 +26,9 @@ fold's training set. Their regularisation is chosen by cross-validation on the L
 ``--leetcode-large N`` has the large model run the first N LeetCode problems too and scores every policy on
 them, a second benchmark none was shaped on: each of those problems is scored by a probe trained on the other
 LeetCode problems (the other folds of the N, and every problem past them; its regularisation cross-validated
-on that training set alone), so that N may be all of them. ``--plot`` then draws their curves too.
+on that training set alone), so that N may be all of them. ``--plot`` then draws their curves too. The large
+model answers them 100 at a time, each chunk cached as it finishes, so a long run resumes where it stopped;
+``--leetcode-large-cached`` scores on the chunks already cached.
 
 Each swept policy's APGR also gets an interval over --bootstrap resamples of the problems (with replacement),
 and the share of resamples in which it is above random routing's 0.5: whether it beats random beyond chance.
@@ -100,6 +102,46 @@ def run_model(model: str, args: argparse.Namespace, logs: Path, with_hidden: boo
         server.stop()
     cached.write_text(json.dumps(run))
     return run
+
+
+LARGE_CHUNK = 100  # LeetCode problems the large model answers between saves: a long run resumes where it stopped
+
+
+def run_leetcode_in_chunks(model: str, args: argparse.Namespace, first: int, cached_only: bool) -> dict[str, Any]:
+    """The model's run of the first ``first`` LeetCode problems, answered LARGE_CHUNK at a time, each chunk
+    cached as it finishes (a run stopped part way resumes at its first missing chunk). ``cached_only``: the
+    leading chunks already cached, running nothing. The chunks' runs joined: their completions in order, their
+    generation times summed."""
+    problems = leetcode.load_problems()[:first]
+    chunks = [problems[i : i + LARGE_CHUNK] for i in range(0, len(problems), LARGE_CHUNK)]
+    paths = [args.cache / f"{model}.leetcode-{i * LARGE_CHUNK}-{i * LARGE_CHUNK + len(c)}.json"
+             for i, c in enumerate(chunks)]
+    if not cached_only and not all(path.exists() for path in paths):
+        server = Process(["serve", "--model", model], args.cache / f"{model}-leetcode.log")
+        try:
+            server.wait_ready(600)
+            for chunk, path in zip(chunks, paths, strict=True):
+                if not path.exists():
+                    result = evaluate(EvalConfig(server.url, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                                                 stop=leetcode.STOP_SEQUENCES), chunk)
+                    path.write_text(json.dumps(result.to_json()))
+                    print(f"{model}: {path.name}: pass@1 {result.pass_at_1:.3f} in {result.generation_seconds:.0f} s",
+                          flush=True)
+        finally:
+            server.stop()
+    runs = []
+    for path in paths:
+        if not path.exists():
+            break
+        runs.append(json.loads(path.read_text()))
+    if not runs:
+        raise SystemExit(f"no chunk of {model}'s LeetCode run is cached in {args.cache}")
+    completions = [c for run in runs for c in run["completions"]]
+    return {**runs[0], "num_problems": len(completions), "completions": completions,
+            "num_passed": sum(c["passed"] for c in completions),
+            "pass_at_1": sum(c["passed"] for c in completions) / len(completions),
+            "seconds": sum(run["seconds"] for run in runs),
+            "generation_seconds": sum(run["generation_seconds"] for run in runs)}
 
 
 def run_leetcode(model: str, args: argparse.Namespace, logs: Path, first: int | None = None,
@@ -234,7 +276,7 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
     """Every policy on the first --leetcode-large LeetCode problems, which the large model runs too: each problem
     scored by a probe trained on the other LeetCode problems (``cross_fitted``; its prefill is not counted in
     its engine time here)."""
-    large_run, _ = run_leetcode(args.large, args, args.cache, first=args.leetcode_large, with_hidden=False)
+    large_run = run_leetcode_in_chunks(args.large, args, args.leetcode_large, args.leetcode_large_cached)
     n = len(large_run["completions"])
     assert [c["task_id"] for c in large_run["completions"]] == [c["task_id"] for c in small_run["completions"][:n]]
     small, large = outcomes(small_run, n), outcomes(large_run)
@@ -408,6 +450,8 @@ def main() -> int:
                         help="resamples of the problems for each swept policy's APGR interval (0: none)")
     parser.add_argument("--leetcode", action="store_true",
                         help="also train probes on the small model's run of the LeetCode problems")
+    parser.add_argument("--leetcode-large-cached", action="store_true",
+                        help="with --leetcode-large: score on the large model's chunks already cached, running none")
     parser.add_argument("--leetcode-large", type=int, default=0, metavar="N",
                         help="with --leetcode: the large model runs the first N LeetCode problems too, and every "
                              "policy is scored on them")
