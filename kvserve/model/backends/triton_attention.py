@@ -10,11 +10,6 @@ from the block tables (no gather copy), as the CPU kernels do.
   than the step needs (a CUDA graph's) costs little. With one split the first kernel writes the output.
 - **Prefill** (``paged_prefill``): one program per (chunk, tile of query rows, query head), causal over the
   chunk's history and itself; the chunk's own keys are in the cache already (written before attention).
-
-Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (Triton's interpreter), which is how the
-tests check them without a GPU; there the tiles are widened to float32 before their products (the
-interpreter's bf16 products are wrong). On a GPU bf16 tiles multiply as they are, with float32 sums, and
-the softmax's weights are rounded to the values' dtype before the second product, as FlashAttention does.
 - **Cascade decode** (``paged_decode`` with a ``SharedPrefix``): when the decode rows share leading blocks
   (a common system prompt held once by the prefix cache), one program per (KV head, tile of query rows, key
   split) reads each shared block once for a tile of every row's query heads (a matrix product, not one
@@ -22,6 +17,10 @@ the softmax's weights are rounded to the values' dtype before the second product
   takes both kinds of partial results. The prefix's length is read on the device, so a CUDA graph holds
   every prefix up to its buffer's width (no prefix: its programs exit at once).
 
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (Triton's interpreter), which is how the
+tests check them without a GPU; there the tiles are widened to float32 before their products (the
+interpreter's bf16 products are wrong). On a GPU bf16 tiles multiply as they are, with float32 sums, and
+the softmax's weights are rounded to the values' dtype before the second product, as FlashAttention does.
 Both take a sliding window (a layer's last ``window`` keys; the blocks before them are not read); a window
 layer never takes a shared prefix.
 """
