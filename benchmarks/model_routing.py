@@ -104,6 +104,7 @@ def run_model(model: str, args: argparse.Namespace, logs: Path, with_hidden: boo
     return run
 
 
+LEVELS = ("Easy", "Medium", "Hard")  # LeetCode's difficulty labels, easiest first
 LARGE_CHUNK = 100  # LeetCode problems the large model answers between saves: a long run resumes where it stopped
 
 
@@ -290,6 +291,18 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
     scores, l2s = cross_fitted(features, labels, n, args.small)
     curves["probe (other LeetCode)"] = sweep(scores, small, large, larger_is_harder=True)
     scored["probe (other LeetCode)"] = (scores, True)
+    # LeetCode's own label: no served request carries one, so a reference for the policies, not one of them.
+    labelled = leetcode.difficulties()
+    levels = np.array([LEVELS.index(labelled[c["task_id"]]) for c in large_run["completions"]], dtype=float)
+    curves["LeetCode's difficulty label"] = sweep(levels, small, large, larger_is_harder=True)
+    scored["LeetCode's difficulty label"] = (levels, True)
+    result["by_difficulty"] = {
+        level: {"problems": int((levels == i).sum()), "small_pass_at_1": float(small["passed"][levels == i].mean()),
+                "large_pass_at_1": float(large["passed"][levels == i].mean())}
+        for i, level in enumerate(LEVELS) if (levels == i).any()}
+    print("pass@1 by LeetCode's difficulty label, small / large: " + ", ".join(
+        f"{level} ({d['problems']}) {d['small_pass_at_1']:.3f} / {d['large_pass_at_1']:.3f}"
+        for level, d in result["by_difficulty"].items()))
     curves["oracle"] = oracle_curve(small, large)
     print(f"each problem scored by a probe trained on the other LeetCode problems (l2 by fold: "
           f"{', '.join(f'{l2:g}' for l2 in l2s)})")

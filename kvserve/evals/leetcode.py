@@ -49,6 +49,14 @@ def load_problems(directory: Path | None = None) -> list[Problem]:
     return [p for p in (problem_from(json.loads(f.read_text(encoding="utf-8"))) for f in files) if p is not None]
 
 
+def difficulties(directory: Path | None = None) -> dict[str, str]:
+    """Each problem's difficulty as LeetCode labels it (Easy, Medium, Hard), by ``task_id``: a reference for
+    routing benchmarks (a label no request carries when it is served)."""
+    files = sorted((directory or problems_dir()).glob("*.json"))
+    return {f"LeetCode/{data['problem_number']}": data.get("difficulty", "")
+            for data in (json.loads(f.read_text(encoding="utf-8")) for f in files)}
+
+
 def problem_from(data: dict[str, Any]) -> Problem | None:
     """One problem file's HumanEval-shaped problem, or None where it cannot be asked as one function."""
     methods = data["_solution_methods"]["list"]

@@ -92,6 +92,8 @@ def test_the_problems_load_in_file_order_and_label_a_run_for_the_probe(tmp_path:
     examples = run_examples(run, problems)
     assert [e["prompt"] for e in examples] == [problems[1].prompt, problems[0].prompt]
     assert np.array([e["label"] for e in examples]).tolist() == [0, 1]  # 1 where the small model failed
+    write(directory, problem_file("two_sum_ii", "167", difficulty="Medium"))
+    assert leetcode.difficulties(directory) == {"LeetCode/1": "Easy", "LeetCode/146": "Easy", "LeetCode/167": "Medium"}
 
 
 def test_without_the_package_the_problems_say_how_to_get_them(monkeypatch) -> None:
