@@ -28,7 +28,11 @@ them, a second benchmark none was shaped on: each of those problems is scored by
 LeetCode problems (the other folds of the N, and every problem past them; its regularisation cross-validated
 on that training set alone), so that N may be all of them. ``--plot`` then draws their curves too. The large
 model answers them 100 at a time, each chunk cached as it finishes, so a long run resumes where it stopped;
-``--leetcode-large-cached`` scores on the chunks already cached.
+``--leetcode-large-cached`` scores on the chunks already cached. With the large model's verdicts a second kind
+of probe is scored, on LeetCode (cross-fitted) and on HumanEval (trained on LeetCode): ``gain probe``, whose
+score is P(the small model fails) - P(the large model fails), both probes on the small model's hidden state,
+so that it routes by what the large model adds rather than by how hard a prompt is; and on LeetCode, its own
+difficulty label (Easy, Medium, Hard) as a reference no served request carries.
 
 Each swept policy's APGR also gets an interval over --bootstrap resamples of the problems (with replacement),
 and the share of resamples in which it is above random routing's 0.5: whether it beats random beyond chance.
@@ -273,11 +277,10 @@ def oracle_curve(small: dict[str, np.ndarray], large: dict[str, np.ndarray]) -> 
 
 
 def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features: np.ndarray,
-                   labels: np.ndarray) -> dict[str, Any]:
-    """Every policy on the first --leetcode-large LeetCode problems, which the large model runs too: each problem
-    scored by a probe trained on the other LeetCode problems (``cross_fitted``; its prefill is not counted in
-    its engine time here)."""
-    large_run = run_leetcode_in_chunks(args.large, args, args.leetcode_large, args.leetcode_large_cached)
+                   labels: np.ndarray, large_run: dict[str, Any]) -> dict[str, Any]:
+    """Every policy on the first LeetCode problems, those the large model answered in ``large_run``: each problem
+    scored by probes trained on the other LeetCode problems (``cross_fitted``; their prefill is not counted in
+    the engine time here)."""
     n = len(large_run["completions"])
     assert [c["task_id"] for c in large_run["completions"]] == [c["task_id"] for c in small_run["completions"][:n]]
     small, large = outcomes(small_run, n), outcomes(large_run)
@@ -288,14 +291,16 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
     if result["large_pass_at_1"] <= result["small_pass_at_1"]:
         return result  # no gap for a router to recover
     curves, scored = answer_policies(small_run["completions"][:n], small, large)
-    scores, l2s = cross_fitted(features, labels, n, args.small)
+    scores, gains, l2s = cross_fitted(features, labels, 1.0 - large["passed"], args.small)
     curves["probe (other LeetCode)"] = sweep(scores, small, large, larger_is_harder=True)
     scored["probe (other LeetCode)"] = (scores, True)
+    curves["gain probe (other LeetCode)"] = sweep(gains, small, large, larger_is_harder=True)
+    scored["gain probe (other LeetCode)"] = (gains, True)
     # LeetCode's own label: no served request carries one, so a reference for the policies, not one of them.
     labelled = leetcode.difficulties()
     levels = np.array([LEVELS.index(labelled[c["task_id"]]) for c in large_run["completions"]], dtype=float)
-    curves["LeetCode's difficulty label"] = sweep(levels, small, large, larger_is_harder=True)
-    scored["LeetCode's difficulty label"] = (levels, True)
+    curves["LeetCode difficulty label"] = sweep(levels, small, large, larger_is_harder=True)
+    scored["LeetCode difficulty label"] = (levels, True)
     result["by_difficulty"] = {
         level: {"problems": int((levels == i).sum()), "small_pass_at_1": float(small["passed"][levels == i].mean()),
                 "large_pass_at_1": float(large["passed"][levels == i].mean())}
@@ -304,8 +309,8 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
         f"{level} ({d['problems']}) {d['small_pass_at_1']:.3f} / {d['large_pass_at_1']:.3f}"
         for level, d in result["by_difficulty"].items()))
     curves["oracle"] = oracle_curve(small, large)
-    print(f"each problem scored by a probe trained on the other LeetCode problems (l2 by fold: "
-          f"{', '.join(f'{l2:g}' for l2 in l2s)})")
+    print(f"each problem scored by probes trained on the other LeetCode problems (l2 by fold, small's failure / "
+          f"large's: {', '.join(f'{a:g}/{b:g}' for a, b in l2s)})")
     if args.plot:
         plot(curves, result["small_pass_at_1"], result["large_pass_at_1"],
              args.plot.with_name(f"{args.plot.stem}-leetcode{args.plot.suffix}"),
@@ -313,21 +318,32 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
     return {**result, "probe_l2_by_fold": l2s, "summary": summarise(curves, scored, small, large, args.bootstrap)}
 
 
-def cross_fitted(features: np.ndarray, labels: np.ndarray, n: int, model: str) -> tuple[np.ndarray, list[float]]:
-    """P(the small model fails) for each of the first ``n`` examples, from a probe that never saw it: the n are
-    dealt into FOLDS, and each fold scored by a probe trained on every other example (the other folds and all
-    past n), its regularisation chosen by cross-validation on that training set alone. Returns the scores and
-    each fold's regularisation."""
+def cross_fitted(features: np.ndarray, small_fails: np.ndarray, large_fails: np.ndarray,
+                 model: str) -> tuple[np.ndarray, np.ndarray, list[tuple[float, float]]]:
+    """For each of the first n = len(large_fails) examples, from probes that never saw it: P(the small model
+    fails), and the gain of sending it to the large model, P(small fails) - P(large fails). The n are dealt
+    into FOLDS; for each fold, the small model's probe is trained on every other example (the other folds and
+    all past n), the large model's on the other folds; each probe's regularisation is chosen by
+    cross-validation on its training set alone. Returns both scores and each fold's two regularisations."""
+    n = len(large_fails)
     order = np.random.default_rng(0).permutation(n)
-    scores, l2s = np.zeros(n), []
+    p_small, gains, l2s = np.zeros(n), np.zeros(n), []
     for fold in range(FOLDS):
         test = order[fold::FOLDS]
-        train = np.setdiff1d(np.arange(len(labels)), test)
-        l2, _ = choose_l2(features[train], labels[train], model)
-        probe = LogisticProbe.fit(model, features[train], labels[train], l2=l2)
-        scores[test] = [probe.predict(x) for x in features[test]]
-        l2s.append(l2)
-    return scores, l2s
+        train = np.setdiff1d(np.arange(len(small_fails)), test)
+        small_probe, small_l2 = fitted_probe(features[train], small_fails[train], model)
+        large_train = train[train < n]
+        large_probe, large_l2 = fitted_probe(features[large_train], large_fails[large_train], model)
+        p_small[test] = [small_probe.predict(x) for x in features[test]]
+        gains[test] = p_small[test] - np.array([large_probe.predict(x) for x in features[test]])
+        l2s.append((small_l2, large_l2))
+    return p_small, gains, l2s
+
+
+def fitted_probe(features: np.ndarray, labels: np.ndarray, model: str) -> tuple[LogisticProbe, float]:
+    """A probe of P(label 1), its regularisation chosen by cross-validation on these examples."""
+    l2, _ = choose_l2(features, labels, model)
+    return LogisticProbe.fit(model, features, labels, l2=l2), l2
 
 
 def summarise(curves: dict[str, list[Point]], scored: dict[str, tuple[np.ndarray, bool]],
@@ -348,13 +364,13 @@ def summarise(curves: dict[str, list[Point]], scored: dict[str, tuple[np.ndarray
             summary[name]["apgr_bootstrap_95"] = [float(np.percentile(resampled, 2.5)),
                                                   float(np.percentile(resampled, 97.5))]
             summary[name]["share_of_resamples_above_random"] = float((resampled > RANDOM_APGR).mean())
-    print(f"{'policy':<26} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}"
+    print(f"{'policy':<28} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}"
           f"  APGR over {bootstrap} resamples: 95% interval, share above random")
     for name, s in summary.items():
         apgr_text = f"{s['apgr']:.3f}" if s["apgr"] is not None else "-"
         interval = (f"  [{s['apgr_bootstrap_95'][0]:.3f}, {s['apgr_bootstrap_95'][1]:.3f}], "
                     f"{s['share_of_resamples_above_random']:.3f}" if "apgr_bootstrap_95" in s else "")
-        print(f"{name:<26} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
+        print(f"{name:<28} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
               f"{s['quality_of_large']:>9.3f} {s['its_seconds_per_problem']:>10.2f}{interval}")
     return summary
 
@@ -519,7 +535,19 @@ def main() -> int:
               f"l2 {l2:g} (cross-validated log loss there: "
               f"{', '.join(f'{k:g}: {v:.4f}' for k, v in losses.items())})")
         if args.leetcode_large:
-            leetcode_summary["routing_on_its_first_problems"] = route_leetcode(args, lc_run, lc_features, lc_labels)
+            lc_large = run_leetcode_in_chunks(args.large, args, args.leetcode_large, args.leetcode_large_cached)
+            leetcode_summary["routing_on_its_first_problems"] = route_leetcode(args, lc_run, lc_features, lc_labels,
+                                                                               lc_large)
+            # Routing by what the large model adds, not by how hard a prompt is: P(small fails) - P(large fails),
+            # both probes trained on LeetCode (the large model's on the problems it answered), scoring HumanEval.
+            n_large = len(lc_large["completions"])
+            lc_large_fails = np.array([not c["passed"] for c in lc_large["completions"]], dtype=float)
+            small_probe, _ = fitted_probe(lc_features, lc_labels, args.small)
+            large_probe, _ = fitted_probe(lc_features[:n_large], lc_large_fails, args.small)
+            gain_scores = np.array([small_probe.predict(x) - large_probe.predict(x) for x in features])
+            curves["gain probe (LeetCode)"] = sweep(gain_scores, small, large, larger_is_harder=True,
+                                                    extra_seconds=probe_seconds)
+            scored["gain probe (LeetCode)"] = (gain_scores, True)
     curves["oracle"] = oracle_curve(small, large)
 
     print(f"HumanEval: small {args.small}: pass@1 {small_pass:.3f}, {small['seconds'].mean():.2f} s and "
