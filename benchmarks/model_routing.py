@@ -277,7 +277,7 @@ def oracle_curve(small: dict[str, np.ndarray], large: dict[str, np.ndarray]) -> 
 
 
 def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features: np.ndarray,
-                   labels: np.ndarray, large_run: dict[str, Any]) -> dict[str, Any]:
+                   labels: np.ndarray, large_run: dict[str, Any], provenance: str) -> dict[str, Any]:
     """Every policy on the first LeetCode problems, those the large model answered in ``large_run``: each problem
     scored by probes trained on the other LeetCode problems (``cross_fitted``; their prefill is not counted in
     the engine time here)."""
@@ -314,7 +314,7 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
     if args.plot:
         plot(curves, result["small_pass_at_1"], result["large_pass_at_1"],
              args.plot.with_name(f"{args.plot.stem}-leetcode{args.plot.suffix}"),
-             f"LeetCode, first {n} problems, {args.small} / {args.large}; {cpu_description()}", "LeetCode")
+             f"LeetCode, first {n} problems, {args.small} / {args.large}; {provenance}", "LeetCode")
     return {**result, "probe_l2_by_fold": l2s, "summary": summarise(curves, scored, small, large, args.bootstrap)}
 
 
@@ -536,8 +536,8 @@ def main() -> int:
               f"{', '.join(f'{k:g}: {v:.4f}' for k, v in losses.items())})")
         if args.leetcode_large:
             lc_large = run_leetcode_in_chunks(args.large, args, args.leetcode_large, args.leetcode_large_cached)
-            leetcode_summary["routing_on_its_first_problems"] = route_leetcode(args, lc_run, lc_features, lc_labels,
-                                                                               lc_large)
+            leetcode_summary["routing_on_its_first_problems"] = route_leetcode(
+                args, lc_run, lc_features, lc_labels, lc_large, f"{cpu_description()}; {datetime.date.today()}, {commit}")
             # Routing by what the large model adds, not by how hard a prompt is: P(small fails) - P(large fails),
             # both probes trained on LeetCode (the large model's on the problems it answered), scoring HumanEval.
             n_large = len(lc_large["completions"])
