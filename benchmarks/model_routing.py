@@ -149,15 +149,11 @@ def run_leetcode_in_chunks(model: str, args: argparse.Namespace, first: int, cac
             "generation_seconds": sum(run["generation_seconds"] for run in runs)}
 
 
-def run_leetcode(model: str, args: argparse.Namespace, logs: Path, first: int | None = None,
-                 with_hidden: bool = True) -> tuple[dict[str, Any], np.ndarray | None]:
-    """The model's run of the LeetCode problems (the first ``first``, or all) and, ``with_hidden``, each
-    problem's hidden state, from the cache where they are."""
-    stem = f"{model}.leetcode" + (f"-first{first}" if first is not None else "")
-    cached, hidden = args.cache / f"{stem}.json", args.cache / f"{stem}-hidden.npy"
-    need_hidden = with_hidden and not hidden.exists()
-    if not cached.exists() or need_hidden:
-        problems = leetcode.load_problems()[:first]
+def run_leetcode(model: str, args: argparse.Namespace, logs: Path) -> tuple[dict[str, Any], np.ndarray]:
+    """The model's run of the LeetCode problems and each problem's hidden state, from the cache where they are."""
+    cached, hidden = args.cache / f"{model}.leetcode.json", args.cache / f"{model}.leetcode-hidden.npy"
+    if not (cached.exists() and hidden.exists()):
+        problems = leetcode.load_problems()
         server = Process(["serve", "--model", model], logs / f"{model}-leetcode.log")
         try:
             server.wait_ready(600)
@@ -167,11 +163,11 @@ def run_leetcode(model: str, args: argparse.Namespace, logs: Path, first: int | 
                 cached.write_text(json.dumps(result.to_json()))
                 print(f"{model}: LeetCode pass@1 {result.pass_at_1:.3f} over {result.num_problems} problems in "
                       f"{result.generation_seconds:.0f} s", flush=True)
-            if need_hidden:
+            if not hidden.exists():
                 np.save(hidden, hidden_states(server.url, None, [p.prompt for p in problems]))
         finally:
             server.stop()
-    return json.loads(cached.read_text()), np.load(hidden) if with_hidden else None
+    return json.loads(cached.read_text()), np.load(hidden)
 
 
 def per_problem_seconds(run: dict[str, Any]) -> np.ndarray:
@@ -507,7 +503,6 @@ def main() -> int:
     leetcode_summary: dict[str, Any] = {}
     if args.leetcode:
         lc_run, lc_features = run_leetcode(args.small, args, args.cache)
-        assert lc_features is not None
         lc_labels = np.array([not c["passed"] for c in lc_run["completions"]], dtype=float)
         l2, losses = choose_l2(lc_features, lc_labels, args.small)
         transferred = LogisticProbe.fit(args.small, lc_features, lc_labels, l2=l2)
@@ -542,9 +537,8 @@ def main() -> int:
             # both probes trained on LeetCode (the large model's on the problems it answered), scoring HumanEval.
             n_large = len(lc_large["completions"])
             lc_large_fails = np.array([not c["passed"] for c in lc_large["completions"]], dtype=float)
-            small_probe, _ = fitted_probe(lc_features, lc_labels, args.small)
             large_probe, _ = fitted_probe(lc_features[:n_large], lc_large_fails, args.small)
-            gain_scores = np.array([small_probe.predict(x) - large_probe.predict(x) for x in features])
+            gain_scores = transferred_scores - np.array([large_probe.predict(x) for x in features])
             curves["gain probe (LeetCode)"] = sweep(gain_scores, small, large, larger_is_harder=True,
                                                     extra_seconds=probe_seconds)
             scored["gain probe (LeetCode)"] = (gain_scores, True)

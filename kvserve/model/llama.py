@@ -108,8 +108,9 @@ class LlamaForCausalLM:
         the other KV groups, when the layers keep their KV in groups (kv_layout.py)."""
         hidden = self.embed(input_ids)
         rotations = self.rotations(positions)
-        if self.fused_decode is not None and self.fused_decode.accepts(hidden, (meta, *group_metas)):
-            last_hidden, last_residual = self.fused_decode(hidden, rotations, (meta, *group_metas), kv_caches)
+        step_metas = (meta, *group_metas)
+        if self.fused_decode is not None and self.fused_decode.accepts(hidden, step_metas):
+            last_hidden, last_residual = self.fused_decode(hidden, rotations, step_metas, kv_caches)
             return last_hidden + last_residual
         residual: torch.Tensor | None = None
         metas = self.layer_metas(meta, group_metas)
