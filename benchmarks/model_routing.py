@@ -31,8 +31,11 @@ model answers them 100 at a time, each chunk cached as it finishes, so a long ru
 ``--leetcode-large-cached`` scores on the chunks already cached. With the large model's verdicts a second kind
 of probe is scored, on LeetCode (cross-fitted) and on HumanEval (trained on LeetCode): ``gain probe``, whose
 score is P(the small model fails) - P(the large model fails), both probes on the small model's hidden state,
-so that it routes by what the large model adds rather than by how hard a prompt is; and on LeetCode, its own
-difficulty label (Easy, Medium, Hard) as a reference no served request carries.
+so that it routes by what the large model adds rather than by how hard a prompt is; ``gain probe (both,
+cross-fitted)``, the same trained on both benchmarks' problems as ``kvserve eval train-probe --humaneval ...
+--leetcode ...`` trains the shipped ``gain`` policy (each problem of either scored by probes trained on the
+others of both); and on LeetCode, its own difficulty label (Easy, Medium, Hard) as a reference no served
+request carries.
 
 Each swept policy's APGR also gets an interval over --bootstrap resamples of the problems (with replacement),
 and the share of resamples in which it is above random routing's 0.5: whether it beats random beyond chance.
@@ -273,10 +276,11 @@ def oracle_curve(small: dict[str, np.ndarray], large: dict[str, np.ndarray]) -> 
 
 
 def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features: np.ndarray,
-                   labels: np.ndarray, large_run: dict[str, Any], provenance: str) -> dict[str, Any]:
+                   labels: np.ndarray, large_run: dict[str, Any], both_gains: np.ndarray,
+                   provenance: str) -> dict[str, Any]:
     """Every policy on the first LeetCode problems, those the large model answered in ``large_run``: each problem
     scored by probes trained on the other LeetCode problems (``cross_fitted``; their prefill is not counted in
-    the engine time here)."""
+    the engine time here), and by the gain probe cross-fitted on both benchmarks (``both_gains``)."""
     n = len(large_run["completions"])
     assert [c["task_id"] for c in large_run["completions"]] == [c["task_id"] for c in small_run["completions"][:n]]
     small, large = outcomes(small_run, n), outcomes(large_run)
@@ -292,6 +296,8 @@ def route_leetcode(args: argparse.Namespace, small_run: dict[str, Any], features
     scored["probe (other LeetCode)"] = (scores, True)
     curves["gain probe (other LeetCode)"] = sweep(gains, small, large, larger_is_harder=True)
     scored["gain probe (other LeetCode)"] = (gains, True)
+    curves["gain probe (both, cross-fitted)"] = sweep(both_gains[:n], small, large, larger_is_harder=True)
+    scored["gain probe (both, cross-fitted)"] = (both_gains[:n], True)
     # LeetCode's own label: no served request carries one, so a reference for the policies, not one of them.
     labelled = leetcode.difficulties()
     levels = np.array([LEVELS.index(labelled[c["task_id"]]) for c in large_run["completions"]], dtype=float)
@@ -531,12 +537,21 @@ def main() -> int:
               f"{', '.join(f'{k:g}: {v:.4f}' for k, v in losses.items())})")
         if args.leetcode_large:
             lc_large = run_leetcode_in_chunks(args.large, args, args.leetcode_large, args.leetcode_large_cached)
-            leetcode_summary["routing_on_its_first_problems"] = route_leetcode(
-                args, lc_run, lc_features, lc_labels, lc_large, f"{cpu_description()}; {datetime.date.today()}, {commit}")
-            # Routing by what the large model adds, not by how hard a prompt is: P(small fails) - P(large fails),
-            # both probes trained on LeetCode (the large model's on the problems it answered), scoring HumanEval.
             n_large = len(lc_large["completions"])
             lc_large_fails = np.array([not c["passed"] for c in lc_large["completions"]], dtype=float)
+            # The gain probe as `kvserve eval train-probe` makes it from both benchmarks' runs: every HumanEval
+            # and LeetCode problem scored by probes trained on the others of both (cross-fitted).
+            _, both_gains, _ = cross_fitted(np.vstack([features, lc_features]),
+                                            np.concatenate([1.0 - small["passed"], lc_labels]),
+                                            np.concatenate([1.0 - large["passed"], lc_large_fails]), args.small)
+            curves["gain probe (both, cross-fitted)"] = sweep(both_gains[:n], small, large, larger_is_harder=True,
+                                                             extra_seconds=probe_seconds)
+            scored["gain probe (both, cross-fitted)"] = (both_gains[:n], True)
+            leetcode_summary["routing_on_its_first_problems"] = route_leetcode(
+                args, lc_run, lc_features, lc_labels, lc_large, both_gains[n:],
+                f"{cpu_description()}; {datetime.date.today()}, {commit}")
+            # Routing by what the large model adds, not by how hard a prompt is: P(small fails) - P(large fails),
+            # both probes trained on LeetCode (the large model's on the problems it answered), scoring HumanEval.
             large_probe, _ = fitted_probe(lc_features[:n_large], lc_large_fails, args.small)
             gain_scores = transferred_scores - np.array([large_probe.predict(x) for x in features])
             curves["gain probe (LeetCode)"] = sweep(gain_scores, small, large, larger_is_harder=True,

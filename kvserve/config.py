@@ -378,7 +378,7 @@ class ServerConfig:
 
 
 RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_events", "ttft"]
-ModelPolicyName = Literal["random", "length", "cascade", "probe"]
+ModelPolicyName = Literal["random", "length", "cascade", "probe", "gain"]
 CascadeSignal = Literal["mean_logprob", "min_logprob", "mean_entropy"]
 
 
@@ -422,16 +422,18 @@ class RouterConfig:
     model_policy: ModelPolicyName | None = setting(
         None, "route requests for --auto-model to --small-model or --large-model by difficulty: random (a share "
               "--route-threshold to the large), length (prompts longer than --route-threshold tokens to the large), "
-              "cascade (the small answers; below --route-threshold confidence the large answers instead) or probe "
-              "(a classifier on the small model's prompt state; --probe)", default_text="none: no auto model")
+              "cascade (the small answers; below --route-threshold confidence the large answers instead), probe "
+              "(a classifier of the small model's failure on its prompt state; --probe) or gain (classifiers of "
+              "both models' failure on it: the large model where it is expected to add most; --probe)", default_text="none: no auto model")
     auto_model: str = setting("auto", "the model name routed by --model-policy")
     small_model: str | None = setting(None, "--model-policy: the cheaper model")
     large_model: str | None = setting(None, "--model-policy: the better model")
     route_threshold: float | None = setting(
         None, "--model-policy's threshold",
-        default_text="random 0.5, length 256, cascade -0.14 (measured on HumanEval), probe 0.5")
+        default_text="random 0.5, length 256, cascade -0.14 (measured on HumanEval), probe 0.5, gain 0.15 (about "
+                     "half of the HumanEval and LeetCode prompts)")
     cascade_signal: CascadeSignal = setting("mean_logprob", "cascade: the small answer's confidence")
-    probe_path: str | None = setting(None, "probe: the classifier's file (kvserve eval train-probe)",
+    probe_path: str | None = setting(None, "probe, gain: the classifiers' file (kvserve eval train-probe)",
                                      flag="--probe")
     route_seed: int = setting(0, "random: the seed of its choices")
 
@@ -440,8 +442,8 @@ class RouterConfig:
             if not self.small_model or not self.large_model or self.small_model == self.large_model:
                 raise ConfigError("--model-policy needs --small-model and --large-model, two different models",
                                   "model_policy")
-            if self.model_policy == "probe" and not self.probe_path:
-                raise ConfigError("--model-policy probe needs --probe FILE", "probe_path")
+            if self.model_policy in ("probe", "gain") and not self.probe_path:
+                raise ConfigError(f"--model-policy {self.model_policy} needs --probe FILE", "probe_path")
             if self.model_policy == "random" and self.route_threshold is not None \
                     and not 0.0 <= self.route_threshold <= 1.0:
                 raise ConfigError("random: --route-threshold is the large model's share, in [0, 1]",

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from typing import Any
 
 from tqdm import tqdm
 
@@ -22,17 +23,17 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "problems asked as HumanEval's are: a labelled set to "
                                                              "train the probe on"))
 
-    p = sub.add_parser("train-probe", help="train the gateway's probe policy on labelled prompts (the small "
-                                           "model's hidden states, from its server)")
+    p = sub.add_parser("train-probe", help="train the gateway's probe or gain policy on labelled prompts (the "
+                                           "small model's hidden states, from its server)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a server of the small model")
     p.add_argument("--model", required=True, help="the small model, as the gateway names it")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--examples", help='JSON lines {"prompt": text or token ids, "label": 1 if the small '
-                                           'model fails else 0}')
-    source.add_argument("--humaneval", metavar="RESULTS", help="a kvserve eval humaneval --out file of the small "
-                                                                "model: its problems, labelled by its verdicts")
-    source.add_argument("--leetcode", metavar="RESULTS", help="a kvserve eval leetcode --out file of the small "
-                                                               "model: its problems, labelled by its verdicts")
+    p.add_argument("--examples", help='JSON lines {"prompt": text or token ids, "label": 1 if the small model '
+                                      'fails else 0}, with "large_label" (the large model\'s) for a gain probe')
+    for benchmark in ("humaneval", "leetcode"):
+        p.add_argument(f"--{benchmark}", metavar="RESULTS", help=f"a kvserve eval {benchmark} --out file of the "
+                                                                  "small model: its problems, labelled by its verdicts")
+        p.add_argument(f"--large-{benchmark}", metavar="RESULTS", help="the large model's run of the same problems: "
+                                                                        "with it, a gain probe (--model-policy gain)")
     p.add_argument("--l2", type=float, default=None, help="the regularisation of the logistic regression "
                                                           "(default: chosen by 5-fold cross-validation)")
     p.add_argument("--api-key", default=None)
@@ -84,24 +85,38 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 
 def _train_probe(args: argparse.Namespace) -> int:
-    import numpy as np
-
+    """The probe on every source given together (examples, HumanEval's and LeetCode's runs)."""
+    from kvserve.evals import humaneval, leetcode
     from kvserve.evals.probe_training import read_examples, run_examples, train_probe
+    from kvserve.router.model_policies import GainProbe
 
-    if args.humaneval or args.leetcode:
-        from kvserve.evals import humaneval, leetcode
-
-        problems = leetcode.load_problems() if args.leetcode else humaneval.load_problems()
-        with open(args.humaneval or args.leetcode, encoding="utf-8") as f:
-            examples = run_examples(json.load(f), problems)
-        prompts, labels = [e["prompt"] for e in examples], np.array([float(e["label"]) for e in examples])
-    else:
-        prompts, labels = read_examples(args.examples)
-    if len(set(labels.tolist())) < 2:
-        raise ConfigError("the examples need both labels: some where the small model fails, some where it "
-                          "does not", "examples")
-    probe = train_probe(args.base_url.rstrip("/"), args.model, prompts, labels, args.l2, args.api_key)
+    examples = read_examples(args.examples) if args.examples else []
+    for benchmark, module in (("humaneval", humaneval), ("leetcode", leetcode)):
+        small_path, large_path = getattr(args, benchmark), getattr(args, f"large_{benchmark}")
+        if large_path and not small_path:
+            raise ConfigError(f"--large-{benchmark} needs --{benchmark}: the small model's run", f"large_{benchmark}")
+        if small_path:
+            examples += run_examples(_read_json(small_path), module.load_problems(),
+                                     _read_json(large_path) if large_path else None)
+    if not examples:
+        raise ConfigError("no examples: give --examples, --humaneval or --leetcode", "examples")
+    probe = train_probe(args.base_url.rstrip("/"), args.model, examples, args.l2, args.api_key)
     probe.save(args.out)
-    print(f"probe of {args.model} on {len(labels)} examples ({int(labels.sum())} where it fails), "
-          f"{len(probe.weights)} features, l2 {probe.l2:g}: {args.out}")
+    small_fails = sum(e["label"] for e in examples)
+    if isinstance(probe, GainProbe):
+        large_fails = sum(e["large_label"] for e in examples)
+        print(f"gain probe of {args.model} on {len(examples)} examples (the small model fails {small_fails}, the "
+              f"large {large_fails}), {probe.width} features, l2 {probe.small_fails.l2:g} and "
+              f"{probe.large_fails.l2:g}: {args.out}")
+    else:
+        print(f"probe of {args.model} on {len(examples)} examples ({small_fails} where it fails), "
+              f"{probe.width} features, l2 {probe.l2:g}: {args.out}")
     return 0
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", "results") from None

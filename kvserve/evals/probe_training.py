@@ -1,9 +1,11 @@
-"""Training the ``probe`` model policy offline: labelled prompts -> the small model's hidden states (its
-server's /v1/embeddings) -> a logistic classifier of whether the small model fails, saved for the gateway.
+"""Training the ``probe`` and ``gain`` model policies offline: labelled prompts -> the small model's hidden
+states (its server's /v1/embeddings) -> a logistic classifier of whether the small model fails (``probe``), and
+with the large model's labels one of whether the large model fails too (``gain``), saved for the gateway.
 
-Labelled examples are JSON lines ``{"prompt": text or token ids, "label": 1 if the small model fails else 0}``.
-From a run of the small model on HumanEval or on the LeetCode problems (``kvserve eval humaneval --out``,
-``kvserve eval leetcode --out``) they are each problem's prompt, labelled by its verdict.
+Labelled examples are JSON lines ``{"prompt": text or token ids, "label": 1 if the small model fails else 0}``,
+with ``"large_label"`` (1 if the large model fails) for a gain probe. From runs of the models on HumanEval or on
+the LeetCode problems (``kvserve eval humaneval --out``, ``kvserve eval leetcode --out``) they are each
+problem's prompt, labelled by each model's verdict.
 """
 
 from __future__ import annotations
@@ -17,33 +19,44 @@ import numpy as np
 
 from kvserve.errors import ConfigError
 from kvserve.evals.humaneval import Problem
-from kvserve.router.model_policies import LogisticProbe
+from kvserve.router.model_policies import GainProbe, LogisticProbe
 
 EMBEDDING_BATCH = 16
 FOLDS = 5
 L2_GRID = (1.0, 10.0, 100.0, 1000.0, 10000.0)  # the regularisations cross-validation chooses among
 
 
-def read_examples(path: str) -> tuple[list[str | list[int]], np.ndarray]:
-    prompts, labels = [], []
+def read_examples(path: str) -> list[dict[str, Any]]:
+    examples = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             example = json.loads(line)
-            if not isinstance(example.get("prompt"), str | list) or example.get("label") not in (0, 1):
-                raise ConfigError(f"{path}:{number}: an example is {{\"prompt\": ..., \"label\": 0 or 1}}",
-                                  "examples")
-            prompts.append(example["prompt"])
-            labels.append(float(example["label"]))
-    return prompts, np.array(labels)
+            if not isinstance(example, dict) or not isinstance(example.get("prompt"), str | list) \
+                    or example.get("label") not in (0, 1) or example.get("large_label", 0) not in (0, 1):
+                raise ConfigError(f"{path}:{number}: an example is {{\"prompt\": ..., \"label\": 0 or 1}}, with "
+                                  f"\"large_label\": 0 or 1 for a gain probe", "examples")
+            examples.append(example)
+    return examples
 
 
-def run_examples(small_run: dict[str, Any], problems: Sequence[Problem]) -> list[dict[str, Any]]:
+def run_examples(small_run: dict[str, Any], problems: Sequence[Problem],
+                 large_run: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each problem of the small model's run (``kvserve eval humaneval`` or ``leetcode``, whose ``problems``
-    these are), labelled 1 where it failed."""
+    these are), labelled 1 where it failed; with the large model's run of the same problems, ``large_label``
+    1 where that one failed."""
     prompts = {p.task_id: p.prompt for p in problems}
-    return [{"prompt": prompts[c["task_id"]], "label": int(not c["passed"])} for c in small_run["completions"]]
+    examples = [{"prompt": prompts[c["task_id"]], "label": int(not c["passed"])} for c in small_run["completions"]]
+    if large_run is not None:
+        large_fails = {c["task_id"]: int(not c["passed"]) for c in large_run["completions"]}
+        missing = [c["task_id"] for c in small_run["completions"] if c["task_id"] not in large_fails]
+        if missing:
+            raise ConfigError(f"the large model's run has no verdict for {len(missing)} of the small model's "
+                              f"problems ({', '.join(missing[:3])}...)", "large_run")
+        for example, completion in zip(examples, small_run["completions"], strict=True):
+            example["large_label"] = large_fails[completion["task_id"]]
+    return examples
 
 
 def hidden_states(base_url: str, model: str | None, prompts: Sequence[str | list[int]],
@@ -62,13 +75,24 @@ def hidden_states(base_url: str, model: str | None, prompts: Sequence[str | list
     return np.array(vectors, dtype=np.float64)
 
 
-def train_probe(base_url: str, model: str, prompts: Sequence[str | list[int]], labels: np.ndarray,
-                l2: float | None = None, api_key: str | None = None) -> LogisticProbe:
-    """The probe on the prompts' hidden states; ``l2`` None: chosen by cross-validation (``choose_l2``)."""
-    features = hidden_states(base_url, model, prompts, api_key)
-    if l2 is None:
-        l2, _ = choose_l2(features, labels, model)
-    return LogisticProbe.fit(model, features, labels, l2=l2)
+def train_probe(base_url: str, model: str, examples: Sequence[dict[str, Any]], l2: float | None = None,
+                api_key: str | None = None) -> LogisticProbe | GainProbe:
+    """The probe of the small model's failure on the examples' hidden states, or where every example has a
+    ``large_label`` the gain probe; ``l2`` None: each probe's chosen by cross-validation (``choose_l2``)."""
+    with_large = sum("large_label" in e for e in examples)
+    if with_large not in (0, len(examples)):
+        raise ConfigError(f"{with_large} of {len(examples)} examples have a large_label: a gain probe needs it on "
+                          "every one", "examples")
+    label_sets = [("label", "the small")] + ([("large_label", "the large")] if with_large else [])
+    labels = [np.array([float(e[key]) for e in examples]) for key, _ in label_sets]
+    for (_, who), y in zip(label_sets, labels, strict=True):
+        if len(set(y.tolist())) < 2:
+            raise ConfigError(f"the examples need both labels: some where {who} model fails, some where it does "
+                              "not", "examples")
+    features = hidden_states(base_url, model, [e["prompt"] for e in examples], api_key)
+    probes = [LogisticProbe.fit(model, features, y, l2=l2 if l2 is not None else choose_l2(features, y, model)[0])
+              for y in labels]
+    return GainProbe(*probes) if with_large else probes[0]
 
 
 def cross_validated(features: np.ndarray, labels: np.ndarray, model: str, l2: float, seed: int = 0,

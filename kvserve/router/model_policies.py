@@ -9,6 +9,9 @@ Each policy trades quality for the share of requests the large model answers thr
   answers instead, and the small model's tokens are part of the cost.
 - ``probe``: a logistic classifier on the small model's hidden state at the prompt's last token gives the
   probability that the small model fails; at ``threshold`` or above the large model answers.
+- ``gain``: two such classifiers, of the small model's failure and of the large model's, give the expected gain
+  of the large model's answer, P(small fails) - P(large fails); at ``threshold`` or above the large model
+  answers. Unlike ``probe`` it leaves to the small model the prompts too hard for both.
 - ``oracle``, for evaluation only: the large model exactly when the small one fails and the large one does not.
 """
 
@@ -27,7 +30,8 @@ from kvserve.errors import ConfigError
 
 Size = Literal["small", "large"]
 
-DEFAULT_THRESHOLDS: dict[ModelPolicyName, float] = {"random": 0.5, "length": 256, "cascade": -0.14, "probe": 0.5}
+DEFAULT_THRESHOLDS: dict[ModelPolicyName, float] = {"random": 0.5, "length": 256, "cascade": -0.14, "probe": 0.5,
+                                                     "gain": 0.15}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +112,21 @@ class CascadeRoute:
 
 
 class ProbeRoute(_Upfront):
-    name: ModelPolicyName = "probe"
+    """``probe`` (a LogisticProbe's P(small fails)) or ``gain`` (a GainProbe's expected gain): the large model
+    at ``threshold`` or above."""
+
     needs_hidden_state = True
 
-    def __init__(self, probe: LogisticProbe, threshold: float) -> None:
+    def __init__(self, probe: LogisticProbe | GainProbe, threshold: float) -> None:
+        self.name: ModelPolicyName = "gain" if isinstance(probe, GainProbe) else "probe"
         self.probe = probe
         self.threshold = threshold
 
     def choose(self, difficulty: Difficulty) -> ModelChoice:
-        if difficulty.hidden_state is None or len(difficulty.hidden_state) != len(self.probe.weights):
+        if difficulty.hidden_state is None or len(difficulty.hidden_state) != self.probe.width:
             return ModelChoice("large", "probe_unavailable")  # the small model could not say: the safe side
-        p_fail = self.probe.predict(np.asarray(difficulty.hidden_state, dtype=np.float64))
-        return ModelChoice("large" if p_fail >= self.threshold else "small", "probe", p_fail)
+        score = self.probe.predict(np.asarray(difficulty.hidden_state, dtype=np.float64))
+        return ModelChoice("large" if score >= self.threshold else "small", self.name, score)
 
 
 def oracle_size(small_passed: bool, large_passed: bool) -> Size:
@@ -139,7 +146,13 @@ def make_model_policy(config: RouterConfig) -> ModelPolicy | None:
     if config.model_policy == "cascade":
         return CascadeRoute(threshold, config.cascade_signal)
     assert config.probe_path is not None
-    return ProbeRoute(LogisticProbe.load(config.probe_path), threshold)
+    probe = load_probe(config.probe_path)
+    if (config.model_policy == "gain") != isinstance(probe, GainProbe):
+        wanted = "a gain probe (eval train-probe with the large model's runs)" if config.model_policy == "gain" \
+            else "a probe of the small model's failure (eval train-probe without the large model's runs)"
+        raise ConfigError(f"--model-policy {config.model_policy} needs {wanted}; {config.probe_path} is not one",
+                          "probe_path")
+    return ProbeRoute(probe, threshold)
 
 
 # --- confidence of an answer ---------------------------------------------------------------------------------
@@ -190,6 +203,10 @@ class LogisticProbe:
     bias: float
     l2: float
 
+    @property
+    def width(self) -> int:
+        return len(self.weights)
+
     def predict(self, x: np.ndarray) -> float:
         if x.shape != (len(self.weights),):
             raise ValueError(f"the probe takes {len(self.weights)} features, got {x.shape}")
@@ -218,20 +235,69 @@ class LogisticProbe:
         return cls(model, tuple(mean.tolist()), tuple(scale.tolist()), tuple(w[:-1].tolist()), float(w[-1]), l2)
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"kind": "logistic_probe", "feature": "last_token_hidden_state", **asdict(self)}, f)
+        _write(path, self.as_json())
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": "logistic_probe", "feature": "last_token_hidden_state", **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LogisticProbe:
+        probe = cls(data["model"], tuple(data["mean"]), tuple(data["scale"]), tuple(data["weights"]),
+                    float(data["bias"]), float(data["l2"]))
+        if not len(probe.mean) == len(probe.scale) == len(probe.weights):
+            raise ValueError("its features have different lengths")
+        return probe
 
     @classmethod
     def load(cls, path: str) -> LogisticProbe:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            if data.get("kind") != "logistic_probe":
-                raise ValueError("not a kvserve probe file")
-            probe = cls(data["model"], tuple(data["mean"]), tuple(data["scale"]), tuple(data["weights"]),
-                        float(data["bias"]), float(data["l2"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"cannot read the probe {path}: {exc}", "probe_path") from None
-        if not len(probe.mean) == len(probe.scale) == len(probe.weights):
-            raise ConfigError(f"the probe {path} has features of different lengths", "probe_path")
+        probe = load_probe(path)
+        if not isinstance(probe, LogisticProbe):
+            raise ConfigError(f"{path} is a gain probe, not a probe of one model's failure", "probe_path")
         return probe
+
+
+@dataclass(frozen=True)
+class GainProbe:
+    """The expected gain of the large model's answer over the small one's: P(small fails) - P(large fails), two
+    logistic probes on the same hidden state of the small model ``small_fails.model``."""
+
+    small_fails: LogisticProbe
+    large_fails: LogisticProbe
+
+    def __post_init__(self) -> None:
+        if (self.small_fails.model, self.small_fails.width) != (self.large_fails.model, self.large_fails.width):
+            raise ValueError("its two probes read different hidden states")
+
+    @property
+    def model(self) -> str:
+        return self.small_fails.model
+
+    @property
+    def width(self) -> int:
+        return self.small_fails.width
+
+    def predict(self, x: np.ndarray) -> float:
+        return self.small_fails.predict(x) - self.large_fails.predict(x)
+
+    def save(self, path: str) -> None:
+        _write(path, {"kind": "gain_probe", "small_fails": self.small_fails.as_json(),
+                      "large_fails": self.large_fails.as_json()})
+
+
+def load_probe(path: str) -> LogisticProbe | GainProbe:
+    """A probe file of ``kvserve eval train-probe``: a LogisticProbe or a GainProbe, by its kind."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("kind") not in ("logistic_probe", "gain_probe"):
+            raise ValueError("not a kvserve probe file")
+        if data["kind"] == "logistic_probe":
+            return LogisticProbe.from_json(data)
+        return GainProbe(LogisticProbe.from_json(data["small_fails"]), LogisticProbe.from_json(data["large_fails"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read the probe {path}: {exc}", "probe_path") from None
+
+
+def _write(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvserve.cli import main
+from kvserve.errors import ConfigError
 from kvserve.evals import leetcode
 from kvserve.evals.probe_training import L2_GRID, choose_l2, run_examples
 from kvserve.evals.sandbox import run_program
@@ -92,6 +93,10 @@ def test_the_problems_load_in_file_order_and_label_a_run_for_the_probe(tmp_path:
     examples = run_examples(run, problems)
     assert [e["prompt"] for e in examples] == [problems[1].prompt, problems[0].prompt]
     assert np.array([e["label"] for e in examples]).tolist() == [0, 1]  # 1 where the small model failed
+    large_run = {"completions": [{"task_id": "LeetCode/1", "passed": True}, {"task_id": "LeetCode/167", "passed": False}]}
+    assert [e["large_label"] for e in run_examples(run, problems, large_run)] == [1, 0]  # by task, not by order
+    with pytest.raises(ConfigError, match="no verdict for 1 of the small model's problems"):
+        run_examples(run, problems, {"completions": large_run["completions"][:1]})
     write(directory, problem_file("two_sum_ii", "167", difficulty="Medium"))
     assert leetcode.difficulties(directory) == {"LeetCode/1": "Easy", "LeetCode/146": "Easy", "LeetCode/167": "Medium"}
 

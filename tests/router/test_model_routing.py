@@ -15,17 +15,21 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.cli import main
 from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError
+from kvserve.evals.probe_training import train_probe
 from kvserve.router.answers import answer_as_events, as_client_asked, combined_usage, for_cascade
 from kvserve.router.model_policies import (
     CascadeRoute,
     Difficulty,
+    GainProbe,
     LengthRoute,
     LogisticProbe,
     ProbeRoute,
     RandomRoute,
     confidence,
+    load_probe,
     make_model_policy,
     oracle_size,
 )
@@ -100,6 +104,41 @@ def test_probe_learns_a_separable_rule_and_survives_its_file(tmp_path: Path) -> 
         LogisticProbe.load(str(path))
 
 
+def test_gain_probe_leaves_to_the_small_model_what_both_fail_and_survives_its_file(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(400, HIDDEN))
+    small_fails = (features[:, 0] > 0).astype(float)
+    large_fails = ((features[:, 0] > 0) & (features[:, 1] > 0)).astype(float)  # too hard for both
+    gain = GainProbe(LogisticProbe.fit(SMALL, features, small_fails, l2=0.1),
+                     LogisticProbe.fit(SMALL, features, large_fails, l2=0.1))
+    path = tmp_path / "gain.json"
+    gain.save(str(path))
+    assert load_probe(str(path)) == gain
+    policy = make_model_policy(RouterConfig(model_policy="gain", small_model=SMALL, large_model=LARGE,
+                                            probe_path=str(path)))
+    assert isinstance(policy, ProbeRoute) and (policy.name, policy.threshold) == ("gain", 0.15)
+    large_helps = policy.choose(Difficulty(10, (3.0, -3.0, 0.0, 0.0)))
+    both_fail = policy.choose(Difficulty(10, (3.0, 3.0, 0.0, 0.0)))
+    both_pass = policy.choose(Difficulty(10, (-3.0, 0.0, 0.0, 0.0)))
+    assert (large_helps.size, both_fail.size, both_pass.size) == ("large", "small", "small")
+    assert large_helps.score is not None and large_helps.score > 0.9 and large_helps.reason == "gain"
+    assert both_fail.score is not None and abs(both_fail.score) < 0.1
+    # A probe of the failure then routes the prompts both fail to the large model, for nothing.
+    failure = ProbeRoute(gain.small_fails, 0.5)
+    assert failure.name == "probe" and failure.choose(Difficulty(10, (3.0, 3.0, 0.0, 0.0))).size == "large"
+    with pytest.raises(ConfigError, match="not a probe of one model's failure"):
+        LogisticProbe.load(str(path))
+    gain.small_fails.save(str(tmp_path / "failure.json"))
+    with pytest.raises(ConfigError, match="gain needs a gain probe"):
+        make_model_policy(RouterConfig(model_policy="gain", small_model=SMALL, large_model=LARGE,
+                                       probe_path=str(tmp_path / "failure.json")))
+    with pytest.raises(ConfigError, match="probe needs a probe of the small model's failure"):
+        make_model_policy(RouterConfig(model_policy="probe", small_model=SMALL, large_model=LARGE,
+                                       probe_path=str(path)))
+    with pytest.raises(ValueError, match="different hidden states"):
+        GainProbe(gain.small_fails, LogisticProbe.fit(LARGE, features, large_fails, l2=0.1))
+
+
 def test_oracle_pays_for_the_large_model_only_when_it_alone_passes() -> None:
     assert oracle_size(small_passed=False, large_passed=True) == "large"
     assert oracle_size(small_passed=True, large_passed=True) == "small"
@@ -110,8 +149,9 @@ def test_oracle_pays_for_the_large_model_only_when_it_alone_passes() -> None:
 def test_a_model_policy_needs_two_models_and_its_file() -> None:
     with pytest.raises(ConfigError, match="small-model"):
         RouterConfig(model_policy="length", small_model=SMALL)
-    with pytest.raises(ConfigError, match="probe"):
-        RouterConfig(model_policy="probe", small_model=SMALL, large_model=LARGE)
+    for needs_a_file in ("probe", "gain"):
+        with pytest.raises(ConfigError, match=f"{needs_a_file} needs --probe"):
+            RouterConfig(model_policy=needs_a_file, small_model=SMALL, large_model=LARGE)  # type: ignore[arg-type]
     policy = make_model_policy(RouterConfig(model_policy="length", small_model=SMALL, large_model=LARGE))
     assert isinstance(policy, LengthRoute) and policy.threshold == 256
 
@@ -138,7 +178,8 @@ def test_answer_shapes() -> None:
 # --- the gateway ---------------------------------------------------------------------------------------------
 class ModelReplica(FakeReplica):
     """A replica of one model: its answer is its model's name; a prompt with 'hard' in it gets low logprobs;
-    /v1/embeddings returns (1, 0, 0, 0) for 'hard' prompts and (-1, 0, 0, 0) otherwise."""
+    /v1/embeddings returns (1, 0, 0, 0) for prompts starting with 'h' and (-1, 0, 0, 0) otherwise, with 1 as
+    the second value for 'hopeless' prompts."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -159,11 +200,13 @@ class ModelReplica(FakeReplica):
         async def embeddings(http: Request) -> Response:
             body = await http.json()
             self.received.append({"route": "embeddings", **body})
-            value = body["input"]  # text, or the prompt's bytes as the gateway tokenizes for a replica without
-            text = value if isinstance(value, str) else bytes(value[0]).decode()  # a tokenizer
-            hard = 1.0 if text.startswith("h") else -1.0
-            return JSONResponse({"object": "list", "model": self.model, "usage": {"prompt_tokens": 1},
-                                 "data": [{"object": "embedding", "index": 0, "embedding": [hard, 0, 0, 0]}]})
+            value = body["input"]  # texts, or the prompt's bytes as the gateway tokenizes for a replica without
+            texts = [value] if isinstance(value, str) else [v if isinstance(v, str) else bytes(v).decode()  # a
+                                                            for v in value]  # tokenizer
+            vectors = [[1.0 if t.startswith("h") else -1.0, float("hopeless" in t), 0, 0] for t in texts]
+            return JSONResponse({"object": "list", "model": self.model, "usage": {"prompt_tokens": len(texts)},
+                                 "data": [{"object": "embedding", "index": i, "embedding": v}
+                                          for i, v in enumerate(vectors)]})
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
@@ -294,3 +337,26 @@ def test_probe_routes_on_the_small_models_hidden_state(models, tmp_path: Path) -
         assert (hard.headers["x-kvserve-model"], easy.headers["x-kvserve-model"]) == (LARGE, SMALL)
         embedded = [r for r in small.received if r["route"] == "embeddings"]
         assert len(embedded) == 2 and embedded[0]["model"] == SMALL
+
+
+def test_train_probe_with_the_large_models_labels_makes_a_gain_policy_the_gateway_routes_by(
+        models, tmp_path: Path) -> None:
+    small, _ = models
+    examples = tmp_path / "examples.jsonl"  # 'hard': the large model helps; 'hopeless': both fail
+    rows = [{"prompt": f"{kind} {i}", "label": int(kind != "easy"), "large_label": int(kind == "hopeless")}
+            for i in range(6) for kind in ("hard", "hopeless", "easy")]
+    examples.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "gain.json"
+    assert main(["eval", "train-probe", "--base-url", small.url, "--model", SMALL, "--examples", str(examples),
+                 "--out", str(out)]) == 0
+    probe = load_probe(str(out))
+    assert isinstance(probe, GainProbe) and probe.model == SMALL
+    with routed(models, model_policy="gain", probe_path=str(out)) as (c, url):
+        routes = {prompt: c.completions.with_raw_response.create(model="auto", prompt=prompt, max_tokens=4).headers
+                  for prompt in ("hard", "hopeless", "easy")}
+        assert {p: h["x-kvserve-model"] for p, h in routes.items()} == {"hard": LARGE, "hopeless": SMALL,
+                                                                          "easy": SMALL}
+        assert routes["hard"]["x-kvserve-route"] == "gain:gain"
+    rows[0].pop("large_label")
+    with pytest.raises(ConfigError, match="17 of 18 examples have a large_label"):
+        train_probe(small.url, SMALL, rows[1:] + rows[:1])
