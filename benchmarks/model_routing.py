@@ -366,13 +366,14 @@ def summarise(curves: dict[str, list[Point]], scored: dict[str, tuple[np.ndarray
             summary[name]["apgr_bootstrap_95"] = [float(np.percentile(resampled, 2.5)),
                                                   float(np.percentile(resampled, 97.5))]
             summary[name]["share_of_resamples_above_random"] = float((resampled > RANDOM_APGR).mean())
-    print(f"{'policy':<28} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}"
+    width = max(map(len, summary))
+    print(f"{'policy':<{width}} {'APGR':>6} {'best pass@1 at <=50% large':>27} {'share':>6} {'of large':>9} {'s/problem':>10}"
           f"  APGR over {bootstrap} resamples: 95% interval, share above random")
     for name, s in summary.items():
         apgr_text = f"{s['apgr']:.3f}" if s["apgr"] is not None else "-"
         interval = (f"  [{s['apgr_bootstrap_95'][0]:.3f}, {s['apgr_bootstrap_95'][1]:.3f}], "
                     f"{s['share_of_resamples_above_random']:.3f}" if "apgr_bootstrap_95" in s else "")
-        print(f"{name:<28} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
+        print(f"{name:<{width}} {apgr_text:>6} {s['best_pass_at_1_within_half']:>27.3f} {s['its_large_share']:>6.2f} "
               f"{s['quality_of_large']:>9.3f} {s['its_seconds_per_problem']:>10.2f}{interval}")
     return summary
 
