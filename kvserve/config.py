@@ -424,7 +424,8 @@ class RouterConfig:
               "--route-threshold to the large), length (prompts longer than --route-threshold tokens to the large), "
               "cascade (the small answers; below --route-threshold confidence the large answers instead), probe "
               "(a classifier of the small model's failure on its prompt state; --probe) or gain (classifiers of "
-              "both models' failure on it: the large model where it is expected to add most; --probe)", default_text="none: no auto model")
+              "both models' failure on it: the large model where it is expected to add most; --probe)",
+        default_text="none: no auto model")
     auto_model: str = setting("auto", "the model name routed by --model-policy")
     small_model: str | None = setting(None, "--model-policy: the cheaper model")
     large_model: str | None = setting(None, "--model-policy: the better model")
