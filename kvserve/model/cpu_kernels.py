@@ -3,7 +3,9 @@
 The build runs through ``torch.utils.cpp_extension`` with ``-march=native`` and is cached under
 ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``); ``scripts/install.sh`` builds it ahead of
 time. If the build fails (no compiler, an unusual CPU) the torch reference paths run instead, with one
-warning: correct, only slower. ``KVSERVE_CPU_KERNELS=0`` turns the kernels off.
+warning: correct, only slower. ``KVSERVE_CPU_KERNELS=0`` turns the kernels off. A build killed part way
+leaves torch's lock file behind, on which torch would wait for ever: the loader waits while a live build
+holds it and removes it once it is older than any build takes (``STALE_BUILD_LOCK_S``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +27,9 @@ _EXTENSION_NAME = "kvserve_cpu_kernels"
 # How the kernels are compiled and linked (benchmarks/kernel_ab.py builds other revisions the same way).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
+# A build takes a minute or two: torch's build lock older than this was left by a build that was killed, and
+# torch would wait on it for ever.
+STALE_BUILD_LOCK_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +74,9 @@ class _Loader:
         try:
             from torch.utils.cpp_extension import load
 
+            lock = _build_lock()
+            if lock is not None:
+                release_stale_build_lock(lock)
             load(
                 name=_EXTENSION_NAME,
                 sources=SOURCES,
@@ -84,6 +94,37 @@ class _Loader:
         except Exception as exc:  # a missing compiler or ninja must not stop serving
             log.warning("kvserve CPU kernels unavailable, using the torch reference paths: %s", exc)
             return None
+
+
+def _build_lock() -> Path | None:
+    """The lock file torch's build of the kernels takes (None where torch does not say where it builds)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return None
+    return Path(_get_build_directory(_EXTENSION_NAME, verbose=False)) / "lock"
+
+
+def release_stale_build_lock(lock: Path, stale_after_s: float = STALE_BUILD_LOCK_S,
+                             clock: Callable[[], float] = time.time,
+                             sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Wait while another process's build holds ``lock``, until the lock is gone or older than
+    ``stale_after_s``: then a build that was killed left it, and it is removed. Whether it was."""
+    waiting = False
+    while True:
+        try:
+            age = clock() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= stale_after_s:
+            log.warning("removing %s: a build of the CPU kernels that did not finish left it %.0f s ago", lock, age)
+            lock.unlink(missing_ok=True)
+            return True
+        if not waiting:
+            log.warning("waiting for another process's build of the CPU kernels (%s; taken as left by a killed "
+                        "build once %.0f s old)", lock, stale_after_s)
+            waiting = True
+        sleep(min(1.0, stale_after_s - age))
 
 
 class KernelThreadScope:
