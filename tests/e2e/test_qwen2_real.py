@@ -1,6 +1,7 @@
 """Qwen2.5-Coder-0.5B-Instruct (qwen2: QKV bias, untied output, rope base 1e6, 14/2 heads): greedy output equals
 transformers token for token in float32, loaded from the same Q4_K_M GGUF, chat-templated, batched, chunked,
-preempted, with the prefix cache on and off."""
+preempted, with the prefix cache on and off. transformers' output is recorded in tests/data (its GGUF load of
+this model costs CI half a minute); the heavy test checks the recording against transformers live."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.e2e.conftest import LONG_DOCUMENT, hf_greedy, installed_model
+from tests.support.recorded_reference import RecordedGreedy, check_or_record, load_recording
 from tests.support.transformers_gguf import hf_from_gguf
 
 MODEL = "qwen2.5-coder-0.5b"
@@ -45,9 +47,10 @@ def prompt_ids(model_path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, prompt_ids) -> list[list[int]]:
-    hf = hf_from_gguf(model_path)
-    return [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompt_ids]
+def reference(prompt_ids) -> list[list[int]]:
+    recorded = load_recording(MODEL)
+    assert recorded.prompt_token_ids == prompt_ids and recorded.max_new_tokens == MAX_TOKENS
+    return recorded.token_ids
 
 
 def _generate(llm: LLM, prompt_ids: list[list[int]]):
@@ -74,3 +77,16 @@ def test_batched_greedy_without_prefix_cache_matches_transformers(model_path, pr
     outputs = _generate(llm, prompt_ids)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert all(o.metrics.num_prefill_chunks == 1 for o in outputs)
+
+
+@pytest.mark.heavy  # transformers' GGUF load of this model takes half a minute
+def test_the_recorded_reference_is_transformers_own_greedy_output(model_path, prompt_ids) -> None:
+    import transformers
+
+    from kvserve.model_store.catalog import known_model
+
+    hf = hf_from_gguf(model_path)
+    entry = known_model(MODEL)
+    assert entry is not None
+    check_or_record(MODEL, RecordedGreedy(entry.sha256, transformers.__version__, MAX_TOKENS, prompt_ids,
+                                          [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompt_ids]))

@@ -60,10 +60,10 @@ def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypa
     want = plain.generate(prompts, params)
     # Again with max_tokens just past where the string stops plain decoding: a step whose accepted drafts
     # run into max_tokens after the string must still finish with "stop", as plain decoding does.
-    prompts += prompts * 2
-    params += [SamplingParams(temperature=0.0, max_tokens=len(w.outputs[0].token_ids) + extra, ignore_eos=True,
-                              stop=p.stop) for extra in (1, 2) for w, p in zip(want, params, strict=True)]
-    want = plain.generate(prompts, params)
+    longer = [SamplingParams(temperature=0.0, max_tokens=len(w.outputs[0].token_ids) + extra, ignore_eos=True,
+                             stop=p.stop) for extra in (1, 2) for w, p in zip(want, params, strict=True)]
+    want += plain.generate(prompts * 2, longer)
+    prompts, params = prompts * 3, params + longer
     got = spec.generate(prompts, params)
     assert False in truncations, "no stop string ended inside a step's accepted drafts"
     assert True in truncations, "no step ran into max_tokens after a stop string"

@@ -86,7 +86,10 @@ def generate(model: Path, monkeypatch: pytest.MonkeyPatch | None, prompts: list[
     if monkeypatch is not None:
         monkeypatch.setattr(engine_module, "select_backend",
                             lambda device, dtype, arch, want, config, **_: CudaBackend(arch, device, config))
-    llm = LLM(str(model), dtype="float32", cpu_kernels=False, **{"max_num_seqs": 8, **options})
+    # 512 keys: two key splits per captured table, the second empty for these prompts (the merge still runs);
+    # the default's 32 splits cost Triton's interpreter a program each for nothing more.
+    defaults = {"max_num_seqs": 8, "cuda_graph_max_seq_len": 512}
+    llm = LLM(str(model), dtype="float32", cpu_kernels=False, **{**defaults, **options})
     return replies(llm, prompts, params), llm
 
 
@@ -152,9 +155,10 @@ def test_drafts_and_prefix_hits_on_the_buffers(tiny_llama, monkeypatch) -> None:
     graphs = llm.engine.model.fused_decode
     assert isinstance(graphs, DecodeGraphs) and graphs.num_replays > 0 and graphs.sizes == [1, 2, 4]
     assert llm.engine.runner.num_proposed_tokens > 0
-    narrow = LLM(str(tiny_llama), dtype="float32", cpu_kernels=False, max_num_seqs=3)
+    narrow = LLM(str(tiny_llama), dtype="float32", cpu_kernels=False, max_num_seqs=3, cuda_graph_max_seq_len=512)
     assert narrow.engine.model.fused_decode.sizes == [1, 2, 4]  # 3 requests, one row each, at most
-    wide = LLM(str(tiny_llama), dtype="float32", cpu_kernels=False, max_num_seqs=5, speculative_config=spec)
+    wide = LLM(str(tiny_llama), dtype="float32", cpu_kernels=False, max_num_seqs=5, speculative_config=spec,
+               cuda_graph_max_seq_len=512)
     assert wide.engine.model.fused_decode.sizes[-1] == 24  # 5 requests with 3 drafts each: 20 rows
 
 
