@@ -40,7 +40,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.server.responses import ResponseBuilder
-from kvserve.server.tools import template_messages, template_tools, tool_request
+from kvserve.server.tools import ToolRequest, template_messages, template_tools, tool_request
 from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
@@ -85,6 +85,19 @@ class AppState:
                 lambda: grammars.is_special_token(open_tag) and grammars.is_special_token(close_tag))
             self._tool_format = HermesToolFormat(special_tags=special)
         return self._tool_format
+
+    async def chat_text(self, body: p.ChatCompletionRequest, tools: ToolRequest,
+                        add_generation_prompt: bool = True) -> tuple[str, ToolCallFormat | None]:
+        """The conversation as the chat template renders it (tools in the template, or in the system message
+        where it has no place for them), and the tool-call format where tools are offered."""
+        messages, tools_arg, tool_format = body.message_dicts(), None, None
+        if tools.tools:
+            tool_format = await self.tool_format()
+            messages = template_messages(messages, tools, tool_format, self.template_has_tools)
+            tools_arg = template_tools(tools) if self.template_has_tools else None
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tools=tools_arg)
+        return text, tool_format
 
     @property
     def single_token_open_tag(self) -> int | None:
@@ -191,16 +204,12 @@ def build_app(
         state.check_admissible(body.model)
         params = body.sampling_params()
         tools = tool_request(body, has_format=params.structured_outputs is not None)
-        messages, template_tools_arg, tool_format = body.message_dicts(), None, None
-        if tools.tools:
-            tool_format = await state.tool_format()
-            messages = template_messages(messages, tools, tool_format, state.template_has_tools)
-            template_tools_arg = template_tools(tools) if state.template_has_tools else None
+        text, tool_format = await state.chat_text(body, tools)
+        if tool_format is not None:
             if tools.calls_possible:
                 params = replace(params, structured_outputs=tools.constraint(tool_format))
             elif (tag := state.single_token_open_tag) is not None:  # tool_choice none: no call is opened
                 params = replace(params, logit_bias=(*params.logit_bias, (tag, -MAX_LOGIT_BIAS)))
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools_arg)
         if params.structured_outputs is not None:
             await async_engine.compile_grammar(params.structured_outputs)
         try:
@@ -232,6 +241,36 @@ def build_app(
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(embedding_response(vectors, prompts, state.model_name, body.encoding_format))
+
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> Response:
+        """A prompt's token ids as /v1/completions takes them, or a conversation's as /v1/chat/completions
+        renders it (tools included): what a client counts against the context before it sends."""
+        state.check_admissible(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("send either prompt or messages", param="prompt" if body.prompt is None
+                                 else "messages")
+        if body.messages is not None:
+            chat = body.chat_request()
+            text, _ = await state.chat_text(chat, tool_request(chat, has_format=False), body.add_generation_prompt)
+            add_special = bool(body.add_special_tokens)  # the template holds any BOS token
+        else:
+            text = body.prompt or ""
+            add_special = body.add_special_tokens is not False
+        ids = await _off_loop_if_long(text, tokenizer.encode, text, add_special)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest) -> Response:
+        state.check_admissible(body.model)
+        vocab = tokenizer.vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise InvalidRequest(f"tokens holds ids outside the vocabulary (0 to {vocab - 1}): {bad[:8]}",
+                                 param="tokens")
+        text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -57,9 +57,12 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return error_response(metrics, 500, p.error_body(f"internal error: {exc!r}", "internal_error"))
 
 
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
+
+
 class GateMiddleware:
-    """Before any route: 401 without the API key (on /v1 routes), 503 while shutting down, 413 for a body
-    over the size limit.
+    """Before any route that serves clients (/v1, /tokenize, /detokenize): 401 without the API key, 503 while
+    shutting down, 413 for a body over the size limit.
 
     Plain ASGI rather than BaseHTTPMiddleware, which would get between the routes and ``receive`` and
     break disconnect detection.
@@ -75,7 +78,7 @@ class GateMiddleware:
         self._max_body = config.max_request_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in TOKENIZER_ROUTES):
             headers = dict(scope["headers"])
             error: KVServeError | None = None
             if self._expected is not None:

@@ -54,6 +54,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class _StrictText(_Strict):
+    """A request whose every string must be Unicode text."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _has_lone_surrogate(value):
+            raise ValueError(_SURROGATE_MESSAGE)
+        return value
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -74,7 +85,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_StrictText):
     """Fields common to chat and completions."""
 
     model: str | None = None
@@ -107,13 +118,6 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        if _has_lone_surrogate(value):
-            raise ValueError(_SURROGATE_MESSAGE)
-        return value
 
     @property
     def include_usage(self) -> bool:
@@ -318,6 +322,33 @@ class EmbeddingRequest(_Strict):
 
     def inputs(self) -> list[PromptInput]:
         return _as_prompts(self.input)
+
+
+class TokenizeRequest(_StrictText):
+    """vLLM's /tokenize: either a ``prompt``, tokenized as /v1/completions tokenizes it (special tokens added
+    unless ``add_special_tokens`` is false), or ``messages``, rendered by the chat template as
+    /v1/chat/completions renders them, ``tools`` included (no special tokens added unless asked: the template
+    holds them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The messages and tools as the chat route takes them."""
+        return ChatCompletionRequest(messages=self.messages or [], tools=self.tools, tool_choice=self.tool_choice)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids back to text, special tokens kept."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------------------------------

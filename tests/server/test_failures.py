@@ -171,6 +171,8 @@ def test_an_oversized_body_is_413(base_url) -> None:
     headers = {"Content-Type": "application/json"}
     big = b'{"prompt": "' + b"a" * (16 * 1024 * 1024) + b'"}'
     assert_error(httpx.post(url, content=big, headers=headers, timeout=60), 413, None, "request_too_large")
+    assert_error(httpx.post(f"{base_url}/tokenize", content=big, headers=headers, timeout=60), 413, None,
+                 "request_too_large")
 
     def chunked():
         yield b'{"prompt": "'

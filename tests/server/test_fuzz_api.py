@@ -31,7 +31,8 @@ from tests.support.tiny_models import make_tiny_model  # noqa: E402
 MODEL_NAME = "tiny"
 FUZZ_EXAMPLES = 40
 HEAVY_EXAMPLES = 1000
-OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+              ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/metrics")]
 TIMEOUT_S = 60.0  # per request: a hang fails the test instead of stalling it
 

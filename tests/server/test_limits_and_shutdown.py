@@ -40,7 +40,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory):
     assert "Traceback" not in server.log_tail(10**7), server.log_tail()
 
 
-def test_api_key_required_on_v1_routes(limited) -> None:
+def test_api_key_required_on_v1_and_tokenizer_routes(limited) -> None:
     url = limited.base_url
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
@@ -49,6 +49,10 @@ def test_api_key_required_on_v1_routes(limited) -> None:
         error = resp.json()["error"]
         assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
     assert httpx.get(f"{url}/v1/models").status_code == 401
+    for route, route_body in (("tokenize", {"prompt": "Hi"}), ("detokenize", {"tokens": [1]})):
+        assert httpx.post(f"{url}/{route}", json=route_body).status_code == 401
+        keyed = httpx.post(f"{url}/{route}", json=route_body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert keyed.status_code == 200, keyed.text
     assert httpx.get(f"{url}/health").status_code == 200  # probes and scrapers need no key
     assert httpx.get(f"{url}/metrics").status_code == 200
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
