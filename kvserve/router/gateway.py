@@ -56,6 +56,7 @@ RETRY_AFTER_S = 1
 LONG_BODY_BYTES = 64 * 1024  # bodies larger than this are rendered and tokenized off the event loop
 FORWARDED_HEADERS = ("authorization", "x-kvserve-timings", "x-request-id", "openai-organization")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # any replica of the model answers them alike
 
 
 
@@ -105,6 +106,35 @@ class Gateway:
 
     # --- one request --------------------------------------------------------------------------------------
     async def forward(self, path: str, http: Request) -> Response:
+        body, payload, model = await self._read_request(http)
+        if self.difficulty is not None and model == self.config.auto_model:
+            return await self.difficulty.route(path, payload, len(body), http)
+        self._check_served(model)
+        tokens = await self.tokens(path, payload, len(body))
+        return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http)
+
+    async def relay(self, path: str, http: Request) -> Response:
+        """A request every replica of its model answers alike (/tokenize, /detokenize): sent to the least
+        loaded healthy one, its answer passed back as it is."""
+        body, _, model = await self._read_request(http)
+        if model == self.config.auto_model and self.model_policy is not None:
+            raise InvalidRequest(f"'{self.config.auto_model}' picks a model per generation request; name one of "
+                                 f"{', '.join(self.pool.models())}", param="model")
+        self._check_served(model)
+        candidates = self.pool.healthy(model)
+        if not candidates:
+            raise NoHealthyReplica(f"no healthy replica serves {model or 'this request'}; retry later")
+        replica = min(candidates, key=lambda r: r.load)
+        try:
+            upstream = await self.client.post(f"{replica.url}{path}", content=body,
+                                              headers=self._upstream_headers(http))
+        except httpx.HTTPError as exc:
+            raise BadUpstreamResponse(f"replica {replica.url} did not answer {path}: {exc!r}") from None
+        return Response(upstream.content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type", "application/json"))
+
+    async def _read_request(self, http: Request) -> tuple[bytes, dict[str, Any], str | None]:
+        """The body (within the size limit), parsed as a JSON object, and the model it names."""
         body = await _read_body(http, self.config.max_request_body_bytes)
         try:
             payload = json.loads(body)
@@ -115,15 +145,14 @@ class Gateway:
         model = payload.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("'model' must be a string", param="model")
-        if self.difficulty is not None and model == self.config.auto_model:
-            return await self.difficulty.route(path, payload, len(body), http)
+        return body, payload, model
+
+    def _check_served(self, model: str | None) -> None:
         if model is not None and model not in self.pool.models():
             error = ModelNotFound(f"the model '{model}' does not exist; the replicas serve "
                                   f"{', '.join(self.models()) or 'nothing'}")
             error.param = "model"  # type: ignore[attr-defined]
             raise error
-        tokens = await self.tokens(path, payload, len(body))
-        return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http)
 
     def models(self) -> list[str]:
         """What clients may ask for: the replicas' models, and the auto model when one is routed by difficulty."""
@@ -355,7 +384,9 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
     for route in GENERATION_ROUTES:
-        app.add_api_route(route, _forwarder(gateway, route), methods=["POST"])
+        app.add_api_route(route, _bound(gateway.forward, route), methods=["POST"])
+    for route in TOKENIZER_ROUTES:
+        app.add_api_route(route, _bound(gateway.relay, route), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -392,8 +423,9 @@ def build_router_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-def _forwarder(gateway: Gateway, path: str) -> Callable[[Request], Awaitable[Response]]:
-    async def generate(http: Request) -> Response:
-        return await gateway.forward(path, http)
+def _bound(handle: Callable[[str, Request], Awaitable[Response]], path: str) -> Callable[[Request], Awaitable[Response]]:
+    """A route handler that passes its path to ``handle``."""
+    async def route(http: Request) -> Response:
+        return await handle(path, http)
 
-    return generate
+    return route

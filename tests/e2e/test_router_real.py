@@ -241,6 +241,20 @@ def test_the_auto_model_over_real_replicas_of_two_models(tmp_path: Path) -> None
         routed = client_of(gateways["probe"]).completions.with_raw_response.create(
             model="auto", prompt="def add(a, b):", max_tokens=4, temperature=0)
         assert (routed.headers["x-kvserve-model"], routed.headers["x-kvserve-route"]) == ("large", "probe:probe")
+
+        # The tokenizer routes go to a replica of the model named, answered as it answers them.
+        gateway = gateways["probe"].base_url
+        for model, server in (("small", small), ("large", large)):
+            body = {"model": model, "messages": messages, "return_token_strs": True}
+            through = httpx.post(f"{gateway}/tokenize", json=body, timeout=30)
+            assert through.status_code == 200 and through.json() == httpx.post(
+                f"{server.base_url}/tokenize", json=body, timeout=30).json()
+            tokens = {"model": model, "tokens": through.json()["tokens"]}
+            assert httpx.post(f"{gateway}/detokenize", json=tokens, timeout=30).json() == httpx.post(
+                f"{server.base_url}/detokenize", json=tokens, timeout=30).json()
+        for model, status in (("auto", 400), ("nothing", 404)):
+            refused = httpx.post(f"{gateway}/tokenize", json={"model": model, "prompt": "hi"}, timeout=30)
+            assert refused.status_code == status and refused.json()["error"]["param"] == "model"
     finally:
         for server in started:
             server.stop()

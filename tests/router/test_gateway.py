@@ -134,16 +134,18 @@ def test_the_routers_own_errors(replicas: list[FakeReplica]) -> None:
         assert too_large.value.status_code == 413 and too_large.value.body["code"] == "request_too_large"
         chunked = httpx.post(f"{gateway.base_url}/v1/completions", content=iter([b"{" + b" " * 600, b" " * 600]))
         assert chunked.status_code == 413
-        bad_json = httpx.post(f"{gateway.base_url}/v1/completions", content=b"{not json")
-        assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+        for path in ("/v1/completions", "/detokenize"):
+            bad_json = httpx.post(f"{gateway.base_url}{path}", content=b"{not json")
+            assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
         assert sum(len(r.received) for r in replicas) == 0
 
         for replica in replicas:
             replica.healthy = False
         wait_until(lambda: httpx.get(f"{gateway.base_url}/health").status_code == 503)
-        response = httpx.post(f"{gateway.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
-        assert response.status_code == 503 and response.headers["retry-after"] == "1"
-        assert response.json()["error"]["code"] == "no_healthy_replica"
+        for path in ("/v1/completions", "/tokenize"):
+            response = httpx.post(f"{gateway.base_url}{path}", json={"model": MODEL, "prompt": "hi"})
+            assert response.status_code == 503 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "no_healthy_replica"
     finally:
         gateway.stop()
 
