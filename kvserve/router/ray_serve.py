@@ -158,6 +158,15 @@ class KVServeIngress:
     async def completions(self, http: Request) -> Response:
         return await self._forward("/v1/completions", http)
 
+    # Any replica answers these alike: routed on no prompt, so that the prefix index records nothing.
+    @ingress_app.post("/tokenize")
+    async def tokenize(self, http: Request) -> Response:
+        return await self._forward("/tokenize", http, route_on_prompt=False)
+
+    @ingress_app.post("/detokenize")
+    async def detokenize(self, http: Request) -> Response:
+        return await self._forward("/detokenize", http, route_on_prompt=False)
+
     @ingress_app.get("/v1/models")
     async def models(self) -> Response:
         await self._learn()
@@ -168,7 +177,7 @@ class KVServeIngress:
     async def health(self) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def _forward(self, path: str, http: Request) -> Response:
+    async def _forward(self, path: str, http: Request, route_on_prompt: bool = True) -> Response:
         await self._learn()
         body = await http.body()
         try:
@@ -178,7 +187,7 @@ class KVServeIngress:
         except ValueError as exc:
             error = InvalidRequest(f"the request body is not a JSON object: {exc}")
             return JSONResponse(error_body(str(error), error.error_type), status_code=400)
-        tokens = await asyncio.to_thread(self._prompts.of, path, payload)
+        tokens = await asyncio.to_thread(self._prompts.of, path, payload) if route_on_prompt else ()
         headers = {"content-type": "application/json",
                    **{k: v for k, v in http.headers.items() if k in ("authorization", "x-kvserve-timings")}}
         answer = self._replicas.options(stream=True).forward.remote(path, body, headers, routing_tokens=list(tokens))

@@ -65,6 +65,12 @@ def test_kvserve_on_ray_serve_routes_a_repeated_prompt_to_its_cache(ray_cluster:
         streamed = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=5, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True})
         assert sum(1 for chunk in streamed if chunk.choices and chunk.choices[0].text) >= 1
+        counted = httpx.post(f"{server.base_url}/tokenize", json={"model": "tiny", "prompt": "hello there"},
+                             timeout=30).json()
+        typed = client.completions.create(model="tiny", prompt="hello there", max_tokens=1, temperature=0)
+        assert counted["count"] == typed.usage.prompt_tokens == len(counted["tokens"])
+        text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": counted["tokens"]}, timeout=30).json()
+        assert text["prompt"].endswith("hello there")
         bad = httpx.post(f"{server.base_url}/v1/completions", content=b"[1, 2]", timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     finally:
