@@ -108,4 +108,5 @@ class OutputProcessor:
             metrics=request.metrics,
             delta_text=delta,
             delta_token_ids=new_ids,
+            prompt_logprobs=request.prompt_logprobs,
         )

@@ -124,6 +124,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    # The prompt's tokens' logprobs, each given the ones before it, with this many top logprobs beside (vLLM's
+    # prompt_logprobs; the first token has none). The request then takes nothing from the prefix cache.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Added to the logits before sampling (OpenAI's logit_bias): (token id, bias) pairs; a dict is accepted.
@@ -177,6 +180,9 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -293,8 +299,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "status", "all_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "block_ids", "group_block_ids", "num_cached_tokens", "block_hashes",
         "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
-        "prompt", "cache_handle", "arrival_order", "output_logprobs", "draft_token_ids", "grammar",
-        "hidden_state",
+        "prompt", "cache_handle", "arrival_order", "output_logprobs", "prompt_logprobs", "draft_token_ids",
+        "grammar", "hidden_state",
     )
 
     def __init__(
@@ -336,6 +342,9 @@ class Request:
         self.cache_handle: object | None = None  # owned by the KV manager (locked radix node)
         self.arrival_order = arrival_order
         self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # By position in the prompt (None at 0): a chunk computed again after a preemption writes the same.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None)
         self.hidden_state: list[float] | None = None  # when sampling_params.return_hidden_state
         # Speculative tokens proposed for the next step (verified by the runner, not part of the sequence).
         self.draft_token_ids: list[int] = []
@@ -464,3 +473,6 @@ class RequestOutput:
     metrics: RequestMetrics
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # Per prompt token (None for the first), when SamplingParams.prompt_logprobs asked: {token_id: logprob} for
+    # the prompt's token and the top ones.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

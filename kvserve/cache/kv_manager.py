@@ -74,6 +74,13 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+
+def shares_prefixes(request: Request) -> bool:
+    """Whether the request reads and writes the prefix cache. One asking for its prompt's logprobs does
+    neither: every prompt row must run (no hit), and its blocks, duplicates of cached ones where the prompt
+    was seen before, would hold the cached copies locked beside its own."""
+    return request.prompt_logprobs is None
+
 class KVCacheManager:
     def __init__(
         self,
@@ -113,6 +120,8 @@ class KVCacheManager:
     # --- admission ------------------------------------------------------------------------------------------
     def lookup(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request, leaving at least its last token to compute (for logits)."""
+        if not shares_prefixes(request):
+            return EMPTY_HIT
         max_blocks = (request.num_tokens - 1) // self.block_size
         match = self.prefix_cache.match(request, max_blocks)
         group_pages: list[list[int]] = []
@@ -153,6 +162,8 @@ class KVCacheManager:
 
     def cached_prefix_length(self, request: Request) -> int:
         """Tokens a lookup would find now, without locking or touching anything (cache-aware ordering)."""
+        if not shares_prefixes(request):
+            return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self.prefix_cache.match_length(request, max_blocks) * self.block_size
 
@@ -269,7 +280,7 @@ class KVCacheManager:
         this request. Copies to a write-through tier wait until the step has run (``step_done``)."""
         computing = num_tokens is not None
         num_full = (num_tokens if computing else request.num_computed_tokens) // self.block_size
-        if num_full == 0:
+        if num_full == 0 or not shares_prefixes(request):
             return
         if not self.tiers.write_through:
             start = self.prefix_cache.cached_depth(request.cache_handle)
@@ -296,7 +307,8 @@ class KVCacheManager:
         """Release a finished, aborted or preempted request's blocks. Cached blocks stay, evictable."""
         self.tiers.forget(request.request_id)
         self.cache_blocks(request)
-        self.prefix_cache.keep_tail(request)
+        if shares_prefixes(request):
+            self.prefix_cache.keep_tail(request)
         self.pool.release(request.block_ids)
         if self.groups is not None:
             self.groups.release(request)

@@ -33,6 +33,8 @@ class ModelInputs:
     # The same layout over the block tables of the other KV groups (kv_layout.py), one per group; empty for
     # a model whose layers all read one table.
     group_rows: list[StepRows] = field(default_factory=list)
+    # Per scheduled request: (request id, its first row, the position of that row, its rows of token_ids).
+    spans: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -44,9 +46,11 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
     sample_rows: list[int] = []
     sample_ids: list[str] = []
     sample_drafts: list[list[int]] = []
+    spans: list[tuple[str, int, int, int]] = []
     for s in singles:
         tokens = s.token_ids + s.draft_token_ids if s.draft_token_ids else s.token_ids
         first_row = len(input_ids)
+        spans.append((s.request_id, first_row, s.start_position, len(s.token_ids)))
         input_ids.extend(tokens)
         positions.extend(range(s.start_position, s.start_position + len(tokens)))
         if s.sample:
@@ -55,6 +59,7 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
             sample_drafts.append(s.draft_token_ids)
     for s in chunks:
         assert not s.draft_token_ids, "drafts ride on decodes only"
+        spans.append((s.request_id, len(input_ids), s.start_position, len(s.token_ids)))
         input_ids.extend(s.token_ids)
         positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
         if s.sample:
@@ -71,6 +76,7 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
         sample_request_ids=sample_ids,
         sample_drafts=sample_drafts,
         group_rows=[_step_rows(out, singles, chunks, _group_table(g), block_size, device) for g in range(num_groups)],
+        spans=spans,
     )
 
 

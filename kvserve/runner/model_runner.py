@@ -11,11 +11,14 @@ from kvserve.config import MAX_SPECULATIVE_TOKENS
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.draft_lengths import DraftLengthPolicy
-from kvserve.runner.input_batch import build_inputs
+from kvserve.runner.input_batch import ModelInputs, build_inputs
 from kvserve.runner.kv_transfer import read_blocks, start_read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import ProposalRequest, Proposer, Verified, sample_and_verify
 from kvserve.structured.grammar import CompiledGrammar
+
+# Prompt rows whose logits (rows x vocabulary, in float32) are made at once for prompt logprobs.
+PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
@@ -114,6 +117,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches, group_metas)
+            self._prompt_logprobs(hidden, inputs, result)
             if not inputs.sample_request_ids:
                 return
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
@@ -138,6 +142,31 @@ class ModelRunner:
         limit = self.propose_below_batch_size
         if self.proposer is not None and (limit is None or len(states) < limit):
             self._propose(inputs.sample_request_ids, states, inputs.sample_drafts, verified, result)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, result: RunnerOutput) -> None:
+        """For the requests asking for them, each of this step's prompt rows' logprob of the next prompt token
+        and the top ones (the model's own distribution: no temperature, penalty or bias applied)."""
+        for request_id, first_row, start, count in inputs.spans:
+            state = self.states[request_id]
+            num_top = state.params.prompt_logprobs
+            prompt = state.prompt_token_ids
+            stop = min(start + count, len(prompt) - 1)  # rows whose next token is still the prompt's
+            if num_top is None or stop <= start:
+                continue
+            entries: list[dict[int, float]] = []
+            for row0 in range(start, stop, PROMPT_LOGPROB_ROWS):  # [rows, vocab] a slice at a time
+                row1 = min(row0 + PROMPT_LOGPROB_ROWS, stop)
+                rows = hidden[first_row + row0 - start: first_row + row1 - start]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                targets = torch.tensor(prompt[row0 + 1: row1 + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+                for i, target in enumerate(targets.tolist()):
+                    entry = {} if top_ids is None else dict(zip(top_ids[i].tolist(), top_values[i].tolist(),
+                                                                strict=True))
+                    entry.setdefault(target, chosen[i])
+                    entries.append(entry)
+            result.prompt_logprobs[request_id] = (start + 1, entries)
 
     def _hidden_states(self, sampled: torch.Tensor, request_ids: list[str], states: list[SamplingState],
                        drafts: list[list[int]]) -> dict[str, list[float]]:

@@ -8,6 +8,7 @@ owns them and raises ``InvalidSamplingParams`` naming the parameter.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -284,6 +285,9 @@ class CompletionRequest(_SamplingRequest):
     # str | list[str] | list[int] | list[list[int]]; checked by hand for an error message that says so.
     prompt: Any
     logprobs: int | None = None
+    # The prompt before the completion in each choice's text and, with logprobs, its tokens' logprobs first
+    # (the first token's None): what evaluation harnesses read a prompt's likelihood from.
+    echo: bool = False
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -295,7 +299,10 @@ class CompletionRequest(_SamplingRequest):
         return _as_prompts(self.prompt)
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, "max_tokens", self.logprobs, "logprobs")
+        params = self._params(self.max_tokens, "max_tokens", self.logprobs, "logprobs")
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class EmbeddingRequest(_Strict):

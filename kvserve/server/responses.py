@@ -67,8 +67,10 @@ class ResponseBuilder:
         for c in run.children:
             assert c.last is not None
             completion = c.last.outputs[0]
-            logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, 0)
-            completion_choices.append(p.CompletionChoice(index=c.index, text=completion.text, logprobs=logprobs,
+            echo, echo_logprobs = self._echo(c, body)
+            logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, len(echo))
+            completion_choices.append(p.CompletionChoice(index=c.index, text=echo + completion.text,
+                                                         logprobs=_joined(echo_logprobs, logprobs),
                                                          finish_reason=completion.finish_reason))
         return p.CompletionResponse(**head, choices=completion_choices, usage=usage)
 
@@ -124,11 +126,37 @@ class ResponseBuilder:
                 return None
             return p.ChatChunkChoice(index=child.index, delta=p.DeltaMessage(content=output.delta_text),
                                      logprobs=logprobs, finish_reason=finish)
-        logprobs = self._completion_logprobs(child, start, num_tokens, body.logprobs, child.num_chars_sent)
+        echo, echo_logprobs = ("", None) if child.echoed else self._echo(child, body)
+        child.echoed = True
+        child.num_chars_sent += len(echo)
+        logprobs = _joined(echo_logprobs, self._completion_logprobs(child, start, num_tokens, body.logprobs,
+                                                                    child.num_chars_sent))
+        text = echo + output.delta_text
         child.num_chars_sent += len(output.delta_text)
-        if not output.delta_text and finish is None and logprobs is None:
+        if not text and finish is None and logprobs is None:
             return None
-        return p.CompletionChoice(index=child.index, text=output.delta_text, logprobs=logprobs, finish_reason=finish)
+        return p.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish)
+
+    def _echo(self, child: EngineRequest, body: Any) -> tuple[str, p.CompletionLogprobs | None]:
+        """A completion's echoed prompt (``echo``): its text, and with logprobs its tokens' (offsets from 0)."""
+        if not getattr(body, "echo", False):
+            return "", None
+        text = child.prompt if child.prompt is not None else self.tokenizer.decode(child.prompt_token_ids,
+                                                                                   skip_special_tokens=False)
+        if child.params.logprobs is None:
+            return text, None
+        assert child.last is not None
+        entries = child.last.prompt_logprobs or [None] * len(child.prompt_token_ids)
+        out, offset = p.CompletionLogprobs(), 0
+        for token_id, entry in zip(child.prompt_token_ids, entries, strict=True):
+            token_text = self.token_text(token_id)
+            out.tokens.append(token_text)
+            out.token_logprobs.append(None if entry is None else _finite(entry.get(token_id, MIN_LOGPROB)))
+            out.top_logprobs.append(None if entry is None else
+                                    {self.token_text(t): _finite(lp) for t, lp in list(entry.items())[:body.logprobs]})
+            out.text_offset.append(offset)
+            offset += len(token_text)
+        return text, out
 
     # --- logprobs: entries [start, end) of the child's output tokens ---------------------------------------
     def _token_logprobs(self, child: EngineRequest, start: int, end: int) -> list[tuple[int, dict[int, float]]]:
@@ -163,6 +191,16 @@ class ResponseBuilder:
             out.text_offset.append(offset)
             offset += len(text)
         return out
+
+
+def _joined(first: p.CompletionLogprobs | None, then: p.CompletionLogprobs | None) -> p.CompletionLogprobs | None:
+    """The echoed prompt's logprobs, then the completion's (either may be absent)."""
+    if first is None or then is None:
+        return then if first is None else first
+    return p.CompletionLogprobs(tokens=first.tokens + then.tokens,
+                                token_logprobs=first.token_logprobs + then.token_logprobs,
+                                top_logprobs=first.top_logprobs + then.top_logprobs,
+                                text_offset=first.text_offset + then.text_offset)
 
 
 def _with_tool_calls(tool_format: ToolCallFormat, text: str,

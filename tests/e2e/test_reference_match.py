@@ -114,3 +114,30 @@ def test_returned_hidden_state_is_transformers_last_hidden_state(llm, prompt_ids
         got = torch.tensor(output.outputs[0].hidden_state)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_chunked_preempted_and_never_cached(
+        prompt_ids, reference, hf_reference) -> None:
+    """Each prompt token's logprob given the ones before it (and the top 3), as transformers' float32
+    log-softmax gives them: the long prompt in 64-token chunks, a pool too small for every request (so some
+    are preempted and computed again), the same prompts a second time with the prefix cache on (which they
+    must not use: every prompt row has to run). Greedy output stays the reference's."""
+    import torch
+
+    llm = LLM(dtype="float32", num_kv_blocks=68, max_num_batched_tokens=64, enable_prefix_caching=True)
+    prompts, expected_tokens = prompt_ids[:5], [tokens[:4] for tokens in reference[:5]]  # the long one is 4th
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    runs = [llm.generate([{"prompt_token_ids": ids} for ids in prompts], params) for _ in range(2)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    for outputs in runs:
+        assert [o.outputs[0].token_ids for o in outputs] == expected_tokens
+        assert all(o.num_cached_tokens == 0 for o in outputs)
+    for ids, first, second in zip(prompts, *runs, strict=True):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf_reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+        for entries in (first.prompt_logprobs, second.prompt_logprobs):
+            assert entries is not None and len(entries) == len(ids) and entries[0] is None
+            for position in range(1, len(ids)):
+                entry, row = entries[position], expected[position - 1]
+                assert entry is not None and abs(entry[ids[position]] - row[ids[position]].item()) < 1e-4
+                assert set(row.topk(3).indices.tolist()) <= set(entry) and len(entry) <= 4

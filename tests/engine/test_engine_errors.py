@@ -74,6 +74,8 @@ def test_token_ids_outside_the_vocabulary(llm: LLM) -> None:
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logprobs": 50}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 50}, "prompt_logprobs"),
         ({"n": 0}, "n"),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
         ({"temperature": float("nan")}, "temperature"),

@@ -1,0 +1,74 @@
+"""Completions with ``echo``: the prompt before the completion, and with logprobs the prompt's tokens' logprobs
+first, as evaluation harnesses (lm-evaluation-harness's loglikelihood requests) read them through the official
+client; the values are the engine's own prompt logprobs."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.server.conftest import LLM_KWARGS
+
+PROMPT = "The paged KV cache stores keys and values in blocks, so that"
+
+
+@pytest.fixture
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline() -> tuple[list[int], list]:
+    """The prompt's ids and prompt logprobs (top 2) from an offline engine of the server's settings."""
+    llm = LLM(**LLM_KWARGS)
+    output = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
+    return output.prompt_token_ids, output.prompt_logprobs
+
+
+def test_an_echoed_prompts_logprobs_are_the_engines_as_a_harness_reads_them(client, offline) -> None:
+    ids, expected = offline
+    answer = client.completions.create(model=None, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2,
+                                       echo=True)  # type: ignore[arg-type]
+    choice = answer.choices[0]
+    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    logprobs = choice.logprobs
+    assert logprobs is not None and len(logprobs.tokens) == len(ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position in range(1, len(ids)):
+        entry = expected[position]
+        assert abs(logprobs.token_logprobs[position] - entry[ids[position]]) < 1e-4
+        assert len(logprobs.top_logprobs[position]) == 2
+    # What a harness sums for the prompt's likelihood given its first token.
+    assert sum(logprobs.token_logprobs[1:len(ids)]) == pytest.approx(
+        sum(expected[i][ids[i]] for i in range(1, len(ids))), abs=1e-3)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
+
+
+def test_a_streamed_echo_sends_the_prompt_first_and_adds_up_to_the_whole(client, offline) -> None:
+    ids, _ = offline
+    whole = client.completions.create(model=None, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                      extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    chunks = [c for c in client.completions.create(model=None, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                   echo=True, logprobs=0, stream=True,
+                                                   extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+              if c.choices]
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    first = chunks[0].choices[0].logprobs
+    assert first is not None and len(first.tokens) >= len(ids) and first.token_logprobs[0] is None
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == len(ids) + 6
+    plain = client.completions.create(model=None, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    assert whole.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_echo_of_token_ids_and_several_prompts(client) -> None:
+    answer = client.completions.create(model=None, prompt=[[504, 3458, 282], [40, 2]], max_tokens=2,
+                                       temperature=0, echo=True, logprobs=1)  # type: ignore[arg-type]
+    assert len(answer.choices) == 2
+    for choice, ids in zip(sorted(answer.choices, key=lambda c: c.index), ([504, 3458, 282], [40, 2]), strict=True):
+        assert choice.logprobs is not None and len(choice.logprobs.tokens) == len(ids) + 2
+        assert choice.logprobs.token_logprobs[0] is None
+        assert all(lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
