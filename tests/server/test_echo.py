@@ -19,9 +19,14 @@ def client(base_url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def offline() -> tuple[list[int], list]:
-    """The prompt's ids and prompt logprobs (top 2) from an offline engine of the server's settings."""
-    llm = LLM(**LLM_KWARGS)
+def llm() -> LLM:
+    """An offline engine of the server's settings."""
+    return LLM(**LLM_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def offline(llm: LLM) -> tuple[list[int], list]:
+    """The prompt's ids and prompt logprobs (top 2) offline."""
     output = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
     return output.prompt_token_ids, output.prompt_logprobs
 
@@ -72,3 +77,25 @@ def test_echo_of_token_ids_and_several_prompts(client) -> None:
         assert choice.logprobs is not None and len(choice.logprobs.tokens) == len(ids) + 2
         assert choice.logprobs.token_logprobs[0] is None
         assert all(lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+
+
+def test_a_loglikelihood_request_as_lm_evaluation_harness_sends_it(client, llm) -> None:
+    """lm-evaluation-harness's completions loglikelihood: token-id prompts of context + continuation, echo,
+    logprobs 1, max_tokens 1; it sums token_logprobs[ctxlen:-1] and calls the continuation greedy when each
+    of those equals the largest of its top_logprobs. The model's own greedy continuation must be greedy."""
+    context = [504, 3458, 282, 253, 1345]
+    greedy = llm.generate({"prompt_token_ids": context},
+                          SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0))[0].outputs[0]
+    full = context + greedy.token_ids
+    continuation_logprobs = [entry[token] for token, entry in zip(greedy.token_ids, greedy.logprobs, strict=True)]
+    answer = client.completions.create(model=None, prompt=[full, context + [42, 43]], max_tokens=1, temperature=0,
+                                       logprobs=1, echo=True).model_dump()  # type: ignore[arg-type]
+    results = []
+    for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+        logprobs = choice["logprobs"]
+        scored = logprobs["token_logprobs"][len(context):-1]
+        results.append((sum(scored), all(lp == max(top.values()) for lp, top in
+                                         zip(scored, logprobs["top_logprobs"][len(context):-1], strict=True))))
+    (likelihood, is_greedy), (_, other_is_greedy) = results
+    assert is_greedy and not other_is_greedy
+    assert likelihood == pytest.approx(sum(continuation_logprobs), abs=1e-3)
