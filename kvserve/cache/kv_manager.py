@@ -74,12 +74,12 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-
 def shares_prefixes(request: Request) -> bool:
     """Whether the request reads and writes the prefix cache. One asking for its prompt's logprobs does
     neither: every prompt row must run (no hit), and its blocks, duplicates of cached ones where the prompt
     was seen before, would hold the cached copies locked beside its own."""
     return request.prompt_logprobs is None
+
 
 class KVCacheManager:
     def __init__(
