@@ -119,25 +119,34 @@ def test_returned_hidden_state_is_transformers_last_hidden_state(llm, prompt_ids
 def test_prompt_logprobs_are_transformers_log_softmax_chunked_preempted_and_never_cached(
         prompt_ids, reference, hf_reference) -> None:
     """Each prompt token's logprob given the ones before it (and the top 3), as transformers' float32
-    log-softmax gives them: the long prompt in 64-token chunks, a pool too small for every request (so some
-    are preempted and computed again), the same prompts a second time with the prefix cache on (which they
-    must not use: every prompt row has to run). Greedy output stays the reference's."""
+    log-softmax gives them: the long prompt in 64-token chunks, in a pool too small for every request (so some
+    are preempted and computed again), after the same prompts ran without them and left their blocks in the
+    prefix cache, which these requests must not use (every prompt row has to run) nor lock beside their own.
+    Greedy output stays the reference's."""
     import torch
 
-    llm = LLM(dtype="float32", num_kv_blocks=68, max_num_batched_tokens=64, enable_prefix_caching=True)
     prompts, expected_tokens = prompt_ids[:5], [tokens[:4] for tokens in reference[:5]]  # the long one is 4th
+    llm = LLM(dtype="float32", num_kv_blocks=68, max_num_batched_tokens=64, enable_prefix_caching=True)
+    plain = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(4))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
-    runs = [llm.generate([{"prompt_token_ids": ids} for ids in prompts], params) for _ in range(2)]
+    engine = llm.engine
+    request_ids = [engine.add_request({"prompt_token_ids": ids}, params).request_id for ids in prompts]
+    finished = {}
+    for _ in range(1000):  # about 40 steps are needed: a scheduler that makes no progress fails, not hangs
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(finished) == len(prompts):
+            break
+    assert len(finished) == len(prompts), "the requests asking for prompt logprobs made no progress"
+    outputs = [finished[request_id] for request_id in request_ids]
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in outputs] == expected_tokens
+    assert all(o.num_cached_tokens == 0 for o in outputs) and llm.engine.kv_manager.num_cached_blocks > 0
     assert llm.engine.scheduler.num_preemptions > 0
-    for outputs in runs:
-        assert [o.outputs[0].token_ids for o in outputs] == expected_tokens
-        assert all(o.num_cached_tokens == 0 for o in outputs)
-    for ids, first, second in zip(prompts, *runs, strict=True):
+    for ids, output in zip(prompts, outputs, strict=True):
         with torch.no_grad():
             expected = torch.log_softmax(hf_reference(torch.tensor([ids])).logits[0].float(), dim=-1)
-        for entries in (first.prompt_logprobs, second.prompt_logprobs):
-            assert entries is not None and len(entries) == len(ids) and entries[0] is None
-            for position in range(1, len(ids)):
-                entry, row = entries[position], expected[position - 1]
-                assert entry is not None and abs(entry[ids[position]] - row[ids[position]].item()) < 1e-4
-                assert set(row.topk(3).indices.tolist()) <= set(entry) and len(entry) <= 4
+        entries = output.prompt_logprobs
+        assert entries is not None and len(entries) == len(ids) and entries[0] is None
+        for position in range(1, len(ids)):
+            entry, row = entries[position], expected[position - 1]
+            assert entry is not None and abs(entry[ids[position]] - row[ids[position]].item()) < 1e-4
+            assert set(row.topk(3).indices.tolist()) <= set(entry) and len(entry) <= 4

@@ -34,6 +34,7 @@ HEAVY_EXAMPLES = 1000
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/metrics")]
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
 TIMEOUT_S = 60.0  # per request: a hang fails the test instead of stalling it
 
 
@@ -133,8 +134,10 @@ def run_fuzz(server: BackgroundServer, num_examples: int) -> Counter[int]:
     for method, path in OPERATIONS:
         # The GET routes take no parameters: nothing there can break the schema.
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if method == "POST" else (GenerationMode.POSITIVE,)
+        # The tokenizer routes run no model and share the generation routes' validation: fewer bodies.
+        examples = num_examples // 4 if path in TOKENIZER_ROUTES else num_examples
         for mode in modes:
-            fuzz_operation(server, method, path, mode, num_examples, counts)
+            fuzz_operation(server, method, path, mode, examples, counts)
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
     wait_idle(server)
     audit = httpx.get(f"{server.base_url}/kvserve/audit", timeout=30).json()
