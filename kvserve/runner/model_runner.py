@@ -40,6 +40,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
+        self._prompt_logprob_ids: set[str] = set()  # requests asking for prompt logprobs (most steps: none)
         # Drafts for each request's next step (speculative decoding); None: no speculation.
         self.proposer = proposer
         self.propose_below_batch_size = propose_below_batch_size  # None: at any batch size
@@ -93,6 +94,7 @@ class ModelRunner:
         """The step's forward, sampling and drafts, into ``result``."""
         for request_id in out.finished_request_ids:
             state = self.states.pop(request_id, None)
+            self._prompt_logprob_ids.discard(request_id)
             self._draft_probs.pop(request_id, None)
             self._lookup_pending.discard(request_id)
             if self.proposer is not None:
@@ -100,6 +102,8 @@ class ModelRunner:
                 self.draft_lengths.forget(request_id, len(state.output_token_ids) if state is not None else None)
         for new in out.new_requests:
             self.states[new.request_id] = new_sampling_state(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprob_ids.add(new.request_id)
         if out.is_empty and not out.kv_loads:
             return
 
@@ -117,7 +121,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches, group_metas)
-            self._prompt_logprobs(hidden, inputs, result)
+            if self._prompt_logprob_ids:
+                self._prompt_logprobs(hidden, inputs, result)
             if not inputs.sample_request_ids:
                 return
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample_rows, vocab]
@@ -147,6 +152,8 @@ class ModelRunner:
         """For the requests asking for them, each of this step's prompt rows' logprob of the next prompt token
         and the top ones (the model's own distribution: no temperature, penalty or bias applied)."""
         for request_id, first_row, start, count in inputs.spans:
+            if request_id not in self._prompt_logprob_ids:
+                continue
             state = self.states[request_id]
             num_top = state.params.prompt_logprobs
             prompt = state.prompt_token_ids

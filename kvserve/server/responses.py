@@ -139,7 +139,7 @@ class ResponseBuilder:
 
     def _echo(self, child: EngineRequest, body: Any) -> tuple[str, p.CompletionLogprobs | None]:
         """A completion's echoed prompt (``echo``): its text, and with logprobs its tokens' (offsets from 0)."""
-        if not getattr(body, "echo", False):
+        if not body.echo:
             return "", None
         text = child.prompt if child.prompt is not None else self.tokenizer.decode(child.prompt_token_ids,
                                                                                    skip_special_tokens=False)
