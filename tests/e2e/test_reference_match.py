@@ -1,4 +1,8 @@
-"""Greedy output equals the transformers reference token for token on the real SmolLM2-135M-Instruct."""
+"""Greedy output equals the transformers reference token for token on the real SmolLM2-135M-Instruct.
+
+transformers' greedy output is recorded in tests/data (generating it live took a tenth of this file's time in
+CI); the heavy test checks the recording against transformers live. The hidden-state and prompt-logprob
+checks run transformers live."""
 
 from __future__ import annotations
 
@@ -6,8 +10,10 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.e2e.conftest import CHAT_QUESTIONS, PLAIN_PROMPTS, hf_greedy
+from tests.support.recorded_reference import RecordedGreedy, check_or_record, load_recording
 
 MAX_TOKENS = 20
+MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow
 
 
@@ -29,8 +35,22 @@ def prompt_ids(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_reference, prompt_ids) -> list[list[int]]:
-    return [hf_greedy(hf_reference, ids, MAX_TOKENS) for ids in prompt_ids]
+def reference(prompt_ids) -> list[list[int]]:
+    recorded = load_recording(MODEL)
+    assert recorded.prompt_token_ids == prompt_ids and recorded.max_new_tokens == MAX_TOKENS
+    return recorded.token_ids
+
+
+@pytest.mark.heavy  # CI compares with the recording
+def test_the_recorded_reference_is_transformers_own_greedy_output(hf_reference, prompt_ids) -> None:
+    import transformers
+
+    from kvserve.model_store.catalog import known_model
+
+    entry = known_model(MODEL)
+    assert entry is not None
+    check_or_record(MODEL, RecordedGreedy(entry.sha256, transformers.__version__, MAX_TOKENS, prompt_ids,
+                                          [hf_greedy(hf_reference, ids, MAX_TOKENS) for ids in prompt_ids]))
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
