@@ -74,10 +74,11 @@ class GreedyAgreement:
 
 
 def make_engine(model: str, path: str, num_tokens: int) -> LLM:
+    # Every layer's KV in one page table (window_pages off): log_probs below writes the text's blocks itself.
     quantization, dtype, activations = PATHS[path]
     return LLM(model=model, quantization=quantization, dtype=dtype, quantized_activations=activations,
                block_size=BLOCK_SIZE, num_kv_blocks=math.ceil(num_tokens / BLOCK_SIZE) + 64,
-               max_num_batched_tokens=max(num_tokens, 4096), enable_prefix_caching=False)
+               max_num_batched_tokens=max(num_tokens, 4096), enable_prefix_caching=False, window_pages=False)
 
 
 def log_probs(llm: LLM, ids: list[int], rows: int) -> Iterator[torch.Tensor]:
