@@ -3,7 +3,7 @@
     python benchmarks/models.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,gemma-3-270m]
         [--dtype bfloat16] [--threads 2] [--prompt-len 256] [--gen-len 64] [--concurrency 16] [--repeats 1]
         [--llama-bench /path/to/llama-bench] [--llama-server /path/to/llama-server] [--int8-activations]
-        [--json out.json]
+        [--int16-activations] [--json out.json]
 
 For every model (pulled with `kvserve models pull NAME`), one process measures in turn, on the same GGUF,
 dtype and thread count:
@@ -11,7 +11,9 @@ dtype and thread count:
 - **kvserve** (``LLM``, prefix cache off so every prompt is computed): single-stream prefill (a prompt of
   ``--prompt-len`` tokens, time to its first token) and decode (the next ``--gen-len`` tokens); then
   ``--concurrency`` requests at once: prefill tokens/s until the last first token, decode tokens/s after it.
-  With ``--int8-activations``, the same again as **kvserve-int8** (``--quantized-activations int8``).
+  kvserve runs its defaults (``--quantized-activations auto``: int8 activations for the known models whose
+  quality with them is checked, int16 for the others). With ``--int8-activations`` or ``--int16-activations``,
+  the same again as **kvserve-int8** or **kvserve-int16** (``--quantized-activations int8`` or ``int16``).
 - **transformers**, its model class built from the same dequantised weights: one forward over the prompts
   keeping the last position's logits (prefill), then ``generate`` with its KV cache (decode: a generate of
   ``--gen-len`` tokens less one of a single token), batch 1 and a batch of ``--concurrency`` prompts of
@@ -60,7 +62,7 @@ def _prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[i
 
 
 def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int, repeats: int,
-                  activations: str = "int16") -> Speed:
+                  activations: str = "auto") -> Speed:
     """The median prefill and decode rates of ``repeats`` runs of the prompts on one engine."""
     llm = LLM(model=name, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=4096,
               max_num_seqs=max(len(prompts), 1), num_kv_blocks=max(64, len(prompts) * 40),
@@ -75,7 +77,7 @@ def bench_kvserve(name: str, dtype: str, prompts: list[list[int]], gen_len: int,
         arrival = min(o.metrics.arrival_time for o in outputs)
         prefills.append(sum(len(p) for p in prompts) / (first - arrival))
         decodes.append(len(prompts) * (gen_len - 1) / (last - first))
-    engine = "kvserve-int8" if activations == "int8" else "kvserve"
+    engine = "kvserve" if activations == "auto" else f"kvserve-{activations}"
     return Speed(engine, name, len(prompts), statistics.median(prefills), statistics.median(decodes))
 
 
@@ -223,6 +225,8 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--int8-activations", action="store_true",
                         help="also kvserve with --quantized-activations int8 (kvserve-int8)")
+    parser.add_argument("--int16-activations", action="store_true",
+                        help="also kvserve with --quantized-activations int16 (kvserve-int16)")
     parser.add_argument("--json", default=None, help="write the figures here too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -237,8 +241,9 @@ def main() -> None:
         many = _prompts(vocab, args.concurrency, args.prompt_len, seed=2)
         rows = [bench_kvserve(name, args.dtype, single, args.gen_len, args.repeats),
                 bench_kvserve(name, args.dtype, many, args.gen_len, args.repeats)]
-        if args.int8_activations:
-            rows += [bench_kvserve(name, args.dtype, prompts, args.gen_len, args.repeats, activations="int8")
+        for activations in [a for a, asked in (("int8", args.int8_activations), ("int16", args.int16_activations))
+                            if asked]:
+            rows += [bench_kvserve(name, args.dtype, prompts, args.gen_len, args.repeats, activations=activations)
                      for prompts in (single, many)]
         if not args.skip_transformers:
             model, _ = load_transformers(name, torch_dtype)
@@ -252,7 +257,7 @@ def main() -> None:
         for row in rows:
             print(f"{row.model:20s} {row.engine:13s} c={row.concurrency:<3d} prefill {row.prefill_tok_s:9.1f} tok/s  "
                   f"decode {row.decode_tok_s:8.1f} tok/s", flush=True)
-        for engine in ("kvserve", "kvserve-int8"):
+        for engine in ("kvserve", "kvserve-int8", "kvserve-int16"):
             ours = {r.concurrency: r for r in rows if r.engine == engine}
             for row in rows:
                 if not row.engine.startswith("kvserve") and row.concurrency in ours:

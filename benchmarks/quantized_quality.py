@@ -11,11 +11,13 @@ tests/data/perplexity.txt (code and prose), each position's distribution given t
 
 - **float32, dequantised** (``--quantization none --dtype float32``): the reference;
 - **bf16, dequantised** (``--quantization none``): bf16 weights, activations and KV cache;
-- **quantised, default** (``--quantization gguf``, int16 activations): the GGUF blocks' int8 dot products with
-  one int8 level up to QUANTIZED_GEMV_MAX_ROWS rows and two (about 16 bits) up to the interleaved limit, the
-  dequantised slabs on VDPBF16PS past it;
-- **quantised, int8 activations** (``--quantized-activations int8``): one int8 level per 32 values at every
-  width, as llama.cpp's CPU kernels take them (where the build has the interleaved kernels).
+- **quantised, int16 activations** (``--quantization gguf --quantized-activations int16``, the default for
+  files the catalog does not mark for int8): the GGUF blocks' int8 dot products with one int8 level up to
+  QUANTIZED_GEMV_MAX_ROWS rows and two (about 16 bits) up to the interleaved limit, the dequantised slabs on
+  VDPBF16PS past it;
+- **quantised, int8 activations** (``--quantized-activations int8``, the default for the known models the
+  catalog marks): one int8 level per 32 values at every width, as llama.cpp's CPU kernels take them (where
+  the build has the interleaved kernels).
 
 The text is fed ``--rows`` tokens per forward, once per value, so that each width's kernels are measured (a
 whole prefill, a decode batch's width, one row). Printed per path and width: perplexity, the mean and 99th
@@ -48,7 +50,7 @@ AGREEMENT_TOKENS = 32
 PATHS = {
     "float32 dequantised": ("none", "float32", "int16"),
     "bf16 dequantised": ("none", "bfloat16", "int16"),
-    "quantised, default": ("gguf", "bfloat16", "int16"),
+    "quantised, int16 activations": ("gguf", "bfloat16", "int16"),
     "quantised, int8 activations": ("gguf", "bfloat16", "int8"),
 }
 

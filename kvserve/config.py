@@ -17,7 +17,7 @@ from kvserve.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
-QuantizedActivations = Literal["int16", "int8"]
+QuantizedActivations = Literal["auto", "int16", "int8"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 GrammarEngine = Literal["auto", "llguidance", "xgrammar"]
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -91,11 +91,12 @@ class ModelConfig:
                 "none dequantises every weight to --dtype at load; auto is gguf where the backend runs blocks at "
                 "least as fast as dense weights under load (CPUs with AVX-512), else none")
     quantized_activations: QuantizedActivations = setting(
-        "int16", "how the int8 kernels of weights kept in their blocks quantise the activations: int16 takes one "
-                 "int8 level per 16 values in decode steps, and keeps an int8 residual beside each int8 value in "
-                 "prompt chunks (as exact as bf16 activations); int8 takes one int8 level per 32 values at every "
-                 "width, as llama.cpp does: faster prefill, at the KL divergence docs/performance.md gives. Needs "
-                 "AVX512-VNNI; elsewhere int16")
+        "auto", "how the int8 kernels of weights kept in their blocks quantise the activations: int16 takes one "
+                "int8 level per 16 values in decode steps, and keeps an int8 residual beside each int8 value in "
+                "prompt chunks (as exact as bf16 activations); int8 takes one int8 level per 32 values at every "
+                "width, as llama.cpp does: faster prefill, at the KL divergence docs/performance.md gives; auto is "
+                "int8 for the known models whose quality with it is checked (`kvserve models list`), int16 for "
+                "any other file. int8 needs AVX512-VNNI; elsewhere int16")
     device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
     max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "
                                               "context length, capped by the KV pool)")
@@ -108,8 +109,9 @@ class ModelConfig:
                                   flag=None)
 
     def __post_init__(self) -> None:
-        if self.quantized_activations not in ("int16", "int8"):
-            raise ConfigError(f"quantized_activations must be 'int16' or 'int8', got {self.quantized_activations!r}",
+        if self.quantized_activations not in ("auto", "int16", "int8"):
+            raise ConfigError("quantized_activations must be 'auto', 'int16' or 'int8', got "
+                              f"{self.quantized_activations!r}",
                               "quantized_activations")
 
 

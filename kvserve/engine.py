@@ -36,6 +36,7 @@ from kvserve.model.backends.select import select_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.registry import build_model
+from kvserve.model_store.catalog import int8_activations_for
 from kvserve.output_processor import OutputProcessor
 from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams
 from kvserve.runner.device import resolve_device, resolve_dtype
@@ -192,7 +193,7 @@ class Engine:
         quantization = quantization or mc.quantization
         t0 = time.perf_counter()
         backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self._backend_config(),
-                                 int8_activations=mc.quantized_activations == "int8")
+                                 int8_activations=self._int8_activations(path))
         model = build_model(arch, self.dtype, self.device, backend)
         keep_blocks = quantization == "gguf" or (quantization == "auto" and backend.quantized_by_default)
         quantized_types = backend.quantized_types if keep_blocks else frozenset()
@@ -202,6 +203,14 @@ class Engine:
         logger.info("loaded %s (%s) in %.1fs; weights: %s", path.name, arch.architecture, time.perf_counter() - t0,
                     model.weight_summary())
         return backend, model
+
+    def _int8_activations(self, path: Path) -> bool:
+        choice = self.config.model.quantized_activations
+        int8 = int8_activations_for(choice, model_fingerprint(path))
+        if int8 and choice == "auto":
+            logger.info("quantised activations: int8 for %s, a known model whose quality with them is checked "
+                        "(--quantized-activations int16 keeps them as exact as bf16)", path.name)
+        return int8
 
     def _backend_config(self) -> BackendConfig:
         """The backend options, CUDA graphs captured no wider than a decode step can be: every running

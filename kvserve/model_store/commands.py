@@ -44,7 +44,8 @@ def _print_list(store: ModelStore) -> None:
     for entry in store.entries():
         model = entry.model
         rows.append((model.name, f"{model.size_bytes / 1e6:.0f} MB", "yes" if entry.installed else "no",
-                     model.licence, model.description + ("" if model.chat else "; completions only")))
+                     model.licence, model.description + ("" if model.chat else "; completions only")
+                     + ("; int8 activations by default" if model.int8_activations else "")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])

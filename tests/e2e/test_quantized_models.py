@@ -20,12 +20,15 @@ from kvserve import LLM, SamplingParams
 from kvserve.model.backends.base import PrefillChunk, StepRows
 from kvserve.model.loader import iter_weights, read_arch_config
 from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight
+from kvserve.model_store import KNOWN_MODELS, known_model
 from tests.e2e.conftest import installed_model
 
 TEXT = (Path(__file__).parents[1] / "data" / "perplexity.txt").read_text()
 BLOCK_SIZE = 16
 AGREEMENT_PROMPTS = json.loads((Path(__file__).parents[1] / "data" / "agreement_prompts.json").read_text())
 AGREEMENT_TOKENS = 32
+# The known models that take int8 activations by default: the two tests below check each with them.
+INT8_CHECKED = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma-3-270m")
 
 
 def perplexity(llm: LLM, text: str) -> float:
@@ -50,9 +53,11 @@ def perplexity(llm: LLM, text: str) -> float:
 
 
 def engine_for(model: str, quantization: str, dtype: str, activations: str = "int16") -> LLM:
+    # Every layer's KV in one page table (window_pages off): perplexity() writes the text's blocks itself.
     num_blocks = math.ceil(len(TEXT) / BLOCK_SIZE) // 2 + 64  # ~2 characters a token, at the least
     return LLM(model=model, quantization=quantization, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
-               max_num_batched_tokens=4096, enable_prefix_caching=False, quantized_activations=activations)
+               max_num_batched_tokens=4096, enable_prefix_caching=False, quantized_activations=activations,
+               window_pages=False)
 
 
 def check_perplexity(model: str) -> None:
@@ -77,8 +82,9 @@ def test_smollm2_q4_1_perplexity_is_within_one_percent_of_float32() -> None:
 
 
 @pytest.mark.heavy
-def test_qwen_coder_q4_k_m_perplexity_is_within_one_percent_of_float32() -> None:
-    check_perplexity("qwen2.5-coder-0.5b")
+@pytest.mark.parametrize("model", INT8_CHECKED)
+def test_q4_k_m_perplexity_is_within_one_percent_of_float32(model: str) -> None:
+    check_perplexity(model)
 
 
 def greedy(llm: LLM) -> list[list[int]]:
@@ -87,8 +93,14 @@ def greedy(llm: LLM) -> list[list[int]]:
 
 
 def check_agreement(model: str) -> None:
+    """The default's greedy output (int8 activations for the models the catalog marks, else int16) against the
+    file dequantised to bf16."""
     path = str(installed_model(model))
-    quantized = greedy(engine_for(path, "gguf", "bfloat16"))
+    default = engine_for(path, "gguf", "bfloat16", "auto")
+    if known_model(model).int8_activations and "interleaved" in default.engine.backend.description:
+        assert "int8 activations" in default.engine.backend.description
+    quantized = greedy(default)
+    del default
     dequantized = greedy(engine_for(path, "none", "bfloat16"))
     agreeing = []
     for q, d in zip(quantized, dequantized, strict=True):
@@ -104,9 +116,14 @@ def test_smollm2_greedy_output_agrees_with_the_dequantised_run_on_most_prompts()
     check_agreement("smollm2-135m")
 
 
-@pytest.mark.heavy
-def test_qwen_coder_greedy_output_agrees_with_the_dequantised_run_on_most_prompts() -> None:
-    check_agreement("qwen2.5-coder-0.5b")
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow if m == "qwen2.5-coder-0.5b"
+                                                 else pytest.mark.heavy) for m in INT8_CHECKED])
+def test_q4_k_m_greedy_output_agrees_with_the_dequantised_run_on_most_prompts(model: str) -> None:
+    check_agreement(model)
+
+
+def test_the_models_that_take_int8_activations_by_default_are_those_checked_with_them() -> None:
+    assert {m.name for m in KNOWN_MODELS if m.int8_activations} == set(INT8_CHECKED)
 
 
 def test_the_loader_keeps_the_matrices_in_their_blocks_and_nothing_else() -> None:

