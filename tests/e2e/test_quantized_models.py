@@ -97,8 +97,8 @@ def check_agreement(model: str) -> None:
     file dequantised to bf16."""
     path = str(installed_model(model))
     default = engine_for(path, "gguf", "bfloat16", "auto")
-    if known_model(model).int8_activations and "interleaved" in default.engine.backend.description:
-        assert "int8 activations" in default.engine.backend.description
+    description = default.engine.backend.description
+    assert ("int8 activations" in description) == (known_model(model).int8_activations and "interleaved" in description)
     quantized = greedy(default)
     del default
     dequantized = greedy(engine_for(path, "none", "bfloat16"))
