@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from kvserve.errors import KVServeError
@@ -147,16 +147,7 @@ class ResponseBuilder:
             return text, None
         assert child.last is not None
         entries = child.last.prompt_logprobs or [None] * len(child.prompt_token_ids)
-        out, offset = p.CompletionLogprobs(), 0
-        for token_id, entry in zip(child.prompt_token_ids, entries, strict=True):
-            token_text = self.token_text(token_id)
-            out.tokens.append(token_text)
-            out.token_logprobs.append(None if entry is None else _finite(entry.get(token_id, MIN_LOGPROB)))
-            out.top_logprobs.append(None if entry is None else
-                                    {self.token_text(t): _finite(lp) for t, lp in list(entry.items())[:body.logprobs]})
-            out.text_offset.append(offset)
-            offset += len(token_text)
-        return text, out
+        return text, self._completion_entries(zip(child.prompt_token_ids, entries, strict=True), body.logprobs, 0)
 
     # --- logprobs: entries [start, end) of the child's output tokens ---------------------------------------
     def _token_logprobs(self, child: EngineRequest, start: int, end: int) -> list[tuple[int, dict[int, float]]]:
@@ -182,12 +173,19 @@ class ResponseBuilder:
                              offset: int) -> p.CompletionLogprobs | None:
         if child.params.logprobs is None:
             return None
+        return self._completion_entries(self._token_logprobs(child, start, end), num_top, offset)
+
+    def _completion_entries(self, tokens: Iterable[tuple[int, dict[int, float] | None]], num_top: int | None,
+                            offset: int) -> p.CompletionLogprobs:
+        """Completions' logprobs of these (token id, its entry) pairs, text offsets from ``offset``; an entry of
+        None (an echoed prompt's first token) has none."""
         out = p.CompletionLogprobs()
-        for token_id, entry in self._token_logprobs(child, start, end):
+        for token_id, entry in tokens:
             text = self.token_text(token_id)
             out.tokens.append(text)
-            out.token_logprobs.append(_finite(entry.get(token_id, MIN_LOGPROB)))
-            out.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in list(entry.items())[:num_top or 0]})
+            out.token_logprobs.append(None if entry is None else _finite(entry.get(token_id, MIN_LOGPROB)))
+            out.top_logprobs.append(None if entry is None else
+                                    {self.token_text(t): _finite(lp) for t, lp in list(entry.items())[:num_top or 0]})
             out.text_offset.append(offset)
             offset += len(text)
         return out
