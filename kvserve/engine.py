@@ -125,7 +125,7 @@ class Engine:
         self.fingerprint = model_fingerprint(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
 
-        self.backend, self.model = self._load_model(self.model_path, self.arch)
+        self.backend, self.model = self._load_model(self.model_path, self.fingerprint, self.arch)
 
         cc = config.cache
         num_blocks = num_blocks_for(self.arch, cc, self.dtype)
@@ -185,15 +185,16 @@ class Engine:
                     sum(layout.windowed), layout.window)
         return layout
 
-    def _load_model(self, path: Path, arch: ArchConfig, quantization: str | None = None
+    def _load_model(self, path: Path, fingerprint: str, arch: ArchConfig, quantization: str | None = None
                     ) -> tuple[Backend, LlamaForCausalLM]:
         """A model's backend and weights, as the model options say (the draft model is loaded the same way,
         with its own ``quantization`` if it has one)."""
         mc = self.config.model
         quantization = quantization or mc.quantization
         t0 = time.perf_counter()
+        int8 = int8_activations_for(mc.quantized_activations, fingerprint)
         backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self._backend_config(),
-                                 int8_activations=self._int8_activations(path))
+                                 int8_activations=int8)
         model = build_model(arch, self.dtype, self.device, backend)
         keep_blocks = quantization == "gguf" or (quantization == "auto" and backend.quantized_by_default)
         quantized_types = backend.quantized_types if keep_blocks else frozenset()
@@ -202,15 +203,14 @@ class Engine:
                                         interleave_quantized=backend.quantized_interleaved))
         logger.info("loaded %s (%s) in %.1fs; weights: %s", path.name, arch.architecture, time.perf_counter() - t0,
                     model.weight_summary())
+        if int8 and mc.quantized_activations == "auto" and model.holds_quantized_weights:
+            if backend.quantized_int8_activations:
+                logger.info("quantised activations: int8 for %s, a known model whose quality with them is checked "
+                            "(--quantized-activations int16 keeps them as exact as bf16)", path.name)
+            else:
+                logger.info("quantised activations: int16 for %s (its default is int8, whose kernels this CPU "
+                            "lacks: they need AVX512-VNNI)", path.name)
         return backend, model
-
-    def _int8_activations(self, path: Path) -> bool:
-        choice = self.config.model.quantized_activations
-        int8 = int8_activations_for(choice, model_fingerprint(path))
-        if int8 and choice == "auto":
-            logger.info("quantised activations: int8 for %s, a known model whose quality with them is checked "
-                        "(--quantized-activations int16 keeps them as exact as bf16)", path.name)
-        return int8
 
     def _backend_config(self) -> BackendConfig:
         """The backend options, CUDA graphs captured no wider than a decode step can be: every running
@@ -235,7 +235,8 @@ class Engine:
         if why is not None:
             raise ConfigError(f"speculative_config.model: the draft {path.name} cannot draft for "
                               f"{self.model_path.name}: {why}", "model")
-        backend, model = self._load_model(path, arch, spec.quantization)
+        fingerprint = model_fingerprint(path)
+        backend, model = self._load_model(path, fingerprint, arch, spec.quantization)
         if model.num_parameters > self.model.num_parameters:
             raise ConfigError(f"speculative_config.model: the draft {path.name} has {model.num_parameters:,} "
                               f"parameters, more than the target's {self.model.num_parameters:,}", "model")
@@ -245,7 +246,7 @@ class Engine:
             -(-spec.num_speculative_tokens // cc.block_size) + 1)
         kv_caches = allocate_kv_caches(arch, num_blocks, cc.block_size, self.dtype, self.device)
         model.prepare_decode(kv_caches, KVLayout.single(arch.num_layers).layer_group)
-        draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{model_fingerprint(path)}:{cc.hash_salt}".encode(),
+        draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{fingerprint}:{cc.hash_salt}".encode(),
                                 enable_prefix_caching=cc.enable_prefix_caching)
         logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s%s%s", path.name, num_blocks,
                     spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "",
@@ -260,15 +261,24 @@ class Engine:
                                                         spec.prompt_lookup_max) if spec.prompt_lookup else None))
 
     def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
-        """The host / disk / Redis tiers below device memory, keyed for this model, dtype and block size."""
+        """The host / disk / Redis tiers below device memory, keyed for this model, how it is computed (dtype,
+        weights in their blocks or not, activation code) and block size."""
         if not storage.enabled:
             return None
         dtype_name = str(self.dtype).removeprefix("torch.")
-        namespace = KeyNamespace(self.fingerprint, dtype_name, self.config.cache.block_size)
+        namespace = KeyNamespace(self.fingerprint, dtype_name, self.config.cache.block_size,
+                                 numerics=self._kv_numerics())
         tiers = TieredKVStore(storage, namespace, block_shape(kv_caches), payload_nbytes=block_nbytes(kv_caches))
         logger.info("KV tiers below device memory: %s (%s, retention %.0f s)", ", ".join(tiers.names) or "none",
                     storage.write_policy, storage.retention_s)
         return tiers
+
+    def _kv_numerics(self) -> str:
+        """How the weights are multiplied, as far as it changes the KV beside the dtype: each way is an
+        approximation of the model of its own, and an engine reads only the KV of its own kind."""
+        if not self.model.holds_quantized_weights:
+            return "dense"
+        return "gguf-int8" if self.backend.quantized_int8_activations else "gguf"
 
     def _resolve_max_model_len(self, pool_tokens: int) -> int:
         model_len = self.arch.max_position_embeddings

@@ -227,6 +227,11 @@ class LlamaForCausalLM:
         """The bytes the weights are held in (before any kernel's packed copies)."""
         return sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in self.weights())
 
+    @property
+    def holds_quantized_weights(self) -> bool:
+        """Whether any weight is kept in its GGUF blocks (and multiplied there) rather than dequantised."""
+        return any(isinstance(w, QuantizedWeight) for w in self.weights())
+
     def weight_summary(self) -> str:
         """What the weights are held as and how many bytes they take (before any kernel's packed copies),
         for the start-up log: "412.3 MiB; 97 matrices in GGUF blocks (Q5_0, Q6_K, Q8_0), the rest bfloat16"."""

@@ -56,17 +56,27 @@ class CorruptEntry(StorageError):
 # ---------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class KeyNamespace:
-    """What a block hash alone does not say: whose KV it is and how it is laid out."""
+    """What a block hash alone does not say: whose KV it is, computed how, and how it is laid out."""
 
     model_fingerprint: str
     kv_dtype: str  # "bfloat16", "float16", "float32", ...
     block_size: int
     layout_version: int = LAYOUT_VERSION
+    # How the weights were multiplied, where that is not the dtype alone ("gguf-int8": kept in their GGUF
+    # blocks, int8 activations): engines that compute the same model another way do not read each other's KV.
+    numerics: str = ""
 
     def digest(self) -> bytes:
         """``NAMESPACE_DIGEST_SIZE`` bytes that differ whenever any field differs."""
         text = f"{self.layout_version}\0{self.model_fingerprint}\0{self.kv_dtype}\0{self.block_size}"
+        if self.numerics:
+            text += f"\0{self.numerics}"
         return hashlib.blake2b(text.encode(), digest_size=NAMESPACE_DIGEST_SIZE).digest()
+
+    @property
+    def model_identity(self) -> str:
+        """The fingerprint an entry's header carries: the model's, and how it was computed where that is said."""
+        return f"{self.model_fingerprint}/{self.numerics}" if self.numerics else self.model_fingerprint
 
 
 def make_key(block_hash: bytes, namespace: KeyNamespace) -> bytes:
@@ -94,7 +104,7 @@ class EntryMeta:
 
     @classmethod
     def for_namespace(cls, namespace: KeyNamespace, shape: Sequence[int]) -> EntryMeta:
-        return cls(namespace.model_fingerprint, namespace.kv_dtype, namespace.block_size, tuple(shape),
+        return cls(namespace.model_identity, namespace.kv_dtype, namespace.block_size, tuple(shape),
                    namespace.layout_version)
 
 

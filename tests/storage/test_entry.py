@@ -141,7 +141,8 @@ def test_make_key_layout_and_determinism() -> None:
 
 
 @pytest.mark.parametrize(
-    "change", [{"model_fingerprint": "m@2"}, {"kv_dtype": "bfloat16"}, {"block_size": 32}, {"layout_version": 1}]
+    "change", [{"model_fingerprint": "m@2"}, {"kv_dtype": "bfloat16"}, {"block_size": 32}, {"layout_version": 1},
+               {"numerics": "gguf-int8"}]
 )
 def test_every_namespace_field_changes_the_key(change: dict) -> None:
     block_hash = hash_block(None, [7] * 16)
@@ -156,6 +157,17 @@ def test_make_key_rejects_wrong_hash_length() -> None:
 def test_entry_meta_for_namespace() -> None:
     meta = EntryMeta.for_namespace(NS, [4, 2, 16, 8])
     assert meta == META
+
+
+def test_an_entry_written_with_other_numerics_is_refused_on_its_header() -> None:
+    """Keys already differ by the namespace digest; the header says it too, so a read under another namespace
+    (a digest collision, a file moved by hand) is refused rather than served."""
+    int8 = dataclasses.replace(NS, numerics="gguf-int8")
+    blob = encode_entry(b"\x01" * 8, EntryMeta.for_namespace(int8, [4, 2, 16, 8]))
+    decode_entry_with_header(blob, EntryMeta.for_namespace(int8, [4, 2, 16, 8]))
+    for other in (NS, dataclasses.replace(NS, numerics="gguf")):
+        with pytest.raises(CorruptEntry, match="fingerprint mismatch"):
+            decode_entry_with_header(blob, EntryMeta.for_namespace(other, [4, 2, 16, 8]))
 
 
 # --- stats -----------------------------------------------------------------------------------------------

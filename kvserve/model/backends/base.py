@@ -214,6 +214,9 @@ class Backend(Protocol):
     quantized_by_default: bool
     # Whether its kernels read quantised weights held interleaved sixteen rows at a time (model/quantized_layout.py).
     quantized_interleaved: bool
+    # Whether those kernels take int8 activations, one level per 32 values, at every width (else as exact as bf16
+    # in prompt chunks): with the weights' blocks, what decides the KV a prompt leaves besides the dtype.
+    quantized_int8_activations: bool
 
     def build_metadata(self, rows: StepRows) -> AttentionMetadata:
         """This step's layout for this backend's attention (called once per step that writes KV)."""

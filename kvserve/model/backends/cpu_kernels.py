@@ -238,6 +238,7 @@ class CpuKernelsBackend:
         self.quantized_types = KERNEL_TYPES if plan.quantized_gemv_max_rows is not None else frozenset()
         self.quantized_by_default = plan.quantized_by_default
         self.quantized_interleaved = plan.quantized_interleaved
+        self.quantized_int8_activations = plan.quantized_int8_activations
         self.ops = cpu_ops.ops
         self._packed_linear, self._packed_gate_up = cpu_ops.packed_linear, cpu_ops.packed_gate_up
         self._activation_levels = cpu_ops.activation_levels

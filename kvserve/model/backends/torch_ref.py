@@ -29,6 +29,7 @@ class TorchRefBackend:
         self.mask_logits = None
         self.quantized_types: frozenset[int] = frozenset()
         self.quantized_interleaved = False
+        self.quantized_int8_activations = False
         self.quantized_by_default = False
 
     def make_attention(self, layer_index: int) -> TorchPagedAttention:
