@@ -111,6 +111,9 @@ class _SamplingRequest(_StrictText):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Each prompt token's logprob given the ones before it, with this many of the most likely tokens there
+    # (vLLM's extension: in each completion choice, or once in a chat response). Not with stream.
+    prompt_logprobs: int | None = None
     return_timings: bool = False  # kvserve: a per-request trip through the pipeline (also X-KVServe-Timings: 1)
     # Structured output: OpenAI's response_format, and vLLM's spellings (one of them per request).
     response_format: dict[str, Any] | None = None
@@ -131,6 +134,9 @@ class _SamplingRequest(_StrictText):
 
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequest("prompt_logprobs is not available with stream: send the request unstreamed",
+                                 param="prompt_logprobs")
         if self.n > MAX_N:
             raise InvalidSamplingParams(f"n must be <= {MAX_N}, got {self.n}", param="n")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
@@ -160,6 +166,7 @@ class _SamplingRequest(_StrictText):
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
@@ -300,8 +307,8 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         params = self._params(self.max_tokens, "max_tokens", self.logprobs, "logprobs")
-        if self.echo and self.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come from the same entries
+            params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         return params
 
 
@@ -472,11 +479,28 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry at a prompt position, as vLLM spells it."""
+
+    logprob: float
+    rank: int | None  # 1: the model's most likely token there; None: below the most likely ones computed
+    decoded_token: str
+
+
+# Per prompt token: its logprob and the most likely tokens' there, keyed by token id; the first token's None.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _unset(value: object) -> bool:
+    return value is None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_unset)
 
 
 class _Response(BaseModel):
@@ -496,6 +520,7 @@ class _Response(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_unset)  # the choices share a prompt
 
 
 class ChatCompletionChunk(_Response):

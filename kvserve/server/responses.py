@@ -62,7 +62,8 @@ class ResponseBuilder:
                     message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason)
                 choices.append(p.ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                             finish_reason=finish_reason))
-            return p.ChatCompletionResponse(**head, choices=choices, usage=usage)
+            return p.ChatCompletionResponse(**head, choices=choices, usage=usage,
+                                            prompt_logprobs=self._prompt_logprobs(run.children[0], body))
         completion_choices = []
         for c in run.children:
             assert c.last is not None
@@ -71,7 +72,8 @@ class ResponseBuilder:
             logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, len(echo))
             completion_choices.append(p.CompletionChoice(index=c.index, text=echo + completion.text,
                                                          logprobs=_joined(echo_logprobs, logprobs),
-                                                         finish_reason=completion.finish_reason))
+                                                         finish_reason=completion.finish_reason,
+                                                         prompt_logprobs=self._prompt_logprobs(c, body)))
         return p.CompletionResponse(**head, choices=completion_choices, usage=usage)
 
     # --- an SSE stream ----------------------------------------------------------------------------------
@@ -148,6 +150,26 @@ class ResponseBuilder:
         assert child.last is not None
         entries = child.last.prompt_logprobs or [None] * len(child.prompt_token_ids)
         return text, self._completion_entries(zip(child.prompt_token_ids, entries, strict=True), body.logprobs, 0)
+
+    def _prompt_logprobs(self, child: EngineRequest, body: Any) -> p.PromptLogprobs | None:
+        """``prompt_logprobs`` as vLLM renders them: at each prompt position the token there and the
+        ``body.prompt_logprobs`` most likely ones, each with its rank where the engine computed it (its entries
+        hold the most likely tokens in order, then the prompt's own token if it is not among them)."""
+        if body.prompt_logprobs is None:
+            return None
+        assert child.last is not None and child.last.prompt_logprobs is not None
+        computed = child.params.prompt_logprobs or 0
+        rendered: p.PromptLogprobs = []
+        for token_id, entry in zip(child.prompt_token_ids, child.last.prompt_logprobs, strict=True):
+            if entry is None:
+                rendered.append(None)
+                continue
+            ranked = list(entry.items())
+            wanted = {t for t, _ in ranked[:body.prompt_logprobs]} | {token_id}
+            rendered.append({str(t): p.PromptLogprob(logprob=_finite(lp), rank=i + 1 if i < computed else None,
+                                                     decoded_token=self.token_text(t))
+                             for i, (t, lp) in enumerate(ranked) if t in wanted})
+        return rendered
 
     # --- logprobs: entries [start, end) of the child's output tokens ---------------------------------------
     def _token_logprobs(self, child: EngineRequest, start: int, end: int) -> list[tuple[int, dict[int, float]]]:

@@ -1,6 +1,7 @@
 """Completions with ``echo``: the prompt before the completion, and with logprobs the prompt's tokens' logprobs
 first, as evaluation harnesses (lm-evaluation-harness's loglikelihood requests) read them through the official
-client; the values are the engine's own prompt logprobs."""
+client; and vLLM's ``prompt_logprobs`` field on completions and chat. The values are the engine's own prompt
+logprobs."""
 
 from __future__ import annotations
 
@@ -99,3 +100,46 @@ def test_a_loglikelihood_request_as_lm_evaluation_harness_sends_it(client, llm) 
     (likelihood, is_greedy), (_, other_is_greedy) = results
     assert is_greedy and not other_is_greedy
     assert likelihood == pytest.approx(sum(continuation_logprobs), abs=1e-3)
+
+
+def test_prompt_logprobs_are_the_engines_with_ranks_as_vllm_renders_them(client, offline) -> None:
+    ids, expected = offline
+    answer = client.completions.create(model=None, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})  # type: ignore[arg-type]
+    choice = answer.choices[0]
+    assert choice.logprobs is None and not choice.text.startswith(PROMPT)  # no echo: only the extension's field
+    rendered = choice.model_extra["prompt_logprobs"]
+    assert len(rendered) == len(ids) and rendered[0] is None
+    for position in range(1, len(ids)):
+        entry = {int(t): e for t, e in rendered[position].items()}
+        assert ids[position] in entry and abs(entry[ids[position]]["logprob"] - expected[position][ids[position]]) < 1e-4
+        top = sorted((e for e in entry.values() if e["rank"] is not None), key=lambda e: e["rank"])
+        assert [e["rank"] for e in top][:2] == [1, 2] and top[0]["logprob"] >= top[1]["logprob"]
+        assert len(entry) in (2, 3)  # the two most likely, and the prompt's token if it is neither
+        if len(entry) == 3:
+            assert entry[ids[position]]["rank"] is None
+        assert all(e["decoded_token"] for e in entry.values())
+
+
+def test_a_chat_response_carries_its_prompts_logprobs_once(client, base_url) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    answer = client.chat.completions.create(model=None, messages=messages, max_tokens=2, temperature=0, n=2,  # type: ignore[arg-type]
+                                            extra_body={"prompt_logprobs": 0})  # type: ignore[arg-type]
+    rendered = answer.model_extra["prompt_logprobs"]
+    tokenized = openai.OpenAI(base_url=base_url, api_key="unused").post(
+        "/tokenize", body={"messages": messages}, cast_to=object)
+    assert len(rendered) == tokenized["count"] and rendered[0] is None
+    assert all(len(entry) == 1 and entry[str(token)]["logprob"] <= 0
+               for entry, token in zip(rendered[1:], tokenized["tokens"][1:], strict=True))
+    assert all("prompt_logprobs" not in c.model_extra for c in answer.choices)
+    plain = client.chat.completions.create(model=None, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+
+
+@pytest.mark.parametrize("extra, param", [({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+                                          ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                                          ({"prompt_logprobs": 10**6}, "prompt_logprobs")])
+def test_prompt_logprobs_that_cannot_be_served_are_a_400_naming_the_field(client, extra, param) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=None, prompt=PROMPT, max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
+    assert info.value.body["param"] == param
