@@ -30,6 +30,7 @@ from kvserve.errors import (
     ModelNotFound,
     ServerShuttingDown,
 )
+from kvserve.infill import fim_tokens_or_error
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.dashboard import add_dashboard_routes
@@ -227,9 +228,18 @@ def build_app(
         received_at = time.monotonic()
         state.check_admissible(body.model)
         params = body.sampling_params()
+        inputs: list[p.PromptInput | dict[str, list[int]]] = list(body.prompts())
+        if body.suffix is not None:  # fill in the middle: each prompt is the text before the gap
+            fim = fim_tokens_or_error(tokenizer, state.model_name)
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, *fim.ends))
+            for i, before in enumerate(inputs):
+                text = f"{before}{body.suffix}"
+                async_engine.check_text_fits(text)
+                ids = await _off_loop_if_long(text, fim.prompt, tokenizer, str(before), body.suffix)
+                inputs[i] = {"prompt_token_ids": ids}
         if params.structured_outputs is not None:
             await async_engine.compile_grammar(params.structured_outputs)
-        prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in body.prompts()]
+        prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in inputs]
         return await state.respond(http, body, prompts, params, False, received_at)
 
     @app.post("/v1/embeddings")

@@ -295,6 +295,9 @@ class CompletionRequest(_SamplingRequest):
     # The prompt before the completion in each choice's text and, with logprobs, its tokens' logprobs first
     # (the first token's None): what evaluation harnesses read a prompt's likelihood from.
     echo: bool = False
+    # Fill in the middle: the completion is what goes between the prompt and this text (code models with FIM
+    # tokens; kvserve/infill.py).
+    suffix: str | None = None
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -303,7 +306,14 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[PromptInput]:
         """The prompt as a list of prompts (a string, or a list of token ids, each)."""
-        return _as_prompts(self.prompt)
+        prompts = _as_prompts(self.prompt)
+        if self.suffix is not None:
+            if self.echo:
+                raise InvalidRequest("echo and suffix cannot be used together", param="echo")
+            if not all(isinstance(prompt, str) for prompt in prompts):
+                raise InvalidRequest("suffix takes a text prompt, not token ids: the gap is laid out from text",
+                                     param="suffix")
+        return prompts
 
     def sampling_params(self) -> SamplingParams:
         params = self._params(self.max_tokens, "max_tokens", self.logprobs, "logprobs")

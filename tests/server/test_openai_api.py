@@ -308,3 +308,15 @@ def test_embeddings_are_the_last_tokens_hidden_state(base_url) -> None:
         c.embeddings.create(model=model, input=[])
     with pytest.raises(openai.NotFoundError):
         c.embeddings.create(model="no-such-model", input=text)
+
+
+@pytest.mark.parametrize("prompt, extra, param, message", [
+    ("def f(x):\n", {"suffix": "\nprint(f(2))\n"}, "suffix", "no fill-in-the-middle tokens"),
+    ("def f(x):\n", {"suffix": "x", "echo": True}, "echo", "cannot be used together"),
+    ([504, 3458], {"suffix": "x"}, "suffix", "takes a text prompt"),
+])
+def test_a_suffix_the_model_cannot_fill_is_a_400_naming_the_field(base_url, prompt, extra, param, message) -> None:
+    with pytest.raises(openai.BadRequestError, match=message) as info:
+        client(base_url).completions.create(model=None, prompt=prompt, max_tokens=4,
+                                            extra_body=extra)  # type: ignore[arg-type]
+    assert info.value.body["param"] == param
