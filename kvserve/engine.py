@@ -492,14 +492,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """``tools`` (OpenAI's function definitions) are rendered by the chat template, as vLLM's ``chat`` does;
-        the reply is text (the server reads tool calls out of it and can enforce them)."""
+        the reply is text (the server reads tool calls out of it and can enforce them). With
+        ``continue_final_message`` (and ``add_generation_prompt=False``) the final message is continued."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                             tools=tools)
+                                                             tools=tools, continue_final_message=continue_final_message)
             # The template already holds any BOS token: don't add special tokens twice.
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params)

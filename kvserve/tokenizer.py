@@ -313,14 +313,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` with the model's own template (as transformers does).
 
         Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined with
-        newlines). Raises ``InvalidRequest`` when there is no template, a message is malformed, or the
-        template rejects the conversation.
+        newlines). With ``continue_final_message`` the text ends where the final message's content does, open
+        for the model to continue it (what transformers does: the template's end-of-turn after it is cut off).
+        Raises ``InvalidRequest`` when there is no template, a message is malformed, or the template rejects the
+        conversation.
         """
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest("continue_final_message continues the last message: it takes add_generation_prompt "
+                                 "false", param="continue_final_message")
         if self._chat_template is None:
             raise InvalidRequest("this model has no chat template; use the completions API", param="messages")
         checked = _check_messages(messages)
@@ -340,13 +346,33 @@ class Tokenizer:
         if tools is not None:
             context["tools"] = tools
         try:
-            return template.render(**context)
+            text = template.render(**context)
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"chat template error: {e}", param="messages") from None
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:
             raise InvalidRequest(
                 f"the chat template cannot render these messages: {type(e).__name__}: {e}", param="messages"
             ) from None
+        return _open_final_message(text, checked[-1]) if continue_final_message else text
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A checked message's content as text: a string, or its text parts joined with newlines."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
+
+
+def _open_final_message(text: str, final: dict[str, Any]) -> str:
+    """``text`` cut after the final message's content (or its stripped form, as templates often strip it)."""
+    content = message_text(final)
+    for wanted in (content, content.strip()):
+        at = text.rfind(wanted) if wanted else -1
+        if at >= 0:
+            return text[:at + len(wanted)]
+    raise InvalidRequest("continue_final_message: the final message's content is not in the rendered chat (the "
+                         "template changes it)", param="messages")
 
 
 @functools.cache

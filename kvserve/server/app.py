@@ -87,17 +87,17 @@ class AppState:
             self._tool_format = HermesToolFormat(special_tags=special)
         return self._tool_format
 
-    async def chat_text(self, body: p.ChatCompletionRequest, tools: ToolRequest,
-                        add_generation_prompt: bool = True) -> tuple[str, ToolCallFormat | None]:
+    async def chat_text(self, body: p.ChatCompletionRequest, tools: ToolRequest) -> tuple[str, ToolCallFormat | None]:
         """The conversation as the chat template renders it (tools in the template, or in the system message
-        where it has no place for them), and the tool-call format where tools are offered."""
+        where it has no place for them; the final message open where the body continues it), and the
+        tool-call format where tools are offered."""
         messages, tools_arg, tool_format = body.message_dicts(), None, None
         if tools.tools:
             tool_format = await self.tool_format()
             messages = template_messages(messages, tools, tool_format, self.template_has_tools)
             tools_arg = template_tools(tools) if self.template_has_tools else None
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tools=tools_arg)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                  tools=tools_arg, continue_final_message=body.continue_final_message)
         return text, tool_format
 
     @property
@@ -262,7 +262,7 @@ def build_app(
                                  else "messages")
         if body.messages is not None:
             chat = body.chat_request()
-            text, _ = await state.chat_text(chat, tool_request(chat, has_format=False), body.add_generation_prompt)
+            text, _ = await state.chat_text(chat, tool_request(chat, has_format=False))
             add_special = bool(body.add_special_tokens)  # the template holds any BOS token
         else:
             text = body.prompt or ""

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from kvserve.errors import InvalidRequest, InvalidSamplingParams
 from kvserve.request import SamplingParams, StructuredOutputsParams
+from kvserve.tokenizer import message_text
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -242,6 +243,20 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
     parallel_tool_calls: bool = True
+    # vLLM's template controls: with continue_final_message (and add_generation_prompt false) the final
+    # message is continued rather than answered: a reply prefilled with its first words. echo puts that
+    # message's text before the reply's content when it is the assistant's.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @property
+    def echoed_text(self) -> str:
+        """What the reply's content starts with: with echo, the final message's text if the assistant wrote it."""
+        final = self.messages[-1]
+        if not self.echo or final.role != "assistant":
+            return ""
+        return message_text(final.model_dump(exclude_none=True))
 
     @property
     def max_tokens_field(self) -> str:
@@ -360,12 +375,15 @@ class TokenizeRequest(_StrictText):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
     def chat_request(self) -> ChatCompletionRequest:
-        """The messages and tools as the chat route takes them."""
-        return ChatCompletionRequest(messages=self.messages or [], tools=self.tools, tool_choice=self.tool_choice)
+        """The messages, tools and template controls as the chat route takes them."""
+        return ChatCompletionRequest(messages=self.messages or [], tools=self.tools, tool_choice=self.tool_choice,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message)
 
 
 class DetokenizeRequest(_Strict):

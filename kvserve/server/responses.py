@@ -60,6 +60,8 @@ class ResponseBuilder:
                 message, finish_reason = p.ChatMessageOut(content=completion.text), completion.finish_reason
                 if tool_format is not None:
                     message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason)
+                if body.echoed_text and message.content is not None:
+                    message.content = body.echoed_text + message.content
                 choices.append(p.ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                             finish_reason=finish_reason))
             return p.ChatCompletionResponse(**head, choices=choices, usage=usage,
@@ -87,7 +89,8 @@ class ResponseBuilder:
             try:
                 if chat:  # OpenAI opens each choice with the role
                     for c in run.children:
-                        role = p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))
+                        opening = p.DeltaMessage(role="assistant", content=body.echoed_text)
+                        role = p.ChatChunkChoice(index=c.index, delta=opening)
                         yield _sse(p.ChatCompletionChunk(**head, choices=[role]).to_json())
                 while (item := await run.next()) is not None:
                     child, output = item

@@ -435,3 +435,15 @@ def test_a_malformed_description_is_a_model_load_error() -> None:
 
     with pytest.raises(ModelLoadError, match="not a tokenizer description"):
         Tokenizer.from_description({"tokenizer": "{not json"})
+
+
+def test_a_continued_final_message_is_left_open_for_the_model(tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": [{"type": "text", "text": "My favourite colour is "}]}]
+    closed = tok.apply_chat_template(messages, add_generation_prompt=False)
+    opened = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert opened.endswith("<|im_start|>assistant\nMy favourite colour is ") and closed.startswith(opened)
+    assert closed[len(opened):].startswith("<|im_end|>")
+    with pytest.raises(InvalidRequest, match="add_generation_prompt false") as info:
+        tok.apply_chat_template(messages, continue_final_message=True)
+    assert info.value.param == "continue_final_message"

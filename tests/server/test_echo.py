@@ -143,3 +143,37 @@ def test_prompt_logprobs_that_cannot_be_served_are_a_400_naming_the_field(client
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=None, prompt=PROMPT, max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
     assert info.value.body["param"] == param
+
+
+def test_a_chat_reply_continues_a_prefilled_assistant_message_and_echo_puts_it_first(client, base_url) -> None:
+    opening = "The colour of the sky on a clear day is"
+    messages = [{"role": "user", "content": "What colour is the sky?"}, {"role": "assistant", "content": opening}]
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = client.chat.completions.create(model=None, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=continued)  # type: ignore[arg-type]
+    tokenized = openai.OpenAI(base_url=base_url, api_key="unused").post(
+        "/tokenize", body={"messages": messages, **continued}, cast_to=object)
+    text = openai.OpenAI(base_url=base_url, api_key="unused").post(
+        "/detokenize", body={"tokens": tokenized["tokens"]}, cast_to=object)["prompt"]
+    assert text.endswith("<|im_start|>assistant\n" + opening) and reply.usage.prompt_tokens == tokenized["count"]
+    # The same tokens as a completion of the open text.
+    same = client.completions.create(model=None, prompt=tokenized["tokens"], max_tokens=6,
+                                     temperature=0)  # type: ignore[arg-type]
+    assert reply.choices[0].message.content == same.choices[0].text
+    echoed = client.chat.completions.create(model=None, messages=messages, max_tokens=6, temperature=0,
+                                            extra_body={**continued, "echo": True})  # type: ignore[arg-type]
+    assert echoed.choices[0].message.content == opening + reply.choices[0].message.content
+    streamed = client.chat.completions.create(model=None, messages=messages, max_tokens=6, temperature=0,
+                                              stream=True, extra_body={**continued, "echo": True})  # type: ignore
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == echoed.choices[0].message.content
+    # echo names only the assistant's own words: after a user message it adds nothing.
+    plain = client.chat.completions.create(model=None, messages=messages[:1], max_tokens=6, temperature=0,
+                                           extra_body={"echo": True})  # type: ignore[arg-type]
+    assert not plain.choices[0].message.content.startswith("What colour")
+
+
+def test_continuing_a_message_and_adding_a_generation_prompt_is_a_400(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt false") as info:
+        client.chat.completions.create(model=None, messages=[{"role": "assistant", "content": "Hi"}], max_tokens=2,
+                                       extra_body={"continue_final_message": True})  # type: ignore[arg-type]
+    assert info.value.body["param"] == "continue_final_message"
