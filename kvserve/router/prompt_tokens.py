@@ -78,7 +78,9 @@ class PromptTokens:
             plain = "".join(f"<{m.get('role')}>{m.get('content')}" for m in messages if isinstance(m, dict))
             return tuple(plain.encode())
         tools = payload.get("tools") if "tools" in tokenizer.chat_template else None
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        continued = payload.get("continue_final_message") is True  # the replica renders it as the body says
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=payload.get("add_generation_prompt", True)
+                                             is not False, tools=tools, continue_final_message=continued)
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
     @staticmethod
