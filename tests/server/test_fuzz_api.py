@@ -163,7 +163,7 @@ BOUNDS = [("n", 128, 129), ("temperature", 0.0, -1e-9), ("top_p", 1.0, 1.0000001
           ("min_p", 1.0, 1.01), ("presence_penalty", 2.0, 2.0001), ("frequency_penalty", -2.0, -2.0001),
           ("repetition_penalty", 1e-9, 0.0), ("max_tokens", 1, 0), ("min_tokens", 0, -1),
           ("seed", 2**63 - 1, "7"), ("stop", ["."] * 64, ["."] * 65), ("logit_bias", {"5": 100.0}, {"5": 100.5}),
-          ("stop_token_ids", [0], [-1])]
+          ("stop_token_ids", [0], [-1]), ("prompt_logprobs", 20, 21)]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
