@@ -83,7 +83,8 @@ class RunnerOutput:
     # Per request that asked for it: the final-norm hidden state of the row its first token was sampled from.
     hidden_states: dict[str, list[float]] = field(default_factory=dict)
     # Per request asking for prompt logprobs whose prompt rows ran: (the prompt position of the first entry,
-    # {token_id: logprob} of each next prompt token and the top ones, one per row).
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # {token_id: logprob} of each next prompt token and the top ones, and that token's rank in its row's
+    # distribution (1: the most likely), one per row).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)
     # (block_hash, serialised KV) of each block in SchedulerOutput.kv_offloads, in that order.
     offloaded: list[tuple[bytes, bytes]] = field(default_factory=list)

@@ -109,4 +109,5 @@ class OutputProcessor:
             delta_text=delta,
             delta_token_ids=new_ids,
             prompt_logprobs=request.prompt_logprobs,
+            prompt_token_ranks=request.prompt_token_ranks,
         )

@@ -299,8 +299,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "status", "all_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "block_ids", "group_block_ids", "num_cached_tokens", "block_hashes",
         "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
-        "prompt", "cache_handle", "arrival_order", "output_logprobs", "prompt_logprobs", "draft_token_ids",
-        "grammar", "hidden_state",
+        "prompt", "cache_handle", "arrival_order", "output_logprobs", "prompt_logprobs", "prompt_token_ranks",
+        "draft_token_ids", "grammar", "hidden_state",
     )
 
     def __init__(
@@ -344,6 +344,8 @@ class Request:
         self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         # By position in the prompt (None at 0): a chunk computed again after a preemption writes the same.
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None)
+        self.prompt_token_ranks: list[int | None] | None = (
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None)
         self.hidden_state: list[float] | None = None  # when sampling_params.return_hidden_state
         # Speculative tokens proposed for the next step (verified by the runner, not part of the sequence).
@@ -474,5 +476,6 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     # Per prompt token (None for the first), when SamplingParams.prompt_logprobs asked: {token_id: logprob} for
-    # the prompt's token and the top ones.
+    # the prompt's token and the top ones, and the prompt token's rank there (1: the most likely).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None

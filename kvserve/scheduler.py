@@ -261,10 +261,11 @@ class Scheduler:
             # Nothing ran: only prefixes being read from disk or Redis are left. Wait for one, don't spin.
             self.kv.wait_for_fetches(timeout_s=0.01)
         updates: list[StepUpdate] = []
-        for rid, (first, entries) in result.prompt_logprobs.items():
+        for rid, (first, entries, ranks) in result.prompt_logprobs.items():
             request = self.requests.get(rid)
             if request is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs[first:first + len(entries)] = entries
+                request.prompt_token_ranks[first:first + len(ranks)] = ranks
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:

@@ -330,6 +330,12 @@ class Tokenizer:
         if self._chat_template is None:
             raise InvalidRequest("this model has no chat template; use the completions API", param="messages")
         checked = _check_messages(messages)
+        if continue_final_message:  # marked where its content ends, to cut there once rendered
+            final = checked[-1]
+            if not isinstance(final.get("content"), str):
+                raise InvalidRequest("continue_final_message: the final message has no content to continue",
+                                     param="messages")
+            checked[-1] = {**final, "content": final["content"] + _OPEN_END}
         template = self._compiled_template
         if template is None:
             try:
@@ -353,26 +359,25 @@ class Tokenizer:
             raise InvalidRequest(
                 f"the chat template cannot render these messages: {type(e).__name__}: {e}", param="messages"
             ) from None
-        return _open_final_message(text, checked[-1]) if continue_final_message else text
+        if not continue_final_message:
+            return text
+        if text.count(_OPEN_END) != 1:
+            raise InvalidRequest("continue_final_message: the chat template changes the final message's content, "
+                                 "so it cannot be left open", param="messages")
+        return text[:text.index(_OPEN_END)]
+
+
+# Appended to a continued message's content before rendering: where the text is cut. Searching for the content
+# itself can match elsewhere (a message "end" inside "<|im_end|>").
+_OPEN_END = "KVSERVEOPENEND7f3a9c"
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A checked message's content as text: a string, or its text parts joined with newlines."""
+    """A message's content as text: a string, or its text parts joined with newlines."""
     content = message.get("content")
     if isinstance(content, list):
         return "\n".join(part["text"] for part in content)
     return content or ""
-
-
-def _open_final_message(text: str, final: dict[str, Any]) -> str:
-    """``text`` cut after the final message's content (or its stripped form, as templates often strip it)."""
-    content = message_text(final)
-    for wanted in (content, content.strip()):
-        at = text.rfind(wanted) if wanted else -1
-        if at >= 0:
-            return text[:at + len(wanted)]
-    raise InvalidRequest("continue_final_message: the final message's content is not in the rendered chat (the "
-                         "template changes it)", param="messages")
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from kvserve.errors import KVServeError, ModelLoadError
+from kvserve.infill import FimTokens
 from kvserve.router.replicas import Replica
 from kvserve.tokenizer import Tokenizer
 
@@ -64,6 +65,8 @@ class PromptTokens:
         try:
             if path.endswith("/chat/completions"):
                 return self._chat(tokenizer, payload)
+            if path.endswith("/completions") and isinstance(payload.get("suffix"), str):
+                return self._infill(tokenizer, payload.get("prompt"), payload["suffix"])
             return self._completion(tokenizer, payload.get("input" if path.endswith("/embeddings") else "prompt"))
         except (KVServeError, TypeError, ValueError, AttributeError) as exc:
             logger.debug("routing on bytes: %r", exc)
@@ -82,6 +85,17 @@ class PromptTokens:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=payload.get("add_generation_prompt", True)
                                              is not False, tools=tools, continue_final_message=continued)
         return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    @classmethod
+    def _infill(cls, tokenizer: Tokenizer | None, prompt: Any, suffix: str) -> tuple[int, ...]:
+        """A fill-in-the-middle request's gap as the replica lays it out (kvserve/infill.py), on its first prompt."""
+        fim = FimTokens.of(tokenizer) if tokenizer is not None else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if fim is None or not isinstance(prompt, str):
+            return cls._completion(tokenizer, prompt)  # the replica refuses it
+        assert tokenizer is not None
+        return tuple(fim.prompt(tokenizer, prompt, suffix))
 
     @staticmethod
     def _completion(tokenizer: Tokenizer | None, prompt: Any) -> tuple[int, ...]:

@@ -161,19 +161,22 @@ class ModelRunner:
             if num_top is None or stop <= start:
                 continue
             entries: list[dict[int, float]] = []
+            ranks: list[int] = []
             for row0 in range(start, stop, PROMPT_LOGPROB_ROWS):  # [rows, vocab] a slice at a time
                 row1 = min(row0 + PROMPT_LOGPROB_ROWS, stop)
                 rows = hidden[first_row + row0 - start: first_row + row1 - start]
                 logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
                 targets = torch.tensor(prompt[row0 + 1: row1 + 1], device=logprobs.device)
-                chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                chosen_values = logprobs.gather(1, targets[:, None])
+                chosen = chosen_values[:, 0].tolist()
+                ranks += ((logprobs > chosen_values).sum(dim=-1) + 1).tolist()
                 top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
                 for i, target in enumerate(targets.tolist()):
                     entry = {} if top_ids is None else dict(zip(top_ids[i].tolist(), top_values[i].tolist(),
                                                                 strict=True))
                     entry.setdefault(target, chosen[i])
                     entries.append(entry)
-            result.prompt_logprobs[request_id] = (start + 1, entries)
+            result.prompt_logprobs[request_id] = (start + 1, entries, ranks)
 
     def _hidden_states(self, sampled: torch.Tensor, request_ids: list[str], states: list[SamplingState],
                        drafts: list[list[int]]) -> dict[str, list[float]]:

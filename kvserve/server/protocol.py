@@ -245,16 +245,17 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     # vLLM's template controls: with continue_final_message (and add_generation_prompt false) the final
     # message is continued rather than answered: a reply prefilled with its first words. echo puts that
-    # message's text before the reply's content when it is the assistant's.
+    # message's text before the reply's content where the reply is of its role (as vLLM: without a generation
+    # prompt the reply continues the final message; with one, the reply is the assistant's).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
 
     @property
     def echoed_text(self) -> str:
-        """What the reply's content starts with: with echo, the final message's text if the assistant wrote it."""
+        """What the reply's content starts with: with echo, the final message's text where the reply is of its role."""
         final = self.messages[-1]
-        if not self.echo or final.role != "assistant":
+        if not self.echo or (self.add_generation_prompt and final.role != "assistant"):
             return ""
         return message_text(final.model_dump(exclude_none=True))
 
@@ -511,7 +512,7 @@ class PromptLogprob(BaseModel):
     """One token's entry at a prompt position, as vLLM spells it."""
 
     logprob: float
-    rank: int | None  # 1: the model's most likely token there; None: below the most likely ones computed
+    rank: int  # 1: the model's most likely token there
     decoded_token: str
 
 

@@ -156,22 +156,22 @@ class ResponseBuilder:
 
     def _prompt_logprobs(self, child: EngineRequest, body: Any) -> p.PromptLogprobs | None:
         """``prompt_logprobs`` as vLLM renders them: at each prompt position the token there and the
-        ``body.prompt_logprobs`` most likely ones, each with its rank where the engine computed it (its entries
-        hold the most likely tokens in order, then the prompt's own token if it is not among them)."""
+        ``body.prompt_logprobs`` most likely ones, each with its rank (the engine's entries hold the most likely
+        tokens in order, then the prompt's own token if it is not among them; that token's rank comes beside)."""
         if body.prompt_logprobs is None:
             return None
-        assert child.last is not None and child.last.prompt_logprobs is not None
-        computed = child.params.prompt_logprobs or 0
+        last = child.last
+        assert last is not None and last.prompt_logprobs is not None and last.prompt_token_ranks is not None
         rendered: p.PromptLogprobs = []
-        for token_id, entry in zip(child.prompt_token_ids, child.last.prompt_logprobs, strict=True):
+        for token_id, entry, rank in zip(child.prompt_token_ids, last.prompt_logprobs, last.prompt_token_ranks,
+                                         strict=True):
             if entry is None:
                 rendered.append(None)
                 continue
-            ranked = list(entry.items())
-            wanted = {t for t, _ in ranked[:body.prompt_logprobs]} | {token_id}
-            rendered.append({str(t): p.PromptLogprob(logprob=_finite(lp), rank=i + 1 if i < computed else None,
-                                                     decoded_token=self.token_text(t))
-                             for i, (t, lp) in enumerate(ranked) if t in wanted})
+            top = list(entry.items())[:body.prompt_logprobs]
+            ranks = {t: i + 1 for i, (t, _) in enumerate(top)} | {token_id: rank}
+            rendered.append({str(t): p.PromptLogprob(logprob=_finite(entry[t]), rank=r, decoded_token=self.token_text(t))
+                             for t, r in ranks.items()})
         return rendered
 
     # --- logprobs: entries [start, end) of the child's output tokens ---------------------------------------

@@ -164,9 +164,14 @@ def test_prompt_logprobs_are_transformers_log_softmax_chunked_preempted_and_neve
     for ids, output in zip(prompts, outputs, strict=True):
         with torch.no_grad():
             expected = torch.log_softmax(hf_reference(torch.tensor([ids])).logits[0].float(), dim=-1)
-        entries = output.prompt_logprobs
+        entries, ranks = output.prompt_logprobs, output.prompt_token_ranks
         assert entries is not None and len(entries) == len(ids) and entries[0] is None
+        assert ranks is not None and ranks[0] is None
         for position in range(1, len(ids)):
             entry, row = entries[position], expected[position - 1]
             assert entry is not None and abs(entry[ids[position]] - row[ids[position]].item()) < 1e-4
             assert set(row.topk(3).indices.tolist()) <= set(entry) and len(entry) <= 4
+            # The token's rank in transformers' distribution, within the tokens whose logprobs are a near-tie.
+            above = (row > row[ids[position]] + 1e-4).sum().item() + 1
+            level = (row >= row[ids[position]] - 1e-4).sum().item()
+            assert above <= ranks[position] <= level, (position, ranks[position], above, level)

@@ -447,3 +447,7 @@ def test_a_continued_final_message_is_left_open_for_the_model(tok: Tokenizer) ->
     with pytest.raises(InvalidRequest, match="add_generation_prompt false") as info:
         tok.apply_chat_template(messages, continue_final_message=True)
     assert info.value.param == "continue_final_message"
+    # Content that also occurs in the template's own markup ("end" in "<|im_end|>") is cut where it ends.
+    short = [messages[0], {"role": "assistant", "content": "end"}]
+    assert tok.apply_chat_template(short, add_generation_prompt=False,
+                                   continue_final_message=True).endswith("<|im_start|>assistant\nend")

@@ -1,9 +1,12 @@
-"""The gateway's routing key for chat requests: the conversation rendered as the replica will render it, the
-template controls included."""
+"""The gateway's routing key: a chat request's conversation rendered as the replica will render it (the template
+controls included), a fill-in-the-middle request's gap laid out as the replica lays it out."""
 
 from __future__ import annotations
 
+from kvserve.infill import FimTokens
 from kvserve.router.prompt_tokens import PromptTokens
+from kvserve.tokenizer import Tokenizer
+from tests.e2e.conftest import installed_model
 from tests.support.tiny_models import smollm2_tokenizer
 
 MESSAGES = [{"role": "user", "content": "What colour is the sky?"}, {"role": "assistant", "content": "It is"}]
@@ -21,4 +24,18 @@ def test_a_continued_message_is_keyed_open_and_a_plain_chat_with_its_generation_
     assert keys.of("/v1/chat/completions", {"messages": MESSAGES, **continued}) == rendered(**continued)
     assert keys.of("/v1/chat/completions", {"messages": MESSAGES}) == rendered(add_generation_prompt=True)
     # A body the replica will refuse (both flags) is routed on its bytes, never an error at the gateway.
-    assert keys.of("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True})
+    refused = keys.of("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True})
+    assert refused and refused not in (rendered(**continued), rendered(add_generation_prompt=True))
+
+
+def test_a_suffix_is_keyed_on_the_gap_the_replica_lays_out() -> None:
+    tokenizer = Tokenizer.from_model_path(installed_model("qwen2.5-coder-0.5b"))
+    fim = FimTokens.of(tokenizer)
+    assert fim is not None
+    keys = PromptTokens()
+    keys.add("coder", tokenizer)
+    before, after = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    assert keys.of("/v1/completions", {"prompt": before, "suffix": after}) == tuple(fim.prompt(tokenizer, before,
+                                                                                               after))
+    assert keys.of("/v1/completions", {"prompt": [before, "x"], "suffix": after})[0] == fim.prefix
+    assert keys.of("/v1/completions", {"prompt": before}) == tuple(tokenizer.encode(before))
