@@ -320,7 +320,7 @@ class Tokenizer:
 
         Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined with
         newlines). With ``continue_final_message`` the text ends where the final message's content does, open
-        for the model to continue it (what transformers does: the template's end-of-turn after it is cut off).
+        for the model to continue it: the template's end of turn after it is cut off, as transformers does.
         Raises ``InvalidRequest`` when there is no template, a message is malformed, or the template rejects the
         conversation.
         """
