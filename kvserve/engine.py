@@ -12,6 +12,7 @@ Requests come in through the input processor, which validates and tokenises them
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -272,6 +273,15 @@ class Engine:
         logger.info("KV tiers below device memory: %s (%s, retention %.0f s)", ", ".join(tiers.names) or "none",
                     storage.write_policy, storage.retention_s)
         return tiers
+
+    @property
+    def shared_kv_group(self) -> str | None:
+        """Which engines read the KV this one leaves in a shared tier: those on the same Redis whose tier keys
+        have the same namespace (model, dtype, numerics, block size) are of one group. None without one."""
+        redis_url = self.config.storage.redis_url
+        if redis_url is None or self.tiers is None:
+            return None
+        return hashlib.blake2b(redis_url.encode() + self.tiers.namespace.digest(), digest_size=8).hexdigest()
 
     def _kv_numerics(self) -> str:
         """How the weights are multiplied, as far as it changes the KV beside the dtype: each way is an

@@ -201,8 +201,8 @@ class CacheAware:
 class EstimatedTTFT:
     """The replica with the lowest estimated time to first token: its seconds per token times the work, the
     prompt tokens it must compute first (uncached tokens of requests it has not yet answered, then this
-    request's uncached tokens; a prefix another replica holds counts ``shared_tier_cost`` per token on a replica
-    that reads the shared tier). The rate is measured per replica from the first chunks of streamed answers;
+    request's uncached tokens; a prefix another replica of its shared-tier group holds counts
+    ``shared_tier_cost`` per token). The rate is measured per replica from the first chunks of streamed answers;
     until a replica has answered, it gets the fleet's (or the configured prior)."""
 
     name = "ttft"
@@ -218,11 +218,13 @@ class EstimatedTTFT:
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
         matched = self.prefixes.match(request, candidates)
-        anywhere = max(matched.values())
+        in_group = {group: max(matched[r.url] for r in candidates if r.shared_kv_group == group)
+                    for group in {r.shared_kv_group for r in candidates} if group is not None}
         best: tuple[float, int, Replica, int, int] | None = None
         for replica in candidates:
             cached = matched[replica.url]
-            shared = anywhere - cached if replica.shared_kv_tier else 0
+            group = replica.shared_kv_group
+            shared = in_group[group] - cached if group is not None else 0
             own = len(request.token_ids) - cached - shared
             work = replica.queued_prompt_tokens + own + round(shared * self._config.shared_tier_cost)
             key = (self.estimate(replica, work), replica.load, replica, cached + shared, work)

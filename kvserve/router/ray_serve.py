@@ -41,9 +41,10 @@ INGRESS_MAX_ONGOING_REQUESTS = 4096
 STARTUP_WAIT_S = 60.0
 STARTUP_POLL_S = 0.05
 # The routing stats a replica reports (server/ray_replica.py: record_routing_stats): its device KV cache in
-# tokens, and whether it reads a KV tier the other replicas write (a prefix held anywhere is cheap there).
+# tokens, and the shared KV tier it reads with the replicas of its group (a prefix any of them holds is cheap
+# there), or None.
 KV_CAPACITY_TOKENS = "kv_capacity_tokens"
-SHARED_KV_TIER = "shared_kv_tier"
+SHARED_KV_GROUP = "shared_kv_group"
 
 
 class KVServeRequestRouter(RequestRouter):
@@ -100,7 +101,8 @@ class KVServeRequestRouter(RequestRouter):
         stats = replica.routing_stats  # a replica reports them a little after it starts serving
         if KV_CAPACITY_TOKENS in stats:
             view.kv_capacity_tokens = stats[KV_CAPACITY_TOKENS]
-            view.shared_kv_tier = bool(stats.get(SHARED_KV_TIER))
+            group = stats.get(SHARED_KV_GROUP)
+            view.shared_kv_group = group if isinstance(group, str) else None
         return view
 
     async def _read_loads(self, replicas: list[RunningReplica], views: list[Replica]) -> None:

@@ -38,7 +38,9 @@ class Replica:
     is_kvserve: bool = False
     block_size: int | None = None
     kv_capacity_tokens: int | None = None
-    shared_kv_tier: bool = False  # it reads KV other replicas wrote (a shared Redis tier)
+    # The shared KV tier it reads and the kind of KV it keeps there: replicas of one group read each other's KV
+    # (the same Redis, the same model computed the same way); None: no shared tier.
+    shared_kv_group: str | None = None
     kv_events: bool = False  # it publishes its prefix cache's block events
     block_hash_extra: bytes = b""  # what it mixes into its block hashes (model fingerprint, salt)
     in_flight: int = 0  # requests this router has sent and not yet seen end
@@ -112,7 +114,10 @@ class ReplicaPool:
             return  # not a kvserve replica: routed on its OpenAI routes alone
         replica.is_kvserve = True
         replica.block_size = info["block_size"]
-        replica.shared_kv_tier = info.get("shared_kv_tier") is True
+        group = info.get("shared_kv_group")
+        # A replica that says it shares a tier but not with whom is taken to share it with every such replica.
+        replica.shared_kv_group = (group if isinstance(group, str)
+                                   else "" if info.get("shared_kv_tier") is True else None)
         if info.get("kv_events") is True and isinstance(info.get("block_hash_extra"), str):
             replica.kv_events = True
             replica.block_hash_extra = bytes.fromhex(info["block_hash_extra"])

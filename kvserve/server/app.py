@@ -296,6 +296,7 @@ def build_app(
         return JSONResponse({"model": state.model_name, "block_size": engine.config.cache.block_size,
                              "num_kv_blocks": stats.num_kv_blocks, "max_model_len": state.max_model_len,
                              "shared_kv_tier": engine.config.storage.redis_url is not None,
+                             "shared_kv_group": engine.shared_kv_group,
                              "kv_events": engine.kv_events is not None,
                              "block_hash_extra": engine.block_hash_extra.hex()})
 

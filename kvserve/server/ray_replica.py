@@ -22,7 +22,7 @@ from kvserve.config_args import (
     engine_config_from_args,
     server_config_from_args,
 )
-from kvserve.router.ray_serve import KV_CAPACITY_TOKENS, SHARED_KV_TIER
+from kvserve.router.ray_serve import KV_CAPACITY_TOKENS, SHARED_KV_GROUP
 from kvserve.server.in_process import call_app
 from kvserve.server.serving import SERVE_GIL_SWITCH_INTERVAL_S, build_server
 
@@ -56,10 +56,10 @@ class KVServeReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """What Ray Serve hands the request router of this replica (``RunningReplica.routing_stats``): the
         tokens its device KV cache holds, which bound the router's estimate of the prefixes still here, and
-        whether it reads a KV tier the other replicas write."""
+        the shared KV tier it reads with the replicas of its group (Engine.shared_kv_group)."""
         config = self._engine.config
         return {KV_CAPACITY_TOKENS: self._async_engine.stats().num_kv_blocks * config.cache.block_size,
-                SHARED_KV_TIER: config.storage.redis_url is not None}
+                SHARED_KV_GROUP: self._engine.shared_kv_group}
 
     def check_health(self) -> None:
         """Ray Serve's health check: the engine loop is running."""

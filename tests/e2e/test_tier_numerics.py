@@ -45,3 +45,19 @@ def test_engines_computing_the_model_another_way_do_not_read_each_others_kv(tmp_
     # its logits.
     assert disk_hits(disk_dir, prompt, quantization="gguf", quantized_activations="int16") == (64, "gguf")
     assert disk_hits(disk_dir, prompt, quantization="none") == (64, "dense")
+
+
+def test_engines_on_one_redis_are_of_one_shared_group_only_when_they_compute_alike(redis_server) -> None:
+    """What a gateway reads (``/kvserve/info``'s ``shared_kv_group``) to count a prefix in Redis as cheap on a
+    replica: the same Redis and the same tier namespace."""
+    def group(**settings: str) -> str | None:
+        llm = LLM(dtype="bfloat16", num_kv_blocks=32, kv_redis_url=redis_server.url, **settings)
+        try:
+            return llm.engine.shared_kv_group
+        finally:
+            llm.close()
+
+    default = group(quantization="gguf", quantized_activations="int16")
+    assert default is not None and default == group(quantization="gguf", quantized_activations="int16")
+    assert group(quantization="none") not in (default, None)
+    assert LLM(dtype="bfloat16", num_kv_blocks=32).engine.shared_kv_group is None

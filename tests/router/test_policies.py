@@ -160,10 +160,22 @@ def test_ttft_counts_a_prefix_held_elsewhere_as_cheap_on_replicas_that_share_a_t
     policy, pool = EstimatedTTFT(CONFIG), replicas(0, 0)
     home = policy.choose(request(*SYSTEM_A), pool).replica
     other = pool[1] if home is pool[0] else pool[0]
-    other.shared_kv_tier = True
+    home.shared_kv_group = other.shared_kv_group = "redis-a/model-x"
     home.queued_prompt_tokens = 30  # more than 0.2 x 40 tokens loaded from the shared tier + 4 computed
     decision = policy.choose(request(*SYSTEM_A, 1, 2, 3, 4), pool)
     assert decision.replica is other and decision.work_tokens == 4 + 8 and decision.estimated_cached_tokens == 40
+
+
+def test_ttft_counts_a_prefix_as_shared_only_within_its_holders_tier_group() -> None:
+    """A replica on another Redis, or keeping another kind of KV (another dtype or numerics), cannot read the
+    holder's KV: the prefix is 44 tokens of work there."""
+    policy, pool = EstimatedTTFT(CONFIG), replicas(0, 0)
+    home = policy.choose(request(*SYSTEM_A), pool).replica
+    other = pool[1] if home is pool[0] else pool[0]
+    home.shared_kv_group, other.shared_kv_group = "redis-a/model-x", "redis-a/model-x-int8"
+    home.queued_prompt_tokens = 30
+    decision = policy.choose(request(*SYSTEM_A, 1, 2, 3, 4), pool)
+    assert decision.replica is home and decision.estimated_cached_tokens == 40 and decision.work_tokens == 30 + 4
 
 
 def test_ttft_learns_each_replicas_speed_from_first_chunks() -> None:
