@@ -373,10 +373,10 @@ _OPEN_END = "KVSERVEOPENEND7f3a9c"
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A message's content as text: a string, or its text parts joined with newlines."""
+    """A message's content as the template gets it: a string, or its text parts joined with newlines."""
     content = message.get("content")
     if isinstance(content, list):
-        return "\n".join(part["text"] for part in content)
+        return _joined_parts(content, "the message")
     return content or ""
 
 
@@ -461,7 +461,7 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         message = dict(message)
         content = message.get("content")
         if isinstance(content, list):
-            message["content"] = "\n".join(_text_part(part, where) for part in content)
+            message["content"] = _joined_parts(content, where)
         elif content is None and not message.get("tool_calls"):
             raise InvalidRequest(f"{where} has no 'content'", param="messages")
         elif content is not None and not isinstance(content, str):
@@ -470,6 +470,10 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
             )
         checked.append(message)
     return checked
+
+
+def _joined_parts(parts: list[Any], where: str) -> str:
+    return "\n".join(_text_part(part, where) for part in parts)
 
 
 def _text_part(part: Any, where: str) -> str:

@@ -33,6 +33,7 @@ from kvserve.errors import (
 from kvserve.infill import fim_tokens_or_error
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
+from kvserve.server import response_models as rm
 from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.embeddings import embed, embedding_response, prepare_inputs
@@ -284,9 +285,9 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = p.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
+        card = rm.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
                            max_model_len=state.max_model_len)
-        return Response(p.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        return Response(rm.ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     @app.get("/kvserve/info")
     async def replica_info() -> Response:

@@ -16,7 +16,7 @@ from typing import Any
 from kvserve.async_engine import AsyncEngine
 from kvserve.errors import KVServeError
 from kvserve.request import RequestOutput, SamplingParams
-from kvserve.server import protocol as p
+from kvserve.server import response_models as rm
 from kvserve.server.metrics import ServerMetrics
 from kvserve.structured.tool_calls import ToolCallParser
 
@@ -168,13 +168,13 @@ class RequestRun:
         self.registry.discard(self)
 
     # --- what the response reports ----------------------------------------------------------------------
-    def usage(self) -> p.Usage:
+    def usage(self) -> rm.Usage:
         """Prompt tokens once per prompt (as OpenAI counts n > 1); cached tokens of each prompt's first sample."""
         firsts = {c.prompt_index: c for c in reversed(self.children)}
         prompt_tokens = sum(len(c.prompt_token_ids) for c in firsts.values())
         cached = sum(c.last.num_cached_tokens for c in firsts.values() if c.last is not None)
         completion = sum(len(c.last.outputs[0].token_ids) for c in self.children if c.last is not None)
-        return p.Usage.of(prompt_tokens, completion, cached)
+        return rm.Usage.of(prompt_tokens, completion, cached)
 
     def timings(self) -> dict[str, Any]:
         """Choice 0's trip through the pipeline; with several choices, each one's under "choices"."""

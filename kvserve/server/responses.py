@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.errors import KVServeError
 from kvserve.request import RequestOutput
 from kvserve.server import protocol as p
+from kvserve.server import response_models as rm
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.structured.tool_calls import ToolCallFormat, ToolCallParser
@@ -49,22 +50,23 @@ class ResponseBuilder:
 
     # --- one JSON body ----------------------------------------------------------------------------------
     def full_response(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
-                      tool_format: ToolCallFormat | None = None) -> p._Response:
+                      tool_format: ToolCallFormat | None = None) -> rm.OpenAIResponse:
         usage = run.usage()
         if chat:
+            echoed = body.echoed_text
             choices = []
             for c in run.children:
                 assert c.last is not None
                 completion = c.last.outputs[0]
                 logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0)
-                message, finish_reason = p.ChatMessageOut(content=completion.text), completion.finish_reason
+                message, finish_reason = rm.ChatMessageOut(content=completion.text), completion.finish_reason
                 if tool_format is not None:
                     message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason)
-                if body.echoed_text and message.content is not None:
-                    message.content = body.echoed_text + message.content
-                choices.append(p.ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                if echoed and message.content is not None:
+                    message.content = echoed + message.content
+                choices.append(rm.ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                             finish_reason=finish_reason))
-            return p.ChatCompletionResponse(**head, choices=choices, usage=usage,
+            return rm.ChatCompletionResponse(**head, choices=choices, usage=usage,
                                             prompt_logprobs=self._prompt_logprobs(run.children[0], body))
         completion_choices = []
         for c in run.children:
@@ -72,16 +74,16 @@ class ResponseBuilder:
             completion = c.last.outputs[0]
             echo, echo_logprobs = self._echo(c, body)
             logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, len(echo))
-            completion_choices.append(p.CompletionChoice(index=c.index, text=echo + completion.text,
+            completion_choices.append(rm.CompletionChoice(index=c.index, text=echo + completion.text,
                                                          logprobs=_joined(echo_logprobs, logprobs),
                                                          finish_reason=completion.finish_reason,
                                                          prompt_logprobs=self._prompt_logprobs(c, body)))
-        return p.CompletionResponse(**head, choices=completion_choices, usage=usage)
+        return rm.CompletionResponse(**head, choices=completion_choices, usage=usage)
 
     # --- an SSE stream ----------------------------------------------------------------------------------
     async def stream(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
                      want_timings: bool, tool_format: ToolCallFormat | None = None) -> AsyncIterator[str]:
-        chunk_type = p.ChatCompletionChunk if chat else p.CompletionResponse
+        chunk_type = rm.ChatCompletionChunk if chat else rm.CompletionResponse
         if tool_format is not None:
             for child in run.children:
                 child.tool_parser = tool_format.parser()
@@ -89,9 +91,9 @@ class ResponseBuilder:
             try:
                 if chat:  # OpenAI opens each choice with the role
                     for c in run.children:
-                        opening = p.DeltaMessage(role="assistant", content=body.echoed_text)
-                        role = p.ChatChunkChoice(index=c.index, delta=opening)
-                        yield _sse(p.ChatCompletionChunk(**head, choices=[role]).to_json())
+                        opening = rm.DeltaMessage(role="assistant", content=body.echoed_text)
+                        role = rm.ChatChunkChoice(index=c.index, delta=opening)
+                        yield _sse(rm.ChatCompletionChunk(**head, choices=[role]).to_json())
                 while (item := await run.next()) is not None:
                     child, output = item
                     choice = self._chunk_choice(child, output, body, chat)
@@ -125,11 +127,11 @@ class ResponseBuilder:
                 delta, finish = _tool_call_delta(child.tool_parser, output.delta_text, finish)
                 if delta is None and finish is None and logprobs is None:
                     return None
-                return p.ChatChunkChoice(index=child.index, delta=delta or p.DeltaMessage(), logprobs=logprobs,
+                return rm.ChatChunkChoice(index=child.index, delta=delta or rm.DeltaMessage(), logprobs=logprobs,
                                          finish_reason=finish)
             if not output.delta_text and finish is None and logprobs is None:
                 return None
-            return p.ChatChunkChoice(index=child.index, delta=p.DeltaMessage(content=output.delta_text),
+            return rm.ChatChunkChoice(index=child.index, delta=rm.DeltaMessage(content=output.delta_text),
                                      logprobs=logprobs, finish_reason=finish)
         echo, echo_logprobs = ("", None) if child.echoed else self._echo(child, body)
         child.echoed = True
@@ -140,9 +142,9 @@ class ResponseBuilder:
         child.num_chars_sent += len(output.delta_text)
         if not text and finish is None and logprobs is None:
             return None
-        return p.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish)
+        return rm.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish)
 
-    def _echo(self, child: EngineRequest, body: Any) -> tuple[str, p.CompletionLogprobs | None]:
+    def _echo(self, child: EngineRequest, body: Any) -> tuple[str, rm.CompletionLogprobs | None]:
         """A completion's echoed prompt (``echo``): its text, and with logprobs its tokens' (offsets from 0)."""
         if not body.echo:
             return "", None
@@ -154,7 +156,7 @@ class ResponseBuilder:
         entries = child.last.prompt_logprobs or [None] * len(child.prompt_token_ids)
         return text, self._completion_entries(zip(child.prompt_token_ids, entries, strict=True), body.logprobs, 0)
 
-    def _prompt_logprobs(self, child: EngineRequest, body: Any) -> p.PromptLogprobs | None:
+    def _prompt_logprobs(self, child: EngineRequest, body: Any) -> rm.PromptLogprobs | None:
         """``prompt_logprobs`` as vLLM renders them: at each prompt position the token there and the
         ``body.prompt_logprobs`` most likely ones, each with its rank (the engine's entries hold the most likely
         tokens in order, then the prompt's own token if it is not among them; that token's rank comes beside)."""
@@ -162,7 +164,7 @@ class ResponseBuilder:
             return None
         last = child.last
         assert last is not None and last.prompt_logprobs is not None and last.prompt_token_ranks is not None
-        rendered: p.PromptLogprobs = []
+        rendered: rm.PromptLogprobs = []
         for token_id, entry, rank in zip(child.prompt_token_ids, last.prompt_logprobs, last.prompt_token_ranks,
                                          strict=True):
             if entry is None:
@@ -170,7 +172,7 @@ class ResponseBuilder:
                 continue
             top = list(entry.items())[:body.prompt_logprobs]
             ranks = {t: i + 1 for i, (t, _) in enumerate(top)} | {token_id: rank}
-            rendered.append({str(t): p.PromptLogprob(logprob=_finite(entry[t]), rank=r, decoded_token=self.token_text(t))
+            rendered.append({str(t): rm.PromptLogprob(logprob=_finite(entry[t]), rank=r, decoded_token=self.token_text(t))
                              for t, r in ranks.items()})
         return rendered
 
@@ -182,29 +184,29 @@ class ResponseBuilder:
         # The engine appends to ``entries`` as it samples; positions below len(token_ids) are final.
         return [(completion.token_ids[i], entries[i] if i < len(entries) else {}) for i in range(start, end)]
 
-    def _chat_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int) -> p.ChatLogprobs | None:
+    def _chat_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int) -> rm.ChatLogprobs | None:
         if child.params.logprobs is None:
             return None
         content = []
         for token_id, entry in self._token_logprobs(child, start, end):
             text = self.token_text(token_id)
-            top = [p.TopLogprob(token=self.token_text(t), logprob=_finite(lp), bytes=self.token_bytes(t))
+            top = [rm.TopLogprob(token=self.token_text(t), logprob=_finite(lp), bytes=self.token_bytes(t))
                    for t, lp in list(entry.items())[:num_top]]
-            content.append(p.TokenLogprob(token=text, logprob=_finite(entry.get(token_id, MIN_LOGPROB)),
+            content.append(rm.TokenLogprob(token=text, logprob=_finite(entry.get(token_id, MIN_LOGPROB)),
                                           bytes=self.token_bytes(token_id), top_logprobs=top))
-        return p.ChatLogprobs(content=content)
+        return rm.ChatLogprobs(content=content)
 
     def _completion_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int | None,
-                             offset: int) -> p.CompletionLogprobs | None:
+                             offset: int) -> rm.CompletionLogprobs | None:
         if child.params.logprobs is None:
             return None
         return self._completion_entries(self._token_logprobs(child, start, end), num_top, offset)
 
     def _completion_entries(self, tokens: Iterable[tuple[int, dict[int, float] | None]], num_top: int | None,
-                            offset: int) -> p.CompletionLogprobs:
+                            offset: int) -> rm.CompletionLogprobs:
         """Completions' logprobs of these (token id, its entry) pairs, text offsets from ``offset``; an entry of
         None (an echoed prompt's first token) has none."""
-        out = p.CompletionLogprobs()
+        out = rm.CompletionLogprobs()
         for token_id, entry in tokens:
             text = self.token_text(token_id)
             out.tokens.append(text)
@@ -216,33 +218,33 @@ class ResponseBuilder:
         return out
 
 
-def _joined(first: p.CompletionLogprobs | None, then: p.CompletionLogprobs | None) -> p.CompletionLogprobs | None:
+def _joined(first: rm.CompletionLogprobs | None, then: rm.CompletionLogprobs | None) -> rm.CompletionLogprobs | None:
     """The echoed prompt's logprobs, then the completion's (either may be absent)."""
     if first is None or then is None:
         return then if first is None else first
-    return p.CompletionLogprobs(tokens=first.tokens + then.tokens,
+    return rm.CompletionLogprobs(tokens=first.tokens + then.tokens,
                                 token_logprobs=first.token_logprobs + then.token_logprobs,
                                 top_logprobs=first.top_logprobs + then.top_logprobs,
                                 text_offset=first.text_offset + then.text_offset)
 
 
 def _with_tool_calls(tool_format: ToolCallFormat, text: str,
-                     finish_reason: str | None) -> tuple[p.ChatMessageOut, str | None]:
+                     finish_reason: str | None) -> tuple[rm.ChatMessageOut, str | None]:
     """A whole reply read for tool calls: its message, and ``tool_calls`` as the finish reason if it made any.
     A reply cut off inside a call (max_tokens) is left as text."""
     parser = tool_format.parser()
     parser.feed(text)
     parser.finish()
     if not parser.calls or parser.incomplete:
-        return p.ChatMessageOut(content=text), finish_reason
-    calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments))
+        return rm.ChatMessageOut(content=text), finish_reason
+    calls = [rm.ToolCallOut(id=c.id, function=rm.FunctionCallOut(name=c.name, arguments=c.arguments))
              for c in parser.calls]
-    return (p.ChatMessageOut(content=parser.content or None, tool_calls=calls),
+    return (rm.ChatMessageOut(content=parser.content or None, tool_calls=calls),
             "tool_calls" if finish_reason == "stop" else finish_reason)
 
 
 def _tool_call_delta(parser: ToolCallParser, text: str,
-                     finish: str | None) -> tuple[p.DeltaMessage | None, str | None]:
+                     finish: str | None) -> tuple[rm.DeltaMessage | None, str | None]:
     """The streamed delta of ``text`` read for tool calls (None when it holds nothing yet), and the finish
     reason (``tool_calls`` for a reply that made calls)."""
     delta = parser.feed(text)
@@ -253,10 +255,10 @@ def _tool_call_delta(parser: ToolCallParser, text: str,
             finish = "tool_calls"
     if not delta:
         return None, finish
-    calls = [p.ToolCallDelta(index=call.index, id=call.id if new else None, type="function" if new else None,
-                             function=p.FunctionCallDelta(name=call.name if new else None, arguments=arguments))
+    calls = [rm.ToolCallDelta(index=call.index, id=call.id if new else None, type="function" if new else None,
+                             function=rm.FunctionCallDelta(name=call.name if new else None, arguments=arguments))
              for call, new, arguments in delta.calls]
-    return p.DeltaMessage(content=delta.content or None, tool_calls=calls or None), finish
+    return rm.DeltaMessage(content=delta.content or None, tool_calls=calls or None), finish
 
 
 def _finite(value: float) -> float:
