@@ -7,8 +7,10 @@ lookup, and none, at several concurrencies.
 
 Three modes of one engine on the target: ``off``, ``ngram`` (prompt lookup) and ``draft`` (the draft model),
 both speculating ones with the adaptive draft length (``--fixed`` turns it off); ``--draft-variants``
-adds draft-model modes: ``draft-vN`` proposing among the token ids below N, ``draft-lookup`` with prompt
-lookup first (the draft model only where lookup finds nothing), ``draft-lookup-vN`` both. Each concurrency level keeps that
+adds draft-model modes: ``draft-vN`` proposing among the token ids below N, ``draft-mapN`` among the first N
+ids of ``--draft-token-map`` (a file `kvserve models token-map` writes), both also among each request's prompt
+ids, ``draft-lookup`` with prompt lookup first (the draft model only where lookup finds nothing),
+``draft-lookup-vN`` / ``draft-lookup-mapN`` both. Each concurrency level keeps that
 many requests in flight (a closed loop on the engine's step: a finished request is replaced at once) until
 ``--requests`` are done; the modes run one after another, their order rotating round by round.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -34,9 +37,11 @@ from pathlib import Path
 from kvserve import LLM, SamplingParams
 from kvserve.bench.workloads import Workload, WorkloadConfig
 from kvserve.engine import EngineStats
+from kvserve.model_store.token_map import TokenMap
 from kvserve.request import RequestOutput
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.draft_model import DraftModelProposer
+from kvserve.runner.draft_vocab import kept_ids
 from kvserve.runner.speculative import NgramProposer, Proposer
 
 ENGINES = ("off", "ngram", "draft")
@@ -130,7 +135,8 @@ class Modes:
     draft variants the draft model and its KV. Each run starts with empty prefix caches, so no mode finds what
     an earlier one computed, and a draft-length policy that has learnt nothing yet."""
 
-    def __init__(self, llm: LLM, ngram: Proposer, draft_variants: list[str], num_tokens: int, adaptive: bool) -> None:
+    def __init__(self, llm: LLM, ngram: Proposer, draft_variants: list[str], num_tokens: int, adaptive: bool,
+                 token_map: TokenMap | None = None) -> None:
         self.llm = llm
         self.num_tokens = num_tokens
         self.adaptive = adaptive
@@ -138,10 +144,14 @@ class Modes:
         assert isinstance(draft, DraftModelProposer)
         self._proposers: dict[str, Proposer | None] = {"off": None, "ngram": ngram, "draft": draft}
         for variant in draft_variants:  # the same draft model and KV
-            size, lookup = parse_variant(variant)
+            size, from_map, lookup = parse_variant(variant)
+            if from_map and token_map is None:
+                raise SystemExit(f"draft variant {variant!r} needs --draft-token-map")
+            ranked = token_map.token_ids if from_map and token_map is not None else None
+            kept = kept_ids(draft.vocab_size, size, ranked, always=sorted(llm.engine.tokenizer.all_special_ids))
             self._proposers[f"draft-{variant}"] = DraftModelProposer(
                 draft.model, draft.backend, draft.kv_caches, draft.block_size, draft.kv, draft.max_model_len,
-                draft.vocab_size, draft_vocab_size=size,
+                draft.vocab_size, kept_ids=kept,
                 lookup=NgramProposer(num_tokens, min_n=2, max_n=4) if lookup else None)
 
     def use(self, name: str) -> None:
@@ -165,7 +175,11 @@ def make_modes(args: argparse.Namespace, max_num_seqs: int) -> Modes:
               speculative_config=spec)
     ngram = NgramProposer(args.num_speculative_tokens, min_n=2, max_n=4)
     variants = [variant for variant in args.draft_variants.split(",") if variant]
-    modes = Modes(llm, ngram, variants, args.num_speculative_tokens, adaptive=not args.fixed)
+    token_map = None
+    if args.draft_token_map is not None:
+        token_map = TokenMap.read(args.draft_token_map)
+        token_map.check_vocabulary(llm.engine.tokenizer)
+    modes = Modes(llm, ngram, variants, args.num_speculative_tokens, adaptive=not args.fixed, token_map=token_map)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for name in [*ENGINES, *(f"draft-{variant}" for variant in variants)]:
         modes.use(name)
@@ -186,7 +200,9 @@ def main() -> None:
     parser.add_argument("--fixed", action="store_true", help="a fixed draft length, not the adaptive one")
     parser.add_argument("--draft-variants", default="",
                         help="comma-separated draft-model variants, each a mode draft-VARIANT: vN (proposing among "
-                             "the token ids below N: draft_vocab_size), lookup (prompt lookup first), lookup-vN")
+                             "the token ids below N: draft_vocab_size), mapN (among the first N of --draft-token-map), "
+                             "lookup (prompt lookup first), lookup-vN, lookup-mapN")
+    parser.add_argument("--draft-token-map", default=None, help="a token map for the mapN variants")
     parser.add_argument("--modes", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16")
@@ -224,14 +240,17 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def parse_variant(variant: str) -> tuple[int | None, bool]:
-    """A draft variant's (draft_vocab_size, prompt lookup): "v65536", "lookup", "lookup-v65536"."""
+def parse_variant(variant: str) -> tuple[int | None, bool, bool]:
+    """A draft variant's (draft_vocab_size, from the token map, prompt lookup): "v65536", "map32768", "lookup",
+    "lookup-v65536", "lookup-map32768"."""
     parts = variant.split("-")
     lookup = "lookup" in parts
-    sizes = [int(part[1:]) for part in parts if part.startswith("v")]
-    if len(parts) != lookup + len(sizes) or len(sizes) > 1:
-        raise SystemExit(f"unknown draft variant {variant!r}: vN, lookup or lookup-vN")
-    return (sizes[0] if sizes else None), lookup
+    sized = [part for part in parts if part != "lookup"]
+    if len(sized) > 1 or (sized and not re.fullmatch(r"(v|map)\d+", sized[0])):
+        raise SystemExit(f"unknown draft variant {variant!r}: vN, mapN, lookup, lookup-vN or lookup-mapN")
+    if not sized:
+        return None, False, lookup
+    return int(sized[0].lstrip("vmap")), sized[0].startswith("map"), lookup
 
 
 def print_row(row: dict, engines: list[str]) -> None:

@@ -248,11 +248,14 @@ class SpeculativeConfig:
     # How the draft's quantised GGUF weights run (as --quantization); None: as the target's. A draft decodes
     # a row or a few at a time, where GGUF blocks are fastest, even on CPUs where auto keeps dense weights.
     quantization: Quantization | None = None
-    # The draft proposes only token ids below this (its output projection cut to those rows; a BPE
-    # tokenizer's lowest ids are its most frequent tokens); None: the whole vocabulary. A draft's output
-    # projection can be a third of what it reads a token; a target token the pruned draft cannot propose is
-    # a rejected draft, never a wrong token.
+    # The draft proposes only from a part of the vocabulary (its output projection cut to those rows, and
+    # each request's own prompt ids): with ``draft_token_map`` (a file `kvserve models token-map` writes:
+    # ids ranked by their frequency in a corpus) its first ``draft_vocab_size`` ids (all, if None), else the
+    # ids below ``draft_vocab_size`` (a BPE tokenizer's earliest merges); neither: the whole vocabulary. A
+    # draft's output projection can be a third of what it reads a token; a target token the pruned draft
+    # cannot propose is a rejected draft, never a wrong token.
     draft_vocab_size: int | None = None
+    draft_token_map: str | None = None
     prompt_lookup: bool = False  # draft_model: prompt lookup first, the draft model where it finds nothing
     adaptive: bool = True
     # No drafts in a step that samples for this many requests or more (vLLM's option of the same name); the
@@ -287,11 +290,13 @@ class SpeculativeConfig:
         size = self.draft_vocab_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {size!r}", "draft_vocab_size")
+        if self.draft_token_map is not None and (not isinstance(self.draft_token_map, str) or not self.draft_token_map):
+            raise ConfigError(f"draft_token_map must be a file path, got {self.draft_token_map!r}", "draft_token_map")
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("method 'draft_model' needs the draft's 'model' (a name or a path)", "model")
         else:
-            for name in ("model", "quantization", "draft_vocab_size", "prompt_lookup"):
+            for name in ("model", "quantization", "draft_vocab_size", "draft_token_map", "prompt_lookup"):
                 if getattr(self, name) not in (None, False):
                     raise ConfigError(f"'{name}' is the draft's, of method 'draft_model'; method is {self.method!r}",
                                       name)

@@ -38,11 +38,13 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
+from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
 from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams
 from kvserve.runner.device import resolve_device, resolve_dtype
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.draft_model import DraftModelProposer
+from kvserve.runner.draft_vocab import kept_ids
 from kvserve.runner.kv_memory import allocate_kv_caches, num_blocks_for
 from kvserve.runner.kv_transfer import block_nbytes, block_shape
 from kvserve.runner.model_runner import ModelRunner
@@ -249,17 +251,30 @@ class Engine:
         model.prepare_decode(kv_caches, KVLayout.single(arch.num_layers).layer_group)
         draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{fingerprint}:{cc.hash_salt}".encode(),
                                 enable_prefix_caching=cc.enable_prefix_caching)
+        vocab_size = min(arch.vocab_size, self.arch.vocab_size)
+        kept = self._draft_kept_ids(spec, vocab_size)
         logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s%s%s", path.name, num_blocks,
                     spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "",
-                    "" if spec.draft_vocab_size is None else f", drafts among token ids below {spec.draft_vocab_size}",
+                    "" if kept is None else (f", drafts among {len(kept):,} token ids"
+                                             + (" of the token map" if spec.draft_token_map else "")
+                                             + " and each request's prompt"),
                     ", prompt lookup first" if spec.prompt_lookup else "")
         self.draft_kv = draft_kv
         return DraftModelProposer(model, backend, kv_caches, cc.block_size, draft_kv,
                                   max_model_len=min(arch.max_position_embeddings, self.max_model_len),
-                                  vocab_size=min(arch.vocab_size, self.arch.vocab_size), seed=self.config.model.seed,
-                                  draft_vocab_size=spec.draft_vocab_size,
+                                  vocab_size=vocab_size, seed=self.config.model.seed, kept_ids=kept,
                                   lookup=(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                                         spec.prompt_lookup_max) if spec.prompt_lookup else None))
+
+    def _draft_kept_ids(self, spec: SpeculativeConfig, vocab_size: int) -> list[int] | None:
+        """The ids a pruned draft proposes from besides each request's prompt (None: all): the token map's
+        leading ones (and the special tokens), or the ids below ``draft_vocab_size``."""
+        ranked = None
+        if spec.draft_token_map is not None:
+            token_map = TokenMap.read(spec.draft_token_map)
+            token_map.check_vocabulary(self.tokenizer)
+            ranked = token_map.token_ids
+        return kept_ids(vocab_size, spec.draft_vocab_size, ranked, always=sorted(self.tokenizer.all_special_ids))
 
     def _build_tiers(self, storage: StorageConfig, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
         """The host / disk / Redis tiers below device memory, keyed for this model, how it is computed (dtype,

@@ -20,6 +20,7 @@ from kvserve.model.layers import RotaryEmbedding
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
 from kvserve.model.mlp import FeedForward, GeluGatedMLP, Take
 from kvserve.model.ops import ModelOps
+from kvserve.model.quantized import Weight
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -72,8 +73,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def decoder_layout(self) -> DecoderLayout:
         return DecoderLayout(llama_layers=False, layer_rotations=tuple(int(layer.sliding) for layer in self.layers))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, head: Weight | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, head)
         cap = self.arch.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

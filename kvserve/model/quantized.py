@@ -191,6 +191,24 @@ class QuantizedWeight:
             rows -= take
         return QuantizedWeight(tuple(kept), self.cols)
 
+    def gather_rows(self, ids: Sequence[int]) -> QuantizedWeight:
+        """The rows ``ids`` (ascending, each once), copied into a weight of their own, held as this one is
+        where they make whole groups of sixteen (else planar)."""
+        assert list(ids) == sorted(set(ids)) and (not ids or 0 <= ids[0] and ids[-1] < self.shape[0])
+        wanted = np.asarray(ids, dtype=np.int64)
+        parts: list[QuantizedWeight] = []
+        start = 0
+        for segment in self.segments:
+            local = wanted[(wanted >= start) & (wanted < start + segment.rows)] - start
+            if len(local):
+                blocks = segment.file_blocks(self.cols)[local]
+                parts.append(QuantizedWeight.from_blocks(segment.ggml_type, blocks, self.cols, segment.interleaved))
+            start += segment.rows
+        assert parts, "no rows gathered"
+        gathered = concat_rows(parts)
+        assert isinstance(gathered, QuantizedWeight)
+        return gathered
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[rows, cols] values, by gguf's own dequantiser: the reference the kernels are tested against."""
         parts = [torch.from_numpy(gguf_dequantize(s.file_blocks(self.cols), GGMLQuantizationType(s.ggml_type)))

@@ -1,9 +1,11 @@
-"""`kvserve models list | pull NAME | rm NAME | path NAME` — the model store on the command line."""
+"""`kvserve models list | pull NAME | rm NAME | path NAME | token-map NAME CORPUS...` — the model store on the
+command line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvserve.model_store.store import ModelStore
 
@@ -19,6 +21,12 @@ def add_models_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("name")
     p = sub.add_parser("path", help="print the file of an installed model (for other tools: llama.cpp, scripts)")
     p.add_argument("name")
+    p = sub.add_parser("token-map", help="rank the model's token ids by how often a corpus holds them: a draft "
+                                         "model's vocabulary (speculative_config.draft_token_map)")
+    p.add_argument("name", help="a known model's name or a model path (its tokenizer is used)")
+    p.add_argument("corpus", nargs="+", type=Path, help="text files, or directories whose files are read")
+    p.add_argument("--output", "-o", type=Path, required=True, help="the token map file to write (JSON)")
+    p.add_argument("--max-mb", type=float, default=64.0, help="read at most this much text (default: 64 MB)")
 
 
 def run_models_command(args: argparse.Namespace, store: ModelStore | None = None) -> int:
@@ -34,8 +42,24 @@ def run_models_command(args: argparse.Namespace, store: ModelStore | None = None
         removed = store.remove(args.name)
         print(f"removed {store.path_of(store.lookup(args.name))}" if removed else f"{args.name} is not installed")
         return 0
+    if args.models_command == "token-map":
+        return _write_token_map(store, args)
     # path
     print(store.resolve(args.name, pull=False))
+    return 0
+
+
+def _write_token_map(store: ModelStore, args: argparse.Namespace) -> int:
+    from kvserve.model_store.token_map import TokenMap, corpus_texts
+    from kvserve.tokenizer import Tokenizer
+
+    path = Path(args.name) if Path(args.name).exists() else store.resolve(args.name, pull=False)
+    token_map = TokenMap.count(Tokenizer.from_model_path(path), corpus_texts(args.corpus, int(args.max_mb * 1e6)))
+    if not token_map.token_ids:
+        print(f"kvserve: error: no text in {', '.join(map(str, args.corpus))}", file=sys.stderr)
+        return 2
+    token_map.write(args.output)
+    print(f"{args.output}: {len(token_map.token_ids):,} token ids ranked over {token_map.corpus_tokens:,} tokens")
     return 0
 
 

@@ -27,16 +27,15 @@ cache.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.batch import ScheduledRequest, SchedulerOutput
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.quantized import QuantizedWeight, Weight
+from kvserve.runner.draft_vocab import DraftVocabulary
 from kvserve.runner.input_batch import build_inputs
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import DRAFT_SALT, NgramProposer, ProposalRequest
@@ -81,7 +80,7 @@ class DraftModelProposer:
         max_model_len: int,
         vocab_size: int,
         seed: int = 0,
-        draft_vocab_size: int | None = None,
+        kept_ids: Sequence[int] | None = None,
         lookup: NgramProposer | None = None,
     ) -> None:
         self.model = model
@@ -91,12 +90,8 @@ class DraftModelProposer:
         self.kv = kv
         self.max_model_len = max_model_len  # the draft's context: no drafts past it
         self.vocab_size = vocab_size  # columns both models have: a draft is always a token the target can take
-        # The token ids the draft proposes from: the first ``draft_vocab_size`` (a BPE tokenizer numbers its
-        # merges in the order it learnt them, the most frequent first). The output projection is a large share
-        # of a small draft's weights; its other rows are never read.
-        self.num_logits = min(vocab_size, draft_vocab_size or vocab_size)
-        self.head = (None if self.num_logits == model.lm_head.shape[0]
-                     else _leading_rows(model.lm_head, self.num_logits, model.ops.prepare_weight))
+        # The ids the draft proposes from (draft_vocab.py): ``kept_ids`` (None: all) and each request's prompt.
+        self.vocabulary = DraftVocabulary(model, vocab_size, kept_ids)
         self._timings: list[tuple[int, float]] = []
         self._probs: dict[str, torch.Tensor] = {}
         self._cached_on_sight: dict[str, int] = {}  # per request not held yet: its tokens the prefix cache holds
@@ -109,6 +104,7 @@ class DraftModelProposer:
 
     def forget(self, request_id: str) -> None:
         self.kv.release(request_id)
+        self.vocabulary.forget(request_id)
         self._cached_on_sight.pop(request_id, None)
         self._found.pop(request_id, None)
         if self.lookup is not None:
@@ -143,7 +139,7 @@ class DraftModelProposer:
         prefill_tokens = min(prefill_tokens, self.max_model_len - max(row_counts) - 1)
         if prefill_tokens < 1:
             return []
-        tokens = [i % self.num_logits for i in range(prefill_tokens)]
+        tokens = [i % self.vocab_size for i in range(prefill_tokens)]
         slots = self.kv.prepare(request_id, tokens, max(row_counts))
         if slots is None:
             return []
@@ -196,6 +192,7 @@ class DraftModelProposer:
             slots = self.kv.prepare(r.request_id, tokens, num_drafts - 1)
             if slots is None:
                 continue  # the draft's pool is full: this request goes without drafts this step
+            self.vocabulary.admit(r.request_id, state.prompt_token_ids)
             active.append((i, _catch_up_row(r.request_id, tokens, slots.num_computed, slots.block_ids), num_drafts))
             if _samples_drafts(state):
                 sampled_rows[r.request_id] = []
@@ -245,14 +242,15 @@ class DraftModelProposer:
                 offset += 1 + len(extra)
                 last_rows[request_id] = sample_rows[offset - 1]
             index = torch.tensor([last_rows[row.request_id] for row in rows], device=hidden.device)
-            logits = self.model.compute_logits(hidden[index], self.head)[:, : self.num_logits]
-            tokens = self.backend.argmax(logits).tolist()
+            logits, ids = self.vocabulary.logits(hidden[index], [row.request_id for row in rows])
+            picked = self.backend.argmax(logits)
+            tokens = (picked if ids is None else ids[picked]).tolist()
             probs: dict[str, torch.Tensor] = {}
             if sampled:
                 index = torch.tensor(list(sampled), device=logits.device)
                 sampled_states = list(sampled.values())
-                # Ids past the pruned vocabulary: probability 0 (penalties and filters leave -inf as it is).
-                q_logits = F.pad(logits[index], (0, self.vocab_size - self.num_logits), value=float("-inf"))
+                # Ids the pruned draft cannot propose: probability 0 (penalties and filters leave -inf as it is).
+                q_logits = self.vocabulary.full(logits[index], ids)
                 q = self.sampler.probabilities(q_logits, sampled_states)  # [S, V]
                 for k, token_id, row in zip(sampled, self.sampler.sample_from(q, sampled_states, DRAFT_SALT), q,
                                             strict=True):
@@ -262,16 +260,6 @@ class DraftModelProposer:
         self._timings.append((int(inputs.input_ids.shape[0]), seconds))
         self.forward_time_s += seconds
         return tokens, probs
-
-
-def _leading_rows(weight: Weight, rows: int, prepare: Callable[[Weight], None]) -> Weight:
-    """An output projection's first ``rows`` rows (a quantised one may keep up to fifteen more)."""
-    if isinstance(weight, QuantizedWeight):
-        return weight.leading_rows(rows)
-    # A copy: the kernels find a dense weight's packed copy by its storage address, which a view would share.
-    head = weight[:rows].clone()
-    prepare(head)
-    return head
 
 
 def _catch_up_row(request_id: str, tokens: list[int], num_computed: int, block_ids: list[int]) -> ScheduledRequest:

@@ -14,10 +14,11 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ConfigError
+from kvserve.model_store.token_map import TokenMap, vocabulary_digest
 from kvserve.runner.draft_model import DraftModelProposer
 from kvserve.runner.sampler import SamplingState
 from tests.e2e.conftest import hf_greedy
-from tests.support.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model, smollm2_tokenizer
 
 PROMPTS = [[5, 17, 230, 4000, 12], list(range(100, 161)), [9] * 23, list(range(3000, 3200, 3))]
 MAX_TOKENS = 16
@@ -131,15 +132,17 @@ def recording_drafts(llm: LLM) -> list[int]:
     return proposed
 
 
-def test_a_pruned_draft_vocabulary_proposes_only_its_ids_and_changes_no_token(models, reference) -> None:
-    """The target as its own draft, pruned to the ids below 2,048 (the prompts hold higher ones): every
-    draft is below it, the drafts agree where the target's token is below it, and the output is unchanged."""
-    llm = speculating(models, "target", speculative={"adaptive": False, "draft_vocab_size": 2048})
+def check_pruned_drafts(llm: LLM, reference: list[list[int]], kept: set[int]) -> None:
+    """Greedy output unchanged; every draft among ``kept`` or its request's prompt ids; and, the target being
+    its own draft, drafts accepted only where the target's token is one the pruned draft can propose."""
     proposed = recording_drafts(llm)
     assert greedy_ids(llm) == reference
-    assert proposed and max(proposed) < 2048
+    prompt_ids = {i for p in PROMPTS for i in p}
+    assert proposed and set(proposed) <= kept | prompt_ids
+    assert set(proposed) & (prompt_ids - kept)  # the prompts' own ids were proposed too
     stats = llm.engine.stats()
-    expected_agreement = sum(token < 2048 for ids in reference for token in ids)
+    expected_agreement = sum(token in kept or token in prompt for prompt, ids in zip(PROMPTS, reference, strict=True)
+                             for token in ids)
     assert 0 < stats.num_accepted_draft_tokens <= expected_agreement < stats.num_draft_tokens
     drain(llm)
     # Sampled drafts (penalties over prompt ids past the pruned vocabulary): q is zero there, p is not.
@@ -147,8 +150,43 @@ def test_a_pruned_draft_vocabulary_proposes_only_its_ids_and_changes_no_token(mo
                             ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
-    assert max(proposed) < 2048
+    assert set(proposed) <= kept | prompt_ids
     drain(llm)
+
+
+def test_a_pruned_draft_vocabulary_proposes_only_its_ids_and_the_prompts_and_changes_no_token(models,
+                                                                                               reference) -> None:
+    """The target as its own draft, pruned to the ids below 2,048 (the prompts hold higher ones, which the
+    draft proposes for their requests)."""
+    llm = speculating(models, "target", speculative={"adaptive": False, "draft_vocab_size": 2048})
+    check_pruned_drafts(llm, reference, set(range(2048)))
+
+
+def test_a_token_maps_leading_ids_are_what_the_draft_proposes_from(models, reference, tmp_path) -> None:
+    """A token map (ids ranked by a corpus's counts: here half the reference's tokens first): the draft
+    proposes among its leading ids, the special tokens and each request's prompt ids."""
+    tokenizer = smollm2_tokenizer()
+    ranked = list(dict.fromkeys(t for ids in reference[::2] for t in ids)) + list(range(40000, 41000))
+    path = tmp_path / "map.json"
+    TokenMap(vocabulary_digest(tokenizer), tuple(ranked), len(ranked)).write(path)
+    size = len(ranked) - 1000 + 40
+    llm = speculating(models, "target", speculative={"adaptive": False, "draft_token_map": str(path),
+                                                      "draft_vocab_size": size})
+    proposer = llm.engine.runner.proposer
+    assert isinstance(proposer, DraftModelProposer) and proposer.vocabulary.kept is not None
+    kept = set(proposer.vocabulary.kept.tolist())
+    assert set(ranked[:size]) | set(tokenizer.all_special_ids) <= kept and len(kept) % 16 == 0
+    assert len(kept) < size + len(tokenizer.all_special_ids) + 16
+    check_pruned_drafts(llm, reference, kept)
+
+
+def test_a_token_map_of_another_vocabulary_or_no_token_map_is_refused(models, tmp_path) -> None:
+    path = tmp_path / "map.json"
+    TokenMap("0" * 16, (1, 2, 3), 3).write(path)
+    for file in (path, tmp_path / "missing.json"):
+        with pytest.raises(ConfigError) as info:
+            speculating(models, "draft", speculative={"draft_token_map": str(file)})
+        assert info.value.param == "draft_token_map"
 
 
 @pytest.mark.parametrize("draft", ["draft", "target"], ids=["smaller-draft", "target-as-its-own-draft"])

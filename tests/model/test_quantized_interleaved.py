@@ -92,6 +92,31 @@ def test_leading_rows_are_views_of_the_first_rows(interleave: bool) -> None:
         assert torch.equal(got, full[:, : head.shape[0]])
 
 
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "planar"])
+def test_gathered_rows_are_those_rows_of_every_segment(interleave: bool) -> None:
+    """A draft's frequency-pruned output projection: any rows, across segments of two formats, copied into a
+    weight of their own, held as the source where they make whole groups; its products are the full
+    weight's columns at those rows."""
+    first = QuantizedWeight.from_blocks(int(T.Q4_K), random_blocks(T.Q4_K, 32, 256, seed=4), 256, interleave)
+    rest = QuantizedWeight.from_blocks(int(T.Q6_K), random_blocks(T.Q6_K, 32, 256, seed=5), 256, interleave)
+    weight = concat_rows([first, rest])
+    reference = weight.dequantize()
+    ids = [1, 2, 5, 8, 13, 17, 20, 21, 22, 30, 31, 33, 35, 40, 41, 42, 47, 50, 53, 60, 61, 62, 63]
+    for chosen, whole_groups in [(ids, False), (list(range(3, 19)) + list(range(40, 56)), True)]:
+        gathered = weight.gather_rows(chosen)
+        assert gathered.shape == (len(chosen), 256)
+        assert torch.equal(gathered.dequantize(), reference[chosen])
+        assert gathered.interleaved == (interleave and whole_groups)
+        if kernels is not None:
+            x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+            full = torch.ops.kvserve.quant_linear(x, weight.data, weight.types, 256, None, GEMV_ROWS, FUSED_ROWS)
+            got = torch.ops.kvserve.quant_linear(x, gathered.data, gathered.types, 256, None, GEMV_ROWS, FUSED_ROWS)
+            if gathered.interleaved == weight.interleaved:  # the same kernel, row for row
+                assert torch.equal(got, full[:, chosen])
+            else:
+                assert_close(got, full[:, chosen].double())
+
+
 def test_rows_that_are_not_whole_groups_stay_planar() -> None:
     assert not can_interleave(int(T.Q4_K), 17) and can_interleave(int(T.Q4_K), 32)
     weight = QuantizedWeight.from_blocks(int(T.Q8_0), random_blocks(T.Q8_0, 17, 64), 64, interleave=True)
