@@ -238,6 +238,8 @@ class Engine:
         if why is not None:
             raise ConfigError(f"speculative_config.model: the draft {path.name} cannot draft for "
                               f"{self.model_path.name}: {why}", "model")
+        vocab_size = min(arch.vocab_size, self.arch.vocab_size)
+        kept = self._draft_kept_ids(spec, vocab_size)  # a bad token map is refused before the draft loads
         fingerprint = model_fingerprint(path)
         backend, model = self._load_model(path, fingerprint, arch, spec.quantization)
         if model.num_parameters > self.model.num_parameters:
@@ -251,8 +253,6 @@ class Engine:
         model.prepare_decode(kv_caches, KVLayout.single(arch.num_layers).layer_group)
         draft_kv = DraftKVCache(num_blocks, cc.block_size, f"{fingerprint}:{cc.hash_salt}".encode(),
                                 enable_prefix_caching=cc.enable_prefix_caching)
-        vocab_size = min(arch.vocab_size, self.arch.vocab_size)
-        kept = self._draft_kept_ids(spec, vocab_size)
         logger.info("draft model %s: %d KV blocks, up to %d drafts a step%s%s%s", path.name, num_blocks,
                     spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "",
                     "" if kept is None else (f", drafts among {len(kept):,} token ids"

@@ -27,6 +27,9 @@ def add_models_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("corpus", nargs="+", type=Path, help="text files, or directories whose files are read")
     p.add_argument("--output", "-o", type=Path, required=True, help="the token map file to write (JSON)")
     p.add_argument("--max-mb", type=float, default=64.0, help="read at most this much text (default: 64 MB)")
+    p.add_argument("--glob", default="*", help="in directories, the files whose names match (default: all)")
+    p.add_argument("--exclude", action="append", default=[], metavar="NAME",
+                   help="in directories, skip files and folders of this name (repeat for each)")
 
 
 def run_models_command(args: argparse.Namespace, store: ModelStore | None = None) -> int:
@@ -54,7 +57,12 @@ def _write_token_map(store: ModelStore, args: argparse.Namespace) -> int:
     from kvserve.tokenizer import Tokenizer
 
     path = Path(args.name) if Path(args.name).exists() else store.resolve(args.name, pull=False)
-    token_map = TokenMap.count(Tokenizer.from_model_path(path), corpus_texts(args.corpus, int(args.max_mb * 1e6)))
+    missing = [str(p) for p in args.corpus if not p.exists()]
+    if missing:
+        print(f"kvserve: error: no such corpus file or directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    token_map = TokenMap.count(Tokenizer.from_model_path(path), corpus_texts(args.corpus, int(args.max_mb * 1e6),
+                                                                                   args.glob, args.exclude))
     if not token_map.token_ids:
         print(f"kvserve: error: no text in {', '.join(map(str, args.corpus))}", file=sys.stderr)
         return 2

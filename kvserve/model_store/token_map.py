@@ -61,25 +61,38 @@ class TokenMap:
                 or len(set(ids)) != len(ids)):
             raise ConfigError(f"{field}: {str(path)!r} is not a token map (`kvserve models token-map` writes one)",
                               field)
-        return cls(data["vocabulary"], tuple(ids), int(data.get("corpus_tokens", 0)))
+        corpus_tokens = data.get("corpus_tokens", 0)
+        if not isinstance(corpus_tokens, int) or isinstance(corpus_tokens, bool):
+            raise ConfigError(f"{field}: {str(path)!r} is not a token map (corpus_tokens {corpus_tokens!r})", field)
+        return cls(data["vocabulary"], tuple(ids), corpus_tokens)
 
     def check_vocabulary(self, tokenizer: Tokenizer, field: str = "draft_token_map") -> None:
         if self.vocabulary != vocabulary_digest(tokenizer):
             raise ConfigError(f"{field}: the token map was counted with another tokenizer's vocabulary", field)
 
 
-def corpus_texts(paths: Iterable[Path], max_bytes: int) -> Iterator[str]:
-    """The UTF-8 text of each file, directories walked in name order, up to ``max_bytes`` in all; files that
-    are not UTF-8 text are skipped."""
+def corpus_texts(paths: Iterable[Path], max_bytes: int, pattern: str = "*", exclude: Iterable[str] = ()
+                 ) -> Iterator[str]:
+    """The UTF-8 text of each file, directories walked in name order for the files whose names match
+    ``pattern`` and none of whose path parts below the directory is named in ``exclude``, up to ``max_bytes``
+    in all (the last one cut there); files that are not UTF-8 text are skipped, a path that does not exist is
+    a FileNotFoundError."""
     remaining = max_bytes
+    excluded = frozenset(exclude)
     for path in paths:
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        if not path.exists():
+            raise FileNotFoundError(f"no such corpus file or directory: {path}")
+        files = ([p for p in sorted(path.rglob(pattern))
+                  if p.is_file() and not excluded.intersection(p.relative_to(path).parts)]
+                 if path.is_dir() else [path])
         for file in files:
             if remaining <= 0:
                 return
             try:
-                text = file.read_bytes()[:remaining].decode("utf-8", errors="strict")
+                data = file.read_bytes()
+                data.decode("utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            remaining -= len(text.encode())
+            text = data[:remaining].decode("utf-8", errors="ignore")  # a character cut at the end is dropped
+            remaining -= len(data)
             yield text

@@ -141,10 +141,12 @@ def check_pruned_drafts(llm: LLM, reference: list[list[int]], kept: set[int]) ->
     assert proposed and set(proposed) <= kept | prompt_ids
     assert set(proposed) & (prompt_ids - kept)  # the prompts' own ids were proposed too
     stats = llm.engine.stats()
-    expected_agreement = sum(token in kept or token in prompt for prompt, ids in zip(PROMPTS, reference, strict=True)
-                             for token in ids)
+    # A row may propose the prompt ids of any request it is drafted beside.
+    expected_agreement = sum(token in kept | prompt_ids for ids in reference for token in ids)
     assert 0 < stats.num_accepted_draft_tokens <= expected_agreement < stats.num_draft_tokens
     drain(llm)
+    proposer = llm.engine.runner.proposer
+    assert isinstance(proposer, DraftModelProposer) and proposer.vocabulary.num_admitted == 0  # released
     # Sampled drafts (penalties over prompt ids past the pruned vocabulary): q is zero there, p is not.
     params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, max_tokens=MAX_TOKENS,
                             ignore_eos=True)
@@ -152,6 +154,7 @@ def check_pruned_drafts(llm: LLM, reference: list[list[int]], kept: set[int]) ->
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
     assert set(proposed) <= kept | prompt_ids
     drain(llm)
+    assert proposer.vocabulary.num_admitted == 0
 
 
 def test_a_pruned_draft_vocabulary_proposes_only_its_ids_and_the_prompts_and_changes_no_token(models,
@@ -178,6 +181,42 @@ def test_a_token_maps_leading_ids_are_what_the_draft_proposes_from(models, refer
     assert set(ranked[:size]) | set(tokenizer.all_special_ids) <= kept and len(kept) % 16 == 0
     assert len(kept) < size + len(tokenizer.all_special_ids) + 16
     check_pruned_drafts(llm, reference, kept)
+
+
+@pytest.mark.parametrize("pruning", ["leading", "token-map"])
+def test_a_pruned_vocabularys_logits_are_the_whole_heads_at_its_ids(models, tmp_path, pruning: str) -> None:
+    """The pruned draft's logits, laid back over the vocabulary, are the unpruned output projection's at the
+    kept ids and the drafted requests' prompt ids, and -inf everywhere else: each column is its id's."""
+    tokenizer = smollm2_tokenizer()
+    spec: dict[str, object] = {"draft_vocab_size": 1000}
+    if pruning == "token-map":
+        path = tmp_path / "map.json"
+        ranked = list(range(49151, 40000, -7))  # not the leading ids: the rows are gathered
+        TokenMap(vocabulary_digest(tokenizer), tuple(ranked), len(ranked)).write(path)
+        spec["draft_token_map"] = str(path)
+    llm = speculating(models, "draft", speculative=spec)
+    proposer = llm.engine.runner.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    vocabulary = proposer.vocabulary
+    assert vocabulary.kept is not None
+    kept = set(vocabulary.kept.tolist())
+    vocabulary.admit("a", [5, 3001, 3002, 48000])
+    vocabulary.admit("b", [3002, 3005, 48000])
+    hidden = torch.randn(3, vocabulary.model.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    whole = vocabulary.model.compute_logits(hidden)[:, : vocabulary.vocab_size]
+    for requests, prompts in [(["a", "b"], {5, 3001, 3002, 3005, 48000}), (["b"], {3002, 3005, 48000}), ([], set())]:
+        logits, ids = vocabulary.logits(hidden, requests)
+        assert ids is not None and len(set(ids.tolist())) == len(ids)  # one column per id
+        full = vocabulary.full(logits, ids)
+        allowed = torch.tensor(sorted(kept | prompts))
+        assert set(ids.tolist()) == set(allowed.tolist())
+        torch.testing.assert_close(full[:, allowed], whole[:, allowed])
+        others = torch.ones(vocabulary.vocab_size, dtype=torch.bool)
+        others[allowed] = False
+        assert torch.isinf(full[:, others]).all()
+    vocabulary.forget("a")
+    vocabulary.forget("b")
+    assert vocabulary.num_admitted == 0
 
 
 def test_a_token_map_of_another_vocabulary_or_no_token_map_is_refused(models, tmp_path) -> None:

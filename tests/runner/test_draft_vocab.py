@@ -73,6 +73,13 @@ def test_the_corpus_is_every_text_file_under_its_directories_up_to_a_size(tmp_pa
     (tmp_path / "b" / "d.bin").write_bytes(b"\xff\xfe\x00binary")
     assert list(corpus_texts([tmp_path], 1000)) == ["x = 1\n", "hello\n"]
     assert list(corpus_texts([tmp_path], 6)) == ["x = 1\n"]
+    assert list(corpus_texts([tmp_path], 1000, pattern="*.txt")) == ["hello\n"]
+    assert list(corpus_texts([tmp_path], 1000, exclude=["b"])) == ["x = 1\n"]
+    assert list(corpus_texts([tmp_path / "b"], 1000, exclude=["b"])) == ["hello\n"]  # below the directory only
+    (tmp_path / "e.txt").write_text("né")  # 3 bytes: a cut inside the é drops it, not the file
+    assert list(corpus_texts([tmp_path / "e.txt"], 2)) == ["n"]
+    with pytest.raises(FileNotFoundError):
+        list(corpus_texts([tmp_path / "missing"], 1000))
 
 
 def test_the_models_token_map_command_writes_a_map_for_the_models_tokenizer(tmp_path: Path, capsys) -> None:
@@ -87,3 +94,4 @@ def test_the_models_token_map_command_writes_a_map_for_the_models_tokenizer(tmp_
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["models", "token-map", "smollm2-135m", str(empty), "-o", str(output)]) == 2
+    assert main(["models", "token-map", "smollm2-135m", str(tmp_path / "missing"), "-o", str(output)]) == 2
