@@ -133,7 +133,7 @@ def _output_rows(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     weight = model.lm_head
     if isinstance(weight, QuantizedWeight) and len(weight.segments) > 1:
         return weight.gather_rows(ids.tolist()).dequantize(torch.bfloat16)
-    return model.ops.embedding(ids.to(weight.device), weight)
+    return model.ops.embedding(ids, weight)
 
 
 def _unique_first(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

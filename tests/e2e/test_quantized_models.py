@@ -21,6 +21,7 @@ from kvserve.model.backends.base import PrefillChunk, StepRows
 from kvserve.model.loader import iter_weights, read_arch_config
 from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight
 from kvserve.model_store import KNOWN_MODELS, known_model
+from kvserve.runner.draft_vocab import DraftVocabulary
 from tests.e2e.conftest import installed_model
 
 TEXT = (Path(__file__).parents[1] / "data" / "perplexity.txt").read_text()
@@ -190,3 +191,28 @@ def test_with_int8_activations_output_does_not_depend_on_the_batch_or_on_specula
     int16 = alone(LLM(model=path, num_kv_blocks=256))
     assert alone(LLM(model=path, num_kv_blocks=256, speculative_config=ngram)) == int16
     assert int16 != plain
+
+
+@pytest.mark.parametrize("pruning", ["leading", "gathered"])
+def test_a_pruned_draft_vocabulary_over_a_quantised_head_gives_the_heads_logits_at_its_ids(pruning: str) -> None:
+    """A draft's pruned vocabulary on an output projection held in its GGUF blocks: the leading rows (a view),
+    or rows gathered from anywhere (a copy), and a request's prompt ids (dequantised rows): each column is its
+    id's logit through the whole head, within the quantised products' own rounding."""
+    llm = LLM(model=str(installed_model("smollm2-135m")), num_kv_blocks=16)
+    model = llm.engine.model
+    if not isinstance(model.lm_head, QuantizedWeight):
+        pytest.skip("this CPU runs the file dequantised")
+    kept = list(range(2048)) if pruning == "leading" else list(range(5, 49152, 24))[:2048]
+    vocabulary = DraftVocabulary(model, model.arch.vocab_size, kept)
+    vocabulary.admit("a", [45001, 10, 45002, 48999])
+    hidden = torch.randn(3, model.arch.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad(), model.thread_scope:
+        whole = model.compute_logits(hidden).float()
+        logits, ids = vocabulary.logits(hidden, ["a"])
+    assert ids is not None
+    full = vocabulary.full(logits.float(), ids)
+    allowed = sorted(set(kept) | {45001, 10, 45002, 48999})
+    assert sorted(ids.tolist()) == allowed
+    scale = whole.abs().max().item()
+    torch.testing.assert_close(full[:, allowed], whole[:, allowed], rtol=0, atol=0.02 * scale)
+    assert torch.isinf(full).sum() == 3 * (model.arch.vocab_size - len(allowed))
