@@ -23,7 +23,9 @@ measured as the engine runs, so the choice follows the load:
   step drafts nothing (a plain step's cost is what drafts are weighed against). The engine measures the
   draft's forwards at start-up, but acceptance only verification measures: until a draft is verified, one
   request alone drafts, the cheapest to onboard (a burst of new requests does not pay every prompt's
-  prefill in the draft before it is known whether the draft's tokens are accepted).
+  prefill in the draft before it is known whether the draft's tokens are accepted), and only where its
+  drafts would pay were they all accepted (a long prompt's prefill in the draft, or a batch whose extra
+  rows cost compute, is not paid to learn an acceptance that could not repay it).
 
 The lengths maximise (expected tokens) / (predicted seconds) over the whole batch (the goodput rule of
 SmartSpec and TurboSpec). Drafts are added in order of their expected worth (``a_i^j`` for request ``i``'s
@@ -265,7 +267,10 @@ class DraftLengthPolicy:
             lengths = [self.max_tokens if f else 0 for f in no_cost]
             paid = [i for i in range(num) if not no_cost[i]]
             if paid:
-                lengths[min(paid, key=lambda i: onboarding[i])] = self.max_tokens
+                cheapest = min(paid, key=lambda i: onboarding[i])
+                if not self.draft_cost.has_data or self._could_pay(cheapest, onboarding[cheapest], left[cheapest],
+                                                                   no_cost):
+                    lengths[cheapest] = self.max_tokens
         else:
             acceptance = [self.acceptance(rid) for rid in request_ids]
             model_shares = [1.0 - self._free_share.get(rid, self._method_free_share) for rid in request_ids]
@@ -286,6 +291,17 @@ class DraftLengthPolicy:
         self._onboarding = {rid: tokens for rid, tokens, k in zip(request_ids, onboarding, lengths, strict=True)
                             if k and tokens}
         return lengths
+
+    def _could_pay(self, i: int, onboarding_tokens: int, remaining: int | None, free: list[bool]) -> bool:
+        """Whether request ``i``'s drafts would pay, onboarding and all, were every one of them accepted: where
+        not even that repays them (a long prompt to prefill in the draft, a batch whose rows cost compute),
+        acceptance is not worth learning at that price."""
+        acceptance = [0.0] * len(free)
+        acceptance[i] = _MAX_ACCEPTANCE
+        charges = [0.0] * len(free)
+        if onboarding_tokens:
+            charges[i] = self._onboarding_charge(onboarding_tokens, remaining, _MAX_ACCEPTANCE, 1.0)
+        return self._best_lengths(acceptance, charges, free)[i] > 0
 
     def _prefill_seconds(self, tokens: int) -> float:
         """What the draft's catch-up of ``tokens`` tokens takes."""

@@ -90,7 +90,7 @@ class DraftModelProposer:
         self.kv = kv
         self.max_model_len = max_model_len  # the draft's context: no drafts past it
         self.vocab_size = vocab_size  # columns both models have: a draft is always a token the target can take
-        # The ids the draft proposes from (draft_vocab.py): ``kept_ids`` (None: all) and each request's prompt.
+        # The ids the draft proposes from (draft_vocab.py): ``kept_ids`` (None: all) and the drafted prompts' ids.
         self.vocabulary = DraftVocabulary(model, vocab_size, kept_ids)
         self._timings: list[tuple[int, float]] = []
         self._probs: dict[str, torch.Tensor] = {}

@@ -213,8 +213,29 @@ def test_with_the_drafts_costs_measured_at_start_up_one_request_still_measures_a
     draft is verified one request drafts, the cheapest to onboard, even where the prior acceptance would
     not pay for drafting (the policy would otherwise never learn better)."""
     policy = DraftLengthPolicy(4, uses_model=True, prior_acceptance=0.3)
-    policy.observe_draft([(rows, 0.012) for rows in (1, 2, 3, 4, 5)] + [(64, 0.2)])
+    policy.observe_draft([(rows, 0.006) for rows in (1, 2, 3, 4, 5)] + [(64, 0.2)])
     policy.observe_step(1, 0.035)
     assert policy.lengths(["a", "b"], [200, 50], [None, None]) == [0, 4]
     policy.observe_verified("b", 4, 4)
     assert policy.lengths(["a", "b"], [200, 0], [None, None])[0] == 0
+
+
+def test_acceptance_is_learnt_only_where_drafts_accepted_every_time_would_repay_the_onboarding() -> None:
+    """Before a draft is verified, the cheapest request drafts to measure acceptance, but not where its
+    drafts could not pay even if every one were accepted: a long prompt's prefill in the draft (the agentic
+    system prompts), or a batch whose extra rows cost their full share of compute."""
+    def measured(step_rows: int, step_s: float) -> DraftLengthPolicy:
+        policy = DraftLengthPolicy(8, uses_model=True)
+        policy.observe_draft([(rows, 0.010) for rows in (1, 2, 3, 4, 5)] + [(64, 0.1)])  # 1.6 ms a prompt token
+        policy.observe_step(step_rows, step_s)
+        return policy
+
+    # One request, 37 ms a step: a 200-token prompt's prefill in the draft is repaid, a 1,600-token one is not.
+    assert measured(1, 0.037).lengths(["a"], [200], [None]) == [8]
+    assert measured(1, 0.037).lengths(["a"], [1600], [None]) == [0]
+    # Sixteen requests whose step is bound by compute: even a short prompt's drafts would not pay.
+    policy = measured(16, 0.140)
+    policy.observe_step(32, 0.280)
+    assert policy.lengths([f"r{i}" for i in range(16)], [200] * 16, [None] * 16) == [0] * 16
+    # Once the prefix cache holds the long prompt, onboarding is cheap and the probe goes ahead.
+    assert measured(1, 0.037).lengths(["a"], [16], [None]) == [8]
