@@ -90,9 +90,10 @@ def corpus_texts(paths: Iterable[Path], max_bytes: int, pattern: str = "*", excl
                 return
             try:
                 data = file.read_bytes()
-                data.decode("utf-8")
+                text = data.decode("utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            text = data[:remaining].decode("utf-8", errors="ignore")  # a character cut at the end is dropped
+            if len(data) > remaining:
+                text = data[:remaining].decode("utf-8", errors="ignore")  # a character cut at the end is dropped
             remaining -= len(data)
             yield text

@@ -73,26 +73,26 @@ class ChatMessageOut(BaseModel):
         return data
 
 
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class _WithoutNulls(BaseModel):
+    """A streamed piece whose unset fields are left out of the JSON, as OpenAI's deltas leave them."""
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ToolCallDelta(BaseModel):
+class FunctionCallDelta(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_WithoutNulls):
     """A streamed piece of a tool call: index, id, type and name first, then argument fragments."""
 
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: FunctionCallDelta
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -102,14 +102,10 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithoutNulls):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
