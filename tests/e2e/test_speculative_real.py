@@ -27,6 +27,7 @@ def engines() -> tuple[LLM, LLM]:
     return make(None), make(NGRAM)
 
 
+@pytest.mark.heavy  # CI runs the same check on a tiny model: tests/runner/test_speculative.py
 def test_seeded_sampling_draws_the_same_tokens(engines) -> None:
     plain, spec = engines
     params = [SamplingParams(temperature=0.7, top_p=0.95, seed=11 + i, max_tokens=40, ignore_eos=True)
@@ -43,7 +44,7 @@ def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypa
     texts = [o.outputs[0].text for o in plain.generate(PROMPTS, greedy)]
     # Every word of the greedy outputs as a stop string: some end inside a step's accepted drafts.
     cases = [(prompt, word) for prompt, text in zip(PROMPTS, texts, strict=True)
-             for word in dict.fromkeys(text.split()[2:6])]
+             for word in dict.fromkeys(text.split()[2:5])]
     prompts = [prompt for prompt, _ in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[word]) for _, word in cases]
     truncations = []  # per cut at a stop string: whether the scheduler had decided an end (length) already

@@ -91,12 +91,11 @@ def test_regex_and_choice(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("options", [
-    {"enable_prefix_caching": False},
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}},
     {"num_kv_blocks": 30, "block_size": 4, "max_num_batched_tokens": 64},  # preempts, and chunks prefills
     # Each engine alone (the default sends the two length-bounded schemas to xgrammar, the other to
-    # llguidance): the same JSON, token for token.
-    {"grammar_engine": "llguidance"},
+    # llguidance): the same JSON, token for token; the first with the prefix cache off.
+    {"grammar_engine": "llguidance", "enable_prefix_caching": False},
     {"grammar_engine": "xgrammar", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                           "prompt_lookup_min": 1, "adaptive": False}},
 ])
