@@ -10,7 +10,9 @@ both speculating ones with the adaptive draft length (``--fixed`` turns it off);
 adds draft-model modes: ``draft-vN`` proposing among the token ids below N, ``draft-mapN`` among the first N
 ids of ``--draft-token-map`` (a file `kvserve models token-map` writes), both also among each request's prompt
 ids, ``draft-lookup`` with prompt lookup first (the draft model only where lookup finds nothing),
-``draft-lookup-vN`` / ``draft-lookup-mapN`` both. Each concurrency level keeps that
+``draft-lookup-vN`` / ``draft-lookup-mapN`` both; a ``q4_0-`` prefix runs any of them (``draft-q4_0`` the
+whole vocabulary) on a second copy of the draft, its wider matrices quantised again to Q4_0 (as
+``"quantization": "q4_0"``). Each concurrency level keeps that
 many requests in flight (a closed loop on the engine's step: a finished request is replaced at once) until
 ``--requests`` are done; the modes run one after another, their order rotating round by round.
 
@@ -37,6 +39,9 @@ from pathlib import Path
 from kvserve import LLM, SamplingParams
 from kvserve.bench.workloads import Workload, WorkloadConfig
 from kvserve.engine import EngineStats
+from kvserve.kv_layout import KVLayout
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model_store.token_map import TokenMap
 from kvserve.request import RequestOutput
 from kvserve.runner.draft_lengths import DraftLengthPolicy
@@ -143,14 +148,19 @@ class Modes:
         draft = llm.engine.runner.proposer
         assert isinstance(draft, DraftModelProposer)
         self._proposers: dict[str, Proposer | None] = {"off": None, "ngram": ngram, "draft": draft}
-        for variant in draft_variants:  # the same draft model and KV
-            size, from_map, lookup = parse_variant(variant)
+        requantized = None
+        for variant in draft_variants:  # the same draft KV; the same model, or its Q4_0 copy
+            size, from_map, lookup, q4_0 = parse_variant(variant)
+            model = draft.model
+            if q4_0:
+                requantized = requantized or load_draft_copy(llm, "q4_0", draft)
+                model = requantized
             if from_map and token_map is None:
                 raise SystemExit(f"draft variant {variant!r} needs --draft-token-map")
             ranked = token_map.token_ids if from_map and token_map is not None else None
             kept = kept_ids(draft.vocab_size, size, ranked, always=sorted(llm.engine.tokenizer.all_special_ids))
             self._proposers[f"draft-{variant}"] = DraftModelProposer(
-                draft.model, draft.backend, draft.kv_caches, draft.block_size, draft.kv, draft.max_model_len,
+                model, draft.backend, draft.kv_caches, draft.block_size, draft.kv, draft.max_model_len,
                 draft.vocab_size, kept_ids=kept,
                 lookup=NgramProposer(num_tokens, min_n=2, max_n=4) if lookup else None)
 
@@ -196,7 +206,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests per workload and level (at least c)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--draft-quantization", default=None, help="the draft's --quantization (default: the target's)")
+    parser.add_argument("--draft-quantization", default=None,
+                        help="the draft's quantization: auto, gguf, none or q4_0 (default: the target's)")
     parser.add_argument("--fixed", action="store_true", help="a fixed draft length, not the adaptive one")
     parser.add_argument("--draft-variants", default="",
                         help="comma-separated draft-model variants, each a mode draft-VARIANT: vN (proposing among "
@@ -240,17 +251,29 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def parse_variant(variant: str) -> tuple[int | None, bool, bool]:
-    """A draft variant's (draft_vocab_size, from the token map, prompt lookup): "v65536", "map32768", "lookup",
-    "lookup-v65536", "lookup-map32768"."""
+def parse_variant(variant: str) -> tuple[int | None, bool, bool, bool]:
+    """A draft variant's (draft_vocab_size, from the token map, prompt lookup, on the Q4_0 copy): "v65536",
+    "map32768", "lookup", "lookup-v65536", "lookup-map32768", each also after "q4_0-"; "q4_0" alone."""
     parts = variant.split("-")
-    lookup = "lookup" in parts
-    sized = [part for part in parts if part != "lookup"]
+    lookup, q4_0 = "lookup" in parts, "q4_0" in parts
+    sized = [part for part in parts if part not in ("lookup", "q4_0")]
     if len(sized) > 1 or (sized and not re.fullmatch(r"(v|map)\d+", sized[0])):
-        raise SystemExit(f"unknown draft variant {variant!r}: vN, mapN, lookup, lookup-vN or lookup-mapN")
+        raise SystemExit(f"unknown draft variant {variant!r}: vN, mapN, lookup, lookup-vN or lookup-mapN, each "
+                         "also after q4_0-")
     if not sized:
-        return None, False, lookup
-    return int(sized[0].lstrip("vmap")), sized[0].startswith("map"), lookup
+        return None, False, lookup, q4_0
+    return int(sized[0].lstrip("vmap")), sized[0].startswith("map"), lookup, q4_0
+
+
+def load_draft_copy(llm: LLM, quantization: str, draft: DraftModelProposer) -> LlamaForCausalLM:
+    """The engine's draft model loaded again with another ``quantization``, on the same KV caches (the
+    modes evict the draft's prefix cache between runs, so neither reads KV the other wrote)."""
+    engine = llm.engine
+    path = resolve_model_path(engine.config.speculative.model)
+    arch = read_arch_config(path)
+    _, model = engine._load_model(path, model_fingerprint(path), arch, quantization)
+    model.prepare_decode(draft.kv_caches, KVLayout.single(arch.num_layers).layer_group)
+    return model
 
 
 def print_row(row: dict, engines: list[str]) -> None:

@@ -17,6 +17,9 @@ from kvserve.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
+# A draft's also "q4_0": its matrices held in wider types quantised again to Q4_0 at load.
+DraftQuantization = Literal["auto", "gguf", "none", "q4_0"]
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "gguf", "none", "q4_0")
 QuantizedActivations = Literal["auto", "int16", "int8"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 GrammarEngine = Literal["auto", "llguidance", "xgrammar"]
@@ -247,7 +250,9 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method draft_model): a name `kvserve models` knows, or a path
     # How the draft's quantised GGUF weights run (as --quantization); None: as the target's. A draft decodes
     # a row or a few at a time, where GGUF blocks are fastest, even on CPUs where auto keeps dense weights.
-    quantization: Quantization | None = None
+    # "q4_0" also quantises again to Q4_0 each matrix the file holds in a wider type: a draft's forward reads
+    # its weights once a token, and its rounding only moves acceptance (verification keeps the output exact).
+    quantization: DraftQuantization | None = None
     # The draft proposes only from a part of the vocabulary (its output projection cut to those rows, and
     # each request's own prompt ids): with ``draft_token_map`` (a file `kvserve models token-map` writes:
     # ids ranked by their frequency in a corpus) its first ``draft_vocab_size`` ids (all, if None), else the
@@ -281,9 +286,9 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})", "prompt_lookup_min")
-        if self.quantization is not None and self.quantization not in ("auto", "gguf", "none"):
-            raise ConfigError(f"quantization must be 'auto', 'gguf' or 'none', got {self.quantization!r}",
-                              "quantization")
+        if self.quantization is not None and self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(map(repr, DRAFT_QUANTIZATIONS))}, got "
+                              f"{self.quantization!r}", "quantization")
         for name in ("adaptive", "prompt_lookup"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)

@@ -36,6 +36,7 @@ from kvserve.model.backends.base import Backend
 from kvserve.model.backends.select import select_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
+from kvserve.model.quantized import REQUANTIZE_TYPES
 from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
@@ -191,7 +192,7 @@ class Engine:
     def _load_model(self, path: Path, fingerprint: str, arch: ArchConfig, quantization: str | None = None
                     ) -> tuple[Backend, LlamaForCausalLM]:
         """A model's backend and weights, as the model options say (the draft model is loaded the same way,
-        with its own ``quantization`` if it has one)."""
+        with its own ``quantization`` if it has one: "q4_0" requantises its wider matrices to Q4_0)."""
         mc = self.config.model
         quantization = quantization or mc.quantization
         t0 = time.perf_counter()
@@ -199,11 +200,19 @@ class Engine:
         backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self._backend_config(),
                                  int8_activations=int8)
         model = build_model(arch, self.dtype, self.device, backend)
-        keep_blocks = quantization == "gguf" or (quantization == "auto" and backend.quantized_by_default)
+        keep_blocks = quantization == "gguf" or quantization in REQUANTIZE_TYPES or (quantization == "auto" and backend.quantized_by_default)
         quantized_types = backend.quantized_types if keep_blocks else frozenset()
+        requantize_to = REQUANTIZE_TYPES.get(quantization)
+        if requantize_to is not None and path.is_dir():
+            raise ConfigError(f"speculative_config.quantization: {quantization!r} quantises a GGUF file's blocks "
+                              f"again; the draft {path.name} is a directory of dense weights", "quantization")
+        if requantize_to is not None and requantize_to not in quantized_types:
+            raise ConfigError(f"speculative_config.quantization: {quantization!r} needs a backend that runs those "
+                              f"blocks; {backend.name} has no kernels for them", "quantization")
         model.load_weights(iter_weights(path, arch, self.dtype, show_progress=mc.show_progress,
                                         quantized_types=quantized_types,
-                                        interleave_quantized=backend.quantized_interleaved))
+                                        interleave_quantized=backend.quantized_interleaved,
+                                        requantize_to=requantize_to))
         logger.info("loaded %s (%s) in %.1fs; weights: %s", path.name, arch.architecture, time.perf_counter() - t0,
                     model.weight_summary())
         if int8 and mc.quantized_activations == "auto" and model.holds_quantized_weights:

@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 from tqdm import tqdm
 
 from kvserve.config import ArchConfig
@@ -35,7 +36,7 @@ from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.formats.gguf import GGUFHeader, GGUFTensorInfo, arch_from_gguf, read_gguf_header
 from kvserve.formats.hf_config import arch_from_hf_config, read_hf_json, rope_parameters
 from kvserve.model.cpu_kernels import loaded_cpu_kernels
-from kvserve.model.quantized import HELD_PARTS, QuantizedWeight, Weight, to_planar
+from kvserve.model.quantized import HELD_PARTS, QuantizedWeight, Weight, row_bytes, to_planar
 from kvserve.model_store import ModelStore, known_model, pull_command
 from kvserve.model_store.catalog import SMOLLM2_135M
 
@@ -299,19 +300,25 @@ def weight_names(arch: ArchConfig) -> list[str]:
 def iter_weights(
     path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool = True,
     quantized_types: frozenset[int] = frozenset(), interleave_quantized: bool = False,
+    requantize_to: int | None = None,
 ) -> Iterator[tuple[str, Weight]]:
     """Yield ``(hf_name, tensor)`` for every name in ``weight_names(arch)``, converted to ``dtype``.
 
     Matrices are [out_features, in_features] as in torch. A GGUF projection or embedding matrix whose type
     is in ``quantized_types`` comes as a ``QuantizedWeight`` instead, its blocks as in the file: the matrices
     the model multiplies held interleaved where ``interleave_quantized`` (an embedding table that is only
-    looked up stays planar). Missing tensors raise ``ModelLoadError`` before anything is yielded.
+    looked up stays planar). With ``requantize_to`` (a GGML type in ``quantized_types``) every matrix the
+    model multiplies that the file holds in a wider type is quantised again to that type (a draft model's
+    weights: fewer bytes a token, at a cost in acceptance only). Missing tensors raise ``ModelLoadError``
+    before anything is yielded.
     """
     path = Path(path)
+    if requantize_to is not None and requantize_to not in quantized_types:
+        raise ValueError(f"cannot requantise to {GGMLQuantizationType(requantize_to).name}: not a kept type")
     if path.is_dir():
         yield from _iter_safetensors(path, arch, dtype, show_progress)
     else:
-        yield from _iter_gguf(path, arch, dtype, show_progress, quantized_types, interleave_quantized)
+        yield from _iter_gguf(path, arch, dtype, show_progress, quantized_types, interleave_quantized, requantize_to)
 
 
 # The matrices a model multiplies through its backend's projections (or looks rows up in): the ones that may
@@ -336,7 +343,7 @@ def _progress(total: int, desc: str, show_progress: bool) -> tqdm:
 
 def _iter_gguf(
     path: Path, arch: ArchConfig, dtype: torch.dtype, show_progress: bool, quantized_types: frozenset[int],
-    interleave_quantized: bool,
+    interleave_quantized: bool, requantize_to: int | None,
 ) -> Iterator[tuple[str, Weight]]:
     header = read_gguf_header(path)
     by_hf_name: dict[str, GGUFTensorInfo] = {}
@@ -367,7 +374,8 @@ def _iter_gguf(
             info = by_hf_name[name]
             if info.ggml_type in quantized_types and name not in expert_of and _may_stay_quantized(name, arch):
                 multiplied = name != "model.embed_tokens.weight" or arch.tie_word_embeddings
-                yield name, _quantized(path, info, data, arch, name, unpermute, interleave_quantized and multiplied)
+                yield name, _quantized(path, info, data, arch, name, unpermute, interleave_quantized and multiplied,
+                                       requantize_to if multiplied else None)
                 progress.update(1)
                 continue
             if name in expert_of:
@@ -397,13 +405,28 @@ def _tensor_rows(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarr
 
 
 def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchConfig, name: str,
-               unpermute: bool, interleave: bool) -> QuantizedWeight:
+               unpermute: bool, interleave: bool, requantize_to: int | None = None) -> QuantizedWeight:
     """A matrix's blocks as they are in the file (its rows put back in Hugging Face's order where the
-    converter permuted them): a copy, so the model never holds the file's mapping."""
+    converter permuted them), or quantised again to ``requantize_to`` where that type is narrower: a copy,
+    so the model never holds the file's mapping."""
     rows = _tensor_rows(path, info, data)
     if unpermute:
         rows = _hf_row_order(rows, name, arch)
-    return QuantizedWeight.from_blocks(info.ggml_type, rows, info.shape[-1], interleave)
+    cols = info.shape[-1]
+    if requantize_to is not None and _narrows(info.ggml_type, requantize_to, cols):
+        values = _dequantize_in_kernels(info.ggml_type, np.ascontiguousarray(rows), cols)
+        if values is None:
+            values = gguf_dequantize(np.ascontiguousarray(rows), GGMLQuantizationType(info.ggml_type))
+        blocks = gguf_quantize(values.reshape(rows.shape[0], cols).astype(np.float32, copy=False),
+                               GGMLQuantizationType(requantize_to))
+        return QuantizedWeight.from_blocks(requantize_to, blocks, cols, interleave)
+    return QuantizedWeight.from_blocks(info.ggml_type, rows, cols, interleave)
+
+
+def _narrows(ggml_type: int, target: int, cols: int) -> bool:
+    """Whether ``target`` holds a row of ``cols`` values of ``ggml_type`` in fewer bytes (and whole blocks)."""
+    block, _ = GGML_QUANT_SIZES[GGMLQuantizationType(target)]
+    return cols % block == 0 and row_bytes(target, cols) < row_bytes(ggml_type, cols)
 
 
 def _hf_row_order(rows: np.ndarray, name: str, arch: ArchConfig) -> np.ndarray:

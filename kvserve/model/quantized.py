@@ -34,6 +34,10 @@ KERNEL_TYPES: frozenset[int] = frozenset(int(t) for t in (
 ))
 
 
+# The types a draft model's wider matrices may be quantised again to, by the name its configuration uses.
+REQUANTIZE_TYPES: dict[str, int] = {"q4_0": int(GGMLQuantizationType.Q4_0)}
+
+
 # Every format is held planar: per row, each part of every block in turn (all the blocks' scales, then all
 # their quants, ...), so that the kernels load a run of scales or a pair of chunks' quants at once
 # (csrc/quantized.cpp). Blocks of 32 keep their bytes; the K-quants also unpack their 6-bit sub-block scales

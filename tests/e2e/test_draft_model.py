@@ -300,6 +300,13 @@ def test_a_draft_that_cannot_be_found_is_refused(models, tmp_path) -> None:
     assert caught.value.param == "model"
 
 
+def test_a_draft_of_dense_weights_cannot_be_quantised_again(models) -> None:
+    with pytest.raises(ConfigError, match="speculative_config.quantization: 'q4_0' .* a directory of dense") as caught:
+        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(models["draft"]), "quantization": "q4_0"})
+    assert caught.value.param == "quantization"
+
+
 def test_the_drafts_costs_are_measured_at_start_up_and_leave_nothing_behind(models) -> None:
     """The draft-length policy starts from the draft's measured forwards (one to five rows, a prefill chunk),
     so no live request's prefill in the draft is spent measuring them; nothing stays in the draft's KV."""

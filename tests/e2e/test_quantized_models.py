@@ -19,7 +19,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.backends.base import PrefillChunk, StepRows
 from kvserve.model.loader import iter_weights, read_arch_config
-from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight
+from kvserve.model.quantized import KERNEL_TYPES, QuantizedWeight, type_name
 from kvserve.model_store import KNOWN_MODELS, known_model
 from kvserve.runner.draft_vocab import DraftVocabulary
 from tests.e2e.conftest import installed_model
@@ -216,3 +216,30 @@ def test_a_pruned_draft_vocabulary_over_a_quantised_head_gives_the_heads_logits_
     scale = whole.abs().max().item()
     torch.testing.assert_close(full[:, allowed], whole[:, allowed], rtol=0, atol=0.02 * scale)
     assert torch.isinf(full).sum() == 3 * (model.arch.vocab_size - len(allowed))
+
+
+@pytest.mark.slow
+def test_a_draft_quantised_again_to_q4_0_changes_no_token_of_the_output() -> None:
+    """SmolLM2 drafting for itself from its matrices quantised again to Q4_0 (the file's Q4_1 and Q8_0):
+    greedy output is plain decoding's token for token, a prompt at a time (each request's drafts verified at
+    its own activation level); the draft, another approximation of the model, has drafts accepted and
+    rejected, and holds every matrix in Q4_0 (its tied embedding table too: the output projection)."""
+    path = str(installed_model("smollm2-135m"))
+    params = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
+    prompts = AGREEMENT_PROMPTS[:4]
+    plain = LLM(model=path, num_kv_blocks=256)
+    if not plain.engine.backend.quantized_types:
+        pytest.skip("this machine's backend dequantises quantised weights at load")
+    want = [list(plain.generate([prompt], params)[0].outputs[0].token_ids) for prompt in prompts]
+    del plain
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4, "adaptive": False,
+            "quantization": "q4_0"}
+    llm = LLM(model=path, num_kv_blocks=256, speculative_config=spec)
+    assert [list(llm.generate([prompt], params)[0].outputs[0].token_ids) for prompt in prompts] == want
+    stats = llm.engine.stats()
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    draft = llm.engine.runner.proposer.model
+    assert draft.lm_head is draft.embed_tokens  # tied: the embedding table is multiplied, so it is requantised
+    types = {type_name(s.ggml_type) for w in draft.weights() if isinstance(w, QuantizedWeight) for s in w.segments}
+    assert types == {"Q4_0"}, types
+    assert draft.weight_nbytes() < 0.9 * llm.engine.model.weight_nbytes()

@@ -28,7 +28,7 @@ from kvserve.model.loader import (
     resolve_model_path,
     weight_names,
 )
-from kvserve.model.quantized import HELD_PARTS
+from kvserve.model.quantized import HELD_PARTS, KERNEL_TYPES, QuantizedWeight
 from kvserve.model_store import ModelStore
 from kvserve.tokenizer import Tokenizer
 from tests.e2e.conftest import installed_model
@@ -266,6 +266,39 @@ def test_gguf_dequantisation_recovers_weights(tmp_path: Path, qtype: str) -> Non
         # Really quantised, not stored as float: some error, and not the permuted rows.
         q = "model.layers.0.self_attn.q_proj.weight"
         assert not np.array_equal(loaded[q].numpy(), original[q])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0"])
+def test_requantised_matrices_are_gguf_q4_0_of_the_files_values(tmp_path: Path, qtype: str) -> None:
+    """A draft's matrices quantised again to Q4_0: each multiplied matrix held in a wider type becomes gguf's own
+    Q4_0 of the file's dequantised values (rows in Hugging Face's order), the embedding table that is only
+    looked up keeps the file's blocks, and a matrix already in Q4_0 is the file's."""
+    path = tmp_path / f"{qtype}.gguf"
+    make_tiny_gguf(path, "llama", qtype=qtype, tie=False)
+    arch = read_arch_config(path)
+    q4_0 = int(gguf.GGMLQuantizationType.Q4_0)
+    as_file = dict(iter_weights(path, arch, torch.float32, show_progress=False, quantized_types=KERNEL_TYPES))
+    again = dict(iter_weights(path, arch, torch.float32, show_progress=False, quantized_types=KERNEL_TYPES,
+                              requantize_to=q4_0))
+    for name, weight in again.items():
+        file_weight = as_file[name]
+        if not isinstance(weight, QuantizedWeight):
+            assert torch.equal(weight, file_weight), name  # norms stay as they are
+            continue
+        assert isinstance(file_weight, QuantizedWeight)
+        types = {segment.ggml_type for segment in weight.segments}
+        if name == "model.embed_tokens.weight":
+            assert weight.segments[0].ggml_type == file_weight.segments[0].ggml_type
+            assert torch.equal(weight.dequantize(), file_weight.dequantize())
+            continue
+        assert types == {q4_0}, name
+        expected = gguf.quants.dequantize(gguf.quants.quantize(file_weight.dequantize().numpy(),
+                                                               gguf.GGMLQuantizationType.Q4_0),
+                                          gguf.GGMLQuantizationType.Q4_0)
+        assert np.array_equal(weight.dequantize().numpy(), expected), name
+        assert (weight.nbytes < file_weight.nbytes) == (qtype != "Q4_0"), name
+    with pytest.raises(ValueError, match="Q4_0"):
+        next(iter_weights(path, arch, torch.float32, show_progress=False, requantize_to=q4_0))
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_1"])

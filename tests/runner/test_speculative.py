@@ -132,7 +132,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_or_without_drafts() -> None:
     ('{"method": "draft_model", "model": "m", "num_speculative_tokens": 17}',
      "num_speculative_tokens must be between 1 and 16, got 17"),
     ('{"method": "ngram", "model": "m"}', "'model' is the draft's, of method 'draft_model'"),
-    ('{"method": "draft_model", "model": "m", "quantization": "int4"}', "quantization must be 'auto', 'gguf'"),
+    ('{"method": "draft_model", "model": "m", "quantization": "int4"}', "quantization must be one of 'auto', 'gguf', 'none', 'q4_0'"),
     ('{"method": "ngram", "adaptive": "yes"}', "adaptive must be true or false"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min (3) must be <="),
