@@ -200,7 +200,8 @@ class Engine:
         backend = select_backend(self.device, self.dtype, arch, mc.cpu_kernels, self._backend_config(),
                                  int8_activations=int8)
         model = build_model(arch, self.dtype, self.device, backend)
-        keep_blocks = quantization == "gguf" or quantization in REQUANTIZE_TYPES or (quantization == "auto" and backend.quantized_by_default)
+        keep_blocks = (quantization == "gguf" or quantization in REQUANTIZE_TYPES
+                       or (quantization == "auto" and backend.quantized_by_default))
         quantized_types = backend.quantized_types if keep_blocks else frozenset()
         requantize_to = REQUANTIZE_TYPES.get(quantization)
         if requantize_to is not None and path.is_dir():

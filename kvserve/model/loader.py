@@ -372,10 +372,13 @@ def _iter_gguf(
     try:
         for name in names:
             info = by_hf_name[name]
-            if info.ggml_type in quantized_types and name not in expert_of and _may_stay_quantized(name, arch):
-                multiplied = name != "model.embed_tokens.weight" or arch.tie_word_embeddings
+            multiplied = name != "model.embed_tokens.weight" or arch.tie_word_embeddings
+            may_stay = name not in expert_of and _may_stay_quantized(name, arch)
+            requantize = requantize_to is not None and multiplied and _narrows(info.ggml_type, requantize_to,
+                                                                                info.shape[-1])
+            if may_stay and (info.ggml_type in quantized_types or requantize):
                 yield name, _quantized(path, info, data, arch, name, unpermute, interleave_quantized and multiplied,
-                                       requantize_to if multiplied else None)
+                                       requantize_to if requantize else None)
                 progress.update(1)
                 continue
             if name in expert_of:
@@ -407,13 +410,13 @@ def _tensor_rows(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarr
 def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchConfig, name: str,
                unpermute: bool, interleave: bool, requantize_to: int | None = None) -> QuantizedWeight:
     """A matrix's blocks as they are in the file (its rows put back in Hugging Face's order where the
-    converter permuted them), or quantised again to ``requantize_to`` where that type is narrower: a copy,
-    so the model never holds the file's mapping."""
+    converter permuted them), or quantised again to ``requantize_to``: a copy, so the model never holds the
+    file's mapping."""
     rows = _tensor_rows(path, info, data)
     if unpermute:
         rows = _hf_row_order(rows, name, arch)
     cols = info.shape[-1]
-    if requantize_to is not None and _narrows(info.ggml_type, requantize_to, cols):
+    if requantize_to is not None:
         values = _dequantize_in_kernels(info.ggml_type, np.ascontiguousarray(rows), cols)
         if values is None:
             values = gguf_dequantize(np.ascontiguousarray(rows), GGMLQuantizationType(info.ggml_type))
@@ -424,7 +427,8 @@ def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchCon
 
 
 def _narrows(ggml_type: int, target: int, cols: int) -> bool:
-    """Whether ``target`` holds a row of ``cols`` values of ``ggml_type`` in fewer bytes (and whole blocks)."""
+    """Whether ``target`` holds a row of ``cols`` values of ``ggml_type`` (a float type or blocks) in fewer
+    bytes, in whole blocks."""
     block, _ = GGML_QUANT_SIZES[GGMLQuantizationType(target)]
     return cols % block == 0 and row_bytes(target, cols) < row_bytes(ggml_type, cols)
 

@@ -268,11 +268,11 @@ def test_gguf_dequantisation_recovers_weights(tmp_path: Path, qtype: str) -> Non
         assert not np.array_equal(loaded[q].numpy(), original[q])
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q5_0", "Q4_0"])
 def test_requantised_matrices_are_gguf_q4_0_of_the_files_values(tmp_path: Path, qtype: str) -> None:
-    """A draft's matrices quantised again to Q4_0: each multiplied matrix held in a wider type becomes gguf's own
-    Q4_0 of the file's dequantised values (rows in Hugging Face's order), the embedding table that is only
-    looked up keeps the file's blocks, and a matrix already in Q4_0 is the file's."""
+    """A draft's matrices quantised again to Q4_0: each multiplied matrix held in a wider type (blocks or
+    floats) becomes gguf's own Q4_0 of the file's values (rows in Hugging Face's order), the embedding table
+    that is only looked up stays as the file has it, and a matrix already in Q4_0 is the file's."""
     path = tmp_path / f"{qtype}.gguf"
     make_tiny_gguf(path, "llama", qtype=qtype, tie=False)
     arch = read_arch_config(path)
@@ -280,23 +280,26 @@ def test_requantised_matrices_are_gguf_q4_0_of_the_files_values(tmp_path: Path, 
     as_file = dict(iter_weights(path, arch, torch.float32, show_progress=False, quantized_types=KERNEL_TYPES))
     again = dict(iter_weights(path, arch, torch.float32, show_progress=False, quantized_types=KERNEL_TYPES,
                               requantize_to=q4_0))
+    def values(weight: object) -> torch.Tensor:
+        return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+
+    def nbytes(weight: object) -> int:
+        return weight.nbytes if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
+
+    matrices = 0
     for name, weight in again.items():
         file_weight = as_file[name]
-        if not isinstance(weight, QuantizedWeight):
-            assert torch.equal(weight, file_weight), name  # norms stay as they are
+        if name == "model.embed_tokens.weight" or len(weight.shape) == 1:  # looked up only, or a norm: as the file
+            assert type(weight) is type(file_weight) and torch.equal(values(weight), values(file_weight)), name
             continue
-        assert isinstance(file_weight, QuantizedWeight)
-        types = {segment.ggml_type for segment in weight.segments}
-        if name == "model.embed_tokens.weight":
-            assert weight.segments[0].ggml_type == file_weight.segments[0].ggml_type
-            assert torch.equal(weight.dequantize(), file_weight.dequantize())
-            continue
-        assert types == {q4_0}, name
-        expected = gguf.quants.dequantize(gguf.quants.quantize(file_weight.dequantize().numpy(),
+        assert isinstance(weight, QuantizedWeight) and {s.ggml_type for s in weight.segments} == {q4_0}, name
+        expected = gguf.quants.dequantize(gguf.quants.quantize(values(file_weight).numpy(),
                                                                gguf.GGMLQuantizationType.Q4_0),
                                           gguf.GGMLQuantizationType.Q4_0)
         assert np.array_equal(weight.dequantize().numpy(), expected), name
-        assert (weight.nbytes < file_weight.nbytes) == (qtype != "Q4_0"), name
+        assert (nbytes(weight) < nbytes(file_weight)) == (qtype != "Q4_0"), name
+        matrices += 1
+    assert matrices == 8  # seven projections and the output projection
     with pytest.raises(ValueError, match="Q4_0"):
         next(iter_weights(path, arch, torch.float32, show_progress=False, requantize_to=q4_0))
 
