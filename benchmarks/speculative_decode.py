@@ -35,11 +35,16 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.workloads import Workload, WorkloadConfig
+from kvserve.cache.draft_kv import DraftKVCache
 from kvserve.engine import EngineStats
 from kvserve.kv_layout import KVLayout
+from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import model_fingerprint, read_arch_config, resolve_model_path
 from kvserve.model_store.token_map import TokenMap
@@ -47,6 +52,7 @@ from kvserve.request import RequestOutput
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.draft_model import DraftModelProposer
 from kvserve.runner.draft_vocab import kept_ids
+from kvserve.runner.kv_memory import allocate_kv_caches
 from kvserve.runner.speculative import NgramProposer, Proposer
 
 ENGINES = ("off", "ngram", "draft")
@@ -148,19 +154,19 @@ class Modes:
         draft = llm.engine.runner.proposer
         assert isinstance(draft, DraftModelProposer)
         self._proposers: dict[str, Proposer | None] = {"off": None, "ngram": ngram, "draft": draft}
-        requantized = None
-        for variant in draft_variants:  # the same draft KV; the same model, or its Q4_0 copy
+        requantized: DraftParts | None = None
+        for variant in draft_variants:  # the engine's draft model and KV, or a Q4_0 copy on KV of its own
             size, from_map, lookup, q4_0 = parse_variant(variant)
-            model = draft.model
+            parts = DraftParts(draft.model, draft.backend, draft.kv_caches, draft.kv)
             if q4_0:
                 requantized = requantized or load_draft_copy(llm, "q4_0", draft)
-                model = requantized
+                parts = requantized
             if from_map and token_map is None:
                 raise SystemExit(f"draft variant {variant!r} needs --draft-token-map")
             ranked = token_map.token_ids if from_map and token_map is not None else None
             kept = kept_ids(draft.vocab_size, size, ranked, always=sorted(llm.engine.tokenizer.all_special_ids))
             self._proposers[f"draft-{variant}"] = DraftModelProposer(
-                model, draft.backend, draft.kv_caches, draft.block_size, draft.kv, draft.max_model_len,
+                parts.model, parts.backend, parts.kv_caches, draft.block_size, parts.kv, draft.max_model_len,
                 draft.vocab_size, kept_ids=kept,
                 lookup=NgramProposer(num_tokens, min_n=2, max_n=4) if lookup else None)
 
@@ -174,8 +180,9 @@ class Modes:
             policy.observe_draft(proposer.measure_forwards())
         engine.runner.proposer, engine.runner.draft_lengths = proposer, policy
         engine.kv_manager.prefix_cache.evict(engine.kv_manager.num_blocks)
-        if engine.draft_kv is not None:
-            engine.draft_kv.kv.prefix_cache.evict(engine.draft_kv.kv.num_blocks)
+        if isinstance(proposer, DraftModelProposer):
+            assert isinstance(proposer.kv, DraftKVCache)
+            proposer.kv.kv.prefix_cache.evict(proposer.kv.kv.num_blocks)
 
 
 def make_modes(args: argparse.Namespace, max_num_seqs: int) -> Modes:
@@ -265,15 +272,27 @@ def parse_variant(variant: str) -> tuple[int | None, bool, bool, bool]:
     return int(sized[0].lstrip("vmap")), sized[0].startswith("map"), lookup, q4_0
 
 
-def load_draft_copy(llm: LLM, quantization: str, draft: DraftModelProposer) -> LlamaForCausalLM:
-    """The engine's draft model loaded again with another ``quantization``, on the same KV caches (the
-    modes evict the draft's prefix cache between runs, so neither reads KV the other wrote)."""
+class DraftParts(NamedTuple):
+    model: LlamaForCausalLM
+    backend: Backend
+    kv_caches: list[torch.Tensor]
+    kv: DraftKVCache
+
+
+def load_draft_copy(llm: LLM, quantization: str, draft: DraftModelProposer) -> DraftParts:
+    """The engine's draft model loaded again with another ``quantization``, with its own backend (whose
+    per-step state its layers read), KV caches and KV bookkeeping, as large as the engine's draft's."""
     engine = llm.engine
     path = resolve_model_path(engine.config.speculative.model)
     arch = read_arch_config(path)
-    _, model = engine._load_model(path, model_fingerprint(path), arch, quantization)
-    model.prepare_decode(draft.kv_caches, KVLayout.single(arch.num_layers).layer_group)
-    return model
+    fingerprint = model_fingerprint(path)
+    backend, model = engine._load_model(path, fingerprint, arch, quantization)
+    assert isinstance(draft.kv, DraftKVCache)
+    num_blocks = draft.kv.kv.num_blocks
+    kv_caches = allocate_kv_caches(arch, num_blocks, draft.block_size, engine.dtype, engine.device)
+    model.prepare_decode(kv_caches, KVLayout.single(arch.num_layers).layer_group)
+    kv = DraftKVCache(num_blocks, draft.block_size, f"{fingerprint}:{quantization}".encode())
+    return DraftParts(model, backend, kv_caches, kv)
 
 
 def print_row(row: dict, engines: list[str]) -> None:

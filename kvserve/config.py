@@ -112,6 +112,9 @@ class ModelConfig:
                                   flag=None)
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("auto", "gguf", "none"):  # a draft's may also be "q4_0"; a model's not
+            raise ConfigError(f"quantization must be 'auto', 'gguf' or 'none', got {self.quantization!r}",
+                              "quantization")
         if self.quantized_activations not in ("auto", "int16", "int8"):
             raise ConfigError("quantized_activations must be 'auto', 'int16' or 'int8', got "
                               f"{self.quantized_activations!r}",

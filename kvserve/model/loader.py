@@ -374,8 +374,9 @@ def _iter_gguf(
             info = by_hf_name[name]
             multiplied = name != "model.embed_tokens.weight" or arch.tie_word_embeddings
             may_stay = name not in expert_of and _may_stay_quantized(name, arch)
-            requantize = requantize_to is not None and multiplied and _narrows(info.ggml_type, requantize_to,
-                                                                                info.shape[-1])
+            requantize = (requantize_to is not None and multiplied
+                          and _narrows(info.ggml_type in quantized_types, info.ggml_type, requantize_to,
+                                       info.shape[-1], dtype))
             if may_stay and (info.ggml_type in quantized_types or requantize):
                 yield name, _quantized(path, info, data, arch, name, unpermute, interleave_quantized and multiplied,
                                        requantize_to if requantize else None)
@@ -419,18 +420,25 @@ def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchCon
     if requantize_to is not None:
         values = _dequantize_in_kernels(info.ggml_type, np.ascontiguousarray(rows), cols)
         if values is None:
-            values = gguf_dequantize(np.ascontiguousarray(rows), GGMLQuantizationType(info.ggml_type))
+            try:
+                values = gguf_dequantize(np.ascontiguousarray(rows), GGMLQuantizationType(info.ggml_type))
+            except NotImplementedError:
+                raise UnsupportedModel(f"tensor {info.name!r} in {path} has type "
+                                       f"{GGMLQuantizationType(info.ggml_type).name}, which the gguf package "
+                                       "cannot dequantise") from None
         blocks = gguf_quantize(values.reshape(rows.shape[0], cols).astype(np.float32, copy=False),
                                GGMLQuantizationType(requantize_to))
         return QuantizedWeight.from_blocks(requantize_to, blocks, cols, interleave)
     return QuantizedWeight.from_blocks(info.ggml_type, rows, cols, interleave)
 
 
-def _narrows(ggml_type: int, target: int, cols: int) -> bool:
-    """Whether ``target`` holds a row of ``cols`` values of ``ggml_type`` (a float type or blocks) in fewer
-    bytes, in whole blocks."""
+def _narrows(kept_in_blocks: bool, ggml_type: int, target: int, cols: int, dtype: torch.dtype) -> bool:
+    """Whether ``target``'s blocks hold a row of ``cols`` values in fewer bytes than it would be held in
+    otherwise: the file's blocks where they are kept, else ``dtype`` (floats, and block types without
+    kernels, which are dequantised)."""
     block, _ = GGML_QUANT_SIZES[GGMLQuantizationType(target)]
-    return cols % block == 0 and row_bytes(target, cols) < row_bytes(ggml_type, cols)
+    held = row_bytes(ggml_type, cols) if kept_in_blocks else cols * dtype.itemsize
+    return cols % block == 0 and row_bytes(target, cols) < held
 
 
 def _hf_row_order(rows: np.ndarray, name: str, arch: ArchConfig) -> np.ndarray:

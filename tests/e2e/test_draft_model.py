@@ -14,11 +14,12 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ConfigError
+from kvserve.model.quantized import QuantizedWeight, type_name
 from kvserve.model_store.token_map import TokenMap, vocabulary_digest
 from kvserve.runner.draft_model import DraftModelProposer
 from kvserve.runner.sampler import SamplingState
 from tests.e2e.conftest import hf_greedy
-from tests.support.tiny_models import make_tiny_model, smollm2_tokenizer
+from tests.support.tiny_models import gguf_from_tiny_model, make_tiny_model, smollm2_tokenizer
 
 PROMPTS = [[5, 17, 230, 4000, 12], list(range(100, 161)), [9] * 23, list(range(3000, 3200, 3))]
 MAX_TOKENS = 16
@@ -300,10 +301,39 @@ def test_a_draft_that_cannot_be_found_is_refused(models, tmp_path) -> None:
     assert caught.value.param == "model"
 
 
-def test_a_draft_of_dense_weights_cannot_be_quantised_again(models) -> None:
+def test_a_gguf_draft_quantised_again_holds_q4_0_and_the_target_nothing_requantised(models, tmp_path) -> None:
+    """The target's own weights as an F32 GGUF, drafting for it with "quantization": "q4_0": the draft holds
+    every matrix it multiplies in Q4_0 (its untied embedding table, only looked up, stays dense), the target
+    none, and its drafts are verified and taken."""
+    draft = gguf_from_tiny_model(models["target"], tmp_path / "target.gguf")
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False,
+            "quantization": "q4_0"}
+    llm = LLM(str(models["target"]), dtype="bfloat16", num_kv_blocks=128, block_size=4, speculative_config=spec)
+    if not llm.engine.backend.quantized_types:
+        pytest.skip("this machine's backend has no kernels for quantised blocks")
+    assert not llm.engine.model.holds_quantized_weights
+    model = llm.engine.runner.proposer.model
+    held = [w for w in model.weights() if isinstance(w, QuantizedWeight)]
+    assert len(held) == 2 * 4 + 1  # each layer's fused QKV, O, fused gate/up and down projections; the head
+    assert {type_name(s.ggml_type) for w in held for s in w.segments} == {"Q4_0"}
+    assert not isinstance(model.embed_tokens, QuantizedWeight)
+    greedy_ids(llm)
+    assert llm.engine.stats().num_accepted_draft_tokens > 0
+
+
+def test_a_draft_that_cannot_be_quantised_again_is_refused(models, tmp_path) -> None:
+    q4_0 = {"method": "draft_model", "quantization": "q4_0"}
     with pytest.raises(ConfigError, match="speculative_config.quantization: 'q4_0' .* a directory of dense") as caught:
-        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16,
-            speculative_config={"method": "draft_model", "model": str(models["draft"]), "quantization": "q4_0"})
+        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16, speculative_config=q4_0 | {
+            "model": str(models["draft"])})
+    assert caught.value.param == "quantization"
+    # float32 models run no quantised kernels
+    draft = gguf_from_tiny_model(models["draft"], tmp_path / "draft.gguf")
+    with pytest.raises(ConfigError, match="speculative_config.quantization: 'q4_0' needs a backend") as caught:
+        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16, speculative_config=q4_0 | {"model": str(draft)})
+    assert caught.value.param == "quantization"
+    with pytest.raises(ConfigError, match="quantization must be 'auto', 'gguf' or 'none'") as caught:
+        LLM(str(models["target"]), dtype="float32", num_kv_blocks=16, quantization="q4_0")  # a draft's option only
     assert caught.value.param == "quantization"
 
 
