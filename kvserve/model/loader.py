@@ -411,24 +411,18 @@ def _tensor_rows(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarr
 def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchConfig, name: str,
                unpermute: bool, interleave: bool, requantize_to: int | None = None) -> QuantizedWeight:
     """A matrix's blocks as they are in the file (its rows put back in Hugging Face's order where the
-    converter permuted them), or quantised again to ``requantize_to``: a copy, so the model never holds the
-    file's mapping."""
+    converter permuted them), or its values quantised again to ``requantize_to``: a copy, so the model never
+    holds the file's mapping."""
+    cols = info.shape[-1]
+    if requantize_to is not None:
+        values = _dequantize(path, info, data).reshape(-1, cols)
+        if unpermute:
+            values = _hf_row_order(values, name, arch)
+        blocks = gguf_quantize(np.ascontiguousarray(values), GGMLQuantizationType(requantize_to))
+        return QuantizedWeight.from_blocks(requantize_to, blocks, cols, interleave)
     rows = _tensor_rows(path, info, data)
     if unpermute:
         rows = _hf_row_order(rows, name, arch)
-    cols = info.shape[-1]
-    if requantize_to is not None:
-        values = _dequantize_in_kernels(info.ggml_type, np.ascontiguousarray(rows), cols)
-        if values is None:
-            try:
-                values = gguf_dequantize(np.ascontiguousarray(rows), GGMLQuantizationType(info.ggml_type))
-            except NotImplementedError:
-                raise UnsupportedModel(f"tensor {info.name!r} in {path} has type "
-                                       f"{GGMLQuantizationType(info.ggml_type).name}, which the gguf package "
-                                       "cannot dequantise") from None
-        blocks = gguf_quantize(values.reshape(rows.shape[0], cols).astype(np.float32, copy=False),
-                               GGMLQuantizationType(requantize_to))
-        return QuantizedWeight.from_blocks(requantize_to, blocks, cols, interleave)
     return QuantizedWeight.from_blocks(info.ggml_type, rows, cols, interleave)
 
 

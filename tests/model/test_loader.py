@@ -268,13 +268,14 @@ def test_gguf_dequantisation_recovers_weights(tmp_path: Path, qtype: str) -> Non
         assert not np.array_equal(loaded[q].numpy(), original[q])
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q5_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q5_0", "Q4_0", "Q3_K"])
 def test_requantised_matrices_are_gguf_q4_0_of_the_files_values(tmp_path: Path, qtype: str) -> None:
-    """A draft's matrices quantised again to Q4_0: each multiplied matrix held in a wider type (blocks or
-    floats) becomes gguf's own Q4_0 of the file's values (rows in Hugging Face's order), the embedding table
-    that is only looked up stays as the file has it, and a matrix already in Q4_0 is the file's."""
+    """A draft's matrices quantised again to Q4_0: each multiplied matrix held in a wider type (blocks, floats,
+    or a block type without kernels, which would be held dense) becomes gguf's own Q4_0 of the file's values
+    (rows in Hugging Face's order), the embedding table that is only looked up stays as the file has it, and
+    a matrix already in Q4_0 is the file's."""
     path = tmp_path / f"{qtype}.gguf"
-    make_tiny_gguf(path, "llama", qtype=qtype, tie=False)
+    make_tiny_gguf(path, "llama", qtype=qtype, tie=False, raw_matrices=qtype == "Q3_K")  # gguf cannot write K-quants
     arch = read_arch_config(path)
     q4_0 = int(gguf.GGMLQuantizationType.Q4_0)
     as_file = dict(iter_weights(path, arch, torch.float32, show_progress=False, quantized_types=KERNEL_TYPES))
