@@ -19,7 +19,6 @@ DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
 # A draft's also "q4_0": its matrices held in wider types quantised again to Q4_0 at load.
 DraftQuantization = Literal["auto", "gguf", "none", "q4_0"]
-DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "gguf", "none", "q4_0")
 QuantizedActivations = Literal["auto", "int16", "int8"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 GrammarEngine = Literal["auto", "llguidance", "xgrammar"]
@@ -112,7 +111,7 @@ class ModelConfig:
                                   flag=None)
 
     def __post_init__(self) -> None:
-        if self.quantization not in ("auto", "gguf", "none"):  # a draft's may also be "q4_0"; a model's not
+        if self.quantization not in get_args(Quantization):  # a draft's may also be "q4_0"; a model's not
             raise ConfigError(f"quantization must be 'auto', 'gguf' or 'none', got {self.quantization!r}",
                               "quantization")
         if self.quantized_activations not in ("auto", "int16", "int8"):
@@ -289,8 +288,8 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})", "prompt_lookup_min")
-        if self.quantization is not None and self.quantization not in DRAFT_QUANTIZATIONS:
-            raise ConfigError(f"quantization must be one of {', '.join(map(repr, DRAFT_QUANTIZATIONS))}, got "
+        if self.quantization is not None and self.quantization not in get_args(DraftQuantization):
+            raise ConfigError(f"quantization must be one of {', '.join(map(repr, get_args(DraftQuantization)))}, got "
                               f"{self.quantization!r}", "quantization")
         for name in ("adaptive", "prompt_lookup"):
             if not isinstance(getattr(self, name), bool):

@@ -132,7 +132,7 @@ def _output_rows(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     quantised table in one segment)."""
     weight = model.lm_head
     if isinstance(weight, QuantizedWeight) and len(weight.segments) > 1:
-        return weight.gather_rows(ids.tolist()).dequantize(torch.bfloat16)
+        return weight.gather_rows(ids.tolist()).dequantize(model.dtype)
     return model.ops.embedding(ids, weight)
 
 
