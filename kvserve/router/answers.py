@@ -57,7 +57,8 @@ def answer_as_events(answer: dict[str, Any], path: str, include_usage: bool) -> 
     for choice in answer.get("choices", []):
         if chat:
             message = choice.get("message") or {}
-            delta = {"role": "assistant", **{k: v for k, v in message.items() if k != "role" and v is not None}}
+            delta = {"role": message.get("role") or "assistant",
+                     **{k: v for k, v in message.items() if k != "role" and v is not None}}
             body = {"index": choice.get("index", 0), "delta": delta, "logprobs": choice.get("logprobs"),
                     "finish_reason": choice.get("finish_reason")}
         else:

@@ -253,10 +253,16 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool = False
 
     @property
+    def reply_role(self) -> str:
+        """The reply's role: the assistant's after a generation prompt; without one the reply continues the
+        final message, and is of its role (as vLLM)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
     def echoed_text(self) -> str:
         """What the reply's content starts with: with echo, the final message's text where the reply is of its role."""
         final = self.messages[-1]
-        if not self.echo or (self.add_generation_prompt and final.role != "assistant"):
+        if not self.echo or final.role != self.reply_role:
             return ""
         return message_text(final.model_dump(exclude_none=True))
 

@@ -61,7 +61,7 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
 

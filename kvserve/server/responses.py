@@ -62,6 +62,7 @@ class ResponseBuilder:
                 message, finish_reason = rm.ChatMessageOut(content=completion.text), completion.finish_reason
                 if tool_format is not None:
                     message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason)
+                message.role = body.reply_role
                 if echoed and message.content is not None:
                     message.content = echoed + message.content
                 choices.append(rm.ChatChoice(index=c.index, message=message, logprobs=logprobs,
@@ -91,7 +92,7 @@ class ResponseBuilder:
             try:
                 if chat:  # OpenAI opens each choice with the role
                     for c in run.children:
-                        opening = rm.DeltaMessage(role="assistant", content=body.echoed_text)
+                        opening = rm.DeltaMessage(role=body.reply_role, content=body.echoed_text)
                         role = rm.ChatChunkChoice(index=c.index, delta=opening)
                         yield _sse(rm.ChatCompletionChunk(**head, choices=[role]).to_json())
                 while (item := await run.next()) is not None:

@@ -169,6 +169,11 @@ def test_answer_shapes() -> None:
     assert as_client_asked(answer, {}, "/v1/completions")["choices"][0]["logprobs"] is None
     events = answer_as_events({**answer, "usage": {"prompt_tokens": 1}}, "/v1/completions", include_usage=False)
     assert events[-1] == b"data: [DONE]\n\n" and len(events) == 2
+    # A chat reply keeps its role in the replayed stream (a reply continuing a user's message is the user's).
+    for role in ("assistant", "user"):
+        reply = {"choices": [{"index": 0, "message": {"role": role, "content": "hi"}, "finish_reason": "stop"}]}
+        first = json.loads(answer_as_events(reply, "/v1/chat/completions", include_usage=False)[0][len(b"data: "):])
+        assert first["choices"][0]["delta"] == {"role": role, "content": "hi"}
     usage = combined_usage({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
                            {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, SMALL, LARGE)
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (6, 7, 13)

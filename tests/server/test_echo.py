@@ -180,6 +180,20 @@ def test_a_chat_reply_continues_a_prefilled_assistant_message_and_echo_puts_it_f
     assert plain.choices[0].message.content == question.choices[0].message.content
 
 
+def test_a_reply_without_a_generation_prompt_is_of_the_final_messages_role(client) -> None:
+    question = [{"role": "user", "content": "What colour is the sky?"}]
+    plain = client.chat.completions.create(model=None, messages=question, max_tokens=4, temperature=0)
+    assert plain.choices[0].message.role == "assistant"
+    without = {"add_generation_prompt": False}
+    whole = client.chat.completions.create(model=None, messages=question, max_tokens=4, temperature=0,
+                                           extra_body=without)  # type: ignore[arg-type]
+    assert whole.choices[0].message.role == "user"
+    streamed = list(client.chat.completions.create(model=None, messages=question, max_tokens=4, temperature=0,
+                                                   stream=True, extra_body=without))  # type: ignore[arg-type]
+    assert streamed[0].choices[0].delta.role == "user"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+
+
 def test_continuing_a_message_and_adding_a_generation_prompt_is_a_400(client) -> None:
     with pytest.raises(openai.BadRequestError, match="add_generation_prompt false") as info:
         client.chat.completions.create(model=None, messages=[{"role": "assistant", "content": "Hi"}], max_tokens=2,
