@@ -9,6 +9,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvserve.errors import InvalidRequest
+
 CASCADE_TOP_LOGPROBS = 5
 
 
@@ -22,18 +24,26 @@ def for_cascade(payload: dict[str, Any], path: str, model: str) -> dict[str, Any
     first["model"] = model
     if is_chat(path):
         first["logprobs"] = True
-        first["top_logprobs"] = max(int(payload.get("top_logprobs") or 0), CASCADE_TOP_LOGPROBS)
+        first["top_logprobs"] = max(_count(payload, "top_logprobs"), CASCADE_TOP_LOGPROBS)
     else:
-        first["logprobs"] = max(int(payload.get("logprobs") or 0), CASCADE_TOP_LOGPROBS)
+        first["logprobs"] = max(_count(payload, "logprobs"), CASCADE_TOP_LOGPROBS)
     return first
+
+
+def _count(payload: dict[str, Any], field: str) -> int:
+    """A logprobs count of the request (0 when unset); a 400 naming the field when it is not a whole number."""
+    value = payload.get(field) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"{field} must be a non-negative integer", param=field)
+    return value
 
 
 def as_client_asked(answer: dict[str, Any], payload: dict[str, Any], path: str) -> dict[str, Any]:
     """The small model's answer with the logprobs the client asked for (none, or fewer top ones)."""
     if is_chat(path):
-        wanted = int(payload.get("top_logprobs") or 0) if payload.get("logprobs") else None
+        wanted = _count(payload, "top_logprobs") if payload.get("logprobs") else None
     else:
-        wanted = int(payload["logprobs"]) if payload.get("logprobs") is not None else None
+        wanted = _count(payload, "logprobs") if payload.get("logprobs") is not None else None
     for choice in answer.get("choices", []):
         logprobs = choice.get("logprobs")
         if wanted is None or not isinstance(logprobs, dict):
@@ -59,6 +69,8 @@ def answer_as_events(answer: dict[str, Any], path: str, include_usage: bool) -> 
             message = choice.get("message") or {}
             delta = {"role": message.get("role") or "assistant",
                      **{k: v for k, v in message.items() if k != "role" and v is not None}}
+            if isinstance(delta.get("tool_calls"), list):  # a streamed call carries its index
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
             body = {"index": choice.get("index", 0), "delta": delta, "logprobs": choice.get("logprobs"),
                     "finish_reason": choice.get("finish_reason")}
         else:

@@ -4,9 +4,12 @@ A generation request is parsed only as far as routing needs (its model, its rend
 unchanged, and its answer passed back unchanged: a stream chunk for chunk as the replica sends it, a JSON
 body whole, an error with its status and body. The router adds no request of its own and drops none:
 
-- A replica that cannot be reached, or answers 5xx, before anything of the answer came back is taken out
-  (until a health check passes) and the request goes to another healthy replica; each replica is tried at
-  most once per request. When none is left the answer is 503 with Retry-After.
+- A replica that cannot be reached, or answers 502, 503 or 504, before anything of the answer came back is
+  taken out (until a health check passes) and the request goes to another healthy replica; each replica is
+  tried at most once per request. When none is left the answer is 503 with Retry-After. A 500 (a fault in
+  the replica's handling of this request) is tried on another replica too, but takes none out: a request
+  that every replica fails on must not empty the pool; when every replica answered 500, the client gets
+  the last answer as it is.
 - A stream cut after its first chunk cannot be replayed without sending the client text twice: it ends with
   an OpenAI-style error event (``data: {"error": ...}``) and no ``[DONE]``; the replica is taken out.
 - A client that disconnects closes the upstream connection, which the replica reads as an abort.
@@ -62,9 +65,11 @@ TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # any replica of the model answ
 
 @dataclass(frozen=True, slots=True)
 class _Retry:
-    """An attempt failed before anything reached the client: try another replica."""
+    """An attempt failed before anything reached the client: try another replica. ``answer``: the replica's
+    own error answer, given to the client if no replica is left to try."""
 
     reason: str
+    answer: Response | None = None
 
 
 class Gateway:
@@ -171,8 +176,11 @@ class Gateway:
         request = RouteRequest(model, tokens)
         headers = self._upstream_headers(http)
         tried: set[str] = set()
+        last_answer: Response | None = None
         while True:
             candidates = [r for r in self.pool.healthy(model) if r.url not in tried]
+            if not candidates and last_answer is not None:
+                return last_answer
             if not candidates:
                 raise NoHealthyReplica(f"no healthy replica serves {model or 'this request'}"
                                        f"{' (tried ' + ', '.join(sorted(tried)) + ')' if tried else ''}; retry later")
@@ -183,11 +191,13 @@ class Gateway:
             outcome = await self._attempt(decision, path, body, headers, stream, uncached, http)
             if isinstance(outcome, _Retry):
                 self.metrics.retries.labels(reason=outcome.reason).inc()
+                last_answer = outcome.answer
                 continue
             return outcome
 
     def _upstream_headers(self, http: Request) -> dict[str, str]:
-        headers = {"content-type": "application/json"}
+        # identity: the answer's bytes are relayed as they come, and a stream is judged by its first bytes
+        headers = {"content-type": "application/json", "accept-encoding": "identity"}
         for name in FORWARDED_HEADERS:
             if name in http.headers:
                 headers[name] = http.headers[name]
@@ -209,11 +219,26 @@ class Gateway:
             in_flight.end()
             self.pool.mark_down(replica, f"{path}: {exc!r}")
             return _Retry("unreachable")
-        if upstream.status_code >= 500:
+        if upstream.status_code in (502, 503, 504):
             await _close(upstream)
             in_flight.end()
             self.pool.mark_down(replica, f"{path} answered {upstream.status_code}")
             return _Retry(f"status_{upstream.status_code}")
+        if upstream.status_code >= 500:  # this request's fault on this replica: another may serve it
+            try:
+                content = await until_disconnected(http, upstream.aread())
+            except ClientGone:
+                return Response(status_code=499)
+            except httpx.TransportError:
+                content = b""
+            finally:
+                await _close(upstream)
+                in_flight.end()
+            self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
+            passed = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+            return _Retry(f"status_{upstream.status_code}",
+                          Response(content, status_code=upstream.status_code, headers=passed,
+                                   media_type=upstream.headers.get("content-type", "application/json")))
         is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if stream and upstream.status_code == 200 and is_stream:
             return await self._open_stream(decision, upstream, in_flight, http, sent_at)
@@ -251,7 +276,7 @@ class Gateway:
                 return Response(status_code=499)
             self.pool.mark_down(replica, f"stream ended before its first chunk: {exc!r}")
             return _Retry("cut")
-        if not first.lstrip().startswith((b"data:", b":", b"event:")):
+        if not first.lstrip().startswith((b"data:", b":", b"event:", b"id:", b"retry:")):
             await _close(upstream)
             in_flight.end()
             raise BadUpstreamResponse(f"replica {replica.url} sent a stream that is not server-sent events: "
@@ -259,13 +284,21 @@ class Gateway:
         in_flight.first_byte()
         self.policy.observe_ttft(decision, time.monotonic() - sent_at)
         self.metrics.requests.labels(replica=replica.url, status="200").inc()
-        return StreamingResponse(self._relay(decision, first, chunks, upstream, in_flight),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _relay(self, decision: Decision, first: bytes, chunks: AsyncIterator[bytes], upstream: httpx.Response,
-                     in_flight: _InFlight) -> AsyncIterator[bytes]:
         usage = _UsageScanner()
+        ended = False
+
+        async def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                await _close(upstream)
+                in_flight.end()
+                self._observe_usage(decision, usage.last)
+
+        return _RelayedStream(self._relay(decision, first, chunks, usage, end), end)
+
+    async def _relay(self, decision: Decision, first: bytes, chunks: AsyncIterator[bytes], usage: _UsageScanner,
+                     end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         try:
             usage.feed(first)
             yield first
@@ -281,9 +314,7 @@ class Gateway:
                 yield f"data: {json.dumps(body)}\n\n".encode()
         finally:
             with anyio.CancelScope(shield=True):  # a client that left cancels us: still close upstream
-                await _close(upstream)
-                in_flight.end()
-            self._observe_usage(decision, usage.last)
+                await end()
 
     def _observe_usage(self, decision: Decision, usage: Any) -> None:
         replica = decision.replica.url
@@ -297,6 +328,25 @@ class Gateway:
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.metrics.cached_tokens.labels(replica=replica).inc(details["cached_tokens"])
+
+
+class _RelayedStream(StreamingResponse):
+    """A replica's stream on its way to the client, ended (the upstream closed, the request's count ended)
+    however the response ends. The relaying generator ends it too, but Starlette never starts the generator
+    of a client that left before the first chunk was sent, and a generator that never started runs no
+    ``finally``."""
+
+    def __init__(self, content: AsyncIterator[bytes], end: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._end = end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._end()
 
 
 class _InFlight:

@@ -117,3 +117,5 @@ class KVEventFollower:
                 self.index.apply(replica.url, answer)
         except (httpx.TransportError, ValueError, KeyError, TypeError) as exc:
             logger.debug("kv events of %s: %r", replica.url, exc)
+        except Exception:  # an answer of an unexpected shape must not end the loop: the index would freeze
+            logger.exception("kv events of %s", replica.url)

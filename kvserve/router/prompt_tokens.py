@@ -68,7 +68,7 @@ class PromptTokens:
             if path.endswith("/completions") and isinstance(payload.get("suffix"), str):
                 return self._infill(tokenizer, payload.get("prompt"), payload["suffix"])
             return self._completion(tokenizer, payload.get("input" if path.endswith("/embeddings") else "prompt"))
-        except (KVServeError, TypeError, ValueError, AttributeError) as exc:
+        except (KVServeError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
             logger.debug("routing on bytes: %r", exc)
             return tuple(json.dumps(payload.get("messages", payload.get("prompt")), sort_keys=True).encode())
 
@@ -102,7 +102,10 @@ class PromptTokens:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: routed whole, on its first prompt
         if isinstance(prompt, list):
-            return tuple(int(t) for t in prompt)
+            ids = tuple(int(t) for t in prompt)
+            if not all(0 <= t < 2**32 for t in ids):  # no vocabulary's ids; the replica refuses them
+                raise ValueError("token ids out of range")
+            return ids
         if not isinstance(prompt, str):
             return ()
         return tuple(tokenizer.encode(prompt)) if tokenizer is not None else tuple(prompt.encode())

@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvserve.config import RouterConfig
-from kvserve.errors import ConfigError, InvalidRequest
+from kvserve.errors import ConfigError, InvalidRequest, NoHealthyReplica
 from kvserve.router.policies import RouteRequest, RoutingPolicy, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica
@@ -119,6 +119,15 @@ class KVServeRequestRouter(RequestRouter):
                 if queue_len is not None:
                     self._view(replica).in_flight = queue_len
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray Serve's replica set changed (a replica replaced, scaled down, redeployed): what the policy knew of
+        a replica no longer in it is dropped, or it would be kept for good."""
+        super().update_replicas(replicas)
+        current = {r.replica_id.to_full_id_str() for r in replicas}
+        views = getattr(self, "_views", {})  # Ray Serve may tell the replicas before initialize_state runs
+        for key in [k for k in views if k not in current]:
+            self._policy.forget(views.pop(key))
+
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         view = self._views.pop(replica_id.to_full_id_str(), None)
@@ -193,7 +202,13 @@ class KVServeIngress:
         headers = {"content-type": "application/json",
                    **{k: v for k, v in http.headers.items() if k in ("authorization", "x-kvserve-timings")}}
         answer = self._replicas.options(stream=True).forward.remote(path, body, headers, routing_tokens=list(tokens))
-        status, content_type = await answer.__anext__()
+        try:
+            status, content_type = await answer.__anext__()
+        except Exception as exc:  # Ray's own failures (a replica that died, back-pressure): the gateway's 503
+            logger.warning("no replica answered %s: %r", path, exc)
+            error = NoHealthyReplica(f"no replica could take the request ({type(exc).__name__}); retry later")
+            return JSONResponse(error_body(str(error), error.error_type, None, error.code), status_code=503,
+                                headers={"Retry-After": "1"})
         if content_type.startswith("text/event-stream"):
             return StreamingResponse(self._rest(answer), status_code=status, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -50,6 +50,7 @@ class Replica:
     in_flight_at_read: int = 0  # this router's in_flight when the replica's report was read
     load_read_at: float = 0.0  # time.monotonic() of the last load read; 0 = never
     last_error: str = ""
+    times_taken_out: int = 0  # a health check begun before the latest failure does not put it back
 
     @property
     def load(self) -> int:
@@ -135,21 +136,32 @@ class ReplicaPool:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self.check(r) for r in self.replicas))
+            await asyncio.gather(*(self._check_logged(r) for r in self.replicas))
             await asyncio.sleep(self._interval)
+
+    async def _check_logged(self, replica: Replica) -> None:
+        """A check whose unexpected failure (an odd answer) is logged: it must not end the health loop, or a
+        replica taken out would never be put back."""
+        try:
+            await self.check(replica)
+        except Exception:
+            logger.exception("health check of %s failed", replica.url)
 
     async def check(self, replica: Replica) -> None:
         """One health check and load read; a change of health is logged and announced."""
+        taken_out_before = replica.times_taken_out
         try:
             response = await self._client.get(f"{replica.url}/health", headers=self._headers,
                                               timeout=self._interval + 1.0)
             ok = response.status_code == 200
             reason = "" if ok else f"/health answered {response.status_code}"
-        except httpx.TransportError as exc:
+        except httpx.HTTPError as exc:
             ok, reason = False, f"/health: {exc!r}"
         if ok:
-            await self._read_load(replica)
-            if not replica.healthy:
+            read = await self._read_load(replica)
+            # Back only on a whole check begun after the replica was last taken out: a request that failed on
+            # it while this check was in flight knows more than this check's answer.
+            if not replica.healthy and read and replica.times_taken_out == taken_out_before:
                 await self._comes_back(replica)
         elif replica.healthy:
             self.mark_down(replica, reason)
@@ -173,25 +185,30 @@ class ReplicaPool:
         if not replica.healthy:
             return
         replica.healthy = False
+        replica.times_taken_out += 1
         logger.warning("replica %s taken out: %s", replica.url, reason)
         for callback in self.on_change:
             callback(replica)
 
-    async def _read_load(self, replica: Replica) -> None:
+    async def _read_load(self, replica: Replica) -> bool:
+        """The replica's load from its ``/metrics``; False when it could not be read (then kept as it was)."""
         in_flight_before = replica.in_flight
         try:
             response = await self._client.get(f"{replica.url}/metrics", headers=self._headers,
                                               timeout=self._interval + 1.0)
-        except httpx.TransportError:
-            return
+            values = {name: float(value) for name, value in _GAUGE.findall(response.text)}
+            running = int(values.get("num_requests_running", 0))
+            waiting = int(values.get("num_requests_waiting", 0))
+        except (httpx.HTTPError, ValueError, OverflowError):  # unreachable, or not numbers (nan, inf)
+            return False
         if response.status_code != 200:
-            return
-        values = {name: float(value) for name, value in _GAUGE.findall(response.text)}
-        replica.reported_running = int(values.get("num_requests_running", 0))
-        replica.reported_waiting = int(values.get("num_requests_waiting", 0))
+            return True  # not a Prometheus endpoint (another OpenAI server): the router's own count stands
+        replica.reported_running = running
+        replica.reported_waiting = waiting
         # The report was taken at some point of the read: the larger count errs towards fewer others' requests.
         replica.in_flight_at_read = max(in_flight_before, replica.in_flight)
         replica.load_read_at = time.monotonic()
+        return True
 
 
 def _model_ids(url: str, response: httpx.Response) -> tuple[str, ...]:

@@ -37,8 +37,8 @@ def stream_chunks(replica_name: str, num_chunks: int) -> list[bytes]:
 
 
 class FakeReplica:
-    """modes: ok, error_500, not_json, not_sse, cut_stream (one chunk, then the connection drops), slow (each
-    chunk after 0.5 s)."""
+    """modes: ok, error_500, error_503 (an engine that died), not_json, not_sse, cut_stream (one chunk, then the
+    connection drops), slow (each chunk after 0.5 s)."""
 
     def __init__(self, name: str, num_chunks: int = 5) -> None:
         self.name = name
@@ -93,6 +93,9 @@ class FakeReplica:
             self.received.append(body)
             if self.mode == "error_500":
                 return JSONResponse({"error": {"message": "boom", "type": "internal_error"}}, status_code=500)
+            if self.mode == "error_503":
+                return JSONResponse({"error": {"message": "the engine died", "type": "service_unavailable",
+                                               "code": "engine_dead"}}, status_code=503)
             if self.mode == "not_json":
                 return Response("<html>hello</html>", media_type="text/html")
             if body.get("model") not in (None, MODEL):

@@ -55,10 +55,10 @@ def test_a_stream_arrives_chunk_for_chunk_as_the_replica_sent_it(replicas: list[
         gateway.stop()
 
 
-def test_a_replica_answering_5xx_is_taken_out_and_the_request_retried_once_elsewhere(
+def test_a_replica_answering_503_is_taken_out_and_the_request_retried_once_elsewhere(
         replicas: list[FakeReplica]) -> None:
     a, b = replicas
-    a.mode = "error_500"
+    a.mode = "error_503"
     a.healthy = False  # its health check fails too: it stays out
     gateway = gateway_over(replicas, policy="round_robin")
     try:
@@ -69,6 +69,55 @@ def test_a_replica_answering_5xx_is_taken_out_and_the_request_retried_once_elsew
         assert router_metric(gateway.base_url, "replica_healthy", f'replica="{a.url}"') == 0
     finally:
         gateway.stop()
+
+
+def test_a_500_is_tried_elsewhere_takes_no_replica_out_and_comes_back_as_it_is_when_every_replica_fails(
+        replicas: list[FakeReplica]) -> None:
+    a, b = replicas
+    a.mode = "error_500"  # its /health passes: a fault of the request, not of the replica
+    gateway = gateway_over(replicas, policy="round_robin")
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        texts = [client.completions.create(model=MODEL, prompt=f"p{i}").choices[0].text for i in range(4)]
+        assert texts == ["b"] * 4 and len(b.received) == 4
+        assert 1 <= len(a.received) <= 4  # tried on it, never twice for one request
+        for replica in replicas:
+            assert router_metric(gateway.base_url, "replica_healthy", f'replica="{replica.url}"') == 1
+        b.mode = "error_500"  # a request every replica fails on: its answer, and the pool stays whole
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="poison")
+        assert info.value.body == {"message": "boom", "type": "internal_error"}
+        assert [r.received[-1]["prompt"] for r in replicas] == ["poison", "poison"]
+        a.mode = b.mode = "ok"
+        assert client.completions.create(model=MODEL, prompt="after").choices[0].text in ("a", "b")
+    finally:
+        gateway.stop()
+
+
+def test_a_health_check_begun_before_a_failure_does_not_put_the_replica_back(replicas: list[FakeReplica]) -> None:
+    a, _ = replicas
+    async def run() -> None:
+        async with httpx.AsyncClient() as client:
+            await check_once(ReplicaPool((a.url,), client, health_interval_s=1.0, headers={}))
+
+    async def check_once(pool: ReplicaPool) -> None:
+        await pool.check_all(timeout_s=5)
+        replica = pool.replicas[0]
+        assert replica.healthy
+        read_load = pool._read_load
+
+        async def failing_meanwhile(r):  # a request fails on the replica while the check reads its load
+            pool.mark_down(r, "a request failed")
+            return await read_load(r)
+
+        pool._read_load = failing_meanwhile  # type: ignore[method-assign]
+        await pool.check(replica)
+        assert not replica.healthy
+        pool._read_load = read_load  # type: ignore[method-assign]
+        await pool.check(replica)  # a check begun after the failure puts it back
+        assert replica.healthy
+
+    asyncio.run(run())
 
 
 def test_a_dead_replica_is_routed_around_and_used_again_when_it_comes_back(replicas: list[FakeReplica]) -> None:
@@ -185,3 +234,28 @@ def test_a_replicas_load_is_the_routers_count_plus_the_others_its_report_held(re
     assert replica.load == 3
     replica.in_flight = 0  # this router's request ended; the report, not read again, still holds it
     assert replica.load == 2
+
+
+def test_a_relayed_stream_is_ended_when_the_client_leaves_before_its_body_starts() -> None:
+    from kvserve.router.gateway import _RelayedStream
+
+    ended: list[str] = []
+
+    async def body():
+        try:
+            yield b"data: {}\n\n"
+        finally:
+            ended.append("generator")
+
+    async def end() -> None:
+        ended.append("response")
+
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(0)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}  # Starlette listens for the disconnect itself
+    asyncio.run(_RelayedStream(body(), end)(scope, gone, send))
+    assert "response" in ended  # whether or not the body's generator ever ran

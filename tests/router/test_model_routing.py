@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.cli import main
 from kvserve.config import RouterConfig
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, InvalidRequest
 from kvserve.evals.probe_training import train_probe
 from kvserve.router.answers import answer_as_events, as_client_asked, combined_usage, for_cascade
 from kvserve.router.model_policies import (
@@ -169,6 +169,18 @@ def test_answer_shapes() -> None:
     assert as_client_asked(answer, {}, "/v1/completions")["choices"][0]["logprobs"] is None
     events = answer_as_events({**answer, "usage": {"prompt_tokens": 1}}, "/v1/completions", include_usage=False)
     assert events[-1] == b"data: [DONE]\n\n" and len(events) == 2
+    for bad in ("x", [1], -1, True):  # a count that is not one is the client's error, never the gateway's
+        with pytest.raises(InvalidRequest) as info:
+            for_cascade({"prompt": "x", "logprobs": bad}, "/v1/completions", SMALL)
+        assert info.value.param == "logprobs"
+        with pytest.raises(InvalidRequest):
+            as_client_asked(answer, {"messages": [], "logprobs": True, "top_logprobs": bad}, "/v1/chat/completions")
+    # A replayed tool call carries its index, as a streamed one does.
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                          "finish_reason": "tool_calls"}]}
+    first = json.loads(answer_as_events(reply, "/v1/chat/completions", include_usage=False)[0][len(b"data: "):])
+    assert first["choices"][0]["delta"]["tool_calls"] == [{"index": 0, **call}]
     # A chat reply keeps its role in the replayed stream (a reply continuing a user's message is the user's).
     for role in ("assistant", "user"):
         reply = {"choices": [{"index": 0, "message": {"role": role, "content": "hi"}, "finish_reason": "stop"}]}

@@ -39,3 +39,11 @@ def test_a_suffix_is_keyed_on_the_gap_the_replica_lays_out() -> None:
                                                                                                after))
     assert keys.of("/v1/completions", {"prompt": [before, "x"], "suffix": after})[0] == fim.prefix
     assert keys.of("/v1/completions", {"prompt": before}) == tuple(tokenizer.encode(before))
+
+
+def test_token_ids_no_vocabulary_holds_are_routed_on_the_bodys_bytes() -> None:
+    keys = PromptTokens()
+    for prompt in ([1, float("inf")], [1, -1], [1, 2**32], [[3, 2**40]]):
+        key = keys.of("/v1/completions", {"prompt": prompt})  # the replica refuses them; the gateway routes them
+        assert key and all(0 <= t < 256 for t in key)
+    assert keys.of("/v1/completions", {"prompt": [5, 7, 2**32 - 1]}) == (5, 7, 2**32 - 1)
