@@ -173,6 +173,9 @@ class Engine:
                                               self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # True from a step's start to its end: a step that raised (or still runs on another thread) may have
+        # cached blocks whose KV it never computed (blocks are cached as they are scheduled).
+        self._step_unfinished = False
 
     def _kv_layout(self) -> KVLayout:
         """Window layers in KV groups of their own (their pages freed past the window), unless turned off or
@@ -374,10 +377,12 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._step_unfinished = True
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
         step = self.output_processor.process(self.scheduler.update(out, result))
         self.scheduler.finish_requests(step.updates)
+        self._step_unfinished = False
         return step.outputs
 
     def wait_for_tier_writes(self) -> None:
@@ -386,8 +391,12 @@ class Engine:
 
     def close(self) -> None:
         """Persist cached KV to the tiers that outlive the process (disk, Redis), then release the tiers,
-        so a restarted server finds today's prefixes even under the write_back policy."""
-        self.kv_manager.close(self.runner.read_blocks)
+        so a restarted server finds today's prefixes even under the write_back policy. Not after a step that
+        did not finish (an error, an interrupt, a step still running on the engine's thread): the cache may
+        then hold blocks whose KV was never computed, which would be served to the next engine as valid."""
+        if self._step_unfinished:
+            logger.warning("the last step did not finish: the device's cached KV is not persisted to the tiers")
+        self.kv_manager.close(None if self._step_unfinished else self.runner.read_blocks)
         self.grammars.close()
 
     # --- observability ----------------------------------------------------------------------------------------

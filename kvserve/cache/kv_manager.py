@@ -331,11 +331,11 @@ class KVCacheManager:
         """Block until the KV queued for disk and Redis is written; False if ``timeout_s`` passed first."""
         return self.tiers.wait_for_writes(timeout_s)
 
-    def close(self, read_blocks: Callable[[list[int]], list[bytes]]) -> None:
-        """Persist the cached KV the tiers that outlive the process lack (read with ``read_blocks``), then
-        release the tiers."""
-        blocks = self.tiers.blocks_to_persist(self.prefix_cache.cached_blocks())
-        payloads = read_blocks([block_id for block_id, _, _ in blocks]) if blocks else []
+    def close(self, read_blocks: Callable[[list[int]], list[bytes]] | None) -> None:
+        """Persist the cached KV the tiers that outlive the process lack (read with ``read_blocks``; None:
+        nothing of the device's is persisted), then release the tiers."""
+        blocks = self.tiers.blocks_to_persist(self.prefix_cache.cached_blocks()) if read_blocks is not None else []
+        payloads = read_blocks([block_id for block_id, _, _ in blocks]) if blocks and read_blocks else []
         self.tiers.close([(block_hash, identity, payload)
                           for (_, block_hash, identity), payload in zip(blocks, payloads, strict=True)])
 

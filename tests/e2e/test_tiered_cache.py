@@ -138,6 +138,24 @@ def test_small_host_tier_spills_to_disk_and_a_restart_finds_the_prefix(prompts, 
     restarted.close()
 
 
+def test_after_a_step_that_raised_nothing_of_the_device_is_persisted(prompts, reference, tmp_path,
+                                                                       monkeypatch) -> None:
+    disk_dir = str(tmp_path / "kv")
+    llm = make_llm(kv_disk_gb=0.25, kv_disk_dir=disk_dir)  # write_back: the device's cache is persisted at close
+
+    def device_failure(out):
+        raise RuntimeError("the device failed mid-step")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", device_failure)
+    with pytest.raises(RuntimeError, match="mid-step"):
+        gen(llm, prompts["P"])  # its blocks were cached as they were scheduled, and never computed
+    llm.close()
+    restarted = make_llm(kv_disk_gb=0.25, kv_disk_dir=disk_dir)
+    out = gen(restarted, prompts["P"])
+    assert by_tier(out) == {} and out.outputs[0].token_ids == reference["P"]
+    restarted.close()
+
+
 def test_corrupt_and_foreign_disk_entries_are_misses_and_outputs_stay_right(prompts, reference, tmp_path) -> None:
     disk_dir = str(tmp_path / "kv")
     llm = make_llm(kv_disk_gb=0.25, kv_disk_dir=disk_dir, kv_write_policy="write_through")
