@@ -29,7 +29,7 @@ from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import TieredKVStore
 from kvserve.config import ArchConfig, BackendConfig, EngineConfig, SpeculativeConfig, StorageConfig
 from kvserve.config_args import engine_config_from_keywords
-from kvserve.errors import ConfigError, InvalidRequest, ModelNotFound
+from kvserve.errors import ConfigError, EngineDeadError, InvalidRequest, ModelNotFound
 from kvserve.input_processor import InputProcessor, PromptType
 from kvserve.kv_layout import KVLayout
 from kvserve.model.backends.base import Backend
@@ -377,6 +377,9 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._step_unfinished:  # the runner, the scheduler and the cache no longer agree on what was run
+            raise EngineDeadError("the engine's last step did not finish (it raised or was interrupted): its "
+                                  "state is no longer consistent; close it and make a new one")
         self._step_unfinished = True
         out = self.scheduler.schedule()
         result = self.runner.execute(out)

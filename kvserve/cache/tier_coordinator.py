@@ -220,8 +220,9 @@ class TierCoordinator:
         self._pending_offloads: list[CachedBlock] = []
         # Write-through copies of blocks scheduled but not yet computed (see queue_cached).
         self._offloads_after_step: list[CachedBlock] = []
-        # Per step whose offloads the runner is copying out, their identities, in the runner's order.
-        self._offload_identities: deque[list[bytes]] = deque()
+        # The identities of the blocks the runner copies out this step, by block hash: taken with the transfers,
+        # read when their payloads come back (an interrupted step's are replaced by the next step's).
+        self._offload_identities: dict[BlockHash, bytes] = {}
         self._fetches: dict[str, _TierFetch] = {}
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tier-fetch")
         self._writer = TierWriter()
@@ -302,9 +303,8 @@ class TierCoordinator:
         """After a step: store what the runner copied out, release the write-through copies of the blocks
         the step filled, and now and then sweep expired entries."""
         if offloaded:
-            identities = self._offload_identities.popleft()
-            blocks = [(block_hash, identity, payload)
-                      for (block_hash, payload), identity in zip(offloaded, identities, strict=True)]
+            blocks = [(block_hash, self._offload_identities[block_hash], payload)
+                      for block_hash, payload in offloaded if block_hash in self._offload_identities]
             direct = self.store.put_host(blocks)
             if direct:
                 self._writer.submit(lambda: self.store.write_lower(direct))
@@ -333,8 +333,7 @@ class TierCoordinator:
         """(loads, offloads) queued since the last call, handed to the runner; the queues start empty again."""
         loads, offloads = self._pending_loads, self._pending_offloads
         self._pending_loads, self._pending_offloads = [], []
-        if offloads:
-            self._offload_identities.append([identity for _, _, identity in offloads])
+        self._offload_identities = {block_hash: identity for _, block_hash, identity in offloads}
         return loads, [(block_id, block_hash) for block_id, block_hash, _ in offloads]
 
     # --- accounting, persistence, shutdown ------------------------------------------------------------------

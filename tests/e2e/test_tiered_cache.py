@@ -22,6 +22,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine import Engine
+from kvserve.errors import EngineDeadError
 from kvserve.model.loader import iter_weights, read_arch_config, resolve_model_path
 from kvserve.request import Request, RequestOutput
 from kvserve.storage.base import EntryMeta, encode_entry, make_key
@@ -149,6 +150,8 @@ def test_after_a_step_that_raised_nothing_of_the_device_is_persisted(prompts, re
     monkeypatch.setattr(llm.engine.runner, "execute", device_failure)
     with pytest.raises(RuntimeError, match="mid-step"):
         gen(llm, prompts["P"])  # its blocks were cached as they were scheduled, and never computed
+    with pytest.raises(EngineDeadError, match="did not finish"):  # never a step on state that no longer agrees
+        gen(llm, prompts["P2"])
     llm.close()
     restarted = make_llm(kv_disk_gb=0.25, kv_disk_dir=disk_dir)
     out = gen(restarted, prompts["P"])
