@@ -62,7 +62,11 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, str):
             object.__setattr__(self, "json", _schema_text(self.json, self.param))
         if self.choice is not None and not isinstance(self.choice, tuple):
+            if not isinstance(self.choice, list):  # not a string's characters, nor a number's iteration
+                raise InvalidRequest(f"{self.param}: choice must be a list of strings", param=self.param)
             object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequest(f"{self.param}: json_object must be true or false", param=self.param)
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
@@ -96,13 +100,17 @@ def _schema_text(schema: object, param: str) -> str:
         raise InvalidRequest(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
     try:
         return json.dumps(schema, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequest(f"{param}: the JSON schema cannot be written as JSON: {exc}", param=param) from None
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024
+# Every stop string's possible start is searched for after each token, and each token checked against the
+# stop ids: bounded, so that one request cannot stall a step for the rest of the batch.
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +193,12 @@ class SamplingParams:
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidSamplingParams(f"each stop string takes at most {MAX_STOP_STRING_CHARS} characters",
+                                        param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidSamplingParams(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                        f"{len(self.stop_token_ids)}", param="stop_token_ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.ignore_eos and self.structured_outputs is not None:

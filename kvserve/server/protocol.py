@@ -35,22 +35,27 @@ def rename_param(exc: InvalidRequest, old: str, new: str) -> InvalidRequest:
 
 
 _SURROGATE_MESSAGE = "contains an unpaired UTF-16 surrogate (\\ud800-\\udfff), which is not valid text"
+MAX_JSON_DEPTH = 100  # lists and objects within each other; deeper values are refused, never walked recursively
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    """True if a string anywhere in a parsed JSON value holds an unpaired UTF-16 surrogate (JSON's
-    "\ud800" escape decodes to one): it is not Unicode text, and neither the tokenizer nor UTF-8 takes it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    return False
+def _check_text(value: Any) -> None:
+    """ValueError if a string anywhere in a parsed JSON value holds an unpaired UTF-16 surrogate (JSON's
+    "\ud800" escape decodes to one: it is not Unicode text, and neither the tokenizer nor UTF-8 takes it), or
+    if the value nests deeper than MAX_JSON_DEPTH (what walks it later, a schema compiler or a template, may
+    recurse). Walked with a stack of its own: a recursive walk would fail on the depth it is checking."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(_SURROGATE_MESSAGE) from None
+        elif isinstance(item, list | dict):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"nests lists and objects more than {MAX_JSON_DEPTH} deep")
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
 
 
 class _Strict(BaseModel):
@@ -63,8 +68,7 @@ class _StrictText(_Strict):
     @field_validator("*", mode="before")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
-        if _has_lone_surrogate(value):
-            raise ValueError(_SURROGATE_MESSAGE)
+        _check_text(value)
         return value
 
 
@@ -297,8 +301,7 @@ def _prompt_value(value: Any, name: str) -> Any:
     def is_ids(v: Any) -> bool:
         return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
-    if _has_lone_surrogate(value):  # a plain validator: the model's before-validators do not run here
-        raise ValueError(_SURROGATE_MESSAGE)
+    _check_text(value)  # a plain validator: the model's before-validators do not run here
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value:

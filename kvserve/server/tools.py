@@ -20,6 +20,7 @@ from kvserve.request import StructuredOutputsParams
 from kvserve.server import protocol as p
 from kvserve.structured.grammar import check_json_schema
 from kvserve.structured.tool_calls import ToolCallFormat, ToolChoice, ToolSpec
+from kvserve.tokenizer import message_text
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -132,7 +133,7 @@ def _without_tool_support(messages: list[dict[str, Any]], request: ToolRequest,
     for message in messages:
         role = message.get("role")
         if role == "tool":
-            text = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+            text = f"<tool_response>\n{message_text(message)}\n</tool_response>"
             if out and out[-1].get("role") == "user" and out[-1].get("tool_responses"):
                 out[-1]["content"] += "\n" + text
             else:
@@ -140,7 +141,7 @@ def _without_tool_support(messages: list[dict[str, Any]], request: ToolRequest,
         elif role == "assistant" and message.get("tool_calls"):
             calls = [fmt.render_call(c["function"].get("name"), c["function"].get("arguments"))
                      for c in message["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
-            text = "\n".join(([message["content"]] if message.get("content") else []) + calls)
+            text = "\n".join(([message_text(message)] if message.get("content") else []) + calls)
             out.append({"role": "assistant", "content": text})
         else:
             out.append(message)

@@ -83,6 +83,14 @@ BAD_VALUES = [
     ("completions", {"prompt": [10**7]}, "prompt"),
     ("chat", {"n": 129}, "n"),  # OpenAI's limit is 128
     ("chat", {"stop": ["x"] * 65}, "stop"),
+    ("chat", {"stop": ["x" * 1025]}, "stop"),  # each stop string is searched for after every token
+    ("completions", {"stop_token_ids": [0] * 1025}, "stop_token_ids"),
+    ("completions", {"structured_outputs": {"choice": 5}}, "structured_outputs"),  # not a list: never iterated
+    ("completions", {"structured_outputs": {"choice": "yes"}}, "structured_outputs"),  # not split into letters
+    ("completions", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs"),
+    # Nested past what is walked (an explicit stack): a 400, not a RecursionError's 500.
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+        "[" * 400 + "]" * 400)}}}, "response_format"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's range is [-100, 100]
@@ -99,6 +107,16 @@ BAD_VALUES = [
 def test_bad_sampling_value_is_400(base_url, endpoint, fields, param) -> None:
     body = {"messages": HI} if endpoint == "chat" else {"prompt": "Hello"}
     assert_error(post(base_url, endpoint, {**body, **fields}), 400, param)
+
+
+def test_deeply_nested_values_anywhere_are_400(base_url) -> None:
+    deep = "[" * 400 + "]" * 400
+    for endpoint, raw in (("chat", '{"messages": [{"role": "user", "content": "hi", "x": %s}]}' % deep),
+                          ("completions", '{"prompt": "hi", "structured_outputs": {"json": {"a": %s}}}' % deep)):
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        resp = httpx.post(f"{base_url}{path}", content=raw, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert "deep" in resp.json()["error"]["message"]
 
 
 def test_malformed_json_and_non_object_body(base_url) -> None:
