@@ -131,19 +131,23 @@ class AppState:
             while self.runs and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
 
+    def check_queue_fits(self, num_prompts: int, n: int, prompts_param: str) -> None:
+        """A 400 for a request of more sequences than the server ever queues: not a 429, since retrying cannot
+        help it. Checked before its prompts are tokenized."""
+        queue_limit = self.engine.max_waiting_requests
+        if queue_limit is not None and num_prompts * n > queue_limit:
+            raise InvalidRequest(
+                f"this request needs {num_prompts * n} sequences ({num_prompts} {prompts_param}(s) x n={n}), "
+                f"more than the {queue_limit} the server queues at once (--max-waiting-requests)",
+                param="n" if n > 1 else prompts_param)
+
     # --- one request, end to end ----------------------------------------------------------------------------
     async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
                       prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
                       received_at: float, tool_format: ToolCallFormat | None = None) -> Response:
         """``tool_format``: the reply may hold tool calls in this format (parsed out of the content)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        queue_limit = self.engine.max_waiting_requests
-        if queue_limit is not None and len(prompts) * params.n > queue_limit:
-            # Not a 429: retrying cannot help a request larger than the whole queue.
-            raise InvalidRequest(
-                f"this request needs {len(prompts) * params.n} sequences ({len(prompts)} prompt(s) x n={params.n}), "
-                f"more than the {queue_limit} the server queues at once (--max-waiting-requests)",
-                param="n" if params.n > 1 else "prompt")
+        self.check_queue_fits(len(prompts), params.n, "prompt")
         children = [
             EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
             for i, (ids, text) in enumerate(prompts)
@@ -230,6 +234,7 @@ def build_app(
         state.check_admissible(body.model)
         params = body.sampling_params()
         inputs: list[p.PromptInput | dict[str, list[int]]] = list(body.prompts())
+        state.check_queue_fits(len(inputs), params.n, "prompt")
         if body.suffix is not None:  # fill in the middle: each prompt is the text before the gap
             fim = fim_tokens_or_error(tokenizer, state.model_name)
             params = replace(params, stop_token_ids=(*params.stop_token_ids, *fim.ends))
@@ -240,13 +245,18 @@ def build_app(
                 inputs[i] = {"prompt_token_ids": ids}
         if params.structured_outputs is not None:
             await async_engine.compile_grammar(params.structured_outputs)
-        prompts = [await _off_loop_if_long(prompt, async_engine.prepare, prompt, params) for prompt in inputs]
+        if len(inputs) > 1:  # a batch is tokenized in one go, off the event loop
+            prompts = await asyncio.to_thread(lambda: [async_engine.prepare(prompt, params) for prompt in inputs])
+        else:
+            prompts = [await _off_loop_if_long(inputs[0], async_engine.prepare, inputs[0], params)]
         return await state.respond(http, body, prompts, params, False, received_at)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: p.EmbeddingRequest, http: Request) -> Response:
         state.check_admissible(body.model)
-        prompts = await _off_loop_if_long(body.input, prepare_inputs, async_engine, body)
+        state.check_queue_fits(len(body.inputs()), 1, "input")
+        prompts = await asyncio.to_thread(prepare_inputs, async_engine, body) if isinstance(body.input, list) \
+            else await _off_loop_if_long(body.input, prepare_inputs, async_engine, body)
         try:
             vectors = await until_disconnected(http, embed(async_engine, prompts))
         except ClientGone:

@@ -30,7 +30,10 @@ async def embed(engine: AsyncEngine, prompts: list[tuple[list[int], str | None]]
         norm = math.sqrt(sum(x * x for x in hidden)) or 1.0
         return [x / norm for x in hidden]
 
-    return list(await asyncio.gather(*(one(i, ids, text) for i, (ids, text) in enumerate(prompts))))
+    # A task group: the first input to fail (a full queue) cancels the others rather than leaving them to run.
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(one(i, ids, text)) for i, (ids, text) in enumerate(prompts)]
+    return [task.result() for task in tasks]
 
 
 def embedding_response(vectors: list[list[float]], prompts: list[tuple[list[int], str | None]],

@@ -17,7 +17,7 @@ HI = [{"role": "user", "content": "Hi"}]
 
 
 def post(base_url: str, endpoint: str, body: object, **kwargs: object) -> httpx.Response:
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    path = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}.get(endpoint, "/v1/completions")
     return httpx.post(f"{base_url}{path}", json=body, timeout=60, **kwargs)  # type: ignore[arg-type]
 
 
@@ -100,12 +100,13 @@ BAD_VALUES = [
      "response_format.json_schema"),  # a json_schema needs a name, as OpenAI's does
     # More sequences than the server ever queues (256): a 429 would invite retries that cannot succeed.
     ("completions", {"prompt": ["a"] * 257}, "prompt"),
+    ("embeddings", {"input": ["a"] * 257}, "input"),  # refused whole, before any input runs
 ]
 
 
 @pytest.mark.parametrize(("endpoint", "fields", "param"), BAD_VALUES)
 def test_bad_sampling_value_is_400(base_url, endpoint, fields, param) -> None:
-    body = {"messages": HI} if endpoint == "chat" else {"prompt": "Hello"}
+    body = {"messages": HI} if endpoint == "chat" else {} if endpoint == "embeddings" else {"prompt": "Hello"}
     assert_error(post(base_url, endpoint, {**body, **fields}), 400, param)
 
 
