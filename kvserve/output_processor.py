@@ -58,8 +58,12 @@ class OutputProcessor:
         # plain decoding would. Stop strings count only from min_tokens on (as in vLLM).
         num_before = request.num_output_tokens - num_new
         min_tokens = request.sampling_params.min_tokens
+        # The token that ends the output (EOS, a stop token id) stays in its token ids but not in its text,
+        # unless asked for (as vLLM: a stop string is cut the same way).
+        on_stop_token = (update.finish is not None and update.finish.reason is FinishReason.STOP
+                         and not request.sampling_params.include_stop_str_in_output)
         delta = ""
-        for i, token_id in enumerate(new_ids):
+        for i, token_id in enumerate(new_ids[:-1] if on_stop_token else new_ids):
             delta += detok.add_tokens([token_id], check_stop=num_before + i + 1 >= min_tokens)
             if detok.stopped is not None:
                 new_ids = new_ids[: i + 1]

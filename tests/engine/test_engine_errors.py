@@ -170,3 +170,19 @@ def test_stop_string_trims_text_and_finishes(llm: LLM) -> None:
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert completion.text == full[: full.index(stop)]
     assert_clean(llm)
+
+
+def test_the_stop_token_that_ends_the_output_is_in_its_ids_but_not_its_text(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = llm.generate({"prompt_token_ids": [11, 12, 13]}, greedy)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    stop_id = full.token_ids[0]
+    at = 0
+    assert tokenizer.decode([stop_id]).strip(), "a stop token without text proves nothing here"
+    for include in (False, True):
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=include)
+        completion = llm.generate({"prompt_token_ids": [11, 12, 13]}, params)[0].outputs[0]
+        assert completion.token_ids == full.token_ids[: at + 1] and completion.stop_reason == stop_id
+        assert completion.text == tokenizer.decode(full.token_ids[: at + 1 if include else at])
+    assert_clean(llm)
