@@ -34,7 +34,7 @@ class EngineRequest:
     last: RequestOutput | None = None
     submitted: bool = False  # reached the engine (so an early exit aborts it there)
     finished: bool = False
-    num_chars_sent: int = 0  # completions logprobs: text_offset of the next streamed token
+    next_text_offset: int = 0  # completions logprobs: text_offset of the next streamed token
     echoed: bool = False  # a streamed completion with echo: the prompt went out in its first chunk
     tool_parser: ToolCallParser | None = None  # a streamed chat reply that may hold tool calls
 

@@ -136,11 +136,14 @@ class ResponseBuilder:
                                      logprobs=logprobs, finish_reason=finish)
         echo, echo_logprobs = ("", None) if child.echoed else self._echo(child, body)
         child.echoed = True
-        child.num_chars_sent += len(echo)
-        logprobs = _joined(echo_logprobs, self._completion_logprobs(child, start, num_tokens, body.logprobs,
-                                                                    child.num_chars_sent))
+        child.next_text_offset += len(echo)
+        # Offsets advance by each token's text, as in a whole answer: not by the text sent, which a stop string
+        # or a character split across tokens holds back.
+        generated = self._completion_logprobs(child, start, num_tokens, body.logprobs, child.next_text_offset)
+        if generated is not None and generated.tokens:
+            child.next_text_offset = generated.text_offset[-1] + len(generated.tokens[-1])
+        logprobs = _joined(echo_logprobs, generated)
         text = echo + output.delta_text
-        child.num_chars_sent += len(output.delta_text)
         if not text and finish is None and logprobs is None:
             return None
         return rm.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish)

@@ -174,6 +174,13 @@ def test_stop_strings_logprobs_and_extensions(base_url) -> None:
     assert all(x <= 0 for x in logprobs.token_logprobs)
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
     assert logprobs.text_offset[0] == 0
+    # Streamed, the offsets are the whole answer's, also where text is held back for a possible stop string.
+    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    whole = c.completions.create(model=None, **body)
+    streamed = c.completions.create(model=None, stream=True, stop=[" 6, 7, 8, 9"], **body)  # " 6" waits
+    offsets = [o for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+               for o in chunk.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
 
     resp = c.chat.completions.create(model=None, messages=chat("Hi"), max_tokens=3, temperature=0, logprobs=True,
                                      top_logprobs=3)
