@@ -457,10 +457,13 @@ class Engine:
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
-    """n samples of one prompt as n engine requests; seeded ones get seed, seed+1, ... so they differ."""
+    """n samples of one prompt as n engine requests; seeded ones get seed, seed+1, ... so they differ. The
+    prompt's logprobs are the same for every sample: the first computes them (its prompt rows all run), the
+    others take the prefix cache."""
     if params.n == 1:
         return [params]
-    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
 
 
 class LLM:

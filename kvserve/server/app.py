@@ -148,11 +148,17 @@ class AppState:
         """``tool_format``: the reply may hold tool calls in this format (parsed out of the content)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.check_queue_fits(len(prompts), params.n, "prompt")
+        samples = expand_n(params)  # the first sample of each prompt computes its prompt logprobs
+        if body.stream:  # a streamed sample's echo carries its prompt's logprobs in its own first chunk
+            samples = [replace(sample, prompt_logprobs=params.prompt_logprobs) for sample in samples]
         children = [
             EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
             for i, (ids, text) in enumerate(prompts)
-            for j, child_params in enumerate(expand_n(params))
+            for j, child_params in enumerate(samples)
         ]
+        if not body.stream:
+            for child in children:
+                child.first_sample = children[child.prompt_index * params.n]
         run = RequestRun(self.engine, self.metrics, self.runs, children, received_at, self.recent.record)
         try:
             await until_disconnected(http, run.start())

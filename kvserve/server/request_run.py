@@ -37,6 +37,7 @@ class EngineRequest:
     next_text_offset: int = 0  # completions logprobs: text_offset of the next streamed token
     echoed: bool = False  # a streamed completion with echo: the prompt went out in its first chunk
     tool_parser: ToolCallParser | None = None  # a streamed chat reply that may hold tool calls
+    first_sample: EngineRequest | None = None  # the sample of the same prompt that computed its prompt logprobs
 
 
 class RequestRun:

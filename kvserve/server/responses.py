@@ -156,8 +156,9 @@ class ResponseBuilder:
                                                                                    skip_special_tokens=False)
         if child.params.logprobs is None:
             return text, None
-        assert child.last is not None
-        entries = child.last.prompt_logprobs or [None] * len(child.prompt_token_ids)
+        last = (child.first_sample or child).last
+        assert last is not None
+        entries = last.prompt_logprobs or [None] * len(child.prompt_token_ids)
         return text, self._completion_entries(zip(child.prompt_token_ids, entries, strict=True), body.logprobs, 0)
 
     def _prompt_logprobs(self, child: EngineRequest, body: Any) -> rm.PromptLogprobs | None:
@@ -166,7 +167,7 @@ class ResponseBuilder:
         tokens in order, then the prompt's own token if it is not among them; that token's rank comes beside)."""
         if body.prompt_logprobs is None:
             return None
-        last = child.last
+        last = (child.first_sample or child).last
         assert last is not None and last.prompt_logprobs is not None and last.prompt_token_ranks is not None
         rendered: rm.PromptLogprobs = []
         for token_id, entry, rank in zip(child.prompt_token_ids, last.prompt_logprobs, last.prompt_token_ranks,

@@ -52,6 +52,19 @@ def test_an_echoed_prompts_logprobs_are_the_engines_as_a_harness_reads_them(clie
     assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
 
 
+def test_every_sample_of_a_prompt_carries_its_prompt_logprobs_computed_once(client, offline) -> None:
+    """The first sample computes them; the others show the same (their own requests compute none)."""
+    ids, expected, _ = offline
+    answer = client.completions.create(model=None, prompt=PROMPT, max_tokens=2, temperature=0.8, seed=3, n=3,
+                                       logprobs=1, echo=True, extra_body={"prompt_logprobs": 2})  # type: ignore
+    assert len(answer.choices) == 3
+    first = answer.choices[0]
+    for choice in answer.choices:
+        assert choice.logprobs.token_logprobs[:len(ids)] == first.logprobs.token_logprobs[:len(ids)]
+        assert choice.model_extra["prompt_logprobs"] == first.model_extra["prompt_logprobs"]
+    assert first.logprobs.token_logprobs[1] == pytest.approx(expected[1][ids[1]], abs=1e-4)
+
+
 def test_a_streamed_echo_sends_the_prompt_first_and_adds_up_to_the_whole(client, offline) -> None:
     ids, _, _ = offline
     whole = client.completions.create(model=None, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
