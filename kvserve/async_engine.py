@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -50,17 +51,33 @@ class _Audit:
 
 
 class _Stream:
-    """Outputs of one request, handed from the engine thread to the caller's event loop."""
+    """Outputs of one request, handed from the engine thread to the caller's event loop. Outputs the caller
+    has not read yet are merged (``RequestOutput.following``): a slow reader holds one, not one per step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._append, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             pass
+
+    def _append(self, item: RequestOutput | BaseException) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            self._items[-1] = item.following(last)
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
 
 
 class AsyncEngine:
@@ -150,7 +167,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:

@@ -13,7 +13,7 @@ import math
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.errors import InvalidRequest, InvalidSamplingParams
 
@@ -493,3 +493,9 @@ class RequestOutput:
     # the prompt's token and the top ones, and the prompt token's rank there (1: the most likely).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] | None = None
+
+    def following(self, older: RequestOutput) -> RequestOutput:
+        """This output and an earlier one not yet read, as one: cumulative as this one, with both deltas. A
+        reader that falls behind then holds one output of its request, not one per step it missed."""
+        return replace(self, delta_text=older.delta_text + self.delta_text,
+                       delta_token_ids=older.delta_token_ids + self.delta_token_ids)

@@ -58,7 +58,11 @@ class RequestRun:
         self.registry = registry  # the server's in-flight runs: a run is in it from start() to close()
         self.children = children
         self.received_at = received_at
-        self._queue: asyncio.Queue[tuple[EngineRequest, RequestOutput | BaseException]] = asyncio.Queue()
+        # Outputs not read yet, in arrival order; a request's newest output merges into its entry still waiting
+        # here (a slow client holds one output per request, not one per step).
+        self._waiting: deque[list[Any]] = deque()  # [child, output or error]
+        self._last_waiting: dict[int, list[Any]] = {}  # child index -> its output entry still in _waiting
+        self._arrived = asyncio.Event()
         self._primed: deque[tuple[EngineRequest, RequestOutput]] = deque()  # first outputs, already observed
         self._pumps: list[asyncio.Task[None]] = []
         self._closed = False
@@ -105,9 +109,21 @@ class RequestRun:
     async def _pump(self, child: EngineRequest, gen: AsyncIterator[RequestOutput]) -> None:
         try:
             async for output in gen:
-                self._queue.put_nowait((child, output))
+                entry = self._last_waiting.get(child.index)
+                if entry is not None:
+                    entry[1] = output.following(entry[1])
+                else:
+                    self._put(child, output)
         except Exception as exc:  # EngineDeadError, or the request's own error: the consumer raises it
-            self._queue.put_nowait((child, exc))
+            self._last_waiting.pop(child.index, None)
+            self._put(child, exc)
+
+    def _put(self, child: EngineRequest, item: RequestOutput | BaseException) -> None:
+        entry = [child, item]
+        self._waiting.append(entry)
+        if isinstance(item, RequestOutput):
+            self._last_waiting[child.index] = entry
+        self._arrived.set()
 
     @property
     def done(self) -> bool:
@@ -125,7 +141,13 @@ class RequestRun:
             return self._primed.popleft()
         if self.done:
             return None
-        child, item = await self._queue.get()
+        while not self._waiting:
+            self._arrived.clear()
+            await self._arrived.wait()
+        entry = self._waiting.popleft()
+        child, item = entry
+        if self._last_waiting.get(child.index) is entry:
+            del self._last_waiting[child.index]
         if isinstance(item, BaseException):
             raise item
         self._observe(child, item)

@@ -1,4 +1,5 @@
-"""RequestRun over a fake engine: how the engine requests of one HTTP request are admitted together."""
+"""RequestRun over a fake engine: how the engine requests of one HTTP request are admitted together, and how
+the outputs of a reader that falls behind are merged."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from kvserve.async_engine import _Stream
 from kvserve.errors import CapacityError
-from kvserve.request import SamplingParams
+from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from kvserve.server.request_run import EngineRequest, RequestRun
 
 
@@ -49,3 +51,53 @@ def test_a_refused_sibling_fails_the_request_at_once_and_aborts_the_admitted_one
         asyncio.run(start())
     assert engine.aborted == ["cmpl-x-0"]
     assert not registry
+
+
+def output(request_id: str, tokens: list[int], new: int, finished: bool = False) -> RequestOutput:
+    text = "".join(f"t{t} " for t in tokens)
+    return RequestOutput(request_id, None, [1], [CompletionOutput(0, text, list(tokens))], finished, 0,
+                         RequestMetrics(0.0), delta_text="".join(f"t{t} " for t in tokens[-new:]),
+                         delta_token_ids=tokens[-new:])
+
+
+class TwoSamplesTenSteps:
+    """Two engine requests that produce ten tokens each, one a step, faster than anyone reads them."""
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       prompt: str | None = None) -> AsyncIterator:
+        for n in range(1, 11):
+            yield output(request_id, list(range(n)), 1, finished=n == 10)
+
+
+def test_a_reader_that_falls_behind_gets_each_requests_outputs_merged_not_queued() -> None:
+    children = [EngineRequest(i, 0, f"cmpl-x-{i}", SamplingParams(), [1], None) for i in range(2)]
+    run = RequestRun(TwoSamplesTenSteps(), NullMetrics(), set(), children, received_at=0.0)  # type: ignore
+
+    async def read_late() -> list[tuple[int, RequestOutput]]:
+        await run.start()
+        await asyncio.sleep(0.05)  # every step has arrived meanwhile
+        seen = []
+        while (item := await run.next()) is not None:
+            seen.append((item[0].index, item[1]))
+        return seen
+
+    seen = asyncio.run(read_late())
+    assert len(seen) == 4  # each sample: its first output, then the other nine as one
+    for index in (0, 1):
+        mine = [o for i, o in seen if i == index]
+        assert "".join(o.delta_text for o in mine) == mine[-1].outputs[0].text
+        assert [t for o in mine for t in o.delta_token_ids] == list(range(10)) and mine[-1].finished
+
+
+def test_an_engine_stream_merges_what_its_reader_has_not_read() -> None:
+    async def run() -> list[RequestOutput | BaseException]:
+        stream = _Stream(asyncio.get_running_loop())
+        for n in range(1, 4):
+            stream.put(output("r", list(range(n)), 1))
+        stream.put(RuntimeError("the engine died"))
+        await asyncio.sleep(0)  # the engine thread's call_soon_threadsafe callbacks run
+        return [await stream.get(), await stream.get()]
+
+    merged, error = asyncio.run(run())
+    assert isinstance(merged, RequestOutput) and merged.delta_token_ids == [0, 1, 2]
+    assert merged.delta_text == "t0 t1 t2 " and isinstance(error, RuntimeError)
