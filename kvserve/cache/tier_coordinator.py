@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 Loaded = list[tuple[str, bytes]]  # (tier name, payload) per block of a run found below device memory
 CachedBlock = tuple[int, BlockHash, bytes]  # (block id, chained hash, block_identity) of a full device block
+# Payloads queued for the disk and Redis tiers at most: past it a write is dropped (a later miss), not queued.
+MAX_QUEUED_WRITE_BYTES = 1 << 30
 
 
 class Tiers(Protocol):
@@ -149,13 +151,28 @@ class _TierFetch:
     loaded: Loaded | None = None
 
 
-class TierWriter:
-    """One thread that runs write jobs in order; ``drain`` waits until every queued job has run."""
+def _payload_bytes(entries: Sequence[tuple[bytes, bytes]]) -> int:
+    return sum(len(value) for _, value in entries)
 
-    def __init__(self, name: str = "kvserve-tier-writer") -> None:
-        self._jobs: deque[Callable[[], object]] = deque()
+
+def _cancel(fetch: _TierFetch | None) -> None:
+    """Drop a fetch's read if it has not started (no-op once it has)."""
+    if fetch is not None and fetch.future is not None:
+        fetch.future.cancel()
+
+
+class TierWriter:
+    """One thread that runs write jobs in order; ``drain`` waits until every queued job has run. At most
+    ``max_queued_bytes`` of payloads wait: a write that would go past it is dropped (the tiers are a cache: a
+    dropped write costs a later miss), so that a tier slower than the step loop cannot fill the host's memory."""
+
+    def __init__(self, name: str = "kvserve-tier-writer", max_queued_bytes: int = MAX_QUEUED_WRITE_BYTES) -> None:
+        self._jobs: deque[tuple[Callable[[], object], int]] = deque()
         self._cond = threading.Condition()
         self._num_unfinished = 0
+        self._queued_bytes = 0
+        self._max_queued_bytes = max_queued_bytes
+        self.num_dropped = 0  # write jobs dropped for want of room
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -165,11 +182,20 @@ class TierWriter:
         """Jobs queued or running."""
         return self._num_unfinished
 
-    def submit(self, job: Callable[[], object]) -> None:
+    def submit(self, job: Callable[[], object], num_bytes: int = 0) -> bool:
+        """Queue ``job`` (writing ``num_bytes`` of payloads); False if it was dropped for want of room."""
         with self._cond:
-            self._jobs.append(job)
+            if num_bytes and self._queued_bytes + num_bytes > self._max_queued_bytes:
+                self.num_dropped += 1
+                if self.num_dropped % 1000 == 1:
+                    logger.warning("KV tier writes are %d bytes behind: a write was dropped (%d so far); the tier "
+                                   "is slower than the blocks come", self._queued_bytes, self.num_dropped)
+                return False
+            self._jobs.append((job, num_bytes))
+            self._queued_bytes += num_bytes
             self._num_unfinished += 1
             self._cond.notify_all()
+            return True
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """True once every job submitted so far has run; False if ``timeout_s`` passed first."""
@@ -195,7 +221,7 @@ class TierWriter:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                job = self._jobs.popleft()
+                job, num_bytes = self._jobs.popleft()
             try:
                 job()
             except Exception:  # the tiers never raise by contract; a bug here must not end the thread
@@ -203,6 +229,7 @@ class TierWriter:
             finally:
                 with self._cond:
                     self._num_unfinished -= 1
+                    self._queued_bytes -= num_bytes
                     self._cond.notify_all()
 
 
@@ -233,6 +260,7 @@ class TierCoordinator:
         request_id = request.request_id
         fetch = self._fetches.get(request_id)
         if fetch is None or (fetch.start, fetch.stop) != (start, stop):
+            _cancel(fetch)  # a read for a range no longer wanted must not hold up the others' on the one thread
             block_hashes = request.full_block_hashes(self.block_size)[start:stop]
             identities = request.block_identities(self.block_size, start, stop)
             fetch = self._start_fetch(block_hashes, identities, start, stop)
@@ -275,7 +303,7 @@ class TierCoordinator:
         return loaded
 
     def forget(self, request_id: str) -> None:
-        self._fetches.pop(request_id, None)
+        _cancel(self._fetches.pop(request_id, None))
 
     def wait_for_fetches(self, timeout_s: float) -> None:
         """Block until a pending lower-tier read finishes (or the timeout): for an engine with nothing else
@@ -307,7 +335,7 @@ class TierCoordinator:
                       for block_hash, payload in offloaded if block_hash in self._offload_identities]
             direct = self.store.put_host(blocks)
             if direct:
-                self._writer.submit(lambda: self.store.write_lower(direct))
+                self._writer.submit(lambda: self.store.write_lower(direct), _payload_bytes(direct))
             self._write_handed_down()
         if self._offloads_after_step:
             self._pending_offloads.extend(self._offloads_after_step)
@@ -320,7 +348,7 @@ class TierCoordinator:
     def _write_handed_down(self) -> None:
         handed_down = self.store.take_handed_down()
         if handed_down:
-            self._writer.submit(lambda: self.store.write_down(handed_down))
+            self._writer.submit(lambda: self.store.write_down(handed_down), _payload_bytes(handed_down))
 
     @property
     def has_pending_transfers(self) -> bool:

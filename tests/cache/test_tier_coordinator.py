@@ -73,6 +73,31 @@ def test_a_redis_that_stops_answering_does_not_stall_decoding(redis_server: Redi
     kv.close(lambda block_ids: [runner.read_block(b) for b in block_ids])
 
 
+def test_an_aborted_requests_tier_read_not_yet_started_is_dropped(redis_server: RedisServer) -> None:
+    store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
+                          (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
+    kv = KVCacheManager(64, BS, True, store)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    runner = FakeRunner(64, BS)
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        requests = [make_request(f"w{i}", list(range(100 * i, 100 * i + 12)), 4, i) for i in range(3)]
+        for request in requests:
+            scheduler.add_request(request)
+        step(scheduler, runner)  # each lookup is queued on the one fetch thread; the first is stuck on Redis
+        fetches = dict(kv.tiers._fetches)  # type: ignore[attr-defined]
+        assert set(fetches) == {r.request_id for r in requests}
+        for request in requests[1:]:  # their clients left
+            scheduler.abort_request(request.request_id)
+        assert all(fetches[r.request_id].future.cancelled() for r in requests[1:])
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    while not requests[0].is_finished:
+        step(scheduler, runner)
+    kv.close(lambda block_ids: [runner.read_block(b) for b in block_ids])
+
+
 def test_tier_writer_runs_jobs_in_order_and_drain_waits_for_them() -> None:
     release = threading.Event()
     done: list[int] = []
