@@ -40,7 +40,7 @@ from kvserve.config import DEFAULT_DISK_GB, StorageConfig
 from kvserve.errors import ConfigError
 from kvserve.request import BlockHash, block_identity
 from kvserve.storage.base import EntryMeta, KeyNamespace, KVStore, TierStats, encode_entry, make_key
-from kvserve.storage.disk import DiskKVStore
+from kvserve.storage.disk import DiskKVStore, entry_bytes
 from kvserve.storage.host import HostKVStore
 
 logger = logging.getLogger(__name__)
@@ -52,13 +52,14 @@ BlockKV = tuple[BlockHash, bytes, bytes]  # (chained hash, block_identity, seria
 
 def disk_capacity_bytes(directory: str, disk_gb: float | None) -> int:
     """The disk tier's capacity: ``disk_gb``, or by default ``DEFAULT_DISK_GB`` capped at half the space
-    free in ``directory`` (so that the default never fills the disk)."""
+    free in ``directory`` (so that the default never fills the disk), the tier's own files from an earlier
+    run counted as free (else each restart would shrink the capacity and evict what it kept)."""
     if disk_gb is not None:
         return int(disk_gb * GIB)
     default = int(DEFAULT_DISK_GB * GIB)
     try:
         os.makedirs(directory, exist_ok=True)
-        capacity = min(default, shutil.disk_usage(directory).free // 2)
+        capacity = min(default, (shutil.disk_usage(directory).free + entry_bytes(directory)) // 2)
     except OSError:  # the tier itself reports the directory's problem (unhealthy, every lookup a miss)
         capacity = default
     logger.info("disk tier in %s: %.1f GiB (the default; --kv-disk-gb sets it)", directory, capacity / GIB)

@@ -67,10 +67,10 @@ class ReplicaProcesses:
     def __init__(self, serve_args: Sequence[str], num_replicas: int, threads_each: int) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
-        for _ in range(num_replicas):
+        for i in range(num_replicas):
             port = free_port()
-            args = [sys.executable, "-m", "kvserve.cli", "serve", *serve_args, "--host", "127.0.0.1",
-                    "--port", str(port), "--num-threads", str(threads_each)]
+            args = [sys.executable, "-m", "kvserve.cli", "serve", *disk_dir_of_replica(serve_args, i), "--host",
+                    "127.0.0.1", "--port", str(port), "--num-threads", str(threads_each)]
             self.procs.append(subprocess.Popen(args, preexec_fn=die_with_parent))
             self.urls.append(f"http://127.0.0.1:{port}")
 
@@ -134,6 +134,19 @@ def threads_per_replica(num_replicas: int, num_threads: int | None) -> int:
     """The machine's cores (or ``--num-threads``) shared evenly, at least one each."""
     total = num_threads or len(os.sched_getaffinity(0))
     return max(1, total // num_replicas)
+
+
+def disk_dir_of_replica(argv: Sequence[str], index: int) -> list[str]:
+    """``argv`` with its ``--kv-disk-dir DIR`` made ``DIR/replica-<index>``: a disk tier's directory has one
+    owner (its index lives in that process; each would evict the other's files and count its own capacity
+    only), and a replica restarted with the same index finds its entries again."""
+    out = list(argv)
+    for k, arg in enumerate(out):
+        if arg == "--kv-disk-dir" and k + 1 < len(out):
+            out[k + 1] = os.path.join(out[k + 1], f"replica-{index}")
+        elif arg.startswith("--kv-disk-dir="):
+            out[k] = "--kv-disk-dir=" + os.path.join(arg.split("=", 1)[1], f"replica-{index}")
+    return out
 
 
 def without_options(argv: Sequence[str], names: Sequence[str]) -> list[str]:

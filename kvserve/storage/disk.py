@@ -48,6 +48,21 @@ _TMP_PREFIX = ".tmp-"
 _MAX_KEY_BYTES = 100  # hex name + suffix must fit in a 255-byte file name
 
 
+def entry_bytes(directory: str | os.PathLike[str]) -> int:
+    """Bytes of the entry files a disk tier left in ``directory`` (0 if it holds none or cannot be read)."""
+    total = 0
+    try:
+        with os.scandir(directory) as top:
+            subdirs = [d.path for d in top if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
+        for subdir in subdirs:
+            with os.scandir(subdir) as files:
+                total += sum(f.stat(follow_symlinks=False).st_size for f in files
+                             if f.name.endswith(_SUFFIX) and f.is_file(follow_symlinks=False))
+    except OSError:
+        return total
+    return total
+
+
 class DiskKVStore:
     """One file per key under ``directory``, at most ``capacity_bytes`` of files (headers included)."""
 
@@ -206,7 +221,13 @@ class DiskKVStore:
             if not self._ready(writing=False):
                 self._stats.misses += len(keys)
                 return [None] * len(keys)
-            out = [self._get_one(key) for key in keys]
+            out: list[bytes | None] = []
+            for key in keys:
+                if not self._backoff.healthy:  # the environment failed: the rest are misses, not more failures
+                    self._stats.misses += len(keys) - len(out)
+                    out += [None] * (len(keys) - len(out))
+                    break
+                out.append(self._get_one(key))
             self._stats.load_latency_s += time.perf_counter() - start
             self._stats.load_count += 1
             return out
@@ -279,8 +300,8 @@ class DiskKVStore:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._write_file(tmp, blob)
+            os.utime(tmp, (now, now))  # before the rename: a file under its key is always indexed
             os.replace(tmp, path)
-            os.utime(path, (now, now))
         except OSError as e:
             self._unlink(tmp)
             if e.errno == errno.ENOSPC:

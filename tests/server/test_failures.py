@@ -112,8 +112,9 @@ def test_bad_sampling_value_is_400(base_url, endpoint, fields, param) -> None:
 
 def test_deeply_nested_values_anywhere_are_400(base_url) -> None:
     deep = "[" * 400 + "]" * 400
-    for endpoint, raw in (("chat", '{"messages": [{"role": "user", "content": "hi", "x": %s}]}' % deep),
-                          ("completions", '{"prompt": "hi", "structured_outputs": {"json": {"a": %s}}}' % deep)):
+    for endpoint, raw in (("chat", '{"messages": [{"role": "user", "content": "hi", "x": DEEP}]}'),
+                          ("completions", '{"prompt": "hi", "structured_outputs": {"json": {"a": DEEP}}}')):
+        raw = raw.replace("DEEP", deep)
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         resp = httpx.post(f"{base_url}{path}", content=raw, headers={"Content-Type": "application/json"})
         assert resp.status_code == 400, resp.text

@@ -356,3 +356,45 @@ def test_rejects_bad_parameters(root, meta) -> None:
         make(root, meta, capacity=-1)
     with pytest.raises(ValueError):
         make(root, meta, retention_s=0)
+
+
+def test_a_file_under_its_key_is_always_indexed_even_when_setting_its_times_fails(root, meta, monkeypatch) -> None:
+    store = make(root, meta)
+
+    def refuse(path, times):
+        raise OSError(errno.EPERM, "this mount refuses utime")
+
+    monkeypatch.setattr(os, "utime", refuse)
+    assert not store.put(k(0), PAYLOAD)
+    monkeypatch.undo()
+    assert entry_files(root) == [] and store.stats().bytes_held == 0  # nothing on disk the index does not count
+
+
+def test_a_read_error_ends_the_batch_as_misses_with_one_failure_counted(root, meta, monkeypatch) -> None:
+    store = make(root, meta)
+    keys = [k(i) for i in range(5)]
+    for key in keys:
+        assert store.put(key, PAYLOAD)
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        raise OSError(errno.EIO, "bad sector")
+
+    monkeypatch.setattr(disk_module, "open", failing_open, raising=False)
+    assert store.get_many(keys) == [None] * 5
+    stats = store.stats()
+    assert stats.errors == 1 and stats.misses == 5  # one failure, not five (the backoff counts failures)
+
+
+def test_the_default_capacity_counts_the_tiers_own_files_as_free(tmp_path, monkeypatch) -> None:
+    from kvserve.cache import tiers
+
+    directory = tmp_path / "kv"
+    (directory / "3f").mkdir(parents=True)
+    (directory / "3f" / ("ab" * 24 + ".kv")).write_bytes(b"x" * (3 << 20))
+    (directory / "3f" / "notes.txt").write_bytes(b"x" * (5 << 20))  # not an entry: not counted
+
+    class Usage:
+        free = 2 << 20
+
+    monkeypatch.setattr(tiers.shutil, "disk_usage", lambda path: Usage)
+    assert tiers.disk_capacity_bytes(str(directory), None) == ((2 << 20) + (3 << 20)) // 2
