@@ -86,6 +86,8 @@ class DiskKVStore:
         self._clock = clock
         self._fsync = fsync
         self._backoff = backoff or Backoff(name, log=logger)
+        # Guards the index, the counters and the backoff; files are read and written with it free, so that
+        # the engine thread's index lookups and stats never wait behind a batch of writes.
         self._lock = threading.RLock()
         self._stats = TierStats()
         self._index_ready = False
@@ -221,51 +223,67 @@ class DiskKVStore:
             if not self._ready(writing=False):
                 self._stats.misses += len(keys)
                 return [None] * len(keys)
-            out: list[bytes | None] = []
-            for key in keys:
-                if not self._backoff.healthy:  # the environment failed: the rest are misses, not more failures
+        out: list[bytes | None] = []
+        for key in keys:
+            if not self._backoff.healthy:  # the environment failed: the rest are misses, not more failures
+                with self._lock:
                     self._stats.misses += len(keys) - len(out)
-                    out += [None] * (len(keys) - len(out))
-                    break
-                out.append(self._get_one(key))
+                out += [None] * (len(keys) - len(out))
+                break
+            out.append(self._get_one(key))
+        with self._lock:
             self._stats.load_latency_s += time.perf_counter() - start
             self._stats.load_count += 1
-            return out
+        return out
 
     def _get_one(self, key: bytes) -> bytes | None:
+        """One entry, its file read with the lock free (the engine thread's index lookups and stats wait only
+        for the index's own updates). A file replaced or deleted meanwhile is read whole or not at all
+        (writes are renamed into place): a miss, or the entry as it was."""
         now = self._clock()
-        if self._indexed(key, now) is None:
-            self._stats.misses += 1
-            return None
+        with self._lock:
+            entry = self._indexed(key, now)
+            if entry is None:
+                self._stats.misses += 1
+                return None
         path = self.path_for(key)
         try:
             with open(path, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
-            self._index.remove(key)  # deleted behind our back: a plain miss
-            self._stats.misses += 1
+            with self._lock:
+                if self._index.get(key) is entry:  # deleted behind our back: a plain miss
+                    self._index.remove(key)
+                self._stats.misses += 1
             return None
         except OSError as e:
-            self._fail(e)
-            self._stats.misses += 1
+            with self._lock:
+                self._fail(e)
+                self._stats.misses += 1
             return None
         try:
             header, payload = decode_entry_with_header(blob, self.meta)
         except CorruptEntry as e:
             logger.warning("%s: deleting corrupt entry %s: %s", self.name, path, e.reason)
-            self._stats.corrupt += 1
-            self._stats.misses += 1
-            self._index.remove(key)
-            self._unlink(path)
+            with self._lock:
+                self._stats.corrupt += 1
+                self._stats.misses += 1
+                corrupt = self._index.get(key) is entry  # not a valid entry written since
+                if corrupt:
+                    self._index.remove(key)
+            if corrupt:
+                self._unlink(path)
             return None
-        self._backoff.record_success()
-        self._index.touch(key)
+        with self._lock:
+            self._backoff.record_success()
+            if self._index.get(key) is entry:
+                self._index.touch(key)
+            self._stats.hits += 1
+            self._stats.bytes_read += len(payload)
         try:
             os.utime(path, (now, header.created_at))  # atime = last read, mtime = written
         except OSError:
             pass  # LRU order across restarts is best-effort
-        self._stats.hits += 1
-        self._stats.bytes_read += len(payload)
         return payload
 
     # --- writes -----------------------------------------------------------------------------------------
@@ -277,15 +295,17 @@ class DiskKVStore:
         with self._lock:
             if not self._ready(writing=True):
                 return 0
-            for key, value in items:
-                if not self._put_one(key, value):
-                    if not self._backoff.healthy:
-                        break  # environment failed: stop trying the rest of the batch
-                    continue
-                num_stored += 1
+        for key, value in items:
+            if not self._put_one(key, value):
+                if not self._backoff.healthy:
+                    break  # environment failed: stop trying the rest of the batch
+                continue
+            num_stored += 1
         return num_stored
 
     def _put_one(self, key: bytes, value: bytes) -> bool:
+        """One entry: its room made and its index entry added under the lock, its file written (and the
+        evicted ones deleted) with the lock free."""
         if len(key) > _MAX_KEY_BYTES:
             logger.debug("%s: key of %d bytes is too long for a file name", self.name, len(key))
             return False
@@ -293,8 +313,11 @@ class DiskKVStore:
         blob = encode_entry(value, self.meta, created_at=now)
         if len(blob) > self._index.capacity_bytes:
             return False
-        old = self._index.get(key)
-        self._evict_to_fit(len(blob) - (old.size if old else 0), keep=key)
+        with self._lock:
+            old = self._index.get(key)
+            evicted = self._make_room(len(blob) - (old.size if old else 0), keep=key)
+        for victim in evicted:
+            self._unlink(self.path_for(victim))
         path = self.path_for(key)
         tmp = path.with_name(f"{_TMP_PREFIX}{key.hex()}-{os.getpid()}-{os.urandom(4).hex()}")
         try:
@@ -306,11 +329,13 @@ class DiskKVStore:
             self._unlink(tmp)
             if e.errno == errno.ENOSPC:
                 logger.debug("%s: disk full writing %s", self.name, path)
-            self._fail(e)
+            with self._lock:
+                self._fail(e)
             return False
-        self._backoff.record_success()
-        self._index.put(key, IndexEntry(len(blob), now, None))
-        self._stats.bytes_written += len(value)
+        with self._lock:
+            self._backoff.record_success()
+            self._index.put(key, IndexEntry(len(blob), now, None))
+            self._stats.bytes_written += len(value)
         return True
 
     def _write_file(self, tmp: Path, blob: bytes) -> None:
@@ -329,23 +354,29 @@ class DiskKVStore:
         with self._lock:
             if self._index_ready:
                 self._index.remove(key)
-            self._unlink(self.path_for(key))
+        self._unlink(self.path_for(key))
 
     def sweep(self) -> int:
         """Delete every expired entry; returns how many."""
         with self._lock:
             expired = self._index.pop_expired(self._clock())
-            for key in expired:
-                self._unlink(self.path_for(key))
             self._stats.expirations += len(expired)
-            return len(expired)
+        for key in expired:
+            self._unlink(self.path_for(key))
+        return len(expired)
 
     # --- internals (caller holds the lock) ---------------------------------------------------------------
     def _evict_to_fit(self, incoming: int, keep: bytes | None = None) -> None:
         """Delete LRU files until ``incoming`` more bytes fit under capacity (never the key ``keep``)."""
-        for key, _ in self._index.pop_lru_until_fits(incoming, keep):
+        for key in self._make_room(incoming, keep):
             self._unlink(self.path_for(key))
-            self._stats.evictions += 1
+
+    def _make_room(self, incoming: int, keep: bytes | None = None) -> list[bytes]:
+        """Take LRU entries out of the index until ``incoming`` more bytes fit under capacity (never the key
+        ``keep``); their keys, whose files the caller deletes."""
+        evicted = [key for key, _ in self._index.pop_lru_until_fits(incoming, keep)]
+        self._stats.evictions += len(evicted)
+        return evicted
 
     def _unlink(self, path: Path) -> None:
         try:

@@ -398,3 +398,31 @@ def test_the_default_capacity_counts_the_tiers_own_files_as_free(tmp_path, monke
 
     monkeypatch.setattr(tiers.shutil, "disk_usage", lambda path: Usage)
     assert tiers.disk_capacity_bytes(str(directory), None) == ((2 << 20) + (3 << 20)) // 2
+
+
+def test_index_lookups_and_stats_never_wait_for_a_file_being_written(root, meta, monkeypatch) -> None:
+    import threading
+
+    store = make(root, meta)
+    assert store.put(k(0), PAYLOAD)
+    writing, release = threading.Event(), threading.Event()
+    real_write = store._write_file
+
+    def slow_disk(tmp, blob):
+        writing.set()
+        release.wait(30)
+        real_write(tmp, blob)
+
+    monkeypatch.setattr(store, "_write_file", slow_disk)
+    writer = threading.Thread(target=store.put, args=(k(1), PAYLOAD))
+    writer.start()
+    assert writing.wait(10)
+    answered: list[object] = []
+    engine_thread = threading.Thread(target=lambda: answered.extend(
+        [store.contains_many([k(0), k(1)]), store.stats().entries, store.get(k(0))]))
+    engine_thread.start()
+    engine_thread.join(10)  # a hang detector: with the lock held over the write it waits for `release`
+    release.set()
+    writer.join(10)
+    assert answered == [[True, False], 1, PAYLOAD]
+    assert store.get(k(1)) == PAYLOAD
