@@ -13,7 +13,7 @@ counts below are then counts of pages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
@@ -21,10 +21,12 @@ from kvserve.cache.group_pages import GroupPages
 from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.prefix_cache import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kvserve.cache.radix_cache import TailBlock
-from kvserve.cache.tier_coordinator import NoTiers, TierCoordinator, Tiers
-from kvserve.cache.tiers import TieredKVStore
+from kvserve.cache.tier_coordinator import CachedBlock, NoTiers, TierCoordinator, Tiers
+from kvserve.cache.tiers import BlockKV, TieredKVStore
 from kvserve.kv_layout import KVLayout
 from kvserve.request import BlockHash, Request
+
+PERSIST_CHUNK_BLOCKS = 64  # device blocks read at a time for a shutdown's persistence
 
 DEVICE = "device"
 
@@ -335,9 +337,7 @@ class KVCacheManager:
         """Persist the cached KV the tiers that outlive the process lack (read with ``read_blocks``; None:
         nothing of the device's is persisted), then release the tiers."""
         blocks = self.tiers.blocks_to_persist(self.prefix_cache.cached_blocks()) if read_blocks is not None else []
-        payloads = read_blocks([block_id for block_id, _, _ in blocks]) if blocks and read_blocks else []
-        self.tiers.close([(block_hash, identity, payload)
-                          for (_, block_hash, identity), payload in zip(blocks, payloads, strict=True)])
+        self.tiers.close(read_in_chunks(blocks, read_blocks) if blocks and read_blocks is not None else iter(()))
 
     # --- observability ------------------------------------------------------------------------------------
     @property
@@ -356,3 +356,14 @@ class KVCacheManager:
             self.groups.check_invariants()
         for block_id in self.tiers.pending_load_block_ids():
             assert self.pool.ref_counts[block_id] > 0, f"block {block_id} queued for a load is not in use"
+
+
+def read_in_chunks(blocks: list[CachedBlock], read_blocks: Callable[[list[int]], list[bytes]],
+                   chunk: int = PERSIST_CHUNK_BLOCKS) -> Iterator[BlockKV]:
+    """Each block's KV, read ``chunk`` blocks at a time as they are written: a shutdown that gathered the whole
+    cache at once needed its size again in free device memory (or host memory, two or three times)."""
+    for start in range(0, len(blocks), chunk):
+        part = blocks[start:start + chunk]
+        payloads = read_blocks([block_id for block_id, _, _ in part])
+        yield from ((block_hash, identity, payload) for (_, block_hash, identity), payload in zip(part, payloads,
+                                                                                                  strict=True))

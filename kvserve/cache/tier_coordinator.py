@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
@@ -78,7 +78,7 @@ class Tiers(Protocol):
 
     def wait_for_writes(self, timeout_s: float | None = None) -> bool: ...
 
-    def close(self, blocks: list[BlockKV]) -> None: ...
+    def close(self, blocks: Iterable[BlockKV]) -> None: ...
 
     def stats(self) -> dict[str, TierStats]: ...
 
@@ -128,7 +128,7 @@ class NoTiers:
     def wait_for_writes(self, timeout_s: float | None = None) -> bool:
         return True
 
-    def close(self, blocks: list[BlockKV]) -> None:
+    def close(self, blocks: Iterable[BlockKV]) -> None:
         return None
 
     def stats(self) -> dict[str, TierStats]:
@@ -382,7 +382,7 @@ class TierCoordinator:
     def wait_for_writes(self, timeout_s: float | None = None) -> bool:
         return self._writer.drain(timeout_s)
 
-    def close(self, blocks: list[BlockKV]) -> None:
+    def close(self, blocks: Iterable[BlockKV]) -> None:
         """Write what is queued, persist ``blocks`` and the host tier's entries to disk and Redis, release."""
         self.wait_for_writes()
         self.store.persist(blocks)

@@ -34,7 +34,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvserve.config import DEFAULT_DISK_GB, StorageConfig
 from kvserve.errors import ConfigError
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 
+PERSIST_BATCH = 64  # blocks written a batch at a time at shutdown
 BlockKV = tuple[BlockHash, bytes, bytes]  # (chained hash, block_identity, serialised KV) of one full block
 
 
@@ -295,9 +296,10 @@ class TieredKVStore:
     def healthy(self) -> dict[str, bool]:
         return {tier.name: tier.healthy for tier in self.tiers}
 
-    def persist(self, items: Sequence[BlockKV]) -> None:
+    def persist(self, items: Iterable[BlockKV], batch: int = PERSIST_BATCH) -> None:
         """Write blocks straight to the tiers that outlive the process (disk, Redis), with what the host
-        tier holds: called at shutdown so that write-back KV survives a restart."""
+        tier holds: called at shutdown so that write-back KV survives a restart. ``items`` are written
+        ``batch`` at a time as they come (one Redis pipeline each, the device read a part at a time)."""
         if not self.lower:
             return
         entries = self.take_handed_down()
@@ -306,9 +308,15 @@ class TieredKVStore:
             entries.extend(
                 (key, value) for key, value in zip(keys, self.host.get_many(keys), strict=True) if value is not None
             )
-        entries.extend((make_key(block_hash, self.namespace), identity + payload)
-                       for block_hash, identity, payload in items)
-        self.write_down(entries)
+        for start in range(0, len(entries), batch):
+            self.write_down(entries[start:start + batch])
+        pending: list[tuple[bytes, bytes]] = []
+        for block_hash, identity, payload in items:
+            pending.append((make_key(block_hash, self.namespace), identity + payload))
+            if len(pending) == batch:
+                self.write_down(pending)
+                pending = []
+        self.write_down(pending)
 
     def close(self) -> None:
         for tier in self.tiers:

@@ -126,3 +126,20 @@ def test_a_failing_write_job_is_logged_and_the_writer_goes_on(caplog) -> None:
         assert done == ["next"] and "tier write failed" in caplog.text
     finally:
         writer.stop(timeout_s=5)
+
+
+def test_a_shutdown_reads_the_device_a_chunk_at_a_time() -> None:
+    from kvserve.cache.kv_manager import read_in_chunks
+
+    blocks = [(i, bytes([i]), b"id%d" % i) for i in range(150)]
+    reads: list[list[int]] = []
+
+    def read_blocks(block_ids: list[int]) -> list[bytes]:
+        reads.append(block_ids)
+        return [b"kv%d" % i for i in block_ids]
+
+    persisted = read_in_chunks(blocks, read_blocks, chunk=64)
+    first = next(persisted)
+    assert first == (bytes([0]), b"id0", b"kv0") and reads == [list(range(64))]  # lazily, as written
+    assert list(persisted)[-1] == (bytes([149]), b"id149", b"kv149")
+    assert [len(r) for r in reads] == [64, 64, 22]
