@@ -40,6 +40,9 @@ Loaded = list[tuple[str, bytes]]  # (tier name, payload) per block of a run foun
 CachedBlock = tuple[int, BlockHash, bytes]  # (block id, chained hash, block_identity) of a full device block
 # Payloads queued for the disk and Redis tiers at most: past it a write is dropped (a later miss), not queued.
 MAX_QUEUED_WRITE_BYTES = 1 << 30
+# KV read from the lower tiers for waiting requests and held until they are admitted, at most: past it a new
+# lookup is a miss (the request computes its prefix) instead of one more run held in host memory.
+MAX_HELD_FETCH_BYTES = 1 << 30
 
 
 class Tiers(Protocol):
@@ -251,6 +254,7 @@ class TierCoordinator:
         # read when their payloads come back (an interrupted step's are replaced by the next step's).
         self._offload_identities: dict[BlockHash, bytes] = {}
         self._fetches: dict[str, _TierFetch] = {}
+        self._block_bytes = store.identity_nbytes + (store.payload_nbytes or 0)
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tier-fetch")
         self._writer = TierWriter()
         self._next_sweep = clock() + store.sweep_interval_s
@@ -261,6 +265,9 @@ class TierCoordinator:
         fetch = self._fetches.get(request_id)
         if fetch is None or (fetch.start, fetch.stop) != (start, stop):
             _cancel(fetch)  # a read for a range no longer wanted must not hold up the others' on the one thread
+            self._fetches.pop(request_id, None)
+            if self._held_fetch_bytes() + (stop - start) * self._block_bytes > MAX_HELD_FETCH_BYTES:
+                return []
             block_hashes = request.full_block_hashes(self.block_size)[start:stop]
             identities = request.block_identities(self.block_size, start, stop)
             fetch = self._start_fetch(block_hashes, identities, start, stop)
@@ -275,6 +282,10 @@ class TierCoordinator:
             owners, payloads = fetch.future.result()
             fetch.loaded = self._finish(fetch.block_hashes, fetch.identities, owners, payloads)
         return fetch.loaded
+
+    def _held_fetch_bytes(self) -> int:
+        """What the waiting requests' lookups hold or will hold once read (a run's blocks at their size)."""
+        return sum((f.stop - f.start) * self._block_bytes for f in self._fetches.values())
 
     def _start_fetch(self, block_hashes: list[BlockHash], identities: list[bytes], start: int,
                      stop: int) -> _TierFetch | None:

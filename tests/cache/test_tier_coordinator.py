@@ -143,3 +143,30 @@ def test_a_shutdown_reads_the_device_a_chunk_at_a_time() -> None:
     assert first == (bytes([0]), b"id0", b"kv0") and reads == [list(range(64))]  # lazily, as written
     assert list(persisted)[-1] == (bytes([149]), b"id149", b"kv149")
     assert [len(r) for r in reads] == [64, 64, 22]
+
+
+def test_lookups_past_the_bound_on_held_reads_are_misses(redis_server: RedisServer, monkeypatch) -> None:
+    from kvserve.cache import tier_coordinator
+
+    store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
+                          (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
+    kv = KVCacheManager(64, BS, True, store)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    runner = FakeRunner(64, BS)
+    one_run = 2 * (store.identity_nbytes + payload_nbytes(BS))  # a 12-token prompt's two full blocks
+    monkeypatch.setattr(tier_coordinator, "MAX_HELD_FETCH_BYTES", one_run)
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        first, second = (make_request(f"w{i}", list(range(100 * i, 100 * i + 12)), 4, i) for i in range(2))
+        scheduler.add_request(first)
+        scheduler.add_request(second)
+        step(scheduler, runner)
+        # The first one's read waits on Redis and holds the bound; the second one computes its prefix.
+        assert first.status is RequestStatus.WAITING and second.num_computed_tokens > 0
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    while not (first.is_finished and second.is_finished):
+        step(scheduler, runner)
+    assert second.output_token_ids == reference_continuation(list(range(100, 112)), 4)
+    kv.close(lambda block_ids: [runner.read_block(b) for b in block_ids])
