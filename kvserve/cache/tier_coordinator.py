@@ -311,6 +311,13 @@ class TierCoordinator:
                 payloads: list[bytes | None]) -> Loaded:
         loaded = self.store.finish(block_hashes, identities, owners, payloads) if owners else []
         self._write_handed_down()  # promotion into the host tier may have pushed entries down
+        refused = self.store.take_refused()
+        # The host tier's in memory, at once (a recomputed block may be stored there before the writer runs);
+        # disk and Redis on the writer thread, in order before any later write of the same key.
+        self.store.delete_refused([r for r in refused if r[0] is self.store.host])
+        lower = [r for r in refused if r[0] is not self.store.host]
+        if lower:
+            self._writer.submit(lambda: self.store.delete_refused(lower))
         return loaded
 
     def forget(self, request_id: str) -> None:

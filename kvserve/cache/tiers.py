@@ -89,6 +89,7 @@ class TieredKVStore:
         self.write_through = config.write_policy == "write_through"
         self.retention_s = config.retention_s
         self._handed_down: list[tuple[bytes, bytes]] = []  # host evictions waiting to be written below
+        self._refused_entries: list[tuple[KVStore, bytes]] = []  # found wrong by ``finish``: to delete (I/O)
 
         self.disk: DiskKVStore | None = None
         self.redis: KVStore | None = None
@@ -186,7 +187,19 @@ class TieredKVStore:
         owners = self.locate(block_hashes)
         found = self.finish(block_hashes, identities, owners, self.fetch(block_hashes, owners)) if owners else []
         self.write_down(self.take_handed_down())
+        self.delete_refused(self.take_refused())
         return found
+
+    def take_refused(self) -> list[tuple[KVStore, bytes]]:
+        """The entries ``finish`` found wrong since the last call (another block, a wrong size), to delete."""
+        refused, self._refused_entries = self._refused_entries, []
+        return refused
+
+    @staticmethod
+    def delete_refused(refused: Sequence[tuple[KVStore, bytes]]) -> None:
+        """Delete the entries ``take_refused`` gave (file unlinks, Redis round trips: off the step loop)."""
+        for tier, key in refused:
+            tier.delete(key)
 
     def locate(self, block_hashes: Sequence[BlockHash]) -> list[KVStore]:
         """Which tier holds each block of the longest present run (presence asked of each tier in order,
@@ -231,7 +244,7 @@ class TieredKVStore:
         checked: list[bytes | None] = list(values)
         for i, value in enumerate(checked):
             if value is not None and not self._is_block(value, identities[i], owners[i]):
-                owners[i].delete(keys[i])
+                self._refused_entries.append((owners[i], keys[i]))
                 checked[i] = None
         end = next((i for i, value in enumerate(checked) if value is None), len(checked))
         if self.host is not None:

@@ -375,6 +375,7 @@ def test_a_block_of_another_prompt_stored_under_the_key_is_refused_and_the_outpu
     assert request.metrics.cached_tokens_by_tier["host"] == 12  # blocks 0..2; block 3 refused, recomputed
     assert request.output_token_ids == reference_continuation(shared + [2], 3)
     assert tiers.stats()["host"].refused == 1
+    assert tiers.host.get(victim) != forged  # deleted at once (or since replaced by the recomputed block)
 
 
 def test_write_through_offloads_blocks_as_they_fill_and_a_fresh_pool_finds_them(tmp_path: Path) -> None:
