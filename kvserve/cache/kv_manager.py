@@ -257,6 +257,11 @@ class KVCacheManager:
         reserved = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0)
         if num_needed > self.pool.num_free + self.pool.num_evictable - reserved:
             return False
+        # The pool's count is an upper bound: a block no request references can sit in a node another request
+        # locks (its own copy of the block went into the tree on top of it). Evicting only to fail would empty
+        # the cache for nothing, and again at every step the request waits: count what the tree can give.
+        if self.groups is None and num_needed > self.pool.num_free + self.prefix_cache.num_evictable_blocks():
+            return False
         # Least recently used prefixes first (each block with its group pages), then window pages no request
         # holds.
         while self.pool.num_free < num_needed:

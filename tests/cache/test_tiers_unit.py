@@ -505,3 +505,22 @@ def test_random_workloads_with_tiers_keep_invariants_and_outputs(ops, num_blocks
         if request.request_id not in aborted:
             expected = reference_continuation(request.prompt_token_ids, request.sampling_params.max_tokens)
             assert request.output_token_ids == expected
+
+
+def test_a_request_that_cannot_fit_leaves_the_cache_as_it_was() -> None:
+    """A block no request references, in a node another request locks, counts as evictable in the pool but
+    cannot be evicted: a request short by that much must wait without emptying the cache first."""
+    hx = Harness(num_blocks=16, tiers=None)
+    first, other = prompt_of(1, 8), prompt_of(2, 8)
+    hx.add(first, max_tokens=1)
+    hx.add(other, max_tokens=1)
+    hx.run()
+    hx.add(first, max_tokens=40)  # recomputes the last prompt block, its copy locking the first one's node
+    for _ in range(3):
+        hx.step()
+    kv = hx.kv
+    assert kv.pool.num_evictable > kv.prefix_cache.num_evictable_blocks()
+    cached = kv.prefix_cache.num_cached_blocks
+    too_big = hx.add(prompt_of(3, 4 * (kv.pool.num_free + kv.pool.num_evictable)), max_tokens=1)
+    hx.step()
+    assert too_big.num_computed_tokens == 0 and kv.prefix_cache.num_cached_blocks == cached
