@@ -321,7 +321,9 @@ class Scheduler:
     @staticmethod
     def _check_stop(request: Request, token_id: int) -> Finish | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        # A request that follows a grammar ends where the grammar lets it end: min_tokens does not hold it back
+        # (its sampler does not suppress EOS either; held, it would be forced to EOS step after step).
+        if request.num_output_tokens >= params.min_tokens or params.structured_outputs is not None:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return Finish(FinishReason.STOP)
             if token_id in params.stop_token_ids:

@@ -14,7 +14,13 @@ from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.input_batch import ModelInputs, build_inputs
 from kvserve.runner.kv_transfer import read_blocks, start_read_blocks, write_blocks
 from kvserve.runner.sampler import Sampler, SamplingState
-from kvserve.runner.speculative import ProposalRequest, Proposer, Verified, sample_and_verify
+from kvserve.runner.speculative import (
+    ProposalRequest,
+    Proposer,
+    Verified,
+    drafts_within_grammar,
+    sample_and_verify,
+)
 from kvserve.structured.grammar import CompiledGrammar
 
 # Prompt rows whose logits (rows x vocabulary, in float32) are made at once for prompt logprobs.
@@ -232,8 +238,9 @@ class ModelRunner:
         draft_probs = self.proposer.take_draft_probs()
         for request, proposal in zip(wanted, proposals, strict=True):
             matcher = request.state.matcher
-            if proposal and matcher is not None:  # drafts the grammar would refuse are not verified
-                proposal = proposal[: matcher.valid_prefix(proposal)]
+            if proposal and matcher is not None:
+                sampled = request.request_id in draft_probs and not request.state.params.is_greedy
+                proposal = drafts_within_grammar(proposal, matcher.valid_prefix(proposal), sampled)
             if proposal:
                 result.draft_token_ids[request.request_id] = proposal
                 self.num_proposed_tokens += len(proposal)
@@ -250,5 +257,7 @@ def new_sampling_state(new: NewRequestData) -> SamplingState:
     if isinstance(new.grammar, CompiledGrammar):
         state.matcher = new.grammar.new_matcher()
         for token_id in new.output_token_ids:
-            state.matcher.accept(token_id)
+            if not state.matcher.accept(token_id):  # it had left its grammar before (then unconstrained): again
+                state.matcher = None
+                break
     return state

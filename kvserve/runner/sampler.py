@@ -291,13 +291,16 @@ def suppress_stop_tokens(logits: torch.Tensor, states: list[SamplingState]) -> N
 
 
 def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
-    """In place: each request's logit_bias added to its row. [B, V] float32; token ids must be < V (the
-    engine checks them against the vocabulary when the request arrives)."""
+    """In place: each request's logit_bias added to its row. [B, V] float32. Ids past V are left out: the
+    engine checks them against the target's vocabulary, and a draft model's may be smaller."""
     rows: list[int] = []
     cols: list[int] = []
     biases: list[float] = []
+    vocab_size = logits.shape[1]
     for i, s in enumerate(states):
         for token, bias in s.params.logit_bias:
+            if token >= vocab_size:
+                continue
             rows.append(i)
             cols.append(token)
             biases.append(bias)
@@ -310,14 +313,14 @@ def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
 def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Repetition (prompt + output, HF), then frequency and presence (output only, OpenAI). [B, V] float32.
 
-    Token ids must be < V (prompt ids are checked against the vocabulary before they reach the model).
+    Ids past V are left out (a draft model's vocabulary may be smaller than its target's, whose ids these are).
     """
     device = logits.device
     rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
     if rows:
         seen = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]: in the prompt or the output
         tokens = [chain(states[i].prompt_token_ids, states[i].output_token_ids) for i in rows]
-        seen[_token_index(rows, tokens, device)] = True
+        seen[_token_index(rows, tokens, device, logits.shape[1])] = True
         # Clamped so that a logit divided or multiplied by it, and then divided by any sampling temperature,
         # stays finite in float32 (1e-308 is 0 there); the effect at the bounds is already total.
         penalty = _column([s.params.repetition_penalty for s in states], device).clamp_(_MIN_PENALTY, _MAX_PENALTY)
@@ -329,7 +332,7 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
     ]
     if rows:
         counts = torch.zeros_like(logits)  # [B, V]: occurrences of each token in the output
-        index = _token_index(rows, [states[i].output_token_ids for i in rows], device)
+        index = _token_index(rows, [states[i].output_token_ids for i in rows], device, logits.shape[1])
         counts.index_put_(index, torch.ones(index[0].shape[0], device=device), accumulate=True)
         frequency = _column([s.params.frequency_penalty for s in states], device)  # [B, 1]
         presence = _column([s.params.presence_penalty for s in states], device)  # [B, 1]
@@ -413,13 +416,14 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def _token_index(
-    rows: list[int], token_lists: list[Iterable[int]], device: torch.device
+    rows: list[int], token_lists: list[Iterable[int]], device: torch.device, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs for index_put: every token of token_lists[j] goes in row rows[j]."""
+    """(row index, token id) pairs for index_put: every token of token_lists[j] below ``vocab_size`` goes in
+    row rows[j]."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for row, tokens in zip(rows, token_lists, strict=True):
         start = len(token_ids)
-        token_ids.extend(tokens)
+        token_ids.extend(t for t in tokens if t < vocab_size)
         row_ids.extend([row] * (len(token_ids) - start))
     return _index(row_ids, device), _index(token_ids, device)

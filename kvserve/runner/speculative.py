@@ -178,6 +178,15 @@ ACCEPT_SALT = 0x5EED_ACC7
 RESIDUAL_SALT = 0x5EED_2E51
 
 
+def drafts_within_grammar(proposal: list[int], num_valid: int, sampled: bool) -> list[int]:
+    """The drafts to verify for a request that follows a grammar, which allows the first ``num_valid``. Chosen
+    drafts stop there. Sampled ones keep the first refused draft: verification rejects it (the grammar leaves
+    it no probability) and samples the residual max(0, p - q) in its place, as exact rejection sampling does.
+    Cut there instead, the token in its place would be a fresh sample of p, and the tokens emitted would be
+    skewed by the odds of the draft's own sample being refused."""
+    return proposal[: num_valid + 1 if sampled and num_valid < len(proposal) else num_valid]
+
+
 def sample_and_verify(
     sampler: Sampler,
     logits: torch.Tensor,

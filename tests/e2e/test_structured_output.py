@@ -88,6 +88,13 @@ def test_regex_and_choice(llm: LLM) -> None:
 
     assert re.fullmatch(REGEX, date.outputs[0].text)
     assert choice.outputs[0].text in ("yes", "no")
+    # min_tokens does not hold a constrained request past where its grammar ends (it was forced to EOS there,
+    # step after step, until min_tokens).
+    held = llm.generate(["Is the sky blue? Answer:"], SamplingParams(
+        temperature=0.0, max_tokens=8, min_tokens=6, skip_special_tokens=False,
+        structured_outputs=StructuredOutputsParams(choice=("yes", "no"))))[0].outputs[0]
+    assert (held.text, held.finish_reason) == (choice.outputs[0].text, "stop")
+    assert len(held.token_ids) == len(choice.outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("options", [

@@ -609,3 +609,15 @@ def test_a_vanishing_repetition_penalty_keeps_sampling_finite() -> None:
     for seed in range(5):
         tokens = Sampler(50)(logits, [state(prompt=[7], temperature=1.0, seed=seed, repetition_penalty=1e-308)])
         assert tokens.token_ids == [7]
+
+
+def test_ids_past_a_smaller_draft_vocabulary_are_left_out_of_bias_and_penalties() -> None:
+    """A draft model's vocabulary may be smaller than its target's, whose ids a request's logit_bias and tokens
+    are: those past it concern no column of the draft's logits (an index past them crashed the step)."""
+    logits = torch.zeros(1, 8)
+    s = state(prompt=[1, 20], output=[2, 30], logit_bias={3: 5.0, 12: 9.0}, repetition_penalty=2.0,
+              frequency_penalty=0.5)
+    apply_logit_bias(logits, [s])
+    assert logits[0].tolist() == [0, 0, 0, 5.0, 0, 0, 0, 0]
+    penalised = apply_penalties(torch.ones(1, 8), [s])
+    assert penalised[0, 1].item() == 0.5 and penalised[0, 2].item() == 0.5 - 0.5 and penalised[0, 0].item() == 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,7 +14,12 @@ from kvserve.cli import parse_speculative_config
 from kvserve.config import SpeculativeConfig
 from kvserve.request import SamplingParams
 from kvserve.runner.sampler import Sampler, SamplingState
-from kvserve.runner.speculative import NgramProposer, ProposalRequest, sample_and_verify
+from kvserve.runner.speculative import (
+    NgramProposer,
+    ProposalRequest,
+    drafts_within_grammar,
+    sample_and_verify,
+)
 
 VOCAB = 16
 
@@ -201,3 +207,36 @@ def test_rejection_sampling_is_reproducible_for_seeded_requests() -> None:
     first = run(0)
     assert run(1) == first  # another base seed: seeded requests do not depend on it
     assert len({tuple(tokens) for tokens in first}) > 10
+
+
+def test_sampled_drafts_a_grammar_refuses_are_verified_not_cut() -> None:
+    """Drafts sampled from q, which puts mass on tokens a grammar refuses (here 6 and 7: the target's masked
+    logits give them no probability). Keeping the first refused draft for verification leaves the emitted
+    token distributed as p; cutting it (the next token then sampled afresh) would not."""
+    generator = torch.Generator().manual_seed(3)
+    num = 30_000
+    target_logits = torch.randn(2, VOCAB, generator=generator) * 2
+    target_logits[:, 6:] = float("-inf")  # what the grammar's mask leaves of the target's logits
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    sampler = Sampler(VOCAB, base_seed=2)
+    p = sampler.probabilities(target_logits[:1], [SamplingState(params, [1], [])])[0]
+    # The draft: half its mass on the token the target likes most, half on what the grammar refuses.
+    q = torch.zeros(1, VOCAB)
+    q[0, int(torch.argmax(p))] = 0.5
+    q[0, 6:] = 0.5 / (VOCAB - 6)
+    sampled = torch.multinomial(q, num, replacement=True, generator=generator)[0].tolist()
+
+    def emitted(cut: Callable[[list[int]], list[int]]) -> torch.Tensor:
+        drafts = [cut([d]) for d in sampled]
+        states = [SamplingState(params, [1], []) for _ in range(num)]
+        rows = torch.cat([target_logits[: 1 + len(d)] for d in drafts])
+        sample_and_verify(sampler, rows, states, drafts, [q if d else None for d in drafts])
+        return torch.bincount(torch.tensor([s.output_token_ids[0] for s in states]), minlength=VOCAB).float()
+
+    def num_valid(d: list[int]) -> int:
+        return 0 if d[0] >= 6 else 1
+
+    kept = emitted(lambda d: drafts_within_grammar(d, num_valid(d), sampled=True))
+    assert total_variation(kept, p) < 0.015
+    cut = emitted(lambda d: d[: num_valid(d)])  # the refused draft cut: the next token sampled afresh
+    assert total_variation(cut, p) > 0.1
