@@ -44,6 +44,9 @@ LONG_TEXT_CHARS = 4096
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
+# Byte-level pre-tokenizers llama.cpp adds BOS for when a GGUF does not say (llama-vocab.cpp).
+_BOS_BY_DEFAULT_PRE_TOKENIZERS = ("llama3", "llama-v3", "llama-bpe", "falcon3")
+
 class Tokenizer:
     """Text <-> token ids, plus the model's chat template.
 
@@ -121,7 +124,10 @@ class Tokenizer:
             return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
         bos_token, eos_token = token_at("bos_token_id"), token_at("eos_token_id")
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", model == "llama")
+        # Without the key, llama.cpp's default: BOS for SentencePiece vocabularies and for the byte-level ones
+        # of Llama 3 and its kin (their pre-tokenizer names).
+        add_bos = meta.get("tokenizer.ggml.add_bos_token",
+                           model == "llama" or meta.get("tokenizer.ggml.pre") in _BOS_BY_DEFAULT_PRE_TOKENIZERS)
         if add_bos and bos_token is not None:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos_token}:0 $A:0",

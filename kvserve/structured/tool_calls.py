@@ -157,14 +157,33 @@ class HermesToolFormat:
 
 
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
-    """The JSON Schema of one call: the name, then the arguments (the order the model writes them in)."""
+    """The JSON Schema of one call: the name, then the arguments (the order the model writes them in). The
+    parameters' definitions (``$defs``, ``definitions``, as pydantic writes nested models) move to the call
+    schema's root, where their references (``#/$defs/...``) are resolved; other references into the
+    parameters (``#``, ``#/properties/...``) are made to point into ``arguments``."""
+    parameters = dict(tool.parameters)
+    definitions = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": _refs_under(parameters, "/properties/arguments")},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        **_refs_under(definitions, "/properties/arguments"),
         "x-guidance": JSON_OPTIONS,
     }
+
+
+def _refs_under(schema: Any, prefix: str) -> Any:
+    """``schema`` with each local ``$ref`` outside the definitions moved under ``prefix`` (a copy)."""
+    if isinstance(schema, list):
+        return [_refs_under(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _refs_under(value, prefix) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = "#" + prefix + ref[1:]
+    return out
 
 
 def _function_json(tool: ToolSpec) -> dict[str, Any]:

@@ -451,3 +451,30 @@ def test_a_continued_final_message_is_left_open_for_the_model(tok: Tokenizer) ->
     short = [messages[0], {"role": "assistant", "content": "end"}]
     assert tok.apply_chat_template(short, add_generation_prompt=False,
                                    continue_final_message=True).endswith("<|im_start|>assistant\nend")
+
+
+@pytest.mark.parametrize("pre, bos", [("llama-bpe", True), ("smollm", False)])
+def test_a_gguf_that_does_not_say_adds_bos_as_llama_cpp_does(tmp_path: Path, pre: str, bos: bool) -> None:
+    """Byte-level vocabularies of the Llama 3 kind (by their pre-tokenizer's name) take BOS when the file has
+    no tokenizer.ggml.add_bos_token; others do not."""
+    from kvserve.formats.gguf import read_gguf_header
+    from kvserve.model.loader import resolve_model_path
+
+    meta = read_gguf_header(resolve_model_path(None)).metadata
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = Tokenizer.from_model_path(path)
+    assert tok.add_bos_token is bos
+    assert (tok.encode("hello")[0] == meta["tokenizer.ggml.bos_token_id"]) is bos

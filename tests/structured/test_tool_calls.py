@@ -117,3 +117,21 @@ def test_the_grammar_of_each_tool_choice(mode: str, parallel: bool, text: str, e
     choice = ToolChoice(mode, "add" if mode == "function" else None)  # type: ignore[arg-type]
     grammar = HermesToolFormat(special_tags=False).grammar([WEATHER, ADD], choice, parallel)
     assert accepts(grammar, text, llg_tokenizer) is expected
+
+
+NESTED = ToolSpec("locate", {
+    "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                        "additionalProperties": False}}})
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('<tool_call>\n{"name": "locate", "arguments": {"place": {"city": "Oslo"}}}\n</tool_call>', True),
+    ('<tool_call>\n{"name": "locate", "arguments": {"place": {"town": "Oslo"}}}\n</tool_call>', False),
+])
+def test_a_tools_own_definitions_constrain_its_calls(text: str, expected: bool,
+                                                     llg_tokenizer: tuple[Tokenizer, llguidance.LLTokenizer]) -> None:
+    """Parameters with $defs and $ref, as pydantic and the OpenAI SDK write nested models: the references
+    resolve from the call schema (they pointed at its root, which had no $defs: every such request was a 400)."""
+    grammar = HermesToolFormat(special_tags=False).grammar([NESTED], ToolChoice("required", None), True)
+    assert accepts(grammar, text, llg_tokenizer) is expected
