@@ -8,12 +8,29 @@ flags, the keywords and the README's flags table from them.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
 
 from kvserve.arch import ArchConfig as ArchConfig  # re-exported: the model description lives in kvserve.arch
 from kvserve.errors import ConfigError
+
+
+def _check_whole(value: object, name: str, minimum: int, maximum: int | None = None) -> None:
+    """ConfigError naming ``name`` unless ``value`` is a whole number in [minimum, maximum]."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
+            maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{name} must be {bounds} (a whole number), got {value!r}", name)
+
+
+def _check_finite(value: object, name: str, minimum: float, above: bool = False) -> None:
+    """ConfigError naming ``name`` unless ``value`` is a finite number >= minimum (> minimum with ``above``)."""
+    if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+            or value < minimum or (above and value == minimum)):
+        raise ConfigError(f"{name} must be {'>' if above else '>='} {minimum} (a finite number), got {value!r}", name)
 
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
@@ -118,6 +135,12 @@ class ModelConfig:
             raise ConfigError("quantized_activations must be 'auto', 'int16' or 'int8', got "
                               f"{self.quantized_activations!r}",
                               "quantized_activations")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}", "device")
+        for name in ("max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _check_whole(getattr(self, name), name, 1)
+        _check_whole(self.seed, "seed", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +157,12 @@ class CacheConfig:
                                  "with different salts never share cached KV")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        _check_whole(self.block_size, "block_size", 1)
+        if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}", "block_size")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}", "num_kv_blocks")
-        if self.kv_cache_gb <= 0:
-            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}", "kv_cache_gb")
+        if self.num_kv_blocks is not None:
+            _check_whole(self.num_kv_blocks, "num_kv_blocks", 1)
+        _check_finite(self.kv_cache_gb, "kv_cache_gb", 0, above=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,16 +179,12 @@ class SchedulerConfig:
                                   "compared by cached prefix")
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}", "max_num_batched_tokens"
-            )
+        _check_whole(self.max_num_seqs, "max_num_seqs", 1)
+        _check_whole(self.max_num_batched_tokens, "max_num_batched_tokens", 1)
         if self.policy not in ("fcfs", "lpm"):
             raise ConfigError(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}", "policy")
-        if self.lpm_window < 1:
-            raise ConfigError(f"lpm_window must be >= 1, got {self.lpm_window}", "lpm_window")
+        _check_whole(self.lpm_window, "lpm_window", 1)
+        _check_whole(self.lpm_max_skips, "lpm_max_skips", 0)
 
 
 WritePolicy = Literal["write_back", "write_through"]
@@ -389,6 +408,12 @@ class ServerConfig:
                                          "start-up: on a CPU, torch's float32 matmul, which bf16 and int8 "
                                          "kernels can outrun); without it the dashboard shows FLOP/s and "
                                          "bytes/s only")
+
+    def __post_init__(self) -> None:
+        _check_whole(self.port, "port", 0, 65535)
+        _check_whole(self.max_waiting_requests, "max_waiting_requests", 1)
+        _check_whole(self.max_request_body_bytes, "max_request_body_bytes", 1)
+        _check_finite(self.shutdown_grace_period_s, "shutdown_grace_period_s", 0)
 
 
 RoutingPolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_events", "ttft"]

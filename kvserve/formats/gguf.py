@@ -8,6 +8,7 @@ loader, the tokenizer and the cost model all read GGUF files through ``read_gguf
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -224,6 +225,11 @@ def _parse_header(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
 
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, dims, ggml_type, rel_offset in infos:
+        if name in tensors:
+            raise ModelLoadError(f"GGUF file {path} is corrupt: tensor {name!r} is listed twice")
+        if rel_offset % alignment:
+            raise ModelLoadError(f"GGUF file {path} is corrupt: tensor {name!r} starts at {rel_offset}, not a "
+                                 f"multiple of the file's alignment {alignment}")
         num_bytes = _tensor_num_bytes(path, name, dims, ggml_type)
         offset = data_offset + rel_offset
         if offset + num_bytes > size:
@@ -232,6 +238,10 @@ def _parse_header(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
                 f"but the file has {size} bytes"
             )
         tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, offset, num_bytes)
+    by_offset = sorted(tensors.values(), key=lambda t: t.offset)
+    for first, second in zip(by_offset, by_offset[1:], strict=False):
+        if first.offset + first.num_bytes > second.offset:
+            raise ModelLoadError(f"GGUF file {path} is corrupt: tensors {first.name!r} and {second.name!r} overlap")
     return GGUFHeader(path, version, metadata, tensors, data_offset, size)
 
 
@@ -240,7 +250,8 @@ def _tensor_num_bytes(path: Path, name: str, dims: tuple[int, ...], ggml_type: i
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
         raise UnsupportedModel(f"tensor {name!r} in {path} has unknown GGML type {ggml_type}") from None
-    num_elements = int(np.prod(dims, dtype=np.int64))
+    # Exact integers: a flipped bit in a dimension must not wrap around and pass the size check.
+    num_elements = math.prod(dims)
     if dims[0] % block_size:
         raise ModelLoadError(
             f"GGUF file {path} is corrupt: tensor {name!r} rows of {dims[0]} are not a multiple of the "

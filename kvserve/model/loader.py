@@ -173,6 +173,11 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
         raise UnsupportedModel(
             f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(_HF_MODEL_TYPES)}){hint}"
         )
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise UnsupportedModel(f"{config_path}: a quantised checkpoint ({method}) is not supported: its weights "
+                               f"need their own scales; use the dense checkpoint or a GGUF file")
     if cfg.get("attention_bias") and model_type != "qwen2":
         raise UnsupportedModel(f"{config_path}: attention_bias=true is not supported for {model_type}")
     arch = arch_from_hf_config(cfg, config_path)
@@ -531,7 +536,11 @@ def _iter_safetensors(
             try:
                 with safe_open(str(file), framework="pt") as f:
                     for key in keys:
-                        yield key, f.get_tensor(file_key.get(key, key)).to(dtype)
+                        tensor = f.get_tensor(file_key.get(key, key))
+                        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                            raise UnsupportedModel(f"{file}: tensor {key} is {tensor.dtype}; only float32, "
+                                                   f"float16 and bfloat16 weights load")
+                        yield key, tensor.to(dtype)
                         progress.update(1)
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(f"cannot read {file}: {e}") from None

@@ -235,7 +235,11 @@ def concat_rows(parts: Sequence[Weight]) -> Weight:
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts)).contiguous()  # type: ignore[arg-type]
     if not all(isinstance(p, QuantizedWeight) for p in parts):
-        raise TypeError("cannot fuse a quantised weight with a dense one")
+        # Some parts in block types the kernels take, others not (llama.cpp's Q3_K_M keeps attn_v in Q5_K and
+        # attn_q / attn_k in Q3_K): the fused weight runs dense, as the others' dequantised values.
+        dense = next(p for p in parts if isinstance(p, torch.Tensor))
+        return torch.cat([p.dequantize(dense.dtype).to(dense.device) if isinstance(p, QuantizedWeight) else p
+                          for p in parts]).contiguous()
     weights = [p for p in parts if isinstance(p, QuantizedWeight)]
     cols = weights[0].cols
     assert all(w.cols == cols for w in weights)

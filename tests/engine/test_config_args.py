@@ -265,3 +265,26 @@ def test_every_option_has_help() -> None:
     for option in engine_options() + server_options():
         assert option.setting.help, ".".join(option.path)
     assert all(dataclasses.is_dataclass(o.type) for o in engine_options() if len(o.path) == 1)
+
+
+@pytest.mark.parametrize("config, field, value", [
+    ("ServerConfig", "port", 70000),
+    ("ServerConfig", "max_waiting_requests", 0),
+    ("ServerConfig", "max_request_body_bytes", 0),
+    ("ServerConfig", "shutdown_grace_period_s", -1.0),
+    ("ModelConfig", "device", "gpu"),
+    ("ModelConfig", "max_model_len", 0),
+    ("ModelConfig", "num_threads", -1),
+    ("CacheConfig", "kv_cache_gb", float("nan")),
+    ("CacheConfig", "kv_cache_gb", float("inf")),
+    ("CacheConfig", "block_size", 16.0),
+    ("SchedulerConfig", "max_num_seqs", "8"),
+])
+def test_a_value_that_would_fail_later_is_refused_by_name(config: str, field: str, value: object) -> None:
+    """Refused when the configuration is made (before a model loads or a port is bound), naming the field;
+    before, each was accepted and then ignored, refused every request, or raised something else later."""
+    import kvserve.config as module
+
+    with pytest.raises(ConfigError) as error:
+        getattr(module, config)(**{field: value})
+    assert error.value.param == field

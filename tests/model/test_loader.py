@@ -543,3 +543,81 @@ def test_fingerprint_is_stable_cheap_and_content_sensitive(tmp_path: Path, defau
     copy.parent.mkdir()
     shutil.copy(a, copy)
     assert model_fingerprint(copy) == model_fingerprint(a)
+
+
+def _patched_tensor_info(small_gguf: Path, out: Path, patch) -> Path:
+    """A copy of ``small_gguf`` with ``patch(data, tensors)`` applied to its tensor infos' bytes (``tensors``:
+    name -> (offset of the name's bytes, offset of the tensor's data offset), both in the file)."""
+    import gguf
+
+    reader = gguf.GGUFReader(small_gguf)
+    base = reader.data.ctypes.data
+    tensors = {t.name: (t.field.parts[1].ctypes.data - base, t.field.parts[-1].ctypes.data - base)
+               for t in reader.tensors}
+    data = bytearray(small_gguf.read_bytes())
+    patch(data, tensors)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_misaligned_overlapping_and_repeated_tensors_raise_model_load_error(tmp_path: Path, small_gguf: Path) -> None:
+    def offset(data: bytearray, at: int) -> int:
+        return int.from_bytes(data[at:at + 8], "little")
+
+    def misaligned(data, tensors):
+        at = tensors["blk.0.attn_k.weight"][1]
+        data[at:at + 8] = (offset(data, at) + 1).to_bytes(8, "little")
+
+    def overlapping(data, tensors):
+        at, source = tensors["blk.0.attn_k.weight"][1], tensors["blk.0.attn_q.weight"][1]
+        data[at:at + 8] = data[source:source + 8]
+
+    def repeated(data, tensors):
+        name = b"blk.0.attn_q.weight"
+        at = tensors["blk.0.attn_k.weight"][0]
+        data[at:at + len(name)] = name
+
+    for patch, message in ((misaligned, "alignment"), (overlapping, "overlap"), (repeated, "listed twice")):
+        bad = _patched_tensor_info(small_gguf, tmp_path / f"{patch.__name__}.gguf", patch)
+        with pytest.raises(ModelLoadError, match=message):
+            read_gguf_header(bad)
+
+
+def test_a_fused_weight_of_block_and_dense_parts_is_held_dense() -> None:
+    """llama.cpp's Q3_K_M keeps attn_v in a block type the kernels take and attn_q / attn_k in one they do not
+    (held dense): the fused QKV is their values, dense (it raised a TypeError)."""
+    from kvserve.model.quantized import concat_rows
+
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(32, 64, generator=generator)
+    values = torch.randn(16, 64, generator=generator).numpy()
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    blocks = gguf.quants.quantize(values, q8_0).view(np.uint8).reshape(16, -1)
+    blocked = QuantizedWeight.from_blocks(int(q8_0), blocks, 64)
+    fused = concat_rows([dense, blocked])
+    assert isinstance(fused, torch.Tensor) and fused.shape == (48, 64)
+    assert torch.equal(fused, torch.cat([dense, torch.from_numpy(gguf.quants.dequantize(blocks, q8_0))]))
+
+
+def test_a_quantised_hf_checkpoint_is_refused_by_name(tiny_models_dir: Path, tmp_path: Path) -> None:
+    source = make_tiny_model(tiny_models_dir, "llama", tie=True)
+    quantised = tmp_path / "fp8"
+    shutil.copytree(source, quantised)
+    config = json.loads((quantised / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantised / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="fp8"):
+        read_arch_config(quantised)
+
+
+def test_a_weight_stored_in_an_integer_type_is_refused_by_name(tiny_models_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = make_tiny_model(tiny_models_dir, "llama", tie=True)
+    packed = tmp_path / "packed"
+    shutil.copytree(source, packed)
+    tensors = load_file(packed / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+    save_file(tensors, packed / "model.safetensors")
+    with pytest.raises(UnsupportedModel, match="up_proj.weight is torch.int8"):
+        list(iter_weights(packed, read_arch_config(packed), torch.float32, show_progress=False))
