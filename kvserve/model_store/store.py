@@ -121,7 +121,10 @@ class ModelStore:
                 f"{path} has SHA256 {digest} but {model.name} is pinned to {model.sha256}: the file is not the "
                 f"published model; remove it with `kvserve models rm {model.name}` and pull it again"
             )
-        record.write_text(stamp + "\n")
+        try:
+            record.write_text(stamp + "\n")
+        except OSError:  # a read-only store: verified all the same, hashed again next time
+            pass
 
     # ---- pulling and removing -------------------------------------------------------------------------
 

@@ -164,3 +164,29 @@ def test_each_installed_known_model_is_recognised_by_its_catalog_fingerprint() -
     assert installed, "the default model is not installed"
     for entry in installed:
         assert model_fingerprint(entry.path) == entry.model.fingerprint, entry.model.name
+
+
+def test_a_store_that_cannot_keep_its_stamp_still_verifies(tmp_path: Path, index: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only store (or one copied without its files' times): the hash is checked each time, and a
+    correct file loads (the stamp's write raised before)."""
+    store = _store(tmp_path, index, _catalog_model())
+    path = store.pull("tiny-test", show_progress=False)
+    path.touch()  # a new modification time: the stamp no longer matches
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> int:
+        raise PermissionError(13, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    assert store.resolve("tiny-test") == path
+
+
+def test_the_default_model_from_the_store_is_verified_as_by_its_name(tmp_path: Path) -> None:
+    from kvserve.model.loader import default_model_path
+    from kvserve.model_store.catalog import SMOLLM2_135M
+
+    store = ModelStore(tmp_path / "models")
+    store.root.mkdir(parents=True)
+    store.path_of(SMOLLM2_135M).write_bytes(b"not the model")
+    with pytest.raises(ModelLoadError, match="truncated"):
+        default_model_path(store)
