@@ -283,12 +283,17 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
     try:
         hidden_size = int(key("embedding_length", required=True))
         num_heads = int(key("attention.head_count", required=True))
+        if hidden_size < 1 or num_heads < 1:
+            raise ModelLoadError(f"{path}: embedding_length {hidden_size} and head_count {num_heads} must be >= 1")
         kv_heads = key("attention.head_count_kv", num_heads)
         tokens = meta.get("tokenizer.ggml.tokens")
         embed = header.tensors.get("token_embd.weight")
         vocab_size = key("vocab_size") or (len(tokens) if tokens else None) or (embed.shape[0] if embed else None)
         if vocab_size is None:
             raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
+        if embed is not None and embed.shape[0] < int(vocab_size):  # an id past its rows would end the engine
+            raise ModelLoadError(f"{path}: token_embd.weight has {embed.shape[0]} rows for a vocabulary of "
+                                 f"{vocab_size} tokens")
         kv_lora_rank = int(key("attention.kv_lora_rank", 0))
         eos_ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
         num_layers = int(key("block_count", required=True))
@@ -317,7 +322,9 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             sliding_layers=_gguf_sliding_layers(arch, num_layers) if window else (),
             # llama.cpp's values for Gemma 3, which its GGUF files do not carry.
             rope_local_theta=10000.0 if arch == "gemma3" else 0.0,
-            query_pre_attn_scalar=float(key("attention.key_length", 0)) if arch == "gemma3" else 0.0,
+            # llama.cpp's rule: Gemma 3 27B (62 layers) scales queries by hidden / heads, the others by the head size.
+            query_pre_attn_scalar=(float(hidden_size // num_heads) if num_layers == 62 else
+                                   float(key("attention.key_length", 0))) if arch == "gemma3" else 0.0,
             final_logit_softcapping=float(key("final_logit_softcapping", 0.0) or 0.0),
             num_experts=num_experts,
             num_experts_per_token=int(key("expert_used_count", 0)),

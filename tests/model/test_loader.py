@@ -621,3 +621,23 @@ def test_a_weight_stored_in_an_integer_type_is_refused_by_name(tiny_models_dir: 
     save_file(tensors, packed / "model.safetensors")
     with pytest.raises(UnsupportedModel, match="up_proj.weight is torch.int8"):
         list(iter_weights(packed, read_arch_config(packed), torch.float32, show_progress=False))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("llama.vocab_size", 64, "32 rows for a vocabulary of 64"),  # ids 32..63 would pass and end the engine
+    ("llama.attention.head_count", 0, "head_count 0"),
+])
+def test_metadata_that_disagrees_with_the_tensors_is_a_model_load_error(tmp_path: Path, small_gguf: Path,
+                                                                        field: str, value: int,
+                                                                        message: str) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(small_gguf)
+    part = reader.fields[field].parts[-1]
+    at, width = part.ctypes.data - reader.data.ctypes.data, part.dtype.itemsize
+    data = bytearray(small_gguf.read_bytes())
+    data[at:at + width] = value.to_bytes(width, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=message):
+        read_arch_config(bad)
