@@ -12,6 +12,22 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """How the rotary frequencies of the full-attention layers are stretched for a longer context, as
+    transformers computes them: ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1 and
+    later) divides the low ones by ``factor``, keeps the high ones and blends those between, by wavelength
+    against ``original_max_position_embeddings``; ``freq_factors`` divides each frequency by its own factor
+    (what llama.cpp's GGUF files carry as rope_freqs.weight in place of the llama3 parameters)."""
+
+    kind: str  # "linear", "llama3" or "freq_factors"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ArchConfig:
     """A model's shape and the counts FLOPs and bytes per token depend on.
 
@@ -43,6 +59,7 @@ class ArchConfig:
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float = 0.0  # rope base of the sliding layers (0: rope_theta)
+    rope_scaling: RopeScaling | None = None  # of the full-attention layers (the sliding ones keep theirs)
     query_pre_attn_scalar: float = 0.0  # attention scale is this ** -0.5 (0: head_dim, the usual)
     final_logit_softcapping: float = 0.0  # logits -> cap * tanh(logits / cap) (0: none)
     # Mixture of experts (0: a dense MLP in every layer).

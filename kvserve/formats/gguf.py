@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvserve.arch import ArchConfig
+from kvserve.arch import ArchConfig, RopeScaling
 from kvserve.errors import ModelLoadError, UnsupportedModel
 
 # --------------------------------------------------------------------------------------------------
@@ -265,6 +265,22 @@ def _tensor_num_bytes(path: Path, name: str, dims: tuple[int, ...], ggml_type: i
 # --------------------------------------------------------------------------------------------------
 
 
+def _rope_scaling(header: GGUFHeader, kind: str | None, factor: float) -> RopeScaling | None:
+    """The rotary stretch a GGUF file records: linear by its factor, or llama.cpp's per-frequency factors
+    (rope_freqs.weight, what a Llama 3.1+ conversion writes for its llama3 parameters)."""
+    freqs = header.tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        if freqs.ggml_type != GGMLQuantizationType.F32:
+            raise ModelLoadError(f"{header.path}: rope_freqs.weight is not F32")
+        with open(header.path, "rb") as f:
+            f.seek(freqs.offset)
+            values = np.frombuffer(f.read(freqs.num_bytes), dtype=np.float32)
+        return RopeScaling("freq_factors", freq_factors=tuple(float(v) for v in values))
+    if kind == "linear" and float(factor) != 1.0:
+        return RopeScaling("linear", factor=float(factor))
+    return None
+
+
 def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
     """The ``ArchConfig`` a GGUF file's ``{arch}.*`` metadata describes, for any architecture.
 
@@ -314,6 +330,7 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             head_dim=int(key("attention.key_length", hidden_size // num_heads)),
             max_position_embeddings=int(key("context_length", 2048)),
             rope_theta=_shortest_float(key("rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling(header, key("rope.scaling.type"), key("rope.scaling.factor", 1.0)),
             rms_norm_eps=_shortest_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             tie_word_embeddings="output.weight" not in header.tensors,
             qkv_bias="blk.0.attn_q.bias" in header.tensors,

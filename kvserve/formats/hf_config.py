@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvserve.arch import ArchConfig
+from kvserve.arch import ArchConfig, RopeScaling
 from kvserve.errors import ModelLoadError
 
 
@@ -29,8 +29,29 @@ def read_hf_json(path: Path) -> dict[str, Any]:
 
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The rope block: ``rope_parameters`` (newer transformers) or ``rope_scaling``; {} when neither."""
-    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    """The rope block: ``rope_parameters`` (newer transformers) or ``rope_scaling``; {} when neither. For
+    Gemma 3 in the newer form, its full-attention layers' block (its sliding layers have their own)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return params.get("full_attention") or params if isinstance(params, dict) else {}
+
+
+def rope_type(params: dict[str, Any]) -> str:
+    """A rope block's kind (``default`` when it stretches nothing)."""
+    return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
+    """The stretch of a rope block of a kind the engine computes (linear, llama3); None for any other, which
+    the loader refuses (the cost model reads such configs too)."""
+    kind = rope_type(params)
+    if kind == "linear":
+        return RopeScaling("linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeScaling("llama3", factor=float(params["factor"]),
+                           low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                           high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                           original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    return None
 
 
 def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +98,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
             head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope_theta=float(cfg.get("rope_theta") or rope_parameters(cfg).get("rope_theta") or 10000.0),
+            rope_scaling=rope_scaling(rope_parameters(cfg)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2-MoE's configs name their QKV bias qkv_bias (true when absent, as in the original checkpoints).

@@ -6,8 +6,12 @@ call overhead is a visible share of a small model's step time on CPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from kvserve.arch import RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,8 +29,11 @@ class RotaryEmbedding:
     looks them up by position once and every layer reuses the result.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device: torch.device,
+                 scaling: RopeScaling | None = None):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling is not None:
+            inv_freq = scaled_inv_freq(inv_freq, scaling)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -48,3 +55,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """The rotary frequencies stretched as transformers' rope initialisers stretch them (see RopeScaling)."""
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=inv_freq.dtype)
+    assert scaling.kind == "llama3", scaling.kind
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)

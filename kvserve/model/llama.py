@@ -83,7 +83,8 @@ class LlamaForCausalLM:
         self.layers = [self.make_layer(i) for i in range(arch.num_layers)]
         # Which KV group's table each layer reads, when the engine keeps the window layers' KV apart.
         self.layer_group = KVLayout.for_arch(arch).layer_group
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device,
+                                      arch.rope_scaling)
         self.layer_rotations = self.decoder_layout().layer_rotations
         self.embed_tokens: Weight  # [vocab, hidden]
         self.final_norm: torch.Tensor

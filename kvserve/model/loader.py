@@ -34,7 +34,7 @@ from tqdm import tqdm
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.formats.gguf import GGUFHeader, GGUFTensorInfo, arch_from_gguf, read_gguf_header
-from kvserve.formats.hf_config import arch_from_hf_config, read_hf_json, rope_parameters
+from kvserve.formats.hf_config import arch_from_hf_config, read_hf_json, rope_parameters, rope_type
 from kvserve.model.cpu_kernels import loaded_cpu_kernels
 from kvserve.model.quantized import HELD_PARTS, QuantizedWeight, Weight, row_bytes, to_planar
 from kvserve.model_store import ModelStore, known_model, pull_command
@@ -151,9 +151,14 @@ def _gguf_arch(header: GGUFHeader) -> ArchConfig:
             f"(supported: llama (with Mistral and Mixtral), qwen2, qwen3, gemma3, qwen2moe, qwen3moe)"
         )
     scaling = header.metadata.get(f"{name}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        logger.warning("%s: rope scaling %r is not implemented; long contexts may degrade", header.path, scaling)
+    if scaling not in (None, "none", "linear"):  # computed otherwise, every position's rotation would differ
+        raise UnsupportedModel(f"{header.path}: rope scaling {scaling!r} is not supported (linear and llama.cpp's "
+                               f"rope_freqs factors are)")
     arch = arch_from_gguf(header)
+    factors = arch.rope_scaling.freq_factors if arch.rope_scaling is not None else ()
+    if factors and len(factors) != arch.head_dim // 2:
+        raise ModelLoadError(f"{header.path}: rope_freqs.weight has {len(factors)} factors for a head of "
+                             f"{arch.head_dim} (one per pair of dimensions)")
     if arch.is_moe:
         # llama.cpp's gating functions: 0 unset, 1 softmax, 2 sigmoid (DeepSeek-V3 and others).
         if header.metadata.get(f"{name}.expert_gating_func", 1) not in (0, 1):
@@ -184,12 +189,10 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
     if cfg.get("attention_bias") and model_type != "qwen2":
         raise UnsupportedModel(f"{config_path}: attention_bias=true is not supported for {model_type}")
     arch = arch_from_hf_config(cfg, config_path)
-    rope_params = rope_parameters(cfg)
-    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-    if rope_type not in (None, "default"):
-        logger.warning(
-            "%s: rope scaling %r is not implemented; long contexts may degrade", config_path, rope_type
-        )
+    kind = rope_type(rope_parameters(cfg))
+    if kind not in ("default", "linear", "llama3"):  # computed otherwise, every position's rotation would differ
+        raise UnsupportedModel(f"{config_path}: rope scaling {kind!r} is not supported (linear and llama3 are); "
+                               f"remove it from config.json to run within the original context length")
     window = cfg.get("sliding_window")
     uses_window = model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window", False)
     if uses_window and not arch.sliding_window and window is not None and window < arch.max_position_embeddings:

@@ -63,3 +63,34 @@ def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatc
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert calls, "the shared-prefix decode path never ran"
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+    ("qwen2", {"rope_type": "linear", "factor": 64.0, "rope_theta": 10000.0}),
+    ("gemma3", {"full_attention": {"rope_type": "linear", "factor": 64.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+], ids=["llama3", "linear", "gemma3-linear-full-attention"])
+def test_stretched_rotary_frequencies_match_transformers(tmp_path, family: str, rope: dict) -> None:
+    """Llama 3.1's llama3 scaling and linear scaling (Gemma 3 4B+ on its full-attention layers only) change
+    every position's rotation: computed as transformers computes them, the tokens are its tokens (they were a
+    logged warning before, and other tokens)."""
+    import transformers
+
+    model_dir = make_tiny_model(tmp_path, family, rope_parameters=rope)
+    reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = [hf_greedy(reference_model, p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128)
+    assert llm.engine.arch.rope_scaling is not None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    # The prompt's logprobs too (the tokens alone barely depend on position in a tiny random model).
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        with torch.no_grad():
+            logits = reference_model(torch.tensor([prompt])).logits[0]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        ours = [entry[token] for token, entry in zip(prompt[1:], output.prompt_logprobs[1:], strict=True)]
+        theirs = [expected[i, token].item() for i, token in enumerate(prompt[1:])]
+        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve.arch import RopeScaling
 from kvserve.errors import ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.formats.gguf import read_gguf_header
 from kvserve.model import loader
@@ -641,3 +642,31 @@ def test_metadata_that_disagrees_with_the_tensors_is_a_model_load_error(tmp_path
     bad.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match=message):
         read_arch_config(bad)
+
+
+def test_a_gguf_rotary_stretch_is_read_or_refused(tmp_path: Path) -> None:
+    """llama.cpp writes a Llama 3.1+ model's llama3 parameters as per-frequency factors (rope_freqs.weight):
+    read into the arch (the rotary divides each frequency by its factor); a linear stretch by its factor; YaRN,
+    which is computed otherwise at every position, refused by name."""
+    factors = np.linspace(1.0, 8.0, 32, dtype=np.float32)  # head_dim 64: one per pair of dimensions
+    path = tmp_path / "llama3.gguf"
+    make_tiny_gguf(path, "llama", hidden=256, num_heads=4, extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    scaling = read_arch_config(path).rope_scaling
+    assert scaling is not None and scaling.kind == "freq_factors" and scaling.freq_factors == tuple(factors.tolist())
+    from kvserve.model.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 8, 10000.0, torch.float32, torch.device("cpu"), scaling)
+    plain = RotaryEmbedding(64, 8, 10000.0, torch.float32, torch.device("cpu"))
+    def frequencies(table: RotaryEmbedding) -> torch.Tensor:  # the angle at position 1 (below pi: no wrap)
+        return torch.atan2(-table.signed_sin[1, :32], table.cos[1, :32])
+
+    assert torch.allclose(frequencies(rotary), frequencies(plain) / torch.from_numpy(factors), atol=1e-6)
+    linear = tmp_path / "linear.gguf"
+    make_tiny_gguf(linear, "llama", extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                                     w.add_rope_scaling_factor(4.0)))
+    assert read_arch_config(linear).rope_scaling == RopeScaling("linear", factor=4.0)
+    yarn = tmp_path / "yarn.gguf"
+    make_tiny_gguf(yarn, "llama", extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                                                   w.add_rope_scaling_factor(4.0)))
+    with pytest.raises(UnsupportedModel, match="rope scaling 'yarn'"):
+        read_arch_config(yarn)

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -264,13 +266,15 @@ def make_tiny_gguf(
     num_kv_heads: int = 2,
     raw_matrices: bool = False,
     general_name: str = "tiny",
+    extra: Callable[[Any], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a GGUF the way llama.cpp would and return the weights it holds (HF names, float32).
 
     ``qtype`` quantises the 2-D weights (norms and biases stay F32, as llama.cpp keeps them) with
     ``gguf.quants.quantize``. With ``raw_matrices`` the 2-D weights are random bytes of type
     ``qtype`` instead (for K-quants, which gguf cannot quantise; types in ``_FP16_FIELDS``); the
-    returned arrays are then those bytes, shaped [rows, bytes_per_row], in GGUF row order.
+    returned arrays are then those bytes, shaped [rows, bytes_per_row], in GGUF row order. ``extra(writer)``
+    adds metadata or tensors of its own before the file is written.
     """
     import gguf
 
@@ -318,6 +322,8 @@ def make_tiny_gguf(
             writer.add_tensor(_gguf_name(name), data, raw_dtype=qt)
         else:
             writer.add_tensor(_gguf_name(name), data)
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
