@@ -41,14 +41,20 @@ class JsonVocabulary:
     """What every matcher of one tokenizer shares: the tokens compact JSON may hold (no raw control
     character), as a bool per token and as mask words, and the first token of forced text."""
 
-    def __init__(self, allowed: list[bool], bitmask: torch.Tensor, tokenizer: Tokenizer) -> None:
+    def __init__(self, allowed: list[bool], bitmask: torch.Tensor, tokenizer: Tokenizer,
+                 decoded_vocab: list[bytes]) -> None:
         self.allowed = allowed
         self.bitmask = bitmask  # int32 [words]
 
         @functools.lru_cache(maxsize=4096)  # a schema forces few distinct texts (its keys, separators)
         def first_forced_token(text: str) -> int | None:
             tokens = tokenizer.encode(text, add_special_tokens=False)
-            return tokens[0] if len(tokens) >= 2 and tokenizer.decode(tokens) == text else None
+            if len(tokens) < 2 or tokenizer.decode(tokens) != text:
+                return None
+            # The token's own bytes must start the text: a SentencePiece encoding of text alone starts with a
+            # word-start marker (a space the decode drops) the grammar does not allow there.
+            first = tokens[0]
+            return first if first < len(decoded_vocab) and text.encode().startswith(decoded_vocab[first]) else None
 
         self.first_forced_token = first_forced_token
 
@@ -210,7 +216,7 @@ class XGrammarEngine:
             if self._compiler is None:
                 info = self._tokenizer_info()
                 allowed, bitmask = _json_tokens(info.decoded_vocab, self._vocab_size)
-                self._vocabulary = JsonVocabulary(allowed, bitmask, self._tokenizer)
+                self._vocabulary = JsonVocabulary(allowed, bitmask, self._tokenizer, info.decoded_vocab)
                 # kvserve keeps its own cache of compiled constraints; one thread per compile, as requests come.
                 self._compiler = xgrammar_module().GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler

@@ -200,3 +200,41 @@ def test_bounded_strings_are_found_anywhere_but_in_values() -> None:
     assert has_bounded_string({"$defs": {"s": {"maxLength": 2}}, "$ref": "#/$defs/s"})
     assert not has_bounded_string({"type": "object", "properties": {"maxLength": {"type": "integer"}},
                                    "default": {"maxLength": 3}})
+
+
+def test_forced_text_is_never_started_with_a_token_the_grammar_refuses() -> None:
+    """A SentencePiece encoding of forced JSON text alone starts with a word-start marker ('▁{"': a space the
+    decode strips) that compact JSON does not allow there: forcing it dropped the request's constraint."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from kvserve.structured.xgrammar_engine import JsonVocabulary
+
+    pieces = ["<unk>", "<s>", "</s>", "▁", "▁{", "{", '"', '{"', '▁{"', "n", "a", "m", "e", ":", " "]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    backend = Backend(models.BPE(vocab, [("▁", "{"), ("{", '"'), ("▁{", '"')], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+
+    class Tokens:  # the two calls JsonVocabulary makes of kvserve's Tokenizer
+        def __init__(self, tokenizer: Backend) -> None:
+            self.tokenizer = tokenizer
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+        def decode(self, ids: list[int]) -> str:
+            return self.tokenizer.decode(ids)
+
+    def first_forced(tokens: Tokens, text: str) -> int | None:
+        decoded = [p.replace("▁", " ").encode() for p in pieces]  # each token's bytes, as xgrammar has them
+        return JsonVocabulary([True] * len(pieces), torch.zeros(1, dtype=torch.int32), tokens,
+                              decoded).first_forced_token(text)
+
+    forced = '{"name'
+    sentencepiece = Tokens(backend)
+    assert sentencepiece.decode(sentencepiece.encode(forced)) == forced
+    assert pieces[sentencepiece.encode(forced)[0]] == '▁{"' and first_forced(sentencepiece, forced) is None
+    plain = Backend(models.BPE(vocab, [("{", '"')], unk_token="<unk>"))  # no word-start marker
+    plain.decoder = decoders.Fuse()
+    assert first_forced(Tokens(plain), forced) == vocab['{"']
