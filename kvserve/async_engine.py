@@ -201,10 +201,13 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead!r}")
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the engine thread; whether it stopped within ``timeout`` (if not, it may still change the
+        engine's state: the engine must not persist its cache then)."""
         self._stopping = True
         self._send(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # --- engine thread --------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -392,14 +392,16 @@ class Engine:
         """Block until the KV queued for disk and Redis is written (offline callers; tests)."""
         self.kv_manager.wait_for_tier_writes()
 
-    def close(self) -> None:
+    def close(self, persist: bool = True) -> None:
         """Persist cached KV to the tiers that outlive the process (disk, Redis), then release the tiers,
         so a restarted server finds today's prefixes even under the write_back policy. Not after a step that
-        did not finish (an error, an interrupt, a step still running on the engine's thread): the cache may
-        then hold blocks whose KV was never computed, which would be served to the next engine as valid."""
-        if self._step_unfinished:
-            logger.warning("the last step did not finish: the device's cached KV is not persisted to the tiers")
-        self.kv_manager.close(None if self._step_unfinished else self.runner.read_blocks)
+        did not finish (an error, an interrupt), nor with ``persist`` false (the engine's thread did not stop
+        and may still change the cache): it may then hold blocks whose KV was never computed, which would be
+        served to the next engine as valid."""
+        persist = persist and not self._step_unfinished
+        if not persist:
+            logger.warning("the engine did not stop cleanly: the device's cached KV is not persisted to the tiers")
+        self.kv_manager.close(self.runner.read_blocks if persist else None)
         self.grammars.close()
 
     # --- observability ----------------------------------------------------------------------------------------

@@ -321,13 +321,14 @@ class Scheduler:
     @staticmethod
     def _check_stop(request: Request, token_id: int) -> Finish | None:
         params = request.sampling_params
-        # A request that follows a grammar ends where the grammar lets it end: min_tokens does not hold it back
-        # (its sampler does not suppress EOS either; held, it would be forced to EOS step after step).
-        if request.num_output_tokens >= params.min_tokens or params.structured_outputs is not None:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return Finish(FinishReason.STOP)
-            if token_id in params.stop_token_ids:
-                return Finish(FinishReason.STOP, stop_reason=token_id)
+        reached_min = request.num_output_tokens >= params.min_tokens
+        # A request that follows a grammar ends where the grammar lets it end (EOS): min_tokens does not hold it
+        # back (its sampler does not suppress EOS either; held, it would be forced to EOS step after step).
+        if (reached_min or params.structured_outputs is not None) and not params.ignore_eos \
+                and token_id in request.eos_token_ids:
+            return Finish(FinishReason.STOP)
+        if reached_min and token_id in params.stop_token_ids:
+            return Finish(FinishReason.STOP, stop_reason=token_id)
         if request.num_tokens >= request.max_total_tokens:
             return Finish(FinishReason.LENGTH)
         return None

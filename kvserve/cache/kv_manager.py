@@ -259,8 +259,10 @@ class KVCacheManager:
             return False
         # The pool's count is an upper bound: a block no request references can sit in a node another request
         # locks (its own copy of the block went into the tree on top of it). Evicting only to fail would empty
-        # the cache for nothing, and again at every step the request waits: count what the tree can give.
-        if self.groups is None and num_needed > self.pool.num_free + self.prefix_cache.num_evictable_blocks():
+        # the cache for nothing, and again at every step the request waits: where the bound is tight, count
+        # what the tree can give (a walk of the tree: not on every allocation of a full cache).
+        tight = num_needed > self.pool.num_free + (self.pool.num_evictable - reserved) // 2
+        if self.groups is None and tight and num_needed > self.pool.num_free + self.prefix_cache.num_evictable_blocks():
             return False
         # Least recently used prefixes first (each block with its group pages), then window pages no request
         # holds.

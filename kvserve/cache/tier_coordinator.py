@@ -147,11 +147,12 @@ class _TierFetch:
     that a request waiting for memory does not read its run again every step."""
 
     start: int
-    stop: int
+    stop: int  # the blocks read: the ones asked for, or fewer where the bound on held reads cut the run
     block_hashes: list[BlockHash]
     identities: list[bytes]
     future: Future[tuple[list[KVStore], list[bytes | None]]] | None  # None: read on the engine loop
     loaded: Loaded | None = None
+    asked_stop: int = 0  # the run's end the lookup asked for (a lookup asking the same is this fetch)
 
 
 def _payload_bytes(entries: Sequence[tuple[bytes, bytes]]) -> int:
@@ -188,7 +189,8 @@ class TierWriter:
     def submit(self, job: Callable[[], object], num_bytes: int = 0) -> bool:
         """Queue ``job`` (writing ``num_bytes`` of payloads); False if it was dropped for want of room."""
         with self._cond:
-            if num_bytes and self._queued_bytes + num_bytes > self._max_queued_bytes:
+            # A job is always taken when nothing waits (however large); past the bound, the tier is behind.
+            if num_bytes and self._queued_bytes and self._queued_bytes + num_bytes > self._max_queued_bytes:
                 self.num_dropped += 1
                 if self.num_dropped % 1000 == 1:
                     logger.warning("KV tier writes are %d bytes behind: a write was dropped (%d so far); the tier "
@@ -263,17 +265,21 @@ class TierCoordinator:
     def lookup(self, request: Request, start: int, stop: int) -> Loaded | None:
         request_id = request.request_id
         fetch = self._fetches.get(request_id)
-        if fetch is None or (fetch.start, fetch.stop) != (start, stop):
+        if fetch is None or (fetch.start, fetch.asked_stop) != (start, stop):
             _cancel(fetch)  # a read for a range no longer wanted must not hold up the others' on the one thread
             self._fetches.pop(request_id, None)
-            if self._held_fetch_bytes() + (stop - start) * self._block_bytes > MAX_HELD_FETCH_BYTES:
+            # The run is read as far as the bound on held reads leaves room for (its first blocks are what a hit
+            # needs most); none at all: a miss.
+            room = (MAX_HELD_FETCH_BYTES - self._held_fetch_bytes()) // max(1, self._block_bytes)
+            read_stop = min(stop, start + max(0, room))
+            if read_stop <= start:
                 return []
-            block_hashes = request.full_block_hashes(self.block_size)[start:stop]
-            identities = request.block_identities(self.block_size, start, stop)
-            fetch = self._start_fetch(block_hashes, identities, start, stop)
+            block_hashes = request.full_block_hashes(self.block_size)[start:read_stop]
+            identities = request.block_identities(self.block_size, start, read_stop)
+            fetch = self._start_fetch(block_hashes, identities, start, read_stop)
             if fetch is None:
-                self._fetches.pop(request_id, None)
                 return []
+            fetch.asked_stop = stop
             self._fetches[request_id] = fetch
         if fetch.loaded is None:
             assert fetch.future is not None

@@ -191,7 +191,7 @@ class Gateway:
             outcome = await self._attempt(decision, path, body, headers, stream, uncached, http)
             if isinstance(outcome, _Retry):
                 self.metrics.retries.labels(reason=outcome.reason).inc()
-                last_answer = outcome.answer
+                last_answer = outcome.answer or last_answer
                 continue
             return outcome
 

@@ -158,10 +158,10 @@ class ReplicaPool:
         except httpx.HTTPError as exc:
             ok, reason = False, f"/health: {exc!r}"
         if ok:
-            read = await self._read_load(replica)
-            # Back only on a whole check begun after the replica was last taken out: a request that failed on
-            # it while this check was in flight knows more than this check's answer.
-            if not replica.healthy and read and replica.times_taken_out == taken_out_before:
+            await self._read_load(replica)  # a load that cannot be read keeps the last one read
+            # Back only on a check begun after the replica was last taken out: a request that failed on it while
+            # this check was in flight knows more than this check's answer.
+            if not replica.healthy and replica.times_taken_out == taken_out_before:
                 await self._comes_back(replica)
         elif replica.healthy:
             self.mark_down(replica, reason)

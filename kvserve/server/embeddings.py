@@ -30,10 +30,14 @@ async def embed(engine: AsyncEngine, prompts: list[tuple[list[int], str | None]]
         norm = math.sqrt(sum(x * x for x in hidden)) or 1.0
         return [x / norm for x in hidden]
 
-    # A task group: the first input to fail (a full queue) cancels the others rather than leaving them to run.
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(one(i, ids, text)) for i, (ids, text) in enumerate(prompts)]
-    return [task.result() for task in tasks]
+    tasks = [asyncio.ensure_future(one(i, ids, text)) for i, (ids, text) in enumerate(prompts)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:  # the first input to fail (a full queue) cancels the others rather than leaving them
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def embedding_response(vectors: list[list[float]], prompts: list[tuple[list[int], str | None]],

@@ -78,5 +78,4 @@ class KVServeReplica:
         # Ray Serve calls this when it stops the replica.
         async_engine = getattr(self, "_async_engine", None)
         if async_engine is not None:
-            async_engine.shutdown()
-            self._engine.close()
+            self._engine.close(persist=async_engine.shutdown())

@@ -93,8 +93,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         server.run()
     finally:
-        async_engine.shutdown()
-        engine.close()
+        engine.close(persist=async_engine.shutdown())
     return 0 if server.started else 1
 
 
@@ -123,5 +122,4 @@ class BackgroundServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
-        self.async_engine.shutdown()
-        self.engine.close()
+        self.engine.close(persist=self.async_engine.shutdown())

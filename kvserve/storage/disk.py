@@ -86,8 +86,9 @@ class DiskKVStore:
         self._clock = clock
         self._fsync = fsync
         self._backoff = backoff or Backoff(name, log=logger)
-        # Guards the index, the counters and the backoff; files are read and written with it free, so that
-        # the engine thread's index lookups and stats never wait behind a batch of writes.
+        # Guards the index, the counters and the backoff, and the steps that make a file's name and its index
+        # entry agree (a rename, an unlink by name); files are read and written with it free, so that the
+        # engine thread's index lookups and stats never wait behind a batch of writes.
         self._lock = threading.RLock()
         self._stats = TierStats()
         self._index_ready = False
@@ -268,22 +269,20 @@ class DiskKVStore:
             with self._lock:
                 self._stats.corrupt += 1
                 self._stats.misses += 1
-                corrupt = self._index.get(key) is entry  # not a valid entry written since
-                if corrupt:
+                if self._index.get(key) is entry:  # not a valid entry written since
                     self._index.remove(key)
-            if corrupt:
-                self._unlink(path)
+                    self._unlink(path)
             return None
         with self._lock:
             self._backoff.record_success()
-            if self._index.get(key) is entry:
-                self._index.touch(key)
             self._stats.hits += 1
             self._stats.bytes_read += len(payload)
-        try:
-            os.utime(path, (now, header.created_at))  # atime = last read, mtime = written
-        except OSError:
-            pass  # LRU order across restarts is best-effort
+            if self._index.get(key) is entry:  # the file read is still the one under the key
+                self._index.touch(key)
+                try:
+                    os.utime(path, (now, header.created_at))  # atime = last read, mtime = written
+                except OSError:
+                    pass  # LRU order across restarts is best-effort
         return payload
 
     # --- writes -----------------------------------------------------------------------------------------
@@ -324,7 +323,11 @@ class DiskKVStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._write_file(tmp, blob)
             os.utime(tmp, (now, now))  # before the rename: a file under its key is always indexed
-            os.replace(tmp, path)
+            with self._lock:  # the rename and its index entry as one (a rename only touches metadata)
+                os.replace(tmp, path)
+                self._backoff.record_success()
+                self._index.put(key, IndexEntry(len(blob), now, None))
+                self._stats.bytes_written += len(value)
         except OSError as e:
             self._unlink(tmp)
             if e.errno == errno.ENOSPC:
@@ -332,10 +335,6 @@ class DiskKVStore:
             with self._lock:
                 self._fail(e)
             return False
-        with self._lock:
-            self._backoff.record_success()
-            self._index.put(key, IndexEntry(len(blob), now, None))
-            self._stats.bytes_written += len(value)
         return True
 
     def _write_file(self, tmp: Path, blob: bytes) -> None:
@@ -354,7 +353,7 @@ class DiskKVStore:
         with self._lock:
             if self._index_ready:
                 self._index.remove(key)
-        self._unlink(self.path_for(key))
+            self._unlink(self.path_for(key))
 
     def sweep(self) -> int:
         """Delete every expired entry; returns how many."""

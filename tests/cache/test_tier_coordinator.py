@@ -170,3 +170,30 @@ def test_lookups_past_the_bound_on_held_reads_are_misses(redis_server: RedisServ
         step(scheduler, runner)
     assert second.output_token_ids == reference_continuation(list(range(100, 112)), 4)
     kv.close(lambda block_ids: [runner.read_block(b) for b in block_ids])
+
+
+def test_a_run_past_the_room_left_for_held_reads_is_read_as_far_as_it_fits(redis_server: RedisServer,
+                                                                           monkeypatch) -> None:
+    from kvserve.cache import tier_coordinator
+
+    store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
+                          (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
+    kv = KVCacheManager(64, BS, True, store)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    runner = FakeRunner(64, BS)
+    block = store.identity_nbytes + payload_nbytes(BS)
+    monkeypatch.setattr(tier_coordinator, "MAX_HELD_FETCH_BYTES", 3 * block)
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(2):  # 12-token prompts: runs of two full blocks each
+            scheduler.add_request(make_request(f"w{i}", list(range(100 * i, 100 * i + 12)), 4, i))
+        step(scheduler, runner)
+        fetches = dict(kv.tiers._fetches)  # type: ignore[attr-defined]
+        runs = {rid: (f.stop - f.start, f.asked_stop - f.start) for rid, f in fetches.items()}
+        assert runs == {"w0": (2, 2), "w1": (1, 2)}  # the second run read as far as the room left goes
+        step(scheduler, runner)  # asked again for the same run: the same fetch, not another
+        assert kv.tiers._fetches["w1"] is fetches["w1"]  # type: ignore[attr-defined]
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    kv.close(lambda block_ids: [runner.read_block(b) for b in block_ids])

@@ -28,4 +28,6 @@ def test_writes_past_the_queued_bytes_bound_are_dropped_and_the_rest_run_in_orde
     assert ran == [0, 1, 3] and writer.num_dropped == 1
     assert writer.submit(job(4), 100)  # room again once written
     assert writer.drain(10) and ran[-1] == 4
+    assert writer.submit(job(5), 1000)  # past the bound, but nothing waits: taken (never dropped for its size)
+    assert writer.drain(10) and ran[-1] == 5 and writer.num_dropped == 1
     writer.stop(10)

@@ -52,8 +52,8 @@ def test_an_echoed_prompts_logprobs_are_the_engines_as_a_harness_reads_them(clie
     assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
 
 
-def test_every_sample_of_a_prompt_carries_its_prompt_logprobs_computed_once(client, offline) -> None:
-    """The first sample computes them; the others show the same (their own requests compute none)."""
+def test_every_sample_of_a_prompt_shows_its_prompt_logprobs(client, offline) -> None:
+    """The first sample computes them (expand_n: the others ask for none); every choice shows them."""
     ids, expected, _ = offline
     answer = client.completions.create(model=None, prompt=PROMPT, max_tokens=2, temperature=0.8, seed=3, n=3,
                                        logprobs=1, echo=True, extra_body={"prompt_logprobs": 2})  # type: ignore

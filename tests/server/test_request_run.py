@@ -101,3 +101,33 @@ def test_an_engine_stream_merges_what_its_reader_has_not_read() -> None:
     merged, error = asyncio.run(run())
     assert isinstance(merged, RequestOutput) and merged.delta_token_ids == [0, 1, 2]
     assert merged.delta_text == "t0 t1 t2 " and isinstance(error, RuntimeError)
+
+
+def test_only_the_first_sample_of_a_prompt_computes_its_prompt_logprobs() -> None:
+    from kvserve.engine import expand_n
+
+    samples = expand_n(SamplingParams(n=3, seed=7, prompt_logprobs=2))
+    assert [s.prompt_logprobs for s in samples] == [2, None, None] and [s.seed for s in samples] == [7, 8, 9]
+
+
+def test_an_embedding_input_the_queue_refuses_is_that_error_and_the_others_stop() -> None:
+    from kvserve.server.embeddings import embed
+
+    started: list[str] = []
+    cancelled: list[str] = []
+
+    class FullAfterOne:
+        async def generate(self, ids, params, request_id, text=None):
+            if request_id.endswith("-1"):
+                raise CapacityError("the waiting queue is full")
+            started.append(request_id)
+            try:
+                await asyncio.Event().wait()
+                yield None
+            except asyncio.CancelledError:
+                cancelled.append(request_id)
+                raise
+
+    with pytest.raises(CapacityError):  # the typed error (a 429), not an exception group (a 500)
+        asyncio.run(embed(FullAfterOne(), [([1], None), ([2], None)]))  # type: ignore[arg-type]
+    assert started == cancelled == [started[0]]
