@@ -20,7 +20,7 @@ Checks (the exit status is 1 if any fails, each is in the JSON report):
 - a --sample of the greedy answers that were not dropped equal the same request served alone on a fresh
   engine without tiers (``LLM``, float32, like the server);
 - the server's resident memory, open files and threads, idle after the run, are within --rss-growth-mb, 16
-  and 4 of what they were idle after the warm-up (a request of each kind, then --concurrency prompts at the
+  and 4 of what they were idle after the warm-up (a request of each kind, then --warm-longs prompts at the
   context limit at once, and the first quarter of the run, after which the traffic pauses for the reading);
 - a SIGTERM while streams are open ends every stream with a final event (``[DONE]`` or an error event), the
   server exits 0, and every disk-tier file left is whole (but those the soak broke and nothing read since).
@@ -281,7 +281,7 @@ async def warm_up(url: str, args: argparse.Namespace) -> None:
         firsts = [(kind, *make_request(kind, rng, sessions)[:2]) for kind in KINDS]
         await asyncio.gather(*(send(client, path, body, None, Outcome(kind, path, body))
                                for kind, path, body in firsts))
-        longs = [make_request("long", rng, sessions) for _ in range(args.concurrency)]
+        longs = [make_request("long", rng, sessions) for _ in range(args.warm_longs or args.concurrency)]
         await asyncio.gather(*(send(client, path, body, None, Outcome("long", path, body)) for path, body, _ in longs))
 
 
@@ -298,6 +298,8 @@ async def traffic(url: str, args: argparse.Namespace, outcomes: list[Outcome],
     parked: list[int] = []
     all_parked = asyncio.Event()
 
+    uncovered = list(kinds)  # the traffic's first requests are one of each kind: every kind is checked
+
     async def worker(worker_id: int) -> None:
         nonlocal stop_at
         local = random.Random(args.seed * 1000 + worker_id)
@@ -309,7 +311,7 @@ async def traffic(url: str, args: argparse.Namespace, outcomes: list[Outcome],
                         all_parked.set()
                     await resume.wait()
                     continue
-                kind = local.choices(kinds, weights)[0]
+                kind = uncovered.pop(0) if uncovered else local.choices(kinds, weights)[0]
                 path, body, session = make_request(kind, rng, sessions)
                 streamed = bool(body.get("stream"))
                 drop_after = local.randint(1, 6) if streamed and local.random() < args.abort_share else None
@@ -528,6 +530,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--warm-longs", type=int, default=None,
+                        help="prompts at the context limit sent at once in the warm-up (default: --concurrency)")
     parser.add_argument("--abort-share", type=float, default=0.2, help="share of streams the client drops")
     parser.add_argument("--redis-kill-every", type=float, default=60.0)
     parser.add_argument("--corrupt-every", type=float, default=10.0)

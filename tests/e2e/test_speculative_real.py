@@ -40,13 +40,13 @@ def test_seeded_sampling_draws_the_same_tokens(engines) -> None:
 
 def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypatch) -> None:
     plain, spec = engines
-    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     texts = [o.outputs[0].text for o in plain.generate(PROMPTS, greedy)]
     # Every word of the greedy outputs as a stop string: some end inside a step's accepted drafts.
     cases = [(prompt, word) for prompt, text in zip(PROMPTS, texts, strict=True)
              for word in dict.fromkeys(text.split()[2:5])]
     prompts = [prompt for prompt, _ in cases]
-    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[word]) for _, word in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[word]) for _, word in cases]
     truncations = []  # per cut at a stop string: whether the scheduler had decided an end (length) already
     original = OutputProcessor.process
 

@@ -29,7 +29,7 @@ from kvserve.server.serving import BackgroundServer  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 MODEL_NAME = "tiny"
-FUZZ_EXAMPLES = 28
+FUZZ_EXAMPLES = 20
 HEAVY_EXAMPLES = 1000
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("GET", "/v1/models"),
