@@ -34,13 +34,18 @@ def step(scheduler: Scheduler, runner: FakeRunner) -> None:
     scheduler.check_invariants()
 
 
-def test_a_redis_that_stops_answering_does_not_stall_decoding(redis_server: RedisServer) -> None:
-    # A socket timeout far beyond the test: a call that waits for the stopped server would hang the step.
+def redis_backed(redis_server: RedisServer) -> tuple[TieredKVStore, KVCacheManager, Scheduler, FakeRunner]:
+    """A write-through Redis tier under a 64-block pool, its scheduler and a fake runner. A socket timeout far
+    beyond the tests: a call that waits for a stopped server would hang."""
     store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
                           (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
     kv = KVCacheManager(64, BS, True, store)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
-    runner = FakeRunner(64, BS)
+    return store, kv, Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv), FakeRunner(64, BS)
+
+
+def test_a_redis_that_stops_answering_does_not_stall_decoding(redis_server: RedisServer) -> None:
+    # A socket timeout far beyond the test: a call that waits for the stopped server would hang the step.
+    store, kv, scheduler, runner = redis_backed(redis_server)
     decoding = make_request("decoding", list(range(10)), max_tokens=40, order=0)
     scheduler.add_request(decoding)
     while decoding.num_output_tokens < 2:  # admitted (its lookup answered) and decoding
@@ -74,11 +79,7 @@ def test_a_redis_that_stops_answering_does_not_stall_decoding(redis_server: Redi
 
 
 def test_an_aborted_requests_tier_read_not_yet_started_is_dropped(redis_server: RedisServer) -> None:
-    store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
-                          (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
-    kv = KVCacheManager(64, BS, True, store)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
-    runner = FakeRunner(64, BS)
+    store, kv, scheduler, runner = redis_backed(redis_server)
     assert redis_server.proc is not None
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
@@ -148,11 +149,7 @@ def test_a_shutdown_reads_the_device_a_chunk_at_a_time() -> None:
 def test_lookups_past_the_bound_on_held_reads_are_misses(redis_server: RedisServer, monkeypatch) -> None:
     from kvserve.cache import tier_coordinator
 
-    store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
-                          (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
-    kv = KVCacheManager(64, BS, True, store)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
-    runner = FakeRunner(64, BS)
+    store, kv, scheduler, runner = redis_backed(redis_server)
     one_run = 2 * (store.identity_nbytes + payload_nbytes(BS))  # a 12-token prompt's two full blocks
     monkeypatch.setattr(tier_coordinator, "MAX_HELD_FETCH_BYTES", one_run)
     assert redis_server.proc is not None
@@ -176,11 +173,7 @@ def test_a_run_past_the_room_left_for_held_reads_is_read_as_far_as_it_fits(redis
                                                                            monkeypatch) -> None:
     from kvserve.cache import tier_coordinator
 
-    store = TieredKVStore(StorageConfig(redis_url=redis_server.url, write_policy="write_through"), NAMESPACE,
-                          (BS, 2), payload_nbytes=payload_nbytes(BS), redis_socket_timeout=600.0)
-    kv = KVCacheManager(64, BS, True, store)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
-    runner = FakeRunner(64, BS)
+    store, kv, scheduler, runner = redis_backed(redis_server)
     block = store.identity_nbytes + payload_nbytes(BS)
     monkeypatch.setattr(tier_coordinator, "MAX_HELD_FETCH_BYTES", 3 * block)
     assert redis_server.proc is not None

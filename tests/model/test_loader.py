@@ -469,15 +469,20 @@ def test_hf_config_rope_theta_top_level_and_eos_list(tmp_path: Path) -> None:
         read_arch_config(model_dir)
 
 
-def test_hf_dir_missing_tensor_raises(tiny_models_dir: Path, tmp_path: Path) -> None:
+def _tiny_llama_with(tiny_models_dir: Path, destination: Path, edit) -> Path:
+    """A copy of the tiny Llama at ``destination`` whose tensors ``edit`` changed (in place, by name)."""
     from safetensors.torch import load_file, save_file
 
-    source = make_tiny_model(tiny_models_dir, "llama", tie=True)
-    broken = tmp_path / "broken"
-    shutil.copytree(source, broken)
-    tensors = load_file(broken / "model.safetensors")
-    del tensors["model.layers.1.mlp.up_proj.weight"]
-    save_file(tensors, broken / "model.safetensors")
+    shutil.copytree(make_tiny_model(tiny_models_dir, "llama", tie=True), destination)
+    tensors = load_file(destination / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, destination / "model.safetensors")
+    return destination
+
+
+def test_hf_dir_missing_tensor_raises(tiny_models_dir: Path, tmp_path: Path) -> None:
+    broken = _tiny_llama_with(tiny_models_dir, tmp_path / "broken",
+                              lambda tensors: tensors.pop("model.layers.1.mlp.up_proj.weight"))
     arch = read_arch_config(broken)
     with pytest.raises(ModelLoadError, match="up_proj"):
         list(iter_weights(broken, arch, torch.float32, show_progress=False))
@@ -612,14 +617,9 @@ def test_a_quantised_hf_checkpoint_is_refused_by_name(tiny_models_dir: Path, tmp
 
 
 def test_a_weight_stored_in_an_integer_type_is_refused_by_name(tiny_models_dir: Path, tmp_path: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
-    source = make_tiny_model(tiny_models_dir, "llama", tie=True)
-    packed = tmp_path / "packed"
-    shutil.copytree(source, packed)
-    tensors = load_file(packed / "model.safetensors")
-    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
-    save_file(tensors, packed / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    packed = _tiny_llama_with(tiny_models_dir, tmp_path / "packed",
+                              lambda tensors: tensors.update({name: tensors[name].to(torch.int8)}))
     with pytest.raises(UnsupportedModel, match="up_proj.weight is torch.int8"):
         list(iter_weights(packed, read_arch_config(packed), torch.float32, show_progress=False))
 
