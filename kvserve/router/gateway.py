@@ -224,21 +224,6 @@ class Gateway:
             in_flight.end()
             self.pool.mark_down(replica, f"{path} answered {upstream.status_code}")
             return _Retry(f"status_{upstream.status_code}")
-        if upstream.status_code >= 500:  # this request's fault on this replica: another may serve it
-            try:
-                content = await until_disconnected(http, upstream.aread())
-            except ClientGone:
-                return Response(status_code=499)
-            except httpx.TransportError:
-                content = b""
-            finally:
-                await _close(upstream)
-                in_flight.end()
-            self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
-            passed = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
-            return _Retry(f"status_{upstream.status_code}",
-                          Response(content, status_code=upstream.status_code, headers=passed,
-                                   media_type=upstream.headers.get("content-type", "application/json")))
         is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if stream and upstream.status_code == 200 and is_stream:
             return await self._open_stream(decision, upstream, in_flight, http, sent_at)
@@ -252,6 +237,12 @@ class Gateway:
         finally:
             await _close(upstream)
             in_flight.end()
+        passed = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+        if upstream.status_code >= 500:  # a fault of this request on this replica (502-504 went above): try another
+            self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
+            return _Retry(f"status_{upstream.status_code}",
+                          Response(content, status_code=upstream.status_code, headers=passed,
+                                   media_type=upstream.headers.get("content-type", "application/json")))
         answer = _json_object(content)
         listed = "data" if path.endswith("/embeddings") else "choices"
         if answer is None or (upstream.status_code == 200 and not isinstance(answer.get(listed), list)):
@@ -259,7 +250,6 @@ class Gateway:
                                       f"body that is not an OpenAI answer: {content[:200]!r}")
         self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
         self._observe_usage(decision, answer.get("usage"))
-        passed = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
         return Response(content, status_code=upstream.status_code, headers=passed, media_type="application/json")
 
     async def _open_stream(self, decision: Decision, upstream: httpx.Response, in_flight: _InFlight,
