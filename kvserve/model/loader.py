@@ -20,7 +20,7 @@ import hashlib
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +303,47 @@ def weight_names(arch: ArchConfig) -> list[str]:
     return names
 
 
+def _expected_shape(name: str, arch: ArchConfig) -> tuple[int, ...]:
+    """The shape the model takes a tensor in (Hugging Face's [out_features, in_features]). The embedding's and
+    output projection's rows are the vocabulary's size at least: a file may pad them, never hold fewer."""
+    hidden = arch.hidden_size
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (arch.vocab_size, hidden)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (arch.head_dim,)
+    if name.endswith("norm.weight"):
+        return (hidden,)
+    module, kind = name.rsplit(".", 2)[-2:]
+    attention = {"q_proj": arch.q_size, "k_proj": arch.kv_size, "v_proj": arch.kv_size}
+    if module in attention:
+        return (attention[module], hidden) if kind == "weight" else (attention[module],)
+    if module == "o_proj":
+        return (hidden, arch.q_size)
+    if module == "gate":  # a mixture of experts' router
+        return (arch.num_experts, hidden)
+    if module == "shared_expert_gate":
+        return (1, hidden)
+    width = (arch.shared_expert_size if ".shared_expert." in name
+             else arch.expert_size if ".experts." in name else arch.intermediate_size)
+    return (hidden, width) if module == "down_proj" else (width, hidden)
+
+
+def _check_shapes(source: Path, shapes: Mapping[str, tuple[int, ...]], arch: ArchConfig) -> None:
+    """Refuse a file whose tensors do not have the shapes its configuration implies, before anything loads (a
+    mismatch would otherwise surface at the first forward, ending the engine)."""
+    wrong = []
+    for name, shape in shapes.items():
+        expected = _expected_shape(name, arch)
+        padded_rows = name in ("model.embed_tokens.weight", "lm_head.weight") and len(shape) == 2
+        fits = (shape[0] >= expected[0] and shape[1:] == expected[1:]) if padded_rows else shape == expected
+        if not fits:
+            wrong.append(f"{name} is {list(shape)}, expected {list(expected)}"
+                         + (" (rows at least)" if padded_rows else ""))
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise ModelLoadError(f"{source}: tensor shapes do not match its configuration: {'; '.join(wrong[:3])}{more}")
+
+
 # --------------------------------------------------------------------------------------------------
 # Weights
 # --------------------------------------------------------------------------------------------------
@@ -373,6 +414,11 @@ def _iter_gguf(
     missing = [n for n in names if n not in by_hf_name]
     if missing:
         raise ModelLoadError(f"GGUF file {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    # A stacked [n_expert, ...] tensor is checked by its experts' shape, and its count of them.
+    _check_shapes(path, {n: by_hf_name[n].shape[1:] if n in expert_of else by_hf_name[n].shape for n in names}, arch)
+    for name, info in by_hf_name.items():
+        if name in expert_of and info.shape[0] != arch.num_experts:
+            raise ModelLoadError(f"{path}: {info.name} stacks {info.shape[0]} experts; the model has {arch.num_experts}")
     unpermute = arch.architecture in _ROPE_PERMUTED_ARCHITECTURES
     # llama.cpp's converter stores Gemma's norm weights w as 1 + w (ggml multiplies by the weight); the
     # model takes them in Hugging Face's form, as transformers' GGUF loader gives them.
@@ -511,6 +557,7 @@ def _iter_safetensors(
     wanted = set(weight_names(arch))
     location: dict[str, Path] = {}
     file_key: dict[str, str] = {}  # the name under which a file holds a tensor, where it is not the canonical one
+    shapes: dict[str, tuple[int, ...]] = {}
     fused_experts = False
     try:
         for file in files:
@@ -519,6 +566,7 @@ def _iter_safetensors(
                     name = _canonical_name(key)
                     if name in wanted:
                         location[name] = file
+                        shapes[name] = tuple(f.get_slice(key).get_shape())
                         if name != key:
                             file_key[name] = key
                     else:
@@ -532,6 +580,7 @@ def _iter_safetensors(
                                f"per expert and projection is supported, as save_pretrained writes them")
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    _check_shapes(model_dir, shapes, arch)
 
     progress = _progress(len(location), f"Loading {model_dir.name}", show_progress)
     try:

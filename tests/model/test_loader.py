@@ -631,17 +631,57 @@ def test_a_weight_stored_in_an_integer_type_is_refused_by_name(tiny_models_dir: 
 def test_metadata_that_disagrees_with_the_tensors_is_a_model_load_error(tmp_path: Path, small_gguf: Path,
                                                                         field: str, value: int,
                                                                         message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        read_arch_config(_with_integer_field(small_gguf, tmp_path / "bad.gguf", field, value))
+
+
+def _with_integer_field(source: Path, destination: Path, field: str, value: int) -> Path:
+    """A copy of a GGUF file with one integer field's value changed in place."""
     import gguf
 
-    reader = gguf.GGUFReader(small_gguf)
+    reader = gguf.GGUFReader(source)
     part = reader.fields[field].parts[-1]
     at, width = part.ctypes.data - reader.data.ctypes.data, part.dtype.itemsize
-    data = bytearray(small_gguf.read_bytes())
+    data = bytearray(source.read_bytes())
     data[at:at + width] = value.to_bytes(width, "little")
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(bytes(data))
+    destination.write_bytes(bytes(data))
+    return destination
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("llama.feed_forward_length", 128,
+     r"mlp.gate_proj.weight is \[512, 256\], expected \[128, 256\];.*down_proj.weight is \[256, 512\], "
+     r"expected \[256, 128\]$"),
+    ("llama.attention.head_count_kv", 4, r"self_attn.k_proj.weight is \[128, 256\], expected \[256, 256\]"),
+])
+def test_gguf_tensors_shaped_unlike_the_configuration_are_refused_before_loading(
+        tmp_path: Path, field: str, value: int, message: str) -> None:
+    """Each tensor's shape against the one the configuration implies, before the first is read: a k_proj
+    too small for the heads, or an MLP narrower than its weights, would end the engine at its first forward."""
+    source = tmp_path / "tiny.gguf"
+    make_tiny_gguf(source, "llama", hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, num_layers=1)
+    bad = _with_integer_field(source, tmp_path / "bad.gguf", field, value)
+    weights = iter_weights(bad, read_arch_config(bad), torch.float32, show_progress=False)
     with pytest.raises(ModelLoadError, match=message):
-        read_arch_config(bad)
+        next(weights)
+
+
+def test_safetensors_shaped_unlike_the_configuration_are_refused_and_padded_embeddings_load(
+        tiny_models_dir: Path, tmp_path: Path) -> None:
+    name = "model.layers.1.self_attn.o_proj.weight"
+    bad = _tiny_llama_with(tiny_models_dir, tmp_path / "bad",
+                           lambda tensors: tensors.update({name: tensors[name][:, :-2].clone()}))
+    with pytest.raises(ModelLoadError, match=r"o_proj.weight is \[\d+, \d+\], expected"):
+        next(iter_weights(bad, read_arch_config(bad), torch.float32, show_progress=False))
+    # An embedding with rows past the vocabulary (checkpoints pad them to a multiple) loads; fewer do not.
+    embed = "model.embed_tokens.weight"
+    padded = _tiny_llama_with(tiny_models_dir, tmp_path / "padded", lambda tensors: tensors.update(
+        {embed: torch.cat([tensors[embed], torch.zeros(8, tensors[embed].shape[1])])}))
+    assert len(list(iter_weights(padded, read_arch_config(padded), torch.float32, show_progress=False))) > 0
+    short = _tiny_llama_with(tiny_models_dir, tmp_path / "short",
+                             lambda tensors: tensors.update({embed: tensors[embed][:-1].clone()}))
+    with pytest.raises(ModelLoadError, match=r"embed_tokens.weight is .* \(rows at least\)"):
+        next(iter_weights(short, read_arch_config(short), torch.float32, show_progress=False))
 
 
 def test_a_gguf_rotary_stretch_is_read_or_refused(tmp_path: Path) -> None:
