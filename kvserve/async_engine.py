@@ -25,10 +25,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.engine import Engine, EngineAudit, EngineStats, PromptType
-from kvserve.errors import CapacityError, EngineDeadError, KVServeError
+from kvserve.errors import CapacityError, EngineDeadError, InvalidRequest, KVServeError
 from kvserve.heap import release_free_heap
 from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams, StructuredOutputsParams
-from kvserve.structured.grammar import GrammarCompiler
+from kvserve.structured.grammar import GrammarCompiler, named_for
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class AsyncEngine:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
         except TimeoutError:
             raise compiler.timeout_error(spec, limit) from None
+        except InvalidRequest as exc:
+            raise named_for(exc, spec) from None
 
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
         """Tokenize and validate without queueing anything: raises the typed error the caller reports. A

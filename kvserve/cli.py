@@ -8,6 +8,7 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from typing import Any
 
 from kvserve.config import EngineConfig, ModelConfig, RouterConfig, RoutingPolicyName
 from kvserve.config_args import (
@@ -128,6 +129,7 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     threads = threads_per_replica(args.replicas, engine_config.model.num_threads)
     replicas = ReplicaProcesses(serve_args, args.replicas, threads)
     try:
+        replicas.wait_until_listening()
         return run_router(RouterConfig(replicas=tuple(replicas.urls), policy=args.routing_policy,
                                        host=server_config.host, port=server_config.port,
                                        replica_api_key=server_config.api_key,
@@ -203,9 +205,19 @@ def cmd_models(args: argparse.Namespace) -> int:
     return run_models_command(args)
 
 
+class _ExactFlagsParser(argparse.ArgumentParser):
+    """Flags by their full names only (subcommands' parsers too): argparse would take ``--replica 2`` for
+    ``--replicas 2``, and the argument lists passed on to replicas are rewritten by full flag names."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference serving engine.")
-    parser.add_argument("--log-level", default="WARNING")
+    parser = _ExactFlagsParser(prog="kvserve", description="An LLM inference serving engine.")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, models, health, metrics)")
@@ -229,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     add_server_arguments(p)
     p.add_argument("--address", default="auto", help="the Ray cluster to join (default: auto)")
-    p.add_argument("--replicas", type=int, default=2, help="kvserve replicas (each --num-threads CPUs, default 1)")
+    p.add_argument("--replicas", type=int, default=2, help="kvserve replicas, each of --num-threads CPUs (default: 2 replicas of 1 CPU)")
     p.add_argument("--routing-policy", choices=[n for n in typing.get_args(RoutingPolicyName) if n != "kv_events"],
                    default="cache_aware", help="how requests are spread over the replicas (default: cache_aware)")
     p.set_defaults(func=cmd_ray)
@@ -279,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except KVServeError as exc:

@@ -51,7 +51,9 @@ class InputProcessor:
             if not prompt:
                 raise EmptyPrompt()
             self.check_text_fits(prompt)
-            return self.tokenizer.encode(prompt), prompt
+            token_ids = self.tokenizer.encode(prompt)
+            self.check_ids_in_vocabulary(token_ids)
+            return token_ids, prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 token_ids = prompt["prompt_token_ids"]
@@ -68,6 +70,13 @@ class InputProcessor:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         return token_ids, None
+
+    def check_ids_in_vocabulary(self, token_ids: list[int]) -> None:
+        """A tokenizer may know tokens past the model's embedding rows (added ones); such an id would end the
+        engine at its lookup."""
+        if token_ids and max(token_ids) >= self.vocab_size:
+            raise InvalidRequest(f"the prompt holds token id {max(token_ids)}, which its tokenizer knows and this "
+                                 f"model's vocabulary of {self.vocab_size} does not", "prompt")
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check on its own: token ids against this model's vocabulary."""

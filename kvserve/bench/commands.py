@@ -77,6 +77,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bench_config_from_args(args: argparse.Namespace) -> Any:
+    from kvserve import costs
     from kvserve.bench.client import RequestOptions
     from kvserve.bench.report import parse_slo
     from kvserve.bench.runner import BenchConfig, ComputeOptions
@@ -96,6 +97,8 @@ def bench_config_from_args(args: argparse.Namespace) -> Any:
                               time_scale=args.time_scale)
     options = RequestOptions(model=args.model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
                              temperature=args.temperature, api_key=args.api_key)
+    if args.hardware and args.hardware != "measure":
+        costs.get_hardware(args.hardware)  # a misspelt name refused now, not after the run
     concurrency = args.concurrency
     if args.sweep and args.request_rate is None and concurrency is None:
         concurrency = 1  # a sweep without a mode sweeps concurrency

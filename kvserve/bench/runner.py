@@ -83,10 +83,14 @@ class BenchConfig:
             raise InvalidRequest("give --concurrency or --request-rate, not both", "concurrency")
         if self.concurrency is not None and self.concurrency < 1:
             raise InvalidRequest(f"concurrency must be >= 1, got {self.concurrency}", "concurrency")
-        if self.request_rate is not None and self.request_rate <= 0:
+        if self.request_rate is not None and not (math.isfinite(self.request_rate) and self.request_rate > 0):
             raise InvalidRequest(f"request rate must be > 0, got {self.request_rate}", "request_rate")
         if self.num_requests is not None and self.num_requests < 1:
             raise InvalidRequest(f"num_requests must be >= 1, got {self.num_requests}", "num_requests")
+        if self.duration_s is not None and not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise InvalidRequest(f"duration must be a finite number of seconds > 0, got {self.duration_s}", "duration")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise InvalidRequest(f"max concurrency must be >= 1, got {self.max_concurrency}", "max_concurrency")
 
     @property
     def load_label(self) -> dict[str, Any]:

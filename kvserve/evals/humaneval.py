@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from kvserve.errors import ConfigError
 from kvserve.evals.sandbox import SandboxLimits, run_program
 from kvserve.router.model_policies import confidence
 
@@ -88,6 +90,16 @@ class EvalConfig:
     timeout_s: float = 600.0
     sandbox: SandboxLimits = SandboxLimits()
     stop: tuple[str, ...] = STOP_SEQUENCES  # the completions route's; the chat route takes the reply's code block
+
+    def __post_init__(self) -> None:
+        for name, value in (("concurrency", self.concurrency), ("max_tokens", self.max_tokens)):
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}", name)
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {self.limit}", "limit")
+        if not (math.isfinite(self.sandbox.timeout_s) and self.sandbox.timeout_s > 0):
+            raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {self.sandbox.timeout_s}",
+                              "timeout")
 
 
 @dataclass

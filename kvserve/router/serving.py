@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from kvserve.config import RouterConfig
+from kvserve.errors import ConfigError
 from kvserve.router.gateway import Gateway, build_router_app
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,25 @@ class ReplicaProcesses:
                     "127.0.0.1", "--port", str(port), "--num-threads", str(threads_each)]
             self.procs.append(subprocess.Popen(args, preexec_fn=die_with_parent))
             self.urls.append(f"http://127.0.0.1:{port}")
+
+    def wait_until_listening(self, poll_s: float = 0.25) -> None:
+        """Return once every replica accepts connections (a server listens once its model is loaded, however
+        long that takes); ConfigError as soon as one has exited instead (its own error is on stderr above)."""
+        waiting = dict(enumerate(self.urls))
+        while waiting:
+            for index, url in list(waiting.items()):
+                code = self.procs[index].poll()
+                if code is not None:
+                    raise ConfigError(f"replica {index} ({url}) exited with status {code} before serving; its "
+                                      f"error is above", "replicas")
+                host, port = url.removeprefix("http://").rsplit(":", 1)
+                try:
+                    socket.create_connection((host, int(port)), timeout=1.0).close()
+                    del waiting[index]
+                except OSError:
+                    pass
+            if waiting:
+                time.sleep(poll_s)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for proc in self.procs:

@@ -171,7 +171,8 @@ class ModelRunner:
             for row0 in range(start, stop, PROMPT_LOGPROB_ROWS):  # [rows, vocab] a slice at a time
                 row1 = min(row0 + PROMPT_LOGPROB_ROWS, stop)
                 rows = hidden[first_row + row0 - start: first_row + row1 - start]
-                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                logits = self.model.compute_logits(rows)[:, : self.sampler.vocab_size]  # padded columns: none
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
                 targets = torch.tensor(prompt[row0 + 1: row1 + 1], device=logprobs.device)
                 chosen_values = logprobs.gather(1, targets[:, None])
                 chosen = chosen_values[:, 0].tolist()

@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 ArgMax = Callable[[torch.Tensor], torch.Tensor]
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
-# Repetition penalties are clamped into this range (logits stay finite at any temperature >= 1e-5).
-_MIN_PENALTY, _MAX_PENALTY = 1e-30, 1e30
+# Repetition penalties and temperatures, the logits' divisors, are clamped into this range (logits stay finite at
+# any temperature >= 1e-5).
+_MIN_DIVISOR, _MAX_DIVISOR = 1e-30, 1e30
 
 
 @dataclass(slots=True)
@@ -202,7 +203,9 @@ class Sampler:
         vocab_size = logits.shape[1]
         params = [states[i].params for i in rows]
         x = logits if len(rows) == logits.shape[0] else logits[_index(rows, device)]  # [S, V]
-        x = x / _column([p.temperature for p in params], device)
+        # Clamped as the penalties are: past float32's range a temperature is inf, and -inf / inf (a masked
+        # token) is NaN; 1e30 already flattens any logits to uniform.
+        x = x / _column([p.temperature for p in params], device).clamp_(_MIN_DIVISOR, _MAX_DIVISOR)
         # Each filter runs only when some row uses it; a disabled row passes through it unchanged.
         top_k = top_p = min_p = None
         if any(0 < p.top_k < vocab_size for p in params):
@@ -323,7 +326,7 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
         seen[_token_index(rows, tokens, device, logits.shape[1])] = True
         # Clamped so that a logit divided or multiplied by it, and then divided by any sampling temperature,
         # stays finite in float32 (1e-308 is 0 there); the effect at the bounds is already total.
-        penalty = _column([s.params.repetition_penalty for s in states], device).clamp_(_MIN_PENALTY, _MAX_PENALTY)
+        penalty = _column([s.params.repetition_penalty for s in states], device).clamp_(_MIN_DIVISOR, _MAX_DIVISOR)
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     rows = [
         i

@@ -128,6 +128,10 @@ class _SamplingRequest(_StrictText):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Declared to be refused (vLLM's engine refuses them too): ignored, they would give the client one ordinary
+    # sample where it asked for the best of several, or a beam.
+    best_of: int | None = None
+    use_beam_search: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -145,6 +149,11 @@ class _SamplingRequest(_StrictText):
                                  param="prompt_logprobs")
         if self.n > MAX_N:
             raise InvalidSamplingParams(f"n must be <= {MAX_N}, got {self.n}", param="n")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of is not supported: ask for n samples and keep the best yourself",
+                                 param="best_of")
+        if self.use_beam_search:
+            raise InvalidRequest("use_beam_search: beam search is not supported", param="use_beam_search")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidSamplingParams(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
                                         param="stop")
@@ -248,6 +257,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated spelling of tools: refused by name rather than ignored (the model would see no tools).
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     # vLLM's template controls: with continue_final_message (and add_generation_prompt false) the final
     # message is continued rather than answered: a reply prefilled with its first words. echo puts that
     # message's text before the reply's content where the reply is of its role (as vLLM: without a generation
@@ -276,6 +288,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def sampling_params(self) -> SamplingParams:
+        for legacy in ("functions", "function_call"):
+            if getattr(self, legacy) is not None:
+                raise InvalidRequest(f"{legacy} is OpenAI's deprecated form of tools; send tools and tool_choice",
+                                     param=legacy)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -23,6 +23,7 @@ from kvserve.config_args import (
     server_config_from_args,
 )
 from kvserve.router.ray_serve import KV_CAPACITY_TOKENS, SHARED_KV_GROUP
+from kvserve.router.serving import disk_dir_of_replica
 from kvserve.server.in_process import call_app
 from kvserve.server.serving import SERVE_GIL_SWITCH_INTERVAL_S, build_server
 
@@ -36,9 +37,13 @@ class KVServeReplica:
         parser = argparse.ArgumentParser(prog="kvserve ray")
         add_engine_arguments(parser)
         add_server_arguments(parser)
-        args = parser.parse_args(list(serve_args))
-        self._engine, self._async_engine, self._app = build_server(engine_config_from_args(args),
-                                                                   server_config_from_args(args))
+        # Co-located replicas each take a disk tier directory of their own, by rank: a replacement replica
+        # takes the rank it replaces, and with it the entries that replica wrote.
+        args = parser.parse_args(disk_dir_of_replica(serve_args, _replica_rank()))
+        server_config = server_config_from_args(args)
+        self._engine, self._async_engine, self._app = build_server(engine_config_from_args(args), server_config)
+        # The replica's own calls (describe) carry the key the app requires of every /v1 caller.
+        self._own_headers = {"authorization": f"Bearer {server_config.api_key}"} if server_config.api_key else {}
 
     async def describe(self) -> dict[str, Any]:
         """The served model's name and the tokenizer description the ingress routes with."""
@@ -67,7 +72,7 @@ class KVServeReplica:
             raise RuntimeError(f"the engine loop has stopped: {self._async_engine.dead!r}")
 
     async def _body(self, method: str, path: str) -> bytes:
-        answer = call_app(self._app, method, path)
+        answer = call_app(self._app, method, path, headers=self._own_headers)
         status, _ = await answer.__anext__()
         content = b"".join([chunk async for chunk in answer])  # type: ignore[misc]
         if status != 200:
@@ -79,3 +84,9 @@ class KVServeReplica:
         async_engine = getattr(self, "_async_engine", None)
         if async_engine is not None:
             self._engine.close(persist=async_engine.shutdown())
+
+
+def _replica_rank() -> int:
+    """This replica's rank in its deployment, 0 to N-1 (Ray Serve's ``ReplicaRank``; an int in older Rays)."""
+    rank = serve.get_replica_context().rank
+    return int(getattr(rank, "rank", rank))

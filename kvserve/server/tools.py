@@ -18,7 +18,7 @@ from typing import Any
 from kvserve.errors import InvalidRequest
 from kvserve.request import StructuredOutputsParams
 from kvserve.server import protocol as p
-from kvserve.structured.grammar import check_json_schema
+from kvserve.structured.grammar import MAX_NESTING, check_json_schema, nesting_depth
 from kvserve.structured.tool_calls import ToolCallFormat, ToolChoice, ToolSpec
 from kvserve.tokenizer import message_text
 
@@ -121,9 +121,11 @@ def _call_for_template(call: Any) -> Any:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass  # left as text: the template writes what it was given
+            parsed = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            parsed = None  # left as text: the template writes what it was given
+        if parsed is not None and nesting_depth(parsed) <= MAX_NESTING:  # a template walks it recursively
+            function["arguments"] = parsed
     return {**call, "function": function}
 
 

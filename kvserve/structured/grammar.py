@@ -173,8 +173,40 @@ def json_schema_of(spec: StructuredOutputsParams) -> dict[str, object]:
         schema = json.loads(spec.json)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"{spec.param}: the JSON schema is not valid JSON: {exc}", param=spec.param) from None
+    except RecursionError:
+        schema = None  # deeper than the parser's stack: refused below
+    if schema is None or nesting_depth(schema) > MAX_NESTING:
+        raise InvalidRequest(f"{spec.param}: the JSON schema nests lists and objects more than {MAX_NESTING} "
+                             f"deep", param=spec.param)
     check_json_schema(schema, spec.param)
     return schema
+
+
+def named_for(error: InvalidRequest, spec: StructuredOutputsParams) -> InvalidRequest:
+    """A failed compile's error named for the field ``spec`` came in: compiles are cached by the constraint
+    alone, and another request may have sent the same one in another field."""
+    if error.param is None or error.param == spec.param:
+        return error
+    message = str(error)
+    if message.startswith(f"{error.param}: "):
+        message = f"{spec.param}: {message.removeprefix(f'{error.param}: ')}"
+    return InvalidRequest(message, param=spec.param)
+
+
+# As the request's own JSON values are bounded: what walks a schema (the meta-schema check, the compilers) recurses.
+MAX_NESTING = 100
+
+
+def nesting_depth(value: object) -> int:
+    """How deep lists and objects nest in ``value`` (a scalar: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def check_json_schema(schema: object, param: str) -> None:
@@ -223,7 +255,9 @@ class GrammarCompiler:
             return "llguidance"
         try:
             schema = json.loads(spec.json)
-        except json.JSONDecodeError:  # llguidance's compile says what is wrong with it
+        except (json.JSONDecodeError, RecursionError):  # the compile says what is wrong with it
+            return "llguidance"
+        if nesting_depth(schema) > MAX_NESTING:
             return "llguidance"
         if not enforces_exactly(schema):
             return "llguidance"
@@ -258,6 +292,8 @@ class GrammarCompiler:
             return future.result(timeout=limit)
         except TimeoutError:
             raise self.timeout_error(spec, limit) from None
+        except InvalidRequest as exc:
+            raise named_for(exc, spec) from None
 
     def timeout_error(self, spec: StructuredOutputsParams, limit_s: float) -> GrammarCompileTimeout:
         """The error of a caller that waited ``limit_s`` for ``spec`` (counted)."""

@@ -94,3 +94,29 @@ def test_stretched_rotary_frequencies_match_transformers(tmp_path, family: str, 
         ours = [entry[token] for token, entry in zip(prompt[1:], output.prompt_logprobs[1:], strict=True)]
         theirs = [expected[i, token].item() for i, token in enumerate(prompt[1:])]
         assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
+
+
+def test_prompt_logprobs_leave_out_an_output_projections_padded_rows(tmp_path) -> None:
+    """Rows past the vocabulary (checkpoints pad them) are never sampled; prompt logprobs left them in their
+    normaliser, their ranks and their top tokens. Padded with rows that would win every position: the same
+    prompt logprobs as the unpadded model's."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_tiny_model(tmp_path, "llama", tie=True)
+    padded = tmp_path / "padded"
+    padded.mkdir()
+    for file in model_dir.iterdir():
+        (padded / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(padded / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = torch.cat([embed, 50 * embed[:8]])
+    save_file(tensors, padded / "model.safetensors")
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    def prompt_logprobs(path) -> list:
+        output = LLM(str(path), dtype="float32", enable_prefix_caching=False).generate(
+            [{"prompt_token_ids": PROMPTS[1]}], params)[0]
+        return [{t: round(value, 4) for t, value in entry.items()} if entry else entry
+                for entry in output.prompt_logprobs] + [output.prompt_token_ranks]
+
+    assert prompt_logprobs(padded) == prompt_logprobs(model_dir)

@@ -146,6 +146,38 @@ def test_a_config_error_from_flags_exits_2(capsys) -> None:
     assert "kvserve: error: block_size must be a power of two >= 1, got 12" in capsys.readouterr().err
 
 
+def test_flags_are_taken_by_their_full_names_only(capsys) -> None:
+    """argparse took ``--replica 2`` for ``--replicas 2``; the replicas' argument lists, rewritten by full flag
+    names, then carried it on, and each replica started replicas of its own."""
+    for argv in (["serve", "--replica", "2"], ["serve", "--kv-disk-d", "/tmp/kv"], ["models", "pull", "x", "--qui"],
+                 ["--log-lev", "info", "models", "list"]):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(argv)
+        assert info.value.code == 2
+    assert "unrecognized arguments: --replica 2" in capsys.readouterr().err
+    assert build_parser().parse_args(["--log-level", "info", "models", "list"]).log_level == "INFO"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-level", "verbose", "models", "list"])
+    assert "invalid choice: 'VERBOSE'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "humaneval", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),  # it waited forever
+    (["eval", "humaneval", "--limit", "-3"], "--limit must be >= 1, got -3"),
+    (["eval", "humaneval", "--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),
+    (["bench", "--duration", "nan"], "duration must be a finite number of seconds > 0, got nan"),  # never ended
+    (["bench", "--duration", "0"], "duration must be a finite number of seconds > 0, got 0.0"),
+    (["bench", "--request-rate", "nan"], "request rate must be > 0, got nan"),
+    (["bench", "--max-concurrency", "0"], "max concurrency must be >= 1, got 0"),
+    (["bench", "--hardware", "h100x"], "unknown hardware 'h100x'"),  # found only after the whole run
+])
+def test_eval_and_bench_settings_are_refused_before_any_request(capsys, argv: list[str], message: str) -> None:
+    from kvserve.cli import main
+
+    assert main([*argv, "--base-url", "http://127.0.0.1:9"]) == 2  # a port nothing listens on: never reached
+    assert f"kvserve: error: {message}" in capsys.readouterr().err
+
+
 # --- LLM(...) keywords ---------------------------------------------------------------------------------------
 def test_every_llm_keyword_is_kept_and_unique() -> None:
     keywords = [o.keyword for o in engine_options() if o.keyword is not None]

@@ -621,3 +621,13 @@ def test_ids_past_a_smaller_draft_vocabulary_are_left_out_of_bias_and_penalties(
     assert logits[0].tolist() == [0, 0, 0, 5.0, 0, 0, 0, 0]
     penalised = apply_penalties(torch.ones(1, 8), [s])
     assert penalised[0, 1].item() == 0.5 and penalised[0, 2].item() == 0.5 - 0.5 and penalised[0, 0].item() == 1.0
+
+
+def test_a_temperature_past_float32s_range_samples_the_allowed_tokens_and_keeps_top_k() -> None:
+    """1e300 is finite as a Python float and inf in float32: -inf / inf (EOS held back by min_tokens) was NaN,
+    argmax of the NaN row token 0; and logits / inf all 0, so top_k kept the lowest ids, not the likeliest."""
+    logits = torch.tensor([[5.0, 1.0, 2.0, 9.0, 8.0, 7.0]] * 64)
+    held = Sampler(6)(logits, [state(eos=(3,), temperature=1e300, min_tokens=4, seed=i) for i in range(64)])
+    assert 3 not in held.token_ids and len(set(held.token_ids)) > 2
+    top = Sampler(6)(logits, [state(temperature=1e300, top_k=3, seed=i) for i in range(64)])
+    assert set(top.token_ids) <= {3, 4, 5} and len(set(top.token_ids)) > 1

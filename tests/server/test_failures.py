@@ -92,6 +92,11 @@ BAD_VALUES = [
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
         "[" * 400 + "]" * 400)}}}, "response_format"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    # Ignored, they would give one ordinary sample where the best of several, a beam, or tools were asked for.
+    ("completions", {"best_of": 3}, "best_of"),
+    ("chat", {"use_beam_search": True}, "use_beam_search"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
@@ -119,6 +124,25 @@ def test_deeply_nested_values_anywhere_are_400(base_url) -> None:
         resp = httpx.post(f"{base_url}{path}", content=raw, headers={"Content-Type": "application/json"})
         assert resp.status_code == 400, resp.text
         assert "deep" in resp.json()["error"]["message"]
+    # A schema sent as text nests only once as a value: parsed later, it is held to the same bound.
+    for fields, param in (({"guided_json": deep}, "guided_json"),
+                          ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
+                          ({"structured_outputs": {"json": '{"a": ' + deep + "}"}}, "structured_outputs"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": deep}}},
+                           "response_format.json_schema.schema")):
+        error = assert_error(post(base_url, "completions", {"prompt": "hi", **fields}), 400, param)
+        assert "more than 100 deep" in error["message"]
+    # Tool-call arguments in the history too deep to parse (or to render parsed) are kept as their text: the
+    # deepest then makes a prompt past the context, the other is answered.
+    for arguments, status in (("[" * 100_000 + "]" * 100_000, 400), ("[" * 150 + "]" * 150, 200)):
+        call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        body = {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "1", "content": "ok"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}], "max_tokens": 1}
+        resp = post(base_url, "chat", body)
+        assert resp.status_code == status, resp.text
+        if status == 400:
+            assert resp.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_malformed_json_and_non_object_body(base_url) -> None:
