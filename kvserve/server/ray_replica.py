@@ -3,8 +3,8 @@
 The replica holds the engine in its own process, as ``kvserve serve`` does, and answers the ingress by calling
 the same OpenAI app in-process (server/in_process.py): the routes, validation, errors and streams are the
 server's own, with no socket and no second process between Ray and the engine. Ray places, restarts and
-scales it. Ray is an optional extra (``pip install 'kvserve[ray]'``); nothing else in kvserve imports this
-module but the Ray application's builder (kvserve/ray_app.py).
+scales it. Ray is an optional extra (``pip install -e '.[ray]'`` in the checkout); nothing else in kvserve
+imports this module but the Ray application's builder (kvserve/ray_app.py).
 """
 
 # No ``from __future__ import annotations``: Ray Serve reads the deployment's signatures at run time.

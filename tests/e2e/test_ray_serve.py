@@ -19,7 +19,7 @@ from tests.conftest import free_port
 from tests.server.conftest import ServerProcess
 from tests.support.tiny_models import make_tiny_model
 
-pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: pip install 'kvserve[ray]'")
+pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: pip install -e '.[ray]'")
 pytestmark = pytest.mark.heavy  # a Ray cluster and two engines: minutes on two cores
 
 
