@@ -43,12 +43,13 @@ def _sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvserve.engine import Engine
 
+    params = _sampling_params(args)  # refused before the model loads
     engine = Engine(engine_config_from_args(args))
     prompt = args.prompt
     if not args.raw:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         prompt = {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
-    engine.add_request(prompt, _sampling_params(args))
+    engine.add_request(prompt, params)
     final = None
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -70,8 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from kvserve.engine import Engine
 
+    params = _sampling_params(args)  # refused before the model loads
     engine = Engine(engine_config_from_args(args))
-    params = _sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -109,13 +110,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}", "replicas")
+    server_config = server_config_from_args(args)
+    if server_config.hardware not in (None, "measure"):
+        from kvserve import costs
+
+        try:
+            costs.get_hardware(server_config.hardware)  # a misspelt name found now, not once the model loaded
+        except KVServeError as exc:
+            raise ConfigError(str(exc), "hardware") from None
     if args.replicas > 1:
         return _serve_replicas(args)
     from kvserve.server.openai_api import serve
     from kvserve.server.serving import SERVE_GIL_SWITCH_INTERVAL_S
 
     sys.setswitchinterval(SERVE_GIL_SWITCH_INTERVAL_S)
-    return serve(engine_config_from_args(args), server_config_from_args(args))
+    return serve(engine_config_from_args(args), server_config)
 
 
 def _serve_replicas(args: argparse.Namespace) -> int:

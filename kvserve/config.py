@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
+from urllib.parse import urlsplit
 
 from kvserve.arch import ArchConfig as ArchConfig  # re-exported: the model description lives in kvserve.arch
 from kvserve.errors import ConfigError
@@ -232,6 +233,9 @@ class StorageConfig:
                               "disk_gb")
         if not 0 < self.retention_s < float("inf"):
             raise ConfigError(f"retention_s must be a finite number > 0, got {self.retention_s!r}", "retention_s")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}",
+                              "redis_url")
         if self.write_policy not in ("write_back", "write_through"):
             raise ConfigError(
                 f"write_policy must be 'write_back' or 'write_through', got {self.write_policy!r}", "write_policy"
@@ -488,13 +492,23 @@ class RouterConfig:
                     and not 0.0 <= self.route_threshold <= 1.0:
                 raise ConfigError("random: --route-threshold is the large model's share, in [0, 1]",
                                   "route_threshold")
+        _check_whole(self.port, "port", 0, 65535)
+        if self.route_threshold is not None:
+            if not math.isfinite(self.route_threshold):
+                raise ConfigError(f"route_threshold must be a finite number, got {self.route_threshold}",
+                                  "route_threshold")
+            bounds = {"probe": (0.0, 1.0), "gain": (-1.0, 1.0)}.get(self.model_policy or "")
+            if bounds is not None and not bounds[0] <= self.route_threshold <= bounds[1]:
+                raise ConfigError(f"{self.model_policy}: --route-threshold is a probability"
+                                  f"{' difference' if self.model_policy == 'gain' else ''}, in [{bounds[0]:g}, "
+                                  f"{bounds[1]:g}]", "route_threshold")
         positive = ("health_interval_s", "startup_timeout_s", "request_timeout_s", "max_request_body_bytes",
                     "balance_abs_threshold", "prefix_page_tokens", "prefill_seconds_per_token",
                     "kv_events_interval_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}", name)
-        if self.balance_rel_threshold < 1.0:
+        if not self.balance_rel_threshold >= 1.0:  # NaN too: it would turn the load bound off
             raise ConfigError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}",
                               "balance_rel_threshold")
         if not 0.0 <= self.shared_tier_cost <= 1.0:
@@ -504,7 +518,12 @@ class RouterConfig:
         if self.prefix_capacity_tokens is not None and self.prefix_capacity_tokens < self.prefix_page_tokens:
             raise ConfigError("prefix_capacity_tokens must hold at least one page", "prefix_capacity_tokens")
         for url in self.replicas:
-            if not url.startswith(("http://", "https://")):
+            try:
+                parts = urlsplit(url)
+                port_ok = parts.port is None or parts.port > 0  # .port raises on a port that is not a number
+            except ValueError:
+                parts, port_ok = None, False
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
                 raise ConfigError(f"a replica is a base URL (http://host:port), got {url!r}", "replicas")
 
 

@@ -126,6 +126,9 @@ class Engine:
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.model_path = resolve_model_path(mc.model, pull=mc.pull, show_progress=mc.show_progress)
         self.arch: ArchConfig = read_arch_config(self.model_path)
+        if mc.max_model_len is not None and mc.max_model_len > self.arch.max_position_embeddings:
+            raise InvalidRequest(f"max_model_len {mc.max_model_len} exceeds the model's context length "
+                                 f"{self.arch.max_position_embeddings}", "max_model_len")
         self.fingerprint = model_fingerprint(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
 
@@ -320,11 +323,7 @@ class Engine:
 
     def _resolve_max_model_len(self, pool_tokens: int) -> int:
         model_len = self.arch.max_position_embeddings
-        wanted = self.config.model.max_model_len
-        if wanted is not None and wanted > model_len:
-            raise InvalidRequest(
-                f"max_model_len {wanted} exceeds the model's context length {model_len}", "max_model_len"
-            )
+        wanted = self.config.model.max_model_len  # at most model_len: checked before the weights loaded
         limit = min(wanted or model_len, pool_tokens)
         if limit < (wanted or model_len):
             logger.warning("max_model_len capped at %d tokens: the KV pool holds no more", limit)

@@ -136,7 +136,11 @@ class ModelStore:
         """
         model = self.lookup(name)
         path = self.path_of(model)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ModelPullError(f"cannot use {self.root} as the model store (${MODELS_DIR_ENV} or "
+                                 f"~/.cache/kvserve/models): {exc.strerror or exc}") from None
         with _exclusive(self.root / f".{model.file_name}.lock"):
             if path.is_file() and not force:
                 self.verify(model)

@@ -161,6 +161,15 @@ def test_flags_are_taken_by_their_full_names_only(capsys) -> None:
     assert "invalid choice: 'VERBOSE'" in capsys.readouterr().err
 
 
+def test_settings_are_refused_before_the_model_loads(capsys) -> None:
+    from kvserve.cli import main
+
+    assert main(["generate", "--temperature", "-1", "--model", "/no/such/model.gguf"]) == 2
+    assert "temperature must be a finite number >= 0, got -1.0" in capsys.readouterr().err
+    assert main(["serve", "--hardware", "h100x", "--model", "/no/such/model.gguf"]) == 2
+    assert "unknown hardware 'h100x'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["eval", "humaneval", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),  # it waited forever
     (["eval", "humaneval", "--limit", "-3"], "--limit must be >= 1, got -3"),
@@ -311,6 +320,13 @@ def test_every_option_has_help() -> None:
     ("CacheConfig", "kv_cache_gb", float("inf")),
     ("CacheConfig", "block_size", 16.0),
     ("SchedulerConfig", "max_num_seqs", "8"),
+    ("StorageConfig", "redis_url", "localhost:6379"),  # refused by redis-py once the weights had loaded
+    ("RouterConfig", "port", 70000),  # an OverflowError once every replica had been checked
+    ("RouterConfig", "balance_rel_threshold", float("nan")),  # turned the load bound off
+    ("RouterConfig", "route_threshold", float("nan")),
+    ("RouterConfig", "replicas", ("http://host:abc",)),  # httpx's InvalidURL at the first contact
+    ("RouterConfig", "replicas", ("http://",)),  # "did not answer" after the start-up timeout
+    ("RouterConfig", "replicas", ("http://[::1",)),
 ])
 def test_a_value_that_would_fail_later_is_refused_by_name(config: str, field: str, value: object) -> None:
     """Refused when the configuration is made (before a model loads or a port is bound), naming the field;

@@ -93,6 +93,17 @@ def test_unknown_model_path() -> None:
         LLM("/no/such/model")
 
 
+def test_a_context_past_the_models_is_refused_before_the_weights_load(monkeypatch) -> None:
+    from kvserve import engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights began to load")
+
+    monkeypatch.setattr(engine.Engine, "_load_model", no_loading)
+    with pytest.raises(InvalidRequest, match="max_model_len 999999 exceeds the model's context length 8192"):
+        LLM(max_model_len=999999)
+
+
 def test_truncated_gguf(tmp_path) -> None:
     from kvserve.model.loader import resolve_model_path
 

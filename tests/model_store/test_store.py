@@ -84,6 +84,12 @@ def test_resolve_pulls_only_when_asked(tmp_path: Path, index: Path) -> None:
     assert resolve_model_path("tiny-test", pull=True, show_progress=False, store=store).is_file()
 
 
+def test_a_store_path_that_is_a_file_is_a_pull_error_naming_it(tmp_path: Path, index: Path) -> None:
+    (tmp_path / "models").write_text("not a directory")
+    with pytest.raises(ModelPullError, match="cannot use .*models as the model store"):
+        _store(tmp_path, index, _catalog_model()).pull("tiny-test", show_progress=False)
+
+
 def test_a_hash_mismatch_installs_nothing(tmp_path: Path, index: Path) -> None:
     store = _store(tmp_path, index, _catalog_model(sha256="0" * 64))
     with pytest.raises(ModelPullError, match="pinned to"):
