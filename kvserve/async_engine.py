@@ -28,7 +28,7 @@ from kvserve.engine import Engine, EngineAudit, EngineStats, PromptType
 from kvserve.errors import CapacityError, EngineDeadError, InvalidRequest, KVServeError
 from kvserve.heap import release_free_heap
 from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams, StructuredOutputsParams
-from kvserve.structured.grammar import GrammarCompiler, named_for
+from kvserve.structured.grammar import CompiledGrammar, GrammarCompiler, named_for
 
 logger = logging.getLogger(__name__)
 
@@ -121,15 +121,16 @@ class AsyncEngine:
     def grammars(self) -> GrammarCompiler:
         return self.engine.grammars
 
-    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """Compile a constraint on the compiler's threads while the event loop serves other requests;
-        GrammarCompileTimeout past the limit (the compile goes on, for a retry), InvalidRequest if it fails."""
+        GrammarCompileTimeout past the limit (the compile goes on, for a retry), InvalidRequest if it fails.
+        The caller hands the result to ``generate``: the cache may have dropped it by then."""
         compiler = self.engine.grammars
         future = compiler.submit(spec)
         limit = compiler.config.compile_timeout_s
         try:
             # Shielded: the compile is shared with other requests for the same constraint, and cached.
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
         except TimeoutError:
             raise compiler.timeout_error(spec, limit) from None
         except InvalidRequest as exc:
@@ -137,18 +138,20 @@ class AsyncEngine:
 
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
         """Tokenize and validate without queueing anything: raises the typed error the caller reports. A
-        structured-output constraint must have been compiled first (``compile_grammar``)."""
+        structured-output constraint is compiled apart (``compile_grammar``), its result given to ``generate``."""
         self._check_alive()
-        processed = self.engine.input_processor.process(prompt, params, compiled_before=True)
+        processed = self.engine.input_processor.process(prompt, params, compile_grammar=False)
         return processed.prompt_token_ids, processed.prompt
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iteration early (client gone) aborts the request.
 
         ``prompt_token_ids`` must come from ``prepare`` with the same parameters (``params`` may differ from
-        them only in ``n`` and ``seed``, as the fan-out of n > 1 does): they are not checked again."""
+        them only in ``n`` and ``seed``, as the fan-out of n > 1 does): they are not checked again. ``grammar``:
+        ``compile_grammar``'s result for the request's constraint (without it the engine thread looks it up)."""
         self._check_alive()
         with self._lock:
             if self.max_waiting_requests is not None:
@@ -160,7 +163,7 @@ class AsyncEngine:
             self._num_pending_adds += 1
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._send(_Add(request_id, ProcessedPrompt(prompt_token_ids, prompt, params), stream))
+        self._send(_Add(request_id, ProcessedPrompt(prompt_token_ids, prompt, params, grammar), stream))
         if not self.is_alive:
             # The loop died after the check above, possibly before it could see this stream to fail it:
             # nothing would ever answer it. (A stream registered before the loop sets ``dead`` is failed by it.)

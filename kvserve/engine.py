@@ -345,7 +345,7 @@ class Engine:
         max_total = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
         grammar = processed.grammar
         if grammar is None and params.structured_outputs is not None:
-            # Compiled when the request was processed: this finds it in the compiler's cache.
+            # A caller that compiled it apart and handed nothing over: found in the compiler's cache.
             grammar = self.grammars.compile(params.structured_outputs, count_hit=False)
         order = next(self._ids)
         request = Request(

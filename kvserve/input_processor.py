@@ -23,15 +23,15 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.grammars = grammars
 
-    def process(self, prompt: PromptType, params: SamplingParams, compiled_before: bool = False) -> ProcessedPrompt:
+    def process(self, prompt: PromptType, params: SamplingParams, compile_grammar: bool = True) -> ProcessedPrompt:
         """Check the parameters against this model, tokenise the prompt and check that it fits; compile its
-        structured-output constraint (waiting for it at most the compile timeout). ``compiled_before``: the
-        caller compiled it already (the server does, off its event loop)."""
+        structured-output constraint (waiting for it at most the compile timeout) unless ``compile_grammar`` is
+        False: the caller compiles it apart (the server does, off its event loop)."""
         self.check_params(params)
         token_ids, text = self.tokenize_prompt(prompt)
         self.check_context(len(token_ids), params.max_tokens)
         spec = params.structured_outputs
-        grammar = self.grammars.compile(spec, count_hit=not compiled_before) if spec is not None else None
+        grammar = self.grammars.compile(spec) if spec is not None and compile_grammar else None
         return ProcessedPrompt(token_ids, text, params, grammar)
 
     def check_text_fits(self, text: str) -> None:

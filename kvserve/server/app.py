@@ -43,6 +43,7 @@ from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.server.responses import ResponseBuilder
 from kvserve.server.tools import ToolRequest, template_messages, template_tools, tool_request
+from kvserve.structured.grammar import CompiledGrammar
 from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
@@ -144,15 +145,18 @@ class AppState:
     # --- one request, end to end ----------------------------------------------------------------------------
     async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
                       prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
-                      received_at: float, tool_format: ToolCallFormat | None = None) -> Response:
-        """``tool_format``: the reply may hold tool calls in this format (parsed out of the content)."""
+                      received_at: float, tool_format: ToolCallFormat | None = None,
+                      grammar: CompiledGrammar | None = None) -> Response:
+        """``tool_format``: the reply may hold tool calls in this format (parsed out of the content);
+        ``grammar``: the compiled constraint of ``params``."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.check_queue_fits(len(prompts), params.n, "prompt")
         samples = expand_n(params)  # the first sample of each prompt computes its prompt logprobs
         if body.stream:  # a streamed sample's echo carries its prompt's logprobs in its own first chunk
             samples = [replace(sample, prompt_logprobs=params.prompt_logprobs) for sample in samples]
         children = [
-            EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text)
+            EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text,
+                          grammar=grammar)
             for i, (ids, text) in enumerate(prompts)
             for j, child_params in enumerate(samples)
         ]
@@ -222,8 +226,9 @@ def build_app(
                 params = replace(params, structured_outputs=tools.constraint(tool_format))
             elif (tag := state.single_token_open_tag) is not None:  # tool_choice none: no call is opened
                 params = replace(params, logit_bias=(*params.logit_bias, (tag, -MAX_LOGIT_BIAS)))
+        grammar = None
         if params.structured_outputs is not None:
-            await async_engine.compile_grammar(params.structured_outputs)
+            grammar = await async_engine.compile_grammar(params.structured_outputs)
         try:
             async_engine.check_text_fits(text)
             # The template already holds any BOS token: don't add special tokens twice.
@@ -232,7 +237,7 @@ def build_app(
         except ContextLengthExceeded as exc:
             raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
         parser = tool_format if tools.calls_possible else None
-        return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser)
+        return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser, grammar)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
@@ -249,13 +254,14 @@ def build_app(
                 async_engine.check_text_fits(text)
                 ids = await _off_loop_if_long(text, fim.prompt, tokenizer, str(before), body.suffix)
                 inputs[i] = {"prompt_token_ids": ids}
+        grammar = None
         if params.structured_outputs is not None:
-            await async_engine.compile_grammar(params.structured_outputs)
+            grammar = await async_engine.compile_grammar(params.structured_outputs)
         if len(inputs) > 1:  # a batch is tokenized in one go, off the event loop
             prompts = await asyncio.to_thread(lambda: [async_engine.prepare(prompt, params) for prompt in inputs])
         else:
             prompts = [await _off_loop_if_long(inputs[0], async_engine.prepare, inputs[0], params)]
-        return await state.respond(http, body, prompts, params, False, received_at)
+        return await state.respond(http, body, prompts, params, False, received_at, grammar=grammar)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: p.EmbeddingRequest, http: Request) -> Response:

@@ -18,6 +18,7 @@ from kvserve.errors import KVServeError
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import response_models as rm
 from kvserve.server.metrics import ServerMetrics
+from kvserve.structured.grammar import CompiledGrammar
 from kvserve.structured.tool_calls import ToolCallParser
 
 
@@ -37,6 +38,7 @@ class EngineRequest:
     next_text_offset: int = 0  # completions logprobs: text_offset of the next streamed token
     echoed: bool = False  # a streamed completion with echo: the prompt went out in its first chunk
     tool_parser: ToolCallParser | None = None  # a streamed chat reply that may hold tool calls
+    grammar: CompiledGrammar | None = None  # its constraint's, compiled before it was made
     first_sample: EngineRequest | None = None  # the sample of the same prompt that computed its prompt logprobs
 
 
@@ -71,7 +73,8 @@ class RequestRun:
         """Admit every engine request and wait for each one's first output; raise the first error."""
         engine = self.engine
         self.registry.add(self)
-        gens = [engine.generate(c.prompt_token_ids, c.params, c.request_id, c.prompt) for c in self.children]
+        gens = [engine.generate(c.prompt_token_ids, c.params, c.request_id, c.prompt, c.grammar)
+                for c in self.children]
         firsts_pending = [asyncio.ensure_future(anext(g)) for g in gens]
         try:
             # The first error ends the wait: siblings already admitted are cancelled (which aborts them)

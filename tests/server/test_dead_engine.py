@@ -27,7 +27,7 @@ class PassThroughInputs:
     def __init__(self) -> None:
         self.num_calls = 0
 
-    def process(self, prompt: object, params: SamplingParams, compiled_before: bool = False) -> ProcessedPrompt:
+    def process(self, prompt: object, params: SamplingParams, compile_grammar: bool = True) -> ProcessedPrompt:
         self.num_calls += 1
         if isinstance(prompt, dict):
             prompt = prompt["prompt_token_ids"]

@@ -21,7 +21,7 @@ class QueueFullAfterOne:
         self.aborted: list[str] = []
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator:
+                       prompt: str | None = None, grammar: object = None) -> AsyncIterator:
         if request_id.endswith("-1"):
             raise CapacityError("the waiting queue is full")
         try:
@@ -64,7 +64,7 @@ class TwoSamplesTenSteps:
     """Two engine requests that produce ten tokens each, one a step, faster than anyone reads them."""
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator:
+                       prompt: str | None = None, grammar: object = None) -> AsyncIterator:
         for n in range(1, 11):
             yield output(request_id, list(range(n)), 1, finished=n == 10)
 
@@ -117,7 +117,7 @@ def test_an_embedding_input_the_queue_refuses_is_that_error_and_the_others_stop(
     cancelled: list[str] = []
 
     class FullAfterOne:
-        async def generate(self, ids, params, request_id, text=None):
+        async def generate(self, ids, params, request_id, text=None, grammar=None):
             if request_id.endswith("-1"):
                 raise CapacityError("the waiting queue is full")
             started.append(request_id)
