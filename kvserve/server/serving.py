@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from kvserve.async_engine import AsyncEngine
 from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine import Engine
+from kvserve.errors import ConfigError
 from kvserve.server.app import AppState, build_app
 from kvserve.server.live_stats import compute_model
 
@@ -81,9 +82,28 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig) -> tu
     return engine, async_engine, app
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: connections are refused until the server runs), so
+    that an address in use is found before the model loads, not minutes later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", "port") from None
+    return sock
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Load the model, start the engine thread and serve until SIGTERM/SIGINT. Returns the exit status."""
-    engine, async_engine, app = build_server(engine_config, server_config)
+    sock = bound_socket(server_config.host, server_config.port)
+    try:
+        engine, async_engine, app = build_server(engine_config, server_config)
+    except BaseException:
+        sock.close()
+        raise
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level=server_config.uvicorn_log_level,
                                lifespan="off", timeout_graceful_shutdown=2)
@@ -91,8 +111,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logger.info("serving %s on http://%s:%d", served_name(engine, server_config), server_config.host,
                 server_config.port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.close(persist=async_engine.shutdown())
     return 0 if server.started else 1
 

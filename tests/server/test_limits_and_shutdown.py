@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import sys
 import time
 
 import httpx
@@ -135,3 +137,22 @@ def test_sigterm_refuses_new_requests_drains_and_exits_0(limited) -> None:
     assert '"finish_reason":"abort"' in lines[-2]
     assert GRACE_S - 0.5 <= drained_after <= GRACE_S + 5
     assert limited.proc.wait(timeout=20) == 0, limited.log_tail()
+
+
+def test_an_address_in_use_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:
+    """The socket is bound first (vLLM does the same): a port in use was found only once the weights had
+    loaded, minutes later for a large model."""
+    from kvserve import engine
+    from kvserve.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model began to load")
+
+    monkeypatch.setattr(engine.Engine, "__init__", no_loading)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda interval: None)  # serve's, for this process's GIL
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(taken.getsockname()[1])]) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
