@@ -143,9 +143,11 @@ def _serve_replicas(args: argparse.Namespace) -> int:
                                        host=server_config.host, port=server_config.port,
                                        replica_api_key=server_config.api_key,
                                        max_request_body_bytes=server_config.max_request_body_bytes,
-                                       uvicorn_log_level=server_config.uvicorn_log_level))
+                                       uvicorn_log_level=server_config.uvicorn_log_level,
+                                       shutdown_grace_period_s=server_config.shutdown_grace_period_s))
     finally:
-        replicas.stop()
+        # The replicas drain as long as the gateway did (they took the same --shutdown-grace-period).
+        replicas.stop(timeout_s=server_config.shutdown_grace_period_s + 10)
 
 
 def cmd_ray(args: argparse.Namespace) -> int:

@@ -462,6 +462,8 @@ class RouterConfig:
     replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
                                                   "models, load); requests pass on their client's key")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
+    shutdown_grace_period_s: float = setting(5.0, "seconds requests in flight get to finish after SIGTERM before "
+                                                  "their connections are closed", flag="--shutdown-grace-period")
     model_policy: ModelPolicyName | None = setting(
         None, "route requests for --auto-model to --small-model or --large-model by difficulty: random (a share "
               "--route-threshold to the large), length (prompts longer than --route-threshold tokens to the large), "
@@ -493,6 +495,7 @@ class RouterConfig:
                 raise ConfigError("random: --route-threshold is the large model's share, in [0, 1]",
                                   "route_threshold")
         _check_whole(self.port, "port", 0, 65535)
+        _check_finite(self.shutdown_grace_period_s, "shutdown_grace_period_s", 0)
         if self.route_threshold is not None:
             if not math.isfinite(self.route_threshold):
                 raise ConfigError(f"route_threshold must be a finite number, got {self.route_threshold}",

@@ -43,7 +43,8 @@ async def _serve(config: RouterConfig) -> int:
         await gateway.start()
         app = build_router_app(gateway)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, lifespan="off",
-                                        log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
+                                        log_level=config.uvicorn_log_level,
+                                        timeout_graceful_shutdown=config.shutdown_grace_period_s))
         logger.info("routing on http://%s:%d to %s (%s)", config.host, config.port, ", ".join(config.replicas),
                     config.policy)
         await server.serve()
