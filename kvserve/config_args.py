@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -262,3 +263,14 @@ def _default_text(option: Option) -> str:
     if value is None:
         return "—"
     return f"`{value}`" if value != "" else '`""`'
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """ConfigError naming ``flag`` unless a file can be written at ``path`` (None: nothing asked for): checked
+    before a run whose results would otherwise be lost at its end."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: not a file that can be written (its directory must exist and be "
+                          f"writable)", flag.removeprefix("--").replace("-", "_"))

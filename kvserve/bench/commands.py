@@ -7,12 +7,14 @@ building the parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.config_args import check_output_file
 from kvserve.errors import InvalidRequest
 
 # --------------------------------------------------------------------------------------------------
@@ -140,9 +142,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from kvserve.bench.report import format_sweep, format_table
     from kvserve.bench.runner import run_bench, run_sweep
 
+    if args.plot_dir and importlib.util.find_spec("matplotlib") is None:
+        raise InvalidRequest("--plot-dir and --compare draw with matplotlib: pip install matplotlib", "plot_dir")
     if args.compare:
         return run_compare_plots(args.compare, args.plot_dir)
     config = bench_config_from_args(args)
+    check_output_file(args.output, "--output")
     if args.sweep:
         try:
             values = [float(v) for v in args.sweep.split(",") if v.strip()]

@@ -317,12 +317,13 @@ def run_sweep(config: BenchConfig, values: list[float]) -> list[dict[str, Any]]:
     Each point uses seed + its index, so a point's conversations are not exact repeats of the previous
     point's (which the server would have cached); the agentic system prompt is shared by all points.
     """
-    results = []
+    points = []  # every point's configuration checked before the first runs
     for index, value in enumerate(values):
         workload = replace(config.workload, seed=config.workload.seed + index)
         if config.request_rate is not None:
-            point = replace(config, workload=workload, request_rate=float(value))
+            points.append(replace(config, workload=workload, request_rate=float(value)))
+        elif not float(value).is_integer():
+            raise InvalidRequest(f"a concurrency sweep takes whole numbers, got {value}", "sweep")
         else:
-            point = replace(config, workload=workload, concurrency=int(value))
-        results.append(run_bench(point))
-    return results
+            points.append(replace(config, workload=workload, concurrency=int(value)))
+    return [run_bench(point) for point in points]

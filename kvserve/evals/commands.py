@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvserve.config_args import check_output_file
 from kvserve.errors import ConfigError
 from kvserve.evals.humaneval import Completion, EvalConfig, evaluate
 from kvserve.evals.sandbox import SandboxLimits
@@ -57,6 +58,7 @@ def _add_benchmark_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
+    check_output_file(args.out, "--out")
     if args.eval_command == "train-probe":
         return _train_probe(args)
     config = EvalConfig(args.base_url.rstrip("/"), args.model, args.max_tokens, args.concurrency, args.chat,

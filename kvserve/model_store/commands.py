@@ -4,9 +4,12 @@ command line."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
+from kvserve.config_args import check_output_file
+from kvserve.errors import ConfigError
 from kvserve.model_store.store import ModelStore
 
 
@@ -56,6 +59,9 @@ def _write_token_map(store: ModelStore, args: argparse.Namespace) -> int:
     from kvserve.model_store.token_map import TokenMap, corpus_texts
     from kvserve.tokenizer import Tokenizer
 
+    check_output_file(str(args.output), "--output")
+    if not (args.max_mb > 0 and math.isfinite(args.max_mb)):
+        raise ConfigError(f"--max-mb must be a finite number > 0, got {args.max_mb}", "max_mb")
     path = Path(args.name) if Path(args.name).exists() else store.resolve(args.name, pull=False)
     missing = [str(p) for p in args.corpus if not p.exists()]
     if missing:

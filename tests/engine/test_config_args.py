@@ -179,6 +179,12 @@ def test_settings_are_refused_before_the_model_loads(capsys) -> None:
     (["bench", "--request-rate", "nan"], "request rate must be > 0, got nan"),
     (["bench", "--max-concurrency", "0"], "max concurrency must be >= 1, got 0"),
     (["bench", "--hardware", "h100x"], "unknown hardware 'h100x'"),  # found only after the whole run
+    (["bench", "--output", "/no/such/dir/x.json"], "--output /no/such/dir/x.json: not a file that can be written"),
+    (["bench", "--sweep", "1,4,0"], "concurrency must be >= 1, got 0"),  # after two points had run
+    (["bench", "--sweep", "2.5"], "a concurrency sweep takes whole numbers, got 2.5"),  # ran 2
+    (["bench", "--sweep", "1,nan"], "a concurrency sweep takes whole numbers, got nan"),
+    (["bench", "--request-rate", "1", "--sweep", "1,nan"], "request rate must be > 0, got nan"),
+    (["eval", "humaneval", "--out", "/no/such/dir/x.json"], "--out /no/such/dir/x.json: not a file"),
 ])
 def test_eval_and_bench_settings_are_refused_before_any_request(capsys, argv: list[str], message: str) -> None:
     from kvserve.cli import main
