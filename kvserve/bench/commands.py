@@ -54,7 +54,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--concurrency", type=int, default=None, help="closed loop: sessions in flight")
     mode.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson requests per second")
     g.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
-    g.add_argument("--num-requests", type=int, default=None, help="stop after this many (default 64)")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="stop after this many (default: a replayed trace's length, none with --duration, else 64)")
     g.add_argument("--duration", type=float, default=None, help="start no request after this many seconds")
     g.add_argument("--sweep", default=None, help="comma-separated loads, one run each: concurrencies, or request "
                    "rates when --request-rate is given (its own value is then replaced by each of these)")

@@ -69,7 +69,7 @@ class _Loader:
 
     @staticmethod
     def _build() -> CpuKernels | None:
-        if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        if os.environ.get("KVSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
             return None
         try:
             from torch.utils.cpp_extension import load

@@ -729,3 +729,11 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(name, heads, kv_heads
     assert cascade_steps == 2
     kept = [attention.kept_prefix(meta.decode_prefix_key) for attention in stack.attentions]
     assert all((packing is not None) == (name == "amx") for packing in kept)  # only AMX keeps packed keys
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
+def test_the_environment_turns_the_kernels_off_in_any_usual_spelling(monkeypatch, value: str) -> None:
+    from kvserve.model.cpu_kernels import _Loader
+
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS", value)
+    assert _Loader().get() is None  # a fresh loader: nothing built or loaded
