@@ -255,6 +255,16 @@ def run_cost_command(args: argparse.Namespace) -> int:
     from kvserve import costs
     from kvserve.bench.model_presets import load_arch
 
+    batch_sizes = _positive_list(args.batch_sizes, "batch_sizes", int)
+    days = _positive_list(args.days, "days", float)
+    for name in ("context", "num_gpus"):
+        if getattr(args, name) < 1:
+            raise InvalidRequest(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", name)
+    for name in ("weight_bytes", "kv_bytes"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise InvalidRequest(f"--{name.replace('_', '-')} must be a finite number > 0", name)
+    if args.from_bench and not Path(args.from_bench).is_file():
+        raise InvalidRequest(f"--from-bench {args.from_bench}: no such file", "from_bench")
     out: list[str] = []
     if args.measure_peak:
         hw = costs.measure_peak()
@@ -271,15 +281,25 @@ def run_cost_command(args: argparse.Namespace) -> int:
     else:
         shape = load_arch(args.model)
         hardware = costs.get_hardware(args.hardware) if args.hardware else None
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
         out.append(model_report(shape, args.context, batch_sizes, hardware, args.weight_bytes, args.kv_bytes))
         lifecycle = _lifecycle_from_args(args, shape)
         if lifecycle is not None:
-            out.append(lifecycle_report(lifecycle, [float(d) for d in args.days.split(",")]))
+            out.append(lifecycle_report(lifecycle, days))
         if args.gpu_hour_price is not None:
             out.append(_price_from_args(args, shape, hardware))
     print("\n\n".join(out))
     return 0
+
+
+def _positive_list(text: str, name: str, kind: type[int] | type[float]) -> list[Any]:
+    """A comma-separated flag's values, each a finite number > 0 (whole where ``kind`` is int)."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise InvalidRequest(f"--{name.replace('_', '-')} takes comma-separated numbers > 0, got {text!r}", name)
+    return values
 
 
 def model_report(shape: Any, context: int, batch_sizes: list[int], hardware: Any, weight_bytes: float,

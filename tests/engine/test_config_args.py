@@ -161,6 +161,21 @@ def test_flags_are_taken_by_their_full_names_only(capsys) -> None:
     assert "invalid choice: 'VERBOSE'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-sizes", "x"], "--batch-sizes takes comma-separated numbers > 0, got 'x'"),  # a traceback before
+    (["--batch-sizes", "0"], "--batch-sizes takes comma-separated numbers > 0, got '0'"),  # $0 per token
+    (["--days", "x"], "--days takes comma-separated numbers > 0"),
+    (["--context", "-5"], "--context must be >= 1, got -5"),
+    (["--num-gpus", "0"], "--num-gpus must be >= 1, got 0"),
+    (["--from-bench", "/no/such/bench.json"], "--from-bench /no/such/bench.json: no such file"),
+])
+def test_cost_settings_are_refused_by_name(capsys, argv: list[str], message: str) -> None:
+    from kvserve.cli import main
+
+    assert main(["cost", *argv]) == 2
+    assert f"kvserve: error: {message}" in capsys.readouterr().err
+
+
 def test_settings_are_refused_before_the_model_loads(capsys) -> None:
     from kvserve.cli import main
 
