@@ -33,7 +33,9 @@ def _check_finite(value: object, name: str, minimum: float, above: bool = False)
             or value < minimum or (above and value == minimum)):
         raise ConfigError(f"{name} must be {'>' if above else '>='} {minimum} (a finite number), got {value!r}", name)
 
-DType = Literal["float32", "bfloat16", "float16"]
+# vLLM's spellings too: auto (kvserve's default, bfloat16), half and float; ModelConfig keeps the names above.
+DType = Literal["float32", "bfloat16", "float16", "auto", "half", "float"]
+_DTYPE_ALIASES = {"auto": "bfloat16", "half": "float16", "float": "float32"}
 Quantization = Literal["auto", "gguf", "none"]
 # A draft's also "q4_0": its matrices held in wider types quantised again to Q4_0 at load.
 DraftQuantization = Literal["auto", "gguf", "none", "q4_0"]
@@ -96,6 +98,22 @@ def duration_seconds(text: str) -> float:
     return seconds
 
 
+_COUNT_UNITS = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def token_count(text: str) -> int:
+    """A whole number of tokens, in vLLM's spelling too: 32k is 32,000, 32K is 32,768, 25.6k is 25,600."""
+    value = text.strip()
+    scale = _COUNT_UNITS.get(value[-1:])
+    try:
+        count = float(value[:-1] if scale else value) * (scale or 1)
+    except ValueError:
+        raise ConfigError(f"not a number of tokens: {text!r} (try 4096, 32k or 32K)") from None
+    if not count.is_integer():
+        raise ConfigError(f"a number of tokens must be whole, got {text!r}")
+    return int(count)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which weights to load and how. ``model=None`` means the default SmolLM2-135M-Instruct GGUF."""
@@ -118,8 +136,9 @@ class ModelConfig:
                 "int8 for the known models whose quality with it is checked (`kvserve models list`), int16 for "
                 "any other file. int8 needs AVX512-VNNI; elsewhere int16")
     device: str = setting("auto", "auto, cpu or cuda (auto picks CUDA when available, else CPU)")
-    max_model_len: int | None = setting(None, "longest prompt plus output, in tokens (default: the model's own "
-                                              "context length, capped by the KV pool)")
+    max_model_len: int | None = setting(None, "longest prompt plus output, in tokens: 4096, 32k (32,000) or 32K "
+                                              "(32,768) (default: the model's own context length, capped by the "
+                                              "KV pool)", parse=token_count)
     seed: int = setting(0, "seed of the sampler")
     num_threads: int | None = setting(None, "CPU threads for torch (default: torch's own choice)")
     cpu_kernels: bool = setting(True, "C++ CPU kernels for decode attention, the bf16 projections and the norms "
@@ -129,6 +148,9 @@ class ModelConfig:
                                   flag=None)
 
     def __post_init__(self) -> None:
+        if self.dtype not in get_args(DType):
+            raise ConfigError(f"dtype must be one of {', '.join(get_args(DType))}, got {self.dtype!r}", "dtype")
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))  # frozen: set once, here
         if self.quantization not in get_args(Quantization):  # a draft's may also be "q4_0"; a model's not
             raise ConfigError(f"quantization must be 'auto', 'gguf' or 'none', got {self.quantization!r}",
                               "quantization")
@@ -390,6 +412,9 @@ def speculative_config_from_json(text: str) -> SpeculativeConfig:
         raise ConfigError(f"--speculative-config is not JSON: {exc}", "speculative_config") from None
     if not isinstance(values, dict):
         raise ConfigError("--speculative-config must be a JSON object", "speculative_config")
+    if "method" not in values and values.get("model") is not None:  # vLLM infers the method from the model
+        values = ({k: v for k, v in values.items() if k != "model"} | {"method": "ngram"}
+                  if values["model"] == "[ngram]" else values | {"method": "draft_model"})
     return config_from_dict(SpeculativeConfig, values, "speculative")
 
 

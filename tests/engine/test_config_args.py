@@ -357,3 +357,23 @@ def test_a_value_that_would_fail_later_is_refused_by_name(config: str, field: st
     with pytest.raises(ConfigError) as error:
         getattr(module, config)(**{field: value})
     assert error.value.param == field
+
+
+def test_vllm_spellings_of_dtype_context_length_and_speculation_are_taken() -> None:
+    """A vLLM command line's --dtype auto / half / float, --max-model-len 32k and a --speculative-config naming
+    a draft model without its method were refused."""
+    from kvserve.config import ModelConfig, speculative_config_from_json
+
+    assert [ModelConfig(dtype=d).dtype for d in ("auto", "half", "float", "bfloat16")] == [
+        "bfloat16", "float16", "float32", "bfloat16"]
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        ModelConfig(dtype="fp8")
+    lengths = {text: engine_config_from_args(parse("serve", "--max-model-len", text)).model.max_model_len
+               for text in ("4096", "32k", "32K", "25.6k", "1M")}
+    assert lengths == {"4096": 4096, "32k": 32_000, "32K": 32_768, "25.6k": 25_600, "1M": 1 << 20}
+    for bad in ("1.5", "abc", "0.5k1"):
+        with pytest.raises(SystemExit):
+            parse("serve", "--max-model-len", bad)
+    assert speculative_config_from_json('{"model": "qwen2.5-coder-0.5b"}').method == "draft_model"
+    ngram = speculative_config_from_json('{"model": "[ngram]", "prompt_lookup_max": 3}')
+    assert ngram.method == "ngram" and ngram.model is None
