@@ -509,7 +509,12 @@ class RouterConfig:
     route_seed: int = setting(0, "random: the seed of its choices")
 
     def __post_init__(self) -> None:
-        if self.model_policy is not None:
+        if self.model_policy is None:
+            given = [name for name in ("small_model", "large_model", "probe_path", "route_threshold")
+                     if getattr(self, name) is not None]
+            if given:  # each would be ignored: no request is routed by difficulty without a policy
+                raise ConfigError(f"{given[0]} routes by difficulty: it needs --model-policy", given[0])
+        else:
             if not self.small_model or not self.large_model or self.small_model == self.large_model:
                 raise ConfigError("--model-policy needs --small-model and --large-model, two different models",
                                   "model_policy")

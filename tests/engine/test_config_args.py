@@ -344,10 +344,11 @@ def test_every_option_has_help() -> None:
     ("StorageConfig", "redis_url", "localhost:6379"),  # refused by redis-py once the weights had loaded
     ("RouterConfig", "port", 70000),  # an OverflowError once every replica had been checked
     ("RouterConfig", "balance_rel_threshold", float("nan")),  # turned the load bound off
-    ("RouterConfig", "route_threshold", float("nan")),
     ("RouterConfig", "replicas", ("http://host:abc",)),  # httpx's InvalidURL at the first contact
     ("RouterConfig", "replicas", ("http://",)),  # "did not answer" after the start-up timeout
     ("RouterConfig", "replicas", ("http://[::1",)),
+    ("RouterConfig", "small_model", "qwen2.5-coder-0.5b"),  # ignored without --model-policy
+    ("RouterConfig", "route_threshold", 0.5),
 ])
 def test_a_value_that_would_fail_later_is_refused_by_name(config: str, field: str, value: object) -> None:
     """Refused when the configuration is made (before a model loads or a port is bound), naming the field;
@@ -377,3 +378,16 @@ def test_vllm_spellings_of_dtype_context_length_and_speculation_are_taken() -> N
     assert speculative_config_from_json('{"model": "qwen2.5-coder-0.5b"}').method == "draft_model"
     ngram = speculative_config_from_json('{"model": "[ngram]", "prompt_lookup_max": 3}')
     assert ngram.method == "ngram" and ngram.model is None
+
+
+@pytest.mark.parametrize("policy, threshold, message", [
+    ("cascade", float("nan"), "route_threshold must be a finite number, got nan"),
+    ("probe", 1.5, r"probe: --route-threshold is a probability, in \[0, 1\]"),
+    ("gain", -2.0, r"gain: --route-threshold is a probability difference, in \[-1, 1\]"),
+])
+def test_a_route_threshold_outside_its_policys_range_is_refused(policy: str, threshold: float, message: str) -> None:
+    from kvserve.config import RouterConfig
+
+    with pytest.raises(ConfigError, match=message):
+        RouterConfig(model_policy=policy, small_model="a", large_model="b", probe_path="p", route_threshold=threshold)
+
