@@ -7,8 +7,11 @@ from collections.abc import Sequence
 from kvserve.tokenizer import Tokenizer
 
 # Prompt tokens decoded in front of the output so that the first output token decodes in context
-# (SentencePiece drops the leading space of a sequence's first token).
+# (SentencePiece drops the leading space of a sequence's first token): at least the first, more where the
+# context would otherwise begin inside a character (byte-fallback vocabularies decode a run of byte tokens
+# together, so a stray leading byte would corrupt the output's first character), at most the second.
 _PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 _TRIM_AFTER = 64  # drop consumed ids once this many precede the decode window
 
 
@@ -39,9 +42,11 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop_str_in_output
-        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        # A prompt that ends inside a character leaves its last tokens unread: the output's first tokens
+        # complete that character, and the text is theirs (as tokenizers' DecodeStream gives it).
+        self._read_offset = len(self._ids) - self._incomplete_tail(self._ids)
         self._text = ""  # output text decoded so far, complete characters only, cut at a stop string
         self._num_emitted = 0  # characters of _text already returned as deltas
         self._finished = False
@@ -62,17 +67,42 @@ class IncrementalDetokenizer:
         return self._append(self._decode_pending(final=False), final=False, check_stop=check_stop)
 
     def flush(self) -> str:
-        """At the end of the request: everything still held back (nothing once a stop string matched)."""
+        """At the end of the request: everything still held back (nothing once a stop string matched). A
+        character the output ends inside of is left out (as vLLM does), never shown as U+FFFD."""
         if self.stopped is not None or self._finished:
             return ""
         self._finished = True
         return self._append(self._decode_pending(final=True), final=True)
 
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The shortest tail of the prompt, of at least _PROMPT_CONTEXT_TOKENS, that begins a character."""
+        for size in range(_PROMPT_CONTEXT_TOKENS, min(len(prompt_token_ids), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+            first = self._tokenizer.token_bytes(prompt_token_ids[-size])
+            if first and not _is_continuation(first[0]):
+                return list(prompt_token_ids[-size:])
+        return list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+
+    def _incomplete_tail(self, ids: Sequence[int]) -> int:
+        """How many of ``ids``' last tokens hold a character their bytes do not finish (0: none)."""
+        pieces = [self._tokenizer.token_bytes(i) for i in ids[-4:]]  # a character has at most four bytes
+        data = b"".join(pieces)
+        lead = next((i for i in range(len(data) - 1, -1, -1) if not _is_continuation(data[i])), None)
+        if lead is None or len(data) - lead >= _utf8_length(data[lead]):
+            return 0
+        end = len(data)
+        for count, piece in enumerate(reversed(pieces), start=1):  # back to the token holding the lead byte
+            end -= len(piece)
+            if end <= lead:
+                return count
+        return 0
+
     def _decode_pending(self, final: bool) -> str:
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
         full_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
-        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
+        if final:  # the text before a character the output ends inside of; that character left out
+            full_text = full_text.rstrip("\ufffd")
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""  # nothing new, or a character is still incomplete
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
@@ -123,3 +153,14 @@ class IncrementalDetokenizer:
                     longest = length
                     break
         return longest
+
+
+def _is_continuation(byte: int) -> bool:
+    """A UTF-8 byte that continues a character (0b10xxxxxx), never begins one."""
+    return 0x80 <= byte < 0xC0
+
+
+def _utf8_length(lead: int) -> int:
+    """The bytes of the character a UTF-8 lead byte begins."""
+    return 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+

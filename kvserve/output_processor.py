@@ -55,7 +55,8 @@ class OutputProcessor:
         detok = self._detokenizers[request.request_id]
         new_ids = request.all_token_ids[request.num_tokens - num_new :]
         # One token at a time (a step may bring accepted drafts), so a stop string ends the output where
-        # plain decoding would. Stop strings count only from min_tokens on (as in vLLM).
+        # plain decoding would. Stop strings count only once the output is past min_tokens, where a stop token
+        # may also end it (as in vLLM).
         num_before = request.num_output_tokens - num_new
         min_tokens = request.sampling_params.min_tokens
         # The token that ends the output (EOS, a stop token id) stays in its token ids but not in its text,
@@ -64,7 +65,7 @@ class OutputProcessor:
                          and not request.sampling_params.include_stop_str_in_output)
         delta = ""
         for i, token_id in enumerate(new_ids[:-1] if on_stop_token else new_ids):
-            delta += detok.add_tokens([token_id], check_stop=num_before + i + 1 >= min_tokens)
+            delta += detok.add_tokens([token_id], check_stop=num_before + i + 1 > min_tokens)
             if detok.stopped is not None:
                 new_ids = new_ids[: i + 1]
                 break

@@ -357,6 +357,8 @@ class Tokenizer:
         )
         if tools is not None:
             context["tools"] = tools
+        for name in ("tools", "documents"):  # defined, as transformers passes them: a template may test `is none`
+            context.setdefault(name, None)
         try:
             text = template.render(**context)
         except jinja2.TemplateError as e:

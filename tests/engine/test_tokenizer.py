@@ -206,6 +206,23 @@ def test_template_errors_and_missing_template(tmp_path: Path, tok: Tokenizer) ->
         Tokenizer.from_model_path(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_tools_and_documents_are_defined_without_them_as_transformers_defines_them(tmp_path: Path,
+                                                                                  tok: Tokenizer) -> None:
+    """A template testing ``tools is not none`` rendered its tools block for a request without tools."""
+    tok.save(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = ("{% if tools is not none %}[TOOLS {{ tools | length }}]{% endif %}"
+                               "{% if documents is not none %}[DOCS]{% endif %}"
+                               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config_path.write_text(json.dumps(config))
+    custom = Tokenizer.from_model_path(tmp_path)
+    assert custom.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=False) == "Hi"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert custom.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=False,
+                                      tools=[tool]) == "[TOOLS 1]Hi"
+
+
 def test_save_and_reload_round_trip(tmp_path: Path, tok: Tokenizer) -> None:
     tok.save(tmp_path)
     again = Tokenizer.from_model_path(tmp_path)
@@ -358,11 +375,49 @@ def test_deltas_concatenate_property(tok: Tokenizer, text: str, chunk: int) -> N
     ids = tok.encode(text, add_special_tokens=False)
     deltas, _ = _stream(tok, ids, chunk=chunk, skip_special_tokens=False)
     full = tok.decode(ids, skip_special_tokens=False)
-    assert "".join(deltas) == full
+    # A character the output ends inside of is left out, never shown as U+FFFD (as vLLM).
+    assert "".join(deltas) == full.rstrip("\ufffd")
     # SmolLM2's vocabulary lacks 21 byte tokens (0xC0, 0xF1, 0x04, ...): text using them loses bytes
     # and decodes with U+FFFD. Otherwise no delta may carry one.
     if "\ufffd" not in full:
         assert not any("\ufffd" in d for d in deltas)
+
+
+def _real_tokenizer(name: str) -> Tokenizer:
+    from tests.e2e.conftest import installed_model
+
+    return Tokenizer.from_model_path(installed_model(name))
+
+
+def _streamed(tok: Tokenizer, prompt: list[int], output: list[int]) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add_tokens([token]) for token in output]
+    deltas.append(detok.flush())
+    return deltas, detok
+
+
+def test_a_prompt_context_never_begins_inside_a_character() -> None:
+    """Gemma's byte-fallback vocabulary decodes a run of byte tokens together: five prompt tokens of context
+    began inside the prompt's last character, and the whole run, the output's first character with it,
+    decoded as U+FFFD."""
+    tok = _real_tokenizer("gemma-3-270m")
+    prompt = tok.encode("Write: 𝔘𝔘")  # each 𝔘 four byte tokens
+    output = tok.encode("𝔫 ok", add_special_tokens=False)
+    deltas, detok = _streamed(tok, prompt, output)
+    assert "".join(deltas) == detok.text == tok.decode(output) == "𝔫 ok"
+
+
+def test_an_output_ending_inside_a_character_leaves_it_out_and_keeps_the_text_before() -> None:
+    """U+FFFD ended the text of an output cut inside a character (max_tokens, a stop token); and where the
+    prompt ends inside one, the output that completes it has it, with the rest of the unfinished token's text
+    (here the space before the emoji), as tokenizers' DecodeStream gives it."""
+    tok = _real_tokenizer("qwen2.5-coder-0.5b")
+    party = tok.encode(" ok 🎉", add_special_tokens=False)  # the emoji is three byte-level tokens
+    deltas, detok = _streamed(tok, tok.encode("Say"), party[:-1])
+    assert "".join(deltas) == detok.text == " ok "
+    prompt = tok.encode("Say:") + party[:-2]  # token ids cut inside the emoji
+    deltas, detok = _streamed(tok, prompt, [party[-2], party[-1], *tok.encode(" yes", add_special_tokens=False)])
+    assert "".join(deltas) == detok.text == " 🎉 yes"
 
 
 def test_stop_string_split_across_tokens(tok: Tokenizer) -> None:
