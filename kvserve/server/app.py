@@ -305,11 +305,20 @@ def build_app(
         text = tokenizer.decode(body.tokens, skip_special_tokens=False)
         return JSONResponse({"prompt": text})
 
+    def model_card() -> rm.ModelCard:
+        return rm.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
+                            max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = rm.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
-                           max_model_len=state.max_model_len)
-        return Response(rm.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        return Response(rm.ModelList(data=[model_card()]).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """One model's card (OpenAI's ``models.retrieve``); a name this server does not serve is a 404."""
+        if model_id != state.model_name:
+            raise ModelNotFound(f"the model '{model_id}' does not exist; this server serves '{state.model_name}'")
+        return Response(model_card().model_dump_json(), media_type="application/json")
 
     @app.get("/kvserve/info")
     async def replica_info() -> Response:

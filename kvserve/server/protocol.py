@@ -333,6 +333,7 @@ def _prompt_value(value: Any, name: str) -> Any:
 class CompletionRequest(_SamplingRequest):
     # str | list[str] | list[int] | list[list[int]]; checked by hand for an error message that says so.
     prompt: Any
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions; null: the rest of the context
     logprobs: int | None = None
     # The prompt before the completion in each choice's text and, with logprobs, its tokens' logprobs first
     # (the first token's None): what evaluation harnesses read a prompt's likelihood from.

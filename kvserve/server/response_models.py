@@ -100,6 +100,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: null)
 
 
 class DeltaMessage(_WithoutNulls):
@@ -113,6 +114,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class PromptLogprob(BaseModel):
@@ -136,6 +138,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_unset)
 
 

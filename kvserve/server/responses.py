@@ -61,12 +61,13 @@ class ResponseBuilder:
                 logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0)
                 message, finish_reason = rm.ChatMessageOut(content=completion.text), completion.finish_reason
                 if tool_format is not None:
-                    message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason)
+                    message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason,
+                                                              _named_tool(body))
                 message.role = body.reply_role
                 if echoed and message.content is not None:
                     message.content = echoed + message.content
                 choices.append(rm.ChatChoice(index=c.index, message=message, logprobs=logprobs,
-                                            finish_reason=finish_reason))
+                                            finish_reason=finish_reason, stop_reason=completion.stop_reason))
             return rm.ChatCompletionResponse(**head, choices=choices, usage=usage,
                                             prompt_logprobs=self._prompt_logprobs(run.children[0], body))
         completion_choices = []
@@ -78,6 +79,7 @@ class ResponseBuilder:
             completion_choices.append(rm.CompletionChoice(index=c.index, text=echo + completion.text,
                                                          logprobs=_joined(echo_logprobs, logprobs),
                                                          finish_reason=completion.finish_reason,
+                                                         stop_reason=completion.stop_reason,
                                                          prompt_logprobs=self._prompt_logprobs(c, body)))
         return rm.CompletionResponse(**head, choices=completion_choices, usage=usage)
 
@@ -122,18 +124,19 @@ class ResponseBuilder:
         num_tokens = len(completion.token_ids)
         start = num_tokens - len(output.delta_token_ids)
         finish = completion.finish_reason if output.finished else None
+        stop_reason = completion.stop_reason if output.finished else None
         if chat:
             logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0)
             if child.tool_parser is not None:
-                delta, finish = _tool_call_delta(child.tool_parser, output.delta_text, finish)
+                delta, finish = _tool_call_delta(child.tool_parser, output.delta_text, finish, _named_tool(body))
                 if delta is None and finish is None and logprobs is None:
                     return None
                 return rm.ChatChunkChoice(index=child.index, delta=delta or rm.DeltaMessage(), logprobs=logprobs,
-                                         finish_reason=finish)
+                                         finish_reason=finish, stop_reason=stop_reason)
             if not output.delta_text and finish is None and logprobs is None:
                 return None
             return rm.ChatChunkChoice(index=child.index, delta=rm.DeltaMessage(content=output.delta_text),
-                                     logprobs=logprobs, finish_reason=finish)
+                                     logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason)
         echo, echo_logprobs = ("", None) if child.echoed else self._echo(child, body)
         child.echoed = True
         child.next_text_offset += len(echo)
@@ -146,7 +149,8 @@ class ResponseBuilder:
         text = echo + output.delta_text
         if not text and finish is None and logprobs is None:
             return None
-        return rm.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish)
+        return rm.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish,
+                                   stop_reason=stop_reason)
 
     def _echo(self, child: EngineRequest, body: Any) -> tuple[str, rm.CompletionLogprobs | None]:
         """A completion's echoed prompt (``echo``): its text, and with logprobs its tokens' (offsets from 0)."""
@@ -233,10 +237,16 @@ def _joined(first: rm.CompletionLogprobs | None, then: rm.CompletionLogprobs | N
                                 text_offset=first.text_offset + then.text_offset)
 
 
-def _with_tool_calls(tool_format: ToolCallFormat, text: str,
-                     finish_reason: str | None) -> tuple[rm.ChatMessageOut, str | None]:
-    """A whole reply read for tool calls: its message, and ``tool_calls`` as the finish reason if it made any.
-    A reply cut off inside a call (max_tokens) is left as text."""
+def _named_tool(body: Any) -> bool:
+    """Whether the request forced one named function (``tool_choice: {"type": "function", ...}``): its reply
+    finishes with ``stop``, as OpenAI's and vLLM's do, not ``tool_calls``."""
+    return isinstance(getattr(body, "tool_choice", None), dict)
+
+
+def _with_tool_calls(tool_format: ToolCallFormat, text: str, finish_reason: str | None,
+                     named: bool = False) -> tuple[rm.ChatMessageOut, str | None]:
+    """A whole reply read for tool calls: its message, and ``tool_calls`` as the finish reason if it made any
+    (unless ``named``). A reply cut off inside a call (max_tokens) is left as text, as vLLM leaves it."""
     parser = tool_format.parser()
     parser.feed(text)
     parser.finish()
@@ -245,18 +255,18 @@ def _with_tool_calls(tool_format: ToolCallFormat, text: str,
     calls = [rm.ToolCallOut(id=c.id, function=rm.FunctionCallOut(name=c.name, arguments=c.arguments))
              for c in parser.calls]
     return (rm.ChatMessageOut(content=parser.content or None, tool_calls=calls),
-            "tool_calls" if finish_reason == "stop" else finish_reason)
+            "tool_calls" if finish_reason == "stop" and not named else finish_reason)
 
 
-def _tool_call_delta(parser: ToolCallParser, text: str,
-                     finish: str | None) -> tuple[rm.DeltaMessage | None, str | None]:
+def _tool_call_delta(parser: ToolCallParser, text: str, finish: str | None,
+                     named: bool = False) -> tuple[rm.DeltaMessage | None, str | None]:
     """The streamed delta of ``text`` read for tool calls (None when it holds nothing yet), and the finish
-    reason (``tool_calls`` for a reply that made calls)."""
+    reason (``tool_calls`` for a reply that made calls, unless ``named``)."""
     delta = parser.feed(text)
     if finish is not None:
         end = parser.finish()
         delta.content += end.content
-        if parser.calls and not parser.incomplete and finish == "stop":
+        if parser.calls and not parser.incomplete and finish == "stop" and not named:
             finish = "tool_calls"
     if not delta:
         return None, finish

@@ -167,6 +167,11 @@ def test_stop_strings_logprobs_and_extensions(base_url) -> None:
     stopped = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == full.choices[0].text.split(" 6")[0]
+    # vLLM's stop_reason: the string or id that ended it; null for EOS and length, and on chunks before the last.
+    assert stopped.choices[0].model_extra["stop_reason"] == " 6" and full.choices[0].model_extra["stop_reason"] is None
+    streamed_stop = [chunk.choices[0] for chunk in c.completions.create(
+        model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"], stream=True) if chunk.choices]
+    assert [choice.model_extra["stop_reason"] for choice in streamed_stop] == [None] * (len(streamed_stop) - 1) + [" 6"]
 
     lp = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=3, temperature=0, logprobs=2)
     logprobs = lp.choices[0].logprobs
@@ -229,15 +234,26 @@ def test_stop_strings_logprobs_and_extensions(base_url) -> None:
     assert resp.usage.completion_tokens == 8 and resp.choices[0].finish_reason == "length"
 
 
-def test_default_max_tokens_is_the_rest_of_the_context(base_url) -> None:
-    # No max_tokens: only the context limit stops a request that ignores EOS. Prompt near the limit keeps it short.
+def test_default_max_tokens_16_for_completions_and_the_rest_of_the_context_for_chat(base_url) -> None:
+    """OpenAI's and vLLM's defaults: 16 tokens for a completion without max_tokens; with an explicit null, and for
+    chat, only the context limit stops a request that ignores EOS (a prompt near the limit keeps it short)."""
+    resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": "Once upon a time", "ignore_eos": True,
+                                                          "temperature": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 16
     prompt_ids = [504] * (MAX_MODEL_LEN - 5)
-    resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt_ids, "ignore_eos": True,
+    resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt_ids, "ignore_eos": True, "max_tokens": None,
                                                           "temperature": 0}, timeout=60)
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["usage"]["completion_tokens"] == 5
     assert body["choices"][0]["finish_reason"] == "length"
+    words = " ".join(["word"] * (MAX_MODEL_LEN - 80))
+    resp = httpx.post(f"{base_url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": words}], "ignore_eos": True, "temperature": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN and usage["completion_tokens"] > 16
 
 
 def test_timings_body_flag_and_header(base_url) -> None:
@@ -268,6 +284,9 @@ def test_models_health_and_metrics(base_url) -> None:
     c = client(base_url)
     models = c.models.list().data
     assert len(models) == 1 and models[0].id
+    assert c.models.retrieve(models[0].id) == models[0]  # OpenAI's route for one model's card
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("no-such-model")
     # The served name is accepted; so is no name at all.
     resp = c.completions.create(model=models[0].id, prompt="Hi", max_tokens=1)
     assert resp.model == models[0].id

@@ -209,7 +209,8 @@ def test_required_and_named_tool_choice_always_call_valid_tools(client: openai.O
         replies = list(pool.map(call, range(16)))
     for seed, reply in replies:
         choice = reply.choices[0]
-        assert choice.finish_reason in ("tool_calls", "length"), choice
+        # required: tool_calls; a function forced by name: stop (as OpenAI and vLLM finish it)
+        assert choice.finish_reason in ("tool_calls" if seed % 2 else "stop", "length"), choice
         if choice.finish_reason == "length":
             continue  # a sampled reply may run out of tokens mid-call
         assert choice.message.tool_calls
@@ -218,7 +219,7 @@ def test_required_and_named_tool_choice_always_call_valid_tools(client: openai.O
             validates(tool_call, TOOLS)
             if seed % 2 == 0:
                 assert tool_call.function.name == "add"
-    assert sum(r.choices[0].finish_reason == "tool_calls" for _, r in replies) >= 12
+    assert sum(r.choices[0].finish_reason in ("tool_calls", "stop") for _, r in replies) >= 12
 
 
 def test_a_streamed_call_arrives_header_first_then_arguments(client: openai.OpenAI) -> None:
@@ -233,14 +234,14 @@ def test_a_streamed_call_arrives_header_first_then_arguments(client: openai.Open
     arguments = "".join(d.function.arguments or "" for d in calls)
     jsonschema.validate(json.loads(arguments), TOOLS[0]["function"]["parameters"])
     assert not any(c.choices[0].delta.content for c in chunks)  # no tag ever leaks as content
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "stop"  # a named function, forced: OpenAI's and vLLM's finish
 
 
 def test_tool_results_render_and_a_final_answer_follows(client: openai.OpenAI) -> None:
     first = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is 3 plus 4?"}], tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, max_tokens=60)
-    assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
+    assert first.choices[0].finish_reason == "stop", first.choices[0]  # forced by name: as OpenAI, not tool_calls
     call = first.choices[0].message.tool_calls[0]
     messages = [{"role": "user", "content": "What is 3 plus 4?"}, first.choices[0].message.model_dump(),
                 {"role": "tool", "tool_call_id": call.id, "content": "7"}]
