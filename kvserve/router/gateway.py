@@ -428,13 +428,22 @@ def build_router_app(gateway: Gateway) -> FastAPI:
     for route in TOKENIZER_ROUTES:
         app.add_api_route(route, _bound(gateway.relay, route), methods=["POST"])
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    def model_ids() -> list[str]:
         ids = list(dict.fromkeys(m for r in gateway.pool.healthy() for m in r.models))
         if gateway.model_policy is not None:
             ids.append(gateway.config.auto_model)
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "kvserve"} for m in ids]
+        return ids
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "kvserve"} for m in model_ids()]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id not in model_ids():
+            raise ModelNotFound(f"the model '{model_id}' does not exist here")
+        return JSONResponse({"id": model_id, "object": "model", "created": created, "owned_by": "kvserve"})
 
     @app.get("/health")
     async def health() -> Response:

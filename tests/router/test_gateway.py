@@ -178,6 +178,9 @@ def test_the_routers_own_errors(replicas: list[FakeReplica]) -> None:
         with pytest.raises(openai.NotFoundError) as not_found:
             client.completions.create(model="no-such-model", prompt="hi")
         assert not_found.value.body["code"] == "model_not_found" and not_found.value.body["param"] == "model"
+        assert client.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("no-such-model")
         with pytest.raises(openai.APIStatusError) as too_large:
             client.completions.create(model=MODEL, prompt="x" * 2000)
         assert too_large.value.status_code == 413 and too_large.value.body["code"] == "request_too_large"
