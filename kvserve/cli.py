@@ -110,6 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}", "replicas")
+    if args.replicas == 1 and args.routing_policy is not None:
+        raise ConfigError("--routing-policy chooses among replicas: it needs --replicas 2 or more", "routing_policy")
     server_config = server_config_from_args(args)
     if server_config.hardware not in (None, "measure"):
         from kvserve import costs
@@ -139,7 +141,8 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     replicas = ReplicaProcesses(serve_args, args.replicas, threads)
     try:
         replicas.wait_until_listening()
-        return run_router(RouterConfig(replicas=tuple(replicas.urls), policy=args.routing_policy,
+        policy = args.routing_policy or "cache_aware"
+        return run_router(RouterConfig(replicas=tuple(replicas.urls), policy=policy,
                                        host=server_config.host, port=server_config.port,
                                        replica_api_key=server_config.api_key,
                                        max_request_body_bytes=server_config.max_request_body_bytes,
@@ -239,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1,
                    help="engine processes on this machine, the CPU threads shared between them, behind a gateway "
                         "on --host/--port (default: 1, no gateway)")
-    p.add_argument("--routing-policy", choices=list(typing.get_args(RoutingPolicyName)), default="cache_aware",
+    p.add_argument("--routing-policy", choices=list(typing.get_args(RoutingPolicyName)), default=None,
                    help="with --replicas: how the gateway picks a replica (default: cache_aware)")
 
     p = sub.add_parser("route", help="a gateway across replicas: OpenAI API, cache-aware routing, failover")

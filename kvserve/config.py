@@ -158,6 +158,9 @@ class ModelConfig:
             raise ConfigError("quantized_activations must be 'auto', 'int16' or 'int8', got "
                               f"{self.quantized_activations!r}",
                               "quantized_activations")
+        if self.pull and self.model is None:
+            raise ConfigError("pull downloads the known model --model names: name one (`kvserve models list`)",
+                              "pull")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}", "device")
         for name in ("max_model_len", "num_threads"):

@@ -205,6 +205,8 @@ def run_trace_command(args: argparse.Namespace) -> int:
     from kvserve.bench.client import RequestOptions
     from kvserve.bench.trace import render_timeline, trace_request
 
+    if args.repeat < 1:
+        raise InvalidRequest(f"--repeat must be >= 1, got {args.repeat}", "repeat")
     options = RequestOptions(model=args.model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
                              api_key=args.api_key)
     for i in range(args.repeat):

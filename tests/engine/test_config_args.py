@@ -179,6 +179,11 @@ def test_cost_settings_are_refused_by_name(capsys, argv: list[str], message: str
 def test_settings_are_refused_before_the_model_loads(capsys) -> None:
     from kvserve.cli import main
 
+    assert main(["serve", "--routing-policy", "round_robin"]) == 2  # one server: ignored before
+    assert "--routing-policy chooses among replicas" in capsys.readouterr().err
+    assert main(["trace", "--repeat", "0"]) == 2  # printed nothing and exited 0 before
+    assert "--repeat must be >= 1, got 0" in capsys.readouterr().err
+
     assert main(["generate", "--temperature", "-1", "--model", "/no/such/model.gguf"]) == 2
     assert "temperature must be a finite number >= 0, got -1.0" in capsys.readouterr().err
     assert main(["serve", "--hardware", "h100x", "--model", "/no/such/model.gguf"]) == 2
@@ -342,6 +347,7 @@ def test_every_option_has_help() -> None:
     ("CacheConfig", "block_size", 16.0),
     ("SchedulerConfig", "max_num_seqs", "8"),
     ("StorageConfig", "redis_url", "localhost:6379"),  # refused by redis-py once the weights had loaded
+    ("ModelConfig", "pull", True),  # without --model: ignored
     ("RouterConfig", "port", 70000),  # an OverflowError once every replica had been checked
     ("RouterConfig", "balance_rel_threshold", float("nan")),  # turned the load bound off
     ("RouterConfig", "replicas", ("http://host:abc",)),  # httpx's InvalidURL at the first contact
