@@ -176,8 +176,10 @@ def test_cost_settings_are_refused_by_name(capsys, argv: list[str], message: str
     assert f"kvserve: error: {message}" in capsys.readouterr().err
 
 
-def test_settings_are_refused_before_the_model_loads(capsys) -> None:
+def test_settings_are_refused_before_the_model_loads(capsys, monkeypatch) -> None:
     from kvserve.cli import main
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # serve's own setting, undone after the test
 
     assert main(["serve", "--routing-policy", "round_robin"]) == 2  # one server: ignored before
     assert "--routing-policy chooses among replicas" in capsys.readouterr().err
