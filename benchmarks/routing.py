@@ -228,7 +228,7 @@ def run_on_ray(policy: str, engine_args: list[str], args: argparse.Namespace, lo
     code on the replicas' event loops). ``worker_niceness``: the niceness Ray starts its workers at."""
     ray = shutil.which("ray")
     if ray is None:
-        raise SystemExit("--ray needs Ray Serve: pip install 'kvserve[ray]'")
+        raise SystemExit("--ray needs Ray Serve: pip install -e '.[ray]' in the checkout")
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     # Ray starts its workers (here the engines, the ingress and the proxy) at niceness 15 unless told

@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from decimal import Decimal, InvalidOperation
 from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import urlsplit
 
@@ -106,10 +107,10 @@ def token_count(text: str) -> int:
     value = text.strip()
     scale = _COUNT_UNITS.get(value[-1:])
     try:
-        count = float(value[:-1] if scale else value) * (scale or 1)
-    except ValueError:
+        count = Decimal(value[:-1] if scale else value) * (scale or 1)  # decimal: 1.001k is 1,001 exactly
+    except InvalidOperation:
         raise ConfigError(f"not a number of tokens: {text!r} (try 4096, 32k or 32K)") from None
-    if not count.is_integer():
+    if not count.is_finite() or count != count.to_integral_value():
         raise ConfigError(f"a number of tokens must be whole, got {text!r}")
     return int(count)
 
@@ -258,7 +259,7 @@ class StorageConfig:
                               "disk_gb")
         if not 0 < self.retention_s < float("inf"):
             raise ConfigError(f"retention_s must be a finite number > 0, got {self.retention_s!r}", "retention_s")
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        if self.redis_url is not None and not self.redis_url.lower().startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}",
                               "redis_url")
         if self.write_policy not in ("write_back", "write_through"):
@@ -415,9 +416,9 @@ def speculative_config_from_json(text: str) -> SpeculativeConfig:
         raise ConfigError(f"--speculative-config is not JSON: {exc}", "speculative_config") from None
     if not isinstance(values, dict):
         raise ConfigError("--speculative-config must be a JSON object", "speculative_config")
-    if "method" not in values and values.get("model") is not None:  # vLLM infers the method from the model
+    if values.get("method") is None and values.get("model") is not None:  # vLLM infers the method from the model
         values = ({k: v for k, v in values.items() if k != "model"} | {"method": "ngram"}
-                  if values["model"] == "[ngram]" else values | {"method": "draft_model"})
+                  if values["model"] in ("ngram", "[ngram]") else values | {"method": "draft_model"})
     return config_from_dict(SpeculativeConfig, values, "speculative")
 
 

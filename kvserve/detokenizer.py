@@ -44,9 +44,12 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._ids = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0
-        # A prompt that ends inside a character leaves its last tokens unread: the output's first tokens
-        # complete that character, and the text is theirs (as tokenizers' DecodeStream gives it).
-        self._read_offset = len(self._ids) - self._incomplete_tail(self._ids)
+        # A prompt that ends inside a character leaves its last tokens unread: if the output's first bytes
+        # finish that character, the text is theirs (as tokenizers' DecodeStream gives it); if not, it stays
+        # the prompt's (``_unfinished``: the continuation bytes still wanted).
+        tail, self._unfinished = self._incomplete_tail(self._ids)
+        self._prompt_len = len(self._ids)
+        self._read_offset = self._prompt_len - tail
         self._text = ""  # output text decoded so far, complete characters only, cut at a stop string
         self._num_emitted = 0  # characters of _text already returned as deltas
         self._finished = False
@@ -63,6 +66,8 @@ class IncrementalDetokenizer:
         begin one is still held back, so a string completed once the check is on is cut cleanly."""
         if self.stopped is not None or self._finished or not new_ids:
             return ""
+        if self._unfinished:
+            self._follow_unfinished(new_ids)
         self._ids.extend(int(i) for i in new_ids)
         return self._append(self._decode_pending(final=False), final=False, check_stop=check_stop)
 
@@ -82,19 +87,32 @@ class IncrementalDetokenizer:
                 return list(prompt_token_ids[-size:])
         return list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
 
-    def _incomplete_tail(self, ids: Sequence[int]) -> int:
-        """How many of ``ids``' last tokens hold a character their bytes do not finish (0: none)."""
+    def _incomplete_tail(self, ids: Sequence[int]) -> tuple[int, int]:
+        """How many of ``ids``' last tokens hold a character their bytes do not finish, and how many bytes
+        that character still wants ((0, 0): none)."""
         pieces = [self._tokenizer.token_bytes(i) for i in ids[-4:]]  # a character has at most four bytes
         data = b"".join(pieces)
         lead = next((i for i in range(len(data) - 1, -1, -1) if not _is_continuation(data[i])), None)
         if lead is None or len(data) - lead >= _utf8_length(data[lead]):
-            return 0
+            return 0, 0
         end = len(data)
         for count, piece in enumerate(reversed(pieces), start=1):  # back to the token holding the lead byte
             end -= len(piece)
             if end <= lead:
-                return count
-        return 0
+                return count, _utf8_length(data[lead]) - (len(data) - lead)
+        return 0, 0
+
+    def _follow_unfinished(self, new_ids: Sequence[int]) -> None:
+        """The output's first bytes against the prompt's unfinished character: finished, it is the output's;
+        anything else, the prompt's tokens are all read and its text stays the prompt's."""
+        for byte in b"".join(self._tokenizer.token_bytes(i) for i in new_ids):
+            if not _is_continuation(byte):
+                self._read_offset = self._prompt_len
+                self._unfinished = 0
+                return
+            self._unfinished -= 1
+            if not self._unfinished:
+                return
 
     def _decode_pending(self, final: bool) -> str:
         decode = self._tokenizer.decode

@@ -323,8 +323,7 @@ def _expected_shape(name: str, arch: ArchConfig) -> tuple[int, ...]:
         return (arch.num_experts, hidden)
     if module == "shared_expert_gate":
         return (1, hidden)
-    width = (arch.shared_expert_size if ".shared_expert." in name
-             else arch.expert_size if ".experts." in name else arch.intermediate_size)
+    width = arch.intermediate_size  # experts': their tensors' own (_check_shapes checks their hidden side only)
     return (hidden, width) if module == "down_proj" else (width, hidden)
 
 
@@ -335,7 +334,14 @@ def _check_shapes(source: Path, shapes: Mapping[str, tuple[int, ...]], arch: Arc
     for name, shape in shapes.items():
         expected = _expected_shape(name, arch)
         padded_rows = name in ("model.embed_tokens.weight", "lm_head.weight") and len(shape) == 2
-        fits = (shape[0] >= expected[0] and shape[1:] == expected[1:]) if padded_rows else shape == expected
+        if padded_rows:
+            fits = shape[0] >= expected[0] and shape[1:] == expected[1:]
+        elif ".experts." in name or ".shared_expert." in name:  # widths as llama.cpp infers them: the tensors'
+            fits = len(shape) == 2 and (shape[0] if name.endswith("down_proj.weight") else shape[1]) == arch.hidden_size
+        elif name.endswith("shared_expert_gate.weight"):  # llama.cpp writes it as a vector
+            fits = shape in ((1, arch.hidden_size), (arch.hidden_size,))
+        else:
+            fits = shape == expected
         if not fits:
             wrong.append(f"{name} is {list(shape)}, expected {list(expected)}"
                          + (" (rows at least)" if padded_rows else ""))

@@ -184,6 +184,14 @@ class KVServeIngress:
         data = [{"id": m, "object": "model", "created": self._created, "owned_by": "kvserve"} for m in self._models]
         return JSONResponse({"object": "list", "data": data})
 
+    @ingress_app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> Response:
+        await self._learn()
+        if model_id not in self._models:
+            return JSONResponse(error_body(f"the model '{model_id}' does not exist here", "invalid_request_error",
+                                           "model", "model_not_found"), status_code=404)
+        return JSONResponse({"id": model_id, "object": "model", "created": self._created, "owned_by": "kvserve"})
+
     @ingress_app.get("/health")
     async def health(self) -> Response:
         return JSONResponse({"status": "ok"})

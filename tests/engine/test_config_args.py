@@ -378,14 +378,20 @@ def test_vllm_spellings_of_dtype_context_length_and_speculation_are_taken() -> N
     with pytest.raises(ConfigError, match="dtype must be one of"):
         ModelConfig(dtype="fp8")
     lengths = {text: engine_config_from_args(parse("serve", "--max-model-len", text)).model.max_model_len
-               for text in ("4096", "32k", "32K", "25.6k", "1M")}
-    assert lengths == {"4096": 4096, "32k": 32_000, "32K": 32_768, "25.6k": 25_600, "1M": 1 << 20}
+               for text in ("4096", "32k", "32K", "25.6k", "1M", "1.001k")}
+    assert lengths == {"4096": 4096, "32k": 32_000, "32K": 32_768, "25.6k": 25_600, "1M": 1 << 20,
+                       "1.001k": 1_001}  # exact: as a float, 1.001 * 1000 is not whole
     for bad in ("1.5", "abc", "0.5k1"):
         with pytest.raises(SystemExit):
             parse("serve", "--max-model-len", bad)
     assert speculative_config_from_json('{"model": "qwen2.5-coder-0.5b"}').method == "draft_model"
-    ngram = speculative_config_from_json('{"model": "[ngram]", "prompt_lookup_max": 3}')
-    assert ngram.method == "ngram" and ngram.model is None
+    for spelling in ('"[ngram]"', '"ngram"'):
+        ngram = speculative_config_from_json(f'{{"model": {spelling}, "prompt_lookup_max": 3}}')
+        assert ngram.method == "ngram" and ngram.model is None
+    assert speculative_config_from_json('{"model": "x", "method": null}').method == "draft_model"
+    from kvserve.config import StorageConfig
+
+    assert StorageConfig(redis_url="REDIS://127.0.0.1:6379/0").redis_url  # redis-py takes any case
 
 
 @pytest.mark.parametrize("policy, threshold, message", [

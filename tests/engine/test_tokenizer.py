@@ -418,6 +418,9 @@ def test_an_output_ending_inside_a_character_leaves_it_out_and_keeps_the_text_be
     prompt = tok.encode("Say:") + party[:-2]  # token ids cut inside the emoji
     deltas, detok = _streamed(tok, prompt, [party[-2], party[-1], *tok.encode(" yes", add_special_tokens=False)])
     assert "".join(deltas) == detok.text == " 🎉 yes"
+    # An output that does not finish it: the unfinished character stays the prompt's, out of the text.
+    deltas, detok = _streamed(tok, prompt, tok.encode(" yes", add_special_tokens=False))
+    assert "".join(deltas) == detok.text == " yes"
 
 
 def test_stop_string_split_across_tokens(tok: Tokenizer) -> None:

@@ -100,6 +100,21 @@ def test_safetensors_and_gguf_give_the_checkpoint_tensors(models_dir: Path, tmp_
         assert torch.equal(tensor.reshape(loaded[name].shape), loaded[name]), name
 
 
+def test_a_shared_expert_gate_written_as_a_vector_loads_and_runs_as_the_matrix(models_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """llama.cpp writes Qwen2-MoE's shared expert gate as a vector ([hidden]); the loader's shape check took
+    only [1, hidden] and refused files that had loaded."""
+    model_dir = make_tiny_model(models_dir, "qwen2_moe", tie=False)
+    matrix = gguf_from_tiny_model(model_dir, tmp_path / "matrix.gguf")
+    vector = gguf_from_tiny_model(model_dir, tmp_path / "vector.gguf", vector_shared_gate=True)
+    gate = "model.layers.0.mlp.shared_expert_gate.weight"
+    arch = read_arch_config(vector)
+    weights = dict(iter_weights(vector, arch, torch.float32, show_progress=False))
+    assert weights[gate].shape == (arch.hidden_size,)
+    expected = dict(iter_weights(matrix, read_arch_config(matrix), torch.float32, show_progress=False))[gate]
+    assert torch.equal(weights[gate].reshape(expected.shape), expected)
+
+
 def test_gguf_experts_are_dequantised_once_per_stacked_tensor(models_dir: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from kvserve.model import loader

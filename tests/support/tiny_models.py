@@ -372,10 +372,11 @@ def _tiny_model_gguf_tensors(tensors: dict[str, np.ndarray], config: dict) -> di
     return out
 
 
-def gguf_from_tiny_model(model_dir: Path, path: Path) -> Path:
+def gguf_from_tiny_model(model_dir: Path, path: Path, vector_shared_gate: bool = False) -> Path:
     """Write the F32 GGUF llama.cpp's convert_hf_to_gguf.py would make of a tiny checkpoint directory
     (dense or mixture of experts; Q/K rows permuted for the llama family, experts stacked), with the
-    SmolLM2 GGUF's tokenizer metadata so that the engine can run it. Returns ``path``."""
+    SmolLM2 GGUF's tokenizer metadata so that the engine can run it. ``vector_shared_gate``: a shared
+    expert's gate written as a vector, as llama.cpp's converter squeezed it. Returns ``path``."""
     import json
 
     import gguf
@@ -409,6 +410,8 @@ def gguf_from_tiny_model(model_dir: Path, path: Path) -> Path:
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     _add_smollm2_tokenizer(writer)
     for name, value in _tiny_model_gguf_tensors(tensors, config).items():
+        if vector_shared_gate and name.endswith("ffn_gate_inp_shexp.weight"):
+            value = value.reshape(-1)
         writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
