@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from typing import Any
@@ -92,6 +93,8 @@ def _train_probe(args: argparse.Namespace) -> int:
     from kvserve.evals.probe_training import read_examples, run_examples, train_probe
     from kvserve.router.model_policies import GainProbe
 
+    if args.l2 is not None and not (math.isfinite(args.l2) and args.l2 > 0):  # a NaN probe routes nothing
+        raise ConfigError(f"--l2 must be a finite number > 0, got {args.l2}", "l2")
     examples = read_examples(args.examples) if args.examples else []
     for benchmark, module in (("humaneval", humaneval), ("leetcode", leetcode)):
         small_path, large_path = getattr(args, benchmark), getattr(args, f"large_{benchmark}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,11 +29,16 @@ L2_GRID = (1.0, 10.0, 100.0, 1000.0, 10000.0)  # the regularisations cross-valid
 
 def read_examples(path: str) -> list[dict[str, Any]]:
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            example = json.loads(line)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", "examples") from None
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                example = json.loads(line)
+            except (ValueError, RecursionError):
+                example = None
             if not isinstance(example, dict) or not isinstance(example.get("prompt"), str | list) \
                     or example.get("label") not in (0, 1) or example.get("large_label", 0) not in (0, 1):
                 raise ConfigError(f"{path}:{number}: an example is {{\"prompt\": ..., \"label\": 0 or 1}}, with "

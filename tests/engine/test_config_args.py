@@ -176,6 +176,23 @@ def test_cost_settings_are_refused_by_name(capsys, argv: list[str], message: str
     assert f"kvserve: error: {message}" in capsys.readouterr().err
 
 
+def test_train_probe_inputs_are_refused_by_name(capsys, tmp_path) -> None:
+    """A missing or malformed examples file was a traceback; a NaN regularisation saved a probe that sent
+    every request to the small model."""
+    from kvserve.cli import main
+
+    base = ["eval", "train-probe", "--model", "m", "--out", str(tmp_path / "probe.json"), "--base-url",
+            "http://127.0.0.1:9"]
+    assert main([*base, "--examples", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "label": 1}\n{not json\n')
+    assert main([*base, "--examples", str(bad)]) == 2
+    assert "bad.jsonl:2: an example is" in capsys.readouterr().err
+    assert main([*base, "--examples", str(bad), "--l2", "nan"]) == 2
+    assert "--l2 must be a finite number > 0, got nan" in capsys.readouterr().err
+
+
 def test_settings_are_refused_before_the_model_loads(capsys, monkeypatch) -> None:
     from kvserve.cli import main
 
