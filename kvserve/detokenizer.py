@@ -181,4 +181,3 @@ def _is_continuation(byte: int) -> bool:
 def _utf8_length(lead: int) -> int:
     """The bytes of the character a UTF-8 lead byte begins."""
     return 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-
