@@ -49,3 +49,24 @@ def test_the_start_up_wait_ends_when_every_replica_listens_or_one_has_exited() -
         assert all(proc.poll() is None for proc in replicas.procs)
     finally:
         replicas.stop(timeout_s=5)
+
+
+def test_the_gateway_gives_requests_in_flight_its_grace_period(monkeypatch) -> None:
+    """It cut them after a fixed 5 s whatever --shutdown-grace-period said."""
+    from kvserve.config import RouterConfig
+    from kvserve.router import serving
+    from kvserve.router.gateway import Gateway
+
+    async def nothing(self) -> None:
+        return None
+
+    graces: list[float | None] = []
+
+    async def serve(self) -> None:
+        graces.append(self.config.timeout_graceful_shutdown)
+
+    monkeypatch.setattr(Gateway, "start", nothing)
+    monkeypatch.setattr(Gateway, "stop", nothing)
+    monkeypatch.setattr(serving._Server, "serve", serve)
+    serving.run_router(RouterConfig(replicas=("http://127.0.0.1:9",), shutdown_grace_period_s=42.0))
+    assert graces == [42.0]
