@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "1024", "--num-threads", "1",
                "--served-model-name", "smol"]
 ROUTER_ARGS = ["--policy", "round_robin", "--health-interval", "0.5", "--startup-timeout", "120"]
-LONG = {"max_tokens": 200, "temperature": 0, "extra_body": {"ignore_eos": True}}
+LONG = {"max_tokens": 120, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 def client_of(server: ServerProcess) -> openai.OpenAI:
