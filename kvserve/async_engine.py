@@ -136,6 +136,11 @@ class AsyncEngine:
         except InvalidRequest as exc:
             raise named_for(exc, spec) from None
 
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against the model, with what needs its tokenizer filled in (the bad words'
+        tokens): what ``generate`` takes."""
+        return self.engine.input_processor.resolve_params(params)
+
     def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], str | None]:
         """Tokenize and validate without queueing anything: raises the typed error the caller reports. A
         structured-output constraint is compiled apart (``compile_grammar``), its result given to ``generate``."""
@@ -150,8 +155,10 @@ class AsyncEngine:
         """Stream a request's outputs; leaving the iteration early (client gone) aborts the request.
 
         ``prompt_token_ids`` must come from ``prepare`` with the same parameters (``params`` may differ from
-        them only in ``n`` and ``seed``, as the fan-out of n > 1 does): they are not checked again. ``grammar``:
-        ``compile_grammar``'s result for the request's constraint (without it the engine thread looks it up)."""
+        them only in ``n`` and ``seed``, as the fan-out of n > 1 does), and ``params`` from ``resolve_params``:
+        they are not checked again. ``grammar``: ``compile_grammar``'s result for the request's constraint
+        (without it the engine thread looks it up)."""
+        assert not params.bad_words or params.bad_words_token_ids, "generate takes params from resolve_params"
         self._check_alive()
         with self._lock:
             if self.max_waiting_requests is not None:

@@ -41,7 +41,7 @@ from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
-from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams
+from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams, salted_hash_extra
 from kvserve.runner.device import resolve_device, resolve_dtype
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.draft_model import DraftModelProposer
@@ -355,7 +355,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
             arrival_order=order,
-            hash_extra=self.block_hash_extra,
+            hash_extra=salted_hash_extra(self.block_hash_extra, params.cache_salt),
             prompt=processed.prompt,
             grammar=grammar,
         )

@@ -6,6 +6,7 @@ the engine loop only ever sees a ``ProcessedPrompt`` it can queue as it is.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest, InvalidSamplingParams
@@ -27,8 +28,13 @@ class InputProcessor:
         """Check the parameters against this model, tokenise the prompt and check that it fits; compile its
         structured-output constraint (waiting for it at most the compile timeout) unless ``compile_grammar`` is
         False: the caller compiles it apart (the server does, off its event loop)."""
-        self.check_params(params)
+        params = self.resolve_params(params)
         token_ids, text = self.tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, self.max_model_len - (params.max_tokens or 1))
+        if keep is not None and len(token_ids) > keep:
+            token_ids, text = token_ids[-keep:], None  # the text no longer says what the prompt is
         self.check_context(len(token_ids), params.max_tokens)
         spec = params.structured_outputs
         grammar = self.grammars.compile(spec) if spec is not None and compile_grammar else None
@@ -78,13 +84,23 @@ class InputProcessor:
             raise InvalidRequest(f"the prompt holds token id {max(token_ids)}, which its tokenizer knows and this "
                                  f"model's vocabulary of {self.vocab_size} does not", "prompt")
 
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check on its own: token ids against this model's vocabulary."""
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against this model (token ids within its vocabulary) with what needs its tokenizer
+        filled in (the bad words' tokens). Idempotent: the parameters it returns come back unchanged."""
         vocab = self.vocab_size
-        outside = [token for token, _ in params.logit_bias if token >= vocab]
-        if outside:
-            raise InvalidSamplingParams(f"logit_bias token ids must be < {vocab} (the vocabulary size), got "
-                                        f"{outside[0]}", param="logit_bias")
+        for param, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [token for token in ids if token >= vocab]
+            if outside:
+                raise InvalidSamplingParams(f"{param} token ids must be < {vocab} (the vocabulary size), got "
+                                            f"{outside[0]}", param=param)
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if any(token >= vocab for word in words for token in word):
+            raise InvalidSamplingParams("a bad word tokenizes to a token past this model's vocabulary",
+                                        param="bad_words")
+        return replace(params, bad_words_token_ids=words)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
@@ -99,3 +115,17 @@ class InputProcessor:
                 f"tokens and max_tokens asks for {max_tokens} more ({num_prompt_tokens + max_tokens} in total)",
                 param="max_tokens",
             )
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens as it begins the text, and as it follows a space where that is another token of the
+    same length (a word inside a sentence, for tokenizers that mark a word's start), as vLLM reads its
+    bad_words."""
+    found: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        found.append(alone)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            found.append(spaced)
+    return tuple(dict.fromkeys(found))

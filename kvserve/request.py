@@ -111,6 +111,8 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 # stop ids: bounded, so that one request cannot stall a step for the rest of the batch.
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# Every bad word is matched against the output's end before each token: bounded as stop strings are.
+MAX_BAD_WORDS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Added to the logits before sampling (OpenAI's logit_bias): (token id, bias) pairs; a dict is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: every token.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # Words the output must not contain (vLLM's bad_words): a word's last token is refused wherever the output
+    # ends with the tokens before it. ``bad_words_token_ids`` holds each word's tokens, as the input processor
+    # tokenizes it (alone, and after a space, where that is other tokens); the sampler reads only those.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The request shares cached KV (every tier's, the draft model's too) only with requests of the same salt
+    # (vLLM's cache_salt); None: with every request without one.
+    cache_salt: str | None = None
+    # Keep only the prompt's last this many tokens (vLLM's truncate_prompt_tokens); -1: as many as fit the context
+    # with max_tokens after them (at least one); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
     # What the output must match (a JSON Schema, a regex, a grammar, ...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
     # Also return the model's final-norm hidden state at the prompt's last token (/v1/embeddings).
@@ -156,6 +171,14 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         elif not isinstance(self.logit_bias, tuple):
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias or ()))
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        elif not isinstance(self.bad_words, tuple):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        if not isinstance(self.bad_words_token_ids, tuple):
+            object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -215,6 +238,23 @@ class SamplingParams:
             if not _finite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidSamplingParams(f"logit_bias values must be in [-100, 100], got {bias!r} for token "
                                             f"{token}", param="logit_bias")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidSamplingParams("allowed_token_ids must hold at least one token id (null: every token)",
+                                            param="allowed_token_ids")
+            if any(not _token_id(t) for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be token ids (integers >= 0)")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidSamplingParams(f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}",
+                                        param="bad_words")
+        if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+            raise InvalidSamplingParams(f"bad_words must be words of 1 to {MAX_STOP_STRING_CHARS} characters, not "
+                                        "only spaces", param="bad_words")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", "must be a non-empty string")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1)):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (as many as the context holds)")
 
     @property
     def is_greedy(self) -> bool:
@@ -225,6 +265,15 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether some tokens are refused outright (allowed_token_ids, bad_words), as a grammar refuses them."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _finite(value: object) -> bool:
@@ -243,6 +292,12 @@ def block_identity(parent: BlockHash | None, token_ids: Sequence[int]) -> bytes:
     the request's extra keys). The tiers below device memory store it with the block's KV and compare it on
     every load, so a hit there never rests on the hash alone."""
     return (parent or b"\0" * 16) + array("I", token_ids).tobytes()
+
+
+def salted_hash_extra(extra: bytes, salt: str | None) -> bytes:
+    """What a request mixes into its block hashes: the engine's ``extra`` (its model fingerprint), and the
+    request's cache salt where it has one, so that its blocks match only those of requests with that salt."""
+    return extra if salt is None else extra + b"\0cache_salt:" + salt.encode("utf-8", "surrogatepass")
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:

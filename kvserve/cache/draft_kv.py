@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.cache.kv_manager import KVCacheManager
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request, SamplingParams, salted_hash_extra
 
 _SHADOW_PARAMS = SamplingParams(max_tokens=None)
 
@@ -47,21 +47,22 @@ class DraftKVCache:
     def holds(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def tokens_to_compute(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def tokens_to_compute(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> int:
         """How many of ``token_ids`` a request not held yet would compute: those past what the prefix cache
-        holds (at least the last). Changes nothing."""
+        holds (at least the last; ``salt``: the request's cache salt). Changes nothing."""
         probe = Request(request_id, list(token_ids), _SHADOW_PARAMS, max_total_tokens=len(token_ids),
-                        hash_extra=self.hash_extra)
+                        hash_extra=salted_hash_extra(self.hash_extra, salt))
         cached = self.kv.prefix_cache.match_length(probe, (len(token_ids) - 1) // self.block_size)
         return len(token_ids) - cached * self.block_size
 
-    def prepare(self, request_id: str, token_ids: Sequence[int], num_ahead: int) -> DraftSlots | None:
+    def prepare(self, request_id: str, token_ids: Sequence[int], num_ahead: int,
+                salt: str | None = None) -> DraftSlots | None:
         """Make the request's draft KV ready to extend ``token_ids`` (its confirmed tokens) by ``num_ahead``
         more. At least the last token is left to compute, for its logits. None: the pool has no room now
-        (the request gets no drafts this step; nothing changed)."""
+        (the request gets no drafts this step; nothing changed). ``salt``: the request's cache salt."""
         shadow = self._requests.get(request_id)
         if shadow is None:
-            return self._admit(request_id, token_ids, num_ahead)
+            return self._admit(request_id, token_ids, num_ahead, salted_hash_extra(self.hash_extra, salt))
         # The target's confirmed tokens only grow: the shadow agrees with them up to the last confirmed count.
         common = _common_prefix(shadow.all_token_ids, token_ids, self._confirmed[request_id])
         if common < shadow.num_tokens:  # drafts the target rejected (their KV is overwritten from here)
@@ -74,9 +75,9 @@ class DraftKVCache:
             return None
         return DraftSlots(shadow.num_computed_tokens, shadow.block_ids)
 
-    def _admit(self, request_id: str, token_ids: Sequence[int], num_ahead: int) -> DraftSlots | None:
+    def _admit(self, request_id: str, token_ids: Sequence[int], num_ahead: int, hash_extra: bytes) -> DraftSlots | None:
         shadow = Request(request_id, list(token_ids), _SHADOW_PARAMS, max_total_tokens=len(token_ids) + num_ahead,
-                         hash_extra=self.hash_extra)
+                         hash_extra=hash_extra)
         hit = self.kv.lookup(shadow)
         if not self.kv.allocate(shadow, shadow.num_tokens - hit.num_tokens + num_ahead, hit):
             self.kv.release_hit(hit)

@@ -58,9 +58,10 @@ class DraftKV(Protocol):
 
     def holds(self, request_id: str) -> bool: ...
 
-    def tokens_to_compute(self, request_id: str, token_ids: Sequence[int]) -> int: ...
+    def tokens_to_compute(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> int: ...
 
-    def prepare(self, request_id: str, token_ids: Sequence[int], num_ahead: int) -> DraftSlotsLike | None: ...
+    def prepare(self, request_id: str, token_ids: Sequence[int], num_ahead: int,
+                salt: str | None = None) -> DraftSlotsLike | None: ...
 
     def computed(self, request_id: str, fed_drafts: Sequence[int]) -> None: ...
 
@@ -117,7 +118,8 @@ class DraftModelProposer:
         cached = self._cached_on_sight.get(request_id)
         if cached is None:  # looked up once per request: hashing a long prompt every step would cost
             cached = num_tokens - self.kv.tokens_to_compute(request_id, [*state.prompt_token_ids,
-                                                                          *state.output_token_ids])
+                                                                          *state.output_token_ids],
+                                                            state.params.cache_salt)
             self._cached_on_sight[request_id] = cached
         return num_tokens - cached
 
@@ -189,7 +191,7 @@ class DraftModelProposer:
             if len(state.output_token_ids) <= 1 and not self.kv.holds(r.request_id):
                 # The draft's prefill of a new prompt waits a step: run now, it would delay the first token.
                 continue
-            slots = self.kv.prepare(r.request_id, tokens, num_drafts - 1)
+            slots = self.kv.prepare(r.request_id, tokens, num_drafts - 1, state.params.cache_salt)
             if slots is None:
                 continue  # the draft's pool is full: this request goes without drafts this step
             self.vocabulary.admit(r.request_id, state.prompt_token_ids)

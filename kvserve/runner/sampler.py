@@ -6,6 +6,8 @@ token this step (one row per request) and the ``SamplingState`` it keeps for eac
 Order of operations (as vLLM does), all in float32 on the logits' device:
 
     logits [B, V] ──► grammar: tokens the request's constraint does not allow next → -inf
+                 ──► allowed_token_ids: every other token → -inf; bad_words: a word's last token → -inf
+                     where the output ends with the word's other tokens
                  ──► min_tokens: eos + stop_token_ids → -inf while len(output) < min_tokens
                  ──► logit_bias (OpenAI: added to the chosen tokens' logits)
                  ──► repetition penalty (prompt + output tokens, HF: logit > 0 → /p, else *p)
@@ -120,15 +122,18 @@ class Sampler:
         return self._sample(logits, states)
 
     def _masked(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, bool]:
-        """``logits`` with the grammar's disallowed tokens at -inf (a copy, when any row has a grammar), and
-        whether any row has one."""
+        """``logits`` with the tokens a grammar, allowed_token_ids or bad_words refuse at -inf (a copy, when any
+        row refuses some), and whether any row does."""
         constrained = [i for i, s in enumerate(states) if s.matcher is not None]
-        if not constrained:
+        restricted = [i for i, s in enumerate(states) if s.params.restricts_tokens]
+        if not constrained and not restricted:
             return logits, False
-        assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
         logits = logits.clone()  # masked in place; the caller's tensor stays as it was
-        matchers = [m for i in constrained if (m := states[i].matcher) is not None]
-        self.grammar_masker.apply(logits, constrained, matchers)
+        if constrained:
+            assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
+            matchers = [m for i in constrained if (m := states[i].matcher) is not None]
+            self.grammar_masker.apply(logits, constrained, matchers)
+        refuse_tokens(logits, states, restricted)
         return logits, True
 
     @staticmethod
@@ -279,6 +284,26 @@ class Sampler:
 
 
 # --- pure steps (each testable on hand-built logits) ----------------------------------------------------
+def refuse_tokens(logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> None:
+    """In place, for ``rows``: every token outside allowed_token_ids, and each bad word's last token where the
+    output ends with the word's other tokens, → -inf. [B, V]. Ids past V are left out (a draft model's
+    vocabulary may be smaller than its target's)."""
+    vocab_size = logits.shape[1]
+    for i in rows:
+        params, output = states[i].params, states[i].output_token_ids
+        if params.allowed_token_ids is not None:
+            allowed = [t for t in params.allowed_token_ids if t < vocab_size]
+            kept = logits[i, _index(allowed, logits.device)] if allowed else None
+            logits[i] = _NEG_INF
+            if kept is not None:
+                logits[i, _index(allowed, logits.device)] = kept
+        refused = [word[-1] for word in params.bad_words_token_ids
+                   if word[-1] < vocab_size and len(word) - 1 <= len(output)
+                   and (len(word) == 1 or tuple(output[len(output) - len(word) + 1:]) == word[:-1])]
+        if refused:
+            logits[i, _index(refused, logits.device)] = _NEG_INF
+
+
 def suppress_stop_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
     """In place: eos and stop_token_ids → -inf for rows that have not reached min_tokens. [B, V]."""
     vocab_size = logits.shape[1]

@@ -99,7 +99,8 @@ class AppState:
             messages = template_messages(messages, tools, tool_format, self.template_has_tools)
             tools_arg = template_tools(tools) if self.template_has_tools else None
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                  tools=tools_arg, continue_final_message=body.continue_final_message)
+                                                  tools=tools_arg, continue_final_message=body.continue_final_message,
+                                                  **body.template_variables())
         return text, tool_format
 
     @property
@@ -218,7 +219,7 @@ def build_app(
     async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Response:
         received_at = time.monotonic()
         state.check_admissible(body.model)
-        params = body.sampling_params()
+        params = async_engine.resolve_params(body.sampling_params())
         tools = tool_request(body, has_format=params.structured_outputs is not None)
         text, tool_format = await state.chat_text(body, tools)
         if tool_format is not None:
@@ -243,7 +244,7 @@ def build_app(
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
         received_at = time.monotonic()
         state.check_admissible(body.model)
-        params = body.sampling_params()
+        params = async_engine.resolve_params(body.sampling_params())
         inputs: list[p.PromptInput | dict[str, list[int]]] = list(body.prompts())
         state.check_queue_fits(len(inputs), params.n, "prompt")
         if body.suffix is not None:  # fill in the middle: each prompt is the text before the gap

@@ -9,6 +9,7 @@ import base64
 import math
 import struct
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from kvserve.async_engine import AsyncEngine
@@ -51,4 +52,5 @@ def embedding_response(vectors: list[list[float]], prompts: list[tuple[list[int]
 
 
 def prepare_inputs(engine: AsyncEngine, body: p.EmbeddingRequest) -> list[tuple[list[int], str | None]]:
-    return [engine.prepare(x, EMBEDDING_PARAMS) for x in body.inputs()]
+    params = replace(EMBEDDING_PARAMS, truncate_prompt_tokens=body.truncate_prompt_tokens)
+    return [engine.prepare(x, params) for x in body.inputs()]

@@ -22,6 +22,9 @@ from kvserve.tokenizer import message_text
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP_STRINGS = 64  # every stop string is searched for after every generated token
+# What the server itself gives the chat template (from the request's own fields).
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
+                                     "documents", "bos_token", "eos_token"})
 
 
 def rename_param(exc: InvalidRequest, old: str, new: str) -> InvalidRequest:
@@ -128,10 +131,20 @@ class _SamplingRequest(_StrictText):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's token restrictions: only these tokens may be sampled; these words never appear in the output.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's: keep only the prompt's last this many tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
+    # vLLM's: requests sharing a salt share cached KV with each other only (tenants that must not learn from
+    # each other's cache hits, by timing, send different salts).
+    cache_salt: str | None = None
     # Declared to be refused (vLLM's engine refuses them too): ignored, they would give the client one ordinary
-    # sample where it asked for the best of several, or a beam.
+    # sample where it asked for the best of several, or a beam, or the order of a priority queue kvserve does
+    # not keep (it serves requests first come, first served).
     best_of: int | None = None
     use_beam_search: bool = False
+    priority: int = 0
 
     @property
     def include_usage(self) -> bool:
@@ -154,6 +167,9 @@ class _SamplingRequest(_StrictText):
                                  param="best_of")
         if self.use_beam_search:
             raise InvalidRequest("use_beam_search: beam search is not supported", param="use_beam_search")
+        if self.priority != 0:
+            raise InvalidRequest("priority: requests are served first come, first served here; send priority 0 "
+                                 "or none", param="priority")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidSamplingParams(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
                                         param="stop")
@@ -185,6 +201,10 @@ class _SamplingRequest(_StrictText):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
+                allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+                bad_words=tuple(self.bad_words or ()),
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                cache_salt=self.cache_salt,
                 structured_outputs=self.structured_outputs_params(),
             )
         except InvalidSamplingParams as exc:
@@ -267,6 +287,12 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    # vLLM's: more variables for the chat template (``{"enable_thinking": false}``), and documents for
+    # templates that lay them out (retrieval). A template of the request's own is refused, as vLLM refuses it
+    # unless told to trust requests' templates: the model's template renders every conversation.
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
 
     @property
     def reply_role(self) -> str:
@@ -300,6 +326,17 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template gets beside the messages and tools: ``documents`` and ``chat_template_kwargs``."""
+        if self.chat_template is not None:
+            raise InvalidRequest("chat_template: a request's own template is not accepted; the model's template "
+                                 "renders the messages", param="chat_template")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not passed to "
+                                 "the template", param="chat_template_kwargs")
+        return {**(self.chat_template_kwargs or {}), "documents": self.documents}
 
 
 PromptInput = str | list[int]
@@ -374,6 +411,7 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 (the openai client's)
     dimensions: int | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: embed only each input's last this many tokens
 
     @field_validator("input", mode="plain")
     @classmethod
@@ -404,6 +442,9 @@ class TokenizeRequest(_StrictText):
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
@@ -411,7 +452,9 @@ class TokenizeRequest(_StrictText):
         """The messages, tools and template controls as the chat route takes them."""
         return ChatCompletionRequest(messages=self.messages or [], tools=self.tools, tool_choice=self.tool_choice,
                                      add_generation_prompt=self.add_generation_prompt,
-                                     continue_final_message=self.continue_final_message)
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template_kwargs=self.chat_template_kwargs, documents=self.documents,
+                                     chat_template=self.chat_template)
 
 
 class DetokenizeRequest(_Strict):

@@ -41,6 +41,20 @@ def test_a_shared_prompt_is_computed_once() -> None:
     kv.check_invariants()
 
 
+def test_a_salted_prompt_shares_its_blocks_only_with_prompts_of_its_salt() -> None:
+    kv = DraftKVCache(num_blocks=32, block_size=BLOCK, hash_extra=b"draft")
+    prompt = list(range(100, 113))
+    kv.prepare("a", prompt, num_ahead=1, salt="tenant-1")
+    kv.computed("a", [])
+    assert kv.tokens_to_compute("b", prompt) == kv.tokens_to_compute("c", prompt, "tenant-2") == 13
+    assert kv.tokens_to_compute("d", prompt, "tenant-1") == 1
+    unsalted = kv.prepare("e", prompt, num_ahead=1)
+    salted = kv.prepare("f", prompt, num_ahead=1, salt="tenant-1")
+    assert unsalted is not None and salted is not None
+    assert (unsalted.num_computed, salted.num_computed) == (0, 12)
+    kv.check_invariants()
+
+
 def test_tokens_to_compute_counts_what_the_prefix_cache_lacks_and_changes_nothing() -> None:
     kv = DraftKVCache(num_blocks=32, block_size=BLOCK, hash_extra=b"draft")
     prompt = list(range(100, 113))  # 3 full blocks and one token

@@ -6,7 +6,7 @@ from typing import cast
 
 import pytest
 
-from kvserve.errors import InvalidRequest
+from kvserve.errors import ContextLengthExceeded, InvalidRequest, InvalidSamplingParams
 from kvserve.input_processor import InputProcessor
 from kvserve.request import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler
@@ -27,3 +27,40 @@ def test_a_text_whose_tokens_pass_the_models_vocabulary_is_refused_not_looked_up
         processor.process(ids, SamplingParams(max_tokens=4))
     wide = InputProcessor(tokenizer, cut + 1, 512, cast(GrammarCompiler, None))
     assert wide.process("Hello world", SamplingParams(max_tokens=4)).prompt_token_ids == ids
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space_and_ids_past_the_vocabulary_are_refused() -> None:
+    tokenizer = smollm2_tokenizer()
+    vocab = tokenizer.vocab_size
+    processor = InputProcessor(tokenizer, vocab, 512, cast(GrammarCompiler, None))
+    resolved = processor.resolve_params(SamplingParams(bad_words=("hello", " 5, 6", "hello")))
+    hello, spaced = tokenizer.encode("hello", False), tokenizer.encode(" hello", False)
+    assert len(hello) == len(spaced) == 1 and hello != spaced
+    # " 5" is two tokens (a space, then the digit), not one: only the word as it begins the text is kept.
+    assert tokenizer.encode(" 5, 6", False) == [216, *tokenizer.encode("5, 6", False)]
+    assert resolved.bad_words_token_ids == (tuple(hello), tuple(spaced), tuple(tokenizer.encode("5, 6", False)))
+    assert processor.resolve_params(resolved) is resolved  # once is enough: the route's and generate's
+    narrow = InputProcessor(tokenizer, max(hello), 512, cast(GrammarCompiler, None))
+    for params, field in ((SamplingParams(bad_words=("hello",)), "bad_words"),
+                          (SamplingParams(allowed_token_ids=(1, max(hello))), "allowed_token_ids"),
+                          (SamplingParams(logit_bias={max(hello): 1.0}), "logit_bias")):
+        with pytest.raises(InvalidSamplingParams) as info:
+            narrow.resolve_params(params)
+        assert info.value.param == field
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
+    tokenizer = smollm2_tokenizer()
+    processor = InputProcessor(tokenizer, tokenizer.vocab_size, 32, cast(GrammarCompiler, None))
+    text = "one two three four five six seven eight nine ten"
+    ids = tokenizer.encode(text)
+    kept = processor.process(text, SamplingParams(max_tokens=4, truncate_prompt_tokens=3))
+    assert (kept.prompt_token_ids, kept.prompt) == (ids[-3:], None)  # the text is no longer the prompt's
+    whole = processor.process(text, SamplingParams(max_tokens=4, truncate_prompt_tokens=len(ids)))
+    assert (whole.prompt_token_ids, whole.prompt) == (ids, text)
+    # -1: as many as fit with max_tokens after them; a prompt past the context is cut to fit instead of refused.
+    long_ids = list(range(100, 140))
+    with pytest.raises(ContextLengthExceeded):
+        processor.process(long_ids, SamplingParams(max_tokens=4))
+    assert processor.process(long_ids, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1)
+                             ).prompt_token_ids == long_ids[-28:]

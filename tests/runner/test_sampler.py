@@ -17,6 +17,7 @@ from kvserve.runner.sampler import (
     apply_logit_bias,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    refuse_tokens,
     row_seed,
     suppress_stop_tokens,
 )
@@ -330,6 +331,43 @@ def test_invalid_logit_bias_is_refused(bias) -> None:
     with pytest.raises(InvalidSamplingParams) as info:
         SamplingParams(logit_bias=bias)
     assert info.value.param == "logit_bias"
+
+
+# --- allowed_token_ids and bad_words ----------------------------------------------------------------------
+def test_allowed_token_ids_and_bad_words_refuse_their_tokens_and_nothing_else() -> None:
+    """allowed_token_ids keeps its tokens (ids past the logits, a smaller draft vocabulary's, left out); a bad
+    word's last token is refused where the output ends with its other tokens, and only there."""
+    logits = torch.arange(10.0).expand(5, 10).contiguous()
+    words = ((9,), (7, 8), (1, 2, 6))
+    states = [
+        state(temperature=0.0, allowed_token_ids=(2, 5, 40)),
+        state(temperature=0.0, output=[3, 7], bad_words_token_ids=words),  # ends with 7: 8 and 9 refused
+        state(temperature=0.0, output=[2], bad_words_token_ids=words),  # 1, 2 not both there: 6 stays
+        state(temperature=0.0, output=[1, 2], bad_words_token_ids=words, allowed_token_ids=(6, 8, 9)),
+        state(temperature=0.0),  # neither: untouched
+    ]
+    refused = logits.clone()
+    refuse_tokens(refused, states, [0, 1, 2, 3])
+    assert kept(refused) == [{2, 5}, set(range(8)), set(range(9)), {8}, set(range(10))]
+    assert Sampler(10)(logits, states).token_ids == [5, 7, 8, 8, 9]
+    # Sampled rows, and their logprobs, see the same refusals; the caller's logits stay as they were.
+    hot = [state(temperature=1.0, seed=s, logprobs=2, output=[7], bad_words_token_ids=words,
+                 allowed_token_ids=(0, 8, 9)) for s in range(50)]
+    out = Sampler(10)(logits[:1].expand(50, 10), hot)
+    assert set(out.token_ids) == {0}
+    assert all(lp[0] == 0.0 and all(v == NEG_INF for t, v in lp.items() if t != 0) for lp in out.logprobs)
+    assert torch.equal(logits, torch.arange(10.0).expand(5, 10))
+
+
+@pytest.mark.parametrize(("field", "value"), [("allowed_token_ids", ()), ("allowed_token_ids", (1, -2)),
+                                              ("allowed_token_ids", (True,)), ("bad_words", ("ok", "  ")),
+                                              ("bad_words", ("",)), ("bad_words", ("x" * 1025,)),
+                                              ("bad_words", ("w",) * 1025), ("truncate_prompt_tokens", 0),
+                                              ("truncate_prompt_tokens", -2), ("cache_salt", "")])
+def test_invalid_token_restrictions_truncation_and_salt_are_refused(field: str, value: object) -> None:
+    with pytest.raises(InvalidSamplingParams) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
 
 
 # --- min_tokens ------------------------------------------------------------------------------------------

@@ -97,6 +97,15 @@ BAD_VALUES = [
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
+    ("chat", {"priority": 1}, "priority"),  # served first come, first served: no queue order to honour
+    ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),  # the model's template renders every request
+    ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("completions", {"allowed_token_ids": [49152]}, "allowed_token_ids"),  # past the vocabulary
+    ("chat", {"bad_words": [" "]}, "bad_words"),
+    ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("embeddings", {"input": "a", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
+    ("chat", {"cache_salt": ""}, "cache_salt"),
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary

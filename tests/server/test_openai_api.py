@@ -234,6 +234,52 @@ def test_stop_strings_logprobs_and_extensions(base_url) -> None:
     assert resp.usage.completion_tokens == 8 and resp.choices[0].finish_reason == "length"
 
 
+def test_allowed_tokens_bad_words_truncation_and_cache_salt(base_url) -> None:
+    """vLLM's request extensions, through the shared server (which drafts n-grams: refused drafts are rejected
+    as any other). In SmolLM2's vocabulary 17 is "!", 37 "5" and 216 a space."""
+    c = client(base_url)
+    full = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    assert full.startswith(" 5, 6, 7")
+    only = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                extra_body={"allowed_token_ids": [17, 37]})
+    assert only.usage.completion_tokens == 12 and set(only.choices[0].text) <= {"!", "5"}
+    sampled = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=1.0, n=4, seed=3,
+                                   extra_body={"allowed_token_ids": [17, 37, 216], "ignore_eos": True})
+    assert all(set(choice.text) <= {"!", "5", " "} for choice in sampled.choices)
+    no_five = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                   extra_body={"bad_words": ["5"]}).choices[0].text
+    assert "5" not in no_five and no_five != full
+    # A word of several tokens: only its last is refused, and only after the others.
+    no_five_six = c.completions.create(model=None, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                       extra_body={"bad_words": ["5, 6"]}).choices[0].text
+    assert no_five_six.startswith(" 5, ") and "5, 6" not in no_five_six
+
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = httpx.post(f"{base_url}/tokenize", json={"prompt": prompt}, timeout=60).json()["tokens"]
+    cut = c.completions.create(model=None, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                               extra_body={"truncate_prompt_tokens": 4})
+    direct = c.completions.create(model=None, prompt=ids[-4:], max_tokens=5, temperature=0, echo=True)
+    assert cut.usage.prompt_tokens == 4 and len(ids) > 4
+    assert cut.choices[0].text == direct.choices[0].text  # the echo is the prompt the model saw
+    chat_cut = c.chat.completions.create(model=None, messages=chat(prompt), max_tokens=2, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 6})
+    assert chat_cut.usage.prompt_tokens == 6
+
+    # A salt's requests share cached KV with each other only.
+    document = f"Notes {uuid.uuid4().hex}. " + " ".join(f"Item {i}: keys and values in blocks." for i in range(12))
+
+    def cached(salt: str | None) -> tuple[int, int, str]:
+        resp = c.completions.create(model=None, prompt=document, max_tokens=4, temperature=0,
+                                    extra_body={} if salt is None else {"cache_salt": salt})
+        return resp.usage.prompt_tokens_details.cached_tokens, resp.usage.prompt_tokens, resp.choices[0].text
+
+    first = cached("tenant-a")
+    again, other, unsalted, unsalted_again = cached("tenant-a"), cached("tenant-b"), cached(None), cached(None)
+    assert first[0] == other[0] == unsalted[0] == 0
+    assert again[0] == unsalted_again[0] == first[1] - 1 > 100
+    assert len({first[2], again[2], other[2], unsalted[2], unsalted_again[2]}) == 1
+
+
 def test_default_max_tokens_16_for_completions_and_the_rest_of_the_context_for_chat(base_url) -> None:
     """OpenAI's and vLLM's defaults: 16 tokens for a completion without max_tokens; with an explicit null, and for
     chat, only the context limit stops a request that ignores EOS (a prompt near the limit keeps it short)."""
