@@ -426,7 +426,8 @@ def speculative_config_from_json(text: str) -> SpeculativeConfig:
 class ServerConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on")
-    served_model_name: str | None = setting(None, "the model name clients send (default: --model)")
+    served_model_name: tuple[str, ...] = setting(
+        (), "the model names clients may send (one or more); responses name the first", default_text="--model")
     api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes")
     max_waiting_requests: int = setting(256, "requests allowed to wait for a batch slot; more get 429 (a single "
                                              "request with more sequences than that, prompts × n, is a 400)")
@@ -443,6 +444,13 @@ class ServerConfig:
                                          "bytes/s only")
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # one name, as callers in Python may give it
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        elif not isinstance(self.served_model_name, tuple):
+            object.__setattr__(self, "served_model_name", tuple(self.served_model_name or ()))
+        if any(not isinstance(name, str) or not name.strip() for name in self.served_model_name):
+            raise ConfigError(f"served_model_name: each name must be a non-empty string, got "
+                              f"{list(self.served_model_name)}", "served_model_name")
         _check_whole(self.port, "port", 0, 65535)
         _check_whole(self.max_waiting_requests, "max_waiting_requests", 1)
         _check_whole(self.max_request_body_bytes, "max_request_body_bytes", 1)

@@ -150,6 +150,8 @@ def _add_argument(group: argparse._ArgumentGroup, option: Option) -> None:
         kwargs["choices"] = list(typing.get_args(hint))
     elif hint in (int, float, str):
         kwargs["type"] = hint
+    elif hint == tuple[str, ...]:
+        kwargs["type"], kwargs["nargs"] = str, "+"
     else:
         raise TypeError(f"{'.'.join(option.path)}: no flag for a {hint}; give its Setting a parse")
     if option.setting.metavar:

@@ -56,12 +56,13 @@ T = TypeVar("T")
 class AppState:
     """One server's engine, model identity, in-flight requests and drain flag."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer: Tokenizer, model_name: str,
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer: Tokenizer, model_names: tuple[str, ...],
                  max_model_len: int | None, model_root: str | None, compute: ComputeModel | None = None) -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_names = model_names  # any of them is this server's model; responses name the first
+        self.model_name = model_names[0]
         self.max_model_len = max_model_len
         self.model_root = model_root
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
@@ -114,10 +115,15 @@ class AppState:
             raise ServerShuttingDown("the server is shutting down; retry on another replica")
         if not self.engine.is_alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.engine.dead!r}")
-        if name is not None and name != self.model_name:
-            error = ModelNotFound(f"the model '{name}' does not exist; this server serves '{self.model_name}'")
+        if name is not None and name not in self.model_names:
+            error = ModelNotFound(f"the model '{name}' does not exist; {self.serves}")
             error.param = "model"  # type: ignore[attr-defined]
             raise error
+
+    @property
+    def serves(self) -> str:
+        """What an error about a model name says this server serves."""
+        return f"this server serves {', '.join(repr(n) for n in self.model_names)}"
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, give in-flight ones ``grace_s`` to finish, then abort the rest."""
@@ -201,15 +207,15 @@ def build_app(
     config: ServerConfig,
     tokenizer: Tokenizer,
     *,
-    model_name: str | None = None,
+    model_names: tuple[str, ...] = (),
     max_model_len: int | None = None,
     model_root: str | None = None,
     compute: ComputeModel | None = None,
 ) -> FastAPI:
     """A FastAPI app over a running AsyncEngine. The caller owns the engine (and shuts it down).
     ``compute``: the cost model the dashboard's FLOP/s, bytes/s, MFU and MBU come from."""
-    name = model_name or config.served_model_name or "kvserve"
-    state = AppState(async_engine, config, tokenizer, name, max_model_len, model_root, compute)
+    names = model_names or config.served_model_name or ("kvserve",)
+    state = AppState(async_engine, config, tokenizer, names, max_model_len, model_root, compute)
     app = FastAPI(title="kvserve", version="0.1.0")
     app.state.kvserve = state
     app.add_middleware(GateMiddleware, config=config, metrics=state.metrics, draining=lambda: state.draining)
@@ -306,20 +312,21 @@ def build_app(
         text = tokenizer.decode(body.tokens, skip_special_tokens=False)
         return JSONResponse({"prompt": text})
 
-    def model_card() -> rm.ModelCard:
-        return rm.ModelCard(id=state.model_name, created=state.created, root=state.model_root,
-                            max_model_len=state.max_model_len)
+    def model_card(name: str) -> rm.ModelCard:
+        return rm.ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return Response(rm.ModelList(data=[model_card()]).model_dump_json(), media_type="application/json")
+        """A card for each name the model is served under (as vLLM lists them)."""
+        cards = [model_card(name) for name in state.model_names]
+        return Response(rm.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         """One model's card (OpenAI's ``models.retrieve``); a name this server does not serve is a 404."""
-        if model_id != state.model_name:
-            raise ModelNotFound(f"the model '{model_id}' does not exist; this server serves '{state.model_name}'")
-        return Response(model_card().model_dump_json(), media_type="application/json")
+        if model_id not in state.model_names:
+            raise ModelNotFound(f"the model '{model_id}' does not exist; {state.serves}")
+        return Response(model_card(model_id).model_dump_json(), media_type="application/json")
 
     @app.get("/kvserve/info")
     async def replica_info() -> Response:

@@ -66,9 +66,10 @@ class _GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def served_name(engine: Engine, server_config: ServerConfig) -> str:
-    """The model name clients send: --served-model-name, else what --model said (a path or a known name)."""
-    return server_config.served_model_name or engine.config.model.model or engine.model_path.stem
+def served_names(engine: Engine, server_config: ServerConfig) -> tuple[str, ...]:
+    """The model names clients may send, the one responses carry first: --served-model-name, else what --model
+    said (a path or a known name)."""
+    return server_config.served_model_name or (engine.config.model.model or engine.model_path.stem,)
 
 
 def build_server(engine_config: EngineConfig, server_config: ServerConfig) -> tuple[Engine, AsyncEngine, FastAPI]:
@@ -76,7 +77,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig) -> tu
     shares (``serve``, ``BackgroundServer``, a Ray Serve replica). The caller shuts the engine down."""
     engine = Engine(engine_config)
     async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
-    app = build_app(async_engine, server_config, engine.tokenizer, model_name=served_name(engine, server_config),
+    app = build_app(async_engine, server_config, engine.tokenizer, model_names=served_names(engine, server_config),
                     max_model_len=engine.max_model_len, model_root=str(engine.model_path),
                     compute=compute_model(engine, server_config.hardware))
     return engine, async_engine, app
@@ -108,7 +109,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                                log_level=server_config.uvicorn_log_level,
                                lifespan="off", timeout_graceful_shutdown=2)
     server = _GracefulServer(uv_config, app.state.kvserve, server_config.shutdown_grace_period_s)
-    logger.info("serving %s on http://%s:%d", served_name(engine, server_config), server_config.host,
+    logger.info("serving %s on http://%s:%d", ", ".join(served_names(engine, server_config)), server_config.host,
                 server_config.port)
     try:
         server.run(sockets=[sock])

@@ -96,7 +96,7 @@ def test_every_flag_reaches_its_field() -> None:
         "--kv-host-gb", "4", "--kv-disk-gb", "20", "--kv-disk-dir", "/var/kv", "--kv-redis-url", "redis://h:1/0",
         "--kv-retention", "30m", "--kv-write-policy", "write_through", "--no-keep-tails", "--hash-salt", "tenant",
         "--lpm-max-skips", "3", "--lpm-window", "16",
-        "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "m", "--api-key", "k",
+        "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "m", "m-alias", "--api-key", "k",
         "--max-waiting-requests", "3", "--max-request-body-bytes", "1000", "--shutdown-grace-period", "2.5",
         "--uvicorn-log-level", "debug",
     )
@@ -112,8 +112,15 @@ def test_every_flag_reaches_its_field() -> None:
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
     )
     assert server_config_from_args(args) == ServerConfig(
-        host="0.0.0.0", port=9000, served_model_name="m", api_key="k", max_waiting_requests=3,
+        host="0.0.0.0", port=9000, served_model_name=("m", "m-alias"), api_key="k", max_waiting_requests=3,
         max_request_body_bytes=1000, shutdown_grace_period_s=2.5, uvicorn_log_level="debug")
+
+
+def test_one_served_model_name_is_a_tuple_of_one_and_an_empty_one_is_refused() -> None:
+    assert ServerConfig(served_model_name="m").served_model_name == ("m",)
+    assert server_config_from_args(parse("serve", "--served-model-name", "m")).served_model_name == ("m",)
+    with pytest.raises(ConfigError, match="served_model_name"):
+        ServerConfig(served_model_name=("m", " "))
 
 
 def test_boolean_pairs() -> None:

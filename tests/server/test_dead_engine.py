@@ -27,6 +27,9 @@ class PassThroughInputs:
     def __init__(self) -> None:
         self.num_calls = 0
 
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        return params
+
     def process(self, prompt: object, params: SamplingParams, compile_grammar: bool = True) -> ProcessedPrompt:
         self.num_calls += 1
         if isinstance(prompt, dict):
@@ -92,7 +95,7 @@ class FailingEngine:
 
 def _app(fail_after: int):
     async_engine = AsyncEngine(FailingEngine(fail_after))  # type: ignore[arg-type]
-    app = build_app(async_engine, ServerConfig(), tokenizer=None, model_name="fake")  # type: ignore[arg-type]
+    app = build_app(async_engine, ServerConfig(), tokenizer=None, model_names=("fake",))  # type: ignore[arg-type]
     return async_engine, app
 
 

@@ -18,6 +18,7 @@ from kvserve.server.serving import build_server
 from tests.support.tiny_models import make_tiny_model
 
 MODEL_NAME = "tiny"
+ALIAS = "tiny-alias"  # a second --served-model-name
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncEngi
     config = EngineConfig(model=ModelConfig(model=str(model), dtype="float32", show_progress=False, max_model_len=512),
                           cache=CacheConfig(num_kv_blocks=64),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
-    engine, async_engine, app = build_server(config, ServerConfig(served_model_name=MODEL_NAME))
+    engine, async_engine, app = build_server(config, ServerConfig(served_model_name=(MODEL_NAME, ALIAS)))
     yield async_engine, app
     async_engine.shutdown()
     engine.close()
@@ -63,6 +64,23 @@ def test_errors_keep_their_status_and_openai_body(server) -> None:
     status, _, chunks = asyncio.run(collect(app, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi",
                                                                      "max_tokens": -1}))
     assert status == 400 and json.loads(b"".join(chunks))["error"]["message"]
+
+
+def test_every_served_name_is_the_model_and_responses_name_the_first(server) -> None:
+    _, app = server
+
+    async def get(path: str) -> tuple[int, dict]:
+        answer = call_app(app, "GET", path, b"", {})
+        status, _ = await answer.__anext__()
+        return status, json.loads(b"".join([chunk async for chunk in answer]))
+
+    status, listed = asyncio.run(get("/v1/models"))
+    assert status == 200 and [card["id"] for card in listed["data"]] == [MODEL_NAME, ALIAS]
+    assert asyncio.run(get(f"/v1/models/{ALIAS}")) [1]["id"] == ALIAS
+    status, error = asyncio.run(get("/v1/models/other"))
+    assert status == 404 and f"'{MODEL_NAME}', '{ALIAS}'" in error["error"]["message"]
+    status, _, chunks = asyncio.run(collect(app, "/v1/completions", {"model": ALIAS, "prompt": [5, 6], "max_tokens": 2}))
+    assert status == 200 and json.loads(b"".join(chunks))["model"] == MODEL_NAME
 
 
 def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_blocks(server) -> None:
