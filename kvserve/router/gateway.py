@@ -138,6 +138,24 @@ class Gateway:
         return Response(upstream.content, status_code=upstream.status_code,
                         media_type=upstream.headers.get("content-type", "application/json"))
 
+    async def refused_key(self, http: Request) -> Response | None:
+        """Where the replicas require an API key (the gateway has one for its own calls), the client's key as one
+        of them judges it: its refusal, passed back as it is, or None. The gateway's own routes (the model list)
+        would otherwise answer clients the replicas refuse."""
+        candidates = self.pool.healthy() if self.replica_headers else []
+        if not candidates:
+            return None
+        replica = min(candidates, key=lambda r: r.load)
+        try:
+            upstream = await self.client.get(f"{replica.url}/v1/models", headers=self._upstream_headers(http),
+                                             timeout=5.0)
+        except httpx.HTTPError as exc:
+            raise BadUpstreamResponse(f"replica {replica.url} did not answer /v1/models: {exc!r}") from None
+        if upstream.status_code not in (401, 403):
+            return None
+        return Response(upstream.content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type", "application/json"))
+
     async def _read_request(self, http: Request) -> tuple[bytes, dict[str, Any], str | None]:
         """The body (within the size limit), parsed as a JSON object, and the model it names."""
         body = await _read_body(http, self.config.max_request_body_bytes)
@@ -435,12 +453,16 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         return ids
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(http: Request) -> Response:
+        if (refused := await gateway.refused_key(http)) is not None:
+            return refused
         data = [{"id": m, "object": "model", "created": created, "owned_by": "kvserve"} for m in model_ids()]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> Response:
+    async def model(model_id: str, http: Request) -> Response:
+        if (refused := await gateway.refused_key(http)) is not None:
+            return refused
         if model_id not in model_ids():
             raise ModelNotFound(f"the model '{model_id}' does not exist here")
         return JSONResponse({"id": model_id, "object": "model", "created": created, "owned_by": "kvserve"})

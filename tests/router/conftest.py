@@ -48,6 +48,7 @@ class FakeReplica:
         self.received: list[dict] = []
         self.abandoned = 0  # streams whose client left before the end
         self.reported_running = 0  # what its /metrics says is running
+        self.api_key: str | None = None  # required on /v1/models when set
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server: uvicorn.Server | None = None
@@ -75,7 +76,10 @@ class FakeReplica:
         app = FastAPI()
 
         @app.get("/v1/models")
-        async def models() -> Response:
+        async def models(http: Request) -> Response:
+            if self.api_key is not None and http.headers.get("authorization") != f"Bearer {self.api_key}":
+                return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error",
+                                               "param": None, "code": "invalid_api_key"}}, status_code=401)
             return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
         @app.get("/health")

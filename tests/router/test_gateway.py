@@ -262,3 +262,28 @@ def test_a_relayed_stream_is_ended_when_the_client_leaves_before_its_body_starts
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}  # Starlette listens for the disconnect itself
     asyncio.run(_RelayedStream(body(), end)(scope, gone, send))
     assert "response" in ended  # whether or not the body's generator ever ran
+
+
+def test_the_model_list_asks_for_the_key_the_replicas_ask_for(replicas: list[FakeReplica]) -> None:
+    """The gateway answers GET /v1/models itself: where its replicas require a key, a client without it (or
+    with another) gets their 401, as on the routes it forwards."""
+    replicas[0].api_key = "k"
+    try:
+        open_gateway = gateway_over(replicas[1:], policy="round_robin")
+        try:
+            assert httpx.get(f"{open_gateway.base_url}/v1/models").status_code == 200
+        finally:
+            open_gateway.stop()
+        gateway = gateway_over(replicas[:1], policy="round_robin", replica_api_key="k")
+        try:
+            for path in ("/v1/models", f"/v1/models/{MODEL}"):
+                assert httpx.get(f"{gateway.base_url}{path}").status_code == 401
+                wrong = httpx.get(f"{gateway.base_url}{path}", headers={"Authorization": "Bearer x"})
+                assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+                right = httpx.get(f"{gateway.base_url}{path}", headers={"Authorization": "Bearer k"})
+                assert right.status_code == 200
+            assert right.json()["id"] == MODEL
+        finally:
+            gateway.stop()
+    finally:
+        replicas[0].api_key = None
