@@ -27,9 +27,9 @@ from kvserve.model.loader import (
     model_fingerprint,
     read_arch_config,
     resolve_model_path,
-    weight_names,
 )
 from kvserve.model.quantized import HELD_PARTS, KERNEL_TYPES, QuantizedWeight
+from kvserve.model.tensor_names import weight_names
 from kvserve.model_store import ModelStore
 from kvserve.tokenizer import Tokenizer
 from tests.e2e.conftest import installed_model

@@ -15,7 +15,8 @@ import torch
 
 from kvserve.arch import ArchConfig
 from kvserve.errors import UnsupportedModel
-from kvserve.model.loader import iter_weights, read_arch_config, weight_names
+from kvserve.model.loader import iter_weights, read_arch_config
+from kvserve.model.tensor_names import weight_names
 from tests.support.tiny_models import (
     MOE_FAMILIES,
     TINY_EXPERT_SIZE,
