@@ -77,6 +77,7 @@ class _StrictText(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class ContentPart(BaseModel):
@@ -149,6 +150,10 @@ class _SamplingRequest(_StrictText):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def _params(self, max_tokens: int | None, max_tokens_field: str, logprobs: int | None,
                 logprobs_field: str) -> SamplingParams:

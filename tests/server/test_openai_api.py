@@ -103,6 +103,14 @@ def test_chat_non_streaming_and_streaming_agree(base_url) -> None:
     assert last.usage.prompt_tokens == usage.prompt_tokens
     assert last.usage.prompt_tokens_details.cached_tokens >= BLOCK_SIZE  # the same prompt was just served
     assert all(ch.usage is None for ch in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, the completion tokens growing to the
+    # whole count.
+    chunks = list(c.chat.completions.create(
+        model=None, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts == sorted(counts) and counts[-1] == usage.completion_tokens and len(chunks) > 3
+    assert {ch.usage.prompt_tokens for ch in chunks} == {usage.prompt_tokens}
 
 
 def test_completions_async_streaming_and_token_id_prompts(base_url) -> None:
