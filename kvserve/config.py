@@ -427,7 +427,8 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on")
     served_model_name: tuple[str, ...] = setting(
-        (), "the model names clients may send (one or more); responses name the first", default_text="--model")
+        (), "the model names clients may send (one or more); a response names the one its request named, else "
+            "the first", default_text="--model")
     api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes")
     max_waiting_requests: int = setting(256, "requests allowed to wait for a batch slot; more get 429 (a single "
                                              "request with more sequences than that, prompts × n, is a 400)")

@@ -18,18 +18,21 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, grammars: GrammarCompiler) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, grammars: GrammarCompiler,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = grammars
+        self.eos_token_ids = eos_token_ids or tuple(tokenizer.eos_token_ids)  # what ends an output
 
     def process(self, prompt: PromptType, params: SamplingParams, compile_grammar: bool = True) -> ProcessedPrompt:
         """Check the parameters against this model, tokenise the prompt and check that it fits; compile its
         structured-output constraint (waiting for it at most the compile timeout) unless ``compile_grammar`` is
         False: the caller compiles it apart (the server does, off its event loop)."""
         params = self.resolve_params(params)
-        token_ids, text = self.tokenize_prompt(prompt)
+        # A prompt to be cut to its last tokens may be longer than the context: tokenized whole, then cut.
+        token_ids, text = self.tokenize_prompt(prompt, check_fits=params.truncate_prompt_tokens is None)
         keep = params.truncate_prompt_tokens
         if keep == -1:
             keep = max(1, self.max_model_len - (params.max_tokens or 1))
@@ -52,11 +55,12 @@ class InputProcessor:
                 f"and no more than {most} characters can fit in them"
             )
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
+    def tokenize_prompt(self, prompt: PromptType, check_fits: bool = True) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPrompt()
-            self.check_text_fits(prompt)
+            if check_fits:
+                self.check_text_fits(prompt)
             token_ids = self.tokenizer.encode(prompt)
             self.check_ids_in_vocabulary(token_ids)
             return token_ids, prompt
@@ -64,7 +68,7 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 token_ids = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
+                return self.tokenize_prompt(prompt["prompt"], check_fits)
             else:
                 raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         else:
@@ -94,13 +98,29 @@ class InputProcessor:
             if outside:
                 raise InvalidSamplingParams(f"{param} token ids must be < {vocab} (the vocabulary size), got "
                                             f"{outside[0]}", param=param)
-        if not params.bad_words or params.bad_words_token_ids:
-            return params
-        words = bad_words_token_ids(self.tokenizer, params.bad_words)
-        if any(token >= vocab for word in words for token in word):
-            raise InvalidSamplingParams("a bad word tokenizes to a token past this model's vocabulary",
-                                        param="bad_words")
-        return replace(params, bad_words_token_ids=words)
+        if params.bad_words and not params.bad_words_token_ids:
+            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            if any(not word for word in words):  # a normalizer that drops every character of it
+                raise InvalidSamplingParams("a bad word tokenizes to no tokens", param="bad_words")
+            if any(token >= vocab for word in words for token in word):
+                raise InvalidSamplingParams("a bad word tokenizes to a token past this model's vocabulary",
+                                            param="bad_words")
+            params = replace(params, bad_words_token_ids=words)
+        self._check_some_token_allowed(params)
+        return params
+
+    def _check_some_token_allowed(self, params: SamplingParams) -> None:
+        """Refuse allowed_token_ids that bad words of one token, and (before min_tokens) the end tokens, leave
+        empty: every token of the first step would be refused."""
+        if params.allowed_token_ids is None:
+            return
+        refused = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        if params.min_tokens > 0:
+            refused |= {*self.eos_token_ids, *params.stop_token_ids}
+        if refused.issuperset(params.allowed_token_ids):
+            raise InvalidSamplingParams("allowed_token_ids holds only tokens that bad_words refuse or, before "
+                                        "min_tokens, end the output: no token could be sampled",
+                                        param="allowed_token_ids")
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
@@ -126,6 +146,6 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[t
         alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         found.append(alone)
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+        if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
             found.append(spaced)
     return tuple(dict.fromkeys(found))

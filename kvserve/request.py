@@ -111,8 +111,11 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 # stop ids: bounded, so that one request cannot stall a step for the rest of the batch.
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-# Every bad word is matched against the output's end before each token: bounded as stop strings are.
+# Every bad word is matched against the output's end before each token, and tokenized when the request comes:
+# bounded as stop strings are.
 MAX_BAD_WORDS = 1024
+MAX_BAD_WORDS_CHARS = 65536
+MAX_ALLOWED_TOKEN_IDS = 262144  # the largest vocabulary served (Gemma 3's): a list past it repeats ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +245,9 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise InvalidSamplingParams("allowed_token_ids must hold at least one token id (null: every token)",
                                             param="allowed_token_ids")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise InvalidSamplingParams(f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} ids, got "
+                                            f"{len(self.allowed_token_ids)}", param="allowed_token_ids")
             if any(not _token_id(t) for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be token ids (integers >= 0)")
         if len(self.bad_words) > MAX_BAD_WORDS:
@@ -250,6 +256,9 @@ class SamplingParams:
         if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
             raise InvalidSamplingParams(f"bad_words must be words of 1 to {MAX_STOP_STRING_CHARS} characters, not "
                                         "only spaces", param="bad_words")
+        if sum(len(w) for w in self.bad_words) > MAX_BAD_WORDS_CHARS:
+            raise InvalidSamplingParams(f"bad_words takes at most {MAX_BAD_WORDS_CHARS} characters in all",
+                                        param="bad_words")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "must be a non-empty string")
         keep = self.truncate_prompt_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -320,6 +320,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` with the model's own template (as transformers does).
@@ -327,7 +328,8 @@ class Tokenizer:
         Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined with
         newlines). With ``continue_final_message`` the text ends where the final message's content does, open
         for the model to continue it: the template's end of turn after it is cut off, as transformers does.
-        Raises ``InvalidRequest`` when there is no template, a message is malformed, or the template rejects the
+        ``variables`` (a client's ``chat_template_kwargs``, any names) and ``template_kwargs`` are the template's
+        further variables. Raises ``InvalidRequest`` when there is no template, a message is malformed, or the template rejects the
         conversation.
         """
         if continue_final_message and add_generation_prompt:
@@ -348,7 +350,7 @@ class Tokenizer:
                 template = self._compiled_template = _compile_template(self._chat_template)
             except jinja2.TemplateSyntaxError as e:
                 raise InvalidRequest(f"the model's chat template does not compile: {e}") from None
-        context: dict[str, Any] = dict(template_kwargs)
+        context: dict[str, Any] = {**(variables or {}), **template_kwargs}  # variables: a client's, any name
         context.update(
             messages=checked,
             add_generation_prompt=add_generation_prompt,
@@ -360,7 +362,7 @@ class Tokenizer:
         for name in ("tools", "documents"):  # defined, as transformers passes them: a template may test `is none`
             context.setdefault(name, None)
         try:
-            text = template.render(**context)
+            text = template.render(context)  # a dict: a variable may be named "self"
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"chat template error: {e}", param="messages") from None
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:

@@ -29,6 +29,7 @@ from kvserve.router.answers import (
     with_usage_of,
 )
 from kvserve.router.model_policies import Difficulty, ModelChoice, ModelPolicy, ProbeRoute, confidence
+from kvserve.router.policies import cache_salt_of
 
 if TYPE_CHECKING:
     from kvserve.router.gateway import Gateway
@@ -63,21 +64,22 @@ class DifficultyRouter:
         tokens = await gateway.tokens(path, small_payload, body_bytes)
         if self.policy.cascades:
             return await self._cascade(path, payload, tokens, body_bytes, http)
-        hidden = await self._hidden_state(tokens, http) if self.policy.needs_hidden_state else None
+        hidden = (await self._hidden_state(tokens, http, cache_salt_of(payload)) if self.policy.needs_hidden_state
+                  else None)
         choice = self.policy.choose(Difficulty(len(tokens), hidden))
         model = self.model(choice)
         chosen = {**payload, "model": model}
         if model != self.small:
             tokens = await gateway.tokens(path, chosen, body_bytes)
         response = await gateway.dispatch(model, path, json.dumps(chosen).encode(), tokens,
-                                          bool(payload.get("stream")), http)
+                                          bool(payload.get("stream")), http, cache_salt_of(payload))
         return self._named(response, model, choice.reason)
 
     async def _cascade(self, path: str, payload: dict[str, Any], tokens: tuple[int, ...], body_bytes: int,
                        http: Request) -> Response:
         gateway = self.gateway
         first = await gateway.dispatch(self.small, path, json.dumps(for_cascade(payload, path, self.small)).encode(),
-                                       tokens, False, http)
+                                       tokens, False, http, cache_salt_of(payload))
         answer = _answer(first)
         if first.status_code != 200 or answer is None:
             return self._named(first, self.small, "cascade_error")  # the large model would refuse it too
@@ -94,7 +96,7 @@ class DifficultyRouter:
         large_payload = {**payload, "model": self.large}
         large_tokens = await gateway.tokens(path, large_payload, body_bytes)
         second = await gateway.dispatch(self.large, path, json.dumps(large_payload).encode(), large_tokens,
-                                        bool(payload.get("stream")), http)
+                                        bool(payload.get("stream")), http, cache_salt_of(payload))
         small_usage = answer.get("usage")
         if isinstance(second, StreamingResponse):
             second.body_iterator = with_usage_of(second.body_iterator, small_usage, self.small, self.large)
@@ -103,12 +105,14 @@ class DifficultyRouter:
             second = JSONResponse(large_answer)
         return self._named(second, self.large, "escalated")
 
-    async def _hidden_state(self, tokens: tuple[int, ...], http: Request) -> tuple[float, ...] | None:
+    async def _hidden_state(self, tokens: tuple[int, ...], http: Request,
+                            cache_salt: str | None) -> tuple[float, ...] | None:
         """The small model's hidden state at the prompt's last token (its replica's /v1/embeddings, last-token
-        pooling); None when it cannot be had."""
-        body = json.dumps({"model": self.small, "input": [list(tokens)]}).encode()
+        pooling); None when it cannot be had. Under the request's cache salt: its prompt's KV stays its own."""
+        request = {"model": self.small, "input": [list(tokens)]} | ({"cache_salt": cache_salt} if cache_salt else {})
         try:
-            response = await self.gateway.dispatch(self.small, "/v1/embeddings", body, tokens, False, http)
+            response = await self.gateway.dispatch(self.small, "/v1/embeddings", json.dumps(request).encode(), tokens,
+                                                   False, http, cache_salt)
         except KVServeError as exc:  # the probe then routes to the large model; the request goes on
             logger.warning("no hidden state from %s: %r", self.small, exc)
             return None

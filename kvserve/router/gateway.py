@@ -46,7 +46,7 @@ from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
 from kvserve.router.live_stats import find_trip, gateway_snapshot
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.model_policies import make_model_policy
-from kvserve.router.policies import Decision, RouteRequest, make_policy
+from kvserve.router.policies import Decision, RouteRequest, cache_salt_of, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica, ReplicaPool
 from kvserve.server.dashboard import add_dashboard_routes
@@ -116,7 +116,8 @@ class Gateway:
             return await self.difficulty.route(path, payload, len(body), http)
         self._check_served(model)
         tokens = await self.tokens(path, payload, len(body))
-        return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http)
+        return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http,
+                                   cache_salt_of(payload))
 
     async def relay(self, path: str, http: Request) -> Response:
         """A request every replica of its model answers alike (/tokenize, /detokenize): sent to the least
@@ -188,10 +189,10 @@ class Gateway:
         return self.prompts.of(path, payload)
 
     async def dispatch(self, model: str | None, path: str, body: bytes, tokens: tuple[int, ...], stream: bool,
-                       http: Request) -> Response:
+                       http: Request, cache_salt: str | None = None) -> Response:
         """Send a request to a healthy replica of ``model`` chosen by the replica policy; another one if that
-        one fails before answering."""
-        request = RouteRequest(model, tokens)
+        one fails before answering. ``cache_salt``: the body's, which keeps its KV apart on the replica."""
+        request = RouteRequest(model, tokens, cache_salt)
         headers = self._upstream_headers(http)
         tried: set[str] = set()
         last_answer: Response | None = None

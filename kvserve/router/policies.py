@@ -24,9 +24,10 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvserve.config import RouterConfig
+from kvserve.request import salted_hash_extra
 from kvserve.router.kv_index import KVBlockIndex, block_hashes
 from kvserve.router.prefix_index import ApproximatePrefixIndex, page_keys
 from kvserve.router.replicas import DEFAULT_CAPACITY_TOKENS, Replica
@@ -38,6 +39,13 @@ class RouteRequest:
 
     model: str | None
     token_ids: tuple[int, ...]
+    cache_salt: str | None = None  # its cached KV is shared only with requests of the same salt
+
+
+def cache_salt_of(payload: dict[str, Any]) -> str | None:
+    """A request body's ``cache_salt`` (vLLM's), where it is a string; the replica judges any other value."""
+    salt = payload.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +133,7 @@ class ReplicaPrefixes:
             if self._known.get(replica.url) != capacity:  # new, or its capacity became known
                 self.index.add_replica(replica.url, capacity)
                 self._known[replica.url] = capacity
-        keys = page_keys(request.token_ids, self.index.page_tokens)
+        keys = page_keys(request.token_ids, self.index.page_tokens, request.cache_salt)
         self._last = (request, keys)
         pages = self.index.match(keys, (r.url for r in candidates))
         return {url: n * self.index.page_tokens for url, n in pages.items()}
@@ -134,7 +142,7 @@ class ReplicaPrefixes:
         if self._last is not None and self._last[0] is request:
             keys = self._last[1]
         else:
-            keys = page_keys(request.token_ids, self.index.page_tokens)
+            keys = page_keys(request.token_ids, self.index.page_tokens, request.cache_salt)
         self.index.insert(replica.url, keys)
 
     def forget(self, replica: Replica) -> None:
@@ -156,7 +164,7 @@ class ReplicaBlocks:
             if not replica.kv_events or replica.block_size is None:
                 matched[replica.url] = 0
                 continue
-            key = (replica.block_size, replica.block_hash_extra)
+            key = (replica.block_size, salted_hash_extra(replica.block_hash_extra, request.cache_salt))
             if key not in hashes:
                 hashes[key] = block_hashes(request.token_ids, *key)
             matched[replica.url] = self.index.match(hashes[key], [replica.url])[replica.url] * replica.block_size

@@ -16,10 +16,11 @@ from collections.abc import Iterable, Sequence
 ROOT_KEY = 0
 
 
-def page_keys(token_ids: Sequence[int], page_tokens: int) -> list[int]:
-    """The chained key of every full page of ``token_ids`` (a partly filled last page has none)."""
+def page_keys(token_ids: Sequence[int], page_tokens: int, salt: str | None = None) -> list[int]:
+    """The chained key of every full page of ``token_ids`` (a partly filled last page has none); a request's
+    cache salt roots its chain apart, as the replica keeps its KV apart."""
     keys: list[int] = []
-    parent = ROOT_KEY
+    parent = ROOT_KEY if salt is None else hash((ROOT_KEY, salt))
     for start in range(0, len(token_ids) - page_tokens + 1, page_tokens):
         parent = hash((parent, tuple(token_ids[start:start + page_tokens])))
         keys.append(parent)

@@ -62,6 +62,8 @@ class SamplingState:
     eos_token_ids: tuple[int, ...] = ()
     # Where the request is in its structured-output grammar (None: free text).
     matcher: GrammarMatcher | None = None
+    # allowed_token_ids as a mask of the tokens it refuses ([V] bool), built at the first step that needs it.
+    refused_mask: torch.Tensor | None = None
 
     @property
     def suppresses_stop_tokens(self) -> bool:
@@ -147,10 +149,13 @@ class Sampler:
     # --- distributions, for speculative decoding's rejection sampling ------------------------------------
     def probabilities(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Each row's sampling distribution, [B, V] float32: what ``__call__`` samples a non-greedy row from
-        (grammar, min_tokens, logit_bias, penalties, temperature, top-k, top-p, min-p). Rows must not be greedy."""
+        (grammar, min_tokens, logit_bias, penalties, temperature, top-k, top-p, min-p). Rows must not be greedy.
+        A row that refuses every token (a draft model's, whose vocabulary holds none of allowed_token_ids) is all
+        zeros: a draft drawn from it has no probability, and verification rejects it."""
         assert not any(s.params.is_greedy for s in states)
         logits, _ = self._masked(logits[:, : self.vocab_size], states)
-        return self._filtered_probs(self._penalised(logits, states), states, list(range(len(states))))
+        probs = self._filtered_probs(self._penalised(logits, states), states, list(range(len(states))))
+        return probs.nan_to_num_(nan=0.0)
 
     def sample_from(self, probs: torch.Tensor, states: list[SamplingState], salt: int = 0) -> list[int]:
         """One token per row of ``probs`` [B, V] (any non-negative weights), with each row's noise drawn as
@@ -290,16 +295,22 @@ def refuse_tokens(logits: torch.Tensor, states: list[SamplingState], rows: list[
     vocabulary may be smaller than its target's)."""
     vocab_size = logits.shape[1]
     for i in rows:
-        params, output = states[i].params, states[i].output_token_ids
+        state = states[i]
+        params, output = state.params, state.output_token_ids
         if params.allowed_token_ids is not None:
-            allowed = [t for t in params.allowed_token_ids if t < vocab_size]
-            kept = logits[i, _index(allowed, logits.device)] if allowed else None
-            logits[i] = _NEG_INF
-            if kept is not None:
-                logits[i, _index(allowed, logits.device)] = kept
+            mask = state.refused_mask
+            if mask is None or mask.shape[0] != vocab_size or mask.device != logits.device:
+                mask = torch.ones(vocab_size, dtype=torch.bool, device=logits.device)
+                allowed = [t for t in params.allowed_token_ids if t < vocab_size]
+                if allowed:
+                    mask[_index(allowed, logits.device)] = False
+                state.refused_mask = mask
+            logits[i].masked_fill_(mask, _NEG_INF)
+        last = output[-1] if output else None
         refused = [word[-1] for word in params.bad_words_token_ids
-                   if word[-1] < vocab_size and len(word) - 1 <= len(output)
-                   and (len(word) == 1 or tuple(output[len(output) - len(word) + 1:]) == word[:-1])]
+                   if word[-1] < vocab_size and (len(word) == 1 or (
+                       word[-2] == last and len(word) - 1 <= len(output)
+                       and tuple(output[len(output) - len(word) + 1:]) == word[:-1]))]
         if refused:
             logits[i, _index(refused, logits.device)] = _NEG_INF
 

@@ -36,7 +36,7 @@ from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
 from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
-from kvserve.server.embeddings import embed, embedding_response, prepare_inputs
+from kvserve.server.embeddings import embed, embedding_params, embedding_response, prepare_inputs
 from kvserve.server.live_stats import ComputeModel, RecentRequests, stats_snapshot
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
@@ -61,7 +61,8 @@ class AppState:
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
-        self.model_names = model_names  # any of them is this server's model; responses name the first
+        # Any of them is this server's model; a response names the one its request named (vLLM), else the first.
+        self.model_names = model_names
         self.model_name = model_names[0]
         self.max_model_len = max_model_len
         self.model_root = model_root
@@ -101,7 +102,7 @@ class AppState:
             tools_arg = template_tools(tools) if self.template_has_tools else None
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                                   tools=tools_arg, continue_final_message=body.continue_final_message,
-                                                  **body.template_variables())
+                                                  variables=body.template_variables())
         return text, tool_format
 
     @property
@@ -177,7 +178,7 @@ class AppState:
             run.close()
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         want_timings = body.return_timings or http.headers.get("x-kvserve-timings", "").lower() in ("1", "true")
-        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        head = {"id": request_id, "created": int(time.time()), "model": body.model or self.model_name}
         if body.stream:
             stream = self.responses.stream(run, body, chat, head, want_timings, tool_format)
             return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(run.close),
@@ -237,7 +238,8 @@ def build_app(
         if params.structured_outputs is not None:
             grammar = await async_engine.compile_grammar(params.structured_outputs)
         try:
-            async_engine.check_text_fits(text)
+            if params.truncate_prompt_tokens is None:  # else tokenized whole, then cut to its last tokens
+                async_engine.check_text_fits(text)
             # The template already holds any BOS token: don't add special tokens twice.
             ids = await _off_loop_if_long(text, tokenizer.encode, text, False)
             token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
@@ -277,10 +279,10 @@ def build_app(
         prompts = await asyncio.to_thread(prepare_inputs, async_engine, body) if isinstance(body.input, list) \
             else await _off_loop_if_long(body.input, prepare_inputs, async_engine, body)
         try:
-            vectors = await until_disconnected(http, embed(async_engine, prompts))
+            vectors = await until_disconnected(http, embed(async_engine, prompts, embedding_params(body)))
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(embedding_response(vectors, prompts, state.model_name, body.encoding_format))
+        return JSONResponse(embedding_response(vectors, prompts, body.model or state.model_name, body.encoding_format))
 
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> Response:

@@ -19,13 +19,14 @@ from kvserve.server import protocol as p
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, return_hidden_state=True)
 
 
-async def embed(engine: AsyncEngine, prompts: list[tuple[list[int], str | None]]) -> list[list[float]]:
-    """Each prepared prompt's vector, the prompts run side by side."""
+async def embed(engine: AsyncEngine, prompts: list[tuple[list[int], str | None]],
+                params: SamplingParams = EMBEDDING_PARAMS) -> list[list[float]]:
+    """Each prepared prompt's vector, the prompts run side by side (``params``: ``embedding_params``')."""
     request_id = f"embd-{uuid.uuid4().hex}"
 
     async def one(i: int, ids: list[int], text: str | None) -> list[float]:
         hidden = None
-        async for output in engine.generate(ids, EMBEDDING_PARAMS, f"{request_id}-{i}", text):
+        async for output in engine.generate(ids, params, f"{request_id}-{i}", text):
             hidden = output.outputs[0].hidden_state or hidden
         assert hidden is not None, "a finished embedding request without its hidden state"
         norm = math.sqrt(sum(x * x for x in hidden)) or 1.0
@@ -52,5 +53,9 @@ def embedding_response(vectors: list[list[float]], prompts: list[tuple[list[int]
 
 
 def prepare_inputs(engine: AsyncEngine, body: p.EmbeddingRequest) -> list[tuple[list[int], str | None]]:
-    params = replace(EMBEDDING_PARAMS, truncate_prompt_tokens=body.truncate_prompt_tokens)
+    params = embedding_params(body)
     return [engine.prepare(x, params) for x in body.inputs()]
+
+
+def embedding_params(body: p.EmbeddingRequest) -> SamplingParams:
+    return replace(EMBEDDING_PARAMS, truncate_prompt_tokens=body.truncate_prompt_tokens, cache_salt=body.cache_salt)

@@ -142,7 +142,7 @@ class _SamplingRequest(_StrictText):
     cache_salt: str | None = None
     # Declared to be refused (vLLM's engine refuses them too): ignored, they would give the client one ordinary
     # sample where it asked for the best of several, or a beam, or the order of a priority queue kvserve does
-    # not keep (it serves requests first come, first served).
+    # not keep.
     best_of: int | None = None
     use_beam_search: bool = False
     priority: int = 0
@@ -173,8 +173,8 @@ class _SamplingRequest(_StrictText):
         if self.use_beam_search:
             raise InvalidRequest("use_beam_search: beam search is not supported", param="use_beam_search")
         if self.priority != 0:
-            raise InvalidRequest("priority: requests are served first come, first served here; send priority 0 "
-                                 "or none", param="priority")
+            raise InvalidRequest("priority: kvserve's scheduler does not order requests by a priority of theirs; "
+                                 "send priority 0 or none", param="priority")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidSamplingParams(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
                                         param="stop")
@@ -398,6 +398,9 @@ class CompletionRequest(_SamplingRequest):
             if not all(isinstance(prompt, str) for prompt in prompts):
                 raise InvalidRequest("suffix takes a text prompt, not token ids: the gap is laid out from text",
                                      param="suffix")
+            if self.truncate_prompt_tokens is not None:  # the cut would take the gap's opening token with it
+                raise InvalidRequest("truncate_prompt_tokens and suffix cannot be used together",
+                                     param="truncate_prompt_tokens")
         return prompts
 
     def sampling_params(self) -> SamplingParams:
@@ -417,6 +420,7 @@ class EmbeddingRequest(_Strict):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: embed only each input's last this many tokens
+    cache_salt: str | None = None  # vLLM's: the inputs' KV is shared only with requests of the same salt
 
     @field_validator("input", mode="plain")
     @classmethod

@@ -64,3 +64,28 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
         processor.process(long_ids, SamplingParams(max_tokens=4))
     assert processor.process(long_ids, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1)
                              ).prompt_token_ids == long_ids[-28:]
+    # A text longer than any prompt that fits is refused untokenized, unless it is to be cut.
+    huge = "word " * (4 * 32 * tokenizer.max_token_chars)
+    with pytest.raises(ContextLengthExceeded, match="characters"):
+        processor.process(huge, SamplingParams(max_tokens=4))
+    assert processor.process(huge, SamplingParams(max_tokens=4, truncate_prompt_tokens=8)
+                             ).prompt_token_ids == tokenizer.encode(huge)[-8:]
+
+
+def test_allowed_token_ids_that_nothing_else_allows_are_refused() -> None:
+    """Every allowed token refused by a one-token bad word or, before min_tokens, ending the output: the first
+    step would have no token to sample."""
+    tokenizer = smollm2_tokenizer()
+    processor = InputProcessor(tokenizer, tokenizer.vocab_size, 64, cast(GrammarCompiler, None))
+    eos = tokenizer.eos_token_ids[0]
+    five = tokenizer.encode("5", False)[0]
+    for params in (SamplingParams(allowed_token_ids=(eos,), min_tokens=2),
+                   SamplingParams(allowed_token_ids=(eos, 9), stop_token_ids=(9,), min_tokens=1),
+                   SamplingParams(allowed_token_ids=(five,), bad_words=("5",)),
+                   SamplingParams(allowed_token_ids=(five, eos), bad_words=("5",), min_tokens=1)):
+        with pytest.raises(InvalidSamplingParams, match="no token could be sampled"):
+            processor.resolve_params(params)
+    for params in (SamplingParams(allowed_token_ids=(eos,)), SamplingParams(allowed_token_ids=(five, eos),
+                                                                            bad_words=("5",)),
+                   SamplingParams(allowed_token_ids=(five,), bad_words=("5, 6",))):
+        processor.resolve_params(params)

@@ -78,6 +78,12 @@ def test_the_gateways_block_keys_are_the_engines_and_find_its_cached_prefix(llm:
     other = Replica("http://r1", healthy=True)
     matched = ReplicaBlocks(index).match(RouteRequest(None, tuple(prompt[:30]) + (1, 2)), [replica, other])
     assert matched == {"http://r0": 28, "http://r1": 0}  # 7 whole blocks of the shared 30 tokens
+    # A salted request's blocks are keyed as the engine keys them: apart from the unsalted ones, found again.
+    salted = RouteRequest(None, tuple(prompt[:30]) + (1, 2), cache_salt="t")
+    assert ReplicaBlocks(index).match(salted, [replica]) == {"http://r0": 0}
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0, cache_salt="t"))
+    index.apply("http://r0", log.read(0, None))
+    assert ReplicaBlocks(index).match(salted, [replica]) == {"http://r0": 28}
 
 
 def test_the_kv_events_policy_routes_on_what_the_replicas_report(tmp_path: Path) -> None:

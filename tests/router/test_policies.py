@@ -66,6 +66,16 @@ def test_cache_aware_keeps_a_conversation_on_its_replica_and_spreads_new_prefixe
     assert again.replica is first.replica and again.reason == "prefix" and again.estimated_cached_tokens == 40
 
 
+def test_cache_aware_keeps_a_salted_prompt_apart_from_the_same_prompt_unsalted() -> None:
+    """A replica shares cached KV only within a cache salt: the routed prompts are remembered so."""
+    policy, pool = CacheAware(CONFIG), replicas(0, 0)
+    first = policy.choose(RouteRequest("m", SYSTEM_A, cache_salt="tenant-1"), pool)
+    first.replica.in_flight += 1
+    assert policy.choose(RouteRequest("m", SYSTEM_A), pool).reason == "miss"
+    again = policy.choose(RouteRequest("m", SYSTEM_A + (1,), cache_salt="tenant-1"), pool)
+    assert again.reason == "prefix" and again.replica is first.replica
+
+
 def test_cache_aware_below_the_threshold_goes_to_the_least_loaded_replica() -> None:
     policy, pool = CacheAware(CONFIG), replicas(0, 0)
     held = policy.choose(request(*SYSTEM_A[:8]), pool).replica

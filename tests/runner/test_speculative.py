@@ -240,3 +240,18 @@ def test_sampled_drafts_a_grammar_refuses_are_verified_not_cut() -> None:
     assert total_variation(kept, p) < 0.015
     cut = emitted(lambda d: d[: num_valid(d)])  # the refused draft cut: the next token sampled afresh
     assert total_variation(cut, p) > 0.1
+
+
+def test_a_draft_vocabulary_without_any_allowed_token_drafts_nothing_that_is_kept() -> None:
+    """allowed_token_ids past a (pruned) draft vocabulary leave the draft's row no token: its distribution is
+    all zeros (softmax over -inf everywhere was NaN, and the NaN residual then emitted token 0). The draft
+    drawn from it is rejected and the token comes from the target's own distribution: an allowed one."""
+    params = SamplingParams(temperature=0.9, allowed_token_ids=(VOCAB - 2, VOCAB - 1), max_tokens=4)
+    draft_states = [SamplingState(params, [1], []) for _ in range(50)]
+    q = Sampler(VOCAB // 2).probabilities(torch.randn(50, VOCAB // 2), draft_states)
+    assert torch.equal(q, torch.zeros(50, VOCAB // 2))
+    drafts = [[token] for token in Sampler(VOCAB // 2).sample_from(q, draft_states)]
+    states = [SamplingState(params, [1], []) for _ in range(50)]
+    sample_and_verify(Sampler(VOCAB), torch.randn(2, VOCAB).repeat(50, 1), states, drafts, list(q[:, None, :]))
+    emitted = {token for s in states for token in s.output_token_ids}
+    assert emitted <= {VOCAB - 2, VOCAB - 1} and len(emitted) == 2

@@ -104,8 +104,11 @@ BAD_VALUES = [
     ("completions", {"allowed_token_ids": [49152]}, "allowed_token_ids"),  # past the vocabulary
     ("chat", {"bad_words": [" "]}, "bad_words"),
     ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("completions", {"truncate_prompt_tokens": 2, "suffix": "x"}, "truncate_prompt_tokens"),  # the gap's token
+    ("completions", {"allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids"),  # 2: SmolLM2's EOS
     ("embeddings", {"input": "a", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
     ("chat", {"cache_salt": ""}, "cache_salt"),
+    ("embeddings", {"input": "a", "cache_salt": ""}, "cache_salt"),
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary

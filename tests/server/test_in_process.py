@@ -66,7 +66,7 @@ def test_errors_keep_their_status_and_openai_body(server) -> None:
     assert status == 400 and json.loads(b"".join(chunks))["error"]["message"]
 
 
-def test_every_served_name_is_the_model_and_responses_name_the_first(server) -> None:
+def test_every_served_name_is_the_model_and_a_response_names_the_one_it_was_sent(server) -> None:
     _, app = server
 
     async def get(path: str) -> tuple[int, dict]:
@@ -80,7 +80,9 @@ def test_every_served_name_is_the_model_and_responses_name_the_first(server) -> 
     status, error = asyncio.run(get("/v1/models/other"))
     assert status == 404 and f"'{MODEL_NAME}', '{ALIAS}'" in error["error"]["message"]
     status, _, chunks = asyncio.run(collect(app, "/v1/completions", {"model": ALIAS, "prompt": [5, 6], "max_tokens": 2}))
-    assert status == 200 and json.loads(b"".join(chunks))["model"] == MODEL_NAME
+    assert status == 200 and json.loads(b"".join(chunks))["model"] == ALIAS  # as vLLM: the name it was sent
+    status, _, chunks = asyncio.run(collect(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}))
+    assert status == 200 and json.loads(b"".join(chunks))["model"] == MODEL_NAME  # none sent: the first
 
 
 def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_blocks(server) -> None:

@@ -55,6 +55,8 @@ def test_template_kwargs_and_documents_reach_the_template(app) -> None:
     assert rendered(app) == "Hello"
     both = {"chat_template_kwargs": {"greeting": "hi"}, "documents": [{"text": "D1"}, {"text": "D2"}]}
     assert rendered(app, **both) == "[hi]<doc>D1</doc><doc>D2</doc>Hello"
+    # Any name a template may read, also one the renderer's own Python signature has.
+    assert rendered(app, chat_template_kwargs={"self": 1, "greeting": "yo"}) == "[yo]Hello"
     status, reply = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
                                                         "max_tokens": 2, **both})
     assert status == 200 and reply["usage"]["prompt_tokens"] == post(
