@@ -125,6 +125,7 @@ class _SamplingRequest(_StrictText):
     # (vLLM's extension: in each completion choice, or once in a chat response). Not with stream.
     prompt_logprobs: int | None = None
     return_timings: bool = False  # kvserve: a per-request trip through the pipeline (also X-KVServe-Timings: 1)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob entries name their tokens "token_id:<id>"
     # Structured output: OpenAI's response_format, and vLLM's spellings (one of them per request).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

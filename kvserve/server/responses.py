@@ -58,7 +58,8 @@ class ResponseBuilder:
             for c in run.children:
                 assert c.last is not None
                 completion = c.last.outputs[0]
-                logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0)
+                logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0,
+                                               body.return_tokens_as_token_ids)
                 message, finish_reason = rm.ChatMessageOut(content=completion.text), completion.finish_reason
                 if tool_format is not None:
                     message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason,
@@ -75,7 +76,8 @@ class ResponseBuilder:
             assert c.last is not None
             completion = c.last.outputs[0]
             echo, echo_logprobs = self._echo(c, body)
-            logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, len(echo))
+            logprobs = self._completion_logprobs(c, 0, len(completion.token_ids), body.logprobs, len(echo),
+                                                 body.return_tokens_as_token_ids)
             completion_choices.append(rm.CompletionChoice(index=c.index, text=echo + completion.text,
                                                          logprobs=_joined(echo_logprobs, logprobs),
                                                          finish_reason=completion.finish_reason,
@@ -127,7 +129,8 @@ class ResponseBuilder:
         finish = completion.finish_reason if output.finished else None
         stop_reason = completion.stop_reason if output.finished else None
         if chat:
-            logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0)
+            logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0,
+                                           body.return_tokens_as_token_ids)
             if child.tool_parser is not None:
                 delta, finish = _tool_call_delta(child.tool_parser, output.delta_text, finish, _named_tool(body))
                 if delta is None and finish is None and logprobs is None:
@@ -143,9 +146,10 @@ class ResponseBuilder:
         child.next_text_offset += len(echo)
         # Offsets advance by each token's text, as in a whole answer: not by the text sent, which a stop string
         # or a character split across tokens holds back.
-        generated = self._completion_logprobs(child, start, num_tokens, body.logprobs, child.next_text_offset)
+        generated = self._completion_logprobs(child, start, num_tokens, body.logprobs, child.next_text_offset,
+                                              body.return_tokens_as_token_ids)
         if generated is not None and generated.tokens:
-            child.next_text_offset = generated.text_offset[-1] + len(generated.tokens[-1])
+            child.next_text_offset = generated.text_offset[-1] + len(self.token_text(completion.token_ids[num_tokens - 1]))
         logprobs = _joined(echo_logprobs, generated)
         text = echo + output.delta_text
         if not text and finish is None and logprobs is None:
@@ -164,7 +168,8 @@ class ResponseBuilder:
         last = (child.first_sample or child).last
         assert last is not None
         entries = last.prompt_logprobs or [None] * len(child.prompt_token_ids)
-        return text, self._completion_entries(zip(child.prompt_token_ids, entries, strict=True), body.logprobs, 0)
+        return text, self._completion_entries(zip(child.prompt_token_ids, entries, strict=True), body.logprobs, 0,
+                                              body.return_tokens_as_token_ids)
 
     def _prompt_logprobs(self, child: EngineRequest, body: Any) -> rm.PromptLogprobs | None:
         """``prompt_logprobs`` as vLLM renders them: at each prompt position the token there and the
@@ -194,37 +199,43 @@ class ResponseBuilder:
         # The engine appends to ``entries`` as it samples; positions below len(token_ids) are final.
         return [(completion.token_ids[i], entries[i] if i < len(entries) else {}) for i in range(start, end)]
 
-    def _chat_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int) -> rm.ChatLogprobs | None:
+    def token_label(self, token_id: int, as_id: bool) -> str:
+        """A logprob entry's token: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids: the
+        token exactly, where texts repeat or a piece of a character decodes to U+FFFD)."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
+    def _chat_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int,
+                       as_ids: bool = False) -> rm.ChatLogprobs | None:
         if child.params.logprobs is None:
             return None
         content = []
         for token_id, entry in self._token_logprobs(child, start, end):
-            text = self.token_text(token_id)
-            top = [rm.TopLogprob(token=self.token_text(t), logprob=_finite(lp), bytes=self.token_bytes(t))
+            text = self.token_label(token_id, as_ids)
+            top = [rm.TopLogprob(token=self.token_label(t, as_ids), logprob=_finite(lp), bytes=self.token_bytes(t))
                    for t, lp in list(entry.items())[:num_top]]
             content.append(rm.TokenLogprob(token=text, logprob=_finite(entry.get(token_id, MIN_LOGPROB)),
                                           bytes=self.token_bytes(token_id), top_logprobs=top))
         return rm.ChatLogprobs(content=content)
 
     def _completion_logprobs(self, child: EngineRequest, start: int, end: int, num_top: int | None,
-                             offset: int) -> rm.CompletionLogprobs | None:
+                             offset: int, as_ids: bool = False) -> rm.CompletionLogprobs | None:
         if child.params.logprobs is None:
             return None
-        return self._completion_entries(self._token_logprobs(child, start, end), num_top, offset)
+        return self._completion_entries(self._token_logprobs(child, start, end), num_top, offset, as_ids)
 
     def _completion_entries(self, tokens: Iterable[tuple[int, dict[int, float] | None]], num_top: int | None,
-                            offset: int) -> rm.CompletionLogprobs:
-        """Completions' logprobs of these (token id, its entry) pairs, text offsets from ``offset``; an entry of
-        None (an echoed prompt's first token) has none."""
+                            offset: int, as_ids: bool = False) -> rm.CompletionLogprobs:
+        """Completions' logprobs of these (token id, its entry) pairs, text offsets from ``offset`` (into the
+        text, also where the tokens are given as ids); an entry of None (an echoed prompt's first token) has
+        none."""
         out = rm.CompletionLogprobs()
         for token_id, entry in tokens:
-            text = self.token_text(token_id)
-            out.tokens.append(text)
+            out.tokens.append(self.token_label(token_id, as_ids))
             out.token_logprobs.append(None if entry is None else _finite(entry.get(token_id, MIN_LOGPROB)))
-            out.top_logprobs.append(None if entry is None else
-                                    {self.token_text(t): _finite(lp) for t, lp in list(entry.items())[:num_top or 0]})
+            out.top_logprobs.append(None if entry is None else {self.token_label(t, as_ids): _finite(lp)
+                                                                for t, lp in list(entry.items())[:num_top or 0]})
             out.text_offset.append(offset)
-            offset += len(text)
+            offset += len(self.token_text(token_id))
         return out
 
 

@@ -287,6 +287,21 @@ def test_allowed_tokens_bad_words_truncation_and_cache_salt(base_url) -> None:
     assert again[0] == unsalted_again[0] == first[1] - 1 > 100
     assert len({first[2], again[2], other[2], unsalted[2], unsalted_again[2]}) == 1
 
+    # return_tokens_as_token_ids: logprob entries name their tokens by id; the offsets stay the text's.
+    body = {"prompt": "Write three sun emojis: 🌞🌞🌞", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    as_text = c.completions.create(model=None, **body).choices[0]
+    as_ids = c.completions.create(model=None, **body, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    ids = [int(token.removeprefix("token_id:")) for token in as_ids.logprobs.tokens]
+    assert all(token.startswith("token_id:") for token in as_ids.logprobs.tokens)
+    assert httpx.post(f"{base_url}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"] == as_text.text
+    assert as_ids.logprobs.text_offset == as_text.logprobs.text_offset
+    assert all(len(top) == 2 and all(key.startswith("token_id:") for key in top)
+               for top in as_ids.logprobs.top_logprobs)
+    chat_ids = c.chat.completions.create(model=None, messages=chat("Hi"), max_tokens=3, temperature=0, logprobs=True,
+                                         top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.token.startswith("token_id:") and all(top.token.startswith("token_id:") for top in t.top_logprobs)
+               for t in chat_ids.choices[0].logprobs.content)
+
 
 def test_default_max_tokens_16_for_completions_and_the_rest_of_the_context_for_chat(base_url) -> None:
     """OpenAI's and vLLM's defaults: 16 tokens for a completion without max_tokens; with an explicit null, and for
