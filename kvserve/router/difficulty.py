@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.config import RouterConfig
-from kvserve.errors import ConfigError, KVServeError
+from kvserve.errors import ConfigError, InvalidRequest, KVServeError
 from kvserve.router.answers import (
     answer_as_events,
     as_client_asked,
@@ -63,6 +63,9 @@ class DifficultyRouter:
         small_payload = {**payload, "model": self.small}
         tokens = await gateway.tokens(path, small_payload, body_bytes)
         if self.policy.cascades:
+            if path.endswith("/responses"):  # the cascade reads the chat and completions answers' logprobs
+                raise InvalidRequest(f"the cascade answers '{gateway.config.auto_model}' on /v1/chat/completions and "
+                                     "/v1/completions; name a model for /v1/responses", param="model")
             return await self._cascade(path, payload, tokens, body_bytes, http)
         hidden = (await self._hidden_state(tokens, http, cache_salt_of(payload)) if self.policy.needs_hidden_state
                   else None)

@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 LONG_BODY_BYTES = 64 * 1024  # bodies larger than this are rendered and tokenized off the event loop
 FORWARDED_HEADERS = ("authorization", "x-kvserve-timings", "x-request-id", "openai-organization")
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # any replica of the model answers them alike
 
 

@@ -17,6 +17,7 @@ import httpx
 from kvserve.errors import KVServeError, ModelLoadError
 from kvserve.infill import FimTokens
 from kvserve.router.replicas import Replica
+from kvserve.server.responses_api import ResponsesRequest
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class PromptTokens:
         try:
             if path.endswith("/chat/completions"):
                 return self._chat(tokenizer, payload)
+            if path.endswith("/responses"):  # its input items as the conversation the replica renders
+                chat = ResponsesRequest.model_validate(payload).chat_request()
+                return self._chat(tokenizer, chat.model_dump(exclude_none=True))
             if path.endswith("/completions") and isinstance(payload.get("suffix"), str):
                 return self._infill(tokenizer, payload.get("prompt"), payload["suffix"])
             return self._completion(tokenizer, payload.get("input" if path.endswith("/embeddings") else "prompt"))
@@ -82,8 +86,10 @@ class PromptTokens:
             return tuple(plain.encode())
         tools = payload.get("tools") if "tools" in tokenizer.chat_template else None
         continued = payload.get("continue_final_message") is True  # the replica renders it as the body says
+        variables = {**(payload.get("chat_template_kwargs") or {}), "documents": payload.get("documents")}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=payload.get("add_generation_prompt", True)
-                                             is not False, tools=tools, continue_final_message=continued)
+                                             is not False, tools=tools, continue_final_message=continued,
+                                             variables=variables)
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
     @classmethod

@@ -169,6 +169,10 @@ class KVServeIngress:
     async def completions(self, http: Request) -> Response:
         return await self._forward("/v1/completions", http)
 
+    @ingress_app.post("/v1/responses")
+    async def responses(self, http: Request) -> Response:
+        return await self._forward("/v1/responses", http)
+
     # Any replica answers these alike: routed on no prompt, so that the prefix index records nothing.
     @ingress_app.post("/tokenize")
     async def tokenize(self, http: Request) -> Response:

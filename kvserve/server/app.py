@@ -42,6 +42,13 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.server.responses import ResponseBuilder
+from kvserve.server.responses_api import (
+    ResponseEvents,
+    ResponseShape,
+    ResponsesRequest,
+    in_responses_terms,
+    response_of,
+)
 from kvserve.server.tools import ToolRequest, template_messages, template_tools, tool_request
 from kvserve.structured.grammar import CompiledGrammar
 from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
@@ -247,6 +254,23 @@ def build_app(
             raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
         parser = tool_format if tools.calls_possible else None
         return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser, grammar)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, http: Request) -> Response:
+        """OpenAI's Responses API, answered by the chat route (server/responses_api.py)."""
+        try:
+            chat = body.chat_request()
+            answer = await chat_completions(chat, http)
+        except InvalidRequest as exc:
+            raise in_responses_terms(exc) from None
+        shape = ResponseShape(body, body.model or state.model_name)
+        if isinstance(answer, StreamingResponse):
+            events = ResponseEvents(shape, chat.logprobs).events(answer.body_iterator)
+            return StreamingResponse(events, media_type="text/event-stream", background=answer.background,
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if answer.status_code != 200:  # 499: the client left
+            return answer
+        return JSONResponse(response_of(shape, json.loads(answer.body), chat.logprobs))
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:

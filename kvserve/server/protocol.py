@@ -65,7 +65,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class _StrictText(_Strict):
+class StrictTextModel(_Strict):
     """A request whose every string must be Unicode text."""
 
     @field_validator("*", mode="before")
@@ -96,7 +96,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class _SamplingRequest(_StrictText):
+class _SamplingRequest(StrictTextModel):
     """Fields common to chat and completions."""
 
     model: str | None = None
@@ -439,7 +439,7 @@ class EmbeddingRequest(_Strict):
         return _as_prompts(self.input)
 
 
-class TokenizeRequest(_StrictText):
+class TokenizeRequest(StrictTextModel):
     """vLLM's /tokenize: either a ``prompt``, tokenized as /v1/completions tokenizes it (special tokens added
     unless ``add_special_tokens`` is false), or ``messages``, rendered by the chat template as
     /v1/chat/completions renders them, ``tools`` included (no special tokens added unless asked: the template

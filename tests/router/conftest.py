@@ -92,6 +92,7 @@ class FakeReplica:
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
+        @app.post("/v1/responses")
         async def generate(http: Request) -> Response:
             body = await http.json()
             self.received.append(body)

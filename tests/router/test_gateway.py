@@ -287,3 +287,13 @@ def test_the_model_list_asks_for_the_key_the_replicas_ask_for(replicas: list[Fak
             gateway.stop()
     finally:
         replicas[0].api_key = None
+
+
+def test_a_responses_request_goes_to_a_replica_of_its_model_as_it_came(replicas: list[FakeReplica]) -> None:
+    gateway = gateway_over(replicas, policy="cache_aware")
+    try:
+        body = {"model": MODEL, "input": [{"role": "user", "content": "hi"}], "instructions": "Be brief."}
+        assert httpx.post(f"{gateway.base_url}/v1/responses", json=body, timeout=10).status_code == 200
+        assert [r for replica in replicas for r in replica.received] == [body]
+    finally:
+        gateway.stop()

@@ -28,6 +28,21 @@ def test_a_continued_message_is_keyed_open_and_a_plain_chat_with_its_generation_
     assert refused and refused not in (rendered(**continued), rendered(add_generation_prompt=True))
 
 
+def test_a_responses_request_is_keyed_on_the_conversation_its_input_items_make() -> None:
+    tokenizer = smollm2_tokenizer()
+    keys = PromptTokens()
+    keys.add("m", tokenizer)
+    chat = [{"role": "system", "content": "Be brief."}, *MESSAGES[:1]]
+    expected = keys.of("/v1/chat/completions", {"messages": chat})
+    assert keys.of("/v1/responses", {"instructions": "Be brief.", "input": MESSAGES[0]["content"]}) == expected
+    assert keys.of("/v1/responses", {"instructions": "Be brief.", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": MESSAGES[0]["content"]}]}]}
+                   ) == expected
+    # Template variables are the replica's too.
+    variables = {"chat_template_kwargs": {"unused": 1}}
+    assert keys.of("/v1/chat/completions", {"messages": chat, **variables}) == expected
+
+
 def test_a_suffix_is_keyed_on_the_gap_the_replica_lays_out() -> None:
     tokenizer = Tokenizer.from_model_path(installed_model("qwen2.5-coder-0.5b"))
     fim = FimTokens.of(tokenizer)

@@ -1,0 +1,384 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat route: a request's input items become a
+conversation, the chat route answers it, and its answer (a JSON body, or a stream of chat chunks) becomes a
+response object (or the Responses API's typed stream events).
+
+What kvserve does not keep is refused by name: ``previous_response_id`` (no response is stored: send the whole
+conversation in ``input``), item references, non-text inputs and hosted tools (web search, file search, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ConfigDict, ValidationError
+
+from kvserve.errors import InvalidRequest
+from kvserve.server import protocol as p
+
+# Fields the chat route takes as they are (OpenAI's and vLLM's sampling and request extensions).
+PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "stop", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
+                  "bad_words", "cache_salt", "user", "parallel_tool_calls", "chat_template_kwargs",
+                  "return_timings", "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens")
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the ``include`` value that asks for them
+
+
+class ResponsesRequest(p.StrictTextModel):
+    """The request body of ``POST /v1/responses``. Unknown fields are kept for the chat route's extensions."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    previous_response_id: str | None = None
+    truncation: str | None = None
+    store: bool | None = None  # nothing is stored, whatever it says
+    metadata: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # no model served here reasons apart from its answer
+
+    def chat_request(self) -> p.ChatCompletionRequest:
+        """The same request as the chat route takes it; InvalidRequest for what kvserve does not do."""
+        if self.previous_response_id is not None:
+            raise InvalidRequest("previous_response_id: kvserve keeps no responses; send the whole conversation "
+                                 "in input", param="previous_response_id")
+        if self.truncation not in (None, "disabled"):
+            raise InvalidRequest("truncation: only 'disabled' is supported (a conversation longer than the "
+                                 "context is a 400)", param="truncation")
+        chat: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items() if k in PASSED_TO_CHAT}
+        chat["messages"] = self.messages()
+        if self.max_output_tokens is not None:
+            chat["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if (response_format := _response_format(self.text)) is not None:
+            chat["response_format"] = response_format
+        if OUTPUT_LOGPROBS in (self.include or []) or self.top_logprobs:
+            chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
+        if self.stream:
+            chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+        try:
+            return p.ChatCompletionRequest.model_validate({"model": self.model, **chat})
+        except ValidationError as exc:  # a passed-on field of the wrong type: the client's, named
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise InvalidRequest(f"{where}: {error['msg']}", param=where) from None
+
+    def messages(self) -> list[dict[str, Any]]:
+        """``instructions`` as the system message, then the input items as chat messages."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) \
+            else self.input
+        for i, item in enumerate(items):
+            _add_item(messages, item, f"input[{i}]")
+        if not messages:
+            raise InvalidRequest("input holds no message", param="input")
+        return messages
+
+
+def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
+        messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+    elif kind == "function_call":
+        call = {"id": _string(item, "call_id", where), "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":  # its text, then its calls: one chat message
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
+    elif kind == "reasoning":
+        return  # a reasoning model's summary of its thoughts: nothing a model served here reads
+    else:
+        raise InvalidRequest(f"{where}: items of type {kind!r} are not supported (message, function_call, "
+                             "function_call_output)", param=where)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or its text parts joined; other parts (images, files) refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string or a list of content parts", param=where)
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text", part.get("refusal")), str):
+            raise InvalidRequest(f"{where}: parts of type {kind!r} are not supported (the models served here read "
+                                 "text)", param=where)
+        texts.append(part.get("text", part.get("refusal")))
+    return "\n".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
+def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise InvalidRequest(f"tools[{index}]: tools of type {tool.get('type')!r} are not supported (function "
+                             "tools are)", param=f"tools[{index}]")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type", "text") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": fmt.get("type")}  # json_object, or what the chat route refuses by name
+
+
+# The chat request's fields that the Responses API names otherwise.
+_CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def in_responses_terms(exc: InvalidRequest) -> InvalidRequest:
+    """The chat route's error about one of its fields, naming the field as the Responses API spells it."""
+    param = exc.param or ""
+    for chat_name, name in _CHAT_NAMES.items():
+        if param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}[")):
+            renamed = copy.copy(exc)
+            renamed.args = (str(exc).replace(chat_name, name),)
+            renamed.param = name + param[len(chat_name):]
+            return renamed
+    return exc
+
+
+# --- the answer ---------------------------------------------------------------------------------------------
+class ResponseShape:
+    """The response object of one request, filled from the chat route's answer."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.body = body
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.model = model
+        self.created_at = int(time.time())
+
+    def object(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+               finish_reason: str | None = None) -> dict[str, Any]:
+        body, extra = self.body, self.body.model_extra or {}
+        incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+        error = {"code": "server_error", "message": "the server stopped the response before it was complete"} \
+            if finish_reason == "abort" else None  # shutting down, after its grace period
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": output, "usage": usage, "error": error,
+            "incomplete_details": incomplete, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "temperature": extra.get("temperature"),
+            "top_p": extra.get("top_p"), "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": extra.get("parallel_tool_calls", True),
+            "text": body.text or {"format": {"type": "text"}}, "previous_response_id": None, "reasoning": None,
+            "truncation": "disabled", "store": False, "metadata": body.metadata or {},
+        }
+
+    def finished(self, output: list[dict[str, Any]], chat_usage: dict[str, Any] | None,
+                 finish_reason: str | None) -> dict[str, Any]:
+        status = {"length": "incomplete", "abort": "failed"}.get(finish_reason or "", "completed")
+        return self.object(status, output, _usage(chat_usage), finish_reason)
+
+
+def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
+    if chat is None:
+        return None
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat["total_tokens"]}
+
+
+def _message_item(item_id: str, text: str, logprobs: list[dict[str, Any]] | None, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [_text_part(text, logprobs)]}
+
+
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    if chat_logprobs is None:
+        return None
+    return [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes") or [],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"], "bytes": top.get("bytes") or []}
+                              for top in t.get("top_logprobs") or []]}
+            for t in chat_logprobs.get("content") or []]
+
+
+def response_of(shape: ResponseShape, chat: dict[str, Any], want_logprobs: bool) -> dict[str, Any]:
+    """The response object of a whole chat completion's JSON."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output: list[dict[str, Any]] = []
+    if message.get("content"):
+        logprobs = _logprobs(choice.get("logprobs")) if want_logprobs else None
+        output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], logprobs, "completed"))
+    for call in message.get("tool_calls") or []:
+        output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
+                                 call["function"]["arguments"], "completed"))
+    return shape.finished(output, chat.get("usage"), choice.get("finish_reason"))
+
+
+class ResponseEvents:
+    """The Responses API's stream events of a streamed chat completion's chunks. Each output item (the reply's
+    text, then each function call) is opened when its first delta comes and closed when the next item opens or
+    the stream ends."""
+
+    def __init__(self, shape: ResponseShape, want_logprobs: bool) -> None:
+        self.shape = shape
+        self.want_logprobs = want_logprobs
+        self.sequence = 0
+        self.done: list[dict[str, Any]] = []  # items closed, in output order
+        self.open: dict[str, Any] | None = None  # the item being streamed, and its output index
+        self.text: list[str] = []
+        self.token_logprobs: list[dict[str, Any]] = []
+        self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its function_call item
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    async def events(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
+        yield self._event("response.created", response=self.shape.object("in_progress", [], None))
+        yield self._event("response.in_progress", response=self.shape.object("in_progress", [], None))
+        async for raw in chunks:
+            for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if "error" in chunk:  # the engine failed mid-stream: said once, and the stream ends
+                    error = chunk["error"]
+                    yield self._event("error", code=error.get("code"), message=error.get("message"),
+                                      param=error.get("param"))
+                    return
+                for event in self._chunk(chunk):
+                    yield event
+        for event in self._close():
+            yield event
+        response = self.shape.finished(self.done, self.usage, self.finish_reason)
+        yield self._event(f"response.{response['status']}", response=response)
+
+    def _chunk(self, chunk: dict[str, Any]) -> list[str]:
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        events: list[str] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text_delta(delta["content"], choice.get("logprobs"))
+            for call in delta.get("tool_calls") or []:
+                events += self._call_delta(call)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _text_delta(self, text: str, chat_logprobs: dict[str, Any] | None) -> list[str]:
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            events += self._close()
+            self.text, self.token_logprobs = [], []
+            self.open = {**_message_item(f"msg_{uuid.uuid4().hex}", "", None, "in_progress"), "content": [],
+                         "output_index": len(self.done)}
+            events.append(self._event("response.output_item.added", output_index=self.open["output_index"],
+                                      item=_public(self.open)))
+            events.append(self._event("response.content_part.added", item_id=self.open["id"],
+                                      output_index=self.open["output_index"], content_index=0,
+                                      part=_text_part("", None)))
+        logprobs = _logprobs(chat_logprobs) if self.want_logprobs else None
+        self.text.append(text)
+        self.token_logprobs += logprobs or []
+        events.append(self._event("response.output_text.delta", item_id=self.open["id"],
+                                  output_index=self.open["output_index"], content_index=0, delta=text,
+                                  **({"logprobs": logprobs} if logprobs is not None else {})))
+        return events
+
+    def _call_delta(self, call: dict[str, Any]) -> list[str]:
+        function = call.get("function") or {}
+        events = []
+        item = self.calls.get(call.get("index", 0))
+        if item is None:
+            events += self._close()
+            item = self.open = self.calls[call.get("index", 0)] = {
+                **_call_item(f"fc_{uuid.uuid4().hex}", call.get("id") or f"call_{uuid.uuid4().hex}",
+                             function.get("name") or "", "", "in_progress"), "output_index": len(self.done)}
+            events.append(self._event("response.output_item.added", output_index=item["output_index"],
+                                      item=_public(item)))
+        if function.get("arguments"):
+            item["arguments"] += function["arguments"]
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=item["output_index"], delta=function["arguments"]))
+        return events
+
+    def _close(self) -> list[str]:
+        """The open item's closing events (none open: none)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = item["output_index"]
+        if item["type"] == "function_call":
+            done = {**_public(item), "status": "completed"}
+            self.done.append(done)
+            return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=index, item=done)]
+        text = "".join(self.text)
+        part = _text_part(text, self.token_logprobs if self.want_logprobs else None)
+        done = {**_public(item), "status": "completed", "content": [part]}
+        self.done.append(done)
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=text, **({"logprobs": part["logprobs"]} if "logprobs" in part else {})),
+                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=index, item=done)]
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+
+def _public(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in item.items() if k != "output_index"}
