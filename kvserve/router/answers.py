@@ -97,6 +97,30 @@ def usage_event(line: bytes) -> dict[str, Any] | None:
     return event if isinstance(event, dict) and isinstance(event.get("usage"), dict) else None
 
 
+def response_usage_event(line: bytes) -> dict[str, Any] | None:
+    """A Responses API stream's final event (``response.completed`` and the like), as a chunk carrying its
+    response's ``usage``."""
+    if not (line.startswith(b"data: {") and b'"usage"' in line and b'"response.' in line):
+        return None
+    try:
+        event = json.loads(line[len(b"data: "):])
+    except ValueError:
+        return None
+    response = event.get("response") if isinstance(event, dict) else None
+    usage = response.get("usage") if isinstance(response, dict) else None
+    return {"usage": usage} if isinstance(usage, dict) else None
+
+
+def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """A usage object in chat's terms: a Responses API usage (input and output tokens) renamed."""
+    if "input_tokens" not in usage:
+        return usage
+    details = usage.get("input_tokens_details")
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens"),
+            "total_tokens": usage.get("total_tokens"),
+            "prompt_tokens_details": details if isinstance(details, dict) else None}
+
+
 def combined_usage(first: dict[str, Any] | None, second: dict[str, Any] | None, first_model: str,
                    second_model: str) -> dict[str, Any] | None:
     """What both models cost: the second's usage with the first's tokens added, and each one's own usage

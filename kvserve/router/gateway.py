@@ -40,7 +40,7 @@ from kvserve.errors import (
     NoHealthyReplica,
     RequestTooLarge,
 )
-from kvserve.router.answers import usage_event
+from kvserve.router.answers import chat_usage, response_usage_event, usage_event
 from kvserve.router.difficulty import DifficultyRouter
 from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
 from kvserve.router.live_stats import find_trip, gateway_snapshot
@@ -263,7 +263,7 @@ class Gateway:
                           Response(content, status_code=upstream.status_code, headers=passed,
                                    media_type=upstream.headers.get("content-type", "application/json")))
         answer = _json_object(content)
-        listed = "data" if path.endswith("/embeddings") else "choices"
+        listed = "data" if path.endswith("/embeddings") else "output" if path.endswith("/responses") else "choices"
         if answer is None or (upstream.status_code == 200 and not isinstance(answer.get(listed), list)):
             raise BadUpstreamResponse(f"replica {replica.url} answered {path} with {upstream.status_code} and a "
                                       f"body that is not an OpenAI answer: {content[:200]!r}")
@@ -330,6 +330,7 @@ class Gateway:
         self.metrics.estimated_cached_tokens.labels(replica=replica).inc(decision.estimated_cached_tokens)
         if not isinstance(usage, dict):
             return
+        usage = chat_usage(usage)
         for key, counter in (("prompt_tokens", self.metrics.prompt_tokens),
                              ("completion_tokens", self.metrics.completion_tokens)):
             if isinstance(usage.get(key), int):
@@ -391,7 +392,7 @@ class _UsageScanner:
     def feed(self, chunk: bytes) -> None:
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         for line in lines:
-            event = usage_event(line)
+            event = usage_event(line) or response_usage_event(line)
             if event is not None:
                 self.last = event["usage"]
 

@@ -265,12 +265,12 @@ def build_app(
             raise in_responses_terms(exc) from None
         shape = ResponseShape(body, body.model or state.model_name)
         if isinstance(answer, StreamingResponse):
-            events = ResponseEvents(shape, chat.logprobs).events(answer.body_iterator)
+            events = ResponseEvents(shape, body.wants_logprobs).events(answer.body_iterator)
             return StreamingResponse(events, media_type="text/event-stream", background=answer.background,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         if answer.status_code != 200:  # 499: the client left
             return answer
-        return JSONResponse(response_of(shape, json.loads(answer.body), chat.logprobs))
+        return JSONResponse(response_of(shape, json.loads(answer.body), body.wants_logprobs))
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +25,10 @@ from kvserve.server import protocol as p
 PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
                   "bad_words", "cache_salt", "user", "parallel_tool_calls", "chat_template_kwargs",
-                  "return_timings", "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens")
+                  "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens")
+# OpenAI's fields that point at what OpenAI stores (a conversation, a prompt, a response run in the background):
+# kvserve stores nothing, and answering without what they point at would be a wrong answer.
+STORED_STATE = ("previous_response_id", "conversation", "prompt", "background")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the ``include`` value that asks for them
@@ -35,7 +39,7 @@ class ResponsesRequest(p.StrictTextModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # items are checked one by one, each error naming its item
     instructions: str | None = None
     max_output_tokens: int | None = None
     stream: bool = False
@@ -52,9 +56,11 @@ class ResponsesRequest(p.StrictTextModel):
 
     def chat_request(self) -> p.ChatCompletionRequest:
         """The same request as the chat route takes it; InvalidRequest for what kvserve does not do."""
-        if self.previous_response_id is not None:
-            raise InvalidRequest("previous_response_id: kvserve keeps no responses; send the whole conversation "
-                                 "in input", param="previous_response_id")
+        given = {"previous_response_id": self.previous_response_id, **(self.model_extra or {})}
+        for name in STORED_STATE:
+            if given.get(name) not in (None, False):
+                raise InvalidRequest(f"{name}: kvserve stores no responses, conversations or prompts; send the whole "
+                                     "conversation in input", param=name)
         if self.truncation not in (None, "disabled"):
             raise InvalidRequest("truncation: only 'disabled' is supported (a conversation longer than the "
                                  "context is a 400)", param="truncation")
@@ -68,7 +74,7 @@ class ResponsesRequest(p.StrictTextModel):
             chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
         if (response_format := _response_format(self.text)) is not None:
             chat["response_format"] = response_format
-        if OUTPUT_LOGPROBS in (self.include or []) or self.top_logprobs:
+        if self.wants_logprobs:
             chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
         if self.stream:
             chat["stream"], chat["stream_options"] = True, {"include_usage": True}
@@ -79,6 +85,11 @@ class ResponsesRequest(p.StrictTextModel):
             where = ".".join(str(part) for part in error["loc"])
             raise InvalidRequest(f"{where}: {error['msg']}", param=where) from None
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """The reply text's logprobs were asked for (as OpenAI asks: ``include``, with ``top_logprobs`` beside)."""
+        return OUTPUT_LOGPROBS in (self.include or [])
+
     def messages(self) -> list[dict[str, Any]]:
         """``instructions`` as the system message, then the input items as chat messages."""
         messages: list[dict[str, Any]] = []
@@ -87,6 +98,8 @@ class ResponsesRequest(p.StrictTextModel):
         items = [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) \
             else self.input
         for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise InvalidRequest(f"input[{i}] must be an object (an input item)", param=f"input[{i}]")
             _add_item(messages, item, f"input[{i}]")
         if not messages:
             raise InvalidRequest("input holds no message", param="input")
@@ -96,7 +109,8 @@ class ResponsesRequest(p.StrictTextModel):
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
     kind = item.get("type", "message")
     if kind == "message":
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        given = item.get("role")
+        role = _ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
         messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
@@ -151,14 +165,20 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    """The Responses API's ``{"type": "function", "name": ...}`` as chat's (which is taken as it is too)."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
-    if not isinstance(fmt, dict) or fmt.get("type", "text") == "text":
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise InvalidRequest("text.format must be an object ({\"type\": \"text\" | \"json_object\" | "
+                             "\"json_schema\", ...})", param="text.format")
+    if fmt.get("type", "text") == "text":
         return None
     if fmt.get("type") == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
@@ -170,16 +190,24 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 _CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
+_CHAT_TOOL = re.compile(r"^tools(?:\.|\[)(\d+)\]?\.function")
+
+
 def in_responses_terms(exc: InvalidRequest) -> InvalidRequest:
-    """The chat route's error about one of its fields, naming the field as the Responses API spells it."""
+    """The chat route's error about one of its fields, naming the field as the Responses API spells it (the
+    message too, where it begins with the field's name)."""
     param = exc.param or ""
+    renamed_param = _CHAT_TOOL.sub(r"tools[\1]", param)
     for chat_name, name in _CHAT_NAMES.items():
         if param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}[")):
-            renamed = copy.copy(exc)
-            renamed.args = (str(exc).replace(chat_name, name),)
-            renamed.param = name + param[len(chat_name):]
-            return renamed
-    return exc
+            renamed_param = name + param[len(chat_name):]
+    if renamed_param == param:
+        return exc
+    renamed = copy.copy(exc)
+    text = str(exc)
+    renamed.args = (renamed_param + text[len(param):] if text.startswith(param) else text,)
+    renamed.param = renamed_param
+    return renamed
 
 
 # --- the answer ---------------------------------------------------------------------------------------------
@@ -230,10 +258,7 @@ def _message_item(item_id: str, text: str, logprobs: list[dict[str, Any]] | None
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
-    return part
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -251,7 +276,8 @@ def _logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | No
 
 
 def response_of(shape: ResponseShape, chat: dict[str, Any], want_logprobs: bool) -> dict[str, Any]:
-    """The response object of a whole chat completion's JSON."""
+    """The response object of a whole chat completion's JSON: its text as one message item (before the calls,
+    where a stream gives each stretch of text between calls an item of its own), then each call."""
     choice = chat["choices"][0]
     message = choice["message"]
     output: list[dict[str, Any]] = []
@@ -261,6 +287,8 @@ def response_of(shape: ResponseShape, chat: dict[str, Any], want_logprobs: bool)
     for call in message.get("tool_calls") or []:
         output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                                  call["function"]["arguments"], "completed"))
+    if output and choice.get("finish_reason") == "length":  # the item the limit cut
+        output[-1]["status"] = "incomplete"
     return shape.finished(output, chat.get("usage"), choice.get("finish_reason"))
 
 
@@ -277,6 +305,7 @@ class ResponseEvents:
         self.open: dict[str, Any] | None = None  # the item being streamed, and its output index
         self.text: list[str] = []
         self.token_logprobs: list[dict[str, Any]] = []
+        self.pending_logprobs: list[dict[str, Any]] = []  # come, not yet sent with a text delta
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its function_call item
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -289,14 +318,19 @@ class ResponseEvents:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line.removeprefix("data: "))
-                if "error" in chunk:  # the engine failed mid-stream: said once, and the stream ends
+                if "error" in chunk:  # the engine failed mid-stream: said, and the response ends failed
                     error = chunk["error"]
                     yield self._event("error", code=error.get("code"), message=error.get("message"),
                                       param=error.get("param"))
+                    for event in self._close():
+                        yield event
+                    failed = self.shape.object("failed", self.done, _usage(self.usage))
+                    failed["error"] = {"code": error.get("code") or "server_error", "message": error.get("message")}
+                    yield self._event("response.failed", response=failed)
                     return
                 for event in self._chunk(chunk):
                     yield event
-        for event in self._close():
+        for event in self._close(last=True):
             yield event
         response = self.shape.finished(self.done, self.usage, self.finish_reason)
         yield self._event(f"response.{response['status']}", response=response)
@@ -307,15 +341,17 @@ class ResponseEvents:
         events: list[str] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if self.want_logprobs:  # also a chunk's whose text is held back (a stop string, a split character)
+                self.pending_logprobs += _logprobs(choice.get("logprobs")) or []
             if delta.get("content"):
-                events += self._text_delta(delta["content"], choice.get("logprobs"))
+                events += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
                 events += self._call_delta(call)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
         return events
 
-    def _text_delta(self, text: str, chat_logprobs: dict[str, Any] | None) -> list[str]:
+    def _text_delta(self, text: str) -> list[str]:
         events = []
         if self.open is None or self.open["type"] != "message":
             events += self._close()
@@ -327,12 +363,12 @@ class ResponseEvents:
             events.append(self._event("response.content_part.added", item_id=self.open["id"],
                                       output_index=self.open["output_index"], content_index=0,
                                       part=_text_part("", None)))
-        logprobs = _logprobs(chat_logprobs) if self.want_logprobs else None
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
         self.text.append(text)
-        self.token_logprobs += logprobs or []
+        self.token_logprobs += logprobs
         events.append(self._event("response.output_text.delta", item_id=self.open["id"],
                                   output_index=self.open["output_index"], content_index=0, delta=text,
-                                  **({"logprobs": logprobs} if logprobs is not None else {})))
+                                  logprobs=logprobs))
         return events
 
     def _call_delta(self, call: dict[str, Any]) -> list[str]:
@@ -352,24 +388,27 @@ class ResponseEvents:
                                       output_index=item["output_index"], delta=function["arguments"]))
         return events
 
-    def _close(self) -> list[str]:
-        """The open item's closing events (none open: none)."""
+    def _close(self, last: bool = False) -> list[str]:
+        """The open item's closing events (none open: none). ``last``: the stream ended; a length limit cut it."""
         item, self.open = self.open, None
         if item is None:
             return []
         index = item["output_index"]
+        status = "incomplete" if last and self.finish_reason == "length" else "completed"
         if item["type"] == "function_call":
-            done = {**_public(item), "status": "completed"}
+            done = {**_public(item), "status": status}
             self.done.append(done)
             return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                 arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=index, item=done)]
         text = "".join(self.text)
-        part = _text_part(text, self.token_logprobs if self.want_logprobs else None)
-        done = {**_public(item), "status": "completed", "content": [part]}
+        self.token_logprobs += self.pending_logprobs
+        self.pending_logprobs = []
+        part = _text_part(text, self.token_logprobs)
+        done = {**_public(item), "status": status, "content": [part]}
         self.done.append(done)
         return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, **({"logprobs": part["logprobs"]} if "logprobs" in part else {})),
+                            text=text, logprobs=part["logprobs"]),
                 self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=index, item=done)]

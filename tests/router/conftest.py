@@ -90,9 +90,24 @@ class FakeReplica:
         async def metrics() -> Response:
             return Response(f"fake:num_requests_running {self.reported_running}\nfake:num_requests_waiting 0\n")
 
+        @app.post("/v1/responses")
+        async def respond(http: Request) -> Response:
+            body = await http.json()
+            self.received.append(body)
+            usage = {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 1}, "output_tokens": 2,
+                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 5}
+            answer = {"id": "resp_1", "object": "response", "status": "completed", "model": MODEL, "usage": usage,
+                      "output": [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                                  "content": [{"type": "output_text", "text": self.name, "annotations": []}]}]}
+            if not body.get("stream"):
+                return JSONResponse(answer)
+            events = [{"type": "response.output_text.delta", "delta": self.name},
+                      {"type": "response.completed", "response": answer}]
+            return StreamingResponse(iter([f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]),
+                                     media_type="text/event-stream")
+
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
-        @app.post("/v1/responses")
         async def generate(http: Request) -> Response:
             body = await http.json()
             self.received.append(body)

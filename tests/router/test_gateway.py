@@ -290,10 +290,18 @@ def test_the_model_list_asks_for_the_key_the_replicas_ask_for(replicas: list[Fak
 
 
 def test_a_responses_request_goes_to_a_replica_of_its_model_as_it_came(replicas: list[FakeReplica]) -> None:
+    """Whole and streamed, the replica's answer comes back as it was sent, and its usage (the Responses API's
+    input and output tokens) is counted as chat's is."""
     gateway = gateway_over(replicas, policy="cache_aware")
     try:
         body = {"model": MODEL, "input": [{"role": "user", "content": "hi"}], "instructions": "Be brief."}
-        assert httpx.post(f"{gateway.base_url}/v1/responses", json=body, timeout=10).status_code == 200
-        assert [r for replica in replicas for r in replica.received] == [body]
+        whole = httpx.post(f"{gateway.base_url}/v1/responses", json=body, timeout=10)
+        assert whole.status_code == 200 and whole.json()["object"] == "response"
+        with httpx.stream("POST", f"{gateway.base_url}/v1/responses", json={**body, "stream": True}) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-1].removeprefix("data: "))["type"] == "response.completed"
+        assert [r for replica in replicas for r in replica.received] == [body, {**body, "stream": True}]
+        assert sum(router_metric(gateway.base_url, "prompt_tokens_total", f'replica="{r.url}"') for r in replicas) == 6
+        assert sum(router_metric(gateway.base_url, "cached_tokens_total", f'replica="{r.url}"') for r in replicas) == 2
     finally:
         gateway.stop()
