@@ -320,6 +320,9 @@ def test_cascade_keeps_confident_answers_of_the_small_model(models) -> None:
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == f"answer of {SMALL}"
         assert chunks[-1].usage.completion_tokens == 4
         assert large.received == []
+        # The cascade reads chat's and completions' logprobs: a Responses API request names its model instead.
+        refused = httpx.post(f"{url}/v1/responses", json={"model": "auto", "input": "easy"}, timeout=10)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
 
 
 def test_cascade_escalation_returns_only_the_large_answer_and_both_costs(models) -> None:
