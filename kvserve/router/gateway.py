@@ -143,19 +143,21 @@ class Gateway:
         """Where the replicas require an API key (the gateway has one for its own calls), the client's key as one
         of them judges it: its refusal, passed back as it is, or None. The gateway's own routes (the model list)
         would otherwise answer clients the replicas refuse."""
-        candidates = self.pool.healthy() if self.replica_headers else []
-        if not candidates:
+        if not self.replica_headers:
             return None
-        replica = min(candidates, key=lambda r: r.load)
-        try:
-            upstream = await self.client.get(f"{replica.url}/v1/models", headers=self._upstream_headers(http),
-                                             timeout=5.0)
-        except httpx.HTTPError as exc:
-            raise BadUpstreamResponse(f"replica {replica.url} did not answer /v1/models: {exc!r}") from None
-        if upstream.status_code not in (401, 403):
-            return None
-        return Response(upstream.content, status_code=upstream.status_code,
-                        media_type=upstream.headers.get("content-type", "application/json"))
+        for replica in sorted(self.pool.healthy(), key=lambda r: r.load):  # the next one where one cannot judge
+            try:
+                upstream = await self.client.get(f"{replica.url}/v1/models", headers=self._upstream_headers(http),
+                                                 timeout=5.0)
+            except httpx.HTTPError as exc:
+                self.pool.mark_down(replica, f"/v1/models: {exc!r}")
+                continue
+            if upstream.status_code in (401, 403):
+                return Response(upstream.content, status_code=upstream.status_code,
+                                media_type=upstream.headers.get("content-type", "application/json"))
+            if upstream.status_code < 500:
+                return None
+        raise NoHealthyReplica("no healthy replica could check the API key; retry later")
 
     async def _read_request(self, http: Request) -> tuple[bytes, dict[str, Any], str | None]:
         """The body (within the size limit), parsed as a JSON object, and the model it names."""

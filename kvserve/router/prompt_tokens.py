@@ -36,9 +36,11 @@ class PromptTokens:
         for replica in replicas:
             if not replica.is_kvserve:
                 continue
-            for model in replica.models:
-                if self._tokenizers.get(model) is None:
-                    self._tokenizers[model] = await self._fetch(replica)
+            missing = [model for model in replica.models if self._tokenizers.get(model) is None]
+            if missing:  # one tokenizer for all the names a replica serves its model under
+                tokenizer = await self._fetch(replica)
+                for model in missing:
+                    self._tokenizers[model] = tokenizer
 
     def add(self, model: str, tokenizer: Tokenizer | None) -> None:
         """The tokenizer of ``model``, learnt some other way (a Ray Serve replica hands it over)."""
@@ -55,9 +57,12 @@ class PromptTokens:
             return None
 
     def tokenizer(self, model: str | None) -> Tokenizer | None:
-        if model is None and len(self._tokenizers) == 1:
-            return next(iter(self._tokenizers.values()))
-        return self._tokenizers.get(model) if model is not None else None
+        """``model``'s tokenizer; for a request naming none, the one tokenizer known (of one model, served under
+        one name or several)."""
+        if model is not None:
+            return self._tokenizers.get(model)
+        known = {id(t): t for t in self._tokenizers.values()}
+        return next(iter(known.values())) if len(known) == 1 else None
 
     def of(self, path: str, payload: dict[str, Any]) -> tuple[int, ...]:
         """The routing key of a request body already parsed as a JSON object. Never raises: a request the

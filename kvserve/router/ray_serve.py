@@ -157,8 +157,9 @@ class KVServeIngress:
         async with self._learning:
             if not self._models:
                 description = await self._replicas.describe.remote()
+                tokenizer = Tokenizer.from_description(description["tokenizer"])
                 for model in description["models"]:
-                    self._prompts.add(model, Tokenizer.from_description(description["tokenizer"]))
+                    self._prompts.add(model, tokenizer)
                 self._models = description["models"]
 
     @ingress_app.post("/v1/chat/completions")

@@ -275,6 +275,19 @@ def _logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | No
             for t in chat_logprobs.get("content") or []]
 
 
+def _of_text(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The leading entries whose tokens spell the start of ``text`` (by their bytes, which also hold a piece of a
+    character): the text's own, without the tool-call markup or the end token that follow it."""
+    encoded, end, kept = text.encode(), 0, []
+    for entry in logprobs:
+        piece = bytes(entry.get("bytes") or [])
+        if not piece or encoded[end:end + len(piece)] != piece:
+            break
+        kept.append(entry)
+        end += len(piece)
+    return kept
+
+
 def response_of(shape: ResponseShape, chat: dict[str, Any], want_logprobs: bool) -> dict[str, Any]:
     """The response object of a whole chat completion's JSON: its text as one message item (before the calls,
     where a stream gives each stretch of text between calls an item of its own), then each call."""
@@ -282,7 +295,7 @@ def response_of(shape: ResponseShape, chat: dict[str, Any], want_logprobs: bool)
     message = choice["message"]
     output: list[dict[str, Any]] = []
     if message.get("content"):
-        logprobs = _logprobs(choice.get("logprobs")) if want_logprobs else None
+        logprobs = _of_text(_logprobs(choice.get("logprobs")) or [], message["content"]) if want_logprobs else None
         output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], logprobs, "completed"))
     for call in message.get("tool_calls") or []:
         output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
@@ -322,7 +335,7 @@ class ResponseEvents:
                     error = chunk["error"]
                     yield self._event("error", code=error.get("code"), message=error.get("message"),
                                       param=error.get("param"))
-                    for event in self._close():
+                    for event in self._close(status="incomplete"):
                         yield event
                     failed = self.shape.object("failed", self.done, _usage(self.usage))
                     failed["error"] = {"code": error.get("code") or "server_error", "message": error.get("message")}
@@ -330,7 +343,7 @@ class ResponseEvents:
                     return
                 for event in self._chunk(chunk):
                     yield event
-        for event in self._close(last=True):
+        for event in self._close("incomplete" if self.finish_reason == "length" else "completed"):
             yield event
         response = self.shape.finished(self.done, self.usage, self.finish_reason)
         yield self._event(f"response.{response['status']}", response=response)
@@ -377,6 +390,7 @@ class ResponseEvents:
         item = self.calls.get(call.get("index", 0))
         if item is None:
             events += self._close()
+            self.pending_logprobs = []  # the call's markup: no text's
             item = self.open = self.calls[call.get("index", 0)] = {
                 **_call_item(f"fc_{uuid.uuid4().hex}", call.get("id") or f"call_{uuid.uuid4().hex}",
                              function.get("name") or "", "", "in_progress"), "output_index": len(self.done)}
@@ -388,13 +402,12 @@ class ResponseEvents:
                                       output_index=item["output_index"], delta=function["arguments"]))
         return events
 
-    def _close(self, last: bool = False) -> list[str]:
-        """The open item's closing events (none open: none). ``last``: the stream ended; a length limit cut it."""
+    def _close(self, status: str = "completed") -> list[str]:
+        """The open item's closing events (none open: none); ``incomplete`` where a limit or an error cut it."""
         item, self.open = self.open, None
         if item is None:
             return []
         index = item["output_index"]
-        status = "incomplete" if last and self.finish_reason == "length" else "completed"
         if item["type"] == "function_call":
             done = {**_public(item), "status": status}
             self.done.append(done)
@@ -402,7 +415,7 @@ class ResponseEvents:
                                 arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=index, item=done)]
         text = "".join(self.text)
-        self.token_logprobs += self.pending_logprobs
+        self.token_logprobs = _of_text(self.token_logprobs + self.pending_logprobs, text)
         self.pending_logprobs = []
         part = _text_part(text, self.token_logprobs)
         done = {**_public(item), "status": status, "content": [part]}

@@ -49,6 +49,7 @@ class FakeReplica:
         self.abandoned = 0  # streams whose client left before the end
         self.reported_running = 0  # what its /metrics says is running
         self.api_key: str | None = None  # required on /v1/models when set
+        self.models_status = 200  # what /v1/models answers with (another: an error body)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server: uvicorn.Server | None = None
@@ -77,6 +78,9 @@ class FakeReplica:
 
         @app.get("/v1/models")
         async def models(http: Request) -> Response:
+            if self.models_status != 200:
+                return JSONResponse({"error": {"message": "boom", "type": "internal_error"}},
+                                    status_code=self.models_status)
             if self.api_key is not None and http.headers.get("authorization") != f"Bearer {self.api_key}":
                 return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error",
                                                "param": None, "code": "invalid_api_key"}}, status_code=401)

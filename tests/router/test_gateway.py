@@ -285,8 +285,20 @@ def test_the_model_list_asks_for_the_key_the_replicas_ask_for(replicas: list[Fak
             assert right.json()["id"] == MODEL
         finally:
             gateway.stop()
+        # A replica that cannot judge the key (a 500) passes the question on; where none can, a 503, never the list.
+        replicas[1].api_key = "k"
+        gateway = gateway_over(replicas, policy="round_robin", replica_api_key="k")
+        try:
+            replicas[0].models_status = 500
+            assert httpx.get(f"{gateway.base_url}/v1/models").status_code == 401
+            assert httpx.get(f"{gateway.base_url}/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+            replicas[1].models_status = 500
+            assert httpx.get(f"{gateway.base_url}/v1/models").status_code == 503
+        finally:
+            gateway.stop()
     finally:
-        replicas[0].api_key = None
+        for replica in replicas:
+            replica.api_key, replica.models_status = None, 200
 
 
 def test_a_responses_request_goes_to_a_replica_of_its_model_as_it_came(replicas: list[FakeReplica]) -> None:

@@ -38,6 +38,9 @@ def test_a_responses_request_is_keyed_on_the_conversation_its_input_items_make()
     assert keys.of("/v1/responses", {"instructions": "Be brief.", "input": [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": MESSAGES[0]["content"]}]}]}
                    ) == expected
+    # One model served under several names: a request naming none is keyed with its tokenizer all the same.
+    keys.add("m-alias", tokenizer)
+    assert keys.of("/v1/chat/completions", {"messages": chat}) == expected
     # Template variables are the replica's too.
     variables = {"chat_template_kwargs": {"unused": 1}}
     assert keys.of("/v1/chat/completions", {"messages": chat, **variables}) == expected

@@ -295,6 +295,9 @@ def test_allowed_tokens_bad_words_truncation_and_cache_salt(base_url) -> None:
     assert all(token.startswith("token_id:") for token in as_ids.logprobs.tokens)
     assert httpx.post(f"{base_url}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"] == as_text.text
     assert as_ids.logprobs.text_offset == as_text.logprobs.text_offset
+    streamed = c.completions.create(model=None, **body, stream=True, extra_body={"return_tokens_as_token_ids": True})
+    assert [o for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+            for o in chunk.choices[0].logprobs.text_offset] == as_text.logprobs.text_offset
     assert all(len(top) == 2 and all(key.startswith("token_id:") for key in top)
                for top in as_ids.logprobs.top_logprobs)
     chat_ids = c.chat.completions.create(model=None, messages=chat("Hi"), max_tokens=3, temperature=0, logprobs=True,

@@ -119,7 +119,8 @@ def test_logprobs_of_held_back_text_reach_the_next_delta_and_a_limit_makes_it_in
     deltas = [[t["token"] for t in e["logprobs"]] for e in events if e["type"] == "response.output_text.delta"]
     assert deltas == [["He"], ["l", "lo"]]
     done = next(e for e in events if e["type"] == "response.output_text.done")
-    assert [t["token"] for t in done["logprobs"]] == ["He", "l", "lo", "!"] and done["text"] == "Hello"
+    # A token that never became text (an end token, a stop string cut off) is left out, as OpenAI leaves it.
+    assert [t["token"] for t in done["logprobs"]] == ["He", "l", "lo"] and done["text"] == "Hello"
     final = events[-1]
     assert final["type"] == "response.incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -137,3 +138,11 @@ def test_an_error_mid_stream_ends_the_response_failed_with_what_came_before() ->
     assert failed["output"][0]["content"][0]["text"] == "Partial"
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert all(e["logprobs"] == [] for e in deltas)  # always there, as the SDK's types require
+
+
+def test_a_calls_markup_is_not_in_the_texts_logprobs() -> None:
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}
+    events = events_of([chunk("Sure.", logprobs=["Sure", "."]), chunk(calls=[call], logprobs=["<tool_call>", "{"]),
+                        chunk(None, finish="stop", logprobs=["}"]), USAGE], want_logprobs=True)
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert [t["token"] for t in done["logprobs"]] == ["Sure", "."]
