@@ -202,6 +202,13 @@ class RequestRun:
         completion = sum(len(c.last.outputs[0].token_ids) for c in self.children if c.last is not None)
         return rm.Usage.of(prompt_tokens, completion, cached)
 
+    def usage_of(self, child: EngineRequest, sent: bool = True) -> rm.Usage:
+        """One choice's usage so far, as vLLM's continuous usage counts it: its prompt's tokens and the tokens of
+        its own that were sent (none before its first text, with ``sent`` false)."""
+        last = child.last
+        completion = len(last.outputs[0].token_ids) if last is not None and sent else 0
+        return rm.Usage.of(len(child.prompt_token_ids), completion, last.num_cached_tokens if last is not None else 0)
+
     def timings(self) -> dict[str, Any]:
         """Choice 0's trip through the pipeline; with several choices, each one's under "choices"."""
         each = [request_timings(c, self.received_at) for c in self.children]

@@ -98,14 +98,15 @@ class ResponseBuilder:
                     for c in run.children:
                         opening = rm.DeltaMessage(role=body.reply_role, content=body.echoed_text)
                         role = rm.ChatChunkChoice(index=c.index, delta=opening)
-                        usage = run.usage() if body.continuous_usage else None
+                        usage = run.usage_of(c, sent=False) if body.continuous_usage else None
                         yield _sse(rm.ChatCompletionChunk(**head, choices=[role], usage=usage).to_json())
                 while (item := await run.next()) is not None:
                     child, output = item
                     choice = self._chunk_choice(child, output, body, chat)
                     if choice is None:
                         continue
-                    chunk = chunk_type(**head, choices=[choice], usage=run.usage() if body.continuous_usage else None)
+                    chunk = chunk_type(**head, choices=[choice],
+                                       usage=run.usage_of(child) if body.continuous_usage else None)
                     if run.exhausted and want_timings and not body.include_usage:
                         chunk.timings = run.timings()
                     yield _sse(chunk.to_json())

@@ -109,8 +109,17 @@ def test_chat_non_streaming_and_streaming_agree(base_url) -> None:
         model=None, messages=messages, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
     counts = [ch.usage.completion_tokens for ch in chunks]
-    assert counts == sorted(counts) and counts[-1] == usage.completion_tokens and len(chunks) > 3
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == usage.completion_tokens and len(chunks) > 3
     assert {ch.usage.prompt_tokens for ch in chunks} == {usage.prompt_tokens}
+    # Each choice's chunks count its own tokens (vLLM's); the last chunk, the request's whole usage.
+    chunks = list(c.completions.create(
+        model=None, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=2, seed=4, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True}))
+    for index in (0, 1):
+        own = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.choices[0].index == index]
+        assert own == sorted(own) and own[-1] == 6
+    assert chunks[-1].usage.completion_tokens == 12
 
 
 def test_completions_async_streaming_and_token_id_prompts(base_url) -> None:
