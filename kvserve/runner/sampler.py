@@ -62,8 +62,10 @@ class SamplingState:
     eos_token_ids: tuple[int, ...] = ()
     # Where the request is in its structured-output grammar (None: free text).
     matcher: GrammarMatcher | None = None
-    # allowed_token_ids as a mask of the tokens it refuses ([V] bool), built at the first step that needs it.
+    # allowed_token_ids as a mask of the tokens it refuses ([V] bool), and bad_words by the token before each
+    # word's last (None: words of one token), both built at the first step that needs them.
     refused_mask: torch.Tensor | None = None
+    bad_words_by_previous: dict[int | None, list[tuple[int, ...]]] | None = None
 
     @property
     def suppresses_stop_tokens(self) -> bool:
@@ -306,11 +308,18 @@ def refuse_tokens(logits: torch.Tensor, states: list[SamplingState], rows: list[
                     mask[_index(allowed, logits.device)] = False
                 state.refused_mask = mask
             logits[i].masked_fill_(mask, _NEG_INF)
-        last = output[-1] if output else None
-        refused = [word[-1] for word in params.bad_words_token_ids
+        if not params.bad_words_token_ids:
+            continue
+        by_previous = state.bad_words_by_previous
+        if by_previous is None:
+            by_previous = state.bad_words_by_previous = {}
+            for word in params.bad_words_token_ids:
+                by_previous.setdefault(word[-2] if len(word) > 1 else None, []).append(word)
+        # Only the words whose last-but-one token ends the output can close here: a lookup, not a scan.
+        candidates = [*by_previous.get(None, ()), *(by_previous.get(output[-1], ()) if output else ())]
+        refused = [word[-1] for word in candidates
                    if word[-1] < vocab_size and (len(word) == 1 or (
-                       word[-2] == last and len(word) - 1 <= len(output)
-                       and tuple(output[len(output) - len(word) + 1:]) == word[:-1]))]
+                       len(word) - 1 <= len(output) and tuple(output[len(output) - len(word) + 1:]) == word[:-1]))]
         if refused:
             logits[i, _index(refused, logits.device)] = _NEG_INF
 
