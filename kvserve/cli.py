@@ -10,7 +10,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.config import EngineConfig, ModelConfig, RouterConfig, RoutingPolicyName
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.config_args import (
     add_engine_arguments,
     add_router_arguments,
@@ -22,6 +22,7 @@ from kvserve.config_args import (
     server_config_from_args,
 )
 from kvserve.errors import ConfigError, KVServeError
+from kvserve.serving_config import RouterConfig, RoutingPolicyName
 
 __all__ = ["build_parser", "engine_config_from_args", "main", "parse_duration", "parse_speculative_config"]
 

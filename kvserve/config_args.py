@@ -22,15 +22,14 @@ from kvserve.config import (
     DERIVED,
     SETTING,
     EngineConfig,
-    RouterConfig,
     Section,
-    ServerConfig,
     Setting,
     config_from_dict,
     duration_seconds,
     speculative_config_from_json,
 )
 from kvserve.errors import ConfigError
+from kvserve.serving_config import RouterConfig, ServerConfig
 
 SERVER_GROUP = "server"
 ROUTER_GROUP = "router"

@@ -18,10 +18,10 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from kvserve.config import RouterConfig
 from kvserve.router.ray_serve import INGRESS_MAX_ONGOING_REQUESTS, KVServeIngress, KVServeRequestRouter
 from kvserve.router.serving import policy_settings
 from kvserve.server.ray_replica import KVServeReplica
+from kvserve.serving_config import RouterConfig
 
 APP_NAME = "kvserve"
 # How often Ray Serve asks each replica for its routing stats: the router waits for the first at start-up.

@@ -1,4 +1,4 @@
-"""Write the flags-and-defaults table, generated from kvserve/config.py, into README.md between its markers.
+"""Write the flags-and-defaults table, generated from kvserve/config.py and kvserve/serving_config.py, into README.md between its markers.
 
     python3 scripts/flags_table.py           # rewrite the table
     python3 scripts/flags_table.py --check   # exit 1 if the README's table is stale

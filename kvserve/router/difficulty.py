@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError, InvalidRequest, KVServeError
 from kvserve.router.answers import (
     answer_as_events,
@@ -30,6 +29,7 @@ from kvserve.router.answers import (
 )
 from kvserve.router.model_policies import Difficulty, ModelChoice, ModelPolicy, ProbeRoute, confidence
 from kvserve.router.policies import cache_salt_of
+from kvserve.serving_config import RouterConfig
 
 if TYPE_CHECKING:
     from kvserve.router.gateway import Gateway

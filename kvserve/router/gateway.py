@@ -31,7 +31,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.config import RouterConfig
 from kvserve.errors import (
     BadUpstreamResponse,
     InvalidRequest,
@@ -52,6 +51,7 @@ from kvserve.router.replicas import Replica, ReplicaPool
 from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.protocol import error_body
+from kvserve.serving_config import RouterConfig
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from kvserve.config import CascadeSignal, ModelPolicyName, RouterConfig
 from kvserve.errors import ConfigError
+from kvserve.serving_config import CascadeSignal, ModelPolicyName, RouterConfig
 
 Size = Literal["small", "large"]
 

@@ -26,12 +26,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError, InvalidRequest, NoHealthyReplica
 from kvserve.router.policies import RouteRequest, RoutingPolicy, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica
 from kvserve.server.protocol import error_body
+from kvserve.serving_config import RouterConfig
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from typing import Any
 
 import uvicorn
 
-from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError
 from kvserve.router.gateway import Gateway, build_router_app
+from kvserve.serving_config import RouterConfig
 
 logger = logging.getLogger(__name__)
 

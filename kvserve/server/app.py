@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.async_engine import AsyncEngine
-from kvserve.config import ServerConfig
 from kvserve.engine import expand_n
 from kvserve.errors import (
     ContextLengthExceeded,
@@ -50,6 +49,7 @@ from kvserve.server.responses_api import (
     response_of,
 )
 from kvserve.server.tools import ToolRequest, template_messages, template_tools, tool_request
+from kvserve.serving_config import ServerConfig
 from kvserve.structured.grammar import CompiledGrammar
 from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer

@@ -16,10 +16,10 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.config import ServerConfig
 from kvserve.errors import CapacityError, KVServeError, RequestTooLarge, ServerShuttingDown, Unauthorized
 from kvserve.server import protocol as p
 from kvserve.server.metrics import ServerMetrics
+from kvserve.serving_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvserve.async_engine import AsyncEngine
-from kvserve.config import EngineConfig, ServerConfig
+from kvserve.config import EngineConfig
 from kvserve.engine import Engine
 from kvserve.errors import ConfigError
 from kvserve.server.app import AppState, build_app
 from kvserve.server.live_stats import compute_model
+from kvserve.serving_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

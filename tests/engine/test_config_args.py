@@ -18,7 +18,6 @@ from kvserve.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
-    ServerConfig,
     SpeculativeConfig,
     StorageConfig,
     setting,
@@ -31,6 +30,7 @@ from kvserve.config_args import (
     server_options,
 )
 from kvserve.errors import ConfigError
+from kvserve.serving_config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -385,8 +385,10 @@ def test_every_option_has_help() -> None:
 def test_a_value_that_would_fail_later_is_refused_by_name(config: str, field: str, value: object) -> None:
     """Refused when the configuration is made (before a model loads or a port is bound), naming the field;
     before, each was accepted and then ignored, refused every request, or raised something else later."""
-    import kvserve.config as module
+    import kvserve.config
+    import kvserve.serving_config
 
+    module = kvserve.serving_config if config in ("ServerConfig", "RouterConfig") else kvserve.config
     with pytest.raises(ConfigError) as error:
         getattr(module, config)(**{field: value})
     assert error.value.param == field
@@ -424,7 +426,7 @@ def test_vllm_spellings_of_dtype_context_length_and_speculation_are_taken() -> N
     ("gain", -2.0, r"gain: --route-threshold is a probability difference, in \[-1, 1\]"),
 ])
 def test_a_route_threshold_outside_its_policys_range_is_refused(policy: str, threshold: float, message: str) -> None:
-    from kvserve.config import RouterConfig
+    from kvserve.serving_config import RouterConfig
 
     with pytest.raises(ConfigError, match=message):
         RouterConfig(model_policy=policy, small_model="a", large_model="b", probe_path="p", route_threshold=threshold)

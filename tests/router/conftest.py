@@ -18,8 +18,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.config import RouterConfig
 from kvserve.router.gateway import Gateway, build_router_app
+from kvserve.serving_config import RouterConfig
 from tests.conftest import free_port
 
 MODEL = "fake-model"

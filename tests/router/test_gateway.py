@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError
 from kvserve.router.replicas import ReplicaPool
+from kvserve.serving_config import RouterConfig
 from tests.router.conftest import MODEL, BackgroundGateway, FakeReplica, gateway_over, stream_chunks
 
 

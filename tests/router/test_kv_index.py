@@ -93,8 +93,9 @@ def test_the_kv_events_policy_routes_on_what_the_replicas_report(tmp_path: Path)
     import httpx
     import openai
 
-    from kvserve.config import CacheConfig, EngineConfig, ModelConfig, RouterConfig, ServerConfig
+    from kvserve.config import CacheConfig, EngineConfig, ModelConfig
     from kvserve.server.serving import BackgroundServer
+    from kvserve.serving_config import RouterConfig, ServerConfig
     from tests.router.conftest import BackgroundGateway
     from tests.router.test_gateway import router_metric, wait_until
 

@@ -16,7 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.cli import main
-from kvserve.config import RouterConfig
 from kvserve.errors import ConfigError, InvalidRequest
 from kvserve.evals.probe_training import train_probe
 from kvserve.router.answers import answer_as_events, as_client_asked, combined_usage, for_cascade
@@ -33,6 +32,7 @@ from kvserve.router.model_policies import (
     make_model_policy,
     oracle_size,
 )
+from kvserve.serving_config import RouterConfig
 from tests.router.conftest import BackgroundGateway, FakeReplica
 
 SMALL, LARGE = "coder-small", "coder-large"

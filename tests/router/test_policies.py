@@ -7,7 +7,6 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.config import RouterConfig
 from kvserve.router.policies import (
     CacheAware,
     Decision,
@@ -19,6 +18,7 @@ from kvserve.router.policies import (
     make_policy,
 )
 from kvserve.router.replicas import Replica
+from kvserve.serving_config import RouterConfig
 
 CONFIG = RouterConfig(prefix_page_tokens=4, balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.5,
                       prefix_capacity_tokens=1024)

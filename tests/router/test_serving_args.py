@@ -53,9 +53,9 @@ def test_the_start_up_wait_ends_when_every_replica_listens_or_one_has_exited() -
 
 def test_the_gateway_gives_requests_in_flight_its_grace_period(monkeypatch) -> None:
     """It cut them after a fixed 5 s whatever --shutdown-grace-period said."""
-    from kvserve.config import RouterConfig
     from kvserve.router import serving
     from kvserve.router.gateway import Gateway
+    from kvserve.serving_config import RouterConfig
 
     async def nothing(self) -> None:
         return None

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from kvserve.async_engine import AsyncEngine
-from kvserve.config import ServerConfig
 from kvserve.engine import EngineStats
 from kvserve.request import CompletionOutput, ProcessedPrompt, RequestMetrics, RequestOutput, SamplingParams
 from kvserve.server.openai_api import build_app
+from kvserve.serving_config import ServerConfig
 
 
 class PassThroughInputs:

@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig  # noqa: E402
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from kvserve.server.serving import BackgroundServer  # noqa: E402
+from kvserve.serving_config import ServerConfig  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 MODEL_NAME = "tiny"

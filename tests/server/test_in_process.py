@@ -12,9 +12,10 @@ import pytest
 from starlette.types import Message, Receive, Scope, Send
 
 from kvserve.async_engine import AsyncEngine
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.server.in_process import call_app
 from kvserve.server.serving import build_server
+from kvserve.serving_config import ServerConfig
 from tests.support.tiny_models import make_tiny_model
 
 MODEL_NAME = "tiny"

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.server.in_process import call_app
 from kvserve.server.serving import build_server
+from kvserve.serving_config import ServerConfig
 from tests.support.tiny_models import make_tiny_model
 
 TEMPLATE = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}"
