@@ -122,6 +122,15 @@ class ModelNotFound(KVServeError):
     code = "model_not_found"
 
 
+class ResponseNotFound(KVServeError):
+    """No stored response has the id a ``/v1/responses/{id}`` route names (never stored, dropped, or deleted)."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "response_not_found"
+    param = "response_id"
+
+
 class ModelLoadError(KVServeError):
     """A model file exists but cannot be loaded (truncated GGUF, missing tensor, unsupported type)."""
 

@@ -38,6 +38,7 @@ from kvserve.errors import (
     ModelNotFound,
     NoHealthyReplica,
     RequestTooLarge,
+    ResponseNotFound,
 )
 from kvserve.router.answers import chat_usage, response_usage_event, usage_event
 from kvserve.router.difficulty import DifficultyRouter
@@ -48,6 +49,7 @@ from kvserve.router.model_policies import make_model_policy
 from kvserve.router.policies import Decision, RouteRequest, cache_salt_of, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica, ReplicaPool
+from kvserve.router.stored_responses import StoredResponses
 from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.protocol import error_body
@@ -88,6 +90,7 @@ class Gateway:
                                              lambda: self.pool.replicas, config.kv_events_interval_s)
         self.policy = make_policy(config, self.kv_events.index if self.kv_events else None)
         self.prompts = PromptTokens(self.client, self.replica_headers)
+        self.stored = StoredResponses(self.pool, self.client)  # the replica each stored response is kept on
         self.metrics = RouterMetrics(lambda: self.pool.replicas)
         self.model_policy = make_model_policy(config)
         self.difficulty = DifficultyRouter(self, self.model_policy, config) if self.model_policy else None
@@ -112,12 +115,50 @@ class Gateway:
     # --- one request --------------------------------------------------------------------------------------
     async def forward(self, path: str, http: Request) -> Response:
         body, payload, model = await self._read_request(http)
-        if self.difficulty is not None and model == self.config.auto_model:
+        previous = payload.get("previous_response_id") if path.endswith("/responses") else None
+        pinned = await self._holder_of_previous(previous, model, http) if isinstance(previous, str) else None
+        if isinstance(pinned, Response):
+            return pinned
+        if pinned is None and self.difficulty is not None and model == self.config.auto_model:
             return await self.difficulty.route(path, payload, len(body), http)
-        self._check_served(model)
+        if pinned is None:
+            self._check_served(model)
         tokens = await self.tokens(path, payload, len(body))
-        return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http,
-                                   cache_salt_of(payload))
+        return await self.dispatch(model if pinned is None else None, path, body, tokens, bool(payload.get("stream")),
+                                   http, cache_salt_of(payload), pinned)
+
+    async def _holder_of_previous(self, response_id: str, model: str | None, http: Request) -> Replica | Response:
+        """The replica a follow-up must go to: the one that stored the response it continues."""
+        found = await self.stored.holder(response_id, self._upstream_headers(http))
+        if found is None:  # as the replicas (and OpenAI) answer it
+            raise InvalidRequest(f"Previous response with id '{response_id}' not found.",
+                                 param="previous_response_id", code="previous_response_not_found")
+        if isinstance(found, Replica) and model not in (None, self.config.auto_model) and not found.serves(model):
+            raise InvalidRequest(f"previous_response_id: '{response_id}' is stored by a replica of "
+                                 f"{', '.join(found.models)}; name that model (or none) to continue it",
+                                 param="model")
+        return found
+
+    async def to_holder(self, response_id: str, http: Request) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}`` (and its input items), passed to the replica that stored it
+        and its answer passed back."""
+        headers = self._upstream_headers(http)
+        found = await self.stored.holder(response_id, headers)
+        if isinstance(found, Response):
+            return found
+        if found is None:
+            raise ResponseNotFound(f"no replica holds a response with id '{response_id}'")
+        url = found.url + http.url.path + (f"?{http.url.query}" if http.url.query else "")
+        try:
+            upstream = await self.client.request(http.method, url, headers=headers)
+        except httpx.HTTPError as exc:
+            self.pool.mark_down(found, f"{http.url.path}: {exc!r}")
+            raise NoHealthyReplica(f"the replica that stored response '{response_id}' did not answer; retry "
+                                   "later") from None
+        if http.method == "DELETE" and upstream.status_code == 200:
+            self.stored.forget(response_id)
+        return Response(upstream.content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type", "application/json"))
 
     async def relay(self, path: str, http: Request) -> Response:
         """A request every replica of its model answers alike (/tokenize, /detokenize): sent to the least
@@ -191,15 +232,16 @@ class Gateway:
         return self.prompts.of(path, payload)
 
     async def dispatch(self, model: str | None, path: str, body: bytes, tokens: tuple[int, ...], stream: bool,
-                       http: Request, cache_salt: str | None = None) -> Response:
+                       http: Request, cache_salt: str | None = None, pinned: Replica | None = None) -> Response:
         """Send a request to a healthy replica of ``model`` chosen by the replica policy; another one if that
-        one fails before answering. ``cache_salt``: the body's, which keeps its KV apart on the replica."""
+        one fails before answering. ``cache_salt``: the body's, which keeps its KV apart on the replica;
+        ``pinned``: the one replica that can answer it (it holds what the request continues)."""
         request = RouteRequest(model, tokens, cache_salt)
         headers = self._upstream_headers(http)
         tried: set[str] = set()
         last_answer: Response | None = None
         while True:
-            candidates = [r for r in self.pool.healthy(model) if r.url not in tried]
+            candidates = [r for r in self.pool.healthy(model) if r.url not in tried and pinned in (None, r)]
             if not candidates and last_answer is not None:
                 return last_answer
             if not candidates:
@@ -271,6 +313,8 @@ class Gateway:
                                       f"body that is not an OpenAI answer: {content[:200]!r}")
         self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
         self._observe_usage(decision, answer.get("usage"))
+        if listed == "output" and upstream.status_code == 200:
+            self.stored.record(answer.get("id"), replica.url)
         return Response(content, status_code=upstream.status_code, headers=passed, media_type="application/json")
 
     async def _open_stream(self, decision: Decision, upstream: httpx.Response, in_flight: _InFlight,
@@ -305,6 +349,8 @@ class Gateway:
                 await _close(upstream)
                 in_flight.end()
                 self._observe_usage(decision, usage.last)
+                if usage.response_id is not None:
+                    self.stored.record(usage.response_id, replica.url)
 
         return _RelayedStream(self._relay(decision, first, chunks, usage, end), end)
 
@@ -385,11 +431,13 @@ class _InFlight:
 
 
 class _UsageScanner:
-    """The last ``usage`` object of an event stream (the final chunk when the client asked for usage)."""
+    """The last ``usage`` object of an event stream (the final chunk when the client asked for usage), and a
+    Responses API stream's response id (in its final event, with the usage)."""
 
     def __init__(self) -> None:
         self._partial = b""
         self.last: dict[str, Any] | None = None
+        self.response_id: str | None = None
 
     def feed(self, chunk: bytes) -> None:
         *lines, self._partial = (self._partial + chunk).split(b"\n")
@@ -397,6 +445,7 @@ class _UsageScanner:
             event = usage_event(line) or response_usage_event(line)
             if event is not None:
                 self.last = event["usage"]
+                self.response_id = event.get("response_id", self.response_id)
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:
@@ -449,6 +498,12 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         app.add_api_route(route, _bound(gateway.forward, route), methods=["POST"])
     for route in TOKENIZER_ROUTES:
         app.add_api_route(route, _bound(gateway.relay, route), methods=["POST"])
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_response(response_id: str, http: Request) -> Response:
+        return await gateway.to_holder(response_id, http)
 
     def model_ids() -> list[str]:
         ids = list(dict.fromkeys(m for r in gateway.pool.healthy() for m in r.models))

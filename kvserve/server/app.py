@@ -40,14 +40,9 @@ from kvserve.server.live_stats import ComputeModel, RecentRequests, stats_snapsh
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
+from kvserve.server.response_store import ResponseStore
 from kvserve.server.responses import ResponseBuilder
-from kvserve.server.responses_api import (
-    ResponseEvents,
-    ResponseShape,
-    ResponsesRequest,
-    in_responses_terms,
-    response_of,
-)
+from kvserve.server.responses_routes import add_responses_routes
 from kvserve.server.tools import ToolRequest, template_messages, template_tools, tool_request
 from kvserve.serving_config import ServerConfig
 from kvserve.structured.grammar import CompiledGrammar
@@ -75,6 +70,7 @@ class AppState:
         self.model_root = model_root
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
         self.responses = ResponseBuilder(tokenizer, self.metrics)
+        self.response_store = ResponseStore(config.response_store_mib * 2**20)  # the Responses API's stored ones
         self.runs: set[RequestRun] = set()
         self.recent = RecentRequests(compute=compute)  # what the dashboard lists and draws
         self.draining = False
@@ -255,22 +251,7 @@ def build_app(
         parser = tool_format if tools.calls_possible else None
         return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser, grammar)
 
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, http: Request) -> Response:
-        """OpenAI's Responses API, answered by the chat route (server/responses_api.py)."""
-        try:
-            chat = body.chat_request()
-            answer = await chat_completions(chat, http)
-        except InvalidRequest as exc:
-            raise in_responses_terms(exc) from None
-        shape = ResponseShape(body, body.model or state.model_name)
-        if isinstance(answer, StreamingResponse):
-            events = ResponseEvents(shape, body.wants_logprobs).events(answer.body_iterator)
-            return StreamingResponse(events, media_type="text/event-stream", background=answer.background,
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        if answer.status_code != 200:  # 499: the client left
-            return answer
-        return JSONResponse(response_of(shape, json.loads(answer.body), body.wants_logprobs))
+    add_responses_routes(app, chat_completions, state.response_store, state.model_name)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:

@@ -2,8 +2,10 @@
 conversation, the chat route answers it, and its answer (a JSON body, or a stream of chat chunks) becomes a
 response object (or the Responses API's typed stream events).
 
-What kvserve does not keep is refused by name: ``previous_response_id`` (no response is stored: send the whole
-conversation in ``input``), item references, non-text inputs and hosted tools (web search, file search, ...).
+A response is stored (``store``, true by default, as OpenAI has it) in the server's response store
+(server/response_store.py): a follow-up naming it as ``previous_response_id`` continues its conversation.
+What kvserve does not keep is refused by name: stored conversations and prompts, background responses, item
+references, non-text inputs and hosted tools (web search, file search, ...).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pydantic import ConfigDict, ValidationError
@@ -26,12 +28,13 @@ PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "seed", "stop", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
                   "bad_words", "cache_salt", "user", "parallel_tool_calls", "chat_template_kwargs",
                   "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens")
-# OpenAI's fields that point at what OpenAI stores (a conversation, a prompt, a response run in the background):
-# kvserve stores nothing, and answering without what they point at would be a wrong answer.
-STORED_STATE = ("previous_response_id", "conversation", "prompt", "background")
+# OpenAI's fields that point at what OpenAI stores beyond responses (a conversation, a prompt, a response run in
+# the background): kvserve keeps none of them, and answering without what they point at would be a wrong answer.
+STORED_STATE = ("conversation", "prompt", "background")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the ``include`` value that asks for them
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 class ResponsesRequest(p.StrictTextModel):
@@ -50,22 +53,23 @@ class ResponsesRequest(p.StrictTextModel):
     include: list[str] | None = None
     previous_response_id: str | None = None
     truncation: str | None = None
-    store: bool | None = None  # nothing is stored, whatever it says
+    store: bool = True
     metadata: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # no model served here reasons apart from its answer
 
-    def chat_request(self) -> p.ChatCompletionRequest:
-        """The same request as the chat route takes it; InvalidRequest for what kvserve does not do."""
-        given = {"previous_response_id": self.previous_response_id, **(self.model_extra or {})}
+    def chat_request(self, context: Sequence[dict[str, Any]] = ()) -> p.ChatCompletionRequest:
+        """The same request as the chat route takes it, continuing the items of ``context`` (the stored
+        conversation ``previous_response_id`` names); InvalidRequest for what kvserve does not do."""
         for name in STORED_STATE:
-            if given.get(name) not in (None, False):
-                raise InvalidRequest(f"{name}: kvserve stores no responses, conversations or prompts; send the whole "
-                                     "conversation in input", param=name)
+            if (self.model_extra or {}).get(name) not in (None, False):
+                raise InvalidRequest(f"{name}: kvserve stores responses only (previous_response_id), no "
+                                     "conversations, prompts or background responses; send the conversation in "
+                                     "input", param=name)
         if self.truncation not in (None, "disabled"):
             raise InvalidRequest("truncation: only 'disabled' is supported (a conversation longer than the "
                                  "context is a 400)", param="truncation")
         chat: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items() if k in PASSED_TO_CHAT}
-        chat["messages"] = self.messages()
+        chat["messages"] = self.messages(context)
         if self.max_output_tokens is not None:
             chat["max_completion_tokens"] = self.max_output_tokens
         if self.tools:
@@ -90,20 +94,42 @@ class ResponsesRequest(p.StrictTextModel):
         """The reply text's logprobs were asked for (as OpenAI asks: ``include``, with ``top_logprobs`` beside)."""
         return OUTPUT_LOGPROBS in (self.include or [])
 
-    def messages(self) -> list[dict[str, Any]]:
-        """``instructions`` as the system message, then the input items as chat messages."""
+    def messages(self, context: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """``instructions`` as the system message (a previous response's are not carried on, as OpenAI has it),
+        then the items of ``context`` and the input items, as chat messages."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) \
-            else self.input
-        for i, item in enumerate(items):
+        for item in context:  # checked when they were stored
+            _add_item(messages, item, "previous_response_id")
+        for i, item in enumerate(self._items()):
             if not isinstance(item, dict):
                 raise InvalidRequest(f"input[{i}] must be an object (an input item)", param=f"input[{i}]")
             _add_item(messages, item, f"input[{i}]")
         if not messages:
             raise InvalidRequest("input holds no message", param="input")
         return messages
+
+    def input_items(self) -> tuple[dict[str, Any], ...]:
+        """The input items as a stored response lists them (OpenAI's ``input_items``): each with an id, a
+        message's text as content parts. Called on a request whose items ``chat_request`` has checked."""
+        return tuple(_listed(item) for item in self._items())
+
+    def _items(self) -> list[Any]:
+        return [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) \
+            else self.input
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    listed = {"id": f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}", **item, "type": kind}
+    if kind == "message":
+        listed.setdefault("status", "completed")
+        if isinstance(item.get("content"), str):
+            assistant = item.get("role") == "assistant"
+            listed["content"] = [_text_part(item["content"], None) if assistant
+                                 else {"type": "input_text", "text": item["content"]}]
+    return listed
 
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
@@ -214,10 +240,11 @@ def in_responses_terms(exc: InvalidRequest) -> InvalidRequest:
 class ResponseShape:
     """The response object of one request, filled from the chat route's answer."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, stored: bool) -> None:
         self.body = body
         self.id = f"resp_{uuid.uuid4().hex}"
         self.model = model
+        self.stored = stored  # kept in the response store once finished
         self.created_at = int(time.time())
 
     def object(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
@@ -233,8 +260,8 @@ class ResponseShape:
             "max_output_tokens": body.max_output_tokens, "temperature": extra.get("temperature"),
             "top_p": extra.get("top_p"), "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": extra.get("parallel_tool_calls", True),
-            "text": body.text or {"format": {"type": "text"}}, "previous_response_id": None, "reasoning": None,
-            "truncation": "disabled", "store": False, "metadata": body.metadata or {},
+            "text": body.text or {"format": {"type": "text"}}, "previous_response_id": body.previous_response_id,
+            "reasoning": None, "truncation": "disabled", "store": self.stored, "metadata": body.metadata or {},
         }
 
     def finished(self, output: list[dict[str, Any]], chat_usage: dict[str, Any] | None,
@@ -310,9 +337,11 @@ class ResponseEvents:
     text, then each function call) is opened when its first delta comes and closed when the next item opens or
     the stream ends."""
 
-    def __init__(self, shape: ResponseShape, want_logprobs: bool) -> None:
+    def __init__(self, shape: ResponseShape, want_logprobs: bool,
+                 on_finished: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.shape = shape
         self.want_logprobs = want_logprobs
+        self.on_finished = on_finished  # given the final response object before its event is sent
         self.sequence = 0
         self.done: list[dict[str, Any]] = []  # items closed, in output order
         self.open: dict[str, Any] | None = None  # the item being streamed, and its output index
@@ -339,14 +368,18 @@ class ResponseEvents:
                         yield event
                     failed = self.shape.object("failed", self.done, _usage(self.usage))
                     failed["error"] = {"code": error.get("code") or "server_error", "message": error.get("message")}
-                    yield self._event("response.failed", response=failed)
+                    yield self._final(failed)
                     return
                 for event in self._chunk(chunk):
                     yield event
         for event in self._close("incomplete" if self.finish_reason == "length" else "completed"):
             yield event
-        response = self.shape.finished(self.done, self.usage, self.finish_reason)
-        yield self._event(f"response.{response['status']}", response=response)
+        yield self._final(self.shape.finished(self.done, self.usage, self.finish_reason))
+
+    def _final(self, response: dict[str, Any]) -> str:
+        if self.on_finished is not None:  # stored before the client can read the id and follow it up
+            self.on_finished(response)
+        return self._event(f"response.{response['status']}", response=response)
 
     def _chunk(self, chunk: dict[str, Any]) -> list[str]:
         if chunk.get("usage") is not None:

@@ -46,6 +46,7 @@ class FakeReplica:
         self.healthy = True
         self.num_chunks = num_chunks
         self.received: list[dict] = []
+        self.stored: dict[str, dict] = {}  # its Responses API responses by id
         self.abandoned = 0  # streams whose client left before the end
         self.reported_running = 0  # what its /metrics says is running
         self.api_key: str | None = None  # required on /v1/models when set
@@ -98,17 +99,34 @@ class FakeReplica:
         async def respond(http: Request) -> Response:
             body = await http.json()
             self.received.append(body)
+            if body.get("previous_response_id") is not None and body["previous_response_id"] not in self.stored:
+                return JSONResponse({"error": {"message": "not found", "type": "invalid_request_error",
+                                               "param": "previous_response_id",
+                                               "code": "previous_response_not_found"}}, status_code=400)
             usage = {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 1}, "output_tokens": 2,
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 5}
-            answer = {"id": "resp_1", "object": "response", "status": "completed", "model": MODEL, "usage": usage,
+            answer = {"id": f"resp_{self.name}_{len(self.received)}", "object": "response", "status": "completed",
+                      "model": MODEL, "usage": usage,
                       "output": [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
                                   "content": [{"type": "output_text", "text": self.name, "annotations": []}]}]}
+            self.stored[answer["id"]] = answer
             if not body.get("stream"):
                 return JSONResponse(answer)
             events = [{"type": "response.output_text.delta", "delta": self.name},
                       {"type": "response.completed", "response": answer}]
             return StreamingResponse(iter([f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]),
                                      media_type="text/event-stream")
+
+        @app.get("/v1/responses/{response_id}")
+        @app.delete("/v1/responses/{response_id}")
+        async def stored(response_id: str, http: Request) -> Response:
+            if response_id not in self.stored:
+                return JSONResponse({"error": {"message": "no such response", "type": "invalid_request_error"}},
+                                    status_code=404)
+            if http.method == "DELETE":
+                del self.stored[response_id]
+                return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+            return JSONResponse(self.stored[response_id])
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")

@@ -317,3 +317,44 @@ def test_a_responses_request_goes_to_a_replica_of_its_model_as_it_came(replicas:
         assert sum(router_metric(gateway.base_url, "cached_tokens_total", f'replica="{r.url}"') for r in replicas) == 2
     finally:
         gateway.stop()
+
+
+def test_follow_ups_and_stored_responses_reach_the_replica_that_stored_them(replicas: list[FakeReplica]) -> None:
+    """Each replica keeps its own responses: a follow-up (``previous_response_id``), a retrieval and a deletion
+    go to the one that stored the response, whatever the policy would pick; a gateway that never saw it finds it."""
+    gateway = gateway_over(replicas, policy="round_robin")  # alone, it alternates between the two
+    url = f"{gateway.base_url}/v1/responses"
+    try:
+        first = httpx.post(url, json={"model": MODEL, "input": "hi"}, timeout=10).json()
+        with httpx.stream("POST", url, json={"model": MODEL, "input": "hi", "stream": True}) as streamed:
+            events = [json.loads(line.removeprefix("data: ")) for line in streamed.iter_lines()
+                      if line.startswith("data: ")]
+        second = events[-1]["response"]
+        holders = {first["id"]: first["output"][0]["content"][0]["text"],
+                   second["id"]: second["output"][0]["content"][0]["text"]}
+        assert set(holders.values()) == {"a", "b"}
+        for response_id, holder in [(i, h) for i, h in holders.items() for _ in range(2)]:  # each twice running
+            follow_up = httpx.post(url, json={"input": "more", "previous_response_id": response_id}, timeout=10)
+            assert follow_up.status_code == 200, follow_up.text
+            assert follow_up.json()["output"][0]["content"][0]["text"] == holder
+        for response_id in holders:
+            fetched = httpx.get(f"{url}/{response_id}", timeout=10)
+            assert fetched.status_code == 200 and fetched.json()["id"] == response_id
+        unknown = httpx.post(url, json={"input": "more", "previous_response_id": "resp_nowhere"}, timeout=10)
+        assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "previous_response_not_found"
+        assert httpx.get(f"{url}/resp_nowhere", timeout=10).status_code == 404
+    finally:
+        gateway.stop()
+    fresh = gateway_over(replicas, policy="round_robin")  # knows no response: asks the replicas
+    url = f"{fresh.base_url}/v1/responses"
+    try:
+        for response_id, holder in [(i, h) for i, h in holders.items() for _ in range(2)]:
+            follow_up = httpx.post(url, json={"input": "more", "previous_response_id": response_id}, timeout=10)
+            assert follow_up.json()["output"][0]["content"][0]["text"] == holder
+        response_id = next(iter(holders))
+        assert httpx.delete(f"{url}/{response_id}", timeout=10).json()["deleted"] is True
+        assert httpx.get(f"{url}/{response_id}", timeout=10).status_code == 404
+        gone = httpx.post(url, json={"input": "more", "previous_response_id": response_id}, timeout=10)
+        assert gone.status_code == 400 and gone.json()["error"]["param"] == "previous_response_id"
+    finally:
+        fresh.stop()

@@ -98,8 +98,65 @@ def test_a_json_schema_format_constrains_the_text(client, model) -> None:
     assert isinstance(json.loads(response.output_text)["answer"], int)
 
 
+def test_a_follow_up_continues_the_stored_conversation_as_if_it_were_sent_whole(client, model) -> None:
+    """``previous_response_id`` continues the stored response's input and output (its instructions are not
+    carried on, as OpenAI has it): the same answer and prompt as the whole conversation sent as input, on the KV
+    the first turn left in the prefix cache; chained twice, streamed; each retrievable as it was answered."""
+    question = "My name is Ada and I write programs. Say hello to me."
+    first = client.responses.create(model=model, instructions="Answer in French.", input=question,
+                                    max_output_tokens=12, temperature=0)
+    assert first.store is True and first.previous_response_id is None
+    follow_up = client.responses.create(model=model, previous_response_id=first.id, input="What is my name?",
+                                        max_output_tokens=12, temperature=0)
+    whole = client.responses.create(model=model, max_output_tokens=12, temperature=0, store=False, input=[
+        {"role": "user", "content": question}, *[item.model_dump() for item in first.output],
+        {"role": "user", "content": "What is my name?"}])
+    assert follow_up.previous_response_id == first.id
+    assert follow_up.output_text == whole.output_text
+    assert follow_up.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert whole.usage.input_tokens_details.cached_tokens > 0  # the follow-up's prompt, already computed
+
+    events = list(client.responses.create(model=model, previous_response_id=follow_up.id, stream=True,
+                                          input="And what do I do?", max_output_tokens=12, temperature=0))
+    final = events[-1].response
+    assert final.previous_response_id == follow_up.id and final.store is True
+    assert final.usage.input_tokens > follow_up.usage.input_tokens
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_stored_responses_list_their_input_items_and_are_deleted(client, model, base_url) -> None:
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "Bye"}]
+    response = client.responses.create(model=model, input=turns, max_output_tokens=4, temperature=0)
+    listed = client.responses.input_items.list(response.id)
+    assert [(item.role, item.content[0].text) for item in listed.data] == [
+        (turn["role"], turn["content"]) for turn in reversed(turns)]  # newest first, as OpenAI lists them
+    assert all(item.id for item in listed.data) and len({item.id for item in listed.data}) == 3
+    page = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [item.content[0].text for item in page.data] == ["Hi", "Hello!"] and page.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", limit=2, after=page.data[-1].id)
+    assert [item.content[0].text for item in rest.data] == ["Bye"] and not rest.has_more
+
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=model, previous_response_id=response.id, input="Again?", max_output_tokens=4)
+    error = refused.value.body
+    assert error["code"] == "previous_response_not_found" and error["param"] == "previous_response_id"
+    assert httpx.delete(f"{base_url}/v1/responses/{response.id}", timeout=30).status_code == 404
+
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),  # never stored
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),

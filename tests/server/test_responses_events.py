@@ -83,7 +83,7 @@ def events_of(chunks: list[str], want_logprobs: bool = False) -> list[dict[str, 
             yield c
 
     async def collect() -> list[str]:
-        shape = ResponseShape(request(), "m")
+        shape = ResponseShape(request(), "m", stored=False)
         return [e async for e in ResponseEvents(shape, want_logprobs).events(source())]
 
     parsed = []

@@ -1,0 +1,94 @@
+"""The Responses API's routes: ``POST /v1/responses`` answered by the chat route, and the stored responses'
+``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.errors import InvalidRequest, ResponseNotFound
+from kvserve.server import protocol as p
+from kvserve.server.response_store import ResponseStore, StoredResponse
+from kvserve.server.responses_api import (
+    ResponseEvents,
+    ResponseShape,
+    ResponsesRequest,
+    in_responses_terms,
+    response_of,
+)
+
+ChatRoute = Callable[[p.ChatCompletionRequest, Request], Awaitable[Response]]
+
+
+def add_responses_routes(app: FastAPI, chat_route: ChatRoute, store: ResponseStore, model_name: str) -> None:
+    """The routes, over ``chat_route`` (the server's chat completions handler) and ``store``; responses name
+    ``model_name`` where their request names no model."""
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, http: Request) -> Response:
+        """OpenAI's Responses API, answered by the chat route (server/responses_api.py)."""
+        previous = None
+        if body.previous_response_id is not None:
+            previous = store.get(body.previous_response_id)
+            if previous is None:  # as OpenAI answers it
+                raise InvalidRequest(f"Previous response with id '{body.previous_response_id}' not found.",
+                                     param="previous_response_id", code="previous_response_not_found")
+        try:
+            chat = body.chat_request(previous.context if previous is not None else ())
+            answer = await chat_route(chat, http)
+        except InvalidRequest as exc:
+            raise in_responses_terms(exc) from None
+        keep = body.store and store.enabled
+        shape = ResponseShape(body, body.model or model_name, stored=keep)
+        input_items = body.input_items() if keep else ()
+
+        def stored(response: dict[str, Any]) -> None:
+            if keep:
+                store.put(response, input_items, previous)
+
+        if isinstance(answer, StreamingResponse):
+            events = ResponseEvents(shape, body.wants_logprobs, on_finished=stored).events(answer.body_iterator)
+            return StreamingResponse(events, media_type="text/event-stream", background=answer.background,
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if answer.status_code != 200:  # 499: the client left
+            return answer
+        response = response_of(shape, json.loads(answer.body), body.wants_logprobs)
+        stored(response)
+        return JSONResponse(response)
+
+    def find(response_id: str) -> StoredResponse:
+        entry = store.get(response_id)
+        if entry is None:
+            raise ResponseNotFound(f"no response with id '{response_id}' is stored here (it was not stored, was "
+                                   "deleted, or was dropped for newer ones: --response-store-mib)")
+        return entry
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> Response:
+        return JSONResponse(find(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> Response:
+        find(response_id)
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                          order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
+        """The input items of a stored response's request, a page at a time (OpenAI's cursor list)."""
+        items = list(find(response_id).input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise InvalidRequest(f"after: no input item of '{response_id}' has the id '{after}'", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})

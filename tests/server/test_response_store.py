@@ -1,0 +1,45 @@
+"""The Responses API's store: the least recently used response dropped past the byte budget, a chain's context
+carried from response to response, its bytes counted."""
+
+from __future__ import annotations
+
+from kvserve.server.response_store import ResponseStore
+
+
+def _response(response_id: str, text: str) -> dict:
+    return {"id": response_id, "object": "response", "output": [
+        {"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
+
+
+def _asked(text: str) -> tuple[dict, ...]:
+    return ({"type": "message", "id": f"msg_{text}", "role": "user", "content": [{"type": "input_text", "text": text}]},)
+
+
+def test_a_chain_carries_every_earlier_turn() -> None:
+    store = ResponseStore(max_bytes=10**6)
+    first = store.put(_response("r1", "Hello"), _asked("hi"), None)
+    second = store.put(_response("r2", "Fine"), _asked("how are you"), first)
+    assert [item["id"] for item in second.context] == ["msg_hi", "msg_r1", "msg_how are you", "msg_r2"]
+    assert second.input_items == _asked("how are you")
+    assert second.context_nbytes > first.context_nbytes
+    assert store.nbytes == first.nbytes + second.nbytes
+
+
+def test_the_least_recently_used_go_first_and_nothing_is_kept_past_the_budget() -> None:
+    one = ResponseStore(max_bytes=10**6).put(_response("r1", "x" * 100), _asked("a"), None).nbytes
+    store = ResponseStore(max_bytes=2 * one + one // 2)  # room for two
+    for response_id in ("r1", "r2"):
+        store.put(_response(response_id, "x" * 100), _asked("a"), None)
+    assert store.get("r1") is not None  # now the most recently used
+    store.put(_response("r3", "x" * 100), _asked("a"), None)
+    assert store.get("r2") is None and store.get("r1") is not None and store.get("r3") is not None
+    store.put(_response("big", "x" * 10 * one), _asked("a"), None)  # larger than the whole budget
+    assert store.get("big") is None and store.nbytes <= store.max_bytes
+    assert store.delete("r1") and not store.delete("r1")
+    store.delete("r3")
+    assert len(store) == 0 and store.nbytes == 0
+
+
+def test_a_store_of_no_bytes_is_off() -> None:
+    assert not ResponseStore(0).enabled and ResponseStore(1).enabled
