@@ -41,7 +41,7 @@ Quantization = Literal["auto", "gguf", "none"]
 # A draft's also "q4_0": its matrices held in wider types quantised again to Q4_0 at load.
 DraftQuantization = Literal["auto", "gguf", "none", "q4_0"]
 QuantizedActivations = Literal["auto", "int16", "int8"]
-SchedulingPolicy = Literal["fcfs", "lpm"]
+SchedulingPolicy = Literal["fcfs", "lpm", "priority"]
 GrammarEngine = Literal["auto", "llguidance", "xgrammar"]
 
 SETTING = "kvserve.setting"  # the metadata key of a field's Setting (or an EngineConfig field's Section)
@@ -197,7 +197,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(1024, "most tokens one step computes (prefill chunks and decodes)")
     # lpm by default: lower TTFT and higher throughput than fcfs on the agentic workload, same hit rate
     # (benchmarks/prefix_cache.py).
-    policy: SchedulingPolicy = setting("lpm", "fcfs: arrival order; lpm: longest cached prefix first",
+    policy: SchedulingPolicy = setting("lpm", "fcfs: arrival order; lpm: longest cached prefix first; priority: "
+                                              "the lowest request priority first, then arrival order (vLLM's), "
+                                              "and the highest preempted first",
                                        flag="--scheduling-policy", keyword="scheduling_policy")
     lpm_max_skips: int = setting(8, "lpm only: a waiting request passed over this many times is served next "
                                     "regardless of its cached prefix")
@@ -207,8 +209,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_whole(self.max_num_seqs, "max_num_seqs", 1)
         check_whole(self.max_num_batched_tokens, "max_num_batched_tokens", 1)
-        if self.policy not in ("fcfs", "lpm"):
-            raise ConfigError(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}", "policy")
+        if self.policy not in ("fcfs", "lpm", "priority"):
+            raise ConfigError(f"policy must be 'fcfs', 'lpm' or 'priority', got {self.policy!r}", "policy")
         check_whole(self.lpm_window, "lpm_window", 1)
         check_whole(self.lpm_max_skips, "lpm_max_skips", 0)
 

@@ -173,7 +173,8 @@ class Engine:
         self.block_hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()  # public: gateways hash blocks too
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))
         self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                              self.grammars, self.eos_token_ids)
+                                              self.grammars, self.eos_token_ids,
+                                              priority_scheduling=config.scheduler.policy == "priority")
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # True from a step's start to its end: a step that raised (or still runs on another thread) may have

@@ -19,8 +19,9 @@ PromptType = str | list[int] | dict[str, Any]
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, grammars: GrammarCompiler,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), priority_scheduling: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.priority_scheduling = priority_scheduling  # requests may set a priority other than 0
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = grammars
@@ -91,6 +92,9 @@ class InputProcessor:
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
         """``params`` checked against this model (token ids within its vocabulary) with what needs its tokenizer
         filled in (the bad words' tokens). Idempotent: the parameters it returns come back unchanged."""
+        if params.priority != 0 and not self.priority_scheduling:  # it would be ignored
+            raise InvalidSamplingParams("priority: requests are ordered by a priority of theirs only under "
+                                        "--scheduling-policy priority; send 0 or none", param="priority")
         vocab = self.vocab_size
         for param, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
                            ("allowed_token_ids", params.allowed_token_ids or ())):

@@ -157,6 +157,9 @@ class SamplingParams:
     # Keep only the prompt's last this many tokens (vLLM's truncate_prompt_tokens); -1: as many as fit the context
     # with max_tokens after them (at least one); None: the whole prompt.
     truncate_prompt_tokens: int | None = None
+    # Where the request queues under the priority scheduling policy (vLLM's priority): lower values are
+    # admitted first and preempted last; every other policy takes only 0.
+    priority: int = 0
     # What the output must match (a JSON Schema, a regex, a grammar, ...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
     # Also return the model's final-norm hidden state at the prompt's last token (/v1/embeddings).
@@ -259,6 +262,8 @@ class SamplingParams:
         if sum(len(w) for w in self.bad_words) > MAX_BAD_WORDS_CHARS:
             raise InvalidSamplingParams(f"bad_words takes at most {MAX_BAD_WORDS_CHARS} characters in all",
                                         param="bad_words")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise bad("priority", "must be an integer")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "must be a non-empty string")
         keep = self.truncate_prompt_tokens

@@ -120,7 +120,10 @@ class Scheduler:
         now = self.clock()
         preempted = False
 
-        # 1. Running requests, oldest first. Preempt from the newest end when blocks run out.
+        # 1. Running requests, oldest first (priority: most urgent first). Preempt from the other end when blocks
+        #    run out: the newest, or the least urgent.
+        if self.config.policy == "priority":
+            self.running.sort(key=_urgency)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -175,7 +178,9 @@ class Scheduler:
 
     def _next_waiting(self, skip: set[str]) -> Request | None:
         """FCFS: the head of the queue. LPM: the longest cached prefix, unless a request has waited too long.
-        Requests in ``skip`` (their prefix is still being fetched) wait; the ones behind them go ahead."""
+        Priority: the most urgent (``_urgency``). Requests in ``skip`` (their prefix is still being fetched) wait; the ones behind them go ahead."""
+        if self.config.policy == "priority":
+            return min((r for r in self.waiting if r.request_id not in skip), key=_urgency, default=None)
         candidates = list(itertools.islice((r for r in self.waiting if r.request_id not in skip),
                                            self.config.lpm_window))
         if not candidates:
@@ -352,3 +357,8 @@ class Scheduler:
 
 
 __all__ = ["Scheduler", "EMPTY_HIT", "PrefixHit"]
+
+
+def _urgency(request: Request) -> tuple[int, int]:
+    """The priority policy's order: the lowest priority value first, then the earliest arrival (vLLM's)."""
+    return request.sampling_params.priority, request.arrival_order

@@ -58,4 +58,5 @@ def prepare_inputs(engine: AsyncEngine, body: p.EmbeddingRequest) -> list[tuple[
 
 
 def embedding_params(body: p.EmbeddingRequest) -> SamplingParams:
-    return replace(EMBEDDING_PARAMS, truncate_prompt_tokens=body.truncate_prompt_tokens, cache_salt=body.cache_salt)
+    return replace(EMBEDDING_PARAMS, truncate_prompt_tokens=body.truncate_prompt_tokens, cache_salt=body.cache_salt,
+                   priority=body.priority)

@@ -141,12 +141,13 @@ class _SamplingRequest(StrictTextModel):
     # vLLM's: requests sharing a salt share cached KV with each other only (tenants that must not learn from
     # each other's cache hits, by timing, send different salts).
     cache_salt: str | None = None
+    # Where the request queues under --scheduling-policy priority (lower first); other policies refuse other
+    # values than 0 (vLLM's too).
+    priority: int = 0
     # Declared to be refused (vLLM's engine refuses them too): ignored, they would give the client one ordinary
-    # sample where it asked for the best of several, or a beam, or the order of a priority queue kvserve does
-    # not keep.
+    # sample where it asked for the best of several, or a beam.
     best_of: int | None = None
     use_beam_search: bool = False
-    priority: int = 0
 
     @property
     def include_usage(self) -> bool:
@@ -173,9 +174,6 @@ class _SamplingRequest(StrictTextModel):
                                  param="best_of")
         if self.use_beam_search:
             raise InvalidRequest("use_beam_search: beam search is not supported", param="use_beam_search")
-        if self.priority != 0:
-            raise InvalidRequest("priority: kvserve's scheduler does not order requests by a priority of theirs; "
-                                 "send priority 0 or none", param="priority")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidSamplingParams(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
                                         param="stop")
@@ -211,6 +209,7 @@ class _SamplingRequest(StrictTextModel):
                 bad_words=tuple(self.bad_words or ()),
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 cache_salt=self.cache_salt,
+                priority=self.priority,
                 structured_outputs=self.structured_outputs_params(),
             )
         except InvalidSamplingParams as exc:
@@ -422,6 +421,7 @@ class EmbeddingRequest(_Strict):
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: embed only each input's last this many tokens
     cache_salt: str | None = None  # vLLM's: the inputs' KV is shared only with requests of the same salt
+    priority: int = 0  # vLLM's: the inputs' place in the queue under --scheduling-policy priority
 
     @field_validator("input", mode="plain")
     @classmethod

@@ -27,7 +27,7 @@ from kvserve.server import protocol as p
 PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
                   "bad_words", "cache_salt", "user", "parallel_tool_calls", "chat_template_kwargs",
-                  "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens")
+                  "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens", "priority")
 # OpenAI's fields that point at what OpenAI stores beyond responses (a conversation, a prompt, a response run in
 # the background): kvserve keeps none of them, and answering without what they point at would be a wrong answer.
 STORED_STATE = ("conversation", "prompt", "background")

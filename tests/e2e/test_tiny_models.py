@@ -120,3 +120,24 @@ def test_prompt_logprobs_leave_out_an_output_projections_padded_rows(tmp_path) -
                 for entry in output.prompt_logprobs] + [output.prompt_token_ranks]
 
     assert prompt_logprobs(padded) == prompt_logprobs(model_dir)
+
+
+def test_priority_scheduling_admits_and_preempts_by_priority_and_keeps_every_token(tmp_path) -> None:
+    """Short of blocks, the priority policy preempts the least urgent requests; every output is still the one
+    a roomy pool gives. Other policies take priority 0 only."""
+    from dataclasses import replace
+
+    from kvserve.errors import InvalidSamplingParams
+
+    model_dir = make_tiny_model(tmp_path, "llama", tie=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, priority=p) for p in (2, 0, 1, -1)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    roomy = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, [replace(p, priority=0) for p in params])]
+    with pytest.raises(InvalidSamplingParams, match="--scheduling-policy priority"):
+        roomy.generate(prompts[:1], params[0])
+    tight = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=30, scheduling_policy="priority")
+    outputs = tight.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    tight.engine.check_invariants()

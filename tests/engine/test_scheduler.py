@@ -18,8 +18,8 @@ def make_engine(num_blocks: int, block_size: int = 4, budget: int = 16, max_seqs
     return scheduler, FakeRunner(num_blocks, block_size)
 
 
-def make_request(rid: str, prompt: list[int], max_tokens: int, order: int = 0) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+def make_request(rid: str, prompt: list[int], max_tokens: int, order: int = 0, priority: int = 0) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority),
                    max_total_tokens=len(prompt) + max_tokens, arrival_order=order)
 
 
@@ -175,6 +175,43 @@ def test_lpm_compares_only_its_window_of_waiting_requests() -> None:
     run_to_completion(scheduler, runner)
 
 
+def test_priority_admits_the_most_urgent_first_then_by_arrival() -> None:
+    scheduler, runner = make_engine(num_blocks=64, budget=32, max_seqs=1, policy="priority")
+    requests = [make_request(f"r{i}", [i] * 6, 2, order=i, priority=p) for i, p in enumerate([5, 0, 5, -1])]
+    for request in requests:
+        scheduler.add_request(request)
+    admitted: list[str] = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        admitted += [s.request_id for s in out.scheduled if s.request_id not in admitted]
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
+        scheduler.check_invariants()
+    assert admitted == ["r3", "r1", "r0", "r2"]
+
+
+def test_priority_preempts_the_least_urgent_running_request_first() -> None:
+    """Short of blocks, fcfs preempts the newest request; priority the least urgent, here the oldest (running
+    before the others came)."""
+    for policy, victim in (("fcfs", "r3"), ("priority", "r0")):
+        scheduler, runner = make_engine(num_blocks=10, budget=64, prefix=False, policy=policy)
+        requests = [make_request(f"r{i}", [i] * 5, 12, order=i, priority=p) for i, p in enumerate([3, 0, 1, 2])]
+        scheduler.add_request(requests[0])
+        out = scheduler.schedule()
+        scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
+        for request in requests[1:]:
+            scheduler.add_request(request)
+        first_victim = None
+        while scheduler.has_unfinished():
+            out = scheduler.schedule()
+            scheduler.finish_requests(scheduler.update(out, runner.execute(out)))
+            scheduler.check_invariants()
+            preempted = [r.request_id for r in requests if r.metrics.num_preemptions]
+            first_victim = first_victim or (preempted[0] if preempted else None)
+        assert first_victim == victim, policy
+        for i, request in enumerate(requests):
+            assert request.output_token_ids == reference_continuation([i] * 5, 12)
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.lists(st.integers(0, 3), min_size=1, max_size=30), st.integers(1, 12)),
@@ -186,14 +223,15 @@ ops = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 40), prefix=st.booleans())
-def test_random_add_abort_step_keeps_accounting_and_outputs(ops, num_blocks, budget, prefix) -> None:
-    scheduler, runner = make_engine(num_blocks=num_blocks, budget=budget, prefix=prefix)
+@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 40), prefix=st.booleans(),
+       policy=st.sampled_from(["fcfs", "lpm", "priority"]))
+def test_random_add_abort_step_keeps_accounting_and_outputs(ops, num_blocks, budget, prefix, policy) -> None:
+    scheduler, runner = make_engine(num_blocks=num_blocks, budget=budget, prefix=prefix, policy=policy)
     requests: list[Request] = []
     aborted: set[str] = set()
     for op, a, b in ops:
         if op == "add":
-            request = make_request(f"r{len(requests)}", a, b, order=len(requests))
+            request = make_request(f"r{len(requests)}", a, b, order=len(requests), priority=len(a) % 3)
             requests.append(request)
             scheduler.add_request(request)
         elif op == "abort" and a < len(requests):

@@ -97,7 +97,7 @@ BAD_VALUES = [
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
-    ("chat", {"priority": 1}, "priority"),  # served first come, first served: no queue order to honour
+    ("chat", {"priority": 1}, "priority"),  # ordered by it only under --scheduling-policy priority
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),  # the model's template renders every request
     ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
@@ -109,6 +109,7 @@ BAD_VALUES = [
     ("embeddings", {"input": "a", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
     ("chat", {"cache_salt": ""}, "cache_salt"),
     ("embeddings", {"input": "a", "cache_salt": ""}, "cache_salt"),
+    ("embeddings", {"input": "a", "priority": -1}, "priority"),  # ordered by it only under the priority policy
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
