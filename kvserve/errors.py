@@ -122,6 +122,14 @@ class ModelNotFound(KVServeError):
     code = "model_not_found"
 
 
+class PreviousResponseNotFound(InvalidRequest):
+    """A Responses API request continues a response that is not stored (as OpenAI answers it: a 400)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Previous response with id '{response_id}' not found.", param="previous_response_id",
+                         code="previous_response_not_found")
+
+
 class ResponseNotFound(KVServeError):
     """No stored response has the id a ``/v1/responses/{id}`` route names (never stored, dropped, or deleted)."""
 

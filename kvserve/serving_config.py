@@ -28,9 +28,10 @@ class ServerConfig:
     # Larger bodies get 413 before they are read: parsing and tokenizing megabytes stalls every request.
     max_request_body_bytes: int = setting(16 * 1024 * 1024, "request bodies larger than this get 413",
                                           default_text="16777216 (16 MiB)")
-    response_store_mib: int = setting(64, "memory for the Responses API's stored responses (store: true), which "
-                                          "previous_response_id continues and GET /v1/responses/{id} returns; the "
-                                          "least recently used are dropped past it; 0 stores none",
+    response_store_mib: int = setting(64, "memory for the Responses API's stored responses (store: true), "
+                                          "measured as their JSON, which previous_response_id continues and GET "
+                                          "/v1/responses/{id} returns; the least recently used are dropped past it; "
+                                          "0 stores none",
                                       flag="--response-store-mib")
     shutdown_grace_period_s: float = setting(5.0, "seconds in-flight requests get to finish after SIGTERM "
                                                   "before they are aborted", flag="--shutdown-grace-period")
@@ -98,10 +99,6 @@ class RouterConfig:
     replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
                                                   "models, load); requests pass on their client's key")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
-    response_store_mib: int = setting(64, "memory for the Responses API's stored responses (store: true), which "
-                                          "previous_response_id continues and GET /v1/responses/{id} returns; the "
-                                          "least recently used are dropped past it; 0 stores none",
-                                      flag="--response-store-mib")
     shutdown_grace_period_s: float = setting(5.0, "seconds requests in flight get to finish after SIGTERM before "
                                                   "their connections are closed", flag="--shutdown-grace-period")
     model_policy: ModelPolicyName | None = setting(

@@ -99,7 +99,7 @@ def usage_event(line: bytes) -> dict[str, Any] | None:
 
 def response_usage_event(line: bytes) -> dict[str, Any] | None:
     """A Responses API stream's final event (``response.completed`` and the like), as a chunk carrying its
-    response's ``usage`` (and its ``response_id``)."""
+    response's ``usage``."""
     if not (line.startswith(b"data: {") and b'"usage"' in line and b'"response.' in line):
         return None
     try:
@@ -108,7 +108,21 @@ def response_usage_event(line: bytes) -> dict[str, Any] | None:
         return None
     response = event.get("response") if isinstance(event, dict) else None
     usage = response.get("usage") if isinstance(response, dict) else None
-    return {"usage": usage, "response_id": response.get("id")} if isinstance(usage, dict) else None
+    return {"usage": usage} if isinstance(usage, dict) else None
+
+
+def stored_response_created(line: bytes) -> str | None:
+    """The response id of a Responses API stream's ``response.created`` event, where the response is stored."""
+    if not (line.startswith(b"data: {") and b'"response.created"' in line):
+        return None
+    try:
+        event = json.loads(line[len(b"data: "):])
+    except ValueError:
+        return None
+    response = event.get("response") if isinstance(event, dict) else None
+    if not isinstance(response, dict) or response.get("store") is not True or not isinstance(response.get("id"), str):
+        return None
+    return response["id"]
 
 
 def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:

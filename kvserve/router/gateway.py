@@ -37,10 +37,11 @@ from kvserve.errors import (
     KVServeError,
     ModelNotFound,
     NoHealthyReplica,
+    PreviousResponseNotFound,
     RequestTooLarge,
     ResponseNotFound,
 )
-from kvserve.router.answers import chat_usage, response_usage_event, usage_event
+from kvserve.router.answers import chat_usage, response_usage_event, stored_response_created, usage_event
 from kvserve.router.difficulty import DifficultyRouter
 from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
 from kvserve.router.live_stats import find_trip, gateway_snapshot
@@ -49,7 +50,7 @@ from kvserve.router.model_policies import make_model_policy
 from kvserve.router.policies import Decision, RouteRequest, cache_salt_of, make_policy
 from kvserve.router.prompt_tokens import PromptTokens
 from kvserve.router.replicas import Replica, ReplicaPool
-from kvserve.router.stored_responses import StoredResponses
+from kvserve.router.stored_responses import StoredResponses, passed_back, stored_response_path
 from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.protocol import error_body
@@ -116,28 +117,29 @@ class Gateway:
     async def forward(self, path: str, http: Request) -> Response:
         body, payload, model = await self._read_request(http)
         previous = payload.get("previous_response_id") if path.endswith("/responses") else None
-        pinned = await self._holder_of_previous(previous, model, http) if isinstance(previous, str) else None
-        if isinstance(pinned, Response):
-            return pinned
-        if pinned is None and self.difficulty is not None and model == self.config.auto_model:
+        if isinstance(previous, str):
+            return await self._continue(previous, path, body, payload, model, http)
+        if self.difficulty is not None and model == self.config.auto_model:
             return await self.difficulty.route(path, payload, len(body), http)
-        if pinned is None:
-            self._check_served(model)
+        self._check_served(model)
         tokens = await self.tokens(path, payload, len(body))
-        return await self.dispatch(model if pinned is None else None, path, body, tokens, bool(payload.get("stream")),
-                                   http, cache_salt_of(payload), pinned)
+        return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http,
+                                   cache_salt_of(payload))
 
-    async def _holder_of_previous(self, response_id: str, model: str | None, http: Request) -> Replica | Response:
-        """The replica a follow-up must go to: the one that stored the response it continues."""
+    async def _continue(self, response_id: str, path: str, body: bytes, payload: dict[str, Any], model: str | None,
+                        http: Request) -> Response:
+        """A follow-up of a stored response, sent to the replica that stored it (which judges the client's key
+        and the model it names); the auto model there is the model that answered before."""
         found = await self.stored.holder(response_id, self._upstream_headers(http))
-        if found is None:  # as the replicas (and OpenAI) answer it
-            raise InvalidRequest(f"Previous response with id '{response_id}' not found.",
-                                 param="previous_response_id", code="previous_response_not_found")
-        if isinstance(found, Replica) and model not in (None, self.config.auto_model) and not found.serves(model):
-            raise InvalidRequest(f"previous_response_id: '{response_id}' is stored by a replica of "
-                                 f"{', '.join(found.models)}; name that model (or none) to continue it",
-                                 param="model")
-        return found
+        if isinstance(found, Response):
+            return found
+        if found is None:
+            raise PreviousResponseNotFound(response_id)
+        if self.model_policy is not None and model == self.config.auto_model:
+            body = json.dumps({k: v for k, v in payload.items() if k != "model"}).encode()
+        # No routing key: the replica is given, and its prefix index must not learn a prompt it never rendered.
+        return await self.dispatch(None, path, body, (), bool(payload.get("stream")), http, cache_salt_of(payload),
+                                   pinned=found)
 
     async def to_holder(self, response_id: str, http: Request) -> Response:
         """``GET`` / ``DELETE /v1/responses/{id}`` (and its input items), passed to the replica that stored it
@@ -148,17 +150,17 @@ class Gateway:
             return found
         if found is None:
             raise ResponseNotFound(f"no replica holds a response with id '{response_id}'")
-        url = found.url + http.url.path + (f"?{http.url.query}" if http.url.query else "")
+        suffix = "/input_items" if http.url.path.endswith("/input_items") else ""
+        url = found.url + stored_response_path(response_id, suffix) + (f"?{http.url.query}" if http.url.query else "")
         try:
             upstream = await self.client.request(http.method, url, headers=headers)
         except httpx.HTTPError as exc:
             self.pool.mark_down(found, f"{http.url.path}: {exc!r}")
             raise NoHealthyReplica(f"the replica that stored response '{response_id}' did not answer; retry "
                                    "later") from None
-        if http.method == "DELETE" and upstream.status_code == 200:
+        if http.method == "DELETE" and upstream.status_code in (200, 404):
             self.stored.forget(response_id)
-        return Response(upstream.content, status_code=upstream.status_code,
-                        media_type=upstream.headers.get("content-type", "application/json"))
+        return passed_back(upstream)
 
     async def relay(self, path: str, http: Request) -> Response:
         """A request every replica of its model answers alike (/tokenize, /detokenize): sent to the least
@@ -177,8 +179,7 @@ class Gateway:
                                               headers=self._upstream_headers(http))
         except httpx.HTTPError as exc:
             raise BadUpstreamResponse(f"replica {replica.url} did not answer {path}: {exc!r}") from None
-        return Response(upstream.content, status_code=upstream.status_code,
-                        media_type=upstream.headers.get("content-type", "application/json"))
+        return passed_back(upstream)
 
     async def refused_key(self, http: Request) -> Response | None:
         """Where the replicas require an API key (the gateway has one for its own calls), the client's key as one
@@ -194,8 +195,7 @@ class Gateway:
                 self.pool.mark_down(replica, f"/v1/models: {exc!r}")
                 continue
             if upstream.status_code in (401, 403):
-                return Response(upstream.content, status_code=upstream.status_code,
-                                media_type=upstream.headers.get("content-type", "application/json"))
+                return passed_back(upstream)
             if upstream.status_code < 500:
                 return None
         raise NoHealthyReplica("no healthy replica could check the API key; retry later")
@@ -241,7 +241,7 @@ class Gateway:
         tried: set[str] = set()
         last_answer: Response | None = None
         while True:
-            candidates = [r for r in self.pool.healthy(model) if r.url not in tried and pinned in (None, r)]
+            candidates = [r for r in self.pool.healthy(model) if r.url not in tried and (pinned is None or r is pinned)]
             if not candidates and last_answer is not None:
                 return last_answer
             if not candidates:
@@ -313,7 +313,7 @@ class Gateway:
                                       f"body that is not an OpenAI answer: {content[:200]!r}")
         self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
         self._observe_usage(decision, answer.get("usage"))
-        if listed == "output" and upstream.status_code == 200:
+        if listed == "output" and upstream.status_code == 200 and answer.get("store") is True:
             self.stored.record(answer.get("id"), replica.url)
         return Response(content, status_code=upstream.status_code, headers=passed, media_type="application/json")
 
@@ -339,7 +339,7 @@ class Gateway:
         in_flight.first_byte()
         self.policy.observe_ttft(decision, time.monotonic() - sent_at)
         self.metrics.requests.labels(replica=replica.url, status="200").inc()
-        usage = _UsageScanner()
+        usage = _UsageScanner(lambda response_id: self.stored.record(response_id, replica.url))
         ended = False
 
         async def end() -> None:
@@ -349,8 +349,6 @@ class Gateway:
                 await _close(upstream)
                 in_flight.end()
                 self._observe_usage(decision, usage.last)
-                if usage.response_id is not None:
-                    self.stored.record(usage.response_id, replica.url)
 
         return _RelayedStream(self._relay(decision, first, chunks, usage, end), end)
 
@@ -431,21 +429,22 @@ class _InFlight:
 
 
 class _UsageScanner:
-    """The last ``usage`` object of an event stream (the final chunk when the client asked for usage), and a
-    Responses API stream's response id (in its final event, with the usage)."""
+    """The last ``usage`` object of an event stream (the final chunk when the client asked for usage); a
+    Responses API stream's stored response id, given to ``stored`` as soon as its first event says it."""
 
-    def __init__(self) -> None:
+    def __init__(self, stored: Callable[[str], None]) -> None:
         self._partial = b""
+        self._stored = stored
         self.last: dict[str, Any] | None = None
-        self.response_id: str | None = None
 
     def feed(self, chunk: bytes) -> None:
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         for line in lines:
+            if (response_id := stored_response_created(line)) is not None:
+                self._stored(response_id)
             event = usage_event(line) or response_usage_event(line)
             if event is not None:
                 self.last = event["usage"]
-                self.response_id = event.get("response_id", self.response_id)
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:

@@ -3,11 +3,12 @@ and ``GET`` / ``DELETE /v1/responses/{id}`` must reach the replica that stored i
 its own (server/response_store.py).
 
 The gateway learns a response's replica from the answer it relays; one it has not seen (stored before the
-gateway started, or forgotten past its capacity) is looked for on each healthy replica in turn.
+gateway started, or forgotten past its capacity) is asked of every healthy replica at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from urllib.parse import quote
 
@@ -20,7 +21,19 @@ from kvserve.router.replicas import Replica, ReplicaPool
 REMEMBERED = 65536  # response ids whose replica is kept (least recently used forgotten first)
 
 
+def passed_back(upstream: httpx.Response) -> Response:
+    """A replica's answer, to the client as it came."""
+    return Response(upstream.content, status_code=upstream.status_code,
+                    media_type=upstream.headers.get("content-type", "application/json"))
+
+
+def stored_response_path(response_id: str, suffix: str = "") -> str:
+    return f"/v1/responses/{quote(response_id, safe='')}{suffix}"
+
+
 class StoredResponses:
+    """Response ids and the replica that stored each, learnt from answers and looked up by asking."""
+
     def __init__(self, pool: ReplicaPool, client: httpx.AsyncClient, capacity: int = REMEMBERED) -> None:
         self._pool = pool
         self._client = client
@@ -40,27 +53,33 @@ class StoredResponses:
 
     async def holder(self, response_id: str, headers: dict[str, str]) -> Replica | Response | None:
         """The replica that stored ``response_id``; a replica's refusal of the client's key (``headers``), passed
-        back as it is; or None where no healthy replica holds it. NoHealthyReplica where the replica known to
-        hold it is out of the pool (until its health check passes)."""
+        back as it is; or None where every replica says it holds none. NoHealthyReplica where one that may
+        hold it cannot say so now (out of the pool, unreachable, failing)."""
         known = self._holders.get(response_id)
-        if known is not None:
-            replica = next((r for r in self._pool.replicas if r.url == known), None)
-            if replica is not None and replica.healthy:
-                self._holders.move_to_end(response_id)
-                return replica
-            if replica is not None:
-                raise NoHealthyReplica(f"the replica that stored response '{response_id}' ({known}) is not "
-                                       "available; retry later")
-        for replica in sorted(self._pool.healthy(), key=lambda r: r.load):
-            try:
-                upstream = await self._client.get(f"{replica.url}/v1/responses/{quote(response_id, safe='')}",
-                                                  headers=headers, timeout=5.0)
-            except httpx.HTTPError:
-                continue
-            if upstream.status_code == 200:
+        replica = next((r for r in self._pool.replicas if r.url == known), None) if known is not None else None
+        if replica is not None and replica.healthy:
+            self._holders.move_to_end(response_id)
+            return replica
+        if replica is not None:  # its replica restarted or died: no other one has it
+            raise NoHealthyReplica(f"the replica that stored response '{response_id}' is not available; retry later")
+        candidates = self._pool.healthy()
+        answers = await asyncio.gather(*(self._ask(r, response_id, headers) for r in candidates))
+        for replica, upstream in zip(candidates, answers, strict=True):
+            if upstream is not None and upstream.status_code == 200:
                 self.record(response_id, replica.url)
                 return replica
-            if upstream.status_code in (401, 403):
-                return Response(upstream.content, status_code=upstream.status_code,
-                                media_type=upstream.headers.get("content-type", "application/json"))
+        for upstream in answers:
+            if upstream is not None and upstream.status_code in (401, 403):
+                return passed_back(upstream)
+        out_of_the_pool = len(candidates) < len(self._pool.replicas)
+        if out_of_the_pool or any(upstream is None or upstream.status_code >= 500 for upstream in answers):
+            raise NoHealthyReplica(f"not every replica could say whether it holds response '{response_id}'; retry "
+                                   "later")
         return None
+
+    async def _ask(self, replica: Replica, response_id: str, headers: dict[str, str]) -> httpx.Response | None:
+        try:
+            return await self._client.get(replica.url + stored_response_path(response_id), headers=headers,
+                                          timeout=5.0)
+        except httpx.HTTPError:
+            return None

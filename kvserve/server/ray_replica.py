@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -40,7 +41,9 @@ class KVServeReplica:
         # Co-located replicas each take a disk tier directory of their own, by rank: a replacement replica
         # takes the rank it replaces, and with it the entries that replica wrote.
         args = parser.parse_args(disk_dir_of_replica(serve_args, _replica_rank()))
-        server_config = server_config_from_args(args)
+        # No response is stored (answered store: false): the ingress does not send a follow-up to the replica
+        # that would hold the response it continues.
+        server_config = replace(server_config_from_args(args), response_store_mib=0)
         self._engine, self._async_engine, self._app = build_server(engine_config_from_args(args), server_config)
         # The replica's own calls (describe) carry the key the app requires of every /v1 caller.
         self._own_headers = {"authorization": f"Bearer {server_config.api_key}"} if server_config.api_key else {}

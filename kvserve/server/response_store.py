@@ -1,8 +1,8 @@
 """Responses kept for the Responses API's ``previous_response_id`` and ``GET`` / ``DELETE /v1/responses/{id}``.
 
-They live in the server process's memory, within a byte budget (``--response-store-mib``): past it the least
-recently used response is dropped, and a follow-up naming it is a 400 ``previous_response_not_found`` (as
-OpenAI answers an id it does not hold). A server that restarts holds none.
+They live in the server process's memory, within a budget (``--response-store-mib``) measured as their JSON:
+past it the least recently used response is dropped, and a follow-up naming it is a 400
+``previous_response_not_found`` (as OpenAI answers an id it does not hold). A server that restarts holds none.
 """
 
 from __future__ import annotations
@@ -21,20 +21,19 @@ class StoredResponse:
     response: dict[str, Any]
     input_items: tuple[dict[str, Any], ...]
     context: tuple[dict[str, Any], ...]
-    context_nbytes: int  # the context's items as JSON: a chain's earlier turns counted again in each response
-
-    @property
-    def nbytes(self) -> int:
-        return self.context_nbytes + _json_size(self.response)
+    shell_nbytes: int  # the response object without its output items (counted with the context's items)
 
 
 class ResponseStore:
     """Stored responses by id, the least recently used dropped once their size passes ``max_bytes`` (0: none
-    is kept). Used from the server's event loop only."""
+    is kept). A chain's responses share the items of its earlier turns (a follow-up's context holds the same
+    objects), so each item counts once, for as long as a stored response holds it: a long conversation costs
+    its own size, not that size again for every turn. Used from the server's event loop only."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._holders: dict[int, list[int]] = {}  # id() of an item held -> [stored responses holding it, bytes]
         self._nbytes = 0
 
     @property
@@ -55,23 +54,29 @@ class ResponseStore:
         return entry
 
     def put(self, response: dict[str, Any], input_items: tuple[dict[str, Any], ...],
-            previous: StoredResponse | None) -> StoredResponse:
-        """Keep ``response`` (answered to a request with ``input_items``, following ``previous``); older ones
-        are dropped while the store is over its budget. One larger than the whole budget is not kept (and
-        drops none)."""
-        earlier = previous.context if previous is not None else ()
+            previous: StoredResponse | None) -> bool:
+        """Keep ``response`` (answered to a request with ``input_items``, following ``previous``), dropping the
+        least recently used while the store is over its budget; False where it alone is over the budget (it is
+        not kept, and drops none)."""
         output = tuple(item for item in response.get("output") or [] if isinstance(item, dict))
-        own = input_items + output
-        entry = StoredResponse(response, input_items, earlier + own,
-                               (previous.context_nbytes if previous is not None else 0) + sum(map(_json_size, own)))
+        shell = {key: value for key, value in response.items() if key != "output"}
+        entry = StoredResponse(response, input_items, (*(previous.context if previous else ()), *input_items, *output),
+                               _json_size(shell))
         self._drop(response["id"])
-        if entry.nbytes > self.max_bytes:
-            return entry
+        sizes = [held[1] if (held := self._holders.get(id(item))) else _json_size(item) for item in entry.context]
+        if entry.shell_nbytes + sum(sizes) > self.max_bytes:
+            return False
         self._entries[response["id"]] = entry
-        self._nbytes += entry.nbytes
-        while self._nbytes > self.max_bytes and self._entries:
+        self._nbytes += entry.shell_nbytes
+        for item, size in zip(entry.context, sizes, strict=True):
+            held = self._holders.get(id(item))
+            if held is None:
+                held = self._holders[id(item)] = [0, size]
+                self._nbytes += size
+            held[0] += 1
+        while self._nbytes > self.max_bytes and len(self._entries) > 1:  # the new one fits alone
             self._drop(next(iter(self._entries)))
-        return entry
+        return True
 
     def delete(self, response_id: str) -> bool:
         return self._drop(response_id)
@@ -80,7 +85,13 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False
-        self._nbytes -= entry.nbytes
+        self._nbytes -= entry.shell_nbytes
+        for item in entry.context:
+            held = self._holders[id(item)]
+            held[0] -= 1
+            if held[0] == 0:
+                del self._holders[id(item)]
+                self._nbytes -= held[1]
         return True
 
 

@@ -53,7 +53,7 @@ class ResponsesRequest(p.StrictTextModel):
     include: list[str] | None = None
     previous_response_id: str | None = None
     truncation: str | None = None
-    store: bool = True
+    store: bool | None = None  # None: true, as OpenAI has it
     metadata: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # no model served here reasons apart from its answer
 
@@ -122,13 +122,16 @@ class ResponsesRequest(p.StrictTextModel):
 
 def _listed(item: dict[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
-    listed = {"id": f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}", **item, "type": kind}
+    listed = {**item, "type": kind, "id": item.get("id") or f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}",
+              "status": item.get("status") or "completed"}
     if kind == "message":
-        listed.setdefault("status", "completed")
-        if isinstance(item.get("content"), str):
+        content = item.get("content")
+        if isinstance(content, str):
             assistant = item.get("role") == "assistant"
-            listed["content"] = [_text_part(item["content"], None) if assistant
-                                 else {"type": "input_text", "text": item["content"]}]
+            listed["content"] = [_text_part(content, None) if assistant else {"type": "input_text", "text": content}]
+        else:  # output text parts carry their annotations and logprobs, as OpenAI lists them
+            listed["content"] = [{"annotations": [], "logprobs": [], **part} if part.get("type") == "output_text"
+                                 else part for part in content]
     return listed
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.errors import InvalidRequest, ResponseNotFound
+from kvserve.errors import InvalidRequest, PreviousResponseNotFound, ResponseNotFound
 from kvserve.server import protocol as p
 from kvserve.server.response_store import ResponseStore, StoredResponse
 from kvserve.server.responses_api import (
@@ -34,15 +34,14 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, store: ResponseSto
         previous = None
         if body.previous_response_id is not None:
             previous = store.get(body.previous_response_id)
-            if previous is None:  # as OpenAI answers it
-                raise InvalidRequest(f"Previous response with id '{body.previous_response_id}' not found.",
-                                     param="previous_response_id", code="previous_response_not_found")
+            if previous is None:
+                raise PreviousResponseNotFound(body.previous_response_id)
         try:
             chat = body.chat_request(previous.context if previous is not None else ())
             answer = await chat_route(chat, http)
         except InvalidRequest as exc:
             raise in_responses_terms(exc) from None
-        keep = body.store and store.enabled
+        keep = body.store is not False and store.enabled
         shape = ResponseShape(body, body.model or model_name, stored=keep)
         input_items = body.input_items() if keep else ()
 
@@ -68,7 +67,10 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, store: ResponseSto
         return entry
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str) -> Response:
+    async def retrieve(response_id: str, stream: bool = False) -> Response:
+        if stream:  # the events of a response still running in the background: none here
+            raise InvalidRequest("stream: responses are not run in the background here; retrieve it whole",
+                                 param="stream")
         return JSONResponse(find(response_id).response)
 
     @app.delete("/v1/responses/{response_id}")

@@ -356,5 +356,14 @@ def test_follow_ups_and_stored_responses_reach_the_replica_that_stored_them(repl
         assert httpx.get(f"{url}/{response_id}", timeout=10).status_code == 404
         gone = httpx.post(url, json={"input": "more", "previous_response_id": response_id}, timeout=10)
         assert gone.status_code == 400 and gone.json()["error"]["param"] == "previous_response_id"
+        # A replica out of the pool may hold what is asked for: "retry later", not "not found".
+        kept = next(i for i in holders if i != response_id)
+        holder = next(r for r in replicas if r.name == holders[kept])
+        holder.healthy = False
+        wait_until(lambda: router_metric(fresh.base_url, "replica_healthy", f'replica="{holder.url}"') == 0)
+        for asked in (kept, "resp_nowhere"):
+            follow_up = httpx.post(url, json={"input": "more", "previous_response_id": asked}, timeout=10)
+            assert follow_up.status_code == 503 and follow_up.headers["retry-after"], follow_up.text
+        assert httpx.get(f"{url}/{kept}", timeout=10).status_code == 503
     finally:
         fresh.stop()

@@ -225,6 +225,29 @@ class ModelReplica(FakeReplica):
                                  "data": [{"object": "embedding", "index": i, "embedding": v}
                                           for i, v in enumerate(vectors)]})
 
+        @app.post("/v1/responses")
+        async def respond(http: Request) -> Response:
+            body = await http.json()
+            self.received.append({"route": http.url.path, **body})
+            if body.get("model") not in (None, self.model):  # as a kvserve server judges the name
+                return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
+                                               "param": "model", "code": "model_not_found"}}, status_code=404)
+            if body.get("previous_response_id") not in (None, *self.stored):
+                return JSONResponse({"error": {"message": "not found", "type": "invalid_request_error",
+                                               "param": "previous_response_id",
+                                               "code": "previous_response_not_found"}}, status_code=400)
+            answer = {"id": f"resp_{self.model}_{len(self.received)}", "object": "response", "model": self.model,
+                      "status": "completed", "store": True, "usage": None,
+                      "output": [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                                  "content": [{"type": "output_text", "text": self.model, "annotations": []}]}]}
+            self.stored[answer["id"]] = answer
+            return JSONResponse(answer)
+
+        @app.get("/v1/responses/{response_id}")
+        async def stored(response_id: str) -> Response:
+            return JSONResponse(self.stored[response_id]) if response_id in self.stored else JSONResponse(
+                {"error": {"message": "no such response", "type": "invalid_request_error"}}, status_code=404)
+
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
         async def generate(http: Request) -> Response:
@@ -303,6 +326,23 @@ def test_length_policy_routes_auto_and_explicit_names_go_straight(models) -> Non
         metrics = httpx.get(f"{url}/metrics").text
         assert f'kvserve_router:model_choices_total{{model="{LARGE}",policy="length",reason="long_prompt"}} 1.0' \
             in metrics
+
+
+def test_a_follow_up_of_the_auto_model_goes_to_the_model_that_answered_before(models) -> None:
+    """``auto`` picks a model per request, but a stored response lives on the replica that answered it: the
+    follow-up goes there, as a request naming no model; one naming the other model is that replica's 404."""
+    small, large = models
+    with routed(models, model_policy="length", route_threshold=30) as (_, url):
+        first = httpx.post(f"{url}/v1/responses", json={"model": "auto", "input": "ab"}, timeout=10).json()
+        assert first["model"] == SMALL
+        long_follow_up = {"model": "auto", "input": "a much longer prompt, which alone would go to the large model",
+                          "previous_response_id": first["id"]}
+        follow_up = httpx.post(f"{url}/v1/responses", json=long_follow_up, timeout=10)
+        assert follow_up.status_code == 200 and follow_up.json()["model"] == SMALL
+        assert "model" not in small.received[-1] and not large.received
+        named = httpx.post(f"{url}/v1/responses", json={**long_follow_up, "model": LARGE}, timeout=10)
+        assert named.status_code == 404 and named.json()["error"]["code"] == "model_not_found"
+        assert not large.received
 
 
 def test_cascade_keeps_confident_answers_of_the_small_model(models) -> None:

@@ -1,5 +1,5 @@
 """The Responses API's store: the least recently used response dropped past the byte budget, a chain's context
-carried from response to response, its bytes counted."""
+carried from response to response, each item counted once however many responses of the chain hold it."""
 
 from __future__ import annotations
 
@@ -16,26 +16,40 @@ def _asked(text: str) -> tuple[dict, ...]:
     return ({"type": "message", "id": f"msg_{text}", "role": "user", "content": [{"type": "input_text", "text": text}]},)
 
 
-def test_a_chain_carries_every_earlier_turn() -> None:
+def test_a_chain_carries_every_earlier_turn_and_counts_each_once() -> None:
     store = ResponseStore(max_bytes=10**6)
-    first = store.put(_response("r1", "Hello"), _asked("hi"), None)
-    second = store.put(_response("r2", "Fine"), _asked("how are you"), first)
+    assert store.put(_response("r1", "Hello"), _asked("hi"), None)
+    after_one = store.nbytes
+    assert store.put(_response("r2", "Fine"), _asked("how are you"), store.get("r1"))
+    second = store.get("r2")
     assert [item["id"] for item in second.context] == ["msg_hi", "msg_r1", "msg_how are you", "msg_r2"]
     assert second.input_items == _asked("how are you")
-    assert second.context_nbytes > first.context_nbytes
-    assert store.nbytes == first.nbytes + second.nbytes
+    assert store.nbytes < 2 * after_one + 200  # the first turn's items not counted again
+    store.delete("r1")  # still held by the second's context: still counted
+    assert store.nbytes > after_one
+
+
+def test_a_long_conversation_costs_its_size_not_its_size_for_every_turn() -> None:
+    store = ResponseStore(max_bytes=10**6)
+    previous = None
+    for turn in range(300):
+        assert store.put(_response(f"r{turn}", "x" * 1000), _asked(f"q{turn}"), previous)
+        previous = store.get(f"r{turn}")
+    assert len(store) == 300 and store.nbytes < 600_000  # ~1.2 KB a turn, once
 
 
 def test_the_least_recently_used_go_first_and_nothing_is_kept_past_the_budget() -> None:
-    one = ResponseStore(max_bytes=10**6).put(_response("r1", "x" * 100), _asked("a"), None).nbytes
+    probe = ResponseStore(max_bytes=10**6)
+    probe.put(_response("r1", "x" * 100), _asked("a1"), None)
+    one = probe.nbytes
     store = ResponseStore(max_bytes=2 * one + one // 2)  # room for two
     for response_id in ("r1", "r2"):
-        store.put(_response(response_id, "x" * 100), _asked("a"), None)
+        store.put(_response(response_id, "x" * 100), _asked(f"a{response_id}"), None)
     assert store.get("r1") is not None  # now the most recently used
-    store.put(_response("r3", "x" * 100), _asked("a"), None)
+    store.put(_response("r3", "x" * 100), _asked("ar3"), None)
     assert store.get("r2") is None and store.get("r1") is not None and store.get("r3") is not None
-    store.put(_response("big", "x" * 10 * one), _asked("a"), None)  # larger than the whole budget
-    assert store.get("big") is None and store.nbytes <= store.max_bytes
+    assert not store.put(_response("big", "x" * 10 * one), _asked("a"), None)  # larger than the whole budget
+    assert store.get("big") is None and len(store) == 2 and store.nbytes <= store.max_bytes
     assert store.delete("r1") and not store.delete("r1")
     store.delete("r3")
     assert len(store) == 0 and store.nbytes == 0

@@ -8,6 +8,8 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseItem
+from pydantic import TypeAdapter
 
 from tests.server.conftest import chat
 
@@ -133,6 +135,17 @@ def test_stored_responses_list_their_input_items_and_are_deleted(client, model, 
     assert [(item.role, item.content[0].text) for item in listed.data] == [
         (turn["role"], turn["content"]) for turn in reversed(turns)]  # newest first, as OpenAI lists them
     assert all(item.id for item in listed.data) and len({item.id for item in listed.data}) == 3
+    # Every kind of item as the openai package's own types hold it (checked strictly, not as the client reads).
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    items = [{"role": "user", "content": "Weather?"}, call,
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]}]
+    with_calls = httpx.post(f"{base_url}/v1/responses", timeout=60, json={
+        "input": items, "tools": [WEATHER], "max_output_tokens": 2, "store": None}).json()
+    assert with_calls["store"] is True  # null: stored, as OpenAI's default
+    page = httpx.get(f"{base_url}/v1/responses/{with_calls['id']}/input_items?order=asc", timeout=30).json()
+    assert [item.type for item in TypeAdapter(list[ResponseItem]).validate_python(page["data"])] == [
+        "message", "function_call", "function_call_output", "message"]
     page = client.responses.input_items.list(response.id, order="asc", limit=2)
     assert [item.content[0].text for item in page.data] == ["Hi", "Hello!"] and page.has_more
     rest = client.responses.input_items.list(response.id, order="asc", limit=2, after=page.data[-1].id)
