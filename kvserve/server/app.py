@@ -69,8 +69,8 @@ class AppState:
         self.max_model_len = max_model_len
         self.model_root = model_root
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
-        self.responses = ResponseBuilder(tokenizer, self.metrics)
-        self.response_store = ResponseStore(config.response_store_mib * 2**20)  # the Responses API's stored ones
+        self.bodies = ResponseBuilder(tokenizer, self.metrics)
+        self.response_store = ResponseStore(config.response_store_mib * 2**20)  # for previous_response_id
         self.runs: set[RequestRun] = set()
         self.recent = RecentRequests(compute=compute)  # what the dashboard lists and draws
         self.draining = False
@@ -183,7 +183,7 @@ class AppState:
         want_timings = body.return_timings or http.headers.get("x-kvserve-timings", "").lower() in ("1", "true")
         head = {"id": request_id, "created": int(time.time()), "model": body.model or self.model_name}
         if body.stream:
-            stream = self.responses.stream(run, body, chat, head, want_timings, tool_format)
+            stream = self.bodies.stream(run, body, chat, head, want_timings, tool_format)
             return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(run.close),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -192,7 +192,7 @@ class AppState:
             return Response(status_code=499)
         finally:
             run.close()
-        response = self.responses.full_response(run, body, chat, head, tool_format)
+        response = self.bodies.full_response(run, body, chat, head, tool_format)
         if want_timings:
             response.timings = run.timings()
         return Response(response.to_json(), media_type="application/json")
