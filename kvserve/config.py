@@ -198,8 +198,8 @@ class SchedulerConfig:
     # lpm by default: lower TTFT and higher throughput than fcfs on the agentic workload, same hit rate
     # (benchmarks/prefix_cache.py).
     policy: SchedulingPolicy = setting("lpm", "fcfs: arrival order; lpm: longest cached prefix first; priority: "
-                                              "the lowest request priority first, then arrival order (vLLM's), "
-                                              "and the highest preempted first",
+                                              "the requests' own priorities (vLLM's): the lowest value first, then "
+                                              "arrival order, and the highest value (least urgent) preempted first",
                                        flag="--scheduling-policy", keyword="scheduling_policy")
     lpm_max_skips: int = setting(8, "lpm only: a waiting request passed over this many times is served next "
                                     "regardless of its cached prefix")

@@ -490,7 +490,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """``priority``: one per prompt (vLLM's ``LLM.generate`` argument), under the priority scheduling policy;
+        the same as each prompt's ``SamplingParams.priority``."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -500,6 +503,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise InvalidRequest("need one SamplingParams per prompt, or a single one", "sampling_params")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise InvalidRequest("need one priority per prompt", "priority")
+            params_list = [replace(params, priority=p) for params, p in zip(params_list, priority, strict=True)]
 
         batch = next(self._batch_ids)
         groups: list[list[str]] = []

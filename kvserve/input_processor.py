@@ -93,8 +93,9 @@ class InputProcessor:
         """``params`` checked against this model (token ids within its vocabulary) with what needs its tokenizer
         filled in (the bad words' tokens). Idempotent: the parameters it returns come back unchanged."""
         if params.priority != 0 and not self.priority_scheduling:  # it would be ignored
-            raise InvalidSamplingParams("priority: requests are ordered by a priority of theirs only under "
-                                        "--scheduling-policy priority; send 0 or none", param="priority")
+            raise InvalidSamplingParams("priority: requests are ordered by a priority of theirs only under the "
+                                        "priority scheduling policy (--scheduling-policy priority, or "
+                                        "scheduling_policy='priority'); leave it out", param="priority")
         vocab = self.vocab_size
         for param, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
                            ("allowed_token_ids", params.allowed_token_ids or ())):

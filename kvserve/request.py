@@ -381,7 +381,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "status", "all_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "block_ids", "group_block_ids", "num_cached_tokens", "block_hashes",
-        "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "priority_skips",
+        "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "lpm_skips",
         "prompt", "cache_handle", "arrival_order", "output_logprobs", "prompt_logprobs", "prompt_token_ranks",
         "draft_token_ids", "grammar", "hidden_state",
     )
@@ -421,7 +421,7 @@ class Request:
         self.stop_reason: int | str | None = None
         # prompt + max output, capped by the model's context length
         self.max_total_tokens = max_total_tokens
-        self.priority_skips = 0
+        self.lpm_skips = 0
         self.cache_handle: object | None = None  # owned by the KV manager (locked radix node)
         self.arrival_order = arrival_order
         self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None

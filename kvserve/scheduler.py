@@ -2,13 +2,14 @@
 
 The rule (vLLM v1's): a request has ``num_computed_tokens`` and a target ``num_tokens`` (prompt plus
 what it generated). Each step hands out tokens under one budget, ``max_num_batched_tokens``: running
-requests first, oldest first, then waiting ones. A prefill, a chunk of a long prompt, a prefix-cache
+requests first, oldest first (under the priority policy, most urgent first), then waiting ones. A prefill, a chunk of a long prompt, a prefix-cache
 hit (computed tokens start at the cached length) and a decode step are all the same rule. A decode may
 carry speculative drafts: they get what the budget and the free blocks have left once every running and
 admitted request has its tokens, and only the accepted ones count as computed.
 
-When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
-the front of the waiting queue to be recomputed, so the oldest request always makes progress.
+When blocks run out, the newest running request (under the priority policy, the least urgent) is preempted:
+its blocks are freed and it goes back to the front of the waiting queue (to its place by urgency) to be
+recomputed, so the oldest (most urgent) request always makes progress.
 
 A step is ``schedule()`` -> the runner -> ``update(out, result)``, which appends the sampled tokens and says
 how each request would end (EOS, stop tokens, length); the output processor may replace that with a stop
@@ -17,6 +18,7 @@ string's decision, and ``finish_requests`` applies the final ones: every request
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -30,6 +32,11 @@ from kvserve.kv_layout import NULL_PAGE
 from kvserve.request import Finish, FinishReason, Request, RequestStatus, StepUpdate
 
 logger = logging.getLogger(__name__)
+
+
+def _urgency(request: Request) -> tuple[int, int]:
+    """The priority policy's order: the lowest priority value first, then the earliest arrival (vLLM's)."""
+    return request.sampling_params.priority, request.arrival_order
 
 
 class Scheduler:
@@ -55,7 +62,17 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, at_front=False)
+
+    def _enqueue(self, request: Request, at_front: bool) -> None:
+        """Into the waiting queue: under the priority policy at its place by urgency (the queue is kept in that
+        order, so choosing the next one reads only its head), else at the back, or at the front (preempted)."""
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, request, key=_urgency)
+        elif at_front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     @property
     def num_waiting(self) -> int:
@@ -178,17 +195,15 @@ class Scheduler:
 
     def _next_waiting(self, skip: set[str]) -> Request | None:
         """FCFS: the head of the queue. LPM: the longest cached prefix, unless a request has waited too long.
-        Priority: the most urgent (``_urgency``). Requests in ``skip`` (their prefix is still being fetched) wait; the ones behind them go ahead."""
-        if self.config.policy == "priority":
-            return min((r for r in self.waiting if r.request_id not in skip), key=_urgency, default=None)
+        Priority: the head too (the queue is kept by urgency). Requests in ``skip`` (their prefix is still being fetched) wait; the ones behind them go ahead."""
         candidates = list(itertools.islice((r for r in self.waiting if r.request_id not in skip),
                                            self.config.lpm_window))
         if not candidates:
             return None
-        if self.config.policy == "fcfs" or len(candidates) == 1:
+        if self.config.policy != "lpm" or len(candidates) == 1:
             return candidates[0]
         for request in candidates:
-            if request.priority_skips >= self.config.lpm_max_skips or request.status is RequestStatus.PREEMPTED:
+            if request.lpm_skips >= self.config.lpm_max_skips or request.status is RequestStatus.PREEMPTED:
                 chosen = request
                 break
         else:
@@ -196,11 +211,11 @@ class Scheduler:
         for request in candidates:
             if request is chosen:
                 break
-            request.priority_skips += 1  # passed over by a later arrival
+            request.lpm_skips += 1  # passed over by a later arrival
         return chosen
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Give scheduled decodes their drafts, oldest first, within the leftover budget, max_total_tokens and
+        """Give scheduled decodes their drafts, in the running order, within the leftover budget, max_total_tokens and
         the free blocks: drafts never take a block or a token another request needs, nor evict cached KV."""
         for scheduled in out.scheduled:
             request = self.requests[scheduled.request_id]
@@ -252,7 +267,7 @@ class Scheduler:
         request.metrics.preemption_times.append(self.clock())
         self.num_preemptions += 1
         request.draft_token_ids = []
-        self.waiting.appendleft(request)
+        self._enqueue(request, at_front=True)
         self._drop_from_runner(request.request_id)
 
     # --- results --------------------------------------------------------------------------------------------
@@ -357,8 +372,3 @@ class Scheduler:
 
 
 __all__ = ["Scheduler", "EMPTY_HIT", "PrefixHit"]
-
-
-def _urgency(request: Request) -> tuple[int, int]:
-    """The priority policy's order: the lowest priority value first, then the earliest arrival (vLLM's)."""
-    return request.sampling_params.priority, request.arrival_order

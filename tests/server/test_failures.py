@@ -98,6 +98,7 @@ BAD_VALUES = [
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"priority": 1}, "priority"),  # ordered by it only under --scheduling-policy priority
+    ("completions", {"priority": -1}, "priority"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),  # the model's template renders every request
     ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
