@@ -47,6 +47,7 @@ class FakeReplica:
         self.num_chunks = num_chunks
         self.received: list[dict] = []
         self.stored: dict[str, dict] = {}  # its Responses API responses by id
+        self.looked_up = 0  # GET / DELETE /v1/responses/{id} calls
         self.abandoned = 0  # streams whose client left before the end
         self.reported_running = 0  # what its /metrics says is running
         self.api_key: str | None = None  # required on /v1/models when set
@@ -106,13 +107,14 @@ class FakeReplica:
             usage = {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 1}, "output_tokens": 2,
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 5}
             answer = {"id": f"resp_{self.name}_{len(self.received)}", "object": "response", "status": "completed",
-                      "model": MODEL, "usage": usage,
+                      "model": MODEL, "usage": usage, "store": body.get("store") is not False,
                       "output": [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
                                   "content": [{"type": "output_text", "text": self.name, "annotations": []}]}]}
             self.stored[answer["id"]] = answer
             if not body.get("stream"):
                 return JSONResponse(answer)
-            events = [{"type": "response.output_text.delta", "delta": self.name},
+            events = [{"type": "response.created", "response": {**answer, "status": "in_progress", "output": []}},
+                      {"type": "response.output_text.delta", "delta": self.name},
                       {"type": "response.completed", "response": answer}]
             return StreamingResponse(iter([f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]),
                                      media_type="text/event-stream")
@@ -120,6 +122,7 @@ class FakeReplica:
         @app.get("/v1/responses/{response_id}")
         @app.delete("/v1/responses/{response_id}")
         async def stored(response_id: str, http: Request) -> Response:
+            self.looked_up += 1
             if response_id not in self.stored:
                 return JSONResponse({"error": {"message": "no such response", "type": "invalid_request_error"}},
                                     status_code=404)
