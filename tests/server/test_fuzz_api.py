@@ -32,9 +32,11 @@ from tests.support.tiny_models import make_tiny_model  # noqa: E402
 MODEL_NAME = "tiny"
 FUZZ_EXAMPLES = 20
 HEAVY_EXAMPLES = 1000
-OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
-              ("POST", "/detokenize"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("GET", "/metrics")]
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+              ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+              ("GET", "/v1/responses/{response_id}/input_items"), ("GET", "/health"), ("GET", "/metrics")]
+RESPONSES_ENDS = ("response.completed", "response.incomplete", "response.failed")  # a Responses stream's last
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
 TIMEOUT_S = 60.0  # per request: a hang fails the test instead of stalling it
 
@@ -63,6 +65,9 @@ def check_answer(response: httpx.Response, body: object) -> None:
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("text/event-stream"):
         events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        if response.url.path.endswith("/responses"):  # typed events, no [DONE]
+            assert events and json.loads(events[-1])["type"] in RESPONSES_ENDS, response.text[-500:]
+            return
         assert events and events[-1] == "[DONE]", response.text[-500:]
         for event in events[:-1]:
             chunk = json.loads(event)
@@ -115,8 +120,11 @@ def make_usable(case, served: bool, prompt: object, messages: list[dict[str, str
     if isinstance(case.body, dict):
         if served:
             case.body["model"] = MODEL_NAME
-        case.body["prompt" if "prompt" in case.body else "messages"] = (
-            prompt if "prompt" in case.body else messages)
+        if "input" in case.body:  # the Responses API: a text, or messages as input items
+            case.body["input"] = prompt if isinstance(prompt, str) else messages
+        else:
+            case.body["prompt" if "prompt" in case.body else "messages"] = (
+                prompt if "prompt" in case.body else messages)
     return case
 
 
@@ -133,7 +141,7 @@ def wait_idle(server: BackgroundServer, timeout_s: float = 30.0) -> None:
 def run_fuzz(server: BackgroundServer, num_examples: int) -> Counter[int]:
     counts: Counter[int] = Counter()
     for method, path in OPERATIONS:
-        # The GET routes take no parameters: nothing there can break the schema.
+        # The other routes take a path's id at most: nothing there can break the schema.
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if method == "POST" else (GenerationMode.POSITIVE,)
         # The tokenizer routes run no model and share the generation routes' validation: fewer bodies.
         examples = num_examples // 4 if path in TOKENIZER_ROUTES else num_examples
@@ -149,7 +157,7 @@ def run_fuzz(server: BackgroundServer, num_examples: int) -> Counter[int]:
 
 def test_fuzzed_bodies_get_a_valid_answer_or_an_openai_error(fuzz_server: BackgroundServer) -> None:
     counts = run_fuzz(fuzz_server, FUZZ_EXAMPLES)
-    assert sum(counts.values()) >= FUZZ_EXAMPLES * 4  # two POST routes, each valid and invalid bodies
+    assert sum(counts.values()) >= FUZZ_EXAMPLES * 6  # three POST routes, each valid and invalid bodies
     assert any(200 <= status < 300 for status in counts) and any(400 <= s < 500 for s in counts), counts
 
 
