@@ -86,40 +86,35 @@ def wants_stream_usage(payload: dict[str, Any]) -> bool:
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
-def usage_event(line: bytes) -> dict[str, Any] | None:
-    """The event of one event-stream line, if it is a chunk that carries a ``usage`` object."""
-    if not (line.startswith(b"data: {") and b'"usage"' in line):
+def _data_event(line: bytes, *markers: bytes) -> dict[str, Any] | None:
+    """The JSON object of an event-stream ``data:`` line holding every one of ``markers`` (checked before the
+    line is parsed: most lines of a stream are text deltas that hold none)."""
+    if not (line.startswith(b"data: {") and all(marker in line for marker in markers)):
         return None
     try:
         event = json.loads(line[len(b"data: "):])
     except ValueError:
         return None
-    return event if isinstance(event, dict) and isinstance(event.get("usage"), dict) else None
+    return event if isinstance(event, dict) else None
+
+
+def usage_event(line: bytes) -> dict[str, Any] | None:
+    """The event of one event-stream line, if it is a chunk that carries a ``usage`` object."""
+    event = _data_event(line, b'"usage"')
+    return event if event is not None and isinstance(event.get("usage"), dict) else None
 
 
 def response_usage_event(line: bytes) -> dict[str, Any] | None:
     """A Responses API stream's final event (``response.completed`` and the like), as a chunk carrying its
     response's ``usage``."""
-    if not (line.startswith(b"data: {") and b'"usage"' in line and b'"response.' in line):
-        return None
-    try:
-        event = json.loads(line[len(b"data: "):])
-    except ValueError:
-        return None
-    response = event.get("response") if isinstance(event, dict) else None
+    response = (_data_event(line, b'"usage"', b'"response.') or {}).get("response")
     usage = response.get("usage") if isinstance(response, dict) else None
     return {"usage": usage} if isinstance(usage, dict) else None
 
 
 def stored_response_created(line: bytes) -> str | None:
     """The response id of a Responses API stream's ``response.created`` event, where the response is stored."""
-    if not (line.startswith(b"data: {") and b'"response.created"' in line):
-        return None
-    try:
-        event = json.loads(line[len(b"data: "):])
-    except ValueError:
-        return None
-    response = event.get("response") if isinstance(event, dict) else None
+    response = (_data_event(line, b'"response.created"') or {}).get("response")
     if not isinstance(response, dict) or response.get("store") is not True or not isinstance(response.get("id"), str):
         return None
     return response["id"]

@@ -4,18 +4,15 @@ scheduling policy (the OpenAI app called in-process over a tiny model); the othe
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine import Engine
-from kvserve.server.in_process import call_app
 from kvserve.server.serving import build_server
 from kvserve.serving_config import ServerConfig
+from tests.support.app_calls import post
 from tests.support.tiny_models import make_tiny_model
 
 
@@ -29,14 +26,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     yield app
     async_engine.shutdown()
     engine.close()
-
-
-def post(app: object, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async def call() -> tuple[int, Any]:
-        answer = call_app(app, "POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
-        status, _ = await answer.__anext__()
-        return status, json.loads(b"".join([chunk async for chunk in answer]))
-    return asyncio.run(call())
 
 
 @pytest.mark.parametrize(("path", "body"), [

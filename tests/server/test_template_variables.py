@@ -4,7 +4,6 @@ whose template uses them)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +11,9 @@ from typing import Any
 import pytest
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvserve.server.in_process import call_app
 from kvserve.server.serving import build_server
 from kvserve.serving_config import ServerConfig
+from tests.support.app_calls import post
 from tests.support.tiny_models import make_tiny_model
 
 TEMPLATE = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}"
@@ -34,14 +33,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     yield app
     async_engine.shutdown()
     engine.close()
-
-
-def post(app: object, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async def call() -> tuple[int, Any]:
-        answer = call_app(app, "POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
-        status, _ = await answer.__anext__()
-        return status, json.loads(b"".join([chunk async for chunk in answer]))
-    return asyncio.run(call())
 
 
 def rendered(app: object, **fields: Any) -> str:
