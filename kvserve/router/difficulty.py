@@ -76,7 +76,7 @@ class DifficultyRouter:
             tokens = await gateway.tokens(path, chosen, body_bytes)
         response = await gateway.dispatch(model, path, json.dumps(chosen).encode(), tokens,
                                           bool(payload.get("stream")), http, cache_salt_of(payload))
-        return self._named(response, model, choice.reason)
+        return self.named(response, model, choice.reason)
 
     async def _cascade(self, path: str, payload: dict[str, Any], tokens: tuple[int, ...], body_bytes: int,
                        http: Request) -> Response:
@@ -85,7 +85,7 @@ class DifficultyRouter:
                                        tokens, False, http, cache_salt_of(payload))
         answer = _answer(first)
         if first.status_code != 200 or answer is None:
-            return self._named(first, self.small, "cascade_error")  # the large model would refuse it too
+            return self.named(first, self.small, "cascade_error")  # the large model would refuse it too
         score = confidence(answer.get("choices") or [], self.signal)
         if self.policy.accepts(score):
             shown = as_client_asked(answer, payload, path)
@@ -95,7 +95,7 @@ class DifficultyRouter:
                                                        headers={"Cache-Control": "no-cache"})
             else:
                 response = JSONResponse(shown)
-            return self._named(response, self.small, "confident")
+            return self.named(response, self.small, "confident")
         large_payload = {**payload, "model": self.large}
         large_tokens = await gateway.tokens(path, large_payload, body_bytes)
         second = await gateway.dispatch(self.large, path, json.dumps(large_payload).encode(), large_tokens,
@@ -106,7 +106,7 @@ class DifficultyRouter:
         elif (large_answer := _answer(second)) is not None and second.status_code == 200:
             large_answer["usage"] = combined_usage(small_usage, large_answer.get("usage"), self.small, self.large)
             second = JSONResponse(large_answer)
-        return self._named(second, self.large, "escalated")
+        return self.named(second, self.large, "escalated")
 
     async def _hidden_state(self, tokens: tuple[int, ...], http: Request,
                             cache_salt: str | None) -> tuple[float, ...] | None:
@@ -124,7 +124,8 @@ class DifficultyRouter:
             return None
         return tuple(answer["data"][0]["embedding"])
 
-    def _named(self, response: Response, model: str, reason: str) -> Response:
+    def named(self, response: Response, model: str, reason: str) -> Response:
+        """The answer, its model and route in headers and counted."""
         response.headers["x-kvserve-model"] = model
         response.headers["x-kvserve-route"] = f"{self.policy.name}:{reason}"
         self.gateway.metrics.model_choices.labels(policy=self.policy.name, model=model, reason=reason).inc()

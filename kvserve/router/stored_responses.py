@@ -55,6 +55,10 @@ class StoredResponses:
         """The replica that stored ``response_id``; a replica's refusal of the client's key (``headers``), passed
         back as it is; or None where every replica says it holds none. NoHealthyReplica where one that may
         hold it cannot say so now (out of the pool, unreachable, failing)."""
+        try:
+            response_id.encode()
+        except UnicodeEncodeError:  # a lone surrogate: no response id, and no URL can name it
+            return None
         known = self._holders.get(response_id)
         replica = next((r for r in self._pool.replicas if r.url == known), None) if known is not None else None
         if replica is not None and replica.healthy:
@@ -65,14 +69,14 @@ class StoredResponses:
         candidates = self._pool.healthy()
         answers = await asyncio.gather(*(self._ask(r, response_id, headers) for r in candidates))
         for replica, upstream in zip(candidates, answers, strict=True):
-            if upstream is not None and upstream.status_code == 200:
+            if upstream is not None and upstream.status_code == 200 and _answer_id(upstream) == response_id:
                 self.record(response_id, replica.url)
                 return replica
         for upstream in answers:
             if upstream is not None and upstream.status_code in (401, 403):
                 return passed_back(upstream)
         out_of_the_pool = len(candidates) < len(self._pool.replicas)
-        if out_of_the_pool or any(upstream is None or upstream.status_code >= 500 for upstream in answers):
+        if out_of_the_pool or any(upstream is None or upstream.status_code != 404 for upstream in answers):
             raise NoHealthyReplica(f"not every replica could say whether it holds response '{response_id}'; retry "
                                    "later")
         return None
@@ -83,3 +87,12 @@ class StoredResponses:
                                           timeout=5.0)
         except httpx.HTTPError:
             return None
+
+
+def _answer_id(upstream: httpx.Response) -> object:
+    """The ``id`` of a JSON answer (a stored response's), or None: a 200 that is not one says nothing."""
+    try:
+        answer = upstream.json()
+    except ValueError:
+        return None
+    return answer.get("id") if isinstance(answer, dict) else None

@@ -14,21 +14,43 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
+class Turn:
+    """One request's input items and its response's output items, after the turns it continued: a chain of
+    responses shares its earlier turns instead of each holding a copy of them."""
+
+    items: tuple[dict[str, Any], ...]
+    earlier: Turn | None
+
+    def context(self) -> list[dict[str, Any]]:
+        """Every turn's items, the first turn's first."""
+        turns: list[Turn] = []
+        turn: Turn | None = self
+        while turn is not None:
+            turns.append(turn)
+            turn = turn.earlier
+        return [item for turn in reversed(turns) for item in turn.items]
+
+
+@dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """A response as it was answered, the input items its request sent (each with an id), and the items a
-    follow-up continues from: the earlier turns' items, this request's input, this response's output."""
+    """A response as it was answered, the input items its request sent (each with an id), and its turn: the
+    items a follow-up continues from are its chain's (``context``)."""
 
     response: dict[str, Any]
     input_items: tuple[dict[str, Any], ...]
-    context: tuple[dict[str, Any], ...]
-    shell_nbytes: int  # the response object without its output items (counted with the context's items)
+    turn: Turn
+    shell_nbytes: int  # the response object without its output items (counted with the turn's items)
+
+    @property
+    def context(self) -> list[dict[str, Any]]:
+        return self.turn.context()
 
 
 class ResponseStore:
     """Stored responses by id, the least recently used dropped once their size passes ``max_bytes`` (0: none
-    is kept). A chain's responses share the items of its earlier turns (a follow-up's context holds the same
-    objects), so each item counts once, for as long as a stored response holds it: a long conversation costs
-    its own size, not that size again for every turn. Used from the server's event loop only."""
+    is kept). A chain's responses share the turns before them, so each item counts once, for as long as a
+    stored response's chain holds it: a long conversation costs its own size, not that size again for every
+    turn. Used from the server's event loop only."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -60,15 +82,16 @@ class ResponseStore:
         not kept, and drops none)."""
         output = tuple(item for item in response.get("output") or [] if isinstance(item, dict))
         shell = {key: value for key, value in response.items() if key != "output"}
-        entry = StoredResponse(response, input_items, (*(previous.context if previous else ()), *input_items, *output),
-                               _json_size(shell))
-        self._drop(response["id"])
-        sizes = [held[1] if (held := self._holders.get(id(item))) else _json_size(item) for item in entry.context]
+        turn = Turn((*input_items, *output), previous.turn if previous is not None else None)
+        entry = StoredResponse(response, input_items, turn, _json_size(shell))
+        context = entry.context
+        sizes = [held[1] if (held := self._holders.get(id(item))) else _json_size(item) for item in context]
         if entry.shell_nbytes + sum(sizes) > self.max_bytes:
             return False
+        self._drop(response["id"])
         self._entries[response["id"]] = entry
         self._nbytes += entry.shell_nbytes
-        for item, size in zip(entry.context, sizes, strict=True):
+        for item, size in zip(context, sizes, strict=True):
             held = self._holders.get(id(item))
             if held is None:
                 held = self._holders[id(item)] = [0, size]

@@ -111,18 +111,26 @@ class ResponsesRequest(p.StrictTextModel):
         return messages
 
     def input_items(self) -> tuple[dict[str, Any], ...]:
-        """The input items as a stored response lists them (OpenAI's ``input_items``): each with an id, a
-        message's text as content parts. Called on a request whose items ``chat_request`` has checked."""
-        return tuple(_listed(item) for item in self._items())
+        """The input items as a stored response lists them (OpenAI's ``input_items``): each with an id of its own
+        (the client's where it gave a string not given before: the listing pages by id), a message's text as
+        content parts. Called on a request whose items ``chat_request`` has checked."""
+        seen: set[str] = set()
+        listed = []
+        for item in self._items():
+            given = item.get("id")
+            unique = given if isinstance(given, str) and given and given not in seen else None
+            listed.append(_listed(item, unique))
+            seen.add(listed[-1]["id"])
+        return tuple(listed)
 
     def _items(self) -> list[Any]:
         return [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) \
             else self.input
 
 
-def _listed(item: dict[str, Any]) -> dict[str, Any]:
+def _listed(item: dict[str, Any], item_id: str | None) -> dict[str, Any]:
     kind = item.get("type", "message")
-    listed = {**item, "type": kind, "id": item.get("id") or f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}",
+    listed = {**item, "type": kind, "id": item_id or f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}",
               "status": item.get("status") or "completed"}
     if kind == "message":
         content = item.get("content")

@@ -46,8 +46,8 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, store: ResponseSto
         input_items = body.input_items() if keep else ()
 
         def stored(response: dict[str, Any]) -> None:
-            if keep:
-                store.put(response, input_items, previous)
+            if keep and not store.put(response, input_items, previous):
+                response["store"] = False  # larger than the whole budget (a stream's first event said true)
 
         if isinstance(answer, StreamingResponse):
             events = ResponseEvents(shape, body.wants_logprobs, on_finished=stored).events(answer.body_iterator)
@@ -68,10 +68,11 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, store: ResponseSto
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, stream: bool = False) -> Response:
+        entry = find(response_id)
         if stream:  # the events of a response still running in the background: none here
             raise InvalidRequest("stream: responses are not run in the background here; retrieve it whole",
                                  param="stream")
-        return JSONResponse(find(response_id).response)
+        return JSONResponse(entry.response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> Response:

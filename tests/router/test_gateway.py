@@ -354,9 +354,11 @@ def test_follow_ups_and_stored_responses_reach_the_replica_that_stored_them(repl
             assert follow_up.json()["output"][0]["content"][0]["text"] == holder
         response_id = next(iter(holders))
         assert httpx.delete(f"{url}/{response_id}", timeout=10).json()["deleted"] is True
-        assert httpx.get(f"{url}/{response_id}", timeout=10).status_code == 404
+        looked_up = sum(r.looked_up for r in replicas)
         gone = httpx.post(url, json={"input": "more", "previous_response_id": response_id}, timeout=10)
         assert gone.status_code == 400 and gone.json()["error"]["param"] == "previous_response_id"
+        assert sum(r.looked_up for r in replicas) == looked_up + 2  # forgotten: both replicas asked again
+        assert httpx.get(f"{url}/{response_id}", timeout=10).status_code == 404
         # A replica out of the pool may hold what is asked for: "retry later", not "not found".
         kept = next(i for i in holders if i != response_id)
         holder = next(r for r in replicas if r.name == holders[kept])

@@ -339,6 +339,8 @@ def test_a_follow_up_of_the_auto_model_goes_to_the_model_that_answered_before(mo
                           "previous_response_id": first["id"]}
         follow_up = httpx.post(f"{url}/v1/responses", json=long_follow_up, timeout=10)
         assert follow_up.status_code == 200 and follow_up.json()["model"] == SMALL
+        assert follow_up.headers["x-kvserve-model"] == SMALL  # named as every auto answer is
+        assert follow_up.headers["x-kvserve-route"] == "length:previous_response"
         assert "model" not in small.received[-1] and not large.received
         named = httpx.post(f"{url}/v1/responses", json={**long_follow_up, "model": LARGE}, timeout=10)
         assert named.status_code == 404 and named.json()["error"]["code"] == "model_not_found"

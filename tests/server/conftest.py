@@ -8,12 +8,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.request import SamplingParams
+from kvserve.server.serving import build_server
+from kvserve.serving_config import ServerConfig
+from tests.support.tiny_models import make_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,3 +151,17 @@ def metric_value(base_url: str, name: str, labels: str = "") -> float:
         if line.startswith(wanted + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(f"{wanted} not in /metrics")
+
+
+@pytest.fixture(scope="session")
+def tiny_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """The OpenAI app over a tiny random model, to call in-process (tests/support/app_calls.py), with the
+    priority scheduling policy."""
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny_app"), "llama")
+    config = EngineConfig(model=ModelConfig(model=str(model), dtype="float32", show_progress=False, max_model_len=256),
+                          cache=CacheConfig(num_kv_blocks=32),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, policy="priority"))
+    engine, async_engine, app = build_server(config, ServerConfig(served_model_name="tiny"))
+    yield app
+    async_engine.shutdown()
+    engine.close()

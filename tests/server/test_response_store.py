@@ -4,6 +4,7 @@ carried from response to response, each item counted once however many responses
 from __future__ import annotations
 
 from kvserve.server.response_store import ResponseStore
+from tests.support.app_calls import post
 
 
 def _response(response_id: str, text: str) -> dict:
@@ -25,8 +26,12 @@ def test_a_chain_carries_every_earlier_turn_and_counts_each_once() -> None:
     assert [item["id"] for item in second.context] == ["msg_hi", "msg_r1", "msg_how are you", "msg_r2"]
     assert second.input_items == _asked("how are you")
     assert store.nbytes < 2 * after_one + 200  # the first turn's items not counted again
-    store.delete("r1")  # still held by the second's context: still counted
-    assert store.nbytes > after_one
+    both = store.nbytes
+    first_shell = store.get("r1").shell_nbytes
+    store.delete("r1")  # its items are the second's earlier turn: still counted, its response object not
+    assert store.nbytes == both - first_shell
+    store.delete("r2")
+    assert store.nbytes == 0 and len(store) == 0
 
 
 def test_a_long_conversation_costs_its_size_not_its_size_for_every_turn() -> None:
@@ -57,3 +62,17 @@ def test_the_least_recently_used_go_first_and_nothing_is_kept_past_the_budget() 
 
 def test_a_store_of_no_bytes_is_off() -> None:
     assert not ResponseStore(0).enabled and ResponseStore(1).enabled
+
+
+def test_a_response_larger_than_the_budget_is_answered_as_not_stored(tiny_app) -> None:
+    store = tiny_app.state.kvserve.response_store
+    budget = store.max_bytes
+    body = {"input": "Hello", "max_output_tokens": 2}
+    try:
+        store.max_bytes = 600  # less than one response object
+        status, answer = post(tiny_app, "/v1/responses", body)
+        assert status == 200 and answer["store"] is False and store.get(answer["id"]) is None
+    finally:
+        store.max_bytes = budget
+    status, answer = post(tiny_app, "/v1/responses", body)
+    assert status == 200 and answer["store"] is True and store.get(answer["id"]) is not None

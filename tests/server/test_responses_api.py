@@ -146,6 +146,12 @@ def test_stored_responses_list_their_input_items_and_are_deleted(client, model, 
     page = httpx.get(f"{base_url}/v1/responses/{with_calls['id']}/input_items?order=asc", timeout=30).json()
     assert [item.type for item in TypeAdapter(list[ResponseItem]).validate_python(page["data"])] == [
         "message", "function_call", "function_call_output", "message"]
+    # Ids the client gave twice (the listing pages by id): the second one made unique.
+    twice = httpx.post(f"{base_url}/v1/responses", timeout=60, json={"max_output_tokens": 2, "input": [
+        {"id": "msg_a", "role": "user", "content": "Hi"}, {"id": "msg_a", "role": "user", "content": "Again"}]}).json()
+    ids = [item["id"] for item in httpx.get(f"{base_url}/v1/responses/{twice['id']}/input_items?order=asc",
+                                            timeout=30).json()["data"]]
+    assert ids[0] == "msg_a" and ids[1] != "msg_a"
     page = client.responses.input_items.list(response.id, order="asc", limit=2)
     assert [item.content[0].text for item in page.data] == ["Hi", "Hello!"] and page.has_more
     rest = client.responses.input_items.list(response.id, order="asc", limit=2, after=page.data[-1].id)
