@@ -253,7 +253,8 @@ class Gateway:
                 raise NoHealthyReplica(f"no healthy replica serves {model or 'this request'}"
                                        f"{' (tried ' + ', '.join(sorted(tried)) + ')' if tried else ''}; retry later")
             decision = self.policy.choose(request, candidates)
-            self.metrics.decisions.labels(policy=self.policy.name, reason=decision.reason).inc()
+            reason = decision.reason if pinned is None else "stored_response"  # the policy had no choice
+            self.metrics.decisions.labels(policy=self.policy.name, reason=reason).inc()
             tried.add(decision.replica.url)
             uncached = max(0, len(tokens) - decision.estimated_cached_tokens)
             outcome = await self._attempt(decision, path, body, headers, stream, uncached, http)

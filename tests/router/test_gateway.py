@@ -338,6 +338,8 @@ def test_follow_ups_and_stored_responses_reach_the_replica_that_stored_them(repl
             assert follow_up.status_code == 200, follow_up.text
             assert follow_up.json()["output"][0]["content"][0]["text"] == holder
         assert sum(r.looked_up for r in replicas) == 0  # learnt from the answers (whole, and a stream's first event)
+        assert router_metric(gateway.base_url, "routing_decisions_total",
+                             'policy="round_robin",reason="stored_response"') == 4
         for response_id in holders:
             fetched = httpx.get(f"{url}/{response_id}", timeout=10)
             assert fetched.status_code == 200 and fetched.json()["id"] == response_id
