@@ -2,10 +2,11 @@
 
 The rule (vLLM v1's): a request has ``num_computed_tokens`` and a target ``num_tokens`` (prompt plus
 what it generated). Each step hands out tokens under one budget, ``max_num_batched_tokens``: running
-requests first, oldest first (under the priority policy, most urgent first), then waiting ones. A prefill, a chunk of a long prompt, a prefix-cache
-hit (computed tokens start at the cached length) and a decode step are all the same rule. A decode may
-carry speculative drafts: they get what the budget and the free blocks have left once every running and
-admitted request has its tokens, and only the accepted ones count as computed.
+requests first, oldest first (under the priority policy, most urgent first), then waiting ones. A prefill,
+a chunk of a long prompt, a prefix-cache hit (computed tokens start at the cached length) and a decode step
+are all the same rule. A decode may carry speculative drafts: they get what the budget and the free blocks
+have left once every running and admitted request has its tokens, and only the accepted ones count as
+computed.
 
 When blocks run out, the newest running request (under the priority policy, the least urgent) is preempted:
 its blocks are freed and it goes back to the front of the waiting queue (to its place by urgency) to be
@@ -195,7 +196,8 @@ class Scheduler:
 
     def _next_waiting(self, skip: set[str]) -> Request | None:
         """FCFS: the head of the queue. LPM: the longest cached prefix, unless a request has waited too long.
-        Priority: the head too (the queue is kept by urgency). Requests in ``skip`` (their prefix is still being fetched) wait; the ones behind them go ahead."""
+        Priority: the head too (the queue is kept by urgency). Requests in ``skip`` (their prefix is still being
+        fetched) wait; the ones behind them go ahead."""
         candidates = list(itertools.islice((r for r in self.waiting if r.request_id not in skip),
                                            self.config.lpm_window))
         if not candidates:
@@ -215,8 +217,9 @@ class Scheduler:
         return chosen
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Give scheduled decodes their drafts, in the running order, within the leftover budget, max_total_tokens and
-        the free blocks: drafts never take a block or a token another request needs, nor evict cached KV."""
+        """Give scheduled decodes their drafts, in the running order, within the leftover budget,
+        max_total_tokens and the free blocks: drafts never take a block or a token another request needs, nor
+        evict cached KV."""
         for scheduled in out.scheduled:
             request = self.requests[scheduled.request_id]
             if not request.draft_token_ids or request.num_tokens_to_compute != 1:
