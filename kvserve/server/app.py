@@ -251,7 +251,20 @@ def build_app(
         parser = tool_format if tools.calls_possible else None
         return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser, grammar)
 
-    add_responses_routes(app, chat_completions, state.response_store, state.model_name)
+    async def prompt_fits(body: p.ChatCompletionRequest) -> bool:
+        """Whether the chat route takes ``body``'s conversation with room for its output (as it checks it)."""
+        params = async_engine.resolve_params(body.sampling_params())
+        text, _ = await state.chat_text(body, tool_request(body, has_format=params.structured_outputs is not None))
+        try:
+            if params.truncate_prompt_tokens is None:  # else cut to fit by the route itself
+                async_engine.check_text_fits(text)
+            async_engine.prepare({"prompt_token_ids": await _off_loop_if_long(text, tokenizer.encode, text, False)},
+                                 params)
+        except ContextLengthExceeded:
+            return False
+        return True
+
+    add_responses_routes(app, chat_completions, prompt_fits, state.response_store, state.model_name)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:

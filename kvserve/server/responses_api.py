@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, ValidationError
 
@@ -52,7 +52,7 @@ class ResponsesRequest(p.StrictTextModel):
     top_logprobs: int | None = None
     include: list[str] | None = None
     previous_response_id: str | None = None
-    truncation: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest items dropped until it fits
     store: bool | None = None  # None: true, as OpenAI has it
     metadata: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # no model served here reasons apart from its answer
@@ -65,9 +65,6 @@ class ResponsesRequest(p.StrictTextModel):
                 raise InvalidRequest(f"{name}: kvserve stores responses only (previous_response_id), no "
                                      "conversations, prompts or background responses; send the conversation in "
                                      "input", param=name)
-        if self.truncation not in (None, "disabled"):
-            raise InvalidRequest("truncation: only 'disabled' is supported (a conversation longer than the "
-                                 "context is a 400)", param="truncation")
         chat: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items() if k in PASSED_TO_CHAT}
         chat["messages"] = self.messages(context)
         if self.max_output_tokens is not None:
@@ -109,6 +106,18 @@ class ResponsesRequest(p.StrictTextModel):
         if not messages:
             raise InvalidRequest("input holds no message", param="input")
         return messages
+
+    @property
+    def num_input_items(self) -> int:
+        return len(self._items())
+
+    def truncated(self, context: Sequence[dict[str, Any]], first: int) -> ResponsesRequest:
+        """The request as if ``context`` and its input items from the ``first`` on were its whole input: the
+        conversation ``truncation: "auto"`` keeps (and never a call's output without the call before it)."""
+        items = [*context, *self._items()]
+        while first < len(items) - 1 and items[first].get("type") == "function_call_output":
+            first += 1
+        return self.model_copy(update={"input": items[first:]})
 
     def input_items(self) -> tuple[dict[str, Any], ...]:
         """The input items as a stored response lists them (OpenAI's ``input_items``): each with an id of its own
@@ -272,7 +281,7 @@ class ResponseShape:
             "top_p": extra.get("top_p"), "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": extra.get("parallel_tool_calls", True),
             "text": body.text or {"format": {"type": "text"}}, "previous_response_id": body.previous_response_id,
-            "reasoning": None, "truncation": "disabled", "store": self.stored, "metadata": body.metadata or {},
+            "reasoning": None, "truncation": body.truncation or "disabled", "store": self.stored, "metadata": body.metadata or {},
         }
 
     def finished(self, output: list[dict[str, Any]], chat_usage: dict[str, Any] | None,

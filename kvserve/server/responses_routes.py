@@ -22,11 +22,29 @@ from kvserve.server.responses_api import (
 )
 
 ChatRoute = Callable[[p.ChatCompletionRequest, Request], Awaitable[Response]]
+PromptFits = Callable[[p.ChatCompletionRequest], Awaitable[bool]]
 
 
-def add_responses_routes(app: FastAPI, chat_route: ChatRoute, store: ResponseStore, model_name: str) -> None:
-    """The routes, over ``chat_route`` (the server's chat completions handler) and ``store``; responses name
-    ``model_name`` where their request names no model."""
+def add_responses_routes(app: FastAPI, chat_route: ChatRoute, prompt_fits: PromptFits, store: ResponseStore,
+                         model_name: str) -> None:
+    """The routes, over ``chat_route`` (the server's chat completions handler), ``prompt_fits`` (whether the
+    chat route takes a conversation with room for its output) and ``store``; responses name ``model_name``
+    where their request names no model."""
+
+    async def fitted(body: ResponsesRequest, context: list[dict[str, Any]]) -> p.ChatCompletionRequest:
+        """The chat request of the conversation; with ``truncation: "auto"``, of its latest items that fit (the
+        fewest dropped from its start, found by halving: each try renders and tokenizes it)."""
+        chat = body.chat_request(context)
+        if body.truncation != "auto" or await prompt_fits(chat):
+            return chat
+        fits_from, too_long_from = len(context) + body.num_input_items - 1, 0
+        while too_long_from + 1 < fits_from:
+            middle = (too_long_from + fits_from) // 2
+            if await prompt_fits(body.truncated(context, middle).chat_request()):
+                fits_from = middle
+            else:
+                too_long_from = middle
+        return body.truncated(context, fits_from).chat_request()  # the last item alone: the chat route judges it
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: Request) -> Response:
@@ -37,7 +55,7 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, store: ResponseSto
             if previous is None:
                 raise PreviousResponseNotFound(body.previous_response_id)
         try:
-            chat = body.chat_request(previous.context if previous is not None else ())
+            chat = await fitted(body, previous.context if previous is not None else [])
             answer = await chat_route(chat, http)
         except InvalidRequest as exc:
             raise in_responses_terms(exc) from None

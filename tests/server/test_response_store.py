@@ -76,3 +76,22 @@ def test_a_response_larger_than_the_budget_is_answered_as_not_stored(tiny_app) -
         store.max_bytes = budget
     status, answer = post(tiny_app, "/v1/responses", body)
     assert status == 200 and answer["store"] is True and store.get(answer["id"]) is not None
+
+
+def test_truncation_auto_keeps_the_latest_items_that_fit(tiny_app) -> None:
+    """A conversation longer than the context (256 tokens here): a 400 as it is; with ``truncation: "auto"``,
+    answered on its latest items that fit, the same prompt as sending just those items."""
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "many words " * 12}
+             for i in range(13)]
+    body = {"input": items, "max_output_tokens": 2, "store": False}
+    status, answer = post(tiny_app, "/v1/responses", body)
+    assert status == 400, answer
+    status, answer = post(tiny_app, "/v1/responses", {**body, "truncation": "auto"})
+    assert status == 200 and answer["truncation"] == "auto", answer
+    fitting = []
+    for kept in range(1, len(items) + 1):
+        status, alone = post(tiny_app, "/v1/responses", {**body, "input": items[-kept:]})
+        if status != 200:
+            break
+        fitting.append(alone["usage"]["input_tokens"])
+    assert 1 < len(fitting) < len(items) and answer["usage"]["input_tokens"] == fitting[-1]

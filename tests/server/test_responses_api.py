@@ -177,7 +177,7 @@ def test_stored_responses_list_their_input_items_and_are_deleted(client, model, 
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"priority": 2}, "priority"),  # the shared server's policy is lpm
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": [{"role": "moderator", "content": "hi"}]}, "input[0].role"),
