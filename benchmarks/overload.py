@@ -34,12 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import Server, emit  # noqa: E402
 
 MODEL_NAME = "overload"
+OUTPUT_TOKENS = 32
 
 
 @dataclass
 class Sent:
     status: int = 0
     ttft_s: float | None = None
+    e2e_s: float | None = None
     retry_after: bool = False
 
 
@@ -74,9 +76,11 @@ def prompt(i: int) -> str:
     return f"Request {i}. " + " ".join(f"Item {i}-{k}: a short note about caching and batching." for k in range(12))
 
 
-async def one(client: httpx.AsyncClient, i: int) -> Sent:
-    body = {"model": MODEL_NAME, "prompt": prompt(i), "max_tokens": 32, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+async def one(client: httpx.AsyncClient, i: int, **fields: object) -> Sent:
+    """Request ``i`` (OUTPUT_TOKENS streamed, greedy; ``fields`` added to its body), timed to its first token
+    and to its end."""
+    body = {"model": MODEL_NAME, "prompt": prompt(i), "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+            "stream": True, "ignore_eos": True, **fields}
     sent, start = Sent(), time.monotonic()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -88,6 +92,7 @@ async def one(client: httpx.AsyncClient, i: int) -> Sent:
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and sent.ttft_s is None and line != "data: [DONE]":
                     sent.ttft_s = time.monotonic() - start
+        sent.e2e_s = time.monotonic() - start
     except httpx.TransportError:
         sent.status = -1
     return sent

@@ -25,18 +25,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overload import prompt, quantile  # noqa: E402
+from overload import MODEL_NAME, OUTPUT_TOKENS, Sent, one, quantile  # noqa: E402
 from soak import Server, emit  # noqa: E402
-
-MODEL_NAME = "priority"
-OUTPUT_TOKENS = 32
-
-
-@dataclass
-class Sent:
-    status: int = 0
-    ttft_s: float | None = None
-    e2e_s: float | None = None
 
 
 @dataclass
@@ -68,32 +58,16 @@ class Report:
     failures: list[str] = field(default_factory=list)
 
 
-async def one(client: httpx.AsyncClient, i: int, priority: int) -> Sent:
-    body = {"model": MODEL_NAME, "prompt": prompt(i), "max_tokens": OUTPUT_TOKENS, "temperature": 0,
-            "stream": True, "ignore_eos": True, "priority": priority}
-    sent, start = Sent(), time.monotonic()
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        sent.status = response.status_code
-        if response.status_code != 200:
-            await response.aread()
-            return sent
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and sent.ttft_s is None and line != "data: [DONE]":
-                sent.ttft_s = time.monotonic() - start
-    sent.e2e_s = time.monotonic() - start
-    return sent
-
-
 async def traffic(url: str, args: argparse.Namespace, send_priorities: bool) -> tuple[list[Sent], list[Sent], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=128)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         start = time.monotonic()
-        background = [asyncio.create_task(one(client, i, 1 if send_priorities else 0))
+        background = [asyncio.create_task(one(client, i, priority=1 if send_priorities else 0))
                       for i in range(args.background)]
         urgent = []
         for k in range(args.urgent):
             await asyncio.sleep(args.urgent_every)
-            urgent.append(asyncio.create_task(one(client, 10**6 + k, -1 if send_priorities else 0)))
+            urgent.append(asyncio.create_task(one(client, 10**6 + k, priority=-1 if send_priorities else 0)))
         done_urgent = await asyncio.gather(*urgent)
         done_background = await asyncio.gather(*background)
         return list(done_urgent), list(done_background), time.monotonic() - start
