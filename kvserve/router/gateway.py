@@ -135,16 +135,14 @@ class Gateway:
             return found
         if found is None:
             raise PreviousResponseNotFound(response_id)
-        auto = self.difficulty is not None and model == self.config.auto_model
-        if auto:
+        auto = self.difficulty if model == self.config.auto_model else None
+        if auto is not None:
             body = json.dumps({k: v for k, v in payload.items() if k != "model"}).encode()
         # No routing key: the replica is given, and its prefix index must not learn a prompt it never rendered.
         answer = await self.dispatch(None, path, body, (), bool(payload.get("stream")), http, cache_salt_of(payload),
                                      pinned=found)
-        if auto:  # named as every auto answer is (router/difficulty.py)
-            assert self.difficulty is not None
-            return self.difficulty.named(answer, found.models[0], "previous_response")
-        return answer
+        # Named as every auto answer is (router/difficulty.py).
+        return auto.named(answer, found.models[0], "previous_response") if auto is not None else answer
 
     async def to_holder(self, response_id: str, http: Request) -> Response:
         """``GET`` / ``DELETE /v1/responses/{id}`` (and its input items), passed to the replica that stored it

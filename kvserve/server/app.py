@@ -108,6 +108,30 @@ class AppState:
                                                   variables=body.template_variables())
         return text, tool_format
 
+    async def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[SamplingParams, ToolRequest,
+                                                                        ToolCallFormat | None, str]:
+        """The chat route's sampling parameters (with the tool-call constraint where calls may come), tools,
+        tool-call format and rendered conversation."""
+        params = self.engine.resolve_params(body.sampling_params())
+        tools = tool_request(body, has_format=params.structured_outputs is not None)
+        text, tool_format = await self.chat_text(body, tools)
+        if tool_format is not None:
+            if tools.calls_possible:
+                params = replace(params, structured_outputs=tools.constraint(tool_format))
+            elif (tag := self.single_token_open_tag) is not None:  # tool_choice none: no call is opened
+                params = replace(params, logit_bias=(*params.logit_bias, (tag, -MAX_LOGIT_BIAS)))
+        return params, tools, tool_format, text
+
+    async def prompt_ids(self, text: str, params: SamplingParams) -> list[int]:
+        """A rendered conversation's token ids as the engine takes them; ContextLengthExceeded where it does not
+        fit with room for its output."""
+        if params.truncate_prompt_tokens is None:  # else tokenized whole, then cut to its last tokens
+            self.engine.check_text_fits(text)
+        # The template already holds any BOS token: don't add special tokens twice.
+        ids = await _off_loop_if_long(text, self.tokenizer.encode, text, False)
+        token_ids, _ = self.engine.prepare({"prompt_token_ids": ids}, params)
+        return token_ids
+
     @property
     def single_token_open_tag(self) -> int | None:
         """The id of the token that opens a tool call, where it is one token."""
@@ -229,23 +253,12 @@ def build_app(
     async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Response:
         received_at = time.monotonic()
         state.check_admissible(body.model)
-        params = async_engine.resolve_params(body.sampling_params())
-        tools = tool_request(body, has_format=params.structured_outputs is not None)
-        text, tool_format = await state.chat_text(body, tools)
-        if tool_format is not None:
-            if tools.calls_possible:
-                params = replace(params, structured_outputs=tools.constraint(tool_format))
-            elif (tag := state.single_token_open_tag) is not None:  # tool_choice none: no call is opened
-                params = replace(params, logit_bias=(*params.logit_bias, (tag, -MAX_LOGIT_BIAS)))
+        params, tools, tool_format, text = await state.chat_prompt(body)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await async_engine.compile_grammar(params.structured_outputs)
         try:
-            if params.truncate_prompt_tokens is None:  # else tokenized whole, then cut to its last tokens
-                async_engine.check_text_fits(text)
-            # The template already holds any BOS token: don't add special tokens twice.
-            ids = await _off_loop_if_long(text, tokenizer.encode, text, False)
-            token_ids, _ = async_engine.prepare({"prompt_token_ids": ids}, params)
+            token_ids = await state.prompt_ids(text, params)
         except ContextLengthExceeded as exc:
             raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
         parser = tool_format if tools.calls_possible else None
@@ -253,13 +266,9 @@ def build_app(
 
     async def prompt_fits(body: p.ChatCompletionRequest) -> bool:
         """Whether the chat route takes ``body``'s conversation with room for its output (as it checks it)."""
-        params = async_engine.resolve_params(body.sampling_params())
-        text, _ = await state.chat_text(body, tool_request(body, has_format=params.structured_outputs is not None))
+        params, _, _, text = await state.chat_prompt(body)
         try:
-            if params.truncate_prompt_tokens is None:  # else cut to fit by the route itself
-                async_engine.check_text_fits(text)
-            async_engine.prepare({"prompt_token_ids": await _off_loop_if_long(text, tokenizer.encode, text, False)},
-                                 params)
+            await state.prompt_ids(text, params)
         except ContextLengthExceeded:
             return False
         return True

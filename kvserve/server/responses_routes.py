@@ -10,7 +10,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.errors import InvalidRequest, PreviousResponseNotFound, ResponseNotFound
+from kvserve.errors import ContextLengthExceeded, InvalidRequest, PreviousResponseNotFound, ResponseNotFound
 from kvserve.server import protocol as p
 from kvserve.server.response_store import ResponseStore, StoredResponse
 from kvserve.server.responses_api import (
@@ -31,12 +31,15 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, prompt_fits: Promp
     chat route takes a conversation with room for its output) and ``store``; responses name ``model_name``
     where their request names no model."""
 
-    async def fitted(body: ResponsesRequest, context: list[dict[str, Any]]) -> p.ChatCompletionRequest:
-        """The chat request of the conversation; with ``truncation: "auto"``, of its latest items that fit (the
-        fewest dropped from its start, found by halving: each try renders and tokenizes it)."""
-        chat = body.chat_request(context)
-        if body.truncation != "auto" or await prompt_fits(chat):
-            return chat
+    async def answered(body: ResponsesRequest, context: list[dict[str, Any]], http: Request) -> Response:
+        """The chat route's answer to the conversation; where it is too long for the context and ``truncation``
+        is ``"auto"``, to its latest items that fit (the fewest dropped from its start, found by halving: each
+        try renders and tokenizes it)."""
+        try:
+            return await chat_route(body.chat_request(context), http)
+        except ContextLengthExceeded:
+            if body.truncation != "auto":
+                raise
         fits_from, too_long_from = len(context) + body.num_input_items - 1, 0
         while too_long_from + 1 < fits_from:
             middle = (too_long_from + fits_from) // 2
@@ -44,7 +47,8 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, prompt_fits: Promp
                 fits_from = middle
             else:
                 too_long_from = middle
-        return body.truncated(context, fits_from).chat_request()  # the last item alone: the chat route judges it
+        # Where no shorter part fitted, fits_from is the last item alone: the chat route's error says why.
+        return await chat_route(body.truncated(context, fits_from).chat_request(), http)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: Request) -> Response:
@@ -55,8 +59,7 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, prompt_fits: Promp
             if previous is None:
                 raise PreviousResponseNotFound(body.previous_response_id)
         try:
-            chat = await fitted(body, previous.context if previous is not None else [])
-            answer = await chat_route(chat, http)
+            answer = await answered(body, previous.context if previous is not None else [], http)
         except InvalidRequest as exc:
             raise in_responses_terms(exc) from None
         keep = body.store is not False and store.enabled
