@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvserve.request import RequestOutput, SamplingParams
+from kvserve.request import LoRARequest, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.engine import LLM, Engine
 
-__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "Engine", "LoRARequest", "SamplingParams", "RequestOutput"]
 __version__ = "0.1.0"
 
 

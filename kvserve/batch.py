@@ -17,6 +17,7 @@ class NewRequestData:
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
     grammar: object | None = None  # the compiled structured-output constraint (kvserve.structured)
+    lora: object | None = None  # the LoRA adapter it runs with (kvserve.model.lora); None: the base model
 
 
 @dataclass(slots=True)

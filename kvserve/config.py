@@ -143,6 +143,10 @@ class ModelConfig:
     num_threads: int | None = setting(None, "CPU threads for torch (default: torch's own choice)")
     cpu_kernels: bool = setting(True, "C++ CPU kernels for decode attention, the bf16 projections and the norms "
                                       "(built on first use); --no-cpu-kernels runs the torch reference paths")
+    lora_modules: tuple[str, ...] = setting(
+        (), "LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors directories) to serve beside the "
+            "base model, as vLLM spells them: name=path, or '{\"name\": ..., \"path\": ...}'; a request names one "
+            "as its model", metavar="NAME=PATH")
     # LLM(...) turns it off unless asked for: offline scripts print their own output.
     show_progress: bool = setting(True, "a progress bar while the weights load (LLM(...): off unless asked for)",
                                   flag=None)
@@ -158,6 +162,13 @@ class ModelConfig:
             raise ConfigError("quantized_activations must be 'auto', 'int16' or 'int8', got "
                               f"{self.quantized_activations!r}",
                               "quantized_activations")
+        if isinstance(self.lora_modules, str):
+            object.__setattr__(self, "lora_modules", (self.lora_modules,))
+        elif not isinstance(self.lora_modules, tuple):
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        names = [name for name, _ in self.lora_adapters()]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lora_modules names an adapter twice: {sorted(names)}", "lora_modules")
         if self.pull and self.model is None:
             raise ConfigError("pull downloads the known model --model names: name one (`kvserve models list`)",
                               "pull")
@@ -167,6 +178,29 @@ class ModelConfig:
             if getattr(self, name) is not None:
                 check_whole(getattr(self, name), name, 1)
         check_whole(self.seed, "seed", 0)
+
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """``lora_modules`` as (name, path) pairs."""
+        return [lora_module(text) for text in self.lora_modules]
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """A LoRA module as vLLM's --lora-modules spells it: ``name=path`` or ``{"name": ..., "path": ...}``."""
+    if not isinstance(text, str):
+        raise ConfigError(f"a LoRA module is 'name=path', got {text!r}", "lora_modules")
+    if text.lstrip().startswith("{"):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"LoRA module {text!r} is not JSON: {exc}", "lora_modules") from None
+        name, path = (values.get("name"), values.get("path")) if isinstance(values, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise ConfigError(f"a LoRA module is 'name=path' or '{{\"name\": ..., \"path\": ...}}', got {text!r}",
+                          "lora_modules")
+    return name.strip(), path.strip()
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,12 +36,20 @@ from kvserve.model.backends.base import Backend
 from kvserve.model.backends.select import select_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, model_fingerprint, read_arch_config, resolve_model_path
+from kvserve.model.lora import LoRAAdapter, load_adapter
 from kvserve.model.quantized import REQUANTIZE_TYPES
 from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
-from kvserve.request import ProcessedPrompt, Request, RequestOutput, SamplingParams, salted_hash_extra
+from kvserve.request import (
+    LoRARequest,
+    ProcessedPrompt,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    salted_hash_extra,
+)
 from kvserve.runner.device import resolve_device, resolve_dtype
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.draft_model import DraftModelProposer
@@ -133,6 +141,10 @@ class Engine:
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
 
         self.backend, self.model = self._load_model(self.model_path, self.fingerprint, self.arch)
+        # LoRA adapters by the name requests give them (lora_name), loaded now or later (add_lora).
+        self.loras: dict[str, LoRAAdapter] = {}
+        for name, path in mc.lora_adapters():
+            self.add_lora(name, path)
 
         cc = config.cache
         num_blocks = num_blocks_for(self.arch, cc, self.dtype)
@@ -349,6 +361,8 @@ class Engine:
             # A caller that compiled it apart and handed nothing over: found in the compiler's cache.
             grammar = self.grammars.compile(params.structured_outputs, count_hit=False)
         order = next(self._ids)
+        lora = self.lora(params.lora_name)
+        hash_extra = salted_hash_extra(self.block_hash_extra, params.cache_salt)
         request = Request(
             request_id if request_id is not None else f"req-{order}",
             token_ids,
@@ -356,13 +370,39 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
             arrival_order=order,
-            hash_extra=salted_hash_extra(self.block_hash_extra, params.cache_salt),
+            hash_extra=hash_extra if lora is None else hash_extra + lora.cache_key,
             prompt=processed.prompt,
             grammar=grammar,
+            lora=lora,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
         return request
+
+    # --- LoRA adapters ----------------------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Load a PEFT LoRA adapter from ``path`` for requests whose ``lora_name`` is ``name`` (LoRALoadError
+        if it does not fit the model; an adapter already under that name is replaced for new requests)."""
+        adapter = load_adapter(name, path, self.arch, self.dtype, self.device)
+        self.loras[name] = adapter
+        logger.info("LoRA adapter %r loaded from %s (rank %d)", name, adapter.path, adapter.rank)
+        return adapter
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload adapter ``name`` for new requests (running ones finish with it); False if none is loaded."""
+        return self.loras.pop(name, None) is not None
+
+    def lora(self, name: str | None) -> LoRAAdapter | None:
+        """The adapter loaded under ``name`` (None: the base model); ModelNotFound if none is."""
+        if name is None:
+            return None
+        adapter = self.loras.get(name)
+        if adapter is None:
+            error = ModelNotFound(f"no LoRA adapter '{name}' is loaded" + (
+                f"; loaded: {', '.join(sorted(self.loras))}" if self.loras else ""))
+            error.param = "model"  # type: ignore[attr-defined]
+            raise error
+        return adapter
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id)
@@ -491,9 +531,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``priority``: one per prompt (vLLM's ``LLM.generate`` argument), under the priority scheduling policy;
-        the same as each prompt's ``SamplingParams.priority``."""
+        the same as each prompt's ``SamplingParams.priority``. ``lora_request``: the LoRA adapter every prompt
+        runs with, or one (or None) per prompt, loaded the first time its name is seen."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -507,6 +549,12 @@ class LLM:
             if len(priority) != len(prompts):
                 raise InvalidRequest("need one priority per prompt", "priority")
             params_list = [replace(params, priority=p) for params, p in zip(params_list, priority, strict=True)]
+        if lora_request is not None:
+            loras = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
+            if len(loras) != len(prompts):
+                raise InvalidRequest("need one LoRARequest (or None) per prompt, or a single one", "lora_request")
+            params_list = [params if lora is None else replace(params, lora_name=self._adapter(lora))
+                           for params, lora in zip(params_list, loras, strict=True)]
 
         batch = next(self._batch_ids)
         groups: list[list[str]] = []
@@ -533,6 +581,15 @@ class LLM:
         self.engine.wait_for_tier_writes()
         return [self._merge([final[rid] for rid in ids]) for ids in groups]
 
+    def _adapter(self, lora: LoRARequest) -> str:
+        """The name ``lora`` runs under, its adapter loaded from its path if that name is not loaded yet."""
+        if lora.lora_name not in self.engine.loras:
+            if not lora.lora_path:
+                raise InvalidRequest(f"LoRA adapter '{lora.lora_name}' is not loaded and its request has no lora_path",
+                                     "lora_request")
+            self.engine.add_lora(lora.lora_name, lora.lora_path)
+        return lora.lora_name
+
     @staticmethod
     def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         first = outputs[0]
@@ -552,6 +609,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """``tools`` (OpenAI's function definitions) are rendered by the chat template, as vLLM's ``chat`` does;
         the reply is text (the server reads tool calls out of it and can enforce them). With
@@ -563,4 +621,4 @@ class LLM:
                                                              tools=tools, continue_final_message=continue_final_message)
             # The template already holds any BOS token: don't add special tokens twice.
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)

@@ -160,6 +160,9 @@ class SamplingParams:
     # Where the request queues under the priority scheduling policy (vLLM's priority): lower values are
     # admitted first and preempted last; every other policy takes only 0.
     priority: int = 0
+    # The LoRA adapter to run with, by the name it was loaded under (vLLM's LoRARequest.lora_name); None: the
+    # base model. Its KV is shared only with requests of the same adapter.
+    lora_name: str | None = None
     # What the output must match (a JSON Schema, a regex, a grammar, ...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
     # Also return the model's final-norm hidden state at the prompt's last token (/v1/embeddings).
@@ -266,6 +269,8 @@ class SamplingParams:
             raise bad("priority", "must be an integer")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "must be a non-empty string")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise bad("lora_name", "must be a non-empty string")
         keep = self.truncate_prompt_tokens
         if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1)):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (as many as the context holds)")
@@ -383,7 +388,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "block_ids", "group_block_ids", "num_cached_tokens", "block_hashes",
         "hash_extra", "metrics", "finish_reason", "stop_reason", "max_total_tokens", "lpm_skips",
         "prompt", "cache_handle", "arrival_order", "output_logprobs", "prompt_logprobs", "prompt_token_ranks",
-        "draft_token_ids", "grammar", "hidden_state",
+        "draft_token_ids", "grammar", "lora", "hidden_state",
     )
 
     def __init__(
@@ -399,6 +404,7 @@ class Request:
         hash_extra: bytes = b"",
         prompt: str | None = None,
         grammar: object | None = None,
+        lora: object | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -435,6 +441,7 @@ class Request:
         self.draft_token_ids: list[int] = []
         # The compiled constraint of params.structured_outputs (opaque here; the runner makes its matcher).
         self.grammar = grammar
+        self.lora = lora  # the LoRA adapter it runs with (kvserve.model.lora), resolved from its params' name
 
     # --- token arithmetic -------------------------------------------------------------------------------
     @property
@@ -500,6 +507,17 @@ class Request:
             f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter for offline requests, as vLLM's ``LoRARequest`` names one: ``LLM.generate`` loads it from
+    ``lora_path`` (a PEFT adapter directory) the first time it sees ``lora_name``. ``lora_int_id`` is accepted
+    for vLLM's callers; the name identifies the adapter."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -247,6 +247,7 @@ class Scheduler:
                     request.output_token_ids,
                     request.eos_token_ids,
                     request.grammar,
+                    request.lora,
                 )
             )
         out.scheduled.append(

@@ -18,6 +18,7 @@ from kvserve.config import ArchConfig
 from kvserve.model.backends.base import AttentionMetadata, Backend, DecoderLayout, PagedAttention
 from kvserve.model.layers import RotaryEmbedding
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
+from kvserve.model.lora import LayerLoRA
 from kvserve.model.mlp import FeedForward, GeluGatedMLP, Take
 from kvserve.model.ops import ModelOps
 from kvserve.model.quantized import Weight
@@ -38,14 +39,15 @@ class Gemma3DecoderLayer(DecoderLayer):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
+        lora: LayerLoRA | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(what this layer adds to the residual stream, the stream before it), as the Llama layer returns."""
         eps, ops = self.arch.rms_norm_eps, self.ops
         x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, eps)
-        attn = self.attend(x, cos, sin, meta, kv_cache)
-        attn = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), None, self.post_attention_norm, eps)[0]
+        attn = self.attend(x, cos, sin, meta, kv_cache, lora)
+        attn = ops.add_rms_norm(self.project_out(attn, lora), None, self.post_attention_norm, eps)[0]
         x, residual = ops.add_rms_norm(attn, residual, self.pre_feedforward_norm, eps)
-        return ops.add_rms_norm(self.mlp.forward(x), None, self.post_feedforward_norm, eps)[0], residual
+        return ops.add_rms_norm(self.mlp.forward(x, lora), None, self.post_feedforward_norm, eps)[0], residual
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -16,6 +16,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.kv_layout import KVLayout
 from kvserve.model.backends.base import AttentionMetadata, Backend, DecoderLayout, FusedDecode, PagedAttention
 from kvserve.model.layers import RotaryEmbedding, rms_norm
+from kvserve.model.lora import LayerLoRA, StepLoRA
 from kvserve.model.mlp import FeedForward, GatedMLP, Take
 from kvserve.model.moe import MoeMLP
 from kvserve.model.ops import ModelOps
@@ -44,20 +45,29 @@ class DecoderLayer:
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
+        lora: LayerLoRA | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lora``: the adapters of the step's rows at this layer (None: every row runs the base model)."""
         eps, ops = self.arch.rms_norm_eps, self.ops
         x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, eps)
-        attn = self.attend(x, cos, sin, meta, kv_cache)
-        x, residual = ops.add_rms_norm(ops.linear(attn, self.o_weight, None), residual, self.post_attention_norm, eps)
-        return self.mlp.forward(x), residual
+        attn = self.attend(x, cos, sin, meta, kv_cache, lora)
+        x, residual = ops.add_rms_norm(self.project_out(attn, lora), residual, self.post_attention_norm, eps)
+        return self.mlp.forward(x, lora), residual
+
+    def project_out(self, attn: torch.Tensor, lora: LayerLoRA | None) -> torch.Tensor:
+        """The attention's output projection (O), with the rows' adapters."""
+        out = self.ops.linear(attn, self.o_weight, None)
+        return out if lora is None else lora.add("o", attn, out)
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-               kv_cache: torch.Tensor) -> torch.Tensor:
+               kv_cache: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         """QKV projection, QK-norm, rotary and paged attention: [num_tokens, hidden] -> [num_tokens, q_size]."""
         arch, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
         num_tokens = x.shape[0]
         num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.add("qkv", x, qkv)
         # Q and K heads side by side, so one rotary call covers both.
         qk = qkv[:, : arch.q_size + arch.kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
         v = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, num_kv_heads, head_dim)
@@ -104,20 +114,24 @@ class LlamaForCausalLM:
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
         group_metas: Sequence[AttentionMetadata] = (),
+        lora: StepLoRA | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         """``meta`` is the step's layout over the requests' block tables, ``group_metas`` over the tables of
-        the other KV groups, when the layers keep their KV in groups (kv_layout.py)."""
+        the other KV groups, when the layers keep their KV in groups (kv_layout.py); ``lora`` which rows run
+        which LoRA adapter (None: none does)."""
         hidden = self.embed(input_ids)
         rotations = self.rotations(positions)
         step_metas = (meta, *group_metas)
-        if self.fused_decode is not None and self.fused_decode.accepts(hidden, step_metas):
+        if lora is None and self.fused_decode is not None and self.fused_decode.accepts(hidden, step_metas):
             last_hidden, last_residual = self.fused_decode(hidden, rotations, step_metas, kv_caches)
             return last_hidden + last_residual
         residual: torch.Tensor | None = None
         metas = self.layer_metas(meta, group_metas)
-        for layer, kv_cache, layer_meta, r in zip(self.layers, kv_caches, metas, self.layer_rotations, strict=True):
+        for i, (layer, kv_cache, layer_meta, r) in enumerate(zip(self.layers, kv_caches, metas, self.layer_rotations,
+                                                                  strict=True)):
             cos, sin = rotations[r]
-            hidden, residual = layer.forward(hidden, residual, cos, sin, layer_meta, kv_cache)
+            hidden, residual = layer.forward(hidden, residual, cos, sin, layer_meta, kv_cache,
+                                             None if lora is None else lora.layer(i))
         assert residual is not None
         return hidden + residual
 

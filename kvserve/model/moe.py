@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ArchConfig
+from kvserve.model.lora import LayerLoRA
 from kvserve.model.mlp import GatedMLP, Take
 from kvserve.model.ops import ModelOps
 
@@ -93,7 +94,8 @@ class MoeMLP:
         return cls(ops, arch.num_experts_per_token, arch.norm_topk_prob, take(prefix + "gate.weight"), experts,
                    shared, gate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, hidden]. Adapters never target experts (refused at load)."""
         ops = self.ops
         routing = route(ops.linear(x, self.router_weight, None), self.top_k, self.normalize)
         out = grouped_experts(x, routing, self.experts)

@@ -10,6 +10,7 @@ from kvserve.batch import NewRequestData, RunnerOutput, SchedulerOutput
 from kvserve.config import MAX_SPECULATIVE_TOKENS
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.lora import LoRAAdapter, StepLoRA
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.input_batch import ModelInputs, build_inputs
 from kvserve.runner.kv_transfer import read_blocks, start_read_blocks, write_blocks
@@ -47,6 +48,7 @@ class ModelRunner:
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
         self._prompt_logprob_ids: set[str] = set()  # requests asking for prompt logprobs (most steps: none)
+        self._adapters: dict[str, LoRAAdapter] = {}  # the requests that run a LoRA adapter (most: none)
         # Drafts for each request's next step (speculative decoding); None: no speculation.
         self.proposer = proposer
         self.propose_below_batch_size = propose_below_batch_size  # None: at any batch size
@@ -101,6 +103,7 @@ class ModelRunner:
         for request_id in out.finished_request_ids:
             state = self.states.pop(request_id, None)
             self._prompt_logprob_ids.discard(request_id)
+            self._adapters.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
             self._lookup_pending.discard(request_id)
             if self.proposer is not None:
@@ -110,6 +113,8 @@ class ModelRunner:
             self.states[new.request_id] = new_sampling_state(new)
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(new.request_id)
+            if isinstance(new.lora, LoRAAdapter):
+                self._adapters[new.request_id] = new.lora
         if out.is_empty and not out.kv_loads:
             return
 
@@ -126,7 +131,8 @@ class ModelRunner:
                 masker.prefetch(matchers)
         t0 = time.perf_counter()
         with self.model.thread_scope:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches, group_metas)
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches, group_metas,
+                                        self._step_lora(inputs) if self._adapters else None)
             if self._prompt_logprob_ids:
                 self._prompt_logprobs(hidden, inputs, result)
             if not inputs.sample_request_ids:
@@ -153,6 +159,14 @@ class ModelRunner:
         limit = self.propose_below_batch_size
         if self.proposer is not None and (limit is None or len(states) < limit):
             self._propose(inputs.sample_request_ids, states, inputs.sample_drafts, verified, result)
+
+    def _step_lora(self, inputs: ModelInputs) -> StepLoRA | None:
+        """Which of the step's rows run which adapter (a request's rows: from its first to the next one's)."""
+        num_rows = int(inputs.input_ids.shape[0])
+        ends = [first_row for _, first_row, _, _ in inputs.spans[1:]] + [num_rows]
+        spans = [(self._adapters.get(request_id), first_row, end - first_row)
+                 for (request_id, first_row, _, _), end in zip(inputs.spans, ends, strict=True)]
+        return StepLoRA.for_rows(spans, num_rows, self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, result: RunnerOutput) -> None:
         """For the requests asking for them, each of this step's prompt rows' logprob of the next prompt token

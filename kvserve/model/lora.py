@@ -1,0 +1,252 @@
+"""LoRA adapters in PEFT's format, run beside the base model's projections per request.
+
+An adapter adds ``scale * B @ A @ x`` to the projections it targets (q/k/v/o, gate/up/down), where A is
+[rank, in], B [out, rank] and scale is ``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA). The base weights
+are never touched, so requests with different adapters, and requests without one, share a batch: each
+projection runs once on every row, then each adapter's low-rank product is added to its own rows. The model
+fuses Q/K/V and gate/up into one matmul each; an adapter's matrices for them are joined the same way (A's
+rows stacked, B placed block-diagonally on the fused output's rows), one product per fused projection.
+
+The files are PEFT's ``save_pretrained`` output: ``adapter_config.json`` and ``adapter_model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from kvserve.config import ArchConfig
+from kvserve.errors import ModelLoadError
+
+Projection = Literal["qkv", "o", "gate_up", "down"]
+
+# A Hugging Face module name -> (the fused projection it is part of, its place among the fused parts).
+_MODULES: dict[str, tuple[Projection, int]] = {
+    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+}
+_TENSOR_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class LoRALoadError(ModelLoadError):
+    """An adapter that cannot be loaded: missing files, a layout kvserve does not run, or shapes that do not
+    fit the base model."""
+
+    http_status = 400
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    """One fused projection's low-rank update: ``out += (x @ a.T) @ b.T``, the scale folded into ``b``."""
+
+    a: torch.Tensor  # [total rank of its parts, in]
+    b: torch.Tensor  # [out, total rank], zero outside each part's own rows and rank columns
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    """A loaded adapter: its name, where it came from, a fingerprint of its files (what the prefix cache keys
+    its KV by: a request's KV depends on its adapter), and its updates per layer and projection."""
+
+    name: str
+    path: str
+    fingerprint: str
+    rank: int  # the largest of its modules' ranks
+    layers: tuple[dict[Projection, LoRAWeights], ...]
+
+    @property
+    def cache_key(self) -> bytes:
+        """What a request with this adapter mixes into its block hashes."""
+        return b"\0lora:" + self.fingerprint.encode()
+
+
+def load_adapter(name: str, path: str | Path, arch: ArchConfig, dtype: torch.dtype,
+                 device: torch.device) -> LoRAAdapter:
+    """Read a PEFT LoRA adapter directory and check it against ``arch``; LoRALoadError says what is wrong."""
+    directory = Path(path).expanduser()
+    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    if not config_file.is_file():
+        raise LoRALoadError(f"LoRA adapter '{name}': no {ADAPTER_CONFIG} in {directory}")
+    if not weights_file.is_file():
+        raise LoRALoadError(f"LoRA adapter '{name}': no {ADAPTER_WEIGHTS} in {directory} (PEFT's save_pretrained "
+                            "writes it; a .bin adapter is not read)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoRALoadError(f"LoRA adapter '{name}': {ADAPTER_CONFIG} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoRALoadError(f"LoRA adapter '{name}': {ADAPTER_CONFIG} is not a JSON object")
+    _check_config(name, config)
+    fingerprint = hashlib.sha256(config_file.read_bytes() + weights_file.read_bytes()).hexdigest()[:32]
+    try:
+        tensors = load_file(weights_file)
+    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        raise LoRALoadError(f"LoRA adapter '{name}': {ADAPTER_WEIGHTS} cannot be read: {exc}") from None
+    parts = _pair_tensors(name, tensors, arch)
+    layers: list[dict[Projection, LoRAWeights]] = [{} for _ in range(arch.num_layers)]
+    ranks: list[int] = []
+    for (layer, projection), modules in sorted(parts.items()):
+        layers[layer][projection] = _fuse(name, layer, projection, modules, config, arch, dtype, device)
+        ranks += [a.shape[0] for _, a, _ in modules]
+    if not ranks:
+        raise LoRALoadError(f"LoRA adapter '{name}': {ADAPTER_WEIGHTS} holds no LoRA matrices of the decoder "
+                            "layers' projections")
+    return LoRAAdapter(name, str(directory), fingerprint, max(ranks), tuple(layers))
+
+
+def _check_config(name: str, config: dict[str, Any]) -> None:
+    """Refuse what the adapter's configuration asks for and kvserve does not run."""
+    def refuse(why: str) -> None:
+        raise LoRALoadError(f"LoRA adapter '{name}': {why}")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        refuse(f"peft_type is {config.get('peft_type')!r}; only LORA adapters run")
+    if config.get("use_dora"):
+        refuse("DoRA (use_dora) is not supported")
+    if config.get("bias", "none") != "none":
+        refuse(f"bias {config.get('bias')!r} is not supported (only 'none')")
+    if config.get("fan_in_fan_out"):
+        refuse("fan_in_fan_out is not supported (the Llama family's projections are nn.Linear)")
+    if config.get("modules_to_save"):
+        refuse(f"modules_to_save ({config['modules_to_save']}) would replace base weights; not supported")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            refuse(f"{key} must be a positive number, got {value!r}")
+
+
+def _pair_tensors(name: str, tensors: dict[str, torch.Tensor],
+                  arch: ArchConfig) -> dict[tuple[int, Projection], list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """The file's A and B matrices, paired by module: (layer, fused projection) -> [(module name, A, B)]."""
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _TENSOR_NAME.fullmatch(key)
+        if match is None:
+            raise LoRALoadError(f"LoRA adapter '{name}': tensor {key!r} is not a LoRA matrix of a decoder layer's "
+                                "projection (embedding, output-head and DoRA weights are not supported)")
+        layer, module, side = int(match.group(1)), match.group(2), match.group(3)
+        if module not in _MODULES:
+            raise LoRALoadError(f"LoRA adapter '{name}': it targets {module!r}; kvserve runs adapters on "
+                                f"{', '.join(_MODULES)}")
+        if layer >= arch.num_layers:
+            raise LoRALoadError(f"LoRA adapter '{name}': it has layer {layer}; the model has {arch.num_layers}")
+        if _MODULES[module][0] in ("gate_up", "down") and arch.is_moe_layer(layer):
+            raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s MLP is a mixture of experts; adapters on "
+                                "experts are not supported (attention-only adapters are)")
+        found.setdefault((layer, module), {})[side] = tensor
+    parts: dict[tuple[int, Projection], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for (layer, module), sides in found.items():
+        if set(sides) != {"A", "B"}:
+            raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s {module} has lora_{''.join(sides)} "
+                                "without its other half")
+        parts.setdefault((layer, _MODULES[module][0]), []).append((module, sides["A"], sides["B"]))
+    return parts
+
+
+def _pattern_value(patterns: Any, module_key: str, default: float) -> float:
+    """PEFT's rank_pattern / alpha_pattern: the first key that matches the module's name, as PEFT matches it."""
+    if not isinstance(patterns, dict):
+        return default
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module_key):
+            return float(value)
+    return default
+
+
+def _fuse(name: str, layer: int, projection: Projection, modules: list[tuple[str, torch.Tensor, torch.Tensor]],
+          config: dict[str, Any], arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LoRAWeights:
+    """One fused projection's A and B from its modules' (module name, A, B), shapes checked, scales folded."""
+    in_size = {"qkv": arch.hidden_size, "o": arch.q_size, "gate_up": arch.hidden_size,
+               "down": arch.intermediate_size}[projection]
+    # Each part's rows in the fused output, in the order the model fuses them.
+    offsets = {"q_proj": (0, arch.q_size), "k_proj": (arch.q_size, arch.kv_size),
+               "v_proj": (arch.q_size + arch.kv_size, arch.kv_size), "o_proj": (0, arch.hidden_size),
+               "gate_proj": (0, arch.intermediate_size), "up_proj": (arch.intermediate_size, arch.intermediate_size),
+               "down_proj": (0, arch.hidden_size)}
+    out_size = {"qkv": arch.q_size + 2 * arch.kv_size, "o": arch.hidden_size, "gate_up": 2 * arch.intermediate_size,
+                "down": arch.hidden_size}[projection]
+    modules = sorted(modules, key=lambda m: _MODULES[m[0]][1])
+    total_rank = sum(a.shape[0] for _, a, _ in modules)
+    fused_a = torch.zeros(total_rank, in_size, dtype=torch.float32)
+    fused_b = torch.zeros(out_size, total_rank, dtype=torch.float32)
+    column = 0
+    for module, a, b in modules:
+        start, size = offsets[module]
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_size or b.shape != (size, rank):
+            raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s {module} has lora_A {tuple(a.shape)} and "
+                                f"lora_B {tuple(b.shape)}; the model needs [{rank}, {in_size}] and [{size}, {rank}] "
+                                "(an adapter of another base model?)")
+        module_key = f"model.layers.{layer}.{'mlp' if projection in ('gate_up', 'down') else 'self_attn'}.{module}"
+        alpha = _pattern_value(config.get("alpha_pattern"), module_key, float(config["lora_alpha"]))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        fused_a[column:column + rank] = a.float()
+        fused_b[start:start + size, column:column + rank] = b.float() * scale
+        column += rank
+    return LoRAWeights(fused_a.to(device=device, dtype=dtype).contiguous(),
+                       fused_b.to(device=device, dtype=dtype).contiguous())
+
+
+class LayerLoRA:
+    """The adapters of one step's rows, at one layer: adds each one's update to the projections' outputs."""
+
+    __slots__ = ("groups", "index")
+
+    def __init__(self, groups: Sequence[tuple[LoRAAdapter, torch.Tensor | None]], index: int) -> None:
+        self.groups = groups
+        self.index = index
+
+    def targets(self, projection: Projection) -> bool:
+        """Whether any adapter of the step updates ``projection`` at this layer."""
+        return any(projection in adapter.layers[self.index] for adapter, _ in self.groups)
+
+    def add(self, projection: Projection, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base projection of ``x``) with each adapter's update added to its rows, in place."""
+        for adapter, rows in self.groups:
+            weights = adapter.layers[self.index].get(projection)
+            if weights is None:
+                continue
+            if rows is None:  # every row of the step runs this adapter
+                out += F.linear(F.linear(x, weights.a), weights.b)
+            else:
+                out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), weights.a), weights.b))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoRA:
+    """Which rows of a step run which adapter (rows None: all of them); rows without one run the base model."""
+
+    groups: tuple[tuple[LoRAAdapter, torch.Tensor | None], ...]
+
+    def layer(self, index: int) -> LayerLoRA:
+        return LayerLoRA(self.groups, index)
+
+    @classmethod
+    def for_rows(cls, spans: Sequence[tuple[LoRAAdapter | None, int, int]], num_rows: int,
+                 device: torch.device) -> StepLoRA | None:
+        """From each request's (adapter, first row, row count); None when no row runs an adapter."""
+        by_adapter: dict[str, tuple[LoRAAdapter, list[int]]] = {}
+        for adapter, first, count in spans:
+            if adapter is not None:
+                by_adapter.setdefault(adapter.fingerprint + adapter.name, (adapter, []))[1].extend(
+                    range(first, first + count))
+        if not by_adapter:
+            return None
+        groups = []
+        for adapter, rows in by_adapter.values():
+            whole = len(rows) == num_rows
+            groups.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long).to(device)))
+        return cls(tuple(groups))

@@ -1,0 +1,141 @@
+"""LoRA adapters on the real SmolLM2-135M-Instruct against PEFT's own forward of the same adapter files.
+
+Two random adapters made and saved by PEFT: one on all seven projections (rank 8), one on q/v only (rank 4,
+rsLoRA). In float32 kvserve's greedy output equals PEFT's token for token, with base and adapter requests in
+one batch, chunked, preempted and speculated; in bf16 (the default quantised path) the generated tokens'
+logprobs stay within a stated distance of PEFT's float32 ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, LoRARequest, SamplingParams
+from kvserve.errors import InvalidRequest, ModelNotFound
+from tests.e2e.conftest import CHAT_QUESTIONS, PLAIN_PROMPTS, hf_greedy
+from tests.support.lora_adapters import make_adapter
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 16
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# bf16 against PEFT's float32: the generated tokens' logprobs differ by at most this much on average (the base
+# model alone: 0.02-0.04; the full adapter moves the reference's logprobs by about 0.15 on such text).
+BF16_MEAN_LOGPROB_TOLERANCE = 0.06
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_reference, tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "full": (root / "full", make_adapter(hf_reference, root / "full", rank=8, alpha=16, targets=ALL_PROJECTIONS,
+                                             seed=1)),
+        "qv": (root / "qv", make_adapter(hf_reference, root / "qv", rank=4, alpha=8, targets=["q_proj", "v_proj"],
+                                         seed=2, use_rslora=True)),
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(adapters) -> LLM:
+    return LLM(dtype="float32", num_kv_blocks=512, lora_modules=[f"{name}={path}" for name, (path, _) in
+                                                                 adapters.items()])
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PLAIN_PROMPTS[:3]]
+    text = tok.apply_chat_template([{"role": "user", "content": CHAT_QUESTIONS[1]}])
+    return [*ids, tok.encode(text, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def references(hf_reference, adapters, prompt_ids) -> dict[str | None, list[list[int]]]:
+    """PEFT's (and, for None, the base model's) float32 greedy continuation of each prompt."""
+    models = {None: hf_reference} | {name: model for name, (_, model) in adapters.items()}
+    return {name: [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids] for name, model in models.items()}
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def run_mixed(llm: LLM, prompt_ids: list[list[int]]) -> dict[str | None, list[list[int]]]:
+    """Every prompt with the base model and each adapter, all in one batch."""
+    names: list[str | None] = [None, "full", "qv"]
+    jobs = [(name, ids) for ids in prompt_ids for name in names]
+    outputs = llm.generate([{"prompt_token_ids": ids} for _, ids in jobs], greedy(),
+                           lora_request=[None if name is None else LoRARequest(name) for name, _ in jobs])
+    found: dict[str | None, list[list[int]]] = {name: [] for name in names}
+    for (name, _), output in zip(jobs, outputs, strict=True):
+        found[name].append(output.outputs[0].token_ids)
+    return found
+
+
+def test_each_adapter_equals_peft_token_for_token_in_a_mixed_batch(llm, prompt_ids, references) -> None:
+    assert run_mixed(llm, prompt_ids) == references
+    # The adapters change what the model says (else the equality above would hold with them ignored).
+    for name in ("full", "qv"):
+        assert sum(a != b for a, b in zip(references[name], references[None], strict=True)) >= 3
+
+
+def test_an_adapters_kv_is_cached_apart_from_the_base_models(llm, hf_reference, adapters) -> None:
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Zebras and giraffes share the savanna with many other animals, and each of them has found "
+                     "its own way to live there through the long dry season, when water is scarce and")  # run nowhere else
+    block = llm.engine.config.cache.block_size
+    base = llm.generate([{"prompt_token_ids": ids}], greedy())[0]
+    first = llm.generate([{"prompt_token_ids": ids}], greedy(), lora_request=LoRARequest("qv"))[0]
+    again = llm.generate([{"prompt_token_ids": ids}], greedy(), lora_request=LoRARequest("qv"))[0]
+    other = llm.generate([{"prompt_token_ids": ids}], greedy(), lora_request=LoRARequest("full"))[0]
+    base_again = llm.generate([{"prompt_token_ids": ids}], greedy())[0]
+    assert base.num_cached_tokens == first.num_cached_tokens == other.num_cached_tokens == 0
+    assert again.num_cached_tokens >= len(ids) - block and base_again.num_cached_tokens >= len(ids) - block
+    assert base.outputs[0].token_ids == base_again.outputs[0].token_ids == hf_greedy(hf_reference, ids, MAX_TOKENS)
+    qv, full = adapters["qv"][1], adapters["full"][1]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(qv, ids, MAX_TOKENS)
+    assert other.outputs[0].token_ids == hf_greedy(full, ids, MAX_TOKENS)
+    assert llm.engine.audit().ok
+
+
+def test_chunked_preempted_and_speculated_adapters_equal_peft(adapters, prompt_ids, references) -> None:
+    # 8-token chunks, a pool that cannot hold the twelve requests at once, and n-gram drafts on the decodes.
+    llm = LLM(dtype="float32", num_kv_blocks=8, max_num_batched_tokens=8, max_num_seqs=12,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 2},
+              lora_modules=[f"{name}={path}" for name, (path, _) in adapters.items()])
+    assert run_mixed(llm, prompt_ids) == references
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_draft_tokens > 0
+    assert llm.engine.audit().ok
+
+
+def test_an_adapter_loaded_on_first_use_and_an_unknown_one_refused(adapters, prompt_ids, references) -> None:
+    llm = LLM(dtype="float32", num_kv_blocks=128)
+    path, _ = adapters["qv"]
+    out = llm.generate([{"prompt_token_ids": prompt_ids[0]}], greedy(), lora_request=LoRARequest("qv", 1, str(path)))
+    assert out[0].outputs[0].token_ids == references["qv"][0]
+    with pytest.raises(InvalidRequest, match="'nope' is not loaded and its request has no lora_path"):
+        llm.generate([{"prompt_token_ids": prompt_ids[0]}], greedy(), lora_request=LoRARequest("nope"))
+    with pytest.raises(ModelNotFound, match="no LoRA adapter 'nope' is loaded; loaded: qv"):
+        llm.engine.add_request({"prompt_token_ids": prompt_ids[0]}, SamplingParams(lora_name="nope"))
+    assert llm.engine.remove_lora("qv") and not llm.engine.remove_lora("qv")
+    assert llm.engine.audit().ok
+
+
+def test_bf16_quantised_adapter_within_tolerance_of_peft_float32(adapters, prompt_ids) -> None:
+    path, model = adapters["full"]
+    llm = LLM(lora_modules=[f"full={path}"])  # the defaults: bf16, the GGUF's Q4_1 weights run quantised
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, lora_request=LoRARequest("full"))
+    differences = []
+    for ids, output in zip(prompt_ids, outputs, strict=True):
+        generated = output.outputs[0].token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids + generated])).logits[0, len(ids) - 1: -1]
+        reference = torch.log_softmax(logits.float(), dim=-1)
+        for step, token in enumerate(generated):
+            differences.append(abs(output.outputs[0].logprobs[step][token] - float(reference[step, token])))
+    assert sum(differences) / len(differences) <= BF16_MEAN_LOGPROB_TOLERANCE, differences
