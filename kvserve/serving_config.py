@@ -33,6 +33,9 @@ class ServerConfig:
                                           "/v1/responses/{id} returns; the least recently used are dropped past it; "
                                           "0 stores none",
                                       flag="--response-store-mib")
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA routes): a client "
+               "may then load adapters from paths on this machine; give --api-key with it on a shared network")
     shutdown_grace_period_s: float = setting(5.0, "seconds in-flight requests get to finish after SIGTERM "
                                                   "before they are aborted", flag="--shutdown-grace-period")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")

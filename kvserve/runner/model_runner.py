@@ -132,7 +132,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with self.model.thread_scope:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_caches, group_metas,
-                                        self._step_lora(inputs) if self._adapters else None)
+                                        lora=self._step_lora(inputs) if self._adapters else None)
             if self._prompt_logprob_ids:
                 self._prompt_logprobs(hidden, inputs, result)
             if not inputs.sample_request_ids:

@@ -23,6 +23,7 @@ from starlette.background import BackgroundTask
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import expand_n
 from kvserve.errors import (
+    ConfigError,
     ContextLengthExceeded,
     EngineDeadError,
     InvalidRequest,
@@ -37,6 +38,7 @@ from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.disconnect import ClientGone, until_disconnected
 from kvserve.server.embeddings import embed, embedding_params, embedding_response, prepare_inputs
 from kvserve.server.live_stats import ComputeModel, RecentRequests, stats_snapshot
+from kvserve.server.lora_routes import add_lora_routes
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GateMiddleware, add_error_handlers
 from kvserve.server.request_run import EngineRequest, RequestRun
@@ -112,7 +114,7 @@ class AppState:
                                                                         ToolCallFormat | None, str]:
         """The chat route's sampling parameters (with the tool-call constraint where calls may come), tools,
         tool-call format and rendered conversation."""
-        params = self.engine.resolve_params(body.sampling_params())
+        params = self.sampling_params(body)
         tools = tool_request(body, has_format=params.structured_outputs is not None)
         text, tool_format = await self.chat_text(body, tools)
         if tool_format is not None:
@@ -137,13 +139,25 @@ class AppState:
         """The id of the token that opens a tool call, where it is one token."""
         return self.tokenizer.token_to_id(HermesToolFormat.open_tag)
 
+    def sampling_params(self, body: p.ChatCompletionRequest | p.CompletionRequest) -> SamplingParams:
+        """A generation request's sampling parameters as the engine takes them, with the LoRA adapter its
+        model names (None: the base model)."""
+        params = self.engine.resolve_params(body.sampling_params())
+        return replace(params, lora_name=self.adapter_named(body.model))
+
+    def adapter_named(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None for the base model."""
+        return name if name is not None and name not in self.model_names and name in self.engine.engine.loras \
+            else None
+
     def check_admissible(self, name: str | None) -> None:
-        """What a generation route checks first: the server is up and ``name`` (if given) is its model."""
+        """What a generation route checks first: the server is up and ``name`` (if given) is its model or one
+        of its LoRA adapters."""
         if self.draining:
             raise ServerShuttingDown("the server is shutting down; retry on another replica")
         if not self.engine.is_alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.engine.dead!r}")
-        if name is not None and name not in self.model_names:
+        if name is not None and name not in self.model_names and name not in self.engine.engine.loras:
             error = ModelNotFound(f"the model '{name}' does not exist; {self.serves}")
             error.param = "model"  # type: ignore[attr-defined]
             raise error
@@ -151,7 +165,9 @@ class AppState:
     @property
     def serves(self) -> str:
         """What an error about a model name says this server serves."""
-        return f"this server serves {', '.join(repr(n) for n in self.model_names)}"
+        adapters = sorted(self.engine.engine.loras)
+        return (f"this server serves {', '.join(repr(n) for n in self.model_names)}"
+                + (f" and the LoRA adapters {', '.join(repr(n) for n in adapters)}" if adapters else ""))
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, give in-flight ones ``grace_s`` to finish, then abort the rest."""
@@ -243,6 +259,9 @@ def build_app(
     """A FastAPI app over a running AsyncEngine. The caller owns the engine (and shuts it down).
     ``compute``: the cost model the dashboard's FLOP/s, bytes/s, MFU and MBU come from."""
     names = model_names or config.served_model_name or ("kvserve",)
+    if clash := sorted(set(names) & set(async_engine.engine.loras)):
+        raise ConfigError(f"the LoRA adapter name(s) {clash} are the base model's: give the adapters other names",
+                          "lora_modules")
     state = AppState(async_engine, config, tokenizer, names, max_model_len, model_root, compute)
     app = FastAPI(title="kvserve", version="0.1.0")
     app.state.kvserve = state
@@ -274,12 +293,14 @@ def build_app(
         return True
 
     add_responses_routes(app, chat_completions, prompt_fits, state.response_store, state.model_name)
+    if config.allow_runtime_lora_updating:
+        add_lora_routes(app, async_engine.engine, state.model_names)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
         received_at = time.monotonic()
         state.check_admissible(body.model)
-        params = async_engine.resolve_params(body.sampling_params())
+        params = state.sampling_params(body)
         inputs: list[p.PromptInput | dict[str, list[int]]] = list(body.prompts())
         state.check_queue_fits(len(inputs), params.n, "prompt")
         if body.suffix is not None:  # fill in the middle: each prompt is the text before the gap
@@ -306,7 +327,8 @@ def build_app(
         prompts = await asyncio.to_thread(prepare_inputs, async_engine, body) if isinstance(body.input, list) \
             else await _off_loop_if_long(body.input, prepare_inputs, async_engine, body)
         try:
-            vectors = await until_disconnected(http, embed(async_engine, prompts, embedding_params(body)))
+            params = replace(embedding_params(body), lora_name=state.adapter_named(body.model))
+            vectors = await until_disconnected(http, embed(async_engine, prompts, params))
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(embedding_response(vectors, prompts, body.model or state.model_name, body.encoding_format))
@@ -342,18 +364,23 @@ def build_app(
         return JSONResponse({"prompt": text})
 
     def model_card(name: str) -> rm.ModelCard:
+        adapter = async_engine.engine.loras.get(name) if name not in state.model_names else None
+        if adapter is not None:  # as vLLM lists an adapter: its path as root, the base model as parent
+            return rm.ModelCard(id=name, created=state.created, root=adapter.path, parent=state.model_name,
+                                max_model_len=state.max_model_len)
         return rm.ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        """A card for each name the model is served under (as vLLM lists them)."""
-        cards = [model_card(name) for name in state.model_names]
+        """A card for each name the model is served under, then each LoRA adapter (as vLLM lists them)."""
+        names = [*state.model_names, *(n for n in async_engine.engine.loras if n not in state.model_names)]
+        cards = [model_card(name) for name in names]
         return Response(rm.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         """One model's card (OpenAI's ``models.retrieve``); a name this server does not serve is a 404."""
-        if model_id not in state.model_names:
+        if model_id not in state.model_names and model_id not in async_engine.engine.loras:
             raise ModelNotFound(f"the model '{model_id}' does not exist; {state.serves}")
         return Response(model_card(model_id).model_dump_json(), media_type="application/json")
 

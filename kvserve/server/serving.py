@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from types import FrameType
 
 import uvicorn
@@ -128,8 +129,7 @@ class BackgroundServer:
         if config.port == 0 or server_config is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
-                config = ServerConfig(host="127.0.0.1", port=s.getsockname()[1],
-                                      served_model_name=config.served_model_name)
+                config = replace(config, host="127.0.0.1", port=s.getsockname()[1])
         self.engine, self.async_engine, app = build_server(engine_config, config)
         self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                      lifespan="off"))

@@ -28,8 +28,9 @@ def test_fused_decode_matches_the_python_layers_bit_for_bit(llm, monkeypatch) ->
     plain_forward = LlamaForCausalLM.forward
     checked: list[tuple[int, bool]] = []  # (rows, cascade) of each decode step compared
 
-    def both_ways(self, input_ids, positions, meta, kv_caches, group_metas=()):
+    def both_ways(self, input_ids, positions, meta, kv_caches, group_metas=(), lora=None):
         assert not group_metas, "SmolLM2 keeps one block table for every layer"
+        assert lora is None, "no request runs a LoRA adapter"
         fused = plain_forward(self, input_ids, positions, meta, kv_caches)
         if stack.accepts(fused, (meta,)):
             self.fused_decode = None

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 
 from kvserve import LLM, LoRARequest, SamplingParams
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig
 from kvserve.errors import InvalidRequest, ModelNotFound
+from kvserve.server.serving import BackgroundServer
+from kvserve.serving_config import ServerConfig
 from tests.e2e.conftest import CHAT_QUESTIONS, PLAIN_PROMPTS, hf_greedy
 from tests.support.lora_adapters import make_adapter
 
@@ -139,3 +144,47 @@ def test_bf16_quantised_adapter_within_tolerance_of_peft_float32(adapters, promp
         for step, token in enumerate(generated):
             differences.append(abs(output.outputs[0].logprobs[step][token] - float(reference[step, token])))
     assert sum(differences) / len(differences) <= BF16_MEAN_LOGPROB_TOLERANCE, differences
+
+
+def test_adapters_served_by_name_and_loaded_at_run_time_over_http(adapters, prompt_ids, references) -> None:
+    full_path, qv_path = adapters["full"][0], adapters["qv"][0]
+    server = BackgroundServer(EngineConfig(model=ModelConfig(dtype="float32", lora_modules=(f"full={full_path}",)),
+                                           cache=CacheConfig(num_kv_blocks=128)),
+                              ServerConfig(port=0, served_model_name=("smol",), allow_runtime_lora_updating=True))
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        cards = client.models.list().data
+        assert [m.id for m in cards] == ["smol", "full"]
+        assert cards[1].model_extra["parent"] == "smol" and cards[1].model_extra["root"] == str(full_path)
+
+        def complete(model: str) -> tuple[str, list[int]]:
+            reply = client.completions.create(model=model, prompt=prompt_ids[0], max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                                              logprobs=0)
+            assert reply.model == model
+            tokens = [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+            return reply.choices[0].text, tokens
+
+        tokenizer = server.engine.tokenizer
+        assert complete("full") == (tokenizer.decode(references["full"][0]), references["full"][0])
+        assert complete("smol")[1] == references[None][0]
+        with pytest.raises(openai.NotFoundError, match="does not exist.*LoRA adapters 'full'"):
+            complete("qv")
+
+        http = httpx.Client(base_url=server.base_url, timeout=60)
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(qv_path)})
+        assert loaded.status_code == 200 and "added" in loaded.text
+        assert complete("qv")[1] == references["qv"][0]
+        again = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(qv_path)})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        base_name = http.post("/v1/load_lora_adapter", json={"lora_name": "smol", "lora_path": str(qv_path)})
+        assert base_name.status_code == 400 and "base model's name" in base_name.json()["error"]["message"]
+        missing = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(qv_path / "nowhere")})
+        assert missing.status_code == 400 and "no adapter_config.json" in missing.json()["error"]["message"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            complete("qv")
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 404
+        assert [m.id for m in client.models.list().data] == ["smol", "full"]
+    finally:
+        server.stop()

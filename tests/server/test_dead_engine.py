@@ -52,6 +52,7 @@ class FailingEngine:
         self.num_added = 0
         self.scheduler = SimpleNamespace(requests={})
         self.input_processor = PassThroughInputs()
+        self.loras: dict[str, object] = {}  # no LoRA adapters
 
     def stats(self) -> EngineStats:
         n = len(self.scheduler.requests)
