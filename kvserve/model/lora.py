@@ -49,7 +49,8 @@ class LoRALoadError(ModelLoadError):
 
 @dataclass(frozen=True, slots=True)
 class LoRAWeights:
-    """One fused projection's low-rank update: ``out += (x @ a.T) @ b.T``, the scale folded into ``b``."""
+    """One fused projection's low-rank update: ``out += (x @ a.T) @ b.T``, the scale folded into ``b`` (float32 on
+    a CPU, else the model's dtype)."""
 
     a: torch.Tensor  # [total rank of its parts, in]
     b: torch.Tensor  # [out, total rank], zero outside each part's own rows and rank columns
@@ -195,8 +196,11 @@ def _fuse(name: str, layer: int, projection: Projection, modules: list[tuple[str
         fused_a[column:column + rank] = a.float()
         fused_b[start:start + size, column:column + rank] = b.float() * scale
         column += rank
-    return LoRAWeights(fused_a.to(device=device, dtype=dtype).contiguous(),
-                       fused_b.to(device=device, dtype=dtype).contiguous())
+    # On a CPU the low-rank products run in float32: torch's bf16 matmul costs several times float32's at these
+    # skinny shapes (benchmarks/lora.py), and the product is a small share of the projection's FLOPs.
+    compute = torch.float32 if device.type == "cpu" else dtype
+    return LoRAWeights(fused_a.to(device=device, dtype=compute).contiguous(),
+                       fused_b.to(device=device, dtype=compute).contiguous())
 
 
 class LayerLoRA:
@@ -218,10 +222,12 @@ class LayerLoRA:
             weights = adapter.layers[self.index].get(projection)
             if weights is None:
                 continue
-            if rows is None:  # every row of the step runs this adapter
-                out += F.linear(F.linear(x, weights.a), weights.b)
+            inputs = x if rows is None else x.index_select(0, rows)  # rows None: every row runs this adapter
+            update = F.linear(F.linear(inputs.to(weights.a.dtype), weights.a), weights.b).to(out.dtype)
+            if rows is None:
+                out += update
             else:
-                out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), weights.a), weights.b))
+                out.index_add_(0, rows, update)
         return out
 
 
