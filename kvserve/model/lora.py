@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
+from kvserve.model.ops import LoRAAdd, torch_lora_add
 
 Projection = Literal["qkv", "o", "gate_up", "down"]
 
@@ -49,11 +49,12 @@ class LoRALoadError(ModelLoadError):
 
 @dataclass(frozen=True, slots=True)
 class LoRAWeights:
-    """One fused projection's low-rank update: ``out += (x @ a.T) @ b.T``, the scale folded into ``b`` (float32 on
+    """One fused projection's low-rank update: ``out += (x @ a.T) @ bt``, the scale folded into ``bt`` (float32 on
     a CPU, else the model's dtype)."""
 
     a: torch.Tensor  # [total rank of its parts, in]
-    b: torch.Tensor  # [out, total rank], zero outside each part's own rows and rank columns
+    bt: torch.Tensor  # [total rank, out]: B transposed, zero outside each part's own rank rows and output columns
+    parts: torch.Tensor  # [parts, 4] int64 on the host: each part's output columns [c0, c1) and ranks [r0, r1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,7 @@ def _fuse(name: str, layer: int, projection: Projection, modules: list[tuple[str
     fused_a = torch.zeros(total_rank, in_size, dtype=torch.float32)
     fused_b = torch.zeros(out_size, total_rank, dtype=torch.float32)
     column = 0
+    parts = []
     for module, a, b in modules:
         start, size = offsets[module]
         rank = a.shape[0]
@@ -195,22 +197,26 @@ def _fuse(name: str, layer: int, projection: Projection, modules: list[tuple[str
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         fused_a[column:column + rank] = a.float()
         fused_b[start:start + size, column:column + rank] = b.float() * scale
+        parts.append((start, start + size, column, column + rank))
         column += rank
     # On a CPU the low-rank products run in float32: torch's bf16 matmul costs several times float32's at these
     # skinny shapes (benchmarks/lora.py), and the product is a small share of the projection's FLOPs.
     compute = torch.float32 if device.type == "cpu" else dtype
     return LoRAWeights(fused_a.to(device=device, dtype=compute).contiguous(),
-                       fused_b.to(device=device, dtype=compute).contiguous())
+                       fused_b.T.to(device=device, dtype=compute).contiguous(), torch.tensor(parts, dtype=torch.long))
 
 
 class LayerLoRA:
-    """The adapters of one step's rows, at one layer: adds each one's update to the projections' outputs."""
+    """The adapters of one step's rows, at one layer: adds each one's update to the projections' outputs
+    through the backend's ``lora_add``."""
 
-    __slots__ = ("groups", "index")
+    __slots__ = ("groups", "index", "lora_add")
 
-    def __init__(self, groups: Sequence[tuple[LoRAAdapter, torch.Tensor | None]], index: int) -> None:
+    def __init__(self, groups: Sequence[tuple[LoRAAdapter, torch.Tensor | None]], index: int,
+                 lora_add: LoRAAdd) -> None:
         self.groups = groups
         self.index = index
+        self.lora_add = lora_add
 
     def targets(self, projection: Projection) -> bool:
         """Whether any adapter of the step updates ``projection`` at this layer."""
@@ -220,14 +226,8 @@ class LayerLoRA:
         """``out`` (the base projection of ``x``) with each adapter's update added to its rows, in place."""
         for adapter, rows in self.groups:
             weights = adapter.layers[self.index].get(projection)
-            if weights is None:
-                continue
-            inputs = x if rows is None else x.index_select(0, rows)  # rows None: every row runs this adapter
-            update = F.linear(F.linear(inputs.to(weights.a.dtype), weights.a), weights.b).to(out.dtype)
-            if rows is None:
-                out += update
-            else:
-                out.index_add_(0, rows, update)
+            if weights is not None:
+                self.lora_add(out, x, weights.a, weights.bt, weights.parts, rows)
         return out
 
 
@@ -236,13 +236,14 @@ class StepLoRA:
     """Which rows of a step run which adapter (rows None: all of them); rows without one run the base model."""
 
     groups: tuple[tuple[LoRAAdapter, torch.Tensor | None], ...]
+    lora_add: LoRAAdd = torch_lora_add
 
     def layer(self, index: int) -> LayerLoRA:
-        return LayerLoRA(self.groups, index)
+        return LayerLoRA(self.groups, index, self.lora_add)
 
     @classmethod
-    def for_rows(cls, spans: Sequence[tuple[LoRAAdapter | None, int, int]], num_rows: int,
-                 device: torch.device) -> StepLoRA | None:
+    def for_rows(cls, spans: Sequence[tuple[LoRAAdapter | None, int, int]], num_rows: int, device: torch.device,
+                 lora_add: LoRAAdd = torch_lora_add) -> StepLoRA | None:
         """From each request's (adapter, first row, row count); None when no row runs an adapter."""
         by_adapter: dict[str, tuple[LoRAAdapter, list[int]]] = {}
         for adapter, first, count in spans:
@@ -255,4 +256,4 @@ class StepLoRA:
         for adapter, rows in by_adapter.values():
             whole = len(rows) == num_rows
             groups.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long).to(device)))
-        return cls(tuple(groups))
+        return cls(tuple(groups), lora_add)

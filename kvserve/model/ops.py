@@ -37,6 +37,23 @@ def torch_gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+# (out, x, a [rank, in], bt [rank, out], parts [P, 4], rows or None: all) -> None: out[rows] += (x[rows] @ a.T) @ bt
+# in place; bt is zero outside its parts (output columns [c0, c1) taking ranks [r0, r1)), which a kernel may skip.
+LoRAAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+
+
+def torch_lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, parts: torch.Tensor,
+                   rows: torch.Tensor | None) -> None:
+    """A LoRA adapter's update of a projection's output rows, in ``a``'s dtype, added in place (``bt`` whole:
+    its zeros add nothing)."""
+    inputs = x if rows is None else x.index_select(0, rows)
+    update = ((inputs.to(a.dtype) @ a.T) @ bt).to(out.dtype)
+    if rows is None:
+        out += update
+    else:
+        out.index_add_(0, rows, update)
+
+
 def _nothing_to_prepare(weight: Weight) -> None:
     return None
 
@@ -59,6 +76,7 @@ class ModelOps:
     fused_gate_up_silu: Callable[[torch.Tensor, Weight], torch.Tensor] | None = None
     # Called once per fused gate/up weight after loading, instead of prepare_weight.
     prepare_gate_up: Callable[[Weight], None] = _nothing_to_prepare
+    lora_add: LoRAAdd = torch_lora_add  # a LoRA adapter's update of a projection (model/lora.py)
 
     def gate_up_silu(self, x: torch.Tensor, gate_up_weight: Weight) -> torch.Tensor:
         if self.fused_gate_up_silu is not None:

@@ -166,7 +166,7 @@ class ModelRunner:
         ends = [first_row for _, first_row, _, _ in inputs.spans[1:]] + [num_rows]
         spans = [(self._adapters.get(request_id), first_row, end - first_row)
                  for (request_id, first_row, _, _), end in zip(inputs.spans, ends, strict=True)]
-        return StepLoRA.for_rows(spans, num_rows, self.device)
+        return StepLoRA.for_rows(spans, num_rows, self.device, self.model.ops.lora_add)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, result: RunnerOutput) -> None:
         """For the requests asking for them, each of this step's prompt rows' logprob of the next prompt token

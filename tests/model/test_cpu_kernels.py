@@ -737,3 +737,37 @@ def test_the_environment_turns_the_kernels_off_in_any_usual_spelling(monkeypatch
 
     monkeypatch.setenv("KVSERVE_CPU_KERNELS", value)
     assert _Loader().get() is None  # a fresh loader: nothing built or loaded
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_rows", [1, 3, 5, 37])
+@pytest.mark.parametrize("subset", [False, True])
+def test_lora_add_matches_float64_within_one_rounding(dtype, num_rows, subset) -> None:
+    from kvserve.model.ops import torch_lora_add
+
+    torch.manual_seed(num_rows)
+    in_size, out_size = 200, 90  # neither a multiple of 16: the tails
+    # Two parts, as a fused projection's: columns 0-39 on ranks 0-3, columns 40-89 on ranks 4-9 (zero elsewhere).
+    a = torch.randn(10, in_size) / in_size ** 0.5
+    bt = torch.zeros(10, out_size)
+    bt[0:4, 0:40] = torch.randn(4, 40)
+    bt[4:10, 40:90] = torch.randn(6, 50)
+    parts = torch.tensor([[0, 40, 0, 4], [40, 90, 4, 10]])
+    x = torch.randn(num_rows, in_size).to(dtype)
+    out = torch.randn(num_rows, out_size).to(dtype)
+    rows = torch.tensor(sorted(set(range(0, num_rows, 2)) | {num_rows - 1})) if subset else None
+    kernel_out, torch_out = out.clone(), out.clone()
+    torch.ops.kvserve.lora_add(kernel_out, x, a, bt, parts, rows)
+    torch_lora_add(torch_out, x, a, bt, parts, rows)
+    expected = out.double()
+    chosen = rows if rows is not None else torch.arange(num_rows)
+    expected[chosen] += (x[chosen].double() @ a.double().T) @ bt.double()
+    # The kernel rounds once (bf16: half a unit in the last place of the result), plus float32 sums; torch's
+    # reference rounds the update to the output's dtype before adding it, a second rounding of its size.
+    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-6
+    update = expected - out.double()
+    assert ((kernel_out.double() - expected).abs() <= expected.abs() * unit + 1e-5).all()
+    assert ((torch_out.double() - expected).abs() <= (expected.abs() + update.abs()) * unit + 1e-5).all()
+    if rows is not None:  # the rows not chosen are untouched
+        untouched = torch.tensor([i for i in range(num_rows) if i not in set(rows.tolist())], dtype=torch.long)
+        assert torch.equal(kernel_out[untouched], out[untouched])

@@ -57,12 +57,13 @@ def test_q_and_v_are_laid_out_on_the_fused_projection_with_their_scales(tmp_path
     qkv = adapter.layers[0]["qkv"]
     assert set(adapter.layers[0]) == {"qkv"} and all(not layer for layer in adapter.layers[1:])
     assert adapter.rank == 4 and qkv.a.shape == (6, arch.hidden_size)
-    assert qkv.b.shape == (arch.q_size + 2 * arch.kv_size, 6)
+    assert qkv.bt.shape == (6, arch.q_size + 2 * arch.kv_size)
     q_a, q_b = tensors[f"{module_name(0, 'q_proj')}.lora_A.weight"], tensors[f"{module_name(0, 'q_proj')}.lora_B.weight"]
     v_a, v_b = tensors[f"{module_name(0, 'v_proj')}.lora_A.weight"], tensors[f"{module_name(0, 'v_proj')}.lora_B.weight"]
     torch.testing.assert_close(qkv.a, torch.cat([q_a, v_a]))
+    assert qkv.parts.tolist() == [[0, arch.q_size, 0, 4], [arch.q_size + arch.kv_size, arch.q_size + 2 * arch.kv_size, 4, 6]]
     x = torch.randn(3, arch.hidden_size)
-    delta = (x @ qkv.a.T) @ qkv.b.T
+    delta = (x @ qkv.a.T) @ qkv.bt
     v_start = arch.q_size + arch.kv_size
     torch.testing.assert_close(delta[:, : arch.q_size], (x @ q_a.T @ q_b.T) * (8 / 4))  # alpha / rank
     torch.testing.assert_close(delta[:, v_start:], (x @ v_a.T @ v_b.T) * (4 / 2))  # the pattern's alpha
@@ -73,7 +74,7 @@ def test_rslora_scales_by_the_square_root_of_the_rank(tmp_path, arch) -> None:
     tensors = write_adapter(tmp_path, arch, {(1, "down_proj"): 4}, lora_alpha=8, use_rslora=True)
     down = load_adapter("a", tmp_path, arch, torch.float32, CPU).layers[1]["down"]
     b = tensors[f"{module_name(1, 'down_proj')}.lora_B.weight"]
-    torch.testing.assert_close(down.b, b * (8 / math.sqrt(4)))
+    torch.testing.assert_close(down.bt, b.T * (8 / math.sqrt(4)))
 
 
 @pytest.mark.parametrize(("config", "message"), [
@@ -133,7 +134,7 @@ def test_a_steps_rows_are_grouped_by_adapter(tmp_path, arch) -> None:
     expected = base.clone()
     for rows, adapter in (([2, 3, 5, 6, 7], one), ([4], two)):
         w = adapter.layers[0]["o"]
-        expected[rows] += (x[rows] @ w.a.T) @ w.b.T
+        expected[rows] += (x[rows] @ w.a.T) @ w.bt
     torch.testing.assert_close(out, expected)
     assert layer.add("qkv", x, base.clone()).equal(base)
 

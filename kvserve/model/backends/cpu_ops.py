@@ -266,7 +266,7 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
         linear=QuantizedOrDense(kernels.linear, dense.linear),  # type: ignore[arg-type]
         embedding=QuantizedOrDense(kernels.embedding, F.embedding),  # type: ignore[arg-type]
         add_rms_norm=dense.add_rms_norm, silu_mul=dense.silu_mul, gelu_tanh_mul=dense.gelu_tanh_mul,
-        rotary=dense.rotary,
+        rotary=dense.rotary, lora_add=dense.lora_add,
         prepare_weight=dense_only(dense.prepare_weight),
         fused_gate_up_silu=QuantizedOrDense(kernels.gate_up_silu, dense_gate_up),  # type: ignore[arg-type]
         prepare_gate_up=dense_only(dense.prepare_gate_up),
@@ -274,8 +274,8 @@ def build_cpu_ops(projections: str | None, gemv_max_rows: int, elementwise: bool
 
 
 def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: bool) -> CpuOps:
-    if not elementwise:
-        return CpuOps(ModelOps())
+    if not elementwise:  # LoRA's update takes float32 too
+        return CpuOps(ModelOps(lora_add=torch.ops.kvserve.lora_add))
     families = {"amx": PackedKernels.amx, "avx512": PackedKernels.avx512, "bf16dot": PackedKernels.bf16dot,
                 "avx2": PackedKernels.avx2}
     family = families[projections]() if projections else None
@@ -288,7 +288,7 @@ def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: b
     kernels = torch.ops.kvserve
     if packed_linear is None:
         return CpuOps(ModelOps(linear=linear, add_rms_norm=kernels.add_rms_norm, silu_mul=kernels.silu_mul,
-                               gelu_tanh_mul=kernels.gelu_tanh_mul, rotary=kernels.rotary))
+                               gelu_tanh_mul=kernels.gelu_tanh_mul, rotary=kernels.rotary, lora_add=kernels.lora_add))
 
     def gate_up_then_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvserve.silu_mul(linear(x, weight, None))
@@ -298,5 +298,5 @@ def _build_dense_ops(projections: str | None, gemv_max_rows: int, elementwise: b
                                prepare_fallback=packed_linear.prepare)
     ops = ModelOps(linear=linear, prepare_weight=packed_linear.prepare, fused_gate_up_silu=gate_up,
                    prepare_gate_up=gate_up.prepare, add_rms_norm=kernels.add_rms_norm, silu_mul=kernels.silu_mul,
-                   gelu_tanh_mul=kernels.gelu_tanh_mul, rotary=kernels.rotary)
+                   gelu_tanh_mul=kernels.gelu_tanh_mul, rotary=kernels.rotary, lora_add=kernels.lora_add)
     return CpuOps(ops, packed_linear, gate_up)

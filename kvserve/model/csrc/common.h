@@ -412,6 +412,10 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     c10::string_view attention);
 
 // sampling.cpp
+// lora.cpp: out[rows] += (x[rows] @ a^T) @ bt in place (x, out bf16 or float32; a, bt float32; bt zero
+// outside parts).
+void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              const at::Tensor& parts, const c10::optional<at::Tensor>& rows);
 at::Tensor argmax_rows(const at::Tensor& x);
 void mask_logits(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask);
 

@@ -18,6 +18,7 @@
 //   flash_attention_avx512.cpp  paged_attention_avx512: the same many-row attention on plain AVX-512
 //   paged_runs.cpp   check_paged_runs: the argument checks both many-row kernels share
 //   elementwise.cpp  add_rms_norm, silu_mul, gelu_tanh_mul, rotary: the glue between projections
+//   lora.cpp         lora_add: a LoRA adapter's low-rank update added to a projection's rows in place
 //   sampling.cpp     argmax_rows: greedy sampling's reduction; mask_logits: a grammar's token mask
 //   decode_stack.cpp decode_stack: a decode step's whole decoder stack (the kernels above) in one call
 //   worker_pool.cpp  the threads the kernels' parallel regions run on; use_worker_pool: OpenMP instead
@@ -71,6 +72,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool bf16_out) -> Tensor",
         &kvserve::merge_attention);
   m.def("argmax_rows(Tensor x) -> Tensor", &kvserve::argmax_rows);
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor parts, Tensor? rows) -> ()", &kvserve::lora_add);
   m.def("mask_logits(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()", &kvserve::mask_logits);
   m.def("decode_stack(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor[] input_norms, Tensor[] post_norms, "
         "Tensor[] qkv_packed, Tensor[] o_packed, Tensor[] gate_up_packed, Tensor[] down_packed, Tensor[] kv_caches, "
