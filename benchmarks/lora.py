@@ -95,7 +95,8 @@ def main() -> int:
             "base model, one at a time": (1, [None] * args.single_requests),
             "one adapter, one at a time": (1, [adapters[0]] * args.single_requests),
         }
-        run_case(llm, prompts[:2], [None, adapters[0]], 8, 2)  # warm-up: kernels, adapters loaded
+        for concurrency, loras in cases.values():  # warm-up: every case's step shapes once, untimed
+            run_case(llm, prompts[:len(loras)], loras, 8, concurrency)
         rounds: list[dict[str, float]] = []
         names = list(cases)
         for r in range(args.rounds):
