@@ -291,7 +291,7 @@ def test_the_runner_tells_the_backend_every_block_a_step_writes() -> None:
         def build_metadata(self, rows: StepRows) -> None:
             self.written.append(rows.written_block_ids)
 
-    def no_forward(*args: object) -> None:
+    def no_forward(*args: object, **kwargs: object) -> None:
         raise AssertionError("a step without tokens runs no forward")
 
     backend = Recording()
