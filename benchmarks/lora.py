@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.config import ArchConfig
+from kvserve.model.lora import module_shapes
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -35,11 +36,7 @@ PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_att
 
 def random_adapter(directory: Path, arch: ArchConfig, rank: int, seed: int) -> Path:
     """A random LoRA adapter on every projection of every layer, written as PEFT writes one."""
-    sizes = {"q_proj": (arch.q_size, arch.hidden_size), "k_proj": (arch.kv_size, arch.hidden_size),
-             "v_proj": (arch.kv_size, arch.hidden_size), "o_proj": (arch.hidden_size, arch.q_size),
-             "gate_proj": (arch.intermediate_size, arch.hidden_size),
-             "up_proj": (arch.intermediate_size, arch.hidden_size),
-             "down_proj": (arch.hidden_size, arch.intermediate_size)}
+    sizes = module_shapes(arch)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(arch.num_layers):

@@ -167,18 +167,23 @@ def _pattern_value(patterns: Any, module_key: str, default: float) -> float:
     return default
 
 
+def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
+    """Each module an adapter may target: its weight's [out, in] in ``arch``, as PEFT's lora_B and lora_A see it."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    return {"q_proj": (arch.q_size, hidden), "k_proj": (arch.kv_size, hidden), "v_proj": (arch.kv_size, hidden),
+            "o_proj": (hidden, arch.q_size), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
 def _fuse(name: str, layer: int, projection: Projection, modules: list[tuple[str, torch.Tensor, torch.Tensor]],
           config: dict[str, Any], arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LoRAWeights:
     """One fused projection's A and B from its modules' (module name, A, B), shapes checked, scales folded."""
-    in_size = {"qkv": arch.hidden_size, "o": arch.q_size, "gate_up": arch.hidden_size,
-               "down": arch.intermediate_size}[projection]
-    # Each part's rows in the fused output, in the order the model fuses them.
-    offsets = {"q_proj": (0, arch.q_size), "k_proj": (arch.q_size, arch.kv_size),
-               "v_proj": (arch.q_size + arch.kv_size, arch.kv_size), "o_proj": (0, arch.hidden_size),
-               "gate_proj": (0, arch.intermediate_size), "up_proj": (arch.intermediate_size, arch.intermediate_size),
-               "down_proj": (0, arch.hidden_size)}
-    out_size = {"qkv": arch.q_size + 2 * arch.kv_size, "o": arch.hidden_size, "gate_up": 2 * arch.intermediate_size,
-                "down": arch.hidden_size}[projection]
+    shapes = module_shapes(arch)
+    parts_of = [m for m, (p, _) in _MODULES.items() if p == projection]  # in the order the model fuses them
+    in_size = shapes[parts_of[0]][1]
+    out_size = sum(shapes[m][0] for m in parts_of)
+    # Each part's first row in the fused output.
+    first_rows = {m: sum(shapes[n][0] for n in parts_of[:i]) for i, m in enumerate(parts_of)}
     modules = sorted(modules, key=lambda m: _MODULES[m[0]][1])
     total_rank = sum(a.shape[0] for _, a, _ in modules)
     fused_a = torch.zeros(total_rank, in_size, dtype=torch.float32)
@@ -186,7 +191,7 @@ def _fuse(name: str, layer: int, projection: Projection, modules: list[tuple[str
     column = 0
     parts = []
     for module, a, b in modules:
-        start, size = offsets[module]
+        start, size = first_rows[module], shapes[module][0]
         rank = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_size or b.shape != (size, rank):
             raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s {module} has lora_A {tuple(a.shape)} and "

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from kvserve.config import ArchConfig, ModelConfig, lora_module
 from kvserve.errors import ConfigError
 from kvserve.model.loader import read_arch_config
-from kvserve.model.lora import LoRALoadError, StepLoRA, load_adapter
+from kvserve.model.lora import LoRALoadError, StepLoRA, load_adapter, module_shapes
 
 CPU = torch.device("cpu")
 
@@ -32,11 +32,7 @@ def module_name(layer: int, module: str) -> str:
 def write_adapter(directory: Path, arch: ArchConfig, modules: dict[tuple[int, str], int], seed: int = 0,
                   **config: object) -> dict[str, torch.Tensor]:
     """An adapter of the given (layer, module) -> rank, PEFT's file names and tensor names."""
-    shapes = {"q_proj": (arch.q_size, arch.hidden_size), "k_proj": (arch.kv_size, arch.hidden_size),
-              "v_proj": (arch.kv_size, arch.hidden_size), "o_proj": (arch.hidden_size, arch.q_size),
-              "gate_proj": (arch.intermediate_size, arch.hidden_size),
-              "up_proj": (arch.intermediate_size, arch.hidden_size),
-              "down_proj": (arch.hidden_size, arch.intermediate_size)}
+    shapes = module_shapes(arch)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for (layer, module), rank in modules.items():
