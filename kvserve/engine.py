@@ -362,7 +362,8 @@ class Engine:
             grammar = self.grammars.compile(params.structured_outputs, count_hit=False)
         order = next(self._ids)
         lora = self.lora(params.lora_name)
-        hash_extra = salted_hash_extra(self.block_hash_extra, params.cache_salt)
+        # The adapter's key before the salt: no salt can spell an adapter's key after the base model's extra.
+        hash_extra = salted_hash_extra(self.block_hash_extra + (lora.cache_key if lora else b""), params.cache_salt)
         request = Request(
             request_id if request_id is not None else f"req-{order}",
             token_ids,
@@ -370,7 +371,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
             arrival_order=order,
-            hash_extra=hash_extra if lora is None else hash_extra + lora.cache_key,
+            hash_extra=hash_extra,
             prompt=processed.prompt,
             grammar=grammar,
             lora=lora,

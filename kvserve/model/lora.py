@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
@@ -70,7 +70,8 @@ class LoRAAdapter:
 
     @property
     def cache_key(self) -> bytes:
-        """What a request with this adapter mixes into its block hashes."""
+        """What a request with this adapter mixes into its block hashes, right after the engine's own extra and
+        before any cache salt (so that no salt can spell an adapter's key)."""
         return b"\0lora:" + self.fingerprint.encode()
 
 
@@ -91,11 +92,12 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig, dtype: torch.dty
     if not isinstance(config, dict):
         raise LoRALoadError(f"LoRA adapter '{name}': {ADAPTER_CONFIG} is not a JSON object")
     _check_config(name, config)
-    fingerprint = hashlib.sha256(config_file.read_bytes() + weights_file.read_bytes()).hexdigest()[:32]
     try:
-        tensors = load_file(weights_file)
-    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        config_bytes, weights_bytes = config_file.read_bytes(), weights_file.read_bytes()
+        tensors = load_safetensors(weights_bytes)  # the bytes the fingerprint is of
+    except Exception as exc:  # an unreadable file, or safetensors' own error types for a damaged one
         raise LoRALoadError(f"LoRA adapter '{name}': {ADAPTER_WEIGHTS} cannot be read: {exc}") from None
+    fingerprint = hashlib.sha256(config_bytes + weights_bytes).hexdigest()[:32]
     parts = _pair_tensors(name, tensors, arch)
     layers: list[dict[Projection, LoRAWeights]] = [{} for _ in range(arch.num_layers)]
     ranks: list[int] = []
@@ -117,6 +119,18 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
         refuse(f"peft_type is {config.get('peft_type')!r}; only LORA adapters run")
     if config.get("use_dora"):
         refuse("DoRA (use_dora) is not supported")
+    # PEFT's variants whose forward is not plain LoRA's update on every token.
+    for key in ("lora_bias", "use_qalora", "alora_invocation_tokens", "layer_replication", "velora_config",
+                "monteclora_config", "kasa_config", "arrow_config", "use_bdlora", "trainable_token_indices",
+                "target_parameters"):
+        if config.get(key):
+            refuse(f"{key} is set: that LoRA variant is not supported (only plain LoRA, rsLoRA and rank/alpha "
+                   "patterns are)")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and (init in ("pissa", "olora", "corda", "loftq", "lora_ga")
+                                  or init.startswith("pissa_niter_")):
+        refuse(f"init_lora_weights {init!r} changes the base model's weights; convert the adapter to plain LoRA "
+               "first (PEFT's path_initial_model_for_weight_conversion)")
     if config.get("bias", "none") != "none":
         refuse(f"bias {config.get('bias')!r} is not supported (only 'none')")
     if config.get("fan_in_fan_out"):
@@ -132,7 +146,7 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
 def _pair_tensors(name: str, tensors: dict[str, torch.Tensor],
                   arch: ArchConfig) -> dict[tuple[int, Projection], list[tuple[str, torch.Tensor, torch.Tensor]]]:
     """The file's A and B matrices, paired by module: (layer, fused projection) -> [(module name, A, B)]."""
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR_NAME.fullmatch(key)
         if match is None:
@@ -147,22 +161,43 @@ def _pair_tensors(name: str, tensors: dict[str, torch.Tensor],
         if _MODULES[module][0] in ("gate_up", "down") and arch.is_moe_layer(layer):
             raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s MLP is a mixture of experts; adapters on "
                                 "experts are not supported (attention-only adapters are)")
-        found.setdefault((layer, module), {})[side] = tensor
+        if tensor.dim() != 2:
+            raise LoRALoadError(f"LoRA adapter '{name}': tensor {key!r} has shape {tuple(tensor.shape)}, not a matrix")
+        sides = found.setdefault((layer, module), {})
+        if side in sides:
+            raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s {module} has two lora_{side} tensors "
+                                f"({sides[side][0]!r} and {key!r})")
+        sides[side] = (key, tensor)
     parts: dict[tuple[int, Projection], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), sides in found.items():
         if set(sides) != {"A", "B"}:
             raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s {module} has lora_{''.join(sides)} "
                                 "without its other half")
-        parts.setdefault((layer, _MODULES[module][0]), []).append((module, sides["A"], sides["B"]))
+        parts.setdefault((layer, _MODULES[module][0]), []).append((_module_key(sides["A"][0]), sides["A"][1],
+                                                                   sides["B"][1]))
     return parts
 
 
-def _pattern_value(patterns: Any, module_key: str, default: float) -> float:
+def _module_key(tensor_name: str) -> str:
+    """The module's name as PEFT matches rank and alpha patterns against it: the tensor's name without PEFT's
+    wrapper prefix and the LoRA suffix (``model.layers.3.self_attn.q_proj``)."""
+    return tensor_name.removeprefix("base_model.model.").split(".lora_")[0]
+
+
+def _pattern_value(name: str, patterns: Any, module_key: str, default: float) -> float:
     """PEFT's rank_pattern / alpha_pattern: the first key that matches the module's name, as PEFT matches it."""
     if not isinstance(patterns, dict):
         return default
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module_key):
+        try:
+            matched = re.match(rf"(.*\.)?({pattern})$", module_key)
+        except re.error as exc:
+            raise LoRALoadError(f"LoRA adapter '{name}': pattern {pattern!r} is not a regular expression: {exc}") \
+                from None
+        if matched:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise LoRALoadError(f"LoRA adapter '{name}': pattern {pattern!r} gives {value!r}, not a positive "
+                                    "number")
             return float(value)
     return default
 
@@ -177,28 +212,29 @@ def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
 
 def _fuse(name: str, layer: int, projection: Projection, modules: list[tuple[str, torch.Tensor, torch.Tensor]],
           config: dict[str, Any], arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LoRAWeights:
-    """One fused projection's A and B from its modules' (module name, A, B), shapes checked, scales folded."""
+    """One fused projection's A and B from its modules' (PEFT's module key, A, B), shapes checked, scales
+    folded."""
     shapes = module_shapes(arch)
     parts_of = [m for m, (p, _) in _MODULES.items() if p == projection]  # in the order the model fuses them
     in_size = shapes[parts_of[0]][1]
     out_size = sum(shapes[m][0] for m in parts_of)
     # Each part's first row in the fused output.
     first_rows = {m: sum(shapes[n][0] for n in parts_of[:i]) for i, m in enumerate(parts_of)}
-    modules = sorted(modules, key=lambda m: _MODULES[m[0]][1])
+    modules = sorted(modules, key=lambda m: _MODULES[m[0].rsplit(".", 1)[-1]][1])
     total_rank = sum(a.shape[0] for _, a, _ in modules)
     fused_a = torch.zeros(total_rank, in_size, dtype=torch.float32)
     fused_b = torch.zeros(out_size, total_rank, dtype=torch.float32)
     column = 0
     parts = []
-    for module, a, b in modules:
+    for module_key, a, b in modules:
+        module = module_key.rsplit(".", 1)[-1]
         start, size = first_rows[module], shapes[module][0]
         rank = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_size or b.shape != (size, rank):
             raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s {module} has lora_A {tuple(a.shape)} and "
                                 f"lora_B {tuple(b.shape)}; the model needs [{rank}, {in_size}] and [{size}, {rank}] "
                                 "(an adapter of another base model?)")
-        module_key = f"model.layers.{layer}.{'mlp' if projection in ('gate_up', 'down') else 'self_attn'}.{module}"
-        alpha = _pattern_value(config.get("alpha_pattern"), module_key, float(config["lora_alpha"]))
+        alpha = _pattern_value(name, config.get("alpha_pattern"), module_key, float(config["lora_alpha"]))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         fused_a[column:column + rank] = a.float()
         fused_b[start:start + size, column:column + rank] = b.float() * scale
@@ -249,12 +285,12 @@ class StepLoRA:
     @classmethod
     def for_rows(cls, spans: Sequence[tuple[LoRAAdapter | None, int, int]], num_rows: int, device: torch.device,
                  lora_add: LoRAAdd = torch_lora_add) -> StepLoRA | None:
-        """From each request's (adapter, first row, row count); None when no row runs an adapter."""
-        by_adapter: dict[str, tuple[LoRAAdapter, list[int]]] = {}
+        """From each request's (adapter, first row, row count); None when no row runs an adapter. The spans do
+        not overlap, so an adapter's rows are distinct (the C++ update writes each row from one thread)."""
+        by_adapter: dict[int, tuple[LoRAAdapter, list[int]]] = {}
         for adapter, first, count in spans:
             if adapter is not None:
-                by_adapter.setdefault(adapter.fingerprint + adapter.name, (adapter, []))[1].extend(
-                    range(first, first + count))
+                by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + count))
         if not by_adapter:
             return None
         groups = []

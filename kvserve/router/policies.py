@@ -42,6 +42,14 @@ class RouteRequest:
     cache_salt: str | None = None  # its cached KV is shared only with requests of the same salt
 
 
+def index_salt(request: RouteRequest, candidates: Sequence[Replica]) -> str | None:
+    """What keeps a request's prompts apart in an approximate prefix index: its cache salt, and its LoRA adapter
+    where its model is one (an adapter's KV is its own on a replica)."""
+    if request.model is None or not any(request.model in r.lora_cache_keys for r in candidates):
+        return request.cache_salt
+    return f"{request.cache_salt or ''}\0lora:{request.model}"
+
+
 def cache_salt_of(payload: dict[str, Any]) -> str | None:
     """A request body's ``cache_salt`` (vLLM's), where it is a string; the replica judges any other value."""
     salt = payload.get("cache_salt")
@@ -133,7 +141,7 @@ class ReplicaPrefixes:
             if self._known.get(replica.url) != capacity:  # new, or its capacity became known
                 self.index.add_replica(replica.url, capacity)
                 self._known[replica.url] = capacity
-        keys = page_keys(request.token_ids, self.index.page_tokens, request.cache_salt)
+        keys = page_keys(request.token_ids, self.index.page_tokens, index_salt(request, candidates))
         self._last = (request, keys)
         pages = self.index.match(keys, (r.url for r in candidates))
         return {url: n * self.index.page_tokens for url, n in pages.items()}
@@ -142,7 +150,7 @@ class ReplicaPrefixes:
         if self._last is not None and self._last[0] is request:
             keys = self._last[1]
         else:
-            keys = page_keys(request.token_ids, self.index.page_tokens, request.cache_salt)
+            keys = page_keys(request.token_ids, self.index.page_tokens, index_salt(request, [replica]))
         self.index.insert(replica.url, keys)
 
     def forget(self, replica: Replica) -> None:
@@ -164,7 +172,9 @@ class ReplicaBlocks:
             if not replica.kv_events or replica.block_size is None:
                 matched[replica.url] = 0
                 continue
-            key = (replica.block_size, salted_hash_extra(replica.block_hash_extra, request.cache_salt))
+            # As the engine keys them: its fingerprint, the adapter's key where the model is one, then the salt.
+            adapter_key = replica.lora_cache_keys.get(request.model, b"") if request.model is not None else b""
+            key = (replica.block_size, salted_hash_extra(replica.block_hash_extra + adapter_key, request.cache_salt))
             if key not in hashes:
                 hashes[key] = block_hashes(request.token_ids, *key)
             matched[replica.url] = self.index.match(hashes[key], [replica.url])[replica.url] * replica.block_size

@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -43,6 +43,8 @@ class Replica:
     shared_kv_group: str | None = None
     kv_events: bool = False  # it publishes its prefix cache's block events
     block_hash_extra: bytes = b""  # what it mixes into its block hashes (model fingerprint, salt)
+    # Its LoRA adapters (model names) and what each one's requests add to their block hashes after that.
+    lora_cache_keys: dict[str, bytes] = field(default_factory=dict)
     in_flight: int = 0  # requests this router has sent and not yet seen end
     queued_prompt_tokens: int = 0  # uncached prompt tokens (as the policy estimated) not yet answered a first byte
     reported_running: int = 0
@@ -124,6 +126,12 @@ class ReplicaPool:
             replica.block_hash_extra = bytes.fromhex(info["block_hash_extra"])
         if isinstance(info.get("num_kv_blocks"), int):
             replica.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
+        adapters = info.get("lora_cache_keys")
+        if isinstance(adapters, dict):
+            try:
+                replica.lora_cache_keys = {str(name): bytes.fromhex(key) for name, key in adapters.items()}
+            except (TypeError, ValueError):
+                logger.warning("replica %s reports LoRA cache keys that are not hex: %r", replica.url, adapters)
 
     # --- health loop ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,13 +175,17 @@ class ReplicaPool:
             self.mark_down(replica, reason)
 
     async def _comes_back(self, replica: Replica) -> None:
-        if not replica.models:
-            try:
-                response = await self._client.get(f"{replica.url}/v1/models", headers=self._headers, timeout=5.0)
-                replica.models = _model_ids(replica.url, response)
-            except (httpx.TransportError, ConfigError) as exc:
+        # Read again what it serves: a restarted replica may hold other LoRA adapters.
+        try:
+            response = await self._client.get(f"{replica.url}/v1/models", headers=self._headers, timeout=5.0)
+            replica.models = _model_ids(replica.url, response)
+        except (httpx.TransportError, ConfigError) as exc:
+            if not replica.models:
                 logger.warning("replica %s answers /health but not /v1/models: %s", replica.url, exc)
                 return
+            logger.warning("replica %s is back but /v1/models did not answer (%s): its last list is kept",
+                           replica.url, exc)
+        await self._read_kvserve_info(replica)
         replica.healthy = True
         logger.warning("replica %s is healthy again", replica.url)
         for callback in self.on_change:

@@ -146,9 +146,9 @@ class AppState:
         return replace(params, lora_name=self.adapter_named(body.model))
 
     def adapter_named(self, name: str | None) -> str | None:
-        """The LoRA adapter a request's ``model`` names, or None for the base model."""
-        return name if name is not None and name not in self.model_names and name in self.engine.engine.loras \
-            else None
+        """The LoRA adapter a request's ``model`` names (after ``check_admissible``: any name but the base
+        model's; one unloaded since is the engine's 404), or None for the base model."""
+        return name if name is not None and name not in self.model_names else None
 
     def check_admissible(self, name: str | None) -> None:
         """What a generation route checks first: the server is up and ``name`` (if given) is its model or one
@@ -323,11 +323,11 @@ def build_app(
     @app.post("/v1/embeddings")
     async def embeddings(body: p.EmbeddingRequest, http: Request) -> Response:
         state.check_admissible(body.model)
+        params = replace(embedding_params(body), lora_name=state.adapter_named(body.model))
         state.check_queue_fits(len(body.inputs()), 1, "input")
         prompts = await asyncio.to_thread(prepare_inputs, async_engine, body) if isinstance(body.input, list) \
             else await _off_loop_if_long(body.input, prepare_inputs, async_engine, body)
         try:
-            params = replace(embedding_params(body), lora_name=state.adapter_named(body.model))
             vectors = await until_disconnected(http, embed(async_engine, prompts, params))
         except ClientGone:
             return Response(status_code=499)
@@ -373,7 +373,8 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> Response:
         """A card for each name the model is served under, then each LoRA adapter (as vLLM lists them)."""
-        names = [*state.model_names, *(n for n in async_engine.engine.loras if n not in state.model_names)]
+        adapters = list(async_engine.engine.loras)  # a snapshot: a runtime load may add one meanwhile
+        names = [*state.model_names, *(n for n in adapters if n not in state.model_names)]
         cards = [model_card(name) for name in names]
         return Response(rm.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
@@ -394,7 +395,9 @@ def build_app(
                              "shared_kv_tier": engine.config.storage.redis_url is not None,
                              "shared_kv_group": engine.shared_kv_group,
                              "kv_events": engine.kv_events is not None,
-                             "block_hash_extra": engine.block_hash_extra.hex()})
+                             "block_hash_extra": engine.block_hash_extra.hex(),
+                             # what each LoRA adapter's requests add to their block hashes (their KV is apart)
+                             "lora_cache_keys": {name: a.cache_key.hex() for name, a in engine.loras.items()}})
 
     @app.get("/kvserve/kv_events")
     async def kv_events(after: int = 0, epoch: str | None = None) -> Response:

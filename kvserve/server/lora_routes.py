@@ -25,6 +25,7 @@ class UnloadLoRAAdapterRequest(p.StrictTextModel):
 
 def add_lora_routes(app: FastAPI, engine: Engine, model_names: tuple[str, ...]) -> None:
     """The routes over ``engine``'s adapters; an adapter may not take one of ``model_names`` (the base model's)."""
+    loading = asyncio.Lock()  # one load at a time: two loads of one name must not both succeed
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
@@ -34,10 +35,11 @@ def add_lora_routes(app: FastAPI, engine: Engine, model_names: tuple[str, ...]) 
                                  else "lora_path")
         if name in model_names:
             raise InvalidRequest(f"'{name}' is the base model's name; give the adapter another", param="lora_name")
-        if name in engine.loras:
-            raise InvalidRequest(f"the LoRA adapter '{name}' has already been loaded; unload it first",
-                                 param="lora_name")
-        await asyncio.to_thread(engine.add_lora, name, body.lora_path)  # reads and converts its tensors
+        async with loading:
+            if name in engine.loras:
+                raise InvalidRequest(f"the LoRA adapter '{name}' has already been loaded; unload it first",
+                                     param="lora_name")
+            await asyncio.to_thread(engine.add_lora, name, body.lora_path)  # reads and converts its tensors
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -2,8 +2,8 @@
 
 Two random adapters made and saved by PEFT: one on all seven projections (rank 8), one on q/v only (rank 4,
 rsLoRA). In float32 kvserve's greedy output equals PEFT's token for token, with base and adapter requests in
-one batch, chunked, preempted and speculated; in bf16 (the default quantised path) the generated tokens'
-logprobs stay within a stated distance of PEFT's float32 ones."""
+one batch, chunked, preempted and speculated (one engine does all three); in bf16 (the default quantised path)
+the generated tokens' logprobs stay within a stated distance of PEFT's float32 ones."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.support.lora_adapters import make_adapter
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # bf16 against PEFT's float32: the generated tokens' logprobs differ by at most this much on average (the base
 # model alone: 0.02-0.04; the full adapter moves the reference's logprobs by about 0.15 on such text).
@@ -46,14 +46,17 @@ def adapters(hf_reference, tmp_path_factory) -> dict[str, tuple[Path, object]]:
 
 @pytest.fixture(scope="module")
 def llm(adapters) -> LLM:
-    return LLM(dtype="float32", num_kv_blocks=512, lora_modules=[f"{name}={path}" for name, (path, _) in
-                                                                 adapters.items()])
+    # 16-token chunks, a pool that cannot hold the mixed batch's nine requests at once, n-gram drafts on decodes.
+    return LLM(dtype="float32", num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=12,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 2},
+               lora_modules=[f"{name}={path}" for name, (path, _) in adapters.items()])
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(llm) -> list[list[int]]:
     tok = llm.get_tokenizer()
-    ids = [tok.encode(p) for p in PLAIN_PROMPTS[:3]]
+    ids = [tok.encode(p) for p in PLAIN_PROMPTS[:2]]
     text = tok.apply_chat_template([{"role": "user", "content": CHAT_QUESTIONS[1]}])
     return [*ids, tok.encode(text, add_special_tokens=False)]
 
@@ -81,13 +84,17 @@ def run_mixed(llm: LLM, prompt_ids: list[list[int]]) -> dict[str | None, list[li
     return found
 
 
-def test_each_adapter_equals_peft_token_for_token_in_a_mixed_batch(llm, prompt_ids, references) -> None:
+def test_each_adapter_equals_peft_in_a_mixed_batch_chunked_preempted_and_speculated(llm, prompt_ids,
+                                                                                     references) -> None:
     if loaded_cpu_kernels() is not None:  # the C++ update, not torch's reference, is what runs
         assert llm.engine.model.ops.lora_add is not torch_lora_add
     assert run_mixed(llm, prompt_ids) == references
     # The adapters change what the model says (else the equality above would hold with them ignored).
     for name in ("full", "qv"):
-        assert sum(a != b for a, b in zip(references[name], references[None], strict=True)) >= 3
+        assert sum(a != b for a, b in zip(references[name], references[None], strict=True)) >= 2
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_draft_tokens > 0
+    assert llm.engine.audit().ok
 
 
 def test_an_adapters_kv_is_cached_apart_from_the_base_models(llm) -> None:
@@ -109,28 +116,15 @@ def test_an_adapters_kv_is_cached_apart_from_the_base_models(llm) -> None:
     assert llm.engine.audit().ok
 
 
-def test_chunked_preempted_and_speculated_adapters_equal_peft(adapters, prompt_ids, references) -> None:
-    # 16-token chunks, a pool that cannot hold the twelve requests at once, and n-gram drafts on the decodes.
-    llm = LLM(dtype="float32", num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=12,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 2},
-              lora_modules=[f"{name}={path}" for name, (path, _) in adapters.items()])
-    assert run_mixed(llm, prompt_ids) == references
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.stats().num_draft_tokens > 0
-    assert llm.engine.audit().ok
-
-
-def test_an_adapter_loaded_on_first_use_and_an_unknown_one_refused(adapters, prompt_ids, references) -> None:
-    llm = LLM(dtype="float32", num_kv_blocks=128)
+def test_an_adapter_loaded_on_first_use_and_an_unknown_one_refused(llm, adapters, prompt_ids, references) -> None:
     path, _ = adapters["qv"]
-    out = llm.generate([{"prompt_token_ids": prompt_ids[0]}], greedy(), lora_request=LoRARequest("qv", 1, str(path)))
+    out = llm.generate([{"prompt_token_ids": prompt_ids[0]}], greedy(), lora_request=LoRARequest("qv2", 2, str(path)))
     assert out[0].outputs[0].token_ids == references["qv"][0]
     with pytest.raises(InvalidRequest, match="'nope' is not loaded and its request has no lora_path"):
         llm.generate([{"prompt_token_ids": prompt_ids[0]}], greedy(), lora_request=LoRARequest("nope"))
-    with pytest.raises(ModelNotFound, match="no LoRA adapter 'nope' is loaded; loaded: qv"):
+    with pytest.raises(ModelNotFound, match="no LoRA adapter 'nope' is loaded; loaded: full, qv, qv2"):
         llm.engine.add_request({"prompt_token_ids": prompt_ids[0]}, SamplingParams(lora_name="nope"))
-    assert llm.engine.remove_lora("qv") and not llm.engine.remove_lora("qv")
+    assert llm.engine.remove_lora("qv2") and not llm.engine.remove_lora("qv2")
     assert llm.engine.audit().ok
 
 
@@ -169,6 +163,8 @@ def test_adapters_served_by_name_and_loaded_at_run_time_over_http(adapters, prom
             tokens = [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
             return reply.choices[0].text, tokens
 
+        info = httpx.get(server.base_url + "/kvserve/info").json()  # what a gateway keys the adapter's KV by
+        assert info["lora_cache_keys"] == {"full": server.engine.loras["full"].cache_key.hex()}
         tokenizer = server.engine.tokenizer
         assert complete("full") == (tokenizer.decode(references["full"][0]), references["full"][0])
         assert complete("smol")[1] == references[None][0]

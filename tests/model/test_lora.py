@@ -3,7 +3,6 @@ scaled, and how a step's rows find their adapters. The real-model check against 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from safetensors.torch import save_file
 from kvserve.config import ArchConfig, ModelConfig, lora_module
 from kvserve.errors import ConfigError
 from kvserve.model.loader import read_arch_config
-from kvserve.model.lora import LoRALoadError, StepLoRA, load_adapter, module_shapes
+from kvserve.model.lora import LoRALoadError, StepLoRA, load_adapter
+from tests.support.lora_adapters import module_name, write_adapter
 
 CPU = torch.device("cpu")
 
@@ -22,28 +22,6 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def arch(default_model_path: Path) -> ArchConfig:
     return read_arch_config(default_model_path)
-
-
-def module_name(layer: int, module: str) -> str:
-    kind = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-    return f"base_model.model.model.layers.{layer}.{kind}.{module}"
-
-
-def write_adapter(directory: Path, arch: ArchConfig, modules: dict[tuple[int, str], int], seed: int = 0,
-                  **config: object) -> dict[str, torch.Tensor]:
-    """An adapter of the given (layer, module) -> rank, PEFT's file names and tensor names."""
-    shapes = module_shapes(arch)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for (layer, module), rank in modules.items():
-        out_size, in_size = shapes[module]
-        tensors[f"{module_name(layer, module)}.lora_A.weight"] = torch.randn(rank, in_size, generator=generator)
-        tensors[f"{module_name(layer, module)}.lora_B.weight"] = torch.randn(out_size, rank, generator=generator)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none"} | config))
-    return tensors
 
 
 def test_q_and_v_are_laid_out_on_the_fused_projection_with_their_scales(tmp_path, arch) -> None:
@@ -79,6 +57,11 @@ def test_rslora_scales_by_the_square_root_of_the_rank(tmp_path, arch) -> None:
     ({"bias": "all"}, "bias 'all'"),
     ({"peft_type": "IA3"}, "only LORA"),
     ({"lora_alpha": 0}, "lora_alpha must be a positive number"),
+    ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens is set"),
+    ({"layer_replication": [[0, 2]]}, "layer_replication is set"),
+    ({"init_lora_weights": "pissa_niter_4"}, "changes the base model's weights"),
+    ({"alpha_pattern": {"q_proj(": 4}}, "not a regular expression"),
+    ({"alpha_pattern": {"q_proj": "four"}}, "not a positive number"),
 ])
 def test_configurations_kvserve_does_not_run_are_refused(tmp_path, arch, config, message) -> None:
     write_adapter(tmp_path, arch, {(0, "q_proj"): 4}, **config)
@@ -109,6 +92,10 @@ def test_missing_files_and_foreign_tensors_are_refused_by_name(tmp_path, arch) -
     refused({f"{module_name(0, 'q_proj')}.lora_A.weight": torch.zeros(4, 100),
              f"{module_name(0, 'q_proj')}.lora_B.weight": b}, "an adapter of another base model")
     refused({}, "holds no LoRA matrices")
+    refused({f"{module_name(0, 'q_proj')}.lora_A.weight": a, f"{module_name(0, 'q_proj')}.lora_A.default.weight": a + 1,
+             f"{module_name(0, 'q_proj')}.lora_B.weight": b}, "two lora_A tensors")
+    refused({f"{module_name(0, 'q_proj')}.lora_A.weight": torch.zeros(4),
+             f"{module_name(0, 'q_proj')}.lora_B.weight": b}, "not a matrix")
 
 
 def test_a_steps_rows_are_grouped_by_adapter(tmp_path, arch) -> None:

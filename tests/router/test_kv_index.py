@@ -15,6 +15,7 @@ from kvserve.request import SamplingParams
 from kvserve.router.kv_index import KVBlockIndex, block_hashes
 from kvserve.router.policies import ReplicaBlocks, RouteRequest
 from kvserve.router.replicas import Replica
+from tests.support.lora_adapters import write_adapter
 from tests.support.tiny_models import make_tiny_model
 
 BLOCK_SIZE = 4
@@ -84,6 +85,32 @@ def test_the_gateways_block_keys_are_the_engines_and_find_its_cached_prefix(llm:
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0, cache_salt="t"))
     index.apply("http://r0", log.read(0, None))
     assert ReplicaBlocks(index).match(salted, [replica]) == {"http://r0": 28}
+
+
+def test_a_lora_adapters_blocks_are_keyed_as_the_engine_keys_them(llm: LLM, tmp_path: Path) -> None:
+    engine = llm.engine
+    engine.kv_manager.prefix_cache.tree.events = log = KVEventLog()
+    write_adapter(tmp_path / "sql", engine.arch, {(0, "q_proj"): 2, (1, "down_proj"): 2})
+    adapter = engine.add_lora("sql", tmp_path / "sql")
+    prompt = list(range(301, 301 + 33))  # no other test's prompt
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0, lora_name="sql"))
+    index = KVBlockIndex()
+    index.apply("http://r0", log.read(0, None))
+    replica = Replica("http://r0", healthy=True, kv_events=True, block_size=BLOCK_SIZE,
+                      block_hash_extra=engine.block_hash_extra, lora_cache_keys={"sql": adapter.cache_key})
+    asked = tuple(prompt[:30]) + (1, 2)
+    assert ReplicaBlocks(index).match(RouteRequest("sql", asked), [replica]) == {"http://r0": 28}
+    assert ReplicaBlocks(index).match(RouteRequest(None, asked), [replica]) == {"http://r0": 0}  # the base model's
+    # No cache salt of a base-model request spells an adapter request's block keys.
+    spelled = engine.add_request({"prompt_token_ids": prompt}, SamplingParams(
+        cache_salt="t" + adapter.cache_key.decode()), request_id="spelled")
+    salted = engine.add_request({"prompt_token_ids": prompt}, SamplingParams(cache_salt="t", lora_name="sql"),
+                                request_id="salted")
+    assert spelled.hash_extra != salted.hash_extra
+    assert spelled.full_block_hashes(BLOCK_SIZE)[0] != salted.full_block_hashes(BLOCK_SIZE)[0]
+    engine.abort_request("spelled")
+    engine.abort_request("salted")
+    assert engine.remove_lora("sql")
 
 
 def test_the_kv_events_policy_routes_on_what_the_replicas_report(tmp_path: Path) -> None:

@@ -76,6 +76,19 @@ def test_cache_aware_keeps_a_salted_prompt_apart_from_the_same_prompt_unsalted()
     assert again.reason == "prefix" and again.replica is first.replica
 
 
+def test_cache_aware_keeps_a_lora_adapters_prompts_apart_from_the_base_models() -> None:
+    """A replica keeps an adapter's KV apart from the base model's (its /kvserve/info names its adapters)."""
+    policy, pool = CacheAware(CONFIG), replicas(0, 0)
+    for replica in pool:
+        replica.models += ("sql",)
+        replica.lora_cache_keys = {"sql": b"\0lora:abc"}
+    first = policy.choose(RouteRequest("sql", SYSTEM_A), pool)
+    first.replica.in_flight += 1
+    assert policy.choose(RouteRequest("m", SYSTEM_A), pool).reason == "miss"
+    again = policy.choose(RouteRequest("sql", SYSTEM_A + (1,)), pool)
+    assert again.reason == "prefix" and again.replica is first.replica
+
+
 def test_cache_aware_below_the_threshold_goes_to_the_least_loaded_replica() -> None:
     policy, pool = CacheAware(CONFIG), replicas(0, 0)
     held = policy.choose(request(*SYSTEM_A[:8]), pool).replica

@@ -1,12 +1,19 @@
-"""PEFT LoRA adapters made on a transformers model for the tests: random, saved as PEFT saves them."""
+"""LoRA adapters for the tests, random, in PEFT's file layout: made by PEFT itself on a transformers model
+(``make_adapter``, the reference the real-model tests compare with), or written directly for a model's shape
+(``write_adapter``, no transformers model needed)."""
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
+from kvserve.config import ArchConfig
+from kvserve.model.lora import module_shapes
 
 
 def make_adapter(base, directory: Path, *, rank: int, alpha: float, targets: list[str], seed: int,
@@ -25,3 +32,25 @@ def make_adapter(base, directory: Path, *, rank: int, alpha: float, targets: lis
                 parameter.mul_(b_scale)
     model.save_pretrained(str(directory))
     return model.eval()
+
+
+def module_name(layer: int, module: str) -> str:
+    kind = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"base_model.model.model.layers.{layer}.{kind}.{module}"
+
+
+def write_adapter(directory: Path, arch: ArchConfig, modules: dict[tuple[int, str], int], seed: int = 0,
+                  **config: object) -> dict[str, torch.Tensor]:
+    """An adapter of the given (layer, module) -> rank, PEFT's file names and tensor names."""
+    shapes = module_shapes(arch)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for (layer, module), rank in modules.items():
+        out_size, in_size = shapes[module]
+        tensors[f"{module_name(layer, module)}.lora_A.weight"] = torch.randn(rank, in_size, generator=generator)
+        tensors[f"{module_name(layer, module)}.lora_B.weight"] = torch.randn(out_size, rank, generator=generator)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none"} | config))
+    return tensors
