@@ -145,7 +145,7 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
 
 def _pair_tensors(name: str, tensors: dict[str, torch.Tensor],
                   arch: ArchConfig) -> dict[tuple[int, Projection], list[tuple[str, torch.Tensor, torch.Tensor]]]:
-    """The file's A and B matrices, paired by module: (layer, fused projection) -> [(module name, A, B)]."""
+    """The file's A and B matrices, paired by module: (layer, fused projection) -> [(PEFT's module key, A, B)]."""
     found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR_NAME.fullmatch(key)
