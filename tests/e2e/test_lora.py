@@ -22,7 +22,7 @@ from kvserve.model.ops import torch_lora_add
 from kvserve.server.serving import BackgroundServer
 from kvserve.serving_config import ServerConfig
 from tests.e2e.conftest import CHAT_QUESTIONS, PLAIN_PROMPTS, hf_greedy
-from tests.support.lora_adapters import make_adapter
+from tests.support.lora_adapters import make_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +34,27 @@ BF16_MEAN_LOGPROB_TOLERANCE = 0.06
 
 
 @pytest.fixture(scope="module")
-def adapters(hf_reference, tmp_path_factory) -> dict[str, tuple[Path, object]]:
-    root = tmp_path_factory.mktemp("lora")
-    return {
-        "full": (root / "full", make_adapter(hf_reference, root / "full", rank=8, alpha=16, targets=ALL_PROJECTIONS,
-                                             seed=1)),
-        "qv": (root / "qv", make_adapter(hf_reference, root / "qv", rank=4, alpha=8, targets=["q_proj", "v_proj"],
-                                         seed=2, use_rslora=True)),
-    }
+def lora_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def peft_model(hf_reference, lora_root):
+    """PEFT's model with both adapters, saved under ``lora_root``; ``set_adapter`` picks the one it runs."""
+    return make_adapters(hf_reference, lora_root, {
+        "full": {"r": 8, "lora_alpha": 16, "target_modules": ALL_PROJECTIONS},
+        "qv": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_rslora": True}})
+
+
+@pytest.fixture(scope="module")
+def adapters(peft_model, lora_root) -> dict[str, Path]:
+    """Each adapter's directory, as PEFT saved it."""
+    return {name: lora_root / name for name in ("full", "qv")}
+
+
+def reference_model(peft_model, name: str):
+    peft_model.set_adapter(name)
+    return peft_model
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +63,7 @@ def llm(adapters) -> LLM:
     return LLM(dtype="float32", num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=12,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                    "prompt_lookup_max": 2},
-               lora_modules=[f"{name}={path}" for name, (path, _) in adapters.items()])
+               lora_modules=[f"{name}={path}" for name, path in adapters.items()])
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +75,13 @@ def prompt_ids(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(hf_reference, adapters, prompt_ids) -> dict[str | None, list[list[int]]]:
+def references(hf_reference, peft_model, prompt_ids) -> dict[str | None, list[list[int]]]:
     """PEFT's (and, for None, the base model's) float32 greedy continuation of each prompt."""
-    models = {None: hf_reference} | {name: model for name, (_, model) in adapters.items()}
-    return {name: [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids] for name, model in models.items()}
+    found: dict[str | None, list[list[int]]] = {None: [hf_greedy(hf_reference, ids, MAX_TOKENS) for ids in prompt_ids]}
+    for name in ("full", "qv"):
+        model = reference_model(peft_model, name)
+        found[name] = [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
+    return found
 
 
 def greedy() -> SamplingParams:
@@ -117,7 +133,7 @@ def test_an_adapters_kv_is_cached_apart_from_the_base_models(llm) -> None:
 
 
 def test_an_adapter_loaded_on_first_use_and_an_unknown_one_refused(llm, adapters, prompt_ids, references) -> None:
-    path, _ = adapters["qv"]
+    path = adapters["qv"]
     out = llm.generate([{"prompt_token_ids": prompt_ids[0]}], greedy(), lora_request=LoRARequest("qv2", 2, str(path)))
     assert out[0].outputs[0].token_ids == references["qv"][0]
     with pytest.raises(InvalidRequest, match="'nope' is not loaded and its request has no lora_path"):
@@ -128,8 +144,8 @@ def test_an_adapter_loaded_on_first_use_and_an_unknown_one_refused(llm, adapters
     assert llm.engine.audit().ok
 
 
-def test_bf16_quantised_adapter_within_tolerance_of_peft_float32(adapters, prompt_ids) -> None:
-    path, model = adapters["full"]
+def test_bf16_quantised_adapter_within_tolerance_of_peft_float32(adapters, peft_model, prompt_ids) -> None:
+    path, model = adapters["full"], reference_model(peft_model, "full")
     llm = LLM(lora_modules=[f"full={path}"])  # the defaults: bf16, the GGUF's Q4_1 weights run quantised
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, lora_request=LoRARequest("full"))
@@ -145,7 +161,7 @@ def test_bf16_quantised_adapter_within_tolerance_of_peft_float32(adapters, promp
 
 
 def test_adapters_served_by_name_and_loaded_at_run_time_over_http(adapters, prompt_ids, references) -> None:
-    full_path, qv_path = adapters["full"][0], adapters["qv"][0]
+    full_path, qv_path = adapters["full"], adapters["qv"]
     server = BackgroundServer(EngineConfig(model=ModelConfig(dtype="float32", lora_modules=(f"full={full_path}",)),
                                            cache=CacheConfig(num_kv_blocks=128)),
                               ServerConfig(port=0, served_model_name=("smol",), allow_runtime_lora_updating=True))

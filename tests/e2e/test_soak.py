@@ -1,4 +1,4 @@
-"""The short soak in CI: ``benchmarks/soak.py`` for 9 seconds of traffic (its long run is a benchmark, with its
+"""The short soak in CI: ``benchmarks/soak.py`` for 7 seconds of traffic (its long run is a benchmark, with its
 figures in docs/reliability.md). The script checks everything itself and exits 1 on any failure; this test
 also checks that the faults it claims to inject did happen."""
 
@@ -22,7 +22,7 @@ def test_short_soak_with_aborts_redis_kills_and_garbled_disk_files(tmp_path: Pat
         pytest.skip("redis-server binary not found (install it: apt-get install -y redis-server)")
     output = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/soak.py", "--duration", "9", "--concurrency", "4", "--warm-longs", "2",
+        [sys.executable, "benchmarks/soak.py", "--duration", "7", "--concurrency", "4", "--warm-longs", "2",
          "--redis-kill-every", "4", "--corrupt-every", "1.5", "--sample", "3", "--output", str(output)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert output.exists(), result.stderr[-4000:]

@@ -162,7 +162,8 @@ def parse_one(client: openai.OpenAI, model: type[BaseModel], stream: bool) -> Ba
     return parsed
 
 
-@pytest.mark.parametrize("stream", [False, True])
+# Streamed, the twenty run in `pytest -m heavy`: CI streams constrained output in the tests below.
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_parse_returns_objects_for_twenty_schemas(client: openai.OpenAI, base_url: str, stream: bool) -> None:
     with ThreadPoolExecutor(len(MODELS)) as pool:
         parsed = list(pool.map(lambda m: parse_one(client, m, stream), MODELS))

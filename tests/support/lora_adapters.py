@@ -16,21 +16,26 @@ from kvserve.config import ArchConfig
 from kvserve.model.lora import module_shapes
 
 
-def make_adapter(base, directory: Path, *, rank: int, alpha: float, targets: list[str], seed: int,
-                 b_scale: float = 0.2, **options: object):
-    """A PEFT LoRA adapter on a copy of ``base`` (``base`` is left as it is) with random A and B (B shrunk by
-    ``b_scale``, so that the adapter moves the output without drowning the base model), saved into
-    ``directory``; returns the PEFT model, the reference for what the adapter computes."""
+def make_adapters(base, directory: Path, specs: dict[str, dict[str, object]], b_scale: float = 0.2):
+    """PEFT LoRA adapters, one per ``specs`` entry (name -> LoraConfig's options: r, lora_alpha, target_modules,
+    ...), on one copy of ``base`` (``base`` is left as it is), with random A and B (B shrunk by ``b_scale``, so
+    that an adapter moves the output without drowning the base model), each saved into ``directory / name``;
+    returns the PEFT model, the reference for what each adapter computes once ``set_adapter(name)`` picks it."""
     peft = pytest.importorskip("peft")
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
-                             init_lora_weights=False, **options)
-    model = peft.get_peft_model(copy.deepcopy(base), config)
+    torch.manual_seed(0)
+    model = None
+    for name, options in specs.items():
+        config = peft.LoraConfig(lora_dropout=0.0, init_lora_weights=False, **options)
+        if model is None:
+            model = peft.get_peft_model(copy.deepcopy(base), config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+    assert model is not None
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
+        for parameter_name, parameter in model.named_parameters():
+            if "lora_B" in parameter_name:
                 parameter.mul_(b_scale)
-    model.save_pretrained(str(directory))
+    model.save_pretrained(str(directory))  # each adapter into its own subdirectory, named after it
     return model.eval()
 
 
