@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # run it (`pytest -m heavy tests/e2e/test_gpu_check.py`) before a session lent a GPU uses it
 def test_the_gpu_check_runs_whole_on_a_cpu(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", str(tmp_path), "--device", "cpu", "--smoke"],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,

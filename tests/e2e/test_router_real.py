@@ -197,6 +197,7 @@ def test_serve_with_replicas_is_one_command_that_stops_its_replicas(tmp_path: Pa
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
 
 
+@pytest.mark.heavy  # CI routes the auto model over fake replicas of two models (tests/router/test_model_routing.py)
 def test_the_auto_model_over_real_replicas_of_two_models(tmp_path: Path) -> None:
     """Two tiny models behind a real gateway: the cascade reads the replica's real logprobs (an answer it
     accepts and one it escalates, streamed with both usages), and the probe the replica's real hidden states."""

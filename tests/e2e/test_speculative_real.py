@@ -38,6 +38,7 @@ def test_seeded_sampling_draws_the_same_tokens(engines) -> None:
     assert spec.engine.stats().num_accepted_draft_tokens > before
 
 
+@pytest.mark.heavy  # CI checks a stop token inside accepted drafts on a tiny model (test_speculative_scheduling.py)
 def test_stop_strings_end_the_output_where_plain_decoding_does(engines, monkeypatch) -> None:
     plain, spec = engines
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -174,6 +174,7 @@ def test_enforce_eager_a_mixture_of_experts_and_untiled_heads_build_no_graphs() 
         assert backend.build_fused_decode([], layout) is None and why in backend.description
 
 
+@pytest.mark.heavy  # CI runs the Triton kernels' windows in tests/model/test_triton_attention.py
 def test_gemma3_window_layers_on_the_triton_kernels_and_the_buffers(tmp_path, monkeypatch) -> None:
     """Prompts longer than the tiny Gemma 3's window of 8, its window layers' freed pages pointing at the null
     page: the kernels apply the window and read none of those pages, in eager steps and in replayed ones
