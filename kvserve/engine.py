@@ -362,8 +362,7 @@ class Engine:
             grammar = self.grammars.compile(params.structured_outputs, count_hit=False)
         order = next(self._ids)
         lora = self.lora(params.lora_name)
-        # The adapter's key before the salt: no salt can spell an adapter's key after the base model's extra.
-        hash_extra = salted_hash_extra(self.block_hash_extra + (lora.cache_key if lora else b""), params.cache_salt)
+        hash_extra = salted_hash_extra(self.block_hash_extra, params.cache_salt, lora.cache_key if lora else b"")
         request = Request(
             request_id if request_id is not None else f"req-{order}",
             token_ids,

@@ -313,9 +313,11 @@ def block_identity(parent: BlockHash | None, token_ids: Sequence[int]) -> bytes:
     return (parent or b"\0" * 16) + array("I", token_ids).tobytes()
 
 
-def salted_hash_extra(extra: bytes, salt: str | None) -> bytes:
-    """What a request mixes into its block hashes: the engine's ``extra`` (its model fingerprint), and the
-    request's cache salt where it has one, so that its blocks match only those of requests with that salt."""
+def salted_hash_extra(extra: bytes, salt: str | None, adapter_key: bytes = b"") -> bytes:
+    """What a request mixes into its block hashes: the engine's ``extra`` (its model fingerprint), its LoRA
+    adapter's key where it runs one, then its cache salt where it has one, so that its blocks match only those
+    of requests with that adapter and salt. The adapter's key comes before the salt: no salt can spell it."""
+    extra += adapter_key
     return extra if salt is None else extra + b"\0cache_salt:" + salt.encode("utf-8", "surrogatepass")
 
 

@@ -172,9 +172,8 @@ class ReplicaBlocks:
             if not replica.kv_events or replica.block_size is None:
                 matched[replica.url] = 0
                 continue
-            # As the engine keys them: its fingerprint, the adapter's key where the model is one, then the salt.
             adapter_key = replica.lora_cache_keys.get(request.model, b"") if request.model is not None else b""
-            key = (replica.block_size, salted_hash_extra(replica.block_hash_extra + adapter_key, request.cache_salt))
+            key = (replica.block_size, salted_hash_extra(replica.block_hash_extra, request.cache_salt, adapter_key))
             if key not in hashes:
                 hashes[key] = block_hashes(request.token_ids, *key)
             matched[replica.url] = self.index.match(hashes[key], [replica.url])[replica.url] * replica.block_size
