@@ -41,6 +41,8 @@ Quantization = Literal["auto", "gguf", "none"]
 # A draft's also "q4_0": its matrices held in wider types quantised again to Q4_0 at load.
 DraftQuantization = Literal["auto", "gguf", "none", "q4_0"]
 QuantizedActivations = Literal["auto", "int16", "int8"]
+# How a reasoning model's thoughts are found (kvserve.reasoning): vLLM's parser names, none, or from the template.
+ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3"]
 SchedulingPolicy = Literal["fcfs", "lpm", "priority"]
 GrammarEngine = Literal["auto", "llguidance", "xgrammar"]
 
@@ -147,6 +149,14 @@ class ModelConfig:
         (), "LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors directories) to serve beside the "
             "base model, as vLLM spells them: name=path, or '{\"name\": ..., \"path\": ...}'; a request names one "
             "as its model", metavar="NAME=PATH")
+    chat_template: str | None = setting(
+        None, "a Jinja chat template to render chats with instead of the model's own: a file's path, or the "
+              "template itself", metavar="PATH_OR_TEMPLATE")
+    reasoning_parser: ReasoningParser = setting(
+        "auto", "how a reasoning model's thoughts are told from its answer (reasoning_content apart from content; a "
+                "structured output's grammar and tool calls start after the thoughts; thinking_token_budget): "
+                "deepseek_r1 or qwen3 (both <think> ... </think>), none, or auto: <think> when the chat template "
+                "writes it")
     # LLM(...) turns it off unless asked for: offline scripts print their own output.
     show_progress: bool = setting(True, "a progress bar while the weights load (LLM(...): off unless asked for)",
                                   flag=None)
@@ -169,6 +179,9 @@ class ModelConfig:
         names = [name for name, _ in self.lora_adapters()]
         if len(set(names)) != len(names):
             raise ConfigError(f"lora_modules names an adapter twice: {sorted(names)}", "lora_modules")
+        if self.reasoning_parser not in get_args(ReasoningParser):
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(get_args(ReasoningParser))}, got "
+                              f"{self.reasoning_parser!r}", "reasoning_parser")
         if self.pull and self.model is None:
             raise ConfigError("pull downloads the known model --model names: name one (`kvserve models list`)",
                               "pull")

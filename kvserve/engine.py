@@ -42,6 +42,7 @@ from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
+from kvserve.reasoning import ReasoningMarkers, ReasoningTokens, markers_for
 from kvserve.request import (
     LoRARequest,
     ProcessedPrompt,
@@ -63,7 +64,7 @@ from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace, TierStats
 from kvserve.structured.grammar import GrammarCompiler, GrammarStats
 from kvserve.structured.masks import GrammarMasker
-from kvserve.tokenizer import Tokenizer, tokenizer_mismatch
+from kvserve.tokenizer import Tokenizer, read_chat_template, tokenizer_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,11 @@ class Engine:
                                  f"{self.arch.max_position_embeddings}", "max_model_len")
         self.fingerprint = model_fingerprint(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
+        if mc.chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(read_chat_template(mc.chat_template))
+        # A reasoning model's markers (None: its outputs have no thoughts apart from the answer).
+        self.reasoning_markers = markers_for(mc.reasoning_parser, self.tokenizer.chat_template)
+        self.reasoning_tokens = reasoning_tokens(self.reasoning_markers, self.tokenizer)
 
         self.backend, self.model = self._load_model(self.model_path, self.fingerprint, self.arch)
         # LoRA adapters by the name requests give them (lora_name), loaded now or later (add_lora).
@@ -180,7 +186,8 @@ class Engine:
                 logger.info("draft forwards measured: %s", ", ".join(
                     f"{rows} rows {seconds * 1e3:.1f} ms" for rows, seconds in timings[-len(timings) // 2:]))
         self.runner = ModelRunner(self.model, self.backend, kv_caches, cc.block_size, sampler, proposer=proposer,
-                                  propose_below_batch_size=spec.disable_by_batch_size, draft_lengths=draft_lengths)
+                                  propose_below_batch_size=spec.disable_by_batch_size, draft_lengths=draft_lengths,
+                                  reasoning=self.reasoning_tokens)
         # Block hashes carry the model fingerprint, so cached KV can never be matched across models.
         self.block_hash_extra = f"{self.fingerprint}:{cc.hash_salt}".encode()  # public: gateways hash blocks too
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.arch.eos_token_ids))
@@ -355,6 +362,9 @@ class Engine:
     def add_processed(self, processed: ProcessedPrompt, request_id: str | None = None) -> Request:
         """Queue a prompt the input processor has validated and tokenised (n == 1)."""
         token_ids, params = processed.prompt_token_ids, processed.sampling_params
+        if params.thinking_token_budget is not None and self.reasoning_tokens is None:
+            raise InvalidRequest("thinking_token_budget needs a reasoning model: this one's chat template writes no "
+                                 "<think> block (see --reasoning-parser)", "thinking_token_budget")
         max_total = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
         grammar = processed.grammar
         if grammar is None and params.structured_outputs is not None:
@@ -622,3 +632,18 @@ class LLM:
             # The template already holds any BOS token: don't add special tokens twice.
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, lora_request=lora_request)
+
+
+def reasoning_tokens(markers: ReasoningMarkers | None, tokenizer: Tokenizer) -> ReasoningTokens | None:
+    """The markers as ``tokenizer`` writes them (one special token each in Qwen3's and DeepSeek-R1's
+    vocabularies), for the runner, which follows the thoughts token by token."""
+    if markers is None:
+        return None
+    start_ids = tuple(tokenizer.encode(markers.start, add_special_tokens=False))
+    end_ids = tuple(tokenizer.encode(markers.end, add_special_tokens=False))
+    if not start_ids or not end_ids:
+        raise ConfigError(f"the tokenizer writes the reasoning markers {markers.start!r} / {markers.end!r} as no tokens",
+                          "reasoning_parser")
+    return ReasoningTokens(start_ids, end_ids,
+                           lambda ids: not tokenizer.decode(list(ids), skip_special_tokens=False).strip())
+

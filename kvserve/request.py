@@ -163,8 +163,12 @@ class SamplingParams:
     # The LoRA adapter to run with, by the name it was loaded under (vLLM's LoRARequest.lora_name); None: the
     # base model. Its KV is shared only with requests of the same adapter.
     lora_name: str | None = None
-    # What the output must match (a JSON Schema, a regex, a grammar, ...); None: free text.
+    # What the output must match (a JSON Schema, a regex, a grammar, ...); None: free text. A reasoning model's
+    # answer matches it, after its thoughts.
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning model's thoughts take at most this many tokens; then the end marker is forced and the answer
+    # follows (vLLM's thinking_token_budget); None: no limit.
+    thinking_token_budget: int | None = None
     # Also return the model's final-norm hidden state at the prompt's last token (/v1/embeddings).
     return_hidden_state: bool = False
 
@@ -271,6 +275,9 @@ class SamplingParams:
             raise bad("cache_salt", "must be a non-empty string")
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise bad("lora_name", "must be a non-empty string")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise bad("thinking_token_budget", "must be an integer >= 0")
         keep = self.truncate_prompt_tokens
         if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1)):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (as many as the context holds)")

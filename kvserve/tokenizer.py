@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvserve.errors import InvalidRequest, ModelLoadError, ModelNotFound, UnsupportedModel
+from kvserve.errors import ConfigError, InvalidRequest, ModelLoadError, ModelNotFound, UnsupportedModel
 from kvserve.formats.gguf import read_gguf_header
 from kvserve.formats.gguf_vocab import (
     TOKEN_CONTROL,
@@ -258,6 +258,12 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """The same tokenizer rendering chats with ``template`` (the template's end-of-turn token ends outputs
+        too, as the model's own template's does)."""
+        return Tokenizer(self._backend, bos_token=self._bos_token, eos_token=self._eos_token, chat_template=template,
+                         extra_eos_token_ids=self._eos_token_ids)
+
     # ---- encode / decode ------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -375,6 +381,18 @@ class Tokenizer:
             raise InvalidRequest("continue_final_message: the chat template changes the final message's content, "
                                  "so it cannot be left open", param="messages")
         return text[:text.index(_OPEN_END)]
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value: a Jinja template written out, or a file's path (as vLLM reads it)."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"chat_template is neither a Jinja template nor a file that can be read ({path}): {exc}",
+                          "chat_template") from None
 
 
 # Appended to a continued message's content before rendering: where the text is cut. Searching for the content

@@ -11,9 +11,11 @@ from kvserve.config import MAX_SPECULATIVE_TOKENS
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.lora import LoRAAdapter, StepLoRA
+from kvserve.reasoning import Phase, ReasoningTokens
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.input_batch import ModelInputs, build_inputs
 from kvserve.runner.kv_transfer import read_blocks, start_read_blocks, write_blocks
+from kvserve.runner.reasoning_gate import ReasoningGate
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import (
     ProposalRequest,
@@ -39,6 +41,7 @@ class ModelRunner:
         proposer: Proposer | None = None,
         propose_below_batch_size: int | None = None,
         draft_lengths: DraftLengthPolicy | None = None,
+        reasoning: ReasoningTokens | None = None,
     ) -> None:
         self.model = model
         self.backend = backend  # the model's: it turns each step's rows into its attention metadata
@@ -47,6 +50,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = model.device
         self.states: dict[str, SamplingState] = {}
+        self.reasoning = reasoning  # a reasoning model's markers: each request's thoughts are followed
         self._prompt_logprob_ids: set[str] = set()  # requests asking for prompt logprobs (most steps: none)
         self._adapters: dict[str, LoRAAdapter] = {}  # the requests that run a LoRA adapter (most: none)
         # Drafts for each request's next step (speculative decoding); None: no speculation.
@@ -110,7 +114,7 @@ class ModelRunner:
                 self.proposer.forget(request_id)
                 self.draft_lengths.forget(request_id, len(state.output_token_ids) if state is not None else None)
         for new in out.new_requests:
-            self.states[new.request_id] = new_sampling_state(new)
+            self.states[new.request_id] = new_sampling_state(new, self.reasoning)
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(new.request_id)
             if isinstance(new.lora, LoRAAdapter):
@@ -265,14 +269,21 @@ class ModelRunner:
                     self._draft_probs[request.request_id] = draft_probs[request.request_id]
 
 
-def new_sampling_state(new: NewRequestData) -> SamplingState:
-    """A request's sampling state, its grammar matcher caught up with the tokens it already has (a request
-    that returns after a preemption)."""
-    state = SamplingState(new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids)
-    if isinstance(new.grammar, CompiledGrammar):
-        state.matcher = new.grammar.new_matcher()
-        for token_id in new.output_token_ids:
-            if not state.matcher.accept(token_id):  # it had left its grammar before (then unconstrained): again
-                state.matcher = None
-                break
+def new_sampling_state(new: NewRequestData, reasoning: ReasoningTokens | None = None) -> SamplingState:
+    """A request's sampling state, its grammar matcher and its place in its thoughts caught up with the tokens
+    it already has (a request that returns after a preemption). A reasoning model's grammar starts where its
+    answer does: at once when the prompt leaves none to think (or the output may open a block, which the
+    grammar then decides), else after the end marker."""
+    state = SamplingState(new.sampling_params, new.prompt_token_ids, [], new.eos_token_ids)
+    grammar = new.grammar if isinstance(new.grammar, CompiledGrammar) else None
+    phase = reasoning.phase_after_prompt(new.prompt_token_ids) if reasoning is not None else Phase.ANSWER
+    if grammar is not None and phase is not Phase.THINKING:
+        phase = Phase.ANSWER
+    if reasoning is not None and phase is not Phase.ANSWER:
+        state.reasoning = ReasoningGate(reasoning, phase, new.sampling_params.thinking_token_budget)
+        state.answer_grammar = grammar
+    elif grammar is not None:
+        state.matcher = grammar.new_matcher()
+    for token_id in new.output_token_ids:
+        state.append(token_id, replayed=True)
     return state

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from kvserve.model.host_inputs import to_device
 from kvserve.request import SamplingParams
-from kvserve.structured.grammar import GrammarMatcher
+from kvserve.runner.reasoning_gate import ReasoningGate
+from kvserve.structured.grammar import CompiledGrammar, GrammarMatcher
 from kvserve.structured.masks import GrammarMasker
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,11 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...] = ()
-    # Where the request is in its structured-output grammar (None: free text).
+    # Where the request is in its structured-output grammar (None: free text, or thoughts before it).
     matcher: GrammarMatcher | None = None
+    # A reasoning model's: where its thoughts end, and the grammar its answer follows once they have.
+    reasoning: ReasoningGate | None = None
+    answer_grammar: CompiledGrammar | None = None
     # allowed_token_ids as a mask of the tokens it refuses ([V] bool), and bad_words by the token before each
     # word's last (None: words of one token), both built at the first step that needs them.
     refused_mask: torch.Tensor | None = None
@@ -78,14 +82,24 @@ class SamplingState:
             self.eos_token_ids or self.params.stop_token_ids
         )
 
-    def append(self, token_id: int) -> None:
-        """A token joins the output (and advances the grammar)."""
+    @property
+    def forced_token(self) -> int | None:
+        """The one token the next step may take (a spent thinking budget's end marker), or None."""
+        return self.reasoning.forced_token if self.reasoning is not None else None
+
+    def append(self, token_id: int, replayed: bool = False) -> None:
+        """A token joins the output (and advances the grammar). ``replayed``: a token the request had before a
+        preemption, taken again."""
         self.output_token_ids.append(token_id)
         if self.matcher is not None and not self.matcher.accept(token_id):
-            # Only a row with every token masked can get here; the rest of it is generated unconstrained.
-            logger.warning("a token left the request's grammar (%s); the rest of its output is unconstrained",
-                           self.matcher.error)
+            # Only a row with every token masked can get here (or a replayed token that had left the grammar
+            # before); the rest of it is generated unconstrained.
+            if not replayed:
+                logger.warning("a token left the request's grammar (%s); the rest of its output is unconstrained",
+                               self.matcher.error)
             self.matcher = None
+        if self.reasoning is not None and self.reasoning.observe(token_id) and self.answer_grammar is not None:
+            self.matcher = self.answer_grammar.new_matcher()  # the answer starts: its grammar from here
 
 
 @dataclass(slots=True)
@@ -130,7 +144,8 @@ class Sampler:
         row refuses some), and whether any row does."""
         constrained = [i for i, s in enumerate(states) if s.matcher is not None]
         restricted = [i for i, s in enumerate(states) if s.params.restricts_tokens]
-        if not constrained and not restricted:
+        forced = [(i, token) for i, s in enumerate(states) if (token := s.forced_token) is not None]
+        if not constrained and not restricted and not forced:
             return logits, False
         logits = logits.clone()  # masked in place; the caller's tensor stays as it was
         if constrained:
@@ -138,6 +153,10 @@ class Sampler:
             matchers = [m for i in constrained if (m := states[i].matcher) is not None]
             self.grammar_masker.apply(logits, constrained, matchers)
         refuse_tokens(logits, states, restricted)
+        for i, token in forced:  # every other token refused (its own logit kept: logprobs stay the model's order)
+            kept = logits[i, token].clone()
+            logits[i].fill_(_NEG_INF)
+            logits[i, token] = kept if torch.isfinite(kept) else 0.0
         return logits, True
 
     @staticmethod

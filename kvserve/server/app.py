@@ -31,6 +31,7 @@ from kvserve.errors import (
     ServerShuttingDown,
 )
 from kvserve.infill import fim_tokens_or_error
+from kvserve.reasoning import Phase, phase_after_prompt
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
@@ -71,7 +72,8 @@ class AppState:
         self.max_model_len = max_model_len
         self.model_root = model_root
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
-        self.bodies = ResponseBuilder(tokenizer, self.metrics)
+        self.bodies = ResponseBuilder(tokenizer, self.metrics, engine.engine.reasoning_markers,
+                                      engine.engine.reasoning_tokens)
         self.response_store = ResponseStore(config.response_store_mib * 2**20)  # for previous_response_id
         self.runs: set[RequestRun] = set()
         self.recent = RecentRequests(compute=compute)  # what the dashboard lists and draws
@@ -197,9 +199,10 @@ class AppState:
     async def respond(self, http: Request, body: p.ChatCompletionRequest | p.CompletionRequest,
                       prompts: list[tuple[list[int], str | None]], params: SamplingParams, chat: bool,
                       received_at: float, tool_format: ToolCallFormat | None = None,
-                      grammar: CompiledGrammar | None = None) -> Response:
+                      grammar: CompiledGrammar | None = None, reasoning: Phase | None = None) -> Response:
         """``tool_format``: the reply may hold tool calls in this format (parsed out of the content);
-        ``grammar``: the compiled constraint of ``params``."""
+        ``grammar``: the compiled constraint of ``params``; ``reasoning``: where the prompt leaves a reasoning
+        model's reply (its thoughts are parted from its answer)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.check_queue_fits(len(prompts), params.n, "prompt")
         samples = expand_n(params)  # the first sample of each prompt computes its prompt logprobs
@@ -223,7 +226,7 @@ class AppState:
         want_timings = body.return_timings or http.headers.get("x-kvserve-timings", "").lower() in ("1", "true")
         head = {"id": request_id, "created": int(time.time()), "model": body.model or self.model_name}
         if body.stream:
-            stream = self.bodies.stream(run, body, chat, head, want_timings, tool_format)
+            stream = self.bodies.stream(run, body, chat, head, want_timings, tool_format, reasoning)
             return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(run.close),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -232,7 +235,7 @@ class AppState:
             return Response(status_code=499)
         finally:
             run.close()
-        response = self.bodies.full_response(run, body, chat, head, tool_format)
+        response = self.bodies.full_response(run, body, chat, head, tool_format, reasoning)
         if want_timings:
             response.timings = run.timings()
         return Response(response.to_json(), media_type="application/json")
@@ -281,7 +284,10 @@ def build_app(
         except ContextLengthExceeded as exc:
             raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
         parser = tool_format if tools.calls_possible else None
-        return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser, grammar)
+        markers = async_engine.engine.reasoning_markers
+        reasoning = phase_after_prompt(text, markers) if markers is not None else None
+        return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser, grammar,
+                                   reasoning)
 
     async def prompt_fits(body: p.ChatCompletionRequest) -> bool:
         """Whether the chat route takes ``body``'s conversation with room for its output (as it checks it)."""

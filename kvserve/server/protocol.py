@@ -144,6 +144,8 @@ class _SamplingRequest(StrictTextModel):
     # Where the request queues under --scheduling-policy priority (lower first); other policies refuse other
     # values than 0 (vLLM's too).
     priority: int = 0
+    # vLLM's: a reasoning model thinks at most this many tokens, then its end marker is forced and it answers.
+    thinking_token_budget: int | None = None
     # Declared to be refused (vLLM's engine refuses them too): ignored, they would give the client one ordinary
     # sample where it asked for the best of several, or a beam.
     best_of: int | None = None
@@ -210,6 +212,7 @@ class _SamplingRequest(StrictTextModel):
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 cache_salt=self.cache_salt,
                 priority=self.priority,
+                thinking_token_budget=self.thinking_token_budget,
                 structured_outputs=self.structured_outputs_params(),
             )
         except InvalidSamplingParams as exc:
@@ -298,6 +301,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
+    # vLLM's: false leaves a reasoning model's thoughts out of the reply (they are still generated).
+    include_reasoning: bool = True
 
     @property
     def reply_role(self) -> str:
@@ -330,7 +335,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._params(max_tokens, self.max_tokens_field, logprobs, "top_logprobs")
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        """The messages as the chat template reads them. An earlier reply's thoughts come back as
+        ``reasoning_content`` (the name reasoning models' templates read), whichever name the client sent."""
+        dicts = [m.model_dump(exclude_none=True) for m in self.messages]
+        for message in dicts:
+            if "reasoning" in message and "reasoning_content" not in message:
+                message["reasoning_content"] = message.pop("reasoning")
+        return dicts
 
     def template_variables(self) -> dict[str, Any]:
         """What the chat template gets beside the messages and tools: ``documents`` and ``chat_template_kwargs``."""

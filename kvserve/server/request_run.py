@@ -15,6 +15,7 @@ from typing import Any
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.errors import KVServeError
+from kvserve.reasoning import ReasoningSplitter
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import response_models as rm
 from kvserve.server.metrics import ServerMetrics
@@ -38,6 +39,7 @@ class EngineRequest:
     next_text_offset: int = 0  # completions logprobs: text_offset of the next streamed token
     echoed: bool = False  # a streamed completion with echo: the prompt went out in its first chunk
     tool_parser: ToolCallParser | None = None  # a streamed chat reply that may hold tool calls
+    reasoning_splitter: ReasoningSplitter | None = None  # a reasoning model's streamed chat reply
     grammar: CompiledGrammar | None = None  # its constraint's, compiled before it was made
     first_sample: EngineRequest | None = None  # the sample of the same prompt that computed its prompt logprobs
 

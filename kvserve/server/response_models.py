@@ -12,11 +12,24 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # A reasoning model's: how many of the completion tokens were its thoughts (left out for other models).
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _details_when_any(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
@@ -64,12 +77,17 @@ class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    # A reasoning model's thoughts, under both names clients read: vLLM's (reasoning) and DeepSeek's API's, which
+    # SGLang and llama.cpp's server also write (reasoning_content).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _tool_calls_when_any(self, handler: Any) -> dict[str, Any]:
+    def _optional_fields_when_any(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for name in ("tool_calls", "reasoning", "reasoning_content"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 
@@ -106,6 +124,8 @@ class ChatChoice(BaseModel):
 class DeltaMessage(_WithoutNulls):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # a reasoning model's thoughts, under both names (ChatMessageOut)
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -12,6 +12,14 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from kvserve.errors import KVServeError
+from kvserve.reasoning import (
+    Phase,
+    ReasoningMarkers,
+    ReasoningSplitter,
+    ReasoningTokens,
+    count_reasoning_tokens,
+    split_reasoning,
+)
 from kvserve.request import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
@@ -29,9 +37,13 @@ class ResponseBuilder:
     Keeps each token's text and bytes once decoded: logprobs name the same tokens over and over.
     """
 
-    def __init__(self, tokenizer: Tokenizer, metrics: ServerMetrics) -> None:
+    def __init__(self, tokenizer: Tokenizer, metrics: ServerMetrics, reasoning_markers: ReasoningMarkers | None = None,
+                 reasoning_tokens: ReasoningTokens | None = None) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
+        # A reasoning model's markers, in text and in tokens: chat replies part their thoughts from their answer.
+        self.reasoning_markers = reasoning_markers
+        self.reasoning_tokens = reasoning_tokens
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
 
@@ -50,8 +62,9 @@ class ResponseBuilder:
 
     # --- one JSON body ----------------------------------------------------------------------------------
     def full_response(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
-                      tool_format: ToolCallFormat | None = None) -> rm.OpenAIResponse:
-        usage = run.usage()
+                      tool_format: ToolCallFormat | None = None, reasoning: Phase | None = None) -> rm.OpenAIResponse:
+        """``reasoning``: where the prompt leaves a reasoning model's output (None: no thoughts to part)."""
+        usage = self._with_reasoning_tokens(run.usage(), run, reasoning)
         if chat:
             echoed = body.echoed_text
             choices = []
@@ -60,10 +73,15 @@ class ResponseBuilder:
                 completion = c.last.outputs[0]
                 logprobs = self._chat_logprobs(c, 0, len(completion.token_ids), body.top_logprobs or 0,
                                                body.return_tokens_as_token_ids)
-                message, finish_reason = rm.ChatMessageOut(content=completion.text), completion.finish_reason
+                thoughts, text = None, completion.text
+                if reasoning is not None and self.reasoning_markers is not None:
+                    thoughts, text = split_reasoning(text, self.reasoning_markers, reasoning)
+                message = rm.ChatMessageOut(content=None if thoughts is not None and not text else text)
+                finish_reason = completion.finish_reason
                 if tool_format is not None:
-                    message, finish_reason = _with_tool_calls(tool_format, completion.text, finish_reason,
-                                                              _named_tool(body))
+                    message, finish_reason = _with_tool_calls(tool_format, text, finish_reason, _named_tool(body))
+                if thoughts is not None and body.include_reasoning:
+                    message.reasoning = message.reasoning_content = thoughts
                 message.role = body.reply_role
                 if echoed and message.content is not None:
                     message.content = echoed + message.content
@@ -87,11 +105,14 @@ class ResponseBuilder:
 
     # --- an SSE stream ----------------------------------------------------------------------------------
     async def stream(self, run: RequestRun, body: Any, chat: bool, head: dict[str, Any],
-                     want_timings: bool, tool_format: ToolCallFormat | None = None) -> AsyncIterator[str]:
+                     want_timings: bool, tool_format: ToolCallFormat | None = None,
+                     reasoning: Phase | None = None) -> AsyncIterator[str]:
         chunk_type = rm.ChatCompletionChunk if chat else rm.CompletionResponse
-        if tool_format is not None:
-            for child in run.children:
+        for child in run.children:
+            if tool_format is not None:
                 child.tool_parser = tool_format.parser()
+            if reasoning is not None and self.reasoning_markers is not None:
+                child.reasoning_splitter = ReasoningSplitter(self.reasoning_markers, reasoning)
         try:
             try:
                 if chat:  # OpenAI opens each choice with the role
@@ -111,7 +132,8 @@ class ResponseBuilder:
                         chunk.timings = run.timings()
                     yield _sse(chunk.to_json())
                 if body.include_usage:
-                    chunk = chunk_type(**head, choices=[], usage=run.usage())
+                    chunk = chunk_type(**head, choices=[], usage=self._with_reasoning_tokens(run.usage(), run,
+                                                                                             reasoning))
                     if want_timings:
                         chunk.timings = run.timings()
                     yield _sse(chunk.to_json())
@@ -132,16 +154,28 @@ class ResponseBuilder:
         if chat:
             logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0,
                                            body.return_tokens_as_token_ids)
+            text, thoughts = output.delta_text, ""
+            if (splitter := child.reasoning_splitter) is not None:
+                thoughts, text = splitter.feed(text)
+                if finish is not None:
+                    more_thoughts, more_text = splitter.finish()
+                    thoughts, text = thoughts + more_thoughts, text + more_text
+                thoughts = thoughts if body.include_reasoning else ""
             if child.tool_parser is not None:
-                delta, finish = _tool_call_delta(child.tool_parser, output.delta_text, finish, _named_tool(body))
+                delta, finish = _tool_call_delta(child.tool_parser, text, finish, _named_tool(body))
+                if thoughts:
+                    delta = delta or rm.DeltaMessage()
+                    delta.reasoning = delta.reasoning_content = thoughts
                 if delta is None and finish is None and logprobs is None:
                     return None
                 return rm.ChatChunkChoice(index=child.index, delta=delta or rm.DeltaMessage(), logprobs=logprobs,
                                          finish_reason=finish, stop_reason=stop_reason)
-            if not output.delta_text and finish is None and logprobs is None:
+            if not text and not thoughts and finish is None and logprobs is None:
                 return None
-            return rm.ChatChunkChoice(index=child.index, delta=rm.DeltaMessage(content=output.delta_text),
-                                     logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason)
+            delta = rm.DeltaMessage(content=text if text or not thoughts else None,
+                                    reasoning=thoughts or None, reasoning_content=thoughts or None)
+            return rm.ChatChunkChoice(index=child.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                     stop_reason=stop_reason)
         echo, echo_logprobs = ("", None) if child.echoed else self._echo(child, body)
         child.echoed = True
         child.next_text_offset += len(echo)
@@ -157,6 +191,16 @@ class ResponseBuilder:
             return None
         return rm.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish,
                                    stop_reason=stop_reason)
+
+    def _with_reasoning_tokens(self, usage: rm.Usage, run: RequestRun, reasoning: Phase | None) -> rm.Usage:
+        """``usage`` with how many of the completion tokens were thoughts, for a reasoning model's reply."""
+        tokens = self.reasoning_tokens
+        if reasoning is None or tokens is None:
+            return usage
+        thought = sum(count_reasoning_tokens(c.last.outputs[0].token_ids, tokens, reasoning)
+                      for c in run.children if c.last is not None)
+        usage.completion_tokens_details = rm.CompletionTokensDetails(reasoning_tokens=thought)
+        return usage
 
     def _echo(self, child: EngineRequest, body: Any) -> tuple[str, rm.CompletionLogprobs | None]:
         """A completion's echoed prompt (``echo``): its text, and with logprobs its tokens' (offsets from 0)."""

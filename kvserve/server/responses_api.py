@@ -27,7 +27,8 @@ from kvserve.server import protocol as p
 PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
                   "bad_words", "cache_salt", "user", "parallel_tool_calls", "chat_template_kwargs",
-                  "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens", "priority")
+                  "stop_token_ids", "skip_special_tokens", "truncate_prompt_tokens", "priority",
+                  "thinking_token_budget")
 # OpenAI's fields that point at what OpenAI stores beyond responses (a conversation, a prompt, a response run in
 # the background): kvserve keeps none of them, and answering without what they point at would be a wrong answer.
 STORED_STATE = ("conversation", "prompt", "background")
@@ -55,7 +56,7 @@ class ResponsesRequest(p.StrictTextModel):
     truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest items dropped until it fits
     store: bool | None = None  # None: true, as OpenAI has it
     metadata: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # no model served here reasons apart from its answer
+    reasoning: dict[str, Any] | None = None  # OpenAI's effort and summary settings: taken, not acted on
 
     def chat_request(self, context: Sequence[dict[str, Any]] = ()) -> p.ChatCompletionRequest:
         """The same request as the chat route takes it, continuing the items of ``context`` (the stored
@@ -159,7 +160,12 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
         role = _ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
-        messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        text = _text(item.get("content"), f"{where}.content")
+        last = messages[-1] if messages else None
+        if role == "assistant" and last is not None and _thoughts_alone(last):  # its thoughts, then its text
+            last["content"] = text
+        else:
+            messages.append({"role": role, "content": text})
     elif kind == "function_call":
         call = {"id": _string(item, "call_id", where), "type": "function",
                 "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -172,11 +178,21 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
         output = item.get("output")
         messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                          "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
-    elif kind == "reasoning":
-        return  # a reasoning model's summary of its thoughts: nothing a model served here reads
+    elif kind == "reasoning":  # an earlier reply's thoughts: its message's reasoning_content, as chat sends them
+        parts = item.get("content") if isinstance(item.get("content"), list) else []
+        thoughts = "\n".join(part["text"] for part in parts if isinstance(part, dict)
+                             and part.get("type") == "reasoning_text" and isinstance(part.get("text"), str))
+        if thoughts:
+            messages.append({"role": "assistant", "content": "", "reasoning_content": thoughts})
     else:
         raise InvalidRequest(f"{where}: items of type {kind!r} are not supported (message, function_call, "
                              "function_call_output)", param=where)
+
+
+def _thoughts_alone(message: dict[str, Any]) -> bool:
+    """A message made of a reasoning item so far: the reply's text and calls join it."""
+    return message["role"] == "assistant" and "reasoning_content" in message and message["content"] == "" and (
+        "tool_calls" not in message)
 
 
 def _text(content: Any, where: str) -> str:
@@ -294,14 +310,20 @@ def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
     if chat is None:
         return None
     cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    thoughts = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": thoughts},
             "total_tokens": chat["total_tokens"]}
 
 
 def _message_item(item_id: str, text: str, logprobs: list[dict[str, Any]] | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [_text_part(text, logprobs)]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -336,13 +358,23 @@ def _of_text(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
 
 
 def response_of(shape: ResponseShape, chat: dict[str, Any], want_logprobs: bool) -> dict[str, Any]:
-    """The response object of a whole chat completion's JSON: its text as one message item (before the calls,
-    where a stream gives each stretch of text between calls an item of its own), then each call."""
+    """The response object of a whole chat completion's JSON: a reasoning model's thoughts as a reasoning item,
+    its text as one message item (before the calls, where a stream gives each stretch of text between calls an
+    item of its own), then each call."""
     choice = chat["choices"][0]
     message = choice["message"]
     output: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning_content"], "completed"))
     if message.get("content"):
-        logprobs = _of_text(_logprobs(choice.get("logprobs")) or [], message["content"]) if want_logprobs else None
+        logprobs = None
+        if want_logprobs:  # the answer's own: after the thoughts' tokens and the blanks that close them
+            entries = _logprobs(choice.get("logprobs")) or []
+            thought = ((chat.get("usage") or {}).get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+            entries = entries[thought:]
+            while entries and not bytes(entries[0]["bytes"]).strip() and not message["content"][:1].isspace():
+                entries = entries[1:]
+            logprobs = _of_text(entries, message["content"])
         output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], logprobs, "completed"))
     for call in message.get("tool_calls") or []:
         output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
@@ -409,6 +441,8 @@ class ResponseEvents:
             delta = choice.get("delta") or {}
             if self.want_logprobs:  # also a chunk's whose text is held back (a stop string, a split character)
                 self.pending_logprobs += _logprobs(choice.get("logprobs")) or []
+            if delta.get("reasoning_content"):
+                events += self._reasoning_delta(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -435,6 +469,21 @@ class ResponseEvents:
         events.append(self._event("response.output_text.delta", item_id=self.open["id"],
                                   output_index=self.open["output_index"], content_index=0, delta=text,
                                   logprobs=logprobs))
+        return events
+
+    def _reasoning_delta(self, text: str) -> list[str]:
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self._close()
+            self.text = []
+            self.open = {**_reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress"), "content": [],
+                         "output_index": len(self.done)}
+            events.append(self._event("response.output_item.added", output_index=self.open["output_index"],
+                                      item=_public(self.open)))
+        self.pending_logprobs = []  # the thoughts': no text's
+        self.text.append(text)
+        events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                  output_index=self.open["output_index"], content_index=0, delta=text))
         return events
 
     def _call_delta(self, call: dict[str, Any]) -> list[str]:
@@ -468,6 +517,12 @@ class ResponseEvents:
                                 arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=index, item=done)]
         text = "".join(self.text)
+        if item["type"] == "reasoning":
+            done = {**_public(item), "status": status, "content": [{"type": "reasoning_text", "text": text}]}
+            self.done.append(done)
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=text),
+                    self._event("response.output_item.done", output_index=index, item=done)]
         self.token_logprobs = _of_text(self.token_logprobs + self.pending_logprobs, text)
         self.pending_logprobs = []
         part = _text_part(text, self.token_logprobs)
