@@ -48,11 +48,14 @@ def reference(model_dir):
 
 
 def test_budget_forces_the_end_and_the_grammar_starts_after_the_thoughts(model_dir, reference) -> None:
-    """Batched, chunked and preempted (a pool too small for all four at once): each request's thoughts are
-    transformers' greedy tokens up to its budget, then the end marker, then the answer transformers gives after
-    them; a JSON schema constrains the answer only."""
+    """Batched, chunked, preempted (a pool too small for all four at once) and speculated (n-gram drafts,
+    verified a depth at a time through the gate): each request's thoughts are transformers' greedy tokens up to
+    its budget, then the end marker, then the answer transformers gives after them; a JSON schema constrains
+    the answer only."""
     llm = LLM(str(model_dir), dtype="float32", chat_template=TEMPLATE, block_size=4, num_kv_blocks=24,
-              max_num_batched_tokens=16, enable_prefix_caching=True)
+              max_num_batched_tokens=16, enable_prefix_caching=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "adaptive": False})
     tokenizer = llm.get_tokenizer()
     assert llm.engine.reasoning_markers == ReasoningMarkers()  # found in the template (--reasoning-parser auto)
     end_ids = list(llm.engine.reasoning_tokens.end_ids)
@@ -65,7 +68,7 @@ def test_budget_forces_the_end_and_the_grammar_starts_after_the_thoughts(model_d
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                            thinking_token_budget=b) for b in budgets])
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.num_proposed_tokens > 0
     for prompt, budget, output in zip(prompts, budgets, outputs, strict=True):
         if budget is None:
             expected = hf_greedy(reference, prompt, max_tokens)

@@ -53,6 +53,7 @@ class FailingEngine:
         self.scheduler = SimpleNamespace(requests={})
         self.input_processor = PassThroughInputs()
         self.loras: dict[str, object] = {}  # no LoRA adapters
+        self.reasoning_markers = self.reasoning_tokens = None  # no thoughts apart from its answers
 
     def stats(self) -> EngineStats:
         n = len(self.scheduler.requests)
