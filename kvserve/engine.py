@@ -12,6 +12,7 @@ Requests come in through the input processor, which validates and tokenises them
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -42,7 +43,7 @@ from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
-from kvserve.reasoning import ReasoningMarkers, ReasoningTokens, markers_for
+from kvserve.reasoning import ReasoningMarkers, ReasoningTokens, markers_for, template_message
 from kvserve.request import (
     LoRARequest,
     ProcessedPrompt,
@@ -64,7 +65,7 @@ from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace, TierStats
 from kvserve.structured.grammar import GrammarCompiler, GrammarStats
 from kvserve.structured.masks import GrammarMasker
-from kvserve.tokenizer import Tokenizer, read_chat_template, tokenizer_mismatch
+from kvserve.tokenizer import Tokenizer, chat_reply_phase, read_chat_template, tokenizer_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -625,25 +626,37 @@ class LLM:
         the reply is text (the server reads tool calls out of it and can enforce them). With
         ``continue_final_message`` (and ``add_generation_prompt=False``) the final message is continued."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer, markers = self.engine.tokenizer, self.engine.reasoning_markers
         prompts: list[PromptType] = []
+        phases: list[str | None] = []
         for conversation in conversations:
-            text = self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                             tools=tools, continue_final_message=continue_final_message)
+            conversation = [template_message(m) for m in conversation]
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tools=tools, continue_final_message=continue_final_message)
             # The template already holds any BOS token: don't add special tokens twice.
-            prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            phases.append(None if markers is None else chat_reply_phase(
+                tokenizer, text, conversation, markers, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools).value)
+        given = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if markers is not None and len(given) == len(prompts):  # each reply's phase from its generation prompt
+            sampling_params = [replace(p or SamplingParams(), reasoning_phase=phase)
+                               for p, phase in zip(given, phases, strict=True)]
         return self.generate(prompts, sampling_params, lora_request=lora_request)
 
 
 def reasoning_tokens(markers: ReasoningMarkers | None, tokenizer: Tokenizer) -> ReasoningTokens | None:
-    """The markers as ``tokenizer`` writes them (one special token each in Qwen3's and DeepSeek-R1's
-    vocabularies), for the runner, which follows the thoughts token by token."""
+    """The markers as ``tokenizer`` writes them, and its tokens' bytes (cached: the runner reads one per thought
+    token), for the runner, which follows the thoughts token by token."""
     if markers is None:
         return None
-    start_ids = tuple(tokenizer.encode(markers.start, add_special_tokens=False))
-    end_ids = tuple(tokenizer.encode(markers.end, add_special_tokens=False))
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    start_ids, end_ids = encode(markers.start), encode(markers.end)
     if not start_ids or not end_ids:
         raise ConfigError(f"the tokenizer writes the reasoning markers {markers.start!r} / {markers.end!r} as no tokens",
                           "reasoning_parser")
-    return ReasoningTokens(start_ids, end_ids,
-                           lambda ids: not tokenizer.decode(list(ids), skip_special_tokens=False).strip())
-
+    return ReasoningTokens(markers, start_ids, end_ids, functools.lru_cache(maxsize=1 << 16)(tokenizer.token_bytes),
+                           encode)

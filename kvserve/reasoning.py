@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, AnyStr
 
 from kvserve.errors import ConfigError
 
@@ -69,15 +70,22 @@ def phase_after_prompt(prompt: str, markers: ReasoningMarkers) -> Phase:
 
 @dataclass(frozen=True, slots=True)
 class ReasoningTokens:
-    """The markers as the tokenizer writes them, for the engine, which follows token ids."""
+    """The markers for the engine, which follows each reply token by token: as the tokenizer writes them (one
+    special token each in Qwen3's and DeepSeek-R1's vocabularies), and each token's bytes, since a model may
+    write a marker in other pieces than the tokenizer would."""
 
+    markers: ReasoningMarkers
     start_ids: tuple[int, ...]
     end_ids: tuple[int, ...]
-    # Whether these tokens are only whitespace: a prompt that ends on a closed block and blanks is an answer's.
-    is_blank: Callable[[Sequence[int]], bool]
+    token_bytes: Callable[[int], bytes]
+    encode: Callable[[str], tuple[int, ...]]  # text -> token ids, nothing added
+
+    def is_blank(self, ids: Sequence[int]) -> bool:
+        return not b"".join(self.token_bytes(t) for t in ids).strip()
 
     def phase_after_prompt(self, prompt_ids: Sequence[int]) -> Phase:
-        """``phase_after_prompt`` on token ids (markers written as the tokenizer writes them)."""
+        """``phase_after_prompt`` on a prompt's token ids (its markers as the tokenizer writes them): for prompts
+        given as they are (completions, offline), where no chat template says what its generation prompt adds."""
         start, end = _last_index(prompt_ids, self.start_ids), _last_index(prompt_ids, self.end_ids)
         if start > end:
             return Phase.THINKING
@@ -88,29 +96,120 @@ class ReasoningTokens:
 
 def _last_index(ids: Sequence[int], pattern: tuple[int, ...]) -> int:
     """Where ``pattern`` last starts in ``ids`` (-1: nowhere)."""
-    if not pattern:
-        return -1
-    last = pattern[-1]
-    for i in range(len(ids) - 1, len(pattern) - 2, -1):
-        if ids[i] == last and tuple(ids[i - len(pattern) + 1: i + 1]) == pattern:
-            return i - len(pattern) + 1
+    backwards = list(ids)[::-1]
+    at = 0
+    while pattern:
+        try:
+            at = backwards.index(pattern[-1], at)
+        except ValueError:
+            break
+        last = len(backwards) - 1 - at
+        first = last - len(pattern) + 1
+        if first >= 0 and tuple(ids[first:last + 1]) == pattern:
+            return first
+        at += 1
     return -1
 
 
+class ReasoningGate:
+    """One reply's place in its thoughts, token by token: where its answer (and its grammar) begins, and the
+    end marker forced once its thinking budget is spent (``thinking_token_budget``, vLLM's; llama.cpp's
+    ``--reasoning-budget``). Markers are found in the tokens' bytes, however the model splits them."""
+
+    __slots__ = ("_tokens", "phase", "budget", "num_thought_tokens", "_seen", "_forced")
+
+    def __init__(self, tokens: ReasoningTokens, phase: Phase, budget: int | None = None) -> None:
+        self._tokens = tokens
+        self.phase = phase
+        self.budget = budget  # thought tokens before the end marker is forced (None: no limit)
+        self.num_thought_tokens = 0
+        # OPEN: the reply so far (blanks, the start marker begun); THINKING: the thoughts' last bytes, as many as
+        # the end marker could have begun in
+        self._seen = b""
+        self._forced: list[int] = []  # the end marker's tokens still to force, once the budget is spent
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token the next step must take (the end marker's next, once the budget is spent), or None."""
+        if self.phase is not Phase.THINKING or self.budget is None or self.num_thought_tokens < self.budget:
+            return None
+        if not self._forced:  # an end marker the model had begun is finished, not written again
+            end = self._tokens.markers.end.encode()
+            begun = _partial_suffix(self._seen, end)
+            self._forced = list(self._tokens.encode(end[begun:].decode()))
+        return self._forced[0]
+
+    def observe(self, token_id: int) -> bool:
+        """A token joins the reply; True when it closed the block (the answer starts with the next token)."""
+        if self.phase is Phase.ANSWER:
+            return False
+        data = self._tokens.token_bytes(token_id)
+        markers = self._tokens.markers
+        if self.phase is Phase.OPEN:
+            seen = (self._seen + data).lstrip()
+            start = markers.start.encode()
+            if seen.startswith(start):
+                self.phase, self._seen = Phase.THINKING, b""
+                return self._thought(seen[len(start):])
+            if start.startswith(seen):  # blanks, or the start marker begun
+                self._seen = seen
+            else:
+                self.phase = Phase.ANSWER
+            return False
+        self.num_thought_tokens += 1
+        if self._forced and self._forced[0] == token_id:
+            self._forced.pop(0)
+        return self._thought(data)
+
+    def _thought(self, data: bytes) -> bool:
+        end = self._tokens.markers.end.encode()
+        window = self._seen + data
+        if end in window:
+            self.phase, self._seen, self._forced = Phase.ANSWER, b"", []
+            return True
+        self._seen = window[-(len(end) - 1):] if len(end) > 1 else b""
+        return False
+
+    @property
+    def start_ids(self) -> tuple[int, ...]:
+        return self._tokens.start_ids
+
+    @property
+    def may_open(self) -> bool:
+        """The reply may still open a block with its next token (nothing but blanks so far)."""
+        return self.phase is Phase.OPEN and not self._seen
+
+
 def count_reasoning_tokens(output_ids: Sequence[int], tokens: ReasoningTokens, phase: Phase) -> int:
-    """How many of an output's tokens are its thoughts (the markers included); ``phase``: where the prompt
-    left it."""
-    if phase is Phase.ANSWER:
-        return 0
-    if phase is Phase.OPEN:
-        if tuple(output_ids[:len(tokens.start_ids)]) != tokens.start_ids:
-            return 0
-    begin = len(tokens.start_ids) if phase is Phase.OPEN else 0
-    n = len(tokens.end_ids)
-    for i in range(begin, len(output_ids) - n + 1):
-        if tuple(output_ids[i:i + n]) == tokens.end_ids:
-            return i + n
-    return len(output_ids)
+    """How many of a reply's tokens are its thoughts (the markers included), as the engine's gate counts them;
+    ``phase``: where the prompt left the reply."""
+    gate = ReasoningGate(tokens, phase)
+    for i, token_id in enumerate(output_ids):
+        if gate.phase is Phase.ANSWER:
+            return 0  # answered without a block
+        if gate.observe(token_id):
+            return i + 1
+    return len(output_ids) if gate.phase is Phase.THINKING else 0
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as a template reads it: an earlier reply's thoughts as ``reasoning_content`` (the name
+    reasoning models' templates read), whichever name the client sent them under (vLLM's ``reasoning``)."""
+    if "reasoning" in message and "reasoning_content" not in message:
+        message = {k: v for k, v in message.items() if k != "reasoning"} | {"reasoning_content": message["reasoning"]}
+    return message
+
+
+def phase_of_reply(rendered: str, without_generation_prompt: str | None, markers: ReasoningMarkers,
+                   continued: str | None = None) -> Phase:
+    """Where a rendered chat leaves its reply, from what the generation prompt added to the conversation (a
+    marker inside a message, a user's literal ``<think>``, says nothing of the reply). ``continued``: the final
+    message's text, for a reply that continues it (thoughts only where that text opened a block)."""
+    if continued is not None:
+        return Phase.THINKING if phase_after_prompt(continued, markers) is Phase.THINKING else Phase.ANSWER
+    if without_generation_prompt is not None and rendered.startswith(without_generation_prompt):
+        return phase_after_prompt(rendered[len(without_generation_prompt):], markers)
+    return phase_after_prompt(rendered, markers)  # a template that renders the conversation otherwise
 
 
 class ReasoningSplitter:
@@ -192,7 +291,7 @@ class ReasoningSplitter:
         return body
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def _partial_suffix(text: AnyStr, marker: AnyStr) -> int:
     """The length of the longest end of ``text`` that begins ``marker`` (0: none)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):

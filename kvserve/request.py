@@ -169,6 +169,10 @@ class SamplingParams:
     # A reasoning model's thoughts take at most this many tokens; then the end marker is forced and the answer
     # follows (vLLM's thinking_token_budget); None: no limit.
     thinking_token_budget: int | None = None
+    # Where the prompt leaves a reasoning model's reply (kvserve.reasoning.Phase's values: "thinking", "answer",
+    # "open"), as the chat route reads it from what the generation prompt adds; None: from the prompt's last
+    # markers, as written.
+    reasoning_phase: str | None = None
     # Also return the model's final-norm hidden state at the prompt's last token (/v1/embeddings).
     return_hidden_state: bool = False
 
@@ -278,6 +282,8 @@ class SamplingParams:
         budget = self.thinking_token_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             raise bad("thinking_token_budget", "must be an integer >= 0")
+        if self.reasoning_phase not in (None, "thinking", "answer", "open"):
+            raise bad("reasoning_phase", "must be thinking, answer or open")
         keep = self.truncate_prompt_tokens
         if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1)):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (as many as the context holds)")

@@ -31,6 +31,7 @@ from kvserve.formats.gguf_vocab import (
     sentencepiece_backend,
 )
 from kvserve.formats.hf_config import read_hf_json
+from kvserve.reasoning import Phase, ReasoningMarkers, phase_of_reply
 
 logger = logging.getLogger(__name__)
 
@@ -393,6 +394,19 @@ def read_chat_template(value: str) -> str:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"chat_template is neither a Jinja template nor a file that can be read ({path}): {exc}",
                           "chat_template") from None
+
+
+def chat_reply_phase(tokenizer: Tokenizer, rendered: str, messages: list[dict[str, Any]], markers: ReasoningMarkers,
+                     *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     tools: list[dict[str, Any]] | None = None, variables: Mapping[str, Any] | None = None) -> Phase:
+    """Where ``rendered`` (``messages`` through the chat template) leaves a reasoning model's reply: read from
+    what the generation prompt adds, found by rendering the conversation without it (a ``<think>`` inside a
+    message says nothing of the reply); a continued final message, from its own text."""
+    if continue_final_message:
+        return phase_of_reply(rendered, None, markers, continued=message_text(messages[-1]))
+    without = rendered if not add_generation_prompt else tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, tools=tools, variables=variables)
+    return phase_of_reply(rendered, without, markers)
 
 
 # Appended to a continued message's content before rendering: where the text is cut. Searching for the content

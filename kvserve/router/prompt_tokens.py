@@ -16,6 +16,7 @@ import httpx
 
 from kvserve.errors import KVServeError, ModelLoadError
 from kvserve.infill import FimTokens
+from kvserve.reasoning import template_message
 from kvserve.router.replicas import Replica
 from kvserve.server.responses_api import ResponsesRequest
 from kvserve.tokenizer import Tokenizer
@@ -92,6 +93,7 @@ class PromptTokens:
         tools = payload.get("tools") if "tools" in tokenizer.chat_template else None
         continued = payload.get("continue_final_message") is True  # the replica renders it as the body says
         variables = {**(payload.get("chat_template_kwargs") or {}), "documents": payload.get("documents")}
+        messages = [template_message(m) if isinstance(m, dict) else m for m in messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=payload.get("add_generation_prompt", True)
                                              is not False, tools=tools, continue_final_message=continued,
                                              variables=variables)

@@ -11,11 +11,10 @@ from kvserve.config import MAX_SPECULATIVE_TOKENS
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.lora import LoRAAdapter, StepLoRA
-from kvserve.reasoning import Phase, ReasoningTokens
+from kvserve.reasoning import Phase, ReasoningGate, ReasoningTokens
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.input_batch import ModelInputs, build_inputs
 from kvserve.runner.kv_transfer import read_blocks, start_read_blocks, write_blocks
-from kvserve.runner.reasoning_gate import ReasoningGate
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import (
     ProposalRequest,
@@ -272,17 +271,22 @@ class ModelRunner:
 def new_sampling_state(new: NewRequestData, reasoning: ReasoningTokens | None = None) -> SamplingState:
     """A request's sampling state, its grammar matcher and its place in its thoughts caught up with the tokens
     it already has (a request that returns after a preemption). A reasoning model's grammar starts where its
-    answer does: at once when the prompt leaves none to think (or the output may open a block, which the
-    grammar then decides), else after the end marker."""
-    state = SamplingState(new.sampling_params, new.prompt_token_ids, [], new.eos_token_ids)
+    answer does: after the end marker, or at once where the prompt leaves no thoughts to come. A reply free to
+    open a block follows its grammar from the first token, the start marker allowed beside it where that is one
+    token (else the grammar decides alone)."""
+    params = new.sampling_params
+    state = SamplingState(params, new.prompt_token_ids, [], new.eos_token_ids)
     grammar = new.grammar if isinstance(new.grammar, CompiledGrammar) else None
-    phase = reasoning.phase_after_prompt(new.prompt_token_ids) if reasoning is not None else Phase.ANSWER
-    if grammar is not None and phase is not Phase.THINKING:
-        phase = Phase.ANSWER
+    phase = Phase.ANSWER
+    if reasoning is not None:
+        phase = Phase(params.reasoning_phase) if params.reasoning_phase else reasoning.phase_after_prompt(
+            new.prompt_token_ids)
+        if grammar is not None and phase is Phase.OPEN and len(reasoning.start_ids) != 1:
+            phase = Phase.ANSWER
     if reasoning is not None and phase is not Phase.ANSWER:
-        state.reasoning = ReasoningGate(reasoning, phase, new.sampling_params.thinking_token_budget)
+        state.reasoning = ReasoningGate(reasoning, phase, params.thinking_token_budget)
         state.answer_grammar = grammar
-    elif grammar is not None:
+    if grammar is not None and phase is not Phase.THINKING:
         state.matcher = grammar.new_matcher()
     for token_id in new.output_token_ids:
         state.append(token_id, replayed=True)

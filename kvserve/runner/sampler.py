@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.host_inputs import to_device
+from kvserve.reasoning import Phase, ReasoningGate
 from kvserve.request import SamplingParams
-from kvserve.runner.reasoning_gate import ReasoningGate
 from kvserve.structured.grammar import CompiledGrammar, GrammarMatcher
 from kvserve.structured.masks import GrammarMasker
 
@@ -80,17 +80,37 @@ class SamplingState:
         """
         return self.matcher is None and len(self.output_token_ids) < self.params.min_tokens and bool(
             self.eos_token_ids or self.params.stop_token_ids
-        )
+        ) and self.forced_token is None  # a forced token is never refused
 
     @property
     def forced_token(self) -> int | None:
         """The one token the next step may take (a spent thinking budget's end marker), or None."""
         return self.reasoning.forced_token if self.reasoning is not None else None
 
+    @property
+    def opening_token(self) -> int | None:
+        """A token the next step may take beside what the grammar allows: the start marker (one token), while a
+        reasoning model's reply may still open its thoughts (the grammar then waits for their end)."""
+        gate = self.reasoning
+        if gate is None or self.matcher is None or not gate.may_open or len(gate.start_ids) != 1:
+            return None
+        return gate.start_ids[0]
+
     def append(self, token_id: int, replayed: bool = False) -> None:
-        """A token joins the output (and advances the grammar). ``replayed``: a token the request had before a
-        preemption, taken again."""
+        """A token joins the output (and advances the grammar, after a reasoning model's thoughts).
+        ``replayed``: a token the request had before a preemption, taken again."""
         self.output_token_ids.append(token_id)
+        gate = self.reasoning
+        if gate is not None and gate.phase is not Phase.ANSWER:
+            opened = gate.phase is Phase.OPEN
+            if gate.observe(token_id):
+                self.matcher = self.answer_grammar.new_matcher() if self.answer_grammar is not None else None
+                return  # the answer starts: its grammar from the next token
+            if gate.phase is Phase.THINKING:
+                self.matcher = None  # the thoughts, or the token that opened them: no grammar
+                return
+            if opened and gate.phase is Phase.OPEN and self.matcher is None:
+                return  # blanks before the reply decides (no grammar to follow)
         if self.matcher is not None and not self.matcher.accept(token_id):
             # Only a row with every token masked can get here (or a replayed token that had left the grammar
             # before); the rest of it is generated unconstrained.
@@ -98,8 +118,6 @@ class SamplingState:
                 logger.warning("a token left the request's grammar (%s); the rest of its output is unconstrained",
                                self.matcher.error)
             self.matcher = None
-        if self.reasoning is not None and self.reasoning.observe(token_id) and self.answer_grammar is not None:
-            self.matcher = self.answer_grammar.new_matcher()  # the answer starts: its grammar from here
 
 
 @dataclass(slots=True)
@@ -147,11 +165,14 @@ class Sampler:
         forced = [(i, token) for i, s in enumerate(states) if (token := s.forced_token) is not None]
         if not constrained and not restricted and not forced:
             return logits, False
-        logits = logits.clone()  # masked in place; the caller's tensor stays as it was
+        given, logits = logits, logits.clone()  # masked in place; the caller's tensor stays as it was
         if constrained:
             assert self.grammar_masker is not None, "a request with a grammar reached a sampler without a masker"
             matchers = [m for i in constrained if (m := states[i].matcher) is not None]
             self.grammar_masker.apply(logits, constrained, matchers)
+            for i in constrained:  # a reasoning model may open its thoughts before the grammar's answer
+                if (token := states[i].opening_token) is not None:
+                    logits[i, token] = given[i, token]
         refuse_tokens(logits, states, restricted)
         for i, token in forced:  # every other token refused (its own logit kept: logprobs stay the model's order)
             kept = logits[i, token].clone()

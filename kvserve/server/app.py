@@ -31,7 +31,7 @@ from kvserve.errors import (
     ServerShuttingDown,
 )
 from kvserve.infill import fim_tokens_or_error
-from kvserve.reasoning import Phase, phase_after_prompt
+from kvserve.reasoning import Phase
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
@@ -50,7 +50,7 @@ from kvserve.server.tools import ToolRequest, template_messages, template_tools,
 from kvserve.serving_config import ServerConfig
 from kvserve.structured.grammar import CompiledGrammar
 from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
-from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer
+from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer, chat_reply_phase
 
 logger = logging.getLogger(__name__)
 
@@ -98,19 +98,25 @@ class AppState:
             self._tool_format = HermesToolFormat(special_tags=special)
         return self._tool_format
 
-    async def chat_text(self, body: p.ChatCompletionRequest, tools: ToolRequest) -> tuple[str, ToolCallFormat | None]:
+    async def chat_text(self, body: p.ChatCompletionRequest,
+                        tools: ToolRequest) -> tuple[str, ToolCallFormat | None, Phase | None]:
         """The conversation as the chat template renders it (tools in the template, or in the system message
-        where it has no place for them; the final message open where the body continues it), and the
-        tool-call format where tools are offered."""
+        where it has no place for them; the final message open where the body continues it), the tool-call
+        format where tools are offered, and where it leaves a reasoning model's reply (None: not one)."""
         messages, tools_arg, tool_format = body.message_dicts(), None, None
         if tools.tools:
             tool_format = await self.tool_format()
             messages = template_messages(messages, tools, tool_format, self.template_has_tools)
             tools_arg = template_tools(tools) if self.template_has_tools else None
+        variables = body.template_variables()
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                                   tools=tools_arg, continue_final_message=body.continue_final_message,
-                                                  variables=body.template_variables())
-        return text, tool_format
+                                                  variables=variables)
+        markers = self.engine.engine.reasoning_markers
+        phase = None if markers is None else chat_reply_phase(
+            self.tokenizer, text, messages, markers, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, tools=tools_arg, variables=variables)
+        return text, tool_format, phase
 
     async def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[SamplingParams, ToolRequest,
                                                                         ToolCallFormat | None, str]:
@@ -118,7 +124,9 @@ class AppState:
         tool-call format and rendered conversation."""
         params = self.sampling_params(body)
         tools = tool_request(body, has_format=params.structured_outputs is not None)
-        text, tool_format = await self.chat_text(body, tools)
+        text, tool_format, phase = await self.chat_text(body, tools)
+        if phase is not None:
+            params = replace(params, reasoning_phase=phase.value)
         if tool_format is not None:
             if tools.calls_possible:
                 params = replace(params, structured_outputs=tools.constraint(tool_format))
@@ -284,8 +292,7 @@ def build_app(
         except ContextLengthExceeded as exc:
             raise p.rename_param(exc, "max_tokens", body.max_tokens_field) from None
         parser = tool_format if tools.calls_possible else None
-        markers = async_engine.engine.reasoning_markers
-        reasoning = phase_after_prompt(text, markers) if markers is not None else None
+        reasoning = Phase(params.reasoning_phase) if params.reasoning_phase is not None else None
         return await state.respond(http, body, [(token_ids, None)], params, True, received_at, parser, grammar,
                                    reasoning)
 
@@ -349,7 +356,7 @@ def build_app(
                                  else "messages")
         if body.messages is not None:
             chat = body.chat_request()
-            text, _ = await state.chat_text(chat, tool_request(chat, has_format=False))
+            text, _, _ = await state.chat_text(chat, tool_request(chat, has_format=False))
             add_special = bool(body.add_special_tokens)  # the template holds any BOS token
         else:
             text = body.prompt or ""

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvserve.errors import InvalidRequest, InvalidSamplingParams
+from kvserve.reasoning import template_message
 from kvserve.request import SamplingParams, StructuredOutputsParams
 from kvserve.tokenizer import message_text
 
@@ -337,11 +338,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template reads them. An earlier reply's thoughts come back as
         ``reasoning_content`` (the name reasoning models' templates read), whichever name the client sent."""
-        dicts = [m.model_dump(exclude_none=True) for m in self.messages]
-        for message in dicts:
-            if "reasoning" in message and "reasoning_content" not in message:
-                message["reasoning_content"] = message.pop("reasoning")
-        return dicts
+        return [template_message(m.model_dump(exclude_none=True)) for m in self.messages]
 
     def template_variables(self) -> dict[str, Any]:
         """What the chat template gets beside the messages and tools: ``documents`` and ``chat_template_kwargs``."""

@@ -80,11 +80,13 @@ class ResponseBuilder:
                 finish_reason = completion.finish_reason
                 if tool_format is not None:
                     message, finish_reason = _with_tool_calls(tool_format, text, finish_reason, _named_tool(body))
-                if thoughts is not None and body.include_reasoning:
-                    message.reasoning = message.reasoning_content = thoughts
+                if thoughts is not None:
+                    message.content = message.content or None  # a reply that ended in its thoughts: no answer
+                    if body.include_reasoning:
+                        message.reasoning = message.reasoning_content = thoughts
                 message.role = body.reply_role
-                if echoed and message.content is not None:
-                    message.content = echoed + message.content
+                if echoed and (message.content is not None or thoughts is not None):
+                    message.content = echoed + (message.content or "")
                 choices.append(rm.ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                             finish_reason=finish_reason, stop_reason=completion.stop_reason))
             return rm.ChatCompletionResponse(**head, choices=choices, usage=usage,

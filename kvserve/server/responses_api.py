@@ -344,6 +344,19 @@ def _logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | No
             for t in chat_logprobs.get("content") or []]
 
 
+def _spelling_start(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The last entries of ``logprobs`` from the first whose tokens, with all after them, spell the start of
+    ``text`` (or all of it and what a stop string holds back after it): the answer's, without the tokens that
+    closed the thoughts before it."""
+    encoded = text.encode()
+    for first in range(len(logprobs)):
+        spelt = b"".join(bytes(entry.get("bytes") or []) for entry in logprobs[first:])
+        common = min(len(spelt), len(encoded))
+        if common and spelt[:common] == encoded[:common]:
+            return logprobs[first:]
+    return []
+
+
 def _of_text(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     """The leading entries whose tokens spell the start of ``text`` (by their bytes, which also hold a piece of a
     character): the text's own, without the tool-call markup or the end token that follow it."""
@@ -403,6 +416,7 @@ class ResponseEvents:
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its function_call item
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.thought = False  # a reasoning item came: the answer's first logprobs follow the thoughts' end
 
     async def events(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
         yield self._event("response.created", response=self.shape.object("in_progress", [], None))
@@ -464,6 +478,8 @@ class ResponseEvents:
                                       output_index=self.open["output_index"], content_index=0,
                                       part=_text_part("", None)))
         logprobs, self.pending_logprobs = self.pending_logprobs, []
+        if self.thought and not self.text:  # the end marker's and the blanks' tokens come before the answer's
+            logprobs = _spelling_start(logprobs, text)
         self.text.append(text)
         self.token_logprobs += logprobs
         events.append(self._event("response.output_text.delta", item_id=self.open["id"],
@@ -481,6 +497,7 @@ class ResponseEvents:
             events.append(self._event("response.output_item.added", output_index=self.open["output_index"],
                                       item=_public(self.open)))
         self.pending_logprobs = []  # the thoughts': no text's
+        self.thought = True
         self.text.append(text)
         events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
                                   output_index=self.open["output_index"], content_index=0, delta=text))

@@ -6,6 +6,7 @@ token for token against transformers and over HTTP through the official ``openai
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig, ModelConfig
-from kvserve.reasoning import Phase, ReasoningMarkers, split_reasoning
+from kvserve.reasoning import Phase, ReasoningMarkers, count_reasoning_tokens, split_reasoning
 from kvserve.request import StructuredOutputsParams
 from kvserve.server.serving import BackgroundServer
 from tests.e2e.conftest import hf_greedy
@@ -30,6 +31,9 @@ TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
     "{% endif %}"
 )
+# Qwen3's hybrid layout: the model decides itself whether to open a block.
+HYBRID_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 QUESTION = [{"role": "user", "content": "Is 7 a prime number?"}]
@@ -38,6 +42,31 @@ QUESTION = [{"role": "user", "content": "Is 7 a prime number?"}]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_model(tmp_path_factory.mktemp("reasoning"), "qwen3", tie=False)
+
+
+@pytest.fixture(scope="module")
+def think_token_dir(model_dir, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with <think> and </think> as single (ordinary) tokens, as Qwen3's vocabulary holds them:
+    two of SmolLM2's unused special tokens renamed."""
+    target = tmp_path_factory.mktemp("think-tokens") / "model"
+    shutil.copytree(model_dir, target)
+    renamed = {"<gh_stars>": "<think>", "<issue_start>": "</think>"}
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    for added in tokenizer["added_tokens"]:
+        if added["content"] in renamed:
+            added["content"], added["special"] = renamed[added["content"]], False
+    vocab = tokenizer["model"]["vocab"]
+    for old, new in renamed.items():
+        vocab[new] = vocab.pop(old)
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    for added in (config.get("added_tokens_decoder") or {}).values():
+        if added.get("content") in renamed:
+            added["content"], added["special"] = renamed[added["content"]], False
+    config["additional_special_tokens"] = [t for t in config.get("additional_special_tokens") or []
+                                           if t not in renamed]
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +131,42 @@ def test_a_prompt_that_closes_the_block_constrains_from_the_first_token(model_di
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
     (output,) = llm.generate(text, params)
     assert set(json.loads(output.outputs[0].text)) == {"ok"}
+
+
+def test_a_reply_free_to_think_opens_before_its_grammar(think_token_dir) -> None:
+    """Qwen3's hybrid layout with one-token markers: under a JSON schema the reply may still open its thoughts
+    (the start marker allowed beside the grammar's tokens; here the model is pushed to it by logit_bias), thinks
+    to its budget, and the grammar takes the answer after the end marker."""
+    llm = LLM(str(think_token_dir), dtype="float32", chat_template=HYBRID_TEMPLATE, reasoning_parser="qwen3")
+    tokens = llm.engine.reasoning_tokens
+    assert len(tokens.start_ids) == 1 and len(tokens.end_ids) == 1
+    (think,), (end,) = tokens.start_ids, tokens.end_ids
+    params = SamplingParams(temperature=0.0, max_tokens=60, thinking_token_budget=3, logit_bias={think: 100.0},
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    (output,) = llm.chat([QUESTION], params)
+    ids = output.outputs[0].token_ids
+    assert ids[:5] == [think, think, think, think, end]  # opened, three thoughts (pushed), the forced end
+    assert count_reasoning_tokens(ids, tokens, Phase.OPEN) == 5
+    thoughts, answer = split_reasoning(output.outputs[0].text, ReasoningMarkers(), Phase.OPEN)
+    assert thoughts == "<think><think><think>" and set(json.loads(answer)) == {"ok"}
+    # without the push the reply may answer at once: the grammar holds from its first token
+    (plain,) = llm.chat([QUESTION], SamplingParams(temperature=0.0, max_tokens=60,
+                                                  structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    if plain.outputs[0].token_ids[0] != think:
+        assert set(json.loads(plain.outputs[0].text)) == {"ok"}
+
+
+def test_a_literal_marker_in_the_conversation_says_nothing_of_the_reply(model_dir) -> None:
+    """A user's "<think>" is text of the conversation: the reply is read from what the generation prompt adds
+    (here nothing), so a budget of 0 forces nothing into a reply that never opened its thoughts."""
+    llm = LLM(str(model_dir), dtype="float32", chat_template=HYBRID_TEMPLATE, reasoning_parser="qwen3")
+    end_ids = list(llm.engine.reasoning_tokens.end_ids)
+    messages = [{"role": "user", "content": "What does a <think> tag do?"}]
+    (output,) = llm.chat([messages], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                    thinking_token_budget=0))
+    (free,) = llm.chat([messages], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert output.outputs[0].token_ids == free.outputs[0].token_ids
+    assert output.outputs[0].token_ids[:len(end_ids)] != end_ids
 
 
 def test_a_model_without_thoughts_refuses_a_thinking_budget(model_dir) -> None:
@@ -176,10 +241,20 @@ def test_openai_client_reads_thoughts_apart_from_the_answer(model_dir) -> None:
         assert response.usage.output_tokens_details.reasoning_tokens == 5 + end_tokens
         events = list(client.responses.create(model=model, input="Is 7 a prime number?", max_output_tokens=80,
                                               temperature=0, stream=True, extra_body={"thinking_token_budget": 5},
+                                              include=["message.output_text.logprobs"], top_logprobs=0,
                                               text={"format": {"type": "json_schema", "name": "answer",
                                                                "schema": SCHEMA}}))
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thoughts
-        assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+        final = events[-1].response
+        assert [i.type for i in final.output] == ["reasoning", "message"]
+        # the answer's logprobs are its own tokens', not the end marker's before them
+        streamed = final.output[1].content[0].logprobs
+        assert b"".join(bytes(entry.bytes) for entry in streamed) == message.content.encode()
+        whole = client.responses.create(model=model, input="Is 7 a prime number?", max_output_tokens=80,
+                                        temperature=0, extra_body={"thinking_token_budget": 5},
+                                        include=["message.output_text.logprobs"], top_logprobs=0,
+                                        text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}})
+        assert [entry.token for entry in whole.output[1].content[0].logprobs] == [entry.token for entry in streamed]
         # a reasoning item sent back goes to the template as its reply's reasoning_content
         follow_up = client.responses.create(model=model, max_output_tokens=4, temperature=0, input=[
             {"role": "user", "content": "Is 7 a prime number?"}, response.output[0].model_dump(exclude_none=True),

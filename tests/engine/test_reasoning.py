@@ -9,15 +9,16 @@ from hypothesis import strategies as st
 
 from kvserve.reasoning import (
     Phase,
+    ReasoningGate,
     ReasoningMarkers,
     ReasoningSplitter,
     ReasoningTokens,
     count_reasoning_tokens,
     markers_for,
     phase_after_prompt,
+    phase_of_reply,
     split_reasoning,
 )
-from kvserve.runner.reasoning_gate import ReasoningGate
 
 THINK = ReasoningMarkers()
 QWEN3_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}</think>"
@@ -34,9 +35,17 @@ QWEN3_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% end
 def test_phase_after_prompt_text_and_ids(prompt: str, phase: Phase) -> None:
     assert phase_after_prompt(prompt, THINK) is phase
     # the same on token ids, one id per character (the markers several tokens long)
-    tokens = ReasoningTokens(tuple(map(ord, THINK.start)), tuple(map(ord, THINK.end)),
-                             lambda ids: not "".join(map(chr, ids)).strip())
-    assert tokens.phase_after_prompt([ord(c) for c in prompt]) is phase
+    assert char_tokens().phase_after_prompt([ord(c) for c in prompt]) is phase
+
+
+def test_the_reply_phase_comes_from_the_generation_prompt() -> None:
+    """A literal <think> in the conversation says nothing of the reply: only what the generation prompt adds."""
+    conversation = "<|im_start|>system\nNever write <think> tags.<|im_end|>\n"
+    assert phase_after_prompt(conversation + "<|im_start|>assistant\n", THINK) is Phase.THINKING  # the whole text
+    assert phase_of_reply(conversation + "<|im_start|>assistant\n", conversation, THINK) is Phase.OPEN
+    assert phase_of_reply(conversation + "<|im_start|>assistant\n<think>\n", conversation, THINK) is Phase.THINKING
+    assert phase_of_reply(conversation + "<|im_start|>assistant\nI", None, THINK, continued="I") is Phase.ANSWER
+    assert phase_of_reply("x", None, THINK, continued="<think>\nHm") is Phase.THINKING
 
 
 def test_markers_for() -> None:
@@ -85,13 +94,28 @@ def test_streamed_pieces_give_the_whole_split(pieces: list[str], phase: Phase, d
 
 
 # --- token ids: the runner's gate --------------------------------------------------------------------------
-START, END = (7,), (8, 9)  # an end marker of two tokens, as a vocabulary without a </think> token writes it
-TOKENS = ReasoningTokens(START, END, lambda ids: all(t == 0 for t in ids))
+def char_tokens(vocab: dict[int, str] | None = None) -> ReasoningTokens:
+    """A vocabulary of one token per character (ids: code points), plus ``vocab``'s longer pieces; the markers
+    are written one character a token."""
+    pieces = {**(vocab or {})}
+
+    def token_bytes(token_id: int) -> bytes:
+        return pieces.get(token_id, chr(token_id)).encode()
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(ord(c) for c in text)
+
+    return ReasoningTokens(THINK, encode(THINK.start), encode(THINK.end), token_bytes, encode)
 
 
-def run_gate(gate: ReasoningGate, model_tokens: list[int], steps: int) -> tuple[list[int], list[int]]:
-    """The output of ``steps`` tokens, each the forced one where the gate forces one, else the model's next;
-    and the positions after which the answer began."""
+# Pieces a model may write the end marker in that are not how the tokenizer writes it.
+OTHER_PIECES = {1000: ".</", 1001: "think", 1002: ">\n\n", 1003: "<think>", 1004: "</think>", 1005: "\n"}
+TOKENS = char_tokens(OTHER_PIECES)
+
+
+def run_gate(gate: ReasoningGate, model_tokens: list[int], steps: int) -> tuple[str, list[int]]:
+    """The reply's text after ``steps`` tokens, each the forced one where the gate forces one, else the model's
+    next; and the token counts after which the answer began."""
     output, ended, model = [], [], iter(model_tokens)
     for _ in range(steps):
         forced = gate.forced_token
@@ -99,40 +123,45 @@ def run_gate(gate: ReasoningGate, model_tokens: list[int], steps: int) -> tuple[
         output.append(token)
         if gate.observe(token):
             ended.append(len(output))
-    return output, ended
+    return "".join(TOKENS.token_bytes(t).decode() for t in output), ended
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
 
 
 def test_gate_forces_the_end_marker_once_the_budget_is_spent() -> None:
     gate = ReasoningGate(TOKENS, Phase.THINKING, budget=3)
-    output, ended = run_gate(gate, [1, 2, 3, 4, 5, 6], steps=7)
-    assert output == [1, 2, 3, 8, 9, 4, 5]
-    assert ended == [5] and gate.phase is Phase.ANSWER
-    assert count_reasoning_tokens(output, TOKENS, Phase.THINKING) == 5
+    text, ended = run_gate(gate, ids("abcdef"), steps=len("abc</think>de"))
+    assert text == "abc</think>de" and ended == [len("abc</think>")] and gate.phase is Phase.ANSWER
+    assert count_reasoning_tokens(ids("abc</think>de"), TOKENS, Phase.THINKING) == len("abc</think>")
 
 
 def test_gate_finishes_an_end_marker_the_model_had_begun() -> None:
-    gate = ReasoningGate(TOKENS, Phase.THINKING, budget=2)
-    output, ended = run_gate(gate, [1, 8, 5], steps=4)
-    assert output == [1, 8, 9, 5] and ended == [3]
+    gate = ReasoningGate(TOKENS, Phase.THINKING, budget=4)
+    text, ended = run_gate(gate, ids("a</tX"), steps=len("a</think>X"))
+    assert text == "a</think>X" and ended == [len("a</think>")]
 
 
-def test_gate_without_budget_and_the_natural_end() -> None:
+def test_gate_finds_the_end_in_other_pieces_than_the_tokenizer_writes() -> None:
+    """A model may write the marker in pieces of its own (a byte-level BPE joins punctuation and newlines)."""
     gate = ReasoningGate(TOKENS, Phase.THINKING, budget=None)
-    output, ended = run_gate(gate, [1, 8, 1, 8, 8, 9, 2], steps=7)
-    assert ended == [6] and gate.forced_token is None
+    text, ended = run_gate(gate, [ord("a"), 1000, 1001, 1002, ord("b")], steps=5)
+    assert text == "a.</think>\n\nb" and ended == [4] and gate.forced_token is None
+    assert count_reasoning_tokens([ord("a"), 1000, 1001, 1002, ord("b")], TOKENS, Phase.THINKING) == 4
 
 
-def test_gate_open_phase_thinks_only_when_the_output_opens_a_block() -> None:
+def test_gate_open_phase_thinks_only_when_the_reply_opens_a_block() -> None:
     gate = ReasoningGate(TOKENS, Phase.OPEN, budget=1)
-    output, ended = run_gate(gate, [7, 1, 2], steps=5)
-    assert output == [7, 1, 8, 9, 2] and ended == [4]
-    assert count_reasoning_tokens(output, TOKENS, Phase.OPEN) == 4
+    text, ended = run_gate(gate, [1005, 1003, ord("x"), ord("y")], steps=3 + len("</think>") + 1)
+    assert text == "\n<think>x</think>y" and ended == [len([1005, 1003, ord("x")]) + len("</think>")]
+    assert count_reasoning_tokens([1005, 1003, ord("x"), 1004, ord("y")], TOKENS, Phase.OPEN) == 4
     answering = ReasoningGate(TOKENS, Phase.OPEN, budget=0)
-    output, ended = run_gate(answering, [1, 7, 2], steps=3)
-    assert output == [1, 7, 2] and ended == [] and answering.phase is Phase.ANSWER
-    assert count_reasoning_tokens(output, TOKENS, Phase.OPEN) == 0
+    text, ended = run_gate(answering, ids("a<think>b"), steps=len("a<think>b"))
+    assert text == "a<think>b" and ended == [] and answering.phase is Phase.ANSWER
+    assert count_reasoning_tokens(ids("a<think>b"), TOKENS, Phase.OPEN) == 0
 
 
 def test_budget_zero_closes_the_block_at_once() -> None:
-    output, ended = run_gate(ReasoningGate(TOKENS, Phase.THINKING, budget=0), [1, 2], steps=3)
-    assert output == [8, 9, 1] and ended == [2]
+    text, ended = run_gate(ReasoningGate(TOKENS, Phase.THINKING, budget=0), ids("ab"), steps=len("</think>a"))
+    assert text == "</think>a" and ended == [len("</think>")]
