@@ -13,6 +13,7 @@ from kvserve.config import check_finite, check_whole, setting
 from kvserve.errors import ConfigError
 
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+ToolCallParser = Literal["auto", "hermes", "llama3_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,10 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = setting(
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA routes): a client "
                "may then load adapters from paths on this machine; give --api-key with it on a shared network")
+    tool_call_parser: ToolCallParser = setting(
+        "auto", "the format tool calls are written, constrained and read in (vLLM's names): hermes (<tool_call> JSON "
+                "</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1 and 3.2's JSON with \"parameters\"), "
+                "or auto: llama3_json where the chat template asks for it, else hermes")
     shutdown_grace_period_s: float = setting(5.0, "seconds in-flight requests get to finish after SIGTERM "
                                                   "before they are aborted", flag="--shutdown-grace-period")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
@@ -102,6 +107,10 @@ class RouterConfig:
     replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
                                                   "models, load); requests pass on their client's key")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
+    tool_call_parser: ToolCallParser = setting(
+        "auto", "the format tool calls are written, constrained and read in (vLLM's names): hermes (<tool_call> JSON "
+                "</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1 and 3.2's JSON with \"parameters\"), "
+                "or auto: llama3_json where the chat template asks for it, else hermes")
     shutdown_grace_period_s: float = setting(5.0, "seconds requests in flight get to finish after SIGTERM before "
                                                   "their connections are closed", flag="--shutdown-grace-period")
     model_policy: ModelPolicyName | None = setting(

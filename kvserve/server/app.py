@@ -49,7 +49,7 @@ from kvserve.server.responses_routes import add_responses_routes
 from kvserve.server.tools import ToolRequest, template_messages, template_tools, tool_request
 from kvserve.serving_config import ServerConfig
 from kvserve.structured.grammar import CompiledGrammar
-from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
+from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat, tool_format_for
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer, chat_reply_phase
 
 logger = logging.getLogger(__name__)
@@ -87,15 +87,15 @@ class AppState:
         return "tools" in (self.tokenizer.chat_template or "")
 
     async def tool_format(self) -> ToolCallFormat:
-        """The model's tool-call format (hermes: the one format of the families kvserve serves with tools).
-        The first call builds the grammar engine's view of the vocabulary (seconds for a large one), off the
-        event loop."""
+        """The model's tool-call format (``--tool-call-parser``; by default read from the chat template). The
+        first call builds the grammar engine's view of the vocabulary (seconds for a large one), off the event
+        loop."""
         if self._tool_format is None:
             grammars = self.engine.grammars
             open_tag, close_tag = HermesToolFormat.open_tag, HermesToolFormat.close_tag
             special = await asyncio.to_thread(
                 lambda: grammars.is_special_token(open_tag) and grammars.is_special_token(close_tag))
-            self._tool_format = HermesToolFormat(special_tags=special)
+            self._tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.chat_template, special)
         return self._tool_format
 
     async def chat_text(self, body: p.ChatCompletionRequest,
@@ -147,7 +147,7 @@ class AppState:
     @property
     def single_token_open_tag(self) -> int | None:
         """The id of the token that opens a tool call, where it is one token."""
-        return self.tokenizer.token_to_id(HermesToolFormat.open_tag)
+        return self.tokenizer.token_to_id((self._tool_format or HermesToolFormat).open_tag)
 
     def sampling_params(self, body: p.ChatCompletionRequest | p.CompletionRequest) -> SamplingParams:
         """A generation request's sampling parameters as the engine takes them, with the LoRA adapter its

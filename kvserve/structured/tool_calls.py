@@ -156,19 +156,69 @@ class HermesToolFormat:
         return f"{self.open_tag}\n{json.dumps({'name': name, 'arguments': arguments})}\n{self.close_tag}"
 
 
-def call_schema(tool: ToolSpec) -> dict[str, Any]:
-    """The JSON Schema of one call: the name, then the arguments (the order the model writes them in). The
+class Llama3JsonToolFormat:
+    """Llama 3.1 and 3.2's JSON calls, as their chat templates ask for them: ``{"name": ..., "parameters":
+    {...}}``, the reply nothing but the call (several joined by ``;``, as vLLM's llama3_json parser reads
+    them), optionally after ``<|python_tag|>``. Under ``auto`` a reply that opens with a JSON object is calls."""
+
+    open_tag = "<|python_tag|>"
+    arguments_key = "parameters"
+
+    def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str:
+        """The Lark grammar (llguidance's dialect) of a reply under ``choice`` ("none" has none)."""
+        assert choice.mode != "none"
+        offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
+        lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered)))]
+        calls = 'fn ("; " fn)*' if parallel and choice.mode != "function" else "fn"
+        if choice.mode == "auto":
+            lines += [f"start: TEXT | {calls}", r"TEXT: /(.|\n)*/ & ~/[ \t\n]*(<\|python_tag\|>)?[ \t\n]*\{(.|\n)*/"]
+        else:
+            lines.append(f"start: {calls}")
+        for i, tool in enumerate(offered):
+            lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool, self.arguments_key))}")
+        return "\n".join(lines) + "\n"
+
+    def parser(self) -> HermesToolParser:
+        return HermesToolParser(self.open_tag, "", arguments_key=self.arguments_key, openings=("{", self.open_tag),
+                                separator=";")
+
+    def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
+        """How the tools are offered to a model whose chat template has no place for them, in Llama 3's words."""
+        listed = "\n\n".join(json.dumps({"type": "function", "function": _function_json(t)}, indent=4) for t in tools)
+        return ("Given the following functions, please respond with a JSON for a function call with its proper "
+                "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+                "\"parameters\": dictionary of argument name and its value}. Do not use variables.\n\n" + listed)
+
+    def render_call(self, name: str, arguments: Any) -> str:
+        """A call as the model writes it (an earlier assistant turn, for templates without tool support)."""
+        return json.dumps({"name": name, self.arguments_key: arguments})
+
+
+def tool_format_for(parser: str, chat_template: str | None, special_tags: bool) -> ToolCallFormat:
+    """The tool-call format ``parser`` names (``--tool-call-parser``); ``auto``: Llama 3's where the chat
+    template asks for its JSON calls, else hermes. ``special_tags``: hermes's tags are special tokens."""
+    if parser == "auto":
+        template = chat_template or ""
+        parser = "llama3_json" if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in \
+            template else "hermes"
+    return Llama3JsonToolFormat() if parser == "llama3_json" else HermesToolFormat(special_tags=special_tags)
+
+
+def call_schema(tool: ToolSpec, arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON Schema of one call: the name, then the arguments under ``arguments_key`` (the order the model
+    writes them in). The
     parameters' definitions (``$defs``, ``definitions``, as pydantic writes nested models) move to the call
     schema's root, where their references (``#/$defs/...``) are resolved; other references into the
     parameters (``#``, ``#/properties/...``) are made to point into ``arguments``."""
     parameters = dict(tool.parameters)
     definitions = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    under = f"/properties/{arguments_key}"
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": _refs_under(parameters, "/properties/arguments")},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, arguments_key: _refs_under(parameters, under)},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
-        **_refs_under(definitions, "/properties/arguments"),
+        **_refs_under(definitions, under),
         "x-guidance": JSON_OPTIONS,
     }
 
@@ -207,9 +257,15 @@ class HermesToolParser:
     header (id, name) goes out once the name is read; argument text goes out as it arrives.
     """
 
-    def __init__(self, open_tag: str, close_tag: str) -> None:
+    def __init__(self, open_tag: str, close_tag: str, arguments_key: str = "arguments",
+                 openings: tuple[str, ...] = ("{", "```json"), separator: str | None = None) -> None:
+        """``openings``: what a reply that is a bare call opens with; ``separator``: what may stand between
+        two bare calls besides whitespace; ``close_tag`` empty: a tagged call ends with its object."""
         self.open_tag = open_tag
         self.close_tag = close_tag
+        self.arguments_key = arguments_key
+        self.openings = openings
+        self.separator = separator
         self.calls: list[ParsedToolCall] = []
         self._mode: Literal["text", "call", "close"] = "text"
         self._held = ""  # text not yet given out
@@ -253,10 +309,10 @@ class HermesToolParser:
     def _text(self, pending: str, delta: ParsedDelta) -> str:
         if self._at_start:  # a reply that opens with a JSON object (or a json fence) is a bare call
             stripped = pending.lstrip()
-            opening = next((f for f in BARE_OPENINGS if stripped.startswith(f)), None)
+            opening = next((f for f in self.openings if stripped.startswith(f)), None)
             if opening is not None:
                 return self._open_call(stripped[len(opening):] if opening != "{" else stripped, bare=True)
-            if not stripped or any(f.startswith(stripped) for f in BARE_OPENINGS):
+            if not stripped or any(f.startswith(stripped) for f in self.openings):
                 self._held = pending
                 return ""
             self._at_start = False
@@ -274,7 +330,7 @@ class HermesToolParser:
     def _open_call(self, rest: str, bare: bool) -> str:
         self._mode = "call"
         self._bare = bare
-        self._scanner = _CallScanner()
+        self._scanner = _CallScanner(self.arguments_key)
         return rest.lstrip() if bare else rest
 
     def _emit(self, text: str, delta: ParsedDelta) -> None:
@@ -319,6 +375,8 @@ class HermesToolParser:
                 return ""
             if stripped.startswith("{"):
                 return self._open_call(stripped, bare=True)
+            if self.separator and stripped.startswith(self.separator):
+                return self._open_call(stripped[len(self.separator):], bare=True)
             self._mode = "text"
             self._after_call = True
             return stripped
@@ -335,9 +393,6 @@ class HermesToolParser:
         return stripped
 
 
-BARE_OPENINGS = ("{", "```json")
-
-
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -347,9 +402,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class _CallScanner:
-    """Scans the JSON object of one call as it arrives: where its name and its arguments are, and its end."""
+    """Scans the JSON object of one call as it arrives: where its name and its arguments are, and its end.
+    ``arguments_key``: the key the format writes the arguments under."""
 
-    def __init__(self) -> None:
+    def __init__(self, arguments_key: str = "arguments") -> None:
+        self.arguments_key = arguments_key
         self.raw = ""
         self.depth = 0
         self.in_string = False
@@ -404,7 +461,7 @@ class _CallScanner:
             return
         if char in "}]":
             self.depth -= 1
-            if self.depth == 1 and self._key == "arguments" and self._arguments is not None:
+            if self.depth == 1 and self._key == self.arguments_key and self._arguments is not None:
                 self._arguments = (self._arguments[0], position + 1)
             if self.depth == 0:
                 self._end_value(position)
@@ -424,11 +481,11 @@ class _CallScanner:
 
     def _begin_value(self, position: int) -> None:
         self._value_start = position
-        if self._key == "arguments":
+        if self._key == self.arguments_key:
             self._arguments = (position, None)
 
     def _end_value(self, position: int) -> None:
-        if self._key == "arguments" and self._arguments is not None and self._arguments[1] is None:
+        if self._key == self.arguments_key and self._arguments is not None and self._arguments[1] is None:
             self._arguments = (self._arguments[0], position)
 
     def arguments_text(self) -> str:

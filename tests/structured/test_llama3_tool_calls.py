@@ -1,0 +1,100 @@
+"""Llama 3's JSON tool calls (``{"name": ..., "parameters": ...}``): the parser, whole and streamed in any
+split, the grammars per tool_choice, and the format chosen from the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.structured.tool_calls import (
+    HermesToolFormat,
+    Llama3JsonToolFormat,
+    ToolChoice,
+    tool_format_for,
+)
+from tests.structured.test_tool_calls import ADD, WEATHER, accepts, llg_tokenizer  # noqa: F401 - a fixture
+
+LLAMA3_TEMPLATE_LINE = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                        'its value}. Do not use variables.')
+
+
+def parse(text: str, cuts: list[int] | None = None) -> tuple[str, list[tuple[str, str]], bool]:
+    """(content, [(name, arguments)], incomplete) of ``text`` fed in pieces cut at ``cuts``."""
+    parser = Llama3JsonToolFormat().parser()
+    bounds = [0, *sorted(set(c for c in cuts or [] if 0 < c < len(text))), len(text)]
+    content = ""
+    calls: dict[int, list[str]] = {}
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        delta = parser.feed(text[start:end])
+        content += delta.content
+        for call, is_new, arguments in delta.calls:
+            entry = calls.setdefault(call.index, ["", ""])
+            if is_new:
+                entry[0] = call.name
+            entry[1] += arguments
+    content += parser.finish().content
+    return content, [(name, args) for name, args in calls.values()], parser.incomplete
+
+
+TEXTS = {
+    "text only": ("The sum is 3.", "The sum is 3.", []),
+    "a call": ('{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [("add", '{"a": 1, "b": 2}')]),
+    "after the python tag": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', "",
+                             [("get_weather", '{"city": "Oslo"}')]),
+    "two calls joined by ;": ('{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", '
+                              '"parameters": {"city": "a;b}"}}', "",
+                              [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "a;b}"}')]),
+    "a brace in text": ("Use {x} here.", "Use {x} here.", []),
+}
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_the_parser_reads_content_and_calls(name: str) -> None:
+    text, content, calls = TEXTS[name]
+    if name == "a brace in text":  # a reply that does not open with a call is text, braces and all
+        assert parse(text)[0] == content and parse(text)[1] == []
+        return
+    assert parse(text) == (content, calls, False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([n for n in TEXTS if n != "a brace in text"]),
+       st.lists(st.integers(min_value=1, max_value=120), max_size=10))
+def test_streaming_in_any_pieces_gives_what_the_whole_text_gives(name: str, cuts: list[int]) -> None:
+    text = TEXTS[name][0]
+    assert parse(text, cuts) == parse(text)
+
+
+CALL = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+OTHER = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize("mode, parallel, text, expected", [
+    ("required", True, CALL, True),
+    ("required", True, f"{CALL}; {OTHER}", True),
+    ("required", False, f"{CALL}; {OTHER}", False),
+    ("required", True, '{"name": "add", "arguments": {"a": 1, "b": 2}}', False),  # hermes's key
+    ("required", True, "Just text", False),
+    ("function", True, CALL, True),
+    ("function", True, OTHER, False),
+    ("auto", True, "Just text, no call.", True),
+    ("auto", True, CALL, True),
+    ("auto", True, '{"name": "add", "parameters": {"a": 1}}', False),
+])
+def test_the_grammar_of_each_tool_choice(mode: str, parallel: bool, text: str, expected: bool,
+                                         llg_tokenizer) -> None:  # noqa: F811 - the fixture
+    choice = ToolChoice(mode, "add" if mode == "function" else None)  # type: ignore[arg-type]
+    grammar = Llama3JsonToolFormat().grammar([WEATHER, ADD], choice, parallel)
+    assert accepts(grammar, text, llg_tokenizer) is expected
+
+
+def test_the_format_comes_from_the_template() -> None:
+    assert isinstance(tool_format_for("auto", "{{ x }} " + LLAMA3_TEMPLATE_LINE, False), Llama3JsonToolFormat)
+    assert isinstance(tool_format_for("auto", "{% if tools %}<tool_call>{% endif %}", True), HermesToolFormat)
+    assert isinstance(tool_format_for("auto", None, False), HermesToolFormat)
+    assert isinstance(tool_format_for("llama3_json", None, False), Llama3JsonToolFormat)
+    assert isinstance(tool_format_for("hermes", LLAMA3_TEMPLATE_LINE, False), HermesToolFormat)
+    assert json.loads(Llama3JsonToolFormat().render_call("add", {"a": 1})) == {"name": "add", "parameters": {"a": 1}}
