@@ -43,7 +43,13 @@ from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
-from kvserve.reasoning import ReasoningMarkers, ReasoningTokens, markers_for, template_message
+from kvserve.reasoning import (
+    ReasoningMarkers,
+    ReasoningTokens,
+    markers_for,
+    reasoning_phase,
+    template_message,
+)
 from kvserve.request import (
     LoRARequest,
     ProcessedPrompt,
@@ -363,9 +369,15 @@ class Engine:
     def add_processed(self, processed: ProcessedPrompt, request_id: str | None = None) -> Request:
         """Queue a prompt the input processor has validated and tokenised (n == 1)."""
         token_ids, params = processed.prompt_token_ids, processed.sampling_params
-        if params.thinking_token_budget is not None and self.reasoning_tokens is None:
+        tokens = self.reasoning_tokens
+        if params.thinking_token_budget is not None and tokens is None:
             raise InvalidRequest("thinking_token_budget needs a reasoning model: this one's chat template writes no "
                                  "<think> block (see --reasoning-parser)", "thinking_token_budget")
+        if tokens is not None and params.reasoning_phase is None and (
+                params.thinking_token_budget is not None or params.structured_outputs is not None):
+            # read once here, not again on each return from a preemption
+            phase = reasoning_phase(params, token_ids, tokens, constrained=params.structured_outputs is not None)
+            params = replace(params, reasoning_phase=phase.value)
         max_total = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
         grammar = processed.grammar
         if grammar is None and params.structured_outputs is not None:

@@ -24,6 +24,9 @@ from typing import Any, AnyStr
 
 from kvserve.errors import ConfigError
 
+# What counts as blank around markers: ASCII whitespace, the same in text (the server) and in bytes (the engine).
+BLANKS = " \t\n\r\x0b\x0c"
+
 
 class Phase(enum.Enum):
     OPEN = "open"
@@ -63,7 +66,7 @@ def phase_after_prompt(prompt: str, markers: ReasoningMarkers) -> Phase:
     start, end = prompt.rfind(markers.start), prompt.rfind(markers.end)
     if start > end:
         return Phase.THINKING
-    if end >= 0 and not prompt[end + len(markers.end):].strip():
+    if end >= 0 and not prompt[end + len(markers.end):].strip(BLANKS):
         return Phase.ANSWER
     return Phase.OPEN
 
@@ -81,7 +84,7 @@ class ReasoningTokens:
     encode: Callable[[str], tuple[int, ...]]  # text -> token ids, nothing added
 
     def is_blank(self, ids: Sequence[int]) -> bool:
-        return not b"".join(self.token_bytes(t) for t in ids).strip()
+        return all(not self.token_bytes(t).strip() for t in ids)
 
     def phase_after_prompt(self, prompt_ids: Sequence[int]) -> Phase:
         """``phase_after_prompt`` on a prompt's token ids (its markers as the tokenizer writes them): for prompts
@@ -92,6 +95,17 @@ class ReasoningTokens:
         if end >= 0 and self.is_blank(prompt_ids[end + len(self.end_ids):]):
             return Phase.ANSWER
         return Phase.OPEN
+
+
+def reasoning_phase(params: Any, prompt_ids: Sequence[int], tokens: ReasoningTokens, constrained: bool) -> Phase:
+    """Where a request's prompt leaves its reply, as its grammar will see it: ``params.reasoning_phase`` (the
+    chat route's reading of its generation prompt, or the engine's, once), else the prompt's last markers. A
+    constrained reply free to open a block whose start marker is several tokens answers at once: only a
+    one-token marker is allowed beside a grammar's tokens."""
+    phase = Phase(params.reasoning_phase) if params.reasoning_phase else tokens.phase_after_prompt(prompt_ids)
+    if constrained and phase is Phase.OPEN and len(tokens.start_ids) != 1:
+        return Phase.ANSWER
+    return phase
 
 
 def _last_index(ids: Sequence[int], pattern: tuple[int, ...]) -> int:
@@ -133,11 +147,22 @@ class ReasoningGate:
         """The token the next step must take (the end marker's next, once the budget is spent), or None."""
         if self.phase is not Phase.THINKING or self.budget is None or self.num_thought_tokens < self.budget:
             return None
-        if not self._forced:  # an end marker the model had begun is finished, not written again
-            end = self._tokens.markers.end.encode()
-            begun = _partial_suffix(self._seen, end)
-            self._forced = list(self._tokens.encode(end[begun:].decode()))
+        if not self._forced:
+            self._forced = list(self._rest_of_end())
         return self._forced[0]
+
+    def _rest_of_end(self) -> tuple[int, ...]:
+        """The tokens that close the block: the end marker as the tokenizer writes it (one token in Qwen3's and
+        DeepSeek-R1's vocabularies: the one the model was trained to close with), or, for a marker of several
+        tokens the thoughts already began, the tokens that finish it where they spell exactly its rest."""
+        tokens = self._tokens
+        end = tokens.markers.end.encode()
+        begun = _partial_suffix(self._seen, end) if len(tokens.end_ids) > 1 else 0
+        if begun:
+            rest = tokens.encode(end[begun:].decode())
+            if rest and b"".join(tokens.token_bytes(t) for t in rest) == end[begun:]:
+                return rest
+        return tokens.end_ids
 
     def observe(self, token_id: int) -> bool:
         """A token joins the reply; True when it closed the block (the answer starts with the next token)."""
@@ -238,7 +263,7 @@ class ReasoningSplitter:
         self._held = ""
         while buffer:
             if self._phase is Phase.OPEN:
-                stripped = buffer.lstrip()
+                stripped = buffer.lstrip(BLANKS)
                 if self._markers.start.startswith(stripped):  # blanks, or the start marker begun: wait
                     self._held = buffer
                     break
@@ -260,7 +285,7 @@ class ReasoningSplitter:
                     break
             else:
                 if self._after_block:
-                    buffer = buffer.lstrip()
+                    buffer = buffer.lstrip(BLANKS)
                     if not buffer:
                         break
                     self._after_block = False
@@ -275,18 +300,18 @@ class ReasoningSplitter:
             return self._thought(held, final=True), ""
         if self._phase is Phase.OPEN:
             return "", held
-        return "", held.lstrip() if self._after_block else held
+        return "", held.lstrip(BLANKS) if self._after_block else held
 
     def _thought(self, text: str, final: bool) -> str:
         """Thought text to give out now: blanks at the block's start dropped, blanks at its end held until more
         thought follows them (dropped when the block ends)."""
         if not self._thought_begun:
-            text = text.lstrip()
+            text = text.lstrip(BLANKS)
             if not text:
                 return ""
             self._thought_begun = True
         text = self._blank_tail + text
-        body = text.rstrip()
+        body = text.rstrip(BLANKS)
         self._blank_tail = "" if final else text[len(body):]
         return body
 

@@ -31,7 +31,7 @@ from kvserve.errors import (
     ServerShuttingDown,
 )
 from kvserve.infill import fim_tokens_or_error
-from kvserve.reasoning import Phase
+from kvserve.reasoning import Phase, reasoning_phase
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
@@ -98,11 +98,12 @@ class AppState:
             self._tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.chat_template, special)
         return self._tool_format
 
-    async def chat_text(self, body: p.ChatCompletionRequest,
-                        tools: ToolRequest) -> tuple[str, ToolCallFormat | None, Phase | None]:
+    async def chat_text(self, body: p.ChatCompletionRequest, tools: ToolRequest,
+                        reply: bool = True) -> tuple[str, ToolCallFormat | None, Phase | None]:
         """The conversation as the chat template renders it (tools in the template, or in the system message
         where it has no place for them; the final message open where the body continues it), the tool-call
-        format where tools are offered, and where it leaves a reasoning model's reply (None: not one)."""
+        format where tools are offered, and (with ``reply``) where it leaves a reasoning model's reply (None:
+        not one)."""
         messages, tools_arg, tool_format = body.message_dicts(), None, None
         if tools.tools:
             tool_format = await self.tool_format()
@@ -113,7 +114,7 @@ class AppState:
                                                   tools=tools_arg, continue_final_message=body.continue_final_message,
                                                   variables=variables)
         markers = self.engine.engine.reasoning_markers
-        phase = None if markers is None else chat_reply_phase(
+        phase = None if markers is None or not reply else chat_reply_phase(
             self.tokenizer, text, messages, markers, add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, tools=tools_arg, variables=variables)
         return text, tool_format, phase
@@ -125,13 +126,16 @@ class AppState:
         params = self.sampling_params(body)
         tools = tool_request(body, has_format=params.structured_outputs is not None)
         text, tool_format, phase = await self.chat_text(body, tools)
-        if phase is not None:
-            params = replace(params, reasoning_phase=phase.value)
         if tool_format is not None:
             if tools.calls_possible:
                 params = replace(params, structured_outputs=tools.constraint(tool_format))
             elif (tag := self.single_token_open_tag) is not None:  # tool_choice none: no call is opened
                 params = replace(params, logit_bias=(*params.logit_bias, (tag, -MAX_LOGIT_BIAS)))
+        if phase is not None and (tokens := self.engine.engine.reasoning_tokens) is not None:
+            # as the engine's grammar will see it, so that the text is parted as the reply was constrained
+            phase = reasoning_phase(replace(params, reasoning_phase=phase.value), (), tokens,
+                                    constrained=params.structured_outputs is not None)
+            params = replace(params, reasoning_phase=phase.value)
         return params, tools, tool_format, text
 
     async def prompt_ids(self, text: str, params: SamplingParams) -> list[int]:
@@ -356,7 +360,7 @@ def build_app(
                                  else "messages")
         if body.messages is not None:
             chat = body.chat_request()
-            text, _, _ = await state.chat_text(chat, tool_request(chat, has_format=False))
+            text, _, _ = await state.chat_text(chat, tool_request(chat, has_format=False), reply=False)
             add_special = bool(body.add_special_tokens)  # the template holds any BOS token
         else:
             text = body.prompt or ""

@@ -455,8 +455,8 @@ class ResponseEvents:
             delta = choice.get("delta") or {}
             if self.want_logprobs:  # also a chunk's whose text is held back (a stop string, a split character)
                 self.pending_logprobs += _logprobs(choice.get("logprobs")) or []
-            if delta.get("reasoning_content"):
-                events += self._reasoning_delta(delta["reasoning_content"])
+            if delta.get("reasoning_content"):  # a chunk with the answer's start too keeps its logprobs for it
+                events += self._reasoning_delta(delta["reasoning_content"], answer_follows=bool(delta.get("content")))
             if delta.get("content"):
                 events += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -487,7 +487,7 @@ class ResponseEvents:
                                   logprobs=logprobs))
         return events
 
-    def _reasoning_delta(self, text: str) -> list[str]:
+    def _reasoning_delta(self, text: str, answer_follows: bool = False) -> list[str]:
         events = []
         if self.open is None or self.open["type"] != "reasoning":
             events += self._close()
@@ -496,7 +496,8 @@ class ResponseEvents:
                          "output_index": len(self.done)}
             events.append(self._event("response.output_item.added", output_index=self.open["output_index"],
                                       item=_public(self.open)))
-        self.pending_logprobs = []  # the thoughts': no text's
+        if not answer_follows:
+            self.pending_logprobs = []  # the thoughts': no text's
         self.thought = True
         self.text.append(text)
         events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],

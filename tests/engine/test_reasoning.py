@@ -162,6 +162,63 @@ def test_gate_open_phase_thinks_only_when_the_reply_opens_a_block() -> None:
     assert count_reasoning_tokens(ids("a<think>b"), TOKENS, Phase.OPEN) == 0
 
 
+def test_a_one_token_end_marker_is_forced_as_that_token() -> None:
+    """Where the vocabulary writes </think> as one token (Qwen3, DeepSeek-R1), a budget spent after a thought
+    ending in "<" still closes with that token, the one the model was trained to close with."""
+    single = ReasoningTokens(THINK, (1003,), (1004,), TOKENS.token_bytes, TOKENS.encode)
+    gate = ReasoningGate(single, Phase.THINKING, budget=2)
+    output, model = [], iter(ids("x<yz"))
+    for _ in range(4):
+        token = gate.forced_token if gate.forced_token is not None else next(model)
+        output.append(token)
+        gate.observe(token)
+    assert output == [ord("x"), ord("<"), 1004, ord("y")] and gate.phase is Phase.ANSWER
+
+
+class FakeMatcher:
+    """A grammar matcher that takes every token and remembers them."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+        self.version = 0
+
+    def accept(self, token_id: int) -> bool:
+        self.taken.append(token_id)
+        self.version += 1
+        return True
+
+
+class FakeGrammar:
+    def __init__(self) -> None:
+        self.matchers: list[FakeMatcher] = []
+
+    def new_matcher(self) -> FakeMatcher:
+        self.matchers.append(FakeMatcher())
+        return self.matchers[-1]
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_sampling_state_starts_the_grammar_after_the_thoughts(replayed: bool) -> None:
+    """OPEN with a one-token start marker: the grammar's matcher follows the reply until it opens a block, then
+    nothing does until the block closes, then a fresh matcher takes the answer (live or replayed alike)."""
+    from kvserve.request import SamplingParams
+    from kvserve.runner.sampler import SamplingState
+
+    single = ReasoningTokens(THINK, (1003,), (1004,), TOKENS.token_bytes, TOKENS.encode)
+    grammar = FakeGrammar()
+    state = SamplingState(SamplingParams(), [1], [])
+    state.reasoning, state.answer_grammar = ReasoningGate(single, Phase.OPEN), grammar
+    state.matcher = grammar.new_matcher()
+    assert state.opening_token == 1003
+    for token in [1005, 1003, ord("a"), ord("b"), 1004, ord("{"), ord("}")]:
+        state.append(token, replayed=replayed)
+        if token == 1003:
+            assert state.matcher is None and state.opening_token is None
+    first, answer = grammar.matchers
+    assert first.taken == [1005]  # a blank the grammar allowed, before the reply opened its thoughts
+    assert answer.taken == [ord("{"), ord("}")] and state.matcher is answer
+
+
 def test_budget_zero_closes_the_block_at_once() -> None:
     text, ended = run_gate(ReasoningGate(TOKENS, Phase.THINKING, budget=0), ids("ab"), steps=len("</think>a"))
     assert text == "</think>a" and ended == [len("</think>")]
