@@ -157,7 +157,7 @@ class ReasoningGate:
         tokens the thoughts already began, the tokens that finish it where they spell exactly its rest."""
         tokens = self._tokens
         end = tokens.markers.end.encode()
-        begun = _partial_suffix(self._seen, end) if len(tokens.end_ids) > 1 else 0
+        begun = partial_suffix(self._seen, end) if len(tokens.end_ids) > 1 else 0
         if begun:
             rest = tokens.encode(end[begun:].decode())
             if rest and b"".join(tokens.token_bytes(t) for t in rest) == end[begun:]:
@@ -279,7 +279,7 @@ class ReasoningSplitter:
                     self._phase, self._after_block = Phase.ANSWER, True
                     buffer = buffer[at + len(self._markers.end):]
                 else:
-                    keep = _partial_suffix(buffer, self._markers.end)
+                    keep = partial_suffix(buffer, self._markers.end)
                     reasoning.append(self._thought(buffer[:len(buffer) - keep], final=False))
                     self._held = buffer[len(buffer) - keep:]
                     break
@@ -316,8 +316,9 @@ class ReasoningSplitter:
         return body
 
 
-def _partial_suffix(text: AnyStr, marker: AnyStr) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (0: none)."""
+def partial_suffix(text: AnyStr, marker: AnyStr) -> int:
+    """The length of the longest end of ``text`` that is a proper beginning of ``marker`` (0: none): what a
+    stream holds back until the next piece says whether the marker (or a tag) comes."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
             return size

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from kvserve.reasoning import partial_suffix
 from kvserve.structured.grammar import JSON_OPTIONS
 
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
@@ -320,7 +321,7 @@ class HermesToolParser:
         if at >= 0:
             self._emit(pending[:at].rstrip(), delta)  # whitespace before a tag is not content
             return self._open_call(pending[at + len(self.open_tag):], bare=False)
-        keep = _partial_suffix(pending, self.open_tag)
+        keep = partial_suffix(pending, self.open_tag)
         body = pending[: len(pending) - keep]
         text = body.rstrip()  # trailing whitespace waits: a tag may follow it
         self._emit(text, delta)
@@ -391,14 +392,6 @@ class HermesToolParser:
         self._mode = "text"  # no closing tag: what follows is text
         self._after_call = True
         return stripped
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class _CallScanner:

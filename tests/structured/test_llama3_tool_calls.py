@@ -16,27 +16,14 @@ from kvserve.structured.tool_calls import (
     tool_format_for,
 )
 from tests.structured.test_tool_calls import ADD, WEATHER, accepts, llg_tokenizer  # noqa: F401 - a fixture
+from tests.structured.test_tool_calls import parse as hermes_parse
 
 LLAMA3_TEMPLATE_LINE = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
                         'its value}. Do not use variables.')
 
 
 def parse(text: str, cuts: list[int] | None = None) -> tuple[str, list[tuple[str, str]], bool]:
-    """(content, [(name, arguments)], incomplete) of ``text`` fed in pieces cut at ``cuts``."""
-    parser = Llama3JsonToolFormat().parser()
-    bounds = [0, *sorted(set(c for c in cuts or [] if 0 < c < len(text))), len(text)]
-    content = ""
-    calls: dict[int, list[str]] = {}
-    for start, end in zip(bounds, bounds[1:], strict=False):
-        delta = parser.feed(text[start:end])
-        content += delta.content
-        for call, is_new, arguments in delta.calls:
-            entry = calls.setdefault(call.index, ["", ""])
-            if is_new:
-                entry[0] = call.name
-            entry[1] += arguments
-    content += parser.finish().content
-    return content, [(name, args) for name, args in calls.values()], parser.incomplete
+    return hermes_parse(text, cuts, Llama3JsonToolFormat())
 
 
 TEXTS = {

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.model.loader import default_model_path
-from kvserve.structured.tool_calls import HermesToolFormat, ToolChoice, ToolSpec
+from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat, ToolChoice, ToolSpec
 from kvserve.tokenizer import Tokenizer
 
 WEATHER = ToolSpec("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -18,9 +18,11 @@ ADD = ToolSpec("add", {"type": "object", "properties": {"a": {"type": "integer"}
                        "required": ["a", "b"], "additionalProperties": False})
 
 
-def parse(text: str, cuts: list[int] | None = None) -> tuple[str, list[tuple[str, str]], bool]:
-    """(content, [(name, arguments)], incomplete) of ``text`` fed in pieces cut at ``cuts``."""
-    parser = HermesToolFormat(special_tags=True).parser()
+def parse(text: str, cuts: list[int] | None = None,
+          fmt: ToolCallFormat | None = None) -> tuple[str, list[tuple[str, str]], bool]:
+    """(content, [(name, arguments)], incomplete) of ``text`` fed in pieces cut at ``cuts`` to ``fmt``'s parser
+    (hermes's by default)."""
+    parser = (fmt or HermesToolFormat(special_tags=True)).parser()
     bounds = [0, *sorted(set(c for c in cuts or [] if 0 < c < len(text))), len(text)]
     content = ""
     calls: dict[int, list[str]] = {}
