@@ -188,6 +188,33 @@ def test_adapters_served_by_name_and_loaded_at_run_time_over_http(adapters, prom
             complete("qv")
 
         http = httpx.Client(base_url=server.base_url, timeout=60)
+        # Chat, the Responses API and embeddings name the adapter the same way: the chat reply is the adapter's
+        # completion of the rendered conversation, the Responses API's text the chat reply's, the embedding the
+        # adapter's hidden state, none of them the base model's.
+        chat = [{"role": "user", "content": "Say something."}]
+        as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+        def chat_reply(model: str) -> tuple[str, list[int]]:
+            reply = client.chat.completions.create(model=model, messages=chat, max_tokens=MAX_TOKENS, temperature=0,
+                                                   logprobs=True, extra_body=as_ids)
+            assert reply.model == model
+            return reply.choices[0].message.content, [int(t.token.removeprefix("token_id:"))
+                                                      for t in reply.choices[0].logprobs.content]
+
+        rendered = http.post("/tokenize", json={"messages": chat}).json()["tokens"]
+        completed = client.completions.create(model="full", prompt=rendered, max_tokens=MAX_TOKENS, temperature=0,
+                                              logprobs=0, extra_body=as_ids)
+        full_text, full_tokens = chat_reply("full")
+        assert full_tokens == [int(t.removeprefix("token_id:")) for t in completed.choices[0].logprobs.tokens]
+        assert full_tokens != chat_reply("smol")[1]
+        response = client.responses.create(model="full", input=chat, max_output_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert response.model == "full" and response.output_text == full_text
+        vectors = {name: client.embeddings.create(model=name, input="hello").data[0].embedding
+                   for name in ("full", "smol")}
+        assert vectors["full"] != vectors["smol"]
+        assert client.embeddings.create(model="full", input="hello").data[0].embedding == vectors["full"]
+
         loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(qv_path)})
         assert loaded.status_code == 200 and "added" in loaded.text
         assert complete("qv")[1] == references["qv"][0]
