@@ -4,6 +4,7 @@ gateway in front of replicas (``RouterConfig``). Their fields are settings as th
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -37,6 +38,10 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = setting(
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA routes): a client "
                "may then load adapters from paths on this machine; give --api-key with it on a shared network")
+    default_chat_template_kwargs: str | None = setting(
+        None, "chat template variables every chat request gets unless it sets them itself in its own "
+              "chat_template_kwargs, as a JSON object (vLLM's flag): '{\"enable_thinking\": false}' turns Qwen3's "
+              "thoughts off for every request", metavar="JSON")
     tool_call_parser: ToolCallParser = setting(
         "auto", "the format tool calls are written, constrained and read in (vLLM's names): hermes (<tool_call> JSON "
                 "</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1 and 3.2's JSON with \"parameters\"), "
@@ -58,6 +63,15 @@ class ServerConfig:
         if any(not isinstance(name, str) or not name.strip() for name in self.served_model_name):
             raise ConfigError(f"served_model_name: each name must be a non-empty string, got "
                               f"{list(self.served_model_name)}", "served_model_name")
+        if self.default_chat_template_kwargs is not None:
+            try:
+                defaults = json.loads(self.default_chat_template_kwargs)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"default_chat_template_kwargs is not JSON: {exc}",
+                                  "default_chat_template_kwargs") from None
+            if not isinstance(defaults, dict):
+                raise ConfigError("default_chat_template_kwargs must be a JSON object of template variables",
+                                  "default_chat_template_kwargs")
         check_whole(self.port, "port", 0, 65535)
         check_whole(self.max_waiting_requests, "max_waiting_requests", 1)
         check_whole(self.max_request_body_bytes, "max_request_body_bytes", 1)
@@ -107,6 +121,10 @@ class RouterConfig:
     replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
                                                   "models, load); requests pass on their client's key")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
+    default_chat_template_kwargs: str | None = setting(
+        None, "chat template variables every chat request gets unless it sets them itself in its own "
+              "chat_template_kwargs, as a JSON object (vLLM's flag): '{\"enable_thinking\": false}' turns Qwen3's "
+              "thoughts off for every request", metavar="JSON")
     tool_call_parser: ToolCallParser = setting(
         "auto", "the format tool calls are written, constrained and read in (vLLM's names): hermes (<tool_call> JSON "
                 "</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1 and 3.2's JSON with \"parameters\"), "
@@ -148,6 +166,15 @@ class RouterConfig:
                     and not 0.0 <= self.route_threshold <= 1.0:
                 raise ConfigError("random: --route-threshold is the large model's share, in [0, 1]",
                                   "route_threshold")
+        if self.default_chat_template_kwargs is not None:
+            try:
+                defaults = json.loads(self.default_chat_template_kwargs)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"default_chat_template_kwargs is not JSON: {exc}",
+                                  "default_chat_template_kwargs") from None
+            if not isinstance(defaults, dict):
+                raise ConfigError("default_chat_template_kwargs must be a JSON object of template variables",
+                                  "default_chat_template_kwargs")
         check_whole(self.port, "port", 0, 65535)
         check_finite(self.shutdown_grace_period_s, "shutdown_grace_period_s", 0)
         if self.route_threshold is not None:

@@ -80,6 +80,11 @@ class AppState:
         self.draining = False
         self.created = int(time.time())
         self._tool_format: ToolCallFormat | None = None
+        # --default-chat-template-kwargs: what a chat request's own chat_template_kwargs override
+        self.default_template_variables: dict[str, Any] = json.loads(config.default_chat_template_kwargs or "{}")
+        if reserved := sorted(set(self.default_template_variables) & p.RESERVED_TEMPLATE_NAMES):
+            raise ConfigError(f"default_chat_template_kwargs: {reserved[0]!r} is set by each request itself, not a "
+                              "template variable to default", "default_chat_template_kwargs")
 
     @property
     def template_has_tools(self) -> bool:
@@ -109,7 +114,7 @@ class AppState:
             tool_format = await self.tool_format()
             messages = template_messages(messages, tools, tool_format, self.template_has_tools)
             tools_arg = template_tools(tools) if self.template_has_tools else None
-        variables = body.template_variables()
+        variables = {**self.default_template_variables, **body.template_variables()}
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                                   tools=tools_arg, continue_final_message=body.continue_final_message,
                                                   variables=variables)

@@ -79,9 +79,13 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig) -> tu
     shares (``serve``, ``BackgroundServer``, a Ray Serve replica). The caller shuts the engine down."""
     engine = Engine(engine_config)
     async_engine = AsyncEngine(engine, max_waiting_requests=server_config.max_waiting_requests)
-    app = build_app(async_engine, server_config, engine.tokenizer, model_names=served_names(engine, server_config),
-                    max_model_len=engine.max_model_len, model_root=str(engine.model_path),
-                    compute=compute_model(engine, server_config.hardware))
+    try:
+        app = build_app(async_engine, server_config, engine.tokenizer, model_names=served_names(engine, server_config),
+                        max_model_len=engine.max_model_len, model_root=str(engine.model_path),
+                        compute=compute_model(engine, server_config.hardware))
+    except BaseException:  # a configuration the app refuses: the engine thread does not outlive it
+        engine.close(persist=async_engine.shutdown())
+        raise
     return engine, async_engine, app
 
 

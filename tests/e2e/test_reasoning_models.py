@@ -15,9 +15,11 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig, ModelConfig
+from kvserve.errors import ConfigError
 from kvserve.reasoning import Phase, ReasoningMarkers, count_reasoning_tokens, split_reasoning
 from kvserve.request import StructuredOutputsParams
 from kvserve.server.serving import BackgroundServer
+from kvserve.serving_config import ServerConfig
 from tests.e2e.conftest import hf_greedy
 from tests.support.tiny_models import make_tiny_model
 
@@ -267,3 +269,30 @@ def test_openai_client_reads_thoughts_apart_from_the_answer(model_dir) -> None:
                                            extra_body={"thinking_token_budget": -1})
     finally:
         server.stop()
+
+
+def test_server_wide_template_defaults_turn_thoughts_off_unless_a_request_turns_them_on(model_dir) -> None:
+    """--default-chat-template-kwargs '{"enable_thinking": false}': replies begin with the answer (the template
+    writes the empty block), unless a request's own chat_template_kwargs say otherwise."""
+    server = BackgroundServer(EngineConfig(model=ModelConfig(str(model_dir), dtype="float32", chat_template=TEMPLATE)),
+                              ServerConfig(port=0, default_chat_template_kwargs='{"enable_thinking": false}'))
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert "reasoning_content" not in (answer.choices[0].message.model_extra or {})
+        assert answer.usage.completion_tokens_details.reasoning_tokens == 0
+        thinking = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0,
+                                                  extra_body={"ignore_eos": True,
+                                                              "chat_template_kwargs": {"enable_thinking": True}})
+        assert thinking.choices[0].message.model_extra["reasoning_content"]
+        assert thinking.usage.completion_tokens_details.reasoning_tokens == 6
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="messages"):
+        BackgroundServer(EngineConfig(model=ModelConfig(str(model_dir), dtype="float32")),
+                         ServerConfig(port=0, default_chat_template_kwargs='{"messages": []}'))
+    with pytest.raises(ConfigError, match="JSON object"):
+        ServerConfig(default_chat_template_kwargs="[1]")
+
