@@ -61,6 +61,9 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter(f"{n}prompt_tokens_cached",
                                             "Prompt tokens found in the prefix cache at admission.", registry=r)
         self.generation_tokens = Counter(f"{n}generation_tokens", "Output tokens of ended requests.", registry=r)
+        self.reasoning_tokens = Counter(f"{n}reasoning_tokens",
+                                        "Output tokens a reasoning model's chat replies spent on their thoughts.",
+                                        registry=r)
         self.request_success = Counter(f"{n}request_success", "Engine requests ended, by finish reason.",
                                        ["finished_reason"], registry=r)
         self.http_errors = Counter(f"{n}http_errors", "Requests answered with an error, by status and code.",

@@ -65,6 +65,8 @@ class ResponseBuilder:
                       tool_format: ToolCallFormat | None = None, reasoning: Phase | None = None) -> rm.OpenAIResponse:
         """``reasoning``: where the prompt leaves a reasoning model's output (None: no thoughts to part)."""
         usage = self._with_reasoning_tokens(run.usage(), run, reasoning)
+        if usage.completion_tokens_details is not None:
+            self.metrics.reasoning_tokens.inc(usage.completion_tokens_details.reasoning_tokens)
         if chat:
             echoed = body.echoed_text
             choices = []
@@ -162,6 +164,7 @@ class ResponseBuilder:
                 if finish is not None:
                     more_thoughts, more_text = splitter.finish()
                     thoughts, text = thoughts + more_thoughts, text + more_text
+                    self.metrics.reasoning_tokens.inc(self._thought_tokens(child, splitter.phase))
                 thoughts = thoughts if body.include_reasoning else ""
             if child.tool_parser is not None:
                 delta, finish = _tool_call_delta(child.tool_parser, text, finish, _named_tool(body))
@@ -196,13 +199,17 @@ class ResponseBuilder:
 
     def _with_reasoning_tokens(self, usage: rm.Usage, run: RequestRun, reasoning: Phase | None) -> rm.Usage:
         """``usage`` with how many of the completion tokens were thoughts, for a reasoning model's reply."""
-        tokens = self.reasoning_tokens
-        if reasoning is None or tokens is None:
+        if reasoning is None or self.reasoning_tokens is None:
             return usage
-        thought = sum(count_reasoning_tokens(c.last.outputs[0].token_ids, tokens, reasoning)
-                      for c in run.children if c.last is not None)
+        thought = sum(self._thought_tokens(c, reasoning) for c in run.children)
         usage.completion_tokens_details = rm.CompletionTokensDetails(reasoning_tokens=thought)
         return usage
+
+    def _thought_tokens(self, child: EngineRequest, reasoning: Phase) -> int:
+        """How many of a reply's tokens were its thoughts, as the engine's gate counts them."""
+        if child.last is None or self.reasoning_tokens is None:
+            return 0
+        return count_reasoning_tokens(child.last.outputs[0].token_ids, self.reasoning_tokens, reasoning)
 
     def _echo(self, child: EngineRequest, body: Any) -> tuple[str, rm.CompletionLogprobs | None]:
         """A completion's echoed prompt (``echo``): its text, and with logprobs its tokens' (offsets from 0)."""

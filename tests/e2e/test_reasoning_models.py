@@ -207,6 +207,12 @@ def test_openai_client_reads_thoughts_apart_from_the_answer(model_dir) -> None:
         assert "".join(streamed_thoughts) == thoughts and "".join(streamed_content) == message.content
         assert usage is not None and usage.completion_tokens_details.reasoning_tokens == 5 + end_tokens
 
+        # the server's counter: the whole reply's thoughts and the streamed one's
+        scraped = httpx.get(server.base_url + "/metrics").text
+        counted = next(float(line.split()[-1]) for line in scraped.splitlines()
+                       if line.startswith("kvserve:reasoning_tokens_total"))
+        assert counted == 2 * (5 + end_tokens)
+
         hidden = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=80, temperature=0,
                                                 extra_body={**body, "include_reasoning": False})
         assert "reasoning_content" not in (hidden.choices[0].message.model_extra or {})

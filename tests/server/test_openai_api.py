@@ -377,7 +377,7 @@ def test_models_health_and_metrics(base_url) -> None:
                  "kvserve:inter_token_latency_seconds_bucket", "kvserve:e2e_request_latency_seconds_bucket",
                  "kvserve:request_queue_time_seconds_bucket", "kvserve:prompt_tokens_total",
                  "kvserve:prompt_tokens_cached_total", "kvserve:generation_tokens_total",
-                 "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
+                 "kvserve:reasoning_tokens_total", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
                  "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_blocks_used",
                  "kvserve:kv_blocks_cached", "kvserve:kv_blocks_free", "kvserve:num_preemptions_total",
                  'kvserve:request_success_total{finished_reason="length"}'):
