@@ -245,12 +245,10 @@ class ReasoningSplitter:
     without the blanks between the block and itself. Any split of the text into pieces gives the same parts.
     """
 
-    __slots__ = ("_markers", "phase", "_phase", "_held", "_blank_tail", "_thought_begun", "_after_block",
-                 "reasoning_seen")
+    __slots__ = ("_markers", "_phase", "_held", "_blank_tail", "_thought_begun", "_after_block", "reasoning_seen")
 
     def __init__(self, markers: ReasoningMarkers, phase: Phase) -> None:
         self._markers = markers
-        self.phase = phase  # where the prompt left the reply
         self._phase = phase
         self._held = ""  # text not given out yet: a marker's possible beginning
         self._blank_tail = ""  # blanks inside the thoughts, given out only when more thought follows

@@ -15,6 +15,9 @@ from kvserve.errors import ConfigError
 
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 ToolCallParser = Literal["auto", "hermes", "llama3_json"]
+# What the server itself gives the chat template (from the request's own fields): no client's variable, nor a default.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
+                                     "documents", "bos_token", "eos_token"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,9 @@ class ServerConfig:
             if not isinstance(defaults, dict):
                 raise ConfigError("default_chat_template_kwargs must be a JSON object of template variables",
                                   "default_chat_template_kwargs")
+            if reserved := sorted(set(defaults) & RESERVED_TEMPLATE_NAMES):
+                raise ConfigError(f"default_chat_template_kwargs: {reserved[0]!r} is set by each request itself, not "
+                                  "a template variable to default", "default_chat_template_kwargs")
         check_whole(self.port, "port", 0, 65535)
         check_whole(self.max_waiting_requests, "max_waiting_requests", 1)
         check_whole(self.max_request_body_bytes, "max_request_body_bytes", 1)
@@ -121,14 +127,6 @@ class RouterConfig:
     replica_api_key: str | None = setting(None, "API key of the router's own calls to the replicas (health, "
                                                   "models, load); requests pass on their client's key")
     uvicorn_log_level: UvicornLogLevel = setting("info", "log level of the HTTP server (uvicorn)")
-    default_chat_template_kwargs: str | None = setting(
-        None, "chat template variables every chat request gets unless it sets them itself in its own "
-              "chat_template_kwargs, as a JSON object (vLLM's flag): '{\"enable_thinking\": false}' turns Qwen3's "
-              "thoughts off for every request", metavar="JSON")
-    tool_call_parser: ToolCallParser = setting(
-        "auto", "the format tool calls are written, constrained and read in (vLLM's names): hermes (<tool_call> JSON "
-                "</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1 and 3.2's JSON with \"parameters\"), "
-                "or auto: llama3_json where the chat template asks for it, else hermes")
     shutdown_grace_period_s: float = setting(5.0, "seconds requests in flight get to finish after SIGTERM before "
                                                   "their connections are closed", flag="--shutdown-grace-period")
     model_policy: ModelPolicyName | None = setting(
@@ -166,15 +164,6 @@ class RouterConfig:
                     and not 0.0 <= self.route_threshold <= 1.0:
                 raise ConfigError("random: --route-threshold is the large model's share, in [0, 1]",
                                   "route_threshold")
-        if self.default_chat_template_kwargs is not None:
-            try:
-                defaults = json.loads(self.default_chat_template_kwargs)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"default_chat_template_kwargs is not JSON: {exc}",
-                                  "default_chat_template_kwargs") from None
-            if not isinstance(defaults, dict):
-                raise ConfigError("default_chat_template_kwargs must be a JSON object of template variables",
-                                  "default_chat_template_kwargs")
         check_whole(self.port, "port", 0, 65535)
         check_finite(self.shutdown_grace_period_s, "shutdown_grace_period_s", 0)
         if self.route_threshold is not None:

@@ -82,9 +82,6 @@ class AppState:
         self._tool_format: ToolCallFormat | None = None
         # --default-chat-template-kwargs: what a chat request's own chat_template_kwargs override
         self.default_template_variables: dict[str, Any] = json.loads(config.default_chat_template_kwargs or "{}")
-        if reserved := sorted(set(self.default_template_variables) & p.RESERVED_TEMPLATE_NAMES):
-            raise ConfigError(f"default_chat_template_kwargs: {reserved[0]!r} is set by each request itself, not a "
-                              "template variable to default", "default_chat_template_kwargs")
 
     @property
     def template_has_tools(self) -> bool:
@@ -96,11 +93,8 @@ class AppState:
         first call builds the grammar engine's view of the vocabulary (seconds for a large one), off the event
         loop."""
         if self._tool_format is None:
-            grammars = self.engine.grammars
-            open_tag, close_tag = HermesToolFormat.open_tag, HermesToolFormat.close_tag
-            special = await asyncio.to_thread(
-                lambda: grammars.is_special_token(open_tag) and grammars.is_special_token(close_tag))
-            self._tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.chat_template, special)
+            self._tool_format = await asyncio.to_thread(tool_format_for, self.config.tool_call_parser,
+                                                        self.tokenizer.chat_template, self.engine.grammars.is_special_token)
         return self._tool_format
 
     async def chat_text(self, body: p.ChatCompletionRequest, tools: ToolRequest,
@@ -227,7 +221,7 @@ class AppState:
             samples = [replace(sample, prompt_logprobs=params.prompt_logprobs) for sample in samples]
         children = [
             EngineRequest(i * params.n + j, i, f"{request_id}-{i * params.n + j}", child_params, ids, text,
-                          grammar=grammar)
+                          grammar=grammar, reasoning=reasoning)
             for i, (ids, text) in enumerate(prompts)
             for j, child_params in enumerate(samples)
         ]

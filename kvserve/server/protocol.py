@@ -18,14 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvserve.errors import InvalidRequest, InvalidSamplingParams
 from kvserve.reasoning import template_message
 from kvserve.request import SamplingParams, StructuredOutputsParams
+from kvserve.serving_config import RESERVED_TEMPLATE_NAMES
 from kvserve.tokenizer import message_text
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP_STRINGS = 64  # every stop string is searched for after every generated token
-# What the server itself gives the chat template (from the request's own fields).
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
-                                     "documents", "bos_token", "eos_token"})
 
 
 def rename_param(exc: InvalidRequest, old: str, new: str) -> InvalidRequest:

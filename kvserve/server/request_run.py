@@ -15,7 +15,7 @@ from typing import Any
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.errors import KVServeError
-from kvserve.reasoning import ReasoningSplitter
+from kvserve.reasoning import Phase, ReasoningSplitter, count_reasoning_tokens
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import response_models as rm
 from kvserve.server.metrics import ServerMetrics
@@ -40,6 +40,7 @@ class EngineRequest:
     echoed: bool = False  # a streamed completion with echo: the prompt went out in its first chunk
     tool_parser: ToolCallParser | None = None  # a streamed chat reply that may hold tool calls
     reasoning_splitter: ReasoningSplitter | None = None  # a reasoning model's streamed chat reply
+    reasoning: Phase | None = None  # a reasoning model's chat reply: where its prompt left it
     grammar: CompiledGrammar | None = None  # its constraint's, compiled before it was made
     first_sample: EngineRequest | None = None  # the sample of the same prompt that computed its prompt logprobs
 
@@ -171,8 +172,17 @@ class RequestRun:
             child.finished = True
             completion = output.outputs[0]
             metrics.observe_finished(completion.finish_reason or "stop", len(completion.token_ids), output.metrics)
+            self._observe_thoughts(child)
             if self.on_finished is not None:
                 self.on_finished(child, self.received_at, completion.finish_reason or "stop")
+
+    def _observe_thoughts(self, child: EngineRequest) -> None:
+        """A reasoning model's ended reply: how many of its tokens were thoughts (aborted ones too, as their
+        tokens count among the generated)."""
+        tokens = self.engine.engine.reasoning_tokens
+        if child.reasoning is not None and tokens is not None and child.last is not None:
+            self.metrics.reasoning_tokens.inc(count_reasoning_tokens(child.last.outputs[0].token_ids, tokens,
+                                                                     child.reasoning))
 
     def abort(self) -> None:
         """Ask the engine to end every unfinished request; each stream then ends with finish_reason abort."""
@@ -191,6 +201,7 @@ class RequestRun:
                 child.finished = True
                 num_tokens = len(child.last.outputs[0].token_ids) if child.last is not None else 0
                 self.metrics.observe_finished("abort", num_tokens, None)
+                self._observe_thoughts(child)
                 if self.on_finished is not None:
                     self.on_finished(child, self.received_at, "abort")
         self.registry.discard(self)

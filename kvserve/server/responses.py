@@ -65,8 +65,6 @@ class ResponseBuilder:
                       tool_format: ToolCallFormat | None = None, reasoning: Phase | None = None) -> rm.OpenAIResponse:
         """``reasoning``: where the prompt leaves a reasoning model's output (None: no thoughts to part)."""
         usage = self._with_reasoning_tokens(run.usage(), run, reasoning)
-        if usage.completion_tokens_details is not None:
-            self.metrics.reasoning_tokens.inc(usage.completion_tokens_details.reasoning_tokens)
         if chat:
             echoed = body.echoed_text
             choices = []
@@ -164,7 +162,6 @@ class ResponseBuilder:
                 if finish is not None:
                     more_thoughts, more_text = splitter.finish()
                     thoughts, text = thoughts + more_thoughts, text + more_text
-                    self.metrics.reasoning_tokens.inc(self._thought_tokens(child, splitter.phase))
                 thoughts = thoughts if body.include_reasoning else ""
             if child.tool_parser is not None:
                 delta, finish = _tool_call_delta(child.tool_parser, text, finish, _named_tool(body))

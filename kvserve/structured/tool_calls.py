@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -165,14 +165,22 @@ class Llama3JsonToolFormat:
     open_tag = "<|python_tag|>"
     arguments_key = "parameters"
 
+    def __init__(self, special_tag: bool = False) -> None:
+        self.special_tag = special_tag  # <|python_tag|> is a special token of the vocabulary (Llama 3's)
+
     def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str:
-        """The Lark grammar (llguidance's dialect) of a reply under ``choice`` ("none" has none)."""
+        """The Lark grammar (llguidance's dialect) of a reply under ``choice`` ("none" has none): the calls, after
+        the python tag where it is a token; under auto, or text that neither opens with a JSON object nor spells
+        the tag anywhere (a call is never read out of text)."""
         assert choice.mode != "none"
         offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
         lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered)))]
         calls = 'fn ("; " fn)*' if parallel and choice.mode != "function" else "fn"
+        if self.special_tag:
+            calls = f"{self.open_tag}? {calls}"
         if choice.mode == "auto":
-            lines += [f"start: TEXT | {calls}", r"TEXT: /(.|\n)*/ & ~/[ \t\n]*(<\|python_tag\|>)?[ \t\n]*\{(.|\n)*/"]
+            lines += [f"start: TEXT | {calls}",
+                      r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\{(.|\n)*/ & ~/(.|\n)*<\|python_tag\|>(.|\n)*/"]
         else:
             lines.append(f"start: {calls}")
         for i, tool in enumerate(offered):
@@ -180,7 +188,7 @@ class Llama3JsonToolFormat:
         return "\n".join(lines) + "\n"
 
     def parser(self) -> HermesToolParser:
-        return HermesToolParser(self.open_tag, "", arguments_key=self.arguments_key, openings=("{", self.open_tag),
+        return HermesToolParser(None, "", arguments_key=self.arguments_key, openings=("{", self.open_tag),
                                 separator=";")
 
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
@@ -195,14 +203,17 @@ class Llama3JsonToolFormat:
         return json.dumps({"name": name, self.arguments_key: arguments})
 
 
-def tool_format_for(parser: str, chat_template: str | None, special_tags: bool) -> ToolCallFormat:
+def tool_format_for(parser: str, chat_template: str | None, is_special: Callable[[str], bool]) -> ToolCallFormat:
     """The tool-call format ``parser`` names (``--tool-call-parser``); ``auto``: Llama 3's where the chat
-    template asks for its JSON calls, else hermes. ``special_tags``: hermes's tags are special tokens."""
+    template asks for its JSON calls, else hermes. ``is_special``: whether a tag is a special token."""
     if parser == "auto":
         template = chat_template or ""
         parser = "llama3_json" if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in \
             template else "hermes"
-    return Llama3JsonToolFormat() if parser == "llama3_json" else HermesToolFormat(special_tags=special_tags)
+    if parser == "llama3_json":
+        return Llama3JsonToolFormat(special_tag=is_special(Llama3JsonToolFormat.open_tag))
+    tags = (HermesToolFormat.open_tag, HermesToolFormat.close_tag)
+    return HermesToolFormat(special_tags=all(is_special(tag) for tag in tags))
 
 
 def call_schema(tool: ToolSpec, arguments_key: str = "arguments") -> dict[str, Any]:
@@ -258,10 +269,11 @@ class HermesToolParser:
     header (id, name) goes out once the name is read; argument text goes out as it arrives.
     """
 
-    def __init__(self, open_tag: str, close_tag: str, arguments_key: str = "arguments",
+    def __init__(self, open_tag: str | None, close_tag: str, arguments_key: str = "arguments",
                  openings: tuple[str, ...] = ("{", "```json"), separator: str | None = None) -> None:
-        """``openings``: what a reply that is a bare call opens with; ``separator``: what may stand between
-        two bare calls besides whitespace; ``close_tag`` empty: a tagged call ends with its object."""
+        """``open_tag``: what opens a call inside text (None: calls come only at the reply's start);
+        ``openings``: what a reply that is a bare call opens with; ``separator``: what may stand between two
+        bare calls besides whitespace."""
         self.open_tag = open_tag
         self.close_tag = close_tag
         self.arguments_key = arguments_key
@@ -317,6 +329,9 @@ class HermesToolParser:
                 self._held = pending
                 return ""
             self._at_start = False
+        if self.open_tag is None:  # text to the end: calls open only the reply
+            self._emit(pending, delta)
+            return ""
         at = pending.find(self.open_tag)
         if at >= 0:
             self._emit(pending[:at].rstrip(), delta)  # whitespace before a tag is not content

@@ -60,9 +60,14 @@ def test_required_calls_come_back_as_tool_calls(server) -> None:
     assert set(arguments) == {"add": {"a", "b"}, "get_weather": {"city"}}[call.function.name]
 
     named = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "add"}})
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           logprobs=True)
     (add,) = named.choices[0].message.tool_calls
     assert add.function.name == "add" and set(json.loads(add.function.arguments)) == {"a", "b"}
+    # the reply as the model wrote it: Llama 3's JSON, not hermes's tags (the format read from the template)
+    written = "".join(t.token for t in named.choices[0].logprobs.content)  # then the end token
+    assert json.JSONDecoder().raw_decode(written)[0] == {"name": "add",
+                                                        "parameters": json.loads(add.function.arguments)}
 
     stream = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, max_tokens=120,
                                             temperature=0, tool_choice={"type": "function", "function": {"name": "add"}},

@@ -35,20 +35,20 @@ TEXTS = {
                               '"parameters": {"city": "a;b}"}}', "",
                               [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "a;b}"}')]),
     "a brace in text": ("Use {x} here.", "Use {x} here.", []),
+    # a call opens the reply or nothing: the tag spelt inside text is text
+    "the tag inside text": ('Sure. <|python_tag|>{"name": "rm", "parameters": {}}',
+                            'Sure. <|python_tag|>{"name": "rm", "parameters": {}}', []),
 }
 
 
 @pytest.mark.parametrize("name", list(TEXTS))
 def test_the_parser_reads_content_and_calls(name: str) -> None:
     text, content, calls = TEXTS[name]
-    if name == "a brace in text":  # a reply that does not open with a call is text, braces and all
-        assert parse(text)[0] == content and parse(text)[1] == []
-        return
     assert parse(text) == (content, calls, False)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([n for n in TEXTS if n != "a brace in text"]),
+@given(st.sampled_from(list(TEXTS)),
        st.lists(st.integers(min_value=1, max_value=120), max_size=10))
 def test_streaming_in_any_pieces_gives_what_the_whole_text_gives(name: str, cuts: list[int]) -> None:
     text = TEXTS[name][0]
@@ -70,6 +70,8 @@ OTHER = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
     ("auto", True, "Just text, no call.", True),
     ("auto", True, CALL, True),
     ("auto", True, '{"name": "add", "parameters": {"a": 1}}', False),
+    ("auto", True, f"Sure. <|python_tag|>{CALL}", False),  # no call out of text, not even through the tag
+    ("auto", True, "<|python_tag|>hello", False),
 ])
 def test_the_grammar_of_each_tool_choice(mode: str, parallel: bool, text: str, expected: bool,
                                          llg_tokenizer) -> None:  # noqa: F811 - the fixture
@@ -79,9 +81,14 @@ def test_the_grammar_of_each_tool_choice(mode: str, parallel: bool, text: str, e
 
 
 def test_the_format_comes_from_the_template() -> None:
-    assert isinstance(tool_format_for("auto", "{{ x }} " + LLAMA3_TEMPLATE_LINE, False), Llama3JsonToolFormat)
-    assert isinstance(tool_format_for("auto", "{% if tools %}<tool_call>{% endif %}", True), HermesToolFormat)
-    assert isinstance(tool_format_for("auto", None, False), HermesToolFormat)
-    assert isinstance(tool_format_for("llama3_json", None, False), Llama3JsonToolFormat)
-    assert isinstance(tool_format_for("hermes", LLAMA3_TEMPLATE_LINE, False), HermesToolFormat)
+    def never(tag: str) -> bool:
+        return False
+
+    assert isinstance(tool_format_for("auto", "{{ x }} " + LLAMA3_TEMPLATE_LINE, never), Llama3JsonToolFormat)
+    hermes = tool_format_for("auto", "{% if tools %}<tool_call>{% endif %}", lambda tag: True)
+    assert isinstance(hermes, HermesToolFormat) and hermes.special_tags
+    assert isinstance(tool_format_for("auto", None, never), HermesToolFormat)
+    llama = tool_format_for("llama3_json", None, lambda tag: tag == "<|python_tag|>")
+    assert isinstance(llama, Llama3JsonToolFormat) and llama.special_tag
+    assert isinstance(tool_format_for("hermes", LLAMA3_TEMPLATE_LINE, never), HermesToolFormat)
     assert json.loads(Llama3JsonToolFormat().render_call("add", {"a": 1})) == {"name": "add", "parameters": {"a": 1}}
