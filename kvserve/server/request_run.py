@@ -179,8 +179,9 @@ class RequestRun:
     def _observe_thoughts(self, child: EngineRequest) -> None:
         """A reasoning model's ended reply: how many of its tokens were thoughts (aborted ones too, as their
         tokens count among the generated)."""
-        tokens = self.engine.engine.reasoning_tokens
-        if child.reasoning is not None and tokens is not None and child.last is not None:
+        if child.reasoning is None or child.last is None:
+            return
+        if (tokens := self.engine.engine.reasoning_tokens) is not None:
             self.metrics.reasoning_tokens.inc(count_reasoning_tokens(child.last.outputs[0].token_ids, tokens,
                                                                      child.reasoning))
 
