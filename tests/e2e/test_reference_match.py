@@ -101,6 +101,9 @@ def test_torch_reference_paths_match_transformers(prompt_ids, reference) -> None
     assert stats.num_accepted_draft_tokens > 0 and 0 < stats.num_draft_steps < decode_rows
 
 
+# CI's time: the shared server speculates with the prefix cache on, and its tests reuse speculated requests' blocks
+# against the offline engine's output; the check under preemption below stays in CI too.
+@pytest.mark.heavy
 def test_speculative_decoding_matches_transformers(prompt_ids, reference) -> None:
     """n-gram drafts verified in the batch, with the prefix cache on and a budget that cuts drafts short."""
     llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=24, enable_prefix_caching=True,
