@@ -67,7 +67,7 @@ def test_greedy_outputs_match_their_schemas(llm: LLM, greedy_texts: list[str]) -
 
 
 def test_sampled_outputs_match_their_schemas(llm: LLM) -> None:
-    for seed in range(4):
+    for seed in range(2):
         params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=64, repetition_penalty=1.1,
                                  logprobs=2, structured_outputs=StructuredOutputsParams(json=s)) for s in SCHEMAS]
         for output, schema in zip(llm.chat(chats(), params), SCHEMAS, strict=True):

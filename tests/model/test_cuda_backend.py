@@ -140,6 +140,7 @@ def test_decode_steps_on_the_buffers_give_the_reference_tokens(tiny_llama, monke
     assert graphs.buffers.hidden.data_ptr() == buffers and sorted(graphs.steps) == [1, 2, 4, 8]
 
 
+@pytest.mark.heavy  # CI's time: the decode steps on the buffers run in CI; drafts and prefix hits on them here
 def test_drafts_and_prefix_hits_on_the_buffers(tiny_llama, monkeypatch) -> None:
     """n-gram drafts (a request's rows: its token and its drafts; past 4 rows a step runs eagerly) for a
     request beside one asking for logprobs (which drafts nothing), then the same prompts again, served from

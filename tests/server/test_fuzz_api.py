@@ -30,7 +30,7 @@ from kvserve.serving_config import ServerConfig  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 MODEL_NAME = "tiny"
-FUZZ_EXAMPLES = 20
+FUZZ_EXAMPLES = 14
 HEAVY_EXAMPLES = 1000
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
