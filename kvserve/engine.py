@@ -44,10 +44,11 @@ from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
 from kvserve.reasoning import (
+    Phase,
     ReasoningMarkers,
     ReasoningTokens,
+    constrained_phase,
     markers_for,
-    reasoning_phase,
     template_message,
 )
 from kvserve.request import (
@@ -373,10 +374,11 @@ class Engine:
         if params.thinking_token_budget is not None and tokens is None:
             raise InvalidRequest("thinking_token_budget needs a reasoning model: this one's chat template writes no "
                                  "<think> block (see --reasoning-parser)", "thinking_token_budget")
-        if tokens is not None and params.reasoning_phase is None and (
-                params.thinking_token_budget is not None or params.structured_outputs is not None):
-            # read once here, not again on each return from a preemption
-            phase = reasoning_phase(params, token_ids, tokens, constrained=params.structured_outputs is not None)
+        if tokens is not None and (params.thinking_token_budget is not None or params.structured_outputs is not None):
+            # what the runner's gate starts from, read once here (not again on each return from a preemption): the
+            # chat route's reading of the generation prompt, else the prompt's last markers
+            phase = Phase(params.reasoning_phase) if params.reasoning_phase else tokens.phase_after_prompt(token_ids)
+            phase = constrained_phase(phase, tokens, params.structured_outputs is not None)
             params = replace(params, reasoning_phase=phase.value)
         max_total = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
         grammar = processed.grammar
@@ -640,20 +642,22 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer, markers = self.engine.tokenizer, self.engine.reasoning_markers
         prompts: list[PromptType] = []
-        phases: list[str | None] = []
+        phases: list[str] = []
         for conversation in conversations:
             conversation = [template_message(m) for m in conversation]
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                  tools=tools, continue_final_message=continue_final_message)
             # The template already holds any BOS token: don't add special tokens twice.
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-            phases.append(None if markers is None else chat_reply_phase(
-                tokenizer, text, conversation, markers, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools).value)
-        given = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        if markers is not None and len(given) == len(prompts):  # each reply's phase from its generation prompt
-            sampling_params = [replace(p or SamplingParams(), reasoning_phase=phase)
-                               for p, phase in zip(given, phases, strict=True)]
+            if markers is not None:
+                phases.append(chat_reply_phase(tokenizer, text, conversation, markers,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message, tools=tools).value)
+        if phases:  # each reply's phase from its generation prompt
+            given = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+            if len(given) == len(prompts):  # else generate's error names the mismatch
+                sampling_params = [replace(p or SamplingParams(), reasoning_phase=phase)
+                                   for p, phase in zip(given, phases, strict=True)]
         return self.generate(prompts, sampling_params, lora_request=lora_request)
 
 

@@ -97,12 +97,9 @@ class ReasoningTokens:
         return Phase.OPEN
 
 
-def reasoning_phase(params: Any, prompt_ids: Sequence[int], tokens: ReasoningTokens, constrained: bool) -> Phase:
-    """Where a request's prompt leaves its reply, as its grammar will see it: ``params.reasoning_phase`` (the
-    chat route's reading of its generation prompt, or the engine's, once), else the prompt's last markers. A
-    constrained reply free to open a block whose start marker is several tokens answers at once: only a
-    one-token marker is allowed beside a grammar's tokens."""
-    phase = Phase(params.reasoning_phase) if params.reasoning_phase else tokens.phase_after_prompt(prompt_ids)
+def constrained_phase(phase: Phase, tokens: ReasoningTokens, constrained: bool) -> Phase:
+    """``phase`` as a grammar sees it: a constrained reply free to open a block whose start marker is several
+    tokens answers at once (only a one-token marker is allowed beside a grammar's tokens)."""
     if constrained and phase is Phase.OPEN and len(tokens.start_ids) != 1:
         return Phase.ANSWER
     return phase
@@ -110,7 +107,7 @@ def reasoning_phase(params: Any, prompt_ids: Sequence[int], tokens: ReasoningTok
 
 def _last_index(ids: Sequence[int], pattern: tuple[int, ...]) -> int:
     """Where ``pattern`` last starts in ``ids`` (-1: nowhere)."""
-    backwards = list(ids)[::-1]
+    backwards = list(reversed(ids))
     at = 0
     while pattern:
         try:

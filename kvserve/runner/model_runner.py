@@ -11,7 +11,7 @@ from kvserve.config import MAX_SPECULATIVE_TOKENS
 from kvserve.model.backends.base import Backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.lora import LoRAAdapter, StepLoRA
-from kvserve.reasoning import Phase, ReasoningGate, ReasoningTokens, reasoning_phase
+from kvserve.reasoning import Phase, ReasoningGate, ReasoningTokens, constrained_phase
 from kvserve.runner.draft_lengths import DraftLengthPolicy
 from kvserve.runner.input_batch import ModelInputs, build_inputs
 from kvserve.runner.kv_transfer import read_blocks, start_read_blocks, write_blocks
@@ -279,8 +279,10 @@ def new_sampling_state(new: NewRequestData, reasoning: ReasoningTokens | None = 
     grammar = new.grammar if isinstance(new.grammar, CompiledGrammar) else None
     phase = Phase.ANSWER
     if reasoning is not None and (grammar is not None or params.thinking_token_budget is not None):
-        # (a reply with neither has nothing to follow: the server reads its thoughts from the text)
-        phase = reasoning_phase(params, new.prompt_token_ids, reasoning, constrained=grammar is not None)
+        # (a reply with neither has nothing to follow: the server reads its thoughts from the text); the engine
+        # read the phase when the request came
+        phase = Phase(params.reasoning_phase) if params.reasoning_phase else constrained_phase(
+            reasoning.phase_after_prompt(new.prompt_token_ids), reasoning, grammar is not None)
     if reasoning is not None and phase is not Phase.ANSWER:
         state.reasoning = ReasoningGate(reasoning, phase, params.thinking_token_budget)
         state.answer_grammar = grammar

@@ -31,7 +31,7 @@ from kvserve.errors import (
     ServerShuttingDown,
 )
 from kvserve.infill import fim_tokens_or_error
-from kvserve.reasoning import Phase, reasoning_phase
+from kvserve.reasoning import Phase, constrained_phase
 from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
@@ -72,8 +72,7 @@ class AppState:
         self.max_model_len = max_model_len
         self.model_root = model_root
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
-        self.bodies = ResponseBuilder(tokenizer, self.metrics, engine.engine.reasoning_markers,
-                                      engine.engine.reasoning_tokens)
+        self.bodies = ResponseBuilder(tokenizer, self.metrics, engine.engine.reasoning_markers)
         self.response_store = ResponseStore(config.response_store_mib * 2**20)  # for previous_response_id
         self.runs: set[RequestRun] = set()
         self.recent = RecentRequests(compute=compute)  # what the dashboard lists and draws
@@ -132,8 +131,7 @@ class AppState:
                 params = replace(params, logit_bias=(*params.logit_bias, (tag, -MAX_LOGIT_BIAS)))
         if phase is not None and (tokens := self.engine.engine.reasoning_tokens) is not None:
             # as the engine's grammar will see it, so that the text is parted as the reply was constrained
-            phase = reasoning_phase(replace(params, reasoning_phase=phase.value), (), tokens,
-                                    constrained=params.structured_outputs is not None)
+            phase = constrained_phase(phase, tokens, params.structured_outputs is not None)
             params = replace(params, reasoning_phase=phase.value)
         return params, tools, tool_format, text
 

@@ -41,6 +41,7 @@ class EngineRequest:
     tool_parser: ToolCallParser | None = None  # a streamed chat reply that may hold tool calls
     reasoning_splitter: ReasoningSplitter | None = None  # a reasoning model's streamed chat reply
     reasoning: Phase | None = None  # a reasoning model's chat reply: where its prompt left it
+    num_thought_tokens: int = 0  # of its tokens, its thoughts' (counted when it ends)
     grammar: CompiledGrammar | None = None  # its constraint's, compiled before it was made
     first_sample: EngineRequest | None = None  # the sample of the same prompt that computed its prompt logprobs
 
@@ -182,8 +183,8 @@ class RequestRun:
         if child.reasoning is None or child.last is None:
             return
         if (tokens := self.engine.engine.reasoning_tokens) is not None:
-            self.metrics.reasoning_tokens.inc(count_reasoning_tokens(child.last.outputs[0].token_ids, tokens,
-                                                                     child.reasoning))
+            child.num_thought_tokens = count_reasoning_tokens(child.last.outputs[0].token_ids, tokens, child.reasoning)
+            self.metrics.reasoning_tokens.inc(child.num_thought_tokens)
 
     def abort(self) -> None:
         """Ask the engine to end every unfinished request; each stream then ends with finish_reason abort."""

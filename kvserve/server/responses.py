@@ -12,14 +12,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from kvserve.errors import KVServeError
-from kvserve.reasoning import (
-    Phase,
-    ReasoningMarkers,
-    ReasoningSplitter,
-    ReasoningTokens,
-    count_reasoning_tokens,
-    split_reasoning,
-)
+from kvserve.reasoning import Phase, ReasoningMarkers, ReasoningSplitter, split_reasoning
 from kvserve.request import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
@@ -37,13 +30,11 @@ class ResponseBuilder:
     Keeps each token's text and bytes once decoded: logprobs name the same tokens over and over.
     """
 
-    def __init__(self, tokenizer: Tokenizer, metrics: ServerMetrics, reasoning_markers: ReasoningMarkers | None = None,
-                 reasoning_tokens: ReasoningTokens | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, metrics: ServerMetrics,
+                 reasoning_markers: ReasoningMarkers | None = None) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
-        # A reasoning model's markers, in text and in tokens: chat replies part their thoughts from their answer.
-        self.reasoning_markers = reasoning_markers
-        self.reasoning_tokens = reasoning_tokens
+        self.reasoning_markers = reasoning_markers  # a reasoning model's: chat replies part thoughts from answer
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
 
@@ -194,19 +185,14 @@ class ResponseBuilder:
         return rm.CompletionChoice(index=child.index, text=text, logprobs=logprobs, finish_reason=finish,
                                    stop_reason=stop_reason)
 
-    def _with_reasoning_tokens(self, usage: rm.Usage, run: RequestRun, reasoning: Phase | None) -> rm.Usage:
-        """``usage`` with how many of the completion tokens were thoughts, for a reasoning model's reply."""
-        if reasoning is None or self.reasoning_tokens is None:
-            return usage
-        thought = sum(self._thought_tokens(c, reasoning) for c in run.children)
-        usage.completion_tokens_details = rm.CompletionTokensDetails(reasoning_tokens=thought)
+    @staticmethod
+    def _with_reasoning_tokens(usage: rm.Usage, run: RequestRun, reasoning: Phase | None) -> rm.Usage:
+        """``usage`` with how many of the completion tokens were thoughts (each reply's count, taken when it
+        ended), for a reasoning model's reply."""
+        if reasoning is not None:
+            thought = sum(c.num_thought_tokens for c in run.children)
+            usage.completion_tokens_details = rm.CompletionTokensDetails(reasoning_tokens=thought)
         return usage
-
-    def _thought_tokens(self, child: EngineRequest, reasoning: Phase) -> int:
-        """How many of a reply's tokens were its thoughts, as the engine's gate counts them."""
-        if child.last is None or self.reasoning_tokens is None:
-            return 0
-        return count_reasoning_tokens(child.last.outputs[0].token_ids, self.reasoning_tokens, reasoning)
 
     def _echo(self, child: EngineRequest, body: Any) -> tuple[str, rm.CompletionLogprobs | None]:
         """A completion's echoed prompt (``echo``): its text, and with logprobs its tokens' (offsets from 0)."""

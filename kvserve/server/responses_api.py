@@ -384,10 +384,7 @@ def response_of(shape: ResponseShape, chat: dict[str, Any], want_logprobs: bool)
         if want_logprobs:  # the answer's own: after the thoughts' tokens and the blanks that close them
             entries = _logprobs(choice.get("logprobs")) or []
             thought = ((chat.get("usage") or {}).get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-            entries = entries[thought:]
-            while entries and not bytes(entries[0]["bytes"]).strip() and not message["content"][:1].isspace():
-                entries = entries[1:]
-            logprobs = _of_text(entries, message["content"])
+            logprobs = _of_text(_spelling_start(entries[thought:], message["content"]), message["content"])
         output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], logprobs, "completed"))
     for call in message.get("tool_calls") or []:
         output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
