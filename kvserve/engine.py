@@ -12,7 +12,6 @@ Requests come in through the input processor, which validates and tokenises them
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import logging
@@ -43,14 +42,7 @@ from kvserve.model.registry import build_model
 from kvserve.model_store.catalog import int8_activations_for
 from kvserve.model_store.token_map import TokenMap
 from kvserve.output_processor import OutputProcessor
-from kvserve.reasoning import (
-    Phase,
-    ReasoningMarkers,
-    ReasoningTokens,
-    constrained_phase,
-    markers_for,
-    template_message,
-)
+from kvserve.reasoning import Phase, ReasoningTokens, constrained_phase, markers_for, template_message
 from kvserve.request import (
     LoRARequest,
     ProcessedPrompt,
@@ -152,7 +144,7 @@ class Engine:
             self.tokenizer = self.tokenizer.with_chat_template(read_chat_template(mc.chat_template))
         # A reasoning model's markers (None: its outputs have no thoughts apart from the answer).
         self.reasoning_markers = markers_for(mc.reasoning_parser, self.tokenizer.chat_template)
-        self.reasoning_tokens = reasoning_tokens(self.reasoning_markers, self.tokenizer)
+        self.reasoning_tokens = ReasoningTokens.of(self.reasoning_markers, self.tokenizer)
 
         self.backend, self.model = self._load_model(self.model_path, self.fingerprint, self.arch)
         # LoRA adapters by the name requests give them (lora_name), loaded now or later (add_lora).
@@ -659,20 +651,3 @@ class LLM:
                 sampling_params = [replace(p or SamplingParams(), reasoning_phase=phase)
                                    for p, phase in zip(given, phases, strict=True)]
         return self.generate(prompts, sampling_params, lora_request=lora_request)
-
-
-def reasoning_tokens(markers: ReasoningMarkers | None, tokenizer: Tokenizer) -> ReasoningTokens | None:
-    """The markers as ``tokenizer`` writes them, and its tokens' bytes (cached: the runner reads one per thought
-    token), for the runner, which follows the thoughts token by token."""
-    if markers is None:
-        return None
-
-    def encode(text: str) -> tuple[int, ...]:
-        return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-    start_ids, end_ids = encode(markers.start), encode(markers.end)
-    if not start_ids or not end_ids:
-        raise ConfigError(f"the tokenizer writes the reasoning markers {markers.start!r} / {markers.end!r} as no tokens",
-                          "reasoning_parser")
-    return ReasoningTokens(markers, start_ids, end_ids, functools.lru_cache(maxsize=1 << 16)(tokenizer.token_bytes),
-                           encode)

@@ -18,11 +18,15 @@ answer does, and a thinking budget forces the end marker); the server follows it
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, AnyStr
+from typing import TYPE_CHECKING, Any, AnyStr
 
 from kvserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvserve.tokenizer import Tokenizer
 
 # What counts as blank around markers: ASCII whitespace, the same in text (the server) and in bytes (the engine).
 BLANKS = " \t\n\r\x0b\x0c"
@@ -82,6 +86,22 @@ class ReasoningTokens:
     end_ids: tuple[int, ...]
     token_bytes: Callable[[int], bytes]
     encode: Callable[[str], tuple[int, ...]]  # text -> token ids, nothing added
+
+    @classmethod
+    def of(cls, markers: ReasoningMarkers | None, tokenizer: Tokenizer) -> ReasoningTokens | None:
+        """The markers as ``tokenizer`` writes them, and its tokens' bytes (cached: the runner reads one per
+        thought token); None without markers."""
+        if markers is None:
+            return None
+
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        start_ids, end_ids = encode(markers.start), encode(markers.end)
+        if not start_ids or not end_ids:
+            raise ConfigError(f"the tokenizer writes the reasoning markers {markers.start!r} / {markers.end!r} as no "
+                              "tokens", "reasoning_parser")
+        return cls(markers, start_ids, end_ids, functools.lru_cache(maxsize=1 << 16)(tokenizer.token_bytes), encode)
 
     def is_blank(self, ids: Sequence[int]) -> bool:
         return all(not self.token_bytes(t).strip() for t in ids)
