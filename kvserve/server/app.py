@@ -49,7 +49,8 @@ from kvserve.server.responses_routes import add_responses_routes
 from kvserve.server.tools import ToolRequest, template_messages, template_tools, tool_request
 from kvserve.serving_config import ServerConfig
 from kvserve.structured.grammar import CompiledGrammar
-from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat, tool_format_for
+from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
+from kvserve.structured.tool_formats import tool_format_for
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer, chat_reply_phase
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class AppState:
         loop."""
         if self._tool_format is None:
             self._tool_format = await asyncio.to_thread(tool_format_for, self.config.tool_call_parser,
-                                                        self.tokenizer.chat_template, self.engine.grammars.is_special_token)
+                                                        self.tokenizer.chat_template, self.engine.grammars.special_token_id)
         return self._tool_format
 
     async def chat_text(self, body: p.ChatCompletionRequest, tools: ToolRequest,
@@ -148,7 +149,8 @@ class AppState:
     @property
     def single_token_open_tag(self) -> int | None:
         """The id of the token that opens a tool call, where it is one token."""
-        return self.tokenizer.token_to_id((self._tool_format or HermesToolFormat).open_tag)
+        tag = (self._tool_format or HermesToolFormat).open_tag
+        return None if tag is None else self.tokenizer.token_to_id(tag)
 
     def sampling_params(self, body: p.ChatCompletionRequest | p.CompletionRequest) -> SamplingParams:
         """A generation request's sampling parameters as the engine takes them, with the LoRA adapter its

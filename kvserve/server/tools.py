@@ -93,13 +93,16 @@ def _tool_choice(value: str | dict[str, Any] | None, tools: list[ToolSpec]) -> T
 def template_messages(messages: list[dict[str, Any]], request: ToolRequest, fmt: ToolCallFormat,
                       template_has_tools: bool) -> list[dict[str, Any]]:
     """The messages as the chat template takes them. Earlier calls' arguments (JSON text in OpenAI's API)
-    become objects, as templates expect; without template support, tools and calls become plain text."""
+    become objects, as templates expect, and call ids take the format's form (Mistral's nine letters and
+    digits); without template support, tools and calls become plain text."""
     out = []
     for message in messages:
         message = dict(message)
         calls = message.get("tool_calls")
         if isinstance(calls, list):
-            message["tool_calls"] = [_call_for_template(call) for call in calls]
+            message["tool_calls"] = [_call_for_template(call, fmt) for call in calls]
+        if isinstance(message.get("tool_call_id"), str):
+            message["tool_call_id"] = fmt.template_call_id(message["tool_call_id"])
         out.append(message)
     if template_has_tools:
         return out
@@ -114,9 +117,11 @@ def template_tools(request: ToolRequest) -> list[dict[str, Any]] | None:
             for t in request.tools]
 
 
-def _call_for_template(call: Any) -> Any:
+def _call_for_template(call: Any, fmt: ToolCallFormat) -> Any:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         return call
+    if isinstance(call.get("id"), str):
+        call = {**call, "id": fmt.template_call_id(call["id"])}
     function = dict(call["function"])
     arguments = function.get("arguments")
     if isinstance(arguments, str):
@@ -141,9 +146,10 @@ def _without_tool_support(messages: list[dict[str, Any]], request: ToolRequest,
             else:
                 out.append({"role": "user", "content": text, "tool_responses": True})
         elif role == "assistant" and message.get("tool_calls"):
-            calls = [fmt.render_call(c["function"].get("name"), c["function"].get("arguments"))
-                     for c in message["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
-            text = "\n".join(([message_text(message)] if message.get("content") else []) + calls)
+            calls = fmt.render_calls([(c["function"].get("name"), c["function"].get("arguments"))
+                                      for c in message["tool_calls"]
+                                      if isinstance(c, dict) and isinstance(c.get("function"), dict)])
+            text = "\n".join(([message_text(message)] if message.get("content") else []) + [calls])
             out.append({"role": "assistant", "content": text})
         else:
             out.append(message)

@@ -362,11 +362,11 @@ class GrammarCompiler:
                             time.perf_counter() - t0)
             return self._llg_tokenizer
 
-    def is_special_token(self, token: str) -> bool:
-        """``token`` is one token of the vocabulary that the grammar engine treats as special (written
-        ``<name>`` in a grammar; text cannot spell it)."""
+    def special_token_id(self, token: str) -> int | None:
+        """The id of ``token`` where it is one token of the vocabulary that the grammar engine treats as special
+        (written ``<name>`` or ``<[id]>`` in a grammar; text cannot spell it), else None."""
         token_id = self._tokenizer.token_to_id(token)
-        return token_id is not None and bool(self.llg_tokenizer().is_special_token(token_id))
+        return token_id if token_id is not None and self.llg_tokenizer().is_special_token(token_id) else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,8 +1,9 @@
 """Tool calls in the model's own format: the grammar that enforces them and the parser that reads them back.
 
 A family's format is a ``ToolCallFormat`` (its grammar, its ``ToolCallParser``, how tools are written for a
-template without them). One so far, the hermes style that Qwen2.5 (and Hermes, and many fine-tunes) are
-trained on::
+template without them). This module holds the protocol, the parser of JSON calls the formats share, and the
+hermes style that Qwen2.5 (and Hermes, and many fine-tunes) are trained on (the others are in
+``tool_formats.py``)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -45,6 +46,10 @@ class ToolChoice:
     name: str | None = None  # mode "function": the function that must be called
 
 
+def new_openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(slots=True)
 class ParsedToolCall:
     """A call read from the output. ``arguments`` is the JSON text of the arguments, as the model wrote it."""
@@ -52,7 +57,7 @@ class ParsedToolCall:
     index: int
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=lambda: new_openai_call_id())
 
 
 @dataclass(slots=True)
@@ -85,7 +90,7 @@ class ToolCallFormat(Protocol):
     """How one model family writes tool calls: the grammar that enforces them, the parser that reads them
     back, and how tools and calls are written for a template that has no place for them."""
 
-    open_tag: str
+    open_tag: str | None  # what opens the calls, where something does (biased against under tool_choice none)
 
     def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str: ...
 
@@ -93,7 +98,9 @@ class ToolCallFormat(Protocol):
 
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str: ...
 
-    def render_call(self, name: str, arguments: Any) -> str: ...
+    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str: ...
+
+    def template_call_id(self, call_id: str) -> str: ...
 
 
 class HermesToolFormat:
@@ -140,80 +147,27 @@ class HermesToolFormat:
     def _tag(self, tag: str) -> str:
         return tag if self.special_tags else json.dumps(tag)
 
-    def parser(self) -> HermesToolParser:
-        return HermesToolParser(self.open_tag, self.close_tag)
+    def parser(self) -> JsonToolCallParser:
+        return JsonToolCallParser(self.open_tag, self.close_tag)
 
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
         """How the tools are offered to a model whose chat template has no place for them (SmolLM2)."""
-        listed = "\n".join(json.dumps({"type": "function", "function": _function_json(t)}) for t in tools)
+        listed = "\n".join(json.dumps({"type": "function", "function": function_json(t)}) for t in tools)
         return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
                 "</tools>\n\nFor each function call, return a json object with function name and arguments within "
                 f"{self.open_tag}{self.close_tag} XML tags:\n{self.open_tag}\n"
                 f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{self.close_tag}')
 
-    def render_call(self, name: str, arguments: Any) -> str:
-        """A call as the model writes it (an earlier assistant turn, for templates without tool support)."""
-        return f"{self.open_tag}\n{json.dumps({'name': name, 'arguments': arguments})}\n{self.close_tag}"
+    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
+        """Calls (name, arguments) as the model writes them (an earlier assistant turn, for templates without
+        tool support)."""
+        return "\n".join(f"{self.open_tag}\n{json.dumps({'name': name, 'arguments': arguments})}\n{self.close_tag}"
+                         for name, arguments in calls)
 
-
-class Llama3JsonToolFormat:
-    """Llama 3.1 and 3.2's JSON calls, as their chat templates ask for them: ``{"name": ..., "parameters":
-    {...}}``, the reply nothing but the call (several joined by ``;``, as vLLM's llama3_json parser reads
-    them), optionally after ``<|python_tag|>``. Under ``auto`` a reply that opens with a JSON object is calls."""
-
-    open_tag = "<|python_tag|>"
-    arguments_key = "parameters"
-
-    def __init__(self, special_tag: bool = False) -> None:
-        self.special_tag = special_tag  # <|python_tag|> is a special token of the vocabulary (Llama 3's)
-
-    def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str:
-        """The Lark grammar (llguidance's dialect) of a reply under ``choice`` ("none" has none): the calls, after
-        the python tag where it is a token; under auto, or text that neither opens with a JSON object nor spells
-        the tag anywhere (a call is never read out of text)."""
-        assert choice.mode != "none"
-        offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
-        lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered)))]
-        calls = 'fn ("; " fn)*' if parallel and choice.mode != "function" else "fn"
-        if self.special_tag:
-            calls = f"{self.open_tag}? {calls}"
-        if choice.mode == "auto":
-            lines += [f"start: TEXT | {calls}",
-                      r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\{(.|\n)*/ & ~/(.|\n)*<\|python_tag\|>(.|\n)*/"]
-        else:
-            lines.append(f"start: {calls}")
-        for i, tool in enumerate(offered):
-            lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool, self.arguments_key))}")
-        return "\n".join(lines) + "\n"
-
-    def parser(self) -> HermesToolParser:
-        return HermesToolParser(None, "", arguments_key=self.arguments_key, openings=("{", self.open_tag),
-                                separator=";")
-
-    def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
-        """How the tools are offered to a model whose chat template has no place for them, in Llama 3's words."""
-        listed = "\n\n".join(json.dumps({"type": "function", "function": _function_json(t)}, indent=4) for t in tools)
-        return ("Given the following functions, please respond with a JSON for a function call with its proper "
-                "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
-                "\"parameters\": dictionary of argument name and its value}. Do not use variables.\n\n" + listed)
-
-    def render_call(self, name: str, arguments: Any) -> str:
-        """A call as the model writes it (an earlier assistant turn, for templates without tool support)."""
-        return json.dumps({"name": name, self.arguments_key: arguments})
-
-
-def tool_format_for(parser: str, chat_template: str | None, is_special: Callable[[str], bool]) -> ToolCallFormat:
-    """The tool-call format ``parser`` names (``--tool-call-parser``); ``auto``: Llama 3's where the chat
-    template asks for its JSON calls, else hermes. ``is_special``: whether a tag is a special token."""
-    if parser == "auto":
-        template = chat_template or ""
-        parser = "llama3_json" if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in \
-            template else "hermes"
-    if parser == "llama3_json":
-        return Llama3JsonToolFormat(special_tag=is_special(Llama3JsonToolFormat.open_tag))
-    tags = (HermesToolFormat.open_tag, HermesToolFormat.close_tag)
-    return HermesToolFormat(special_tags=all(is_special(tag) for tag in tags))
+    def template_call_id(self, call_id: str) -> str:
+        """A call's id as the chat template is given it: as sent."""
+        return call_id
 
 
 def call_schema(tool: ToolSpec, arguments_key: str = "arguments") -> dict[str, Any]:
@@ -248,7 +202,7 @@ def _refs_under(schema: Any, prefix: str) -> Any:
     return out
 
 
-def _function_json(tool: ToolSpec) -> dict[str, Any]:
+def function_json(tool: ToolSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"name": tool.name}
     if tool.description:
         out["description"] = tool.description
@@ -261,8 +215,9 @@ def _regex_literal(text: str) -> str:
     return "".join(f"\\{c}" if c in "\\.^$*+?()[]{}|/" else c for c in text)
 
 
-class HermesToolParser:
-    """Reads one reply as it streams: ``feed`` each new piece of text, then ``finish``.
+class JsonToolCallParser:
+    """Reads one reply's JSON calls (hermes's, Llama 3's, Mistral's) as it streams: ``feed`` each new piece of
+    text, then ``finish``.
 
     Text outside calls is content, except what may be the start of a tag, and whitespace that a tag may
     follow, which wait for the next piece. Inside a call the JSON is scanned character by character: the
@@ -270,15 +225,20 @@ class HermesToolParser:
     """
 
     def __init__(self, open_tag: str | None, close_tag: str, arguments_key: str = "arguments",
-                 openings: tuple[str, ...] = ("{", "```json"), separator: str | None = None) -> None:
+                 openings: tuple[str, ...] = ("{", "```json"), separator: str | None = None,
+                 call_list: bool = False, new_call_id: Callable[[], str] | None = None) -> None:
         """``open_tag``: what opens a call inside text (None: calls come only at the reply's start);
         ``openings``: what a reply that is a bare call opens with; ``separator``: what may stand between two
-        bare calls besides whitespace."""
+        bare calls besides whitespace; ``call_list``: the calls after an opening are a JSON list of them (the
+        open tag and openings other than ``[{`` come before the list's bracket); ``new_call_id``: the ids
+        calls get (OpenAI's ``call_...`` by default)."""
         self.open_tag = open_tag
         self.close_tag = close_tag
         self.arguments_key = arguments_key
         self.openings = openings
         self.separator = separator
+        self.call_list = call_list
+        self.new_call_id = new_call_id or new_openai_call_id
         self.calls: list[ParsedToolCall] = []
         self._mode: Literal["text", "call", "close"] = "text"
         self._held = ""  # text not yet given out
@@ -324,6 +284,8 @@ class HermesToolParser:
             stripped = pending.lstrip()
             opening = next((f for f in self.openings if stripped.startswith(f)), None)
             if opening is not None:
+                if self.call_list:  # the list's bracket, and its calls, are read between calls
+                    return self._open_calls(stripped if opening == "[{" else stripped[len(opening):])
                 return self._open_call(stripped[len(opening):] if opening != "{" else stripped, bare=True)
             if not stripped or any(f.startswith(stripped) for f in self.openings):
                 self._held = pending
@@ -335,13 +297,21 @@ class HermesToolParser:
         at = pending.find(self.open_tag)
         if at >= 0:
             self._emit(pending[:at].rstrip(), delta)  # whitespace before a tag is not content
-            return self._open_call(pending[at + len(self.open_tag):], bare=False)
+            rest = pending[at + len(self.open_tag):]
+            return self._open_calls(rest) if self.call_list else self._open_call(rest, bare=False)
         keep = partial_suffix(pending, self.open_tag)
         body = pending[: len(pending) - keep]
         text = body.rstrip()  # trailing whitespace waits: a tag may follow it
         self._emit(text, delta)
         self._held = body[len(text):] + pending[len(pending) - keep:]
         return ""
+
+    def _open_calls(self, rest: str) -> str:
+        """A list of calls opens: its bracket, calls and separators are read as between two bare calls."""
+        self._at_start = False
+        self._mode = "close"
+        self._bare = True
+        return rest
 
     def _open_call(self, rest: str, bare: bool) -> str:
         self._mode = "call"
@@ -361,7 +331,7 @@ class HermesToolParser:
         used = scanner.feed(pending)
         call = scanner.call
         if call is None and scanner.name is not None:
-            call = ParsedToolCall(len(self.calls), scanner.name, "")
+            call = ParsedToolCall(len(self.calls), scanner.name, "", self.new_call_id())
             scanner.call = call
             self.calls.append(call)
             delta.calls.append((call, True, ""))
@@ -393,6 +363,8 @@ class HermesToolParser:
                 return self._open_call(stripped, bare=True)
             if self.separator and stripped.startswith(self.separator):
                 return self._open_call(stripped[len(self.separator):], bare=True)
+            if self.call_list and stripped[0] in "[]":  # the list's brackets (the grammar places them)
+                return stripped[1:]
             self._mode = "text"
             self._after_call = True
             return stripped

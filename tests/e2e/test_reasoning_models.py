@@ -6,7 +6,6 @@ token for token against transformers and over HTTP through the official ``openai
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import openai
@@ -21,7 +20,7 @@ from kvserve.request import StructuredOutputsParams
 from kvserve.server.serving import BackgroundServer
 from kvserve.serving_config import ServerConfig
 from tests.e2e.conftest import hf_greedy
-from tests.support.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model, with_renamed_tokens
 
 # Qwen3's layout: the generation prompt opens the thoughts, or writes an empty block for enable_thinking false;
 # an earlier reply's thoughts come back from reasoning_content.
@@ -50,25 +49,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 def think_token_dir(model_dir, tmp_path_factory: pytest.TempPathFactory):
     """The tiny model with <think> and </think> as single (ordinary) tokens, as Qwen3's vocabulary holds them:
     two of SmolLM2's unused special tokens renamed."""
-    target = tmp_path_factory.mktemp("think-tokens") / "model"
-    shutil.copytree(model_dir, target)
-    renamed = {"<gh_stars>": "<think>", "<issue_start>": "</think>"}
-    tokenizer = json.loads((target / "tokenizer.json").read_text())
-    for added in tokenizer["added_tokens"]:
-        if added["content"] in renamed:
-            added["content"], added["special"] = renamed[added["content"]], False
-    vocab = tokenizer["model"]["vocab"]
-    for old, new in renamed.items():
-        vocab[new] = vocab.pop(old)
-    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((target / "tokenizer_config.json").read_text())
-    for added in (config.get("added_tokens_decoder") or {}).values():
-        if added.get("content") in renamed:
-            added["content"], added["special"] = renamed[added["content"]], False
-    config["additional_special_tokens"] = [t for t in config.get("additional_special_tokens") or []
-                                           if t not in renamed]
-    (target / "tokenizer_config.json").write_text(json.dumps(config))
-    return target
+    return with_renamed_tokens(model_dir, tmp_path_factory.mktemp("think-tokens") / "model",
+                               {"<gh_stars>": "<think>", "<issue_start>": "</think>"}, special=False)
 
 
 @pytest.fixture(scope="module")

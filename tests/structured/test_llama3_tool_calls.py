@@ -9,12 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.structured.tool_calls import (
-    HermesToolFormat,
-    Llama3JsonToolFormat,
-    ToolChoice,
-    tool_format_for,
-)
+from kvserve.structured.tool_calls import HermesToolFormat, ToolChoice
+from kvserve.structured.tool_formats import Llama3JsonToolFormat, tool_format_for
 from tests.structured.test_tool_calls import ADD, WEATHER, accepts, llg_tokenizer  # noqa: F401 - a fixture
 from tests.structured.test_tool_calls import parse as hermes_parse
 
@@ -81,14 +77,16 @@ def test_the_grammar_of_each_tool_choice(mode: str, parallel: bool, text: str, e
 
 
 def test_the_format_comes_from_the_template() -> None:
-    def never(tag: str) -> bool:
-        return False
+    def never(tag: str) -> int | None:
+        return None
 
     assert isinstance(tool_format_for("auto", "{{ x }} " + LLAMA3_TEMPLATE_LINE, never), Llama3JsonToolFormat)
-    hermes = tool_format_for("auto", "{% if tools %}<tool_call>{% endif %}", lambda tag: True)
+    hermes = tool_format_for("auto", "{% if tools %}<tool_call>{% endif %}", lambda tag: 7)
     assert isinstance(hermes, HermesToolFormat) and hermes.special_tags
     assert isinstance(tool_format_for("auto", None, never), HermesToolFormat)
-    llama = tool_format_for("llama3_json", None, lambda tag: tag == "<|python_tag|>")
+    llama = tool_format_for("llama3_json", None, lambda tag: 7 if tag == "<|python_tag|>" else None)
     assert isinstance(llama, Llama3JsonToolFormat) and llama.special_tag
     assert isinstance(tool_format_for("hermes", LLAMA3_TEMPLATE_LINE, never), HermesToolFormat)
-    assert json.loads(Llama3JsonToolFormat().render_call("add", {"a": 1})) == {"name": "add", "parameters": {"a": 1}}
+    rendered = Llama3JsonToolFormat().render_calls([("add", {"a": 1}), ("f", {})])
+    assert [json.loads(call) for call in rendered.split("; ")] == [{"name": "add", "parameters": {"a": 1}},
+                                                                  {"name": "f", "parameters": {}}]

@@ -7,11 +7,15 @@
   llama family), optionally quantised; no tokenizer metadata.
 - ``gguf_from_tiny_model``: the GGUF llama.cpp's converter would write from a tiny (MoE) checkpoint
   directory, with the SmolLM2 tokenizer's metadata, so the engine runs it as it runs the directory.
+- ``with_renamed_tokens``: a copy of a model directory whose vocabulary spells some of SmolLM2's unused
+  special tokens as another family's markers (``<think>``, ``[TOOL_CALLS]``), special or not.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,6 +128,30 @@ def make_tiny_model(tmp_dir: Path, family: str, *, tie: bool = True, seed: int =
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save(model_dir)
     return model_dir
+
+
+def with_renamed_tokens(model_dir: Path, target: Path, renamed: dict[str, str], special: bool) -> Path:
+    """A copy of ``model_dir`` at ``target`` whose tokenizer spells each of ``renamed``'s SmolLM2 special tokens
+    (``<gh_stars>``, ``<issue_start>``, ...: unused in its chat) as its new text, ``special`` or an ordinary
+    added token: one token of a family's markers, as that family's vocabulary holds it."""
+    shutil.copytree(model_dir, target)
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    for added in tokenizer["added_tokens"]:
+        if added["content"] in renamed:
+            added["content"], added["special"] = renamed[added["content"]], special
+    vocab = tokenizer["model"]["vocab"]
+    for old, new in renamed.items():
+        vocab[new] = vocab.pop(old)
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    for added in (config.get("added_tokens_decoder") or {}).values():
+        if added.get("content") in renamed:
+            added["content"], added["special"] = renamed[added["content"]], special
+    config["additional_special_tokens"] = [renamed.get(t, t) if special else t
+                                           for t in config.get("additional_special_tokens") or []
+                                           if special or t not in renamed]
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
 
 
 def _sharpen_experts(name: str, param: torch.nn.Parameter, generator: torch.Generator) -> None:

@@ -1,0 +1,166 @@
+"""The tool-call formats besides hermes's, and the choice of one by name (``--tool-call-parser``) or from the
+chat template.
+
+- ``llama3_json``: Llama 3.1 and 3.2's ``{"name": ..., "parameters": {...}}``, several joined by ``;``,
+  optionally after ``<|python_tag|>``;
+- ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``, one JSON list after the
+  ``[TOOL_CALLS]`` token, with ids of nine letters and digits (Mistral's templates refuse others);
+- ``pythonic``: ``[get_weather(city="Paris")]`` (``pythonic_tools.py``).
+
+Each is a ``ToolCallFormat`` (``tool_calls.py``): a call opens the reply or nothing, so text is never read as
+a call, and under ``tool_choice: auto`` text may not open the way a call does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import string
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvserve.structured.pythonic_tools import PythonicToolFormat
+from kvserve.structured.tool_calls import (
+    HermesToolFormat,
+    JsonToolCallParser,
+    ToolCallFormat,
+    ToolChoice,
+    ToolSpec,
+    call_schema,
+    function_json,
+)
+
+# What a chat template says, in each format's own words, that picks it under ``auto``.
+_LLAMA3_JSON_MARKS = ("<|python_tag|>", '"parameters": dictionary of argument name')
+_PYTHONIC_MARKS = ("python list of the calls", "[func_name1(")
+_MISTRAL_MARKS = ("[TOOL_CALLS]",)
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+class Llama3JsonToolFormat:
+    """Llama 3.1 and 3.2's JSON calls, as their chat templates ask for them: ``{"name": ..., "parameters":
+    {...}}``, the reply nothing but the call (several joined by ``;``, as vLLM's llama3_json parser reads
+    them), optionally after ``<|python_tag|>``. Under ``auto`` a reply that opens with a JSON object is calls."""
+
+    open_tag = "<|python_tag|>"
+    arguments_key = "parameters"
+
+    def __init__(self, special_tag: bool = False) -> None:
+        self.special_tag = special_tag  # <|python_tag|> is a special token of the vocabulary (Llama 3's)
+
+    def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str:
+        """The Lark grammar (llguidance's dialect) of a reply under ``choice`` ("none" has none): the calls, after
+        the python tag where it is a token; under auto, or text that neither opens with a JSON object nor spells
+        the tag anywhere (a call is never read out of text)."""
+        assert choice.mode != "none"
+        offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
+        lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered)))]
+        calls = 'fn ("; " fn)*' if parallel and choice.mode != "function" else "fn"
+        if self.special_tag:
+            calls = f"{self.open_tag}? {calls}"
+        if choice.mode == "auto":
+            lines += [f"start: TEXT | {calls}",
+                      r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\{(.|\n)*/ & ~/(.|\n)*<\|python_tag\|>(.|\n)*/"]
+        else:
+            lines.append(f"start: {calls}")
+        for i, tool in enumerate(offered):
+            lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool, self.arguments_key))}")
+        return "\n".join(lines) + "\n"
+
+    def parser(self) -> JsonToolCallParser:
+        return JsonToolCallParser(None, "", arguments_key=self.arguments_key, openings=("{", self.open_tag),
+                                  separator=";")
+
+    def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
+        """How the tools are offered to a model whose chat template has no place for them, in Llama 3's words."""
+        listed = "\n\n".join(json.dumps({"type": "function", "function": function_json(t)}, indent=4) for t in tools)
+        return ("Given the following functions, please respond with a JSON for a function call with its proper "
+                "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+                "\"parameters\": dictionary of argument name and its value}. Do not use variables.\n\n" + listed)
+
+    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
+        """Calls as the model writes them (an earlier assistant turn, for templates without tool support)."""
+        return "; ".join(json.dumps({"name": name, self.arguments_key: arguments}) for name, arguments in calls)
+
+    def template_call_id(self, call_id: str) -> str:
+        return call_id
+
+
+class MistralToolFormat:
+    """Mistral's calls, as the chat templates of Mistral 7B Instruct v0.3, Mixtral 8x22B, Nemo and Small write
+    them: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``, the reply nothing but the list (as
+    vLLM's mistral parser reads it). ``tag_id``: the ``[TOOL_CALLS]`` token's id where it is a special token
+    of the vocabulary (then it is not in the text, and a reply that opens with ``[{`` is the calls)."""
+
+    open_tag = "[TOOL_CALLS]"
+
+    def __init__(self, tag_id: int | None = None) -> None:
+        self.tag_id = tag_id
+
+    def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str:
+        """The Lark grammar (llguidance's dialect) of a reply under ``choice`` ("none" has none): the tag, then
+        the list of calls; under auto, or text that neither opens with ``[{`` nor spells the tag anywhere."""
+        assert choice.mode != "none"
+        offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
+        items = 'fn (", " fn)*' if parallel and choice.mode != "function" else "fn"
+        tag = f"<[{self.tag_id}]>" if self.tag_id is not None else json.dumps(self.open_tag)
+        lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered))),
+                 f'calls: {tag} " "? "[" {items} "]"']
+        if choice.mode == "auto":
+            lines += ["start: TEXT | calls",
+                      r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\[\{(.|\n)*/ & ~/(.|\n)*\[TOOL_CALLS\](.|\n)*/"]
+        else:
+            lines.append("start: calls")
+        for i, tool in enumerate(offered):
+            lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool))}")
+        return "\n".join(lines) + "\n"
+
+    def parser(self) -> JsonToolCallParser:
+        return JsonToolCallParser(None, "", openings=(self.open_tag, "[{"), separator=",", call_list=True,
+                                  new_call_id=new_mistral_call_id)
+
+    def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
+        """How the tools are offered to a model whose chat template has no place for them."""
+        listed = json.dumps([{"type": "function", "function": function_json(t)} for t in tools])
+        return (f"[AVAILABLE_TOOLS] {listed}[/AVAILABLE_TOOLS]\n\nTo call one or more of these tools, reply with "
+                f'{self.open_tag} and a JSON list of the calls: {self.open_tag} [{{"name": tool name, "arguments": '
+                "arguments object}, more calls].")
+
+    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
+        """Calls as the model writes them (an earlier assistant turn, for templates without tool support)."""
+        return f"{self.open_tag} " + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
+
+    def template_call_id(self, call_id: str) -> str:
+        """A call's id as Mistral's templates take it: nine letters and digits. An id of that form is kept; else
+        its last nine letters and digits (as vLLM cuts them), or, where it has fewer, nine derived from it
+        (the same id always gives the same nine, so a conversation renders the same each turn)."""
+        alphanumeric = "".join(c for c in call_id if c in _ALPHANUMERIC)
+        if len(alphanumeric) >= 9:
+            return alphanumeric[-9:]
+        digest = hashlib.sha256(call_id.encode()).digest()
+        return "".join(_ALPHANUMERIC[b % len(_ALPHANUMERIC)] for b in digest[:9])
+
+
+def new_mistral_call_id() -> str:
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+
+
+def tool_format_for(parser: str, chat_template: str | None,
+                    special_token_id: Callable[[str], int | None]) -> ToolCallFormat:
+    """The tool-call format ``parser`` names (``--tool-call-parser``); ``auto``: the one whose words the chat
+    template holds (Mistral's tag, a pythonic list, Llama 3's JSON), else hermes. ``special_token_id``: a
+    tag's id where it is one special token of the vocabulary, else None."""
+    if parser == "auto":
+        template = chat_template or ""
+        parser = next((name for name, marks in (("mistral", _MISTRAL_MARKS), ("pythonic", _PYTHONIC_MARKS),
+                                                ("llama3_json", _LLAMA3_JSON_MARKS))
+                       if any(mark in template for mark in marks)), "hermes")
+    if parser == "llama3_json":
+        return Llama3JsonToolFormat(special_tag=special_token_id(Llama3JsonToolFormat.open_tag) is not None)
+    if parser == "mistral":
+        return MistralToolFormat(tag_id=special_token_id(MistralToolFormat.open_tag))
+    if parser == "pythonic":
+        return PythonicToolFormat()
+    tags = (HermesToolFormat.open_tag, HermesToolFormat.close_tag)
+    return HermesToolFormat(special_tags=all(special_token_id(tag) is not None for tag in tags))
