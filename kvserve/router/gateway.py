@@ -41,6 +41,7 @@ from kvserve.errors import (
     RequestTooLarge,
     ResponseNotFound,
 )
+from kvserve.router.adapters import ADAPTER_ROUTES, to_every_replica
 from kvserve.router.answers import chat_usage, response_usage_event, stored_response_created, usage_event
 from kvserve.router.difficulty import DifficultyRouter
 from kvserve.router.kv_index import KVBlockIndex, KVEventFollower
@@ -63,6 +64,8 @@ LONG_BODY_BYTES = 64 * 1024  # bodies larger than this are rendered and tokenize
 FORWARDED_HEADERS = ("authorization", "x-kvserve-timings", "x-request-id", "openai-organization")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # any replica of the model answers them alike
+# A model no replica is known to serve makes the gateway read the replicas' lists again, at most this often.
+MODELS_REFRESH_INTERVAL_S = 0.5
 
 
 
@@ -121,7 +124,7 @@ class Gateway:
             return await self._continue(previous, path, body, payload, model, http)
         if self.difficulty is not None and model == self.config.auto_model:
             return await self.difficulty.route(path, payload, len(body), http)
-        self._check_served(model)
+        await self._check_served(model)
         tokens = await self.tokens(path, payload, len(body))
         return await self.dispatch(model, path, body, tokens, bool(payload.get("stream")), http,
                                    cache_salt_of(payload))
@@ -172,7 +175,7 @@ class Gateway:
         if model == self.config.auto_model and self.model_policy is not None:
             raise InvalidRequest(f"'{self.config.auto_model}' picks a model per generation request; name one of "
                                  f"{', '.join(self.pool.models())}", param="model")
-        self._check_served(model)
+        await self._check_served(model)
         candidates = self.pool.healthy(model)
         if not candidates:
             raise NoHealthyReplica(f"no healthy replica serves {model or 'this request'}; retry later")
@@ -183,6 +186,11 @@ class Gateway:
         except httpx.HTTPError as exc:
             raise BadUpstreamResponse(f"replica {replica.url} did not answer {path}: {exc!r}") from None
         return passed_back(upstream)
+
+    async def to_every_replica(self, path: str, http: Request) -> Response:
+        """Load or unload a LoRA adapter on every healthy replica (router/adapters.py)."""
+        body = await _read_body(http, self.config.max_request_body_bytes)
+        return await to_every_replica(self.pool, self.client, path, body, self._upstream_headers(http))
 
     async def refused_key(self, http: Request) -> Response | None:
         """Where the replicas require an API key (the gateway has one for its own calls), the client's key as one
@@ -217,7 +225,9 @@ class Gateway:
             raise InvalidRequest("'model' must be a string", param="model")
         return body, payload, model
 
-    def _check_served(self, model: str | None) -> None:
+    async def _check_served(self, model: str | None) -> None:
+        if model is not None and model not in self.pool.models():
+            await self.pool.refresh_all(MODELS_REFRESH_INTERVAL_S)  # perhaps an adapter loaded since the last check
         if model is not None and model not in self.pool.models():
             error = ModelNotFound(f"the model '{model}' does not exist; the replicas serve "
                                   f"{', '.join(self.models()) or 'nothing'}")
@@ -501,6 +511,8 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         app.add_api_route(route, _bound(gateway.forward, route), methods=["POST"])
     for route in TOKENIZER_ROUTES:
         app.add_api_route(route, _bound(gateway.relay, route), methods=["POST"])
+    for route in ADAPTER_ROUTES:
+        app.add_api_route(route, _bound(gateway.to_every_replica, route), methods=["POST"])
 
     @app.get("/v1/responses/{response_id}")
     @app.delete("/v1/responses/{response_id}")

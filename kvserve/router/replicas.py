@@ -3,7 +3,7 @@
 A replica is checked at start-up (it must answer ``GET /v1/models`` as an OpenAI server does), then every
 ``health_interval_s``: ``GET /health`` decides its health, ``GET /metrics`` its reported load (running and
 waiting requests, read from any ``*:num_requests_running`` / ``*:num_requests_waiting`` gauge, as kvserve
-and vLLM export them). A request that cannot reach it, or gets a 5xx, takes it out at once; the next health
+and vLLM export them), ``GET /v1/models`` what it serves (LoRA adapters come and go at run time). A request that cannot reach it, or gets a 5xx, takes it out at once; the next health
 check that passes puts it back. The router's own count of requests in flight is exact and immediate; the
 reported load adds what other routers sent.
 """
@@ -78,6 +78,8 @@ class ReplicaPool:
         self._headers = headers
         self._task: asyncio.Task[None] | None = None
         self.on_change: list[Callable[[Replica], None]] = []  # run when a replica goes down or comes back
+        self._refreshing = asyncio.Lock()
+        self._refreshed_at = 0.0  # time.monotonic() of the last refresh_all
 
     def healthy(self, model: str | None = None) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r.serves(model)]
@@ -167,6 +169,8 @@ class ReplicaPool:
             ok, reason = False, f"/health: {exc!r}"
         if ok:
             await self._read_load(replica)  # a load that cannot be read keeps the last one read
+            if replica.healthy:
+                await self.refresh_models(replica)
             # Back only on a check begun after the replica was last taken out: a request that failed on it while
             # this check was in flight knows more than this check's answer.
             if not replica.healthy and replica.times_taken_out == taken_out_before:
@@ -174,18 +178,42 @@ class ReplicaPool:
         elif replica.healthy:
             self.mark_down(replica, reason)
 
-    async def _comes_back(self, replica: Replica) -> None:
-        # Read again what it serves: a restarted replica may hold other LoRA adapters.
+    async def refresh_models(self, replica: Replica) -> str | None:
+        """Read again what ``replica`` serves (and, where that changed, its LoRA adapters' cache keys); its last
+        list is kept where it does not answer. Returns why it did not, or None."""
         try:
             response = await self._client.get(f"{replica.url}/v1/models", headers=self._headers, timeout=5.0)
-            replica.models = _model_ids(replica.url, response)
+            models = _model_ids(replica.url, response)
         except (httpx.TransportError, ConfigError) as exc:
-            if not replica.models:
-                logger.warning("replica %s answers /health but not /v1/models: %s", replica.url, exc)
+            return str(exc)
+        if models != replica.models:
+            replica.models = models
+            await self._read_kvserve_info(replica)
+        return None
+
+    async def refresh_all(self, min_interval_s: float) -> None:
+        """``refresh_models`` of every healthy replica: a model no replica was known to serve may be an adapter
+        loaded since the last health check. Callers that ask while a refresh runs wait for it, and one within
+        ``min_interval_s`` of the last is not repeated (a stream of requests for a model nobody serves costs
+        one round of reads per interval)."""
+        async with self._refreshing:
+            if time.monotonic() - self._refreshed_at < min_interval_s:
+                return
+            await asyncio.gather(*(self.refresh_models(r) for r in self.healthy()))
+            self._refreshed_at = time.monotonic()
+
+    async def _comes_back(self, replica: Replica) -> None:
+        # Read again what it serves: a restarted replica may hold other LoRA adapters.
+        replica.models, known = (), replica.models
+        failure = await self.refresh_models(replica)
+        if failure is not None:
+            replica.models = known
+            if not known:
+                logger.warning("replica %s answers /health but not /v1/models: %s", replica.url, failure)
                 return
             logger.warning("replica %s is back but /v1/models did not answer (%s): its last list is kept",
-                           replica.url, exc)
-        await self._read_kvserve_info(replica)
+                           replica.url, failure)
+            await self._read_kvserve_info(replica)
         replica.healthy = True
         logger.warning("replica %s is healthy again", replica.url)
         for callback in self.on_change:

@@ -52,6 +52,8 @@ class FakeReplica:
         self.reported_running = 0  # what its /metrics says is running
         self.api_key: str | None = None  # required on /v1/models when set
         self.models_status = 200  # what /v1/models answers with (another: an error body)
+        self.adapters: set[str] = set()  # LoRA adapters loaded at run time: served as models of their own
+        self.refuse_loads = False  # /v1/load_lora_adapter answers 400 (a path it cannot read)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server: uvicorn.Server | None = None
@@ -86,7 +88,28 @@ class FakeReplica:
             if self.api_key is not None and http.headers.get("authorization") != f"Bearer {self.api_key}":
                 return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error",
                                                "param": None, "code": "invalid_api_key"}}, status_code=401)
-            return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+            return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"}
+                                                            for m in (MODEL, *sorted(self.adapters))]})
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_adapter(http: Request) -> Response:
+            name = (await http.json())["lora_name"]
+            if self.refuse_loads or name in self.adapters:
+                return JSONResponse({"error": {"message": f"cannot load {name} on {self.name}",
+                                               "type": "invalid_request_error", "param": "lora_path",
+                                               "code": None}}, status_code=400)
+            self.adapters.add(name)
+            return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_adapter(http: Request) -> Response:
+            name = (await http.json())["lora_name"]
+            if name not in self.adapters:
+                return JSONResponse({"error": {"message": f"the LoRA adapter '{name}' cannot be found",
+                                               "type": "invalid_request_error", "param": "lora_name",
+                                               "code": "model_not_found"}}, status_code=404)
+            self.adapters.discard(name)
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
         @app.get("/health")
         async def health() -> Response:
@@ -143,7 +166,7 @@ class FakeReplica:
                                                "code": "engine_dead"}}, status_code=503)
             if self.mode == "not_json":
                 return Response("<html>hello</html>", media_type="text/html")
-            if body.get("model") not in (None, MODEL):
+            if body.get("model") not in (None, MODEL, *self.adapters):
                 return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
                                                "param": "model", "code": "model_not_found"}}, status_code=404)
             if not body.get("stream"):
@@ -229,6 +252,6 @@ def replicas() -> Iterator[list[FakeReplica]]:
 
 
 def gateway_over(replicas: list[FakeReplica], **options: object) -> BackgroundGateway:
-    config = RouterConfig(replicas=tuple(r.url for r in replicas), health_interval_s=0.1, startup_timeout_s=5,
-                          uvicorn_log_level="warning", **options)  # type: ignore[arg-type]
+    settings = {"health_interval_s": 0.1, "startup_timeout_s": 5, "uvicorn_log_level": "warning", **options}
+    config = RouterConfig(replicas=tuple(r.url for r in replicas), **settings)  # type: ignore[arg-type]
     return BackgroundGateway(config)

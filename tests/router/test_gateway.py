@@ -372,3 +372,60 @@ def test_follow_ups_and_stored_responses_reach_the_replica_that_stored_them(repl
         assert httpx.get(f"{url}/{kept}", timeout=10).status_code == 503
     finally:
         fresh.stop()
+
+
+def test_adapters_loaded_through_the_gateway_are_loaded_on_every_replica_and_routed_at_once(
+        replicas: list[FakeReplica]) -> None:
+    a, b = replicas
+    gateway = gateway_over(replicas, policy="round_robin", health_interval_s=30.0)  # no health check meanwhile
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        loaded = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter",
+                            json={"lora_name": "sql", "lora_path": "/adapters/sql"})
+        assert loaded.status_code == 200 and "sql" in loaded.text and a.adapters == b.adapters == {"sql"}
+        assert "sql" in [m.id for m in client.models.list().data]
+        assert {client.completions.create(model="sql", prompt=f"{i}").choices[0].text for i in range(2)} == {"a", "b"}
+
+        again = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x"})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "lora_path"  # the replica's refusal
+
+        b.adapters.discard("sql")  # unloaded behind the gateway's back: unloading through it still succeeds
+        unloaded = httpx.post(f"{gateway.base_url}/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert unloaded.status_code == 200 and not a.adapters
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="sql", prompt="x")
+        gone = httpx.post(f"{gateway.base_url}/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
+    finally:
+        gateway.stop()
+
+
+def test_an_adapter_one_replica_loaded_on_its_own_is_routed_to_that_replica(replicas: list[FakeReplica]) -> None:
+    a, b = replicas
+    gateway = gateway_over(replicas, policy="round_robin", health_interval_s=30.0)
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        b.refuse_loads = True
+        refused = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter",
+                             json={"lora_name": "sql", "lora_path": "/adapters/sql"})
+        assert refused.status_code == 400 and f"on {b.name}" in refused.json()["error"]["message"]
+        assert {client.completions.create(model="sql", prompt=f"{i}").choices[0].text for i in range(3)} == {"a"}
+        # loaded on a replica directly, after the gateway last read its list: read again on the first request
+        b.adapters.add("docs")
+        assert client.completions.create(model="docs", prompt="x").choices[0].text == "b"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nobody-serves-this", prompt="x")
+    finally:
+        gateway.stop()
+
+
+def test_a_health_check_learns_what_a_replica_serves_now(replicas: list[FakeReplica]) -> None:
+    a, _ = replicas
+    gateway = gateway_over(replicas)
+    try:
+        a.adapters.add("sql")
+        wait_until(lambda: "sql" in [m["id"] for m in httpx.get(f"{gateway.base_url}/v1/models").json()["data"]])
+        a.adapters.clear()
+        wait_until(lambda: "sql" not in [m["id"] for m in httpx.get(f"{gateway.base_url}/v1/models").json()["data"]])
+    finally:
+        gateway.stop()
