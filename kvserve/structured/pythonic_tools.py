@@ -16,24 +16,36 @@ import ast
 import json
 import keyword
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvserve.errors import InvalidRequest
-from kvserve.structured.tool_calls import ParsedDelta, ParsedToolCall, ToolChoice, ToolSpec, function_json
+from kvserve.structured.tool_calls import (
+    CALL_BLANKS,
+    ParsedDelta,
+    ParsedToolCall,
+    ToolChoice,
+    ToolSpec,
+    function_json,
+)
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _OPENING = re.compile(r"\[[A-Za-z_][A-Za-z0-9_]*\(")
 _OPENING_PREFIX = re.compile(r"\[([A-Za-z_][A-Za-z0-9_]*)?")
+_ESCAPE = r"""\\(["'\\abfnrtv]|x[0-9a-fA-F]{2}|u([0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))"""
 # Python values, written compactly (", " and ": "): a small model given free whitespace can spend its output on it.
 _VALUE_RULES = [
     'pyval: PYSTR | PYNUM | "True" | "False" | "None" | pylist | pydict',
     'pylist: "[" (pyval (", " pyval)*)? "]"',
     'pydict: "{" (pyitem (", " pyitem)*)? "}"',
     'pyitem: PYSTR ": " pyval',
-    r"""PYSTR: /"([^"\\\n]|\\.)*"|'([^'\\\n]|\\.)*'/""",
+    # Escapes Python reads as one character of valid Unicode (no surrogate, no \N{...}, no octal), and no raw
+    # line break, carriage return or NUL: every string the grammar allows is a Python literal of UTF-8 text.
+    r"""PYSTR: /"([^"\\\n\r\x00]|ESC)*"|'([^'\\\n\r\x00]|ESC)*'/""".replace("ESC", _ESCAPE),
     "PYINT: /-?(0|[1-9][0-9]*)/",
-    r"PYNUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+    # an integer of any size, or a float well inside float's range (1e999 would be infinity, which JSON lacks)
+    r"PYNUM: /-?(0|[1-9][0-9]*)|-?(0|[1-9][0-9]{0,15})(\.[0-9]+)?([eE][+-]?[0-9]{1,2})?/",
 ]
 _TYPE_RULES = {"string": "PYSTR", "integer": "PYINT", "number": "PYNUM", "boolean": '("True" | "False")',
                "null": '"None"', "object": "pydict"}
@@ -103,8 +115,9 @@ def _function_rules(index: int, tool: ToolSpec) -> list[str]:
     """``fn_<index>``: one call of ``tool`` (``first_<index>``: the same opening the list). Its arguments in the schema's order: ``a_<i>_<j>`` is the arguments
     from the j-th parameter on, the first written without a comma, ``r_<i>_<j>`` the same each after ", "."""
     properties = tool.parameters.get("properties")
-    properties = properties if isinstance(properties, dict) else {}
-    required = set(tool.parameters.get("required") or [])
+    properties = dict(properties) if isinstance(properties, dict) else {}
+    required = [name for name in tool.parameters.get("required") or [] if isinstance(name, str)]
+    properties.update({name: {} for name in required if name not in properties})  # any value, as JSON Schema has it
     names = list(properties)
     for name in [tool.name, *names]:
         if not _IDENTIFIER.fullmatch(name) or keyword.iskeyword(name):
@@ -178,7 +191,7 @@ class PythonicToolParser:
         pending = self._held + text
         self._held = ""
         if self._mode == "start":
-            stripped = pending.lstrip()
+            stripped = pending.lstrip(CALL_BLANKS)
             if _OPENING.match(stripped):
                 self._mode, pending = "calls", stripped
             elif not stripped or _OPENING_PREFIX.fullmatch(stripped):
@@ -189,7 +202,7 @@ class PythonicToolParser:
         if self._mode == "calls":
             pending = self._scan(pending, delta)
         if self._mode == "after" and not self._text_after:  # whitespace after the list is not content
-            pending = pending.lstrip()
+            pending = pending.lstrip(CALL_BLANKS)
             self._text_after = bool(pending)
         if self._mode in ("text", "after"):
             delta.content += pending
@@ -248,11 +261,16 @@ class PythonicToolParser:
         call, text = self.calls[-1], self._call_text
         self._call_text = ""
         try:
-            node = ast.parse(text, mode="eval").body
+            with warnings.catch_warnings():  # an invalid escape is a SyntaxWarning, not an error, before 3.14
+                warnings.simplefilter("ignore", SyntaxWarning)
+                node = ast.parse(text, mode="eval").body
             if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.func.id != call.name
                     or node.args or any(k.arg is None for k in node.keywords)):
                 raise ValueError(text)
-            arguments = json.dumps({k.arg: ast.literal_eval(k.value) for k in node.keywords}, ensure_ascii=False)
+            values = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            # JSON has no infinity (1e999), and the client's JSON no lone surrogate
+            arguments = json.dumps(values, ensure_ascii=False, allow_nan=False)
+            arguments.encode()
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             self.incomplete = True
             return False

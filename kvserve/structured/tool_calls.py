@@ -29,6 +29,9 @@ from kvserve.reasoning import partial_suffix
 from kvserve.structured.grammar import JSON_OPTIONS
 
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
+# The blanks the grammars allow before a call opens (``[ \t\n]``): a parser strips only these, so that a reply
+# the grammar took for text (opening with another space character) is never read as calls.
+CALL_BLANKS = " \t\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +251,7 @@ class JsonToolCallParser:
         self._at_start = True  # nothing but whitespace read yet
         self._bare = False  # the current call has no tags
         self.incomplete = False  # the reply ended inside a call
+        self._list_closed = False  # call_list: the list's closing bracket was read
 
     @property
     def content(self) -> str:
@@ -272,16 +276,16 @@ class JsonToolCallParser:
         """The end of the reply: held text is content; a call cut short stays incomplete."""
         delta = ParsedDelta()
         if self._mode == "text":
-            self._emit(self._held.rstrip() if self.calls else self._held, delta)
-        elif self._mode == "call":
-            self.incomplete = True
+            self._emit(self._held.rstrip(CALL_BLANKS) if self.calls else self._held, delta)
+        elif self._mode == "call" or (self._mode == "close" and self.call_list and not self._list_closed):
+            self.incomplete = True  # inside a call, or a list of calls that never closed
         self._held = ""
         self._content_parts.append(delta.content)
         return delta
 
     def _text(self, pending: str, delta: ParsedDelta) -> str:
         if self._at_start:  # a reply that opens with a JSON object (or a json fence) is a bare call
-            stripped = pending.lstrip()
+            stripped = pending.lstrip(CALL_BLANKS)
             opening = next((f for f in self.openings if stripped.startswith(f)), None)
             if opening is not None:
                 if self.call_list:  # the list's bracket, and its calls, are read between calls
@@ -296,12 +300,12 @@ class JsonToolCallParser:
             return ""
         at = pending.find(self.open_tag)
         if at >= 0:
-            self._emit(pending[:at].rstrip(), delta)  # whitespace before a tag is not content
+            self._emit(pending[:at].rstrip(CALL_BLANKS), delta)  # whitespace before a tag is not content
             rest = pending[at + len(self.open_tag):]
             return self._open_calls(rest) if self.call_list else self._open_call(rest, bare=False)
         keep = partial_suffix(pending, self.open_tag)
         body = pending[: len(pending) - keep]
-        text = body.rstrip()  # trailing whitespace waits: a tag may follow it
+        text = body.rstrip(CALL_BLANKS)  # trailing whitespace waits: a tag may follow it
         self._emit(text, delta)
         self._held = body[len(text):] + pending[len(pending) - keep:]
         return ""
@@ -317,11 +321,11 @@ class JsonToolCallParser:
         self._mode = "call"
         self._bare = bare
         self._scanner = _CallScanner(self.arguments_key)
-        return rest.lstrip() if bare else rest
+        return rest.lstrip(CALL_BLANKS) if bare else rest
 
     def _emit(self, text: str, delta: ParsedDelta) -> None:
         if self._after_call:  # the whitespace between calls (or after the last) is not content
-            text = text.lstrip()
+            text = text.lstrip(CALL_BLANKS)
             self._after_call = not text
         delta.content += text
 
@@ -349,7 +353,7 @@ class JsonToolCallParser:
         return pending[used:]
 
     def _close(self, pending: str, delta: ParsedDelta) -> str:
-        stripped = pending.lstrip()
+        stripped = pending.lstrip(CALL_BLANKS)
         if not stripped:
             self._held = pending
             return ""
@@ -364,6 +368,7 @@ class JsonToolCallParser:
             if self.separator and stripped.startswith(self.separator):
                 return self._open_call(stripped[len(self.separator):], bare=True)
             if self.call_list and stripped[0] in "[]":  # the list's brackets (the grammar places them)
+                self._list_closed = stripped[0] == "]"
                 return stripped[1:]
             self._mode = "text"
             self._after_call = True

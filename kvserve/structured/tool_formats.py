@@ -132,12 +132,11 @@ class MistralToolFormat:
         return f"{self.open_tag} " + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
 
     def template_call_id(self, call_id: str) -> str:
-        """A call's id as Mistral's templates take it: nine letters and digits. An id of that form is kept; else
-        its last nine letters and digits (as vLLM cuts them), or, where it has fewer, nine derived from it
-        (the same id always gives the same nine, so a conversation renders the same each turn)."""
-        alphanumeric = "".join(c for c in call_id if c in _ALPHANUMERIC)
-        if len(alphanumeric) >= 9:
-            return alphanumeric[-9:]
+        """A call's id as Mistral's templates take it: nine letters and digits. An id of that form is kept; any
+        other becomes nine derived from all of it (not cut, as vLLM cuts it to its last nine: ``call_1_weather``
+        and ``call_2_weather`` would meet), the same each time, so a conversation renders the same each turn."""
+        if len(call_id) == 9 and all(c in _ALPHANUMERIC for c in call_id):
+            return call_id
         digest = hashlib.sha256(call_id.encode()).digest()
         return "".join(_ALPHANUMERIC[b % len(_ALPHANUMERIC)] for b in digest[:9])
 

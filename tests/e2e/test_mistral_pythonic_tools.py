@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.server.serving import BackgroundServer
+from kvserve.structured.tool_formats import MistralToolFormat
 from tests.support.tiny_models import make_tiny_model, with_renamed_tokens
 
 MISTRAL_TEMPLATE = (
@@ -129,7 +130,8 @@ def test_earlier_calls_reach_mistrals_template_with_ids_it_takes(mistral_server)
             {"role": "tool", "tool_call_id": call_id, "content": "6"}]
     rendered = httpx.post(mistral_server.base_url + "/tokenize", json={"messages": turn, "tools": TOOLS}).json()
     text = mistral_server.engine.tokenizer.decode(rendered["tokens"], skip_special_tokens=False)
-    short = call_id[-9:]
+    short = MistralToolFormat().template_call_id(call_id)
+    assert len(short) == 9 and short.isalnum()
     assert f'[TOOL_CALLS] [{{"name": "add", "arguments": {{"a": 2, "b": 4}}, "id": "{short}"}}]' in text
     assert f'"call_id": "{short}"}}[/TOOL_RESULTS]' in text
     client, model = _client(mistral_server)

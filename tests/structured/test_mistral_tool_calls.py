@@ -65,7 +65,8 @@ def test_calls_get_ids_of_nine_letters_and_digits_and_a_call_cut_short_is_incomp
 def test_ids_given_to_the_template_take_mistrals_form_and_stay_the_same_each_turn() -> None:
     fmt = MistralToolFormat()
     assert fmt.template_call_id("a1B2c3D4e") == "a1B2c3D4e"
-    assert fmt.template_call_id("call_0123456789abcdef01234567") == "abcdef01234567"[-9:]
+    long = fmt.template_call_id("call_0123456789abcdef01234567")
+    assert len(long) == 9 and long.isascii() and long.isalnum()
     short = fmt.template_call_id("c-1")
     assert len(short) == 9 and short.isascii() and short.isalnum() and short == fmt.template_call_id("c-1")
     assert short != fmt.template_call_id("c-2")
@@ -134,3 +135,18 @@ def test_the_format_comes_from_the_template() -> None:
     assert rendered.startswith("[TOOL_CALLS] ") and json.loads(rendered.removeprefix("[TOOL_CALLS] ")) == [
         {"name": "add", "arguments": {"a": 1}}, {"name": "f", "arguments": {}}]
     assert parse(rendered) == ("", [("add", '{"a": 1}'), ("f", "{}")], False)
+
+
+def test_a_reply_opening_with_another_space_character_is_text_and_a_list_cut_short_is_incomplete(
+        llg_tokenizer) -> None:  # noqa: F811 - the fixture
+    text = '\xa0[{"name": "rm", "arguments": {"path": "/"}}]'
+    assert accepts(MistralToolFormat().grammar([WEATHER, ADD], ToolChoice("auto"), True), text, llg_tokenizer)
+    assert parse(text) == (text, [], False)
+    for cut in ("[TOOL_CALLS]", "[TOOL_CALLS] [", '[TOOL_CALLS] [{"name": "add", "arguments": {}}, '):
+        assert parse(cut)[2], cut
+
+
+def test_ids_that_share_their_last_nine_characters_stay_apart() -> None:
+    fmt = MistralToolFormat()
+    assert fmt.template_call_id("call_1_get_weather") != fmt.template_call_id("call_2_get_weather")
+    assert fmt.template_call_id("call-123456789") != fmt.template_call_id("call_123456789")

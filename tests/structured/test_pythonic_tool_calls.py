@@ -123,3 +123,40 @@ def test_names_python_cannot_call_are_a_400(tool: ToolSpec) -> None:
     with pytest.raises(InvalidRequest) as raised:
         PythonicToolFormat().grammar([tool], ToolChoice("required"), True)
     assert raised.value.param == "tools"
+
+
+NUMBERS = ToolSpec("f", {"type": "object", "properties": {"x": {"type": "number"}, "s": {"type": "string"}},
+                         "required": ["x"]})
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[f(x=12345678901234567890)]", True),  # an integer of any size is JSON
+    ("[f(x=-2.5e-12)]", True),
+    ("[f(x=1e999)]", False),  # infinity: not JSON
+    ("[f(x=" + "9" * 400 + ".0)]", False),
+    ('[f(x=1, s="tab\\tquote\\"é\\u00e9\\x41")]', True),
+    ('[f(x=1, s="\\ud800")]', False),  # a lone surrogate: no UTF-8 text
+    ('[f(x=1, s="\\d")]', False),  # not an escape Python reads
+    ('[f(x=1, s="\\N{BULLET}")]', False),
+    ('[f(x=1, s="a\rb")]', False),
+])
+def test_every_value_the_grammar_allows_reads_as_json(text: str, expected: bool,
+                                                      llg_tokenizer) -> None:  # noqa: F811 - the fixture
+    grammar = PythonicToolFormat().grammar([NUMBERS], ToolChoice("required"), True)
+    assert accepts(grammar, text, llg_tokenizer) is expected
+    if expected:
+        (_, arguments), = parse(text)[1]
+        json.loads(arguments)
+
+
+def test_a_required_parameter_the_schema_does_not_describe_takes_any_value(llg_tokenizer) -> None:  # noqa: F811
+    tool = ToolSpec("f", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]})
+    grammar = PythonicToolFormat().grammar([tool], ToolChoice("required"), True)
+    assert accepts(grammar, '[f(a=1, b=[None, "x"])]', llg_tokenizer)
+    assert not accepts(grammar, "[f(a=1)]", llg_tokenizer)
+
+
+def test_a_reply_opening_with_another_space_character_is_text_not_calls(llg_tokenizer) -> None:  # noqa: F811
+    text = "\r[rm(path='/')]"
+    assert accepts(PythonicToolFormat().grammar([WEATHER, ADD], ToolChoice("auto"), True), text, llg_tokenizer)
+    assert parse(text) == (text, [], False)
