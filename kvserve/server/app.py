@@ -123,9 +123,10 @@ class AppState:
         """The chat route's sampling parameters (with the tool-call constraint where calls may come), tools,
         tool-call format and rendered conversation."""
         params = self.sampling_params(body)
-        tools = tool_request(body, has_format=params.structured_outputs is not None)
+        tools = tool_request(body, params.structured_outputs)
         text, tool_format, phase = await self.chat_text(body, tools)
         if tool_format is not None:
+            tool_format = tools.format_for(tool_format)
             if tools.calls_possible:
                 params = replace(params, structured_outputs=tools.constraint(tool_format))
             elif (tag := self.single_token_open_tag) is not None:  # tool_choice none: no call is opened
@@ -359,7 +360,7 @@ def build_app(
                                  else "messages")
         if body.messages is not None:
             chat = body.chat_request()
-            text, _, _ = await state.chat_text(chat, tool_request(chat, has_format=False), reply=False)
+            text, _, _ = await state.chat_text(chat, tool_request(chat, None), reply=False)
             add_special = bool(body.add_special_tokens)  # the template holds any BOS token
         else:
             text = body.prompt or ""

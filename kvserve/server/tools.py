@@ -18,7 +18,7 @@ from typing import Any
 from kvserve.errors import InvalidRequest
 from kvserve.request import StructuredOutputsParams
 from kvserve.server import protocol as p
-from kvserve.structured.grammar import MAX_NESTING, check_json_schema, nesting_depth
+from kvserve.structured.grammar import MAX_NESTING, check_json_schema, json_schema_of, nesting_depth
 from kvserve.structured.tool_calls import ToolCallFormat, ToolChoice, ToolSpec
 from kvserve.tokenizer import message_text
 
@@ -34,18 +34,34 @@ class ToolRequest:
     tools: tuple[ToolSpec, ...]
     choice: ToolChoice
     parallel: bool
+    # Under tool_choice auto with a response format: the JSON Schema (an object) of a reply that makes no call.
+    answer: dict[str, Any] | None = None
+    answer_param: str | None = None  # the field the response format came in
 
     @property
     def calls_possible(self) -> bool:
         return bool(self.tools) and self.choice.mode != "none"
 
+    def format_for(self, fmt: ToolCallFormat) -> ToolCallFormat:
+        """``fmt`` as this request's replies are written: answering in the response format where one is given;
+        InvalidRequest where the format's calls could not be told from such an answer."""
+        if self.answer is None:
+            return fmt
+        if not fmt.can_answer:
+            raise InvalidRequest("this model's tool calls are JSON objects, which cannot be told from a JSON "
+                                 "response; send tool_choice 'none' or 'required', or leave out the response format",
+                                 param=self.answer_param)
+        return fmt.with_answer(self.answer)
+
     def constraint(self, fmt: ToolCallFormat) -> StructuredOutputsParams:
         return StructuredOutputsParams(grammar=fmt.grammar(self.tools, self.choice, self.parallel), param="tools")
 
 
-def tool_request(body: p.ChatCompletionRequest, has_format: bool) -> ToolRequest:
+def tool_request(body: p.ChatCompletionRequest, response_format: StructuredOutputsParams | None) -> ToolRequest:
     """The request's tools and tool_choice, checked; InvalidRequest naming the field otherwise.
-    ``has_format``: the request also constrains its output (response_format, guided_*, ...)."""
+    ``response_format``: the request's own constraint of its output (response_format, guided_*, ...): under
+    tool_choice auto a reply that makes no call must match it, which must then be a JSON object's schema; under
+    required or a named function the reply is calls, whatever it says."""
     tools: list[ToolSpec] = []
     for i, tool in enumerate(body.tools or []):
         where = f"tools[{i}]"
@@ -64,10 +80,15 @@ def tool_request(body: p.ChatCompletionRequest, has_format: bool) -> ToolRequest
             check_json_schema(parameters, f"{where}.function.parameters")
         tools.append(ToolSpec(name, parameters, tool.function.description))
     choice = _tool_choice(body.tool_choice, tools)
-    if choice.mode != "none" and has_format:
-        raise InvalidRequest("a response format (or structured_outputs) cannot be combined with tool calls yet; "
-                             "send tool_choice 'none' or leave out the format", param="tool_choice")
-    return ToolRequest(tuple(tools), choice, body.parallel_tool_calls)
+    if choice.mode != "auto" or response_format is None:
+        return ToolRequest(tuple(tools), choice, body.parallel_tool_calls)
+    schema = json_schema_of(response_format) if response_format.json is not None or response_format.json_object \
+        else None
+    if schema is None or schema.get("type") != "object":
+        raise InvalidRequest(f"{response_format.param}: with tools, a response format must be a JSON object (json_object, "
+                             'or a json_schema whose root has "type": "object"); send tool_choice \'none\' to '
+                             "constrain the reply otherwise", param=response_format.param)
+    return ToolRequest(tuple(tools), choice, body.parallel_tool_calls, schema, response_format.param)
 
 
 def _tool_choice(value: str | dict[str, Any] | None, tools: list[ToolSpec]) -> ToolChoice:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from kvserve.errors import InvalidRequest
 from kvserve.structured.tool_calls import (
     CALL_BLANKS,
+    Answering,
     ParsedDelta,
     ParsedToolCall,
     ToolChoice,
@@ -51,8 +52,9 @@ _TYPE_RULES = {"string": "PYSTR", "integer": "PYINT", "number": "PYNUM", "boolea
                "null": '"None"', "object": "pydict"}
 
 
-class PythonicToolFormat:
-    """``[f(a=1), g(b="x")]``: the reply nothing but the list. Under ``auto`` text may not open with ``[name(``."""
+class PythonicToolFormat(Answering):
+    """``[f(a=1), g(b="x")]``: the reply nothing but the list. Under ``auto`` text may not open with ``[name(``
+    (a JSON answer, which opens with ``{``, is read as text)."""
 
     open_tag = None  # no token opens the calls: tool_choice none biases nothing
 
@@ -66,7 +68,9 @@ class PythonicToolFormat:
         lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered))),
                  "first: " + " | ".join(f"first_{i}" for i in range(len(offered))),
                  f'calls: first{more} "]"', *_VALUE_RULES]
-        if choice.mode == "auto":
+        if choice.mode == "auto" and self.answer is not None:
+            lines += ["start: answer | calls", *self.answer_rules()]
+        elif choice.mode == "auto":
             lines += ["start: TEXT | calls", r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\[[A-Za-z_][A-Za-z0-9_]*\((.|\n)*/"]
         else:
             lines.append("start: calls")

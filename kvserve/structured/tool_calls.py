@@ -19,11 +19,12 @@ not end a call.
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Self
 
 from kvserve.reasoning import partial_suffix
 from kvserve.structured.grammar import JSON_OPTIONS
@@ -91,9 +92,17 @@ class ToolCallParser(Protocol):
 
 class ToolCallFormat(Protocol):
     """How one model family writes tool calls: the grammar that enforces them, the parser that reads them
-    back, and how tools and calls are written for a template that has no place for them."""
+    back, and how tools and calls are written for a template that has no place for them.
+
+    ``answer``: under ``tool_choice: auto``, a reply that makes no call is a JSON object of this schema (tools
+    with a response format, as OpenAI's API combines them), not free text. ``with_answer`` gives the format so;
+    a format whose calls open as a JSON object does (``can_answer`` is False for it)."""
 
     open_tag: str | None  # what opens the calls, where something does (biased against under tool_choice none)
+    answer: dict[str, Any] | None
+    can_answer: bool
+
+    def with_answer(self, schema: dict[str, Any]) -> ToolCallFormat: ...
 
     def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str: ...
 
@@ -106,7 +115,25 @@ class ToolCallFormat(Protocol):
     def template_call_id(self, call_id: str) -> str: ...
 
 
-class HermesToolFormat:
+class Answering:
+    """What every format shares for ``answer`` (see ``ToolCallFormat``)."""
+
+    answer: dict[str, Any] | None = None
+    can_answer = True
+
+    def with_answer(self, schema: dict[str, Any]) -> Self:
+        assert self.can_answer
+        answering = copy.copy(self)
+        answering.answer = schema
+        return answering
+
+    def answer_rules(self) -> list[str]:
+        """The grammar's ``answer``: a JSON object of the schema, written as a response format's JSON is."""
+        assert self.answer is not None
+        return [f"answer: %json {json.dumps({**self.answer, 'x-guidance': JSON_OPTIONS})}"]
+
+
+class HermesToolFormat(Answering):
     """``<tool_call>`` JSON ``</tool_call>``. ``special_tags``: the tags are single special tokens of the
     vocabulary (Qwen2.5), written as tokens in the grammar; otherwise they are text."""
 
@@ -128,6 +155,8 @@ class HermesToolFormat:
             lines.append('start: call "\\n"?')
         elif choice.mode == "required":
             lines.append(f'start: call{more} "\\n"?')
+        elif self.answer is not None:  # the answer, or calls from the first token
+            lines += [f'start: answer | call{more} "\\n"?', *self.answer_rules()]
         else:
             # A reply that opens with a JSON object, bare or in a json code fence, is a call too: it is how
             # small models (Qwen2.5-Coder) often answer with tools. Text never opens that way.
@@ -151,6 +180,8 @@ class HermesToolFormat:
         return tag if self.special_tags else json.dumps(tag)
 
     def parser(self) -> JsonToolCallParser:
+        if self.answer is not None:  # no bare calls: a reply that opens with a JSON object is the answer
+            return JsonToolCallParser(self.open_tag, self.close_tag, openings=(), answer_opening="{")
         return JsonToolCallParser(self.open_tag, self.close_tag)
 
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
@@ -229,12 +260,14 @@ class JsonToolCallParser:
 
     def __init__(self, open_tag: str | None, close_tag: str, arguments_key: str = "arguments",
                  openings: tuple[str, ...] = ("{", "```json"), separator: str | None = None,
-                 call_list: bool = False, new_call_id: Callable[[], str] | None = None) -> None:
+                 call_list: bool = False, new_call_id: Callable[[], str] | None = None,
+                 answer_opening: str | None = None) -> None:
         """``open_tag``: what opens a call inside text (None: calls come only at the reply's start);
         ``openings``: what a reply that is a bare call opens with; ``separator``: what may stand between two
         bare calls besides whitespace; ``call_list``: the calls after an opening are a JSON list of them (the
         open tag and openings other than ``[{`` come before the list's bracket); ``new_call_id``: the ids
-        calls get (OpenAI's ``call_...`` by default)."""
+        calls get (OpenAI's ``call_...`` by default); ``answer_opening``: a reply that opens with it is an answer
+        (a response format's JSON), content to its end."""
         self.open_tag = open_tag
         self.close_tag = close_tag
         self.arguments_key = arguments_key
@@ -242,8 +275,9 @@ class JsonToolCallParser:
         self.separator = separator
         self.call_list = call_list
         self.new_call_id = new_call_id or new_openai_call_id
+        self.answer_opening = answer_opening
         self.calls: list[ParsedToolCall] = []
-        self._mode: Literal["text", "call", "close"] = "text"
+        self._mode: Literal["text", "call", "close", "answer"] = "text"
         self._held = ""  # text not yet given out
         self._scanner: _CallScanner | None = None
         self._content_parts: list[str] = []
@@ -263,7 +297,9 @@ class JsonToolCallParser:
         pending = self._held + text
         self._held = ""
         while pending:
-            if self._mode == "text":
+            if self._mode == "answer":
+                pending = self._answer(pending, delta)
+            elif self._mode == "text":
                 pending = self._text(pending, delta)
             elif self._mode == "call":
                 pending = self._call(pending, delta)
@@ -275,7 +311,7 @@ class JsonToolCallParser:
     def finish(self) -> ParsedDelta:
         """The end of the reply: held text is content; a call cut short stays incomplete."""
         delta = ParsedDelta()
-        if self._mode == "text":
+        if self._mode in ("text", "answer"):
             self._emit(self._held.rstrip(CALL_BLANKS) if self.calls else self._held, delta)
         elif self._mode == "call" or (self._mode == "close" and self.call_list and not self._list_closed):
             self.incomplete = True  # inside a call, or a list of calls that never closed
@@ -286,12 +322,16 @@ class JsonToolCallParser:
     def _text(self, pending: str, delta: ParsedDelta) -> str:
         if self._at_start:  # a reply that opens with a JSON object (or a json fence) is a bare call
             stripped = pending.lstrip(CALL_BLANKS)
+            if self.answer_opening is not None and stripped.startswith(self.answer_opening):
+                self._mode = "answer"
+                return pending
             opening = next((f for f in self.openings if stripped.startswith(f)), None)
             if opening is not None:
                 if self.call_list:  # the list's bracket, and its calls, are read between calls
                     return self._open_calls(stripped if opening == "[{" else stripped[len(opening):])
                 return self._open_call(stripped[len(opening):] if opening != "{" else stripped, bare=True)
-            if not stripped or any(f.startswith(stripped) for f in self.openings):
+            if not stripped or any(f.startswith(stripped) for f in self.openings) or (
+                    self.answer_opening is not None and self.answer_opening.startswith(stripped)):
                 self._held = pending
                 return ""
             self._at_start = False
@@ -308,6 +348,10 @@ class JsonToolCallParser:
         text = body.rstrip(CALL_BLANKS)  # trailing whitespace waits: a tag may follow it
         self._emit(text, delta)
         self._held = body[len(text):] + pending[len(pending) - keep:]
+        return ""
+
+    def _answer(self, pending: str, delta: ParsedDelta) -> str:
+        self._emit(pending, delta)
         return ""
 
     def _open_calls(self, rest: str) -> str:

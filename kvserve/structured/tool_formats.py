@@ -22,6 +22,7 @@ from typing import Any
 
 from kvserve.structured.pythonic_tools import PythonicToolFormat
 from kvserve.structured.tool_calls import (
+    Answering,
     HermesToolFormat,
     JsonToolCallParser,
     ToolCallFormat,
@@ -38,13 +39,15 @@ _MISTRAL_MARKS = ("[TOOL_CALLS]",)
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
-class Llama3JsonToolFormat:
+class Llama3JsonToolFormat(Answering):
     """Llama 3.1 and 3.2's JSON calls, as their chat templates ask for them: ``{"name": ..., "parameters":
     {...}}``, the reply nothing but the call (several joined by ``;``, as vLLM's llama3_json parser reads
-    them), optionally after ``<|python_tag|>``. Under ``auto`` a reply that opens with a JSON object is calls."""
+    them), optionally after ``<|python_tag|>``. Under ``auto`` a reply that opens with a JSON object is calls,
+    so a JSON answer could not be told from them (``can_answer`` is False)."""
 
     open_tag = "<|python_tag|>"
     arguments_key = "parameters"
+    can_answer = False
 
     def __init__(self, special_tag: bool = False) -> None:
         self.special_tag = special_tag  # <|python_tag|> is a special token of the vocabulary (Llama 3's)
@@ -87,7 +90,7 @@ class Llama3JsonToolFormat:
         return call_id
 
 
-class MistralToolFormat:
+class MistralToolFormat(Answering):
     """Mistral's calls, as the chat templates of Mistral 7B Instruct v0.3, Mixtral 8x22B, Nemo and Small write
     them: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``, the reply nothing but the list (as
     vLLM's mistral parser reads it). ``tag_id``: the ``[TOOL_CALLS]`` token's id where it is a special token
@@ -107,7 +110,9 @@ class MistralToolFormat:
         tag = f"<[{self.tag_id}]>" if self.tag_id is not None else json.dumps(self.open_tag)
         lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered))),
                  f'calls: {tag} " "? "[" {items} "]"']
-        if choice.mode == "auto":
+        if choice.mode == "auto" and self.answer is not None:
+            lines += ["start: answer | calls", *self.answer_rules()]
+        elif choice.mode == "auto":
             lines += ["start: TEXT | calls",
                       r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\[\{(.|\n)*/ & ~/(.|\n)*\[TOOL_CALLS\](.|\n)*/"]
         else:
@@ -118,7 +123,8 @@ class MistralToolFormat:
 
     def parser(self) -> JsonToolCallParser:
         return JsonToolCallParser(None, "", openings=(self.open_tag, "[{"), separator=",", call_list=True,
-                                  new_call_id=new_mistral_call_id)
+                                  new_call_id=new_mistral_call_id,
+                                  answer_opening="{" if self.answer is not None else None)
 
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
         """How the tools are offered to a model whose chat template has no place for them."""

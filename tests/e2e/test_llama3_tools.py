@@ -96,3 +96,11 @@ def test_earlier_calls_reach_the_template_as_objects(server) -> None:
     reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=turn, tools=TOOLS,
                                            tool_choice="none", max_tokens=8, temperature=0)
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content is not None
+
+
+def test_a_response_format_beside_tools_is_a_400_where_calls_are_json_objects(server) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, tools=TOOLS,
+                                       response_format={"type": "json_object"}, max_tokens=8)
+    assert raised.value.body["param"] == "response_format" and "cannot be told" in raised.value.body["message"]

@@ -170,3 +170,42 @@ def test_a_tool_python_cannot_call_is_a_400_and_earlier_calls_reach_the_template
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 4}'}}]}]
     rendered = httpx.post(pythonic_server.base_url + "/tokenize", json={"messages": turn, "tools": TOOLS}).json()
     assert "[add(a=2, b=4)]" in pythonic_server.engine.tokenizer.decode(rendered["tokens"])
+
+
+WEATHER_REPORT = {"type": "json_schema", "json_schema": {"name": "report", "strict": True, "schema": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"], "additionalProperties": False}}}
+
+
+def test_tools_with_a_response_format_reply_with_calls_or_the_answer(mistral_server) -> None:
+    client, model = _client(mistral_server)
+    tag = mistral_server.engine.tokenizer.token_to_id("[TOOL_CALLS]")
+    asked = {"model": model, "messages": QUESTION, "tools": TOOLS, "response_format": WEATHER_REPORT,
+             "max_tokens": 120, "temperature": 0}
+    answered = client.chat.completions.create(**asked, logit_bias={str(tag): -100})  # no call can open
+    choice = answered.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    report = json.loads(choice.message.content)
+    assert set(report) == {"city", "sunny"} and report["city"] in ("Oslo", "Paris")
+
+    called = client.chat.completions.create(**asked, logit_bias={str(tag): 100})  # the calls open
+    assert called.choices[0].finish_reason == "tool_calls" and not called.choices[0].message.content
+    for call in called.choices[0].message.tool_calls:
+        _check_arguments(call.function.name, call.function.arguments)
+
+    names, _, arguments, content = _streamed_calls(client.chat.completions.create(
+        **asked, logit_bias={str(tag): -100}, stream=True))
+    assert not names and json.loads(content) == report
+
+    for response_format, param in [({"type": "json_schema", "json_schema": {"name": "xs", "schema": {
+            "type": "array"}}}, "response_format.json_schema.schema")]:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(**{**asked, "response_format": response_format})
+        assert raised.value.body["param"] == param and "JSON object" in raised.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**{k: v for k, v in asked.items() if k != "response_format"},
+                                       extra_body={"guided_regex": "[a-z]+"})
+    assert raised.value.body["param"] == "guided_regex"
+    # a call is made whatever the response format says when one is required
+    required = client.chat.completions.create(**asked, tool_choice="required")
+    assert required.choices[0].message.tool_calls

@@ -251,6 +251,20 @@ def test_tool_results_render_and_a_final_answer_follows(client: openai.OpenAI) -
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
 
+def test_tools_beside_a_response_format_give_calls_or_the_formats_json(client: openai.OpenAI) -> None:
+    """As OpenAI's API combines them: the model calls a tool or answers in the format, never in free text."""
+    for question in ("What is the weather in Paris?", "Say hello."):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], tools=TOOLS, temperature=0,
+            max_tokens=80, response_format={"type": "json_object"}, parallel_tool_calls=False)
+        message = reply.choices[0].message
+        if message.tool_calls:
+            assert reply.choices[0].finish_reason == "tool_calls" and not message.content
+            assert all(isinstance(json.loads(call.function.arguments), dict) for call in message.tool_calls)
+        else:
+            assert reply.choices[0].finish_reason == "stop" and isinstance(json.loads(message.content), dict)
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format.json_schema.schema"),
@@ -267,7 +281,9 @@ BAD = [
      "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex"),  # beside tools, only a JSON object's format
+    ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array"}}}}, "response_format.json_schema.schema"),
     ({"guided_choice": ["a", "b"], "ignore_eos": True}, "ignore_eos"),
 ]
 

@@ -16,6 +16,6 @@ def test_content_parts_of_calls_and_results_are_written_as_their_text() -> None:
                 {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}]
     body = p.ChatCompletionRequest.model_validate({"messages": messages, "tools": TOOLS})
     fmt = HermesToolFormat(special_tags=False)
-    out = template_messages(body.message_dicts(), tool_request(body, has_format=False), fmt, template_has_tools=False)
+    out = template_messages(body.message_dicts(), tool_request(body, None), fmt, template_has_tools=False)
     assert out[2] == {"role": "assistant", "content": "Let me check.\n" + fmt.render_calls([("f", {})])}
     assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}

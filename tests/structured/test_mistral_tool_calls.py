@@ -150,3 +150,31 @@ def test_ids_that_share_their_last_nine_characters_stay_apart() -> None:
     fmt = MistralToolFormat()
     assert fmt.template_call_id("call_1_get_weather") != fmt.template_call_id("call_2_get_weather")
     assert fmt.template_call_id("call-123456789") != fmt.template_call_id("call_123456789")
+
+
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fmt, text, expected", [
+    (MistralToolFormat(), '{"ok": true}', True),
+    (MistralToolFormat(), CALL, True),
+    (MistralToolFormat(), "Just text", False),
+    (MistralToolFormat(), '[{"ok": true}]', False),
+    (PythonicToolFormat(), '{"ok": false}', True),
+    (PythonicToolFormat(), "[add(a=1, b=2)]", True),
+    (PythonicToolFormat(), "Just text", False),
+])
+def test_with_a_response_format_a_reply_is_the_answer_or_calls(fmt, text: str, expected: bool,
+                                                               llg_tokenizer) -> None:  # noqa: F811 - the fixture
+    grammar = fmt.with_answer(ANSWER).grammar([WEATHER, ADD], ToolChoice("auto"), True)
+    assert accepts(grammar, text, llg_tokenizer) is expected
+    if expected:
+        content, calls, _ = json_parse(text, None, fmt.with_answer(ANSWER))
+        assert (content, bool(calls)) == ((text, False) if text.startswith("{") else ("", True))
+
+
+def test_llama3_calls_cannot_be_told_from_a_json_answer() -> None:
+    from kvserve.structured.tool_formats import Llama3JsonToolFormat
+
+    assert not Llama3JsonToolFormat().can_answer and MistralToolFormat().can_answer

@@ -137,3 +137,34 @@ def test_a_tools_own_definitions_constrain_its_calls(text: str, expected: bool,
     resolve from the call schema (they pointed at its root, which had no $defs: every such request was a 400)."""
     grammar = HermesToolFormat(special_tags=False).grammar([NESTED], ToolChoice("required", None), True)
     assert accepts(grammar, text, llg_tokenizer) is expected
+
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"city": "Oslo", "sunny": true}', True),
+    (CALL, True),
+    (f"{CALL}\n{OTHER_CALL}", True),
+    ('{"city": "Oslo"}', False),  # the answer's schema
+    ("It is sunny in Oslo.", False),  # no free text: the answer or calls
+    (f"Let me add.{CALL}", False),
+    ('{"name": "add", "arguments": {"a": 1, "b": 2}}', False),  # no bare call: a JSON reply is the answer
+])
+def test_with_a_response_format_a_reply_is_the_answer_or_calls(text: str, expected: bool, llg_tokenizer) -> None:
+    grammar = HermesToolFormat(special_tags=False).with_answer(ANSWER).grammar([WEATHER, ADD], ToolChoice("auto"),
+                                                                               True)
+    assert accepts(grammar, text, llg_tokenizer) is expected
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('{"city": "<tool_call>\\n{", "sunny": true}', '{"city": "<tool_call>\\n{", "sunny": true}', []),
+    (CALL, "", [("add", '{"a": 1, "b": 2}')]),
+])
+def test_with_a_response_format_the_answer_is_content_whatever_it_spells(text: str, content: str,
+                                                                        calls: list[tuple[str, str]]) -> None:
+    fmt = HermesToolFormat(special_tags=False).with_answer(ANSWER)
+    assert parse(text, None, fmt) == (content, calls, False)
+    assert parse(text, [1, 2, 3, 9, 20], fmt) == parse(text, None, fmt)
+    assert HermesToolFormat(special_tags=False).answer is None  # the server's own format is left as it was
