@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -156,7 +157,9 @@ class HermesToolFormat(Answering):
         elif choice.mode == "required":
             lines.append(f'start: call{more} "\\n"?')
         elif self.answer is not None:  # the answer, or calls from the first token
-            lines += [f'start: answer | call{more} "\\n"?', *self.answer_rules()]
+            bare = self._bare_beside_answer  # and bare calls, told from the answer by their first key
+            lines += [f'start: answer | call{more} "\\n"?' + (" | bare" if bare else ""), *self.answer_rules()]
+            lines += ["bare: fn" + (' ("\\n" fn)*' if parallel else "")] if bare else []
         else:
             # A reply that opens with a JSON object, bare or in a json code fence, is a call too: it is how
             # small models (Qwen2.5-Coder) often answer with tools. Text never opens that way.
@@ -179,9 +182,19 @@ class HermesToolFormat(Answering):
     def _tag(self, tag: str) -> str:
         return tag if self.special_tags else json.dumps(tag)
 
+    @property
+    def _bare_beside_answer(self) -> bool:
+        """A bare call (``{"name": ...``) can stand beside the answer: no answer's first key is ``name`` (the
+        schema neither has it nor allows other properties), so the first key tells them apart."""
+        assert self.answer is not None
+        properties = self.answer.get("properties")
+        return self.answer.get("additionalProperties") is False and not (isinstance(properties, dict)
+                                                                         and "name" in properties)
+
     def parser(self) -> JsonToolCallParser:
-        if self.answer is not None:  # no bare calls: a reply that opens with a JSON object is the answer
-            return JsonToolCallParser(self.open_tag, self.close_tag, openings=(), answer_opening="{")
+        if self.answer is not None:  # a reply that opens with a JSON object is the answer, or a bare call
+            return JsonToolCallParser(self.open_tag, self.close_tag, openings=(), answer_opening="{",
+                                      bare_call_key="name" if self._bare_beside_answer else None)
         return JsonToolCallParser(self.open_tag, self.close_tag)
 
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
@@ -261,13 +274,14 @@ class JsonToolCallParser:
     def __init__(self, open_tag: str | None, close_tag: str, arguments_key: str = "arguments",
                  openings: tuple[str, ...] = ("{", "```json"), separator: str | None = None,
                  call_list: bool = False, new_call_id: Callable[[], str] | None = None,
-                 answer_opening: str | None = None) -> None:
+                 answer_opening: str | None = None, bare_call_key: str | None = None) -> None:
         """``open_tag``: what opens a call inside text (None: calls come only at the reply's start);
         ``openings``: what a reply that is a bare call opens with; ``separator``: what may stand between two
         bare calls besides whitespace; ``call_list``: the calls after an opening are a JSON list of them (the
         open tag and openings other than ``[{`` come before the list's bracket); ``new_call_id``: the ids
         calls get (OpenAI's ``call_...`` by default); ``answer_opening``: a reply that opens with it is an answer
-        (a response format's JSON), content to its end."""
+        (a response format's JSON), content to its end, unless its first key is ``bare_call_key`` (then it is a
+        bare call)."""
         self.open_tag = open_tag
         self.close_tag = close_tag
         self.arguments_key = arguments_key
@@ -276,6 +290,7 @@ class JsonToolCallParser:
         self.call_list = call_list
         self.new_call_id = new_call_id or new_openai_call_id
         self.answer_opening = answer_opening
+        self.bare_call_key = bare_call_key
         self.calls: list[ParsedToolCall] = []
         self._mode: Literal["text", "call", "close", "answer"] = "text"
         self._held = ""  # text not yet given out
@@ -323,6 +338,13 @@ class JsonToolCallParser:
         if self._at_start:  # a reply that opens with a JSON object (or a json fence) is a bare call
             stripped = pending.lstrip(CALL_BLANKS)
             if self.answer_opening is not None and stripped.startswith(self.answer_opening):
+                if self.bare_call_key is not None:
+                    key = _first_key(stripped)
+                    if key is None:  # not yet read
+                        self._held = pending
+                        return ""
+                    if key == self.bare_call_key:
+                        return self._open_call(stripped, bare=True)
                 self._mode = "answer"
                 return pending
             opening = next((f for f in self.openings if stripped.startswith(f)), None)
@@ -428,6 +450,22 @@ class JsonToolCallParser:
         self._mode = "text"  # no closing tag: what follows is text
         self._after_call = True
         return stripped
+
+
+_FIRST_KEY = re.compile(r'\{[ \t\n]*"((?:[^"\\]|\\.)*)"')
+_KEY_UNREAD = re.compile(r'\{[ \t\n]*("(?:[^"\\]|\\.)*\\?)?')
+
+
+def _first_key(text: str) -> str | None:
+    """The first key of the JSON object ``text`` opens: "" where it has none (``{}``), None where it is not read
+    yet."""
+    if (found := _FIRST_KEY.match(text)) is not None:
+        try:
+            key = json.loads(f'"{found.group(1)}"')
+        except ValueError:
+            return ""
+        return key if isinstance(key, str) else ""
+    return None if _KEY_UNREAD.fullmatch(text) else ""
 
 
 class _CallScanner:

@@ -150,7 +150,6 @@ ANSWER = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": 
     ('{"city": "Oslo"}', False),  # the answer's schema
     ("It is sunny in Oslo.", False),  # no free text: the answer or calls
     (f"Let me add.{CALL}", False),
-    ('{"name": "add", "arguments": {"a": 1, "b": 2}}', False),  # no bare call: a JSON reply is the answer
 ])
 def test_with_a_response_format_a_reply_is_the_answer_or_calls(text: str, expected: bool, llg_tokenizer) -> None:
     grammar = HermesToolFormat(special_tags=False).with_answer(ANSWER).grammar([WEATHER, ADD], ToolChoice("auto"),
@@ -168,3 +167,27 @@ def test_with_a_response_format_the_answer_is_content_whatever_it_spells(text: s
     assert parse(text, None, fmt) == (content, calls, False)
     assert parse(text, [1, 2, 3, 9, 20], fmt) == parse(text, None, fmt)
     assert HermesToolFormat(special_tags=False).answer is None  # the server's own format is left as it was
+
+
+BARE = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+
+@pytest.mark.parametrize("answer, text, read_as_calls", [
+    (ANSWER, BARE, True),  # no answer opens with "name": a bare call, as Qwen2.5-Coder writes them
+    (ANSWER, f"{BARE}\n{BARE}", True),
+    ({"type": "object"}, BARE, False),  # any object: it is the answer, and calls need their tags
+    ({**ANSWER, "properties": {**ANSWER["properties"], "name": {"type": "string"}}}, BARE, False),
+])
+def test_bare_calls_stand_beside_an_answer_whose_first_key_tells_them_apart(answer, text: str, read_as_calls: bool,
+                                                                            llg_tokenizer) -> None:
+    fmt = HermesToolFormat(special_tags=False).with_answer(answer)
+    grammar = fmt.grammar([WEATHER, ADD], ToolChoice("auto"), True)
+    if not read_as_calls:
+        assert parse(text, None, fmt) == (text, [], False)
+        assert not accepts(grammar, f"{BARE}\n{BARE}", llg_tokenizer)  # not two answers
+        return
+    assert accepts(grammar, text, llg_tokenizer)
+    calls = [("add", '{"a": 1, "b": 2}')] * text.count(BARE)
+    assert parse(text, None, fmt) == ("", calls, False)
+    for cuts in ([1], [1, 2, 3, 4, 5, 6, 7, 8], [9, 30]):
+        assert parse(text, cuts, fmt) == parse(text, None, fmt)
