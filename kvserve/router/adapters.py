@@ -2,17 +2,21 @@
 sent to the gateway go to every healthy replica, and the gateway reads again what each serves, so the adapter
 is routed (or no longer routed) as soon as the answer comes back.
 
-A load succeeds where every replica loaded it; otherwise the first refusal comes back as the replica gave it
-(the replicas that did load it keep it and are routed to for it). An unload succeeds where no replica holds the
-adapter afterwards: a replica that did not hold it (404) is not a failure, unless none did.
+A load succeeds where every replica serves the adapter afterwards (one that already did, and refused to load it
+again, counts as serving it); otherwise the first refusal of a replica that does not serve it comes back as the
+replica gave it (the replicas that did load it keep it and are routed to for it). An unload succeeds where no
+replica holds the adapter afterwards: a replica that did not hold it (404) is not a failure, unless none did.
+The request names no base model: in a fleet of several models, load an adapter on its model's replicas
+directly (the gateway routes it from its first request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from kvserve.errors import BadUpstreamResponse, NoHealthyReplica
 from kvserve.router.replicas import Replica, ReplicaPool
@@ -31,12 +35,31 @@ async def to_every_replica(pool: ReplicaPool, client: httpx.AsyncClient, path: s
         raise NoHealthyReplica("no healthy replica to load or unload the adapter on; retry later")
     answers = await asyncio.gather(*(_send(client, r, path, body, headers) for r in replicas))
     await asyncio.gather(*(pool.refresh_models(r) for r in replicas))
-    failed = [a for a in answers if a.status_code >= 300]
+    name = _adapter_name(body)
     if path.endswith("/unload_lora_adapter"):
+        failed = [a for a in answers if a.status_code >= 300]
         gone = [a for a in failed if a.status_code == 404]
         if len(gone) < len(answers):  # held somewhere, and every other replica did not hold it
             failed = [a for a in failed if a.status_code != 404]
-    return passed_back(failed[0] if failed else answers[0])
+    else:
+        failed = [a for r, a in zip(replicas, answers, strict=True)
+                  if a.status_code >= 300 and (name is None or name not in r.models)]
+    if failed:
+        return passed_back(failed[0])
+    succeeded = [a for a in answers if a.status_code < 300]
+    if succeeded:
+        return passed_back(succeeded[0])
+    # every replica refused because it already served the adapter: the fleet is as asked
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+def _adapter_name(body: bytes) -> str | None:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    name = payload.get("lora_name") if isinstance(payload, dict) else None
+    return name.strip() if isinstance(name, str) else None
 
 
 async def _send(client: httpx.AsyncClient, replica: Replica, path: str, body: bytes,

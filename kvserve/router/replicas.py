@@ -53,6 +53,10 @@ class Replica:
     load_read_at: float = 0.0  # time.monotonic() of the last load read; 0 = never
     last_error: str = ""
     times_taken_out: int = 0  # a health check begun before the latest failure does not put it back
+    # Reads of /v1/models begun, and the latest begun whose answer was applied: an answer that comes back after
+    # a later read's is older news (a health check's read overtaken by the one after a LoRA load) and dropped.
+    models_reads: int = 0
+    models_read_applied: int = 0
 
     @property
     def load(self) -> int:
@@ -113,7 +117,7 @@ class ReplicaPool:
         try:
             response = await self._client.get(f"{replica.url}/kvserve/info", headers=self._headers, timeout=5.0)
             info = response.json() if response.status_code == 200 else None
-        except (httpx.TransportError, ValueError):
+        except (httpx.HTTPError, ValueError):
             info = None
         if not isinstance(info, dict) or not isinstance(info.get("block_size"), int):
             return  # not a kvserve replica: routed on its OpenAI routes alone
@@ -124,8 +128,12 @@ class ReplicaPool:
         replica.shared_kv_group = (group if isinstance(group, str)
                                    else "" if info.get("shared_kv_tier") is True else None)
         if info.get("kv_events") is True and isinstance(info.get("block_hash_extra"), str):
-            replica.kv_events = True
-            replica.block_hash_extra = bytes.fromhex(info["block_hash_extra"])
+            try:
+                replica.block_hash_extra = bytes.fromhex(info["block_hash_extra"])
+                replica.kv_events = True
+            except ValueError:
+                logger.warning("replica %s reports a block hash extra that is not hex: %r", replica.url,
+                               info["block_hash_extra"])
         if isinstance(info.get("num_kv_blocks"), int):
             replica.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
         adapters = info.get("lora_cache_keys")
@@ -178,15 +186,21 @@ class ReplicaPool:
         elif replica.healthy:
             self.mark_down(replica, reason)
 
-    async def refresh_models(self, replica: Replica) -> str | None:
-        """Read again what ``replica`` serves (and, where that changed, its LoRA adapters' cache keys); its last
-        list is kept where it does not answer. Returns why it did not, or None."""
+    async def refresh_models(self, replica: Replica, read_info: bool = False) -> str | None:
+        """Read again what ``replica`` serves (and, where that changed or ``read_info``, its ``/kvserve/info``:
+        its LoRA adapters' cache keys); its last list is kept where it does not answer. Returns why it did not,
+        or None."""
+        replica.models_reads += 1
+        read = replica.models_reads
         try:
             response = await self._client.get(f"{replica.url}/v1/models", headers=self._headers, timeout=5.0)
             models = _model_ids(replica.url, response)
-        except (httpx.TransportError, ConfigError) as exc:
+        except (httpx.HTTPError, ConfigError) as exc:
             return str(exc)
-        if models != replica.models:
+        if read < replica.models_read_applied:
+            return None  # a later read's answer is already in
+        replica.models_read_applied = read
+        if models != replica.models or read_info:
             replica.models = models
             await self._read_kvserve_info(replica)
         return None
@@ -199,16 +213,14 @@ class ReplicaPool:
         async with self._refreshing:
             if time.monotonic() - self._refreshed_at < min_interval_s:
                 return
-            await asyncio.gather(*(self.refresh_models(r) for r in self.healthy()))
             self._refreshed_at = time.monotonic()
+            await asyncio.gather(*(self.refresh_models(r) for r in self.healthy()))
 
     async def _comes_back(self, replica: Replica) -> None:
         # Read again what it serves: a restarted replica may hold other LoRA adapters.
-        replica.models, known = (), replica.models
-        failure = await self.refresh_models(replica)
+        failure = await self.refresh_models(replica, read_info=True)
         if failure is not None:
-            replica.models = known
-            if not known:
+            if not replica.models:
                 logger.warning("replica %s answers /health but not /v1/models: %s", replica.url, failure)
                 return
             logger.warning("replica %s is back but /v1/models did not answer (%s): its last list is kept",

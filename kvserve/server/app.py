@@ -289,6 +289,8 @@ def build_app(
         state.check_admissible(body.model)
         params, tools, tool_format, text = await state.chat_prompt(body)
         grammar = None
+        if tools.answer_format is not None:  # its own errors, named for its own field
+            await async_engine.compile_grammar(tools.answer_format)
         if params.structured_outputs is not None:
             grammar = await async_engine.compile_grammar(params.structured_outputs)
         try:

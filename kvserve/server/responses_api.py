@@ -249,7 +249,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 # The chat request's fields that the Responses API names otherwise.
-_CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+# The longest chat name a field begins with is renamed (the later of two that match).
+_CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+               "response_format.json_schema": "text.format"}  # the Responses API's format holds its schema itself
 
 
 _CHAT_TOOL = re.compile(r"^tools(?:\.|\[)(\d+)\]?\.function")

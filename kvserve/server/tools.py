@@ -34,9 +34,10 @@ class ToolRequest:
     tools: tuple[ToolSpec, ...]
     choice: ToolChoice
     parallel: bool
-    # Under tool_choice auto with a response format: the JSON Schema (an object) of a reply that makes no call.
+    # Under tool_choice auto with a response format: the JSON Schema (an object) of a reply that makes no call,
+    # and that format as the request gave it (compiled on its own first, so that its errors name its field).
     answer: dict[str, Any] | None = None
-    answer_param: str | None = None  # the field the response format came in
+    answer_format: StructuredOutputsParams | None = None
 
     @property
     def calls_possible(self) -> bool:
@@ -50,7 +51,7 @@ class ToolRequest:
         if not fmt.can_answer:
             raise InvalidRequest("this model's tool calls are JSON objects, which cannot be told from a JSON "
                                  "response; send tool_choice 'none' or 'required', or leave out the response format",
-                                 param=self.answer_param)
+                                 param=self.answer_format.param if self.answer_format is not None else None)
         return fmt.with_answer(self.answer)
 
     def constraint(self, fmt: ToolCallFormat) -> StructuredOutputsParams:
@@ -80,7 +81,7 @@ def tool_request(body: p.ChatCompletionRequest, response_format: StructuredOutpu
             check_json_schema(parameters, f"{where}.function.parameters")
         tools.append(ToolSpec(name, parameters, tool.function.description))
     choice = _tool_choice(body.tool_choice, tools)
-    if choice.mode != "auto" or response_format is None:
+    if choice.mode == "none" or response_format is None:
         return ToolRequest(tuple(tools), choice, body.parallel_tool_calls)
     schema = json_schema_of(response_format) if response_format.json is not None or response_format.json_object \
         else None
@@ -88,7 +89,9 @@ def tool_request(body: p.ChatCompletionRequest, response_format: StructuredOutpu
         raise InvalidRequest(f"{response_format.param}: with tools, a response format must be a JSON object (json_object, "
                              'or a json_schema whose root has "type": "object"); send tool_choice \'none\' to '
                              "constrain the reply otherwise", param=response_format.param)
-    return ToolRequest(tuple(tools), choice, body.parallel_tool_calls, schema, response_format.param)
+    if choice.mode != "auto":  # required, or a named function: the reply is calls
+        return ToolRequest(tuple(tools), choice, body.parallel_tool_calls)
+    return ToolRequest(tuple(tools), choice, body.parallel_tool_calls, schema, response_format)
 
 
 def _tool_choice(value: str | dict[str, Any] | None, tools: list[ToolSpec]) -> ToolChoice:

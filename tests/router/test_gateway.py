@@ -386,9 +386,6 @@ def test_adapters_loaded_through_the_gateway_are_loaded_on_every_replica_and_rou
         assert "sql" in [m.id for m in client.models.list().data]
         assert {client.completions.create(model="sql", prompt=f"{i}").choices[0].text for i in range(2)} == {"a", "b"}
 
-        again = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x"})
-        assert again.status_code == 400 and again.json()["error"]["param"] == "lora_path"  # the replica's refusal
-
         b.adapters.discard("sql")  # unloaded behind the gateway's back: unloading through it still succeeds
         unloaded = httpx.post(f"{gateway.base_url}/v1/unload_lora_adapter", json={"lora_name": "sql"})
         assert unloaded.status_code == 200 and not a.adapters
@@ -429,3 +426,53 @@ def test_a_health_check_learns_what_a_replica_serves_now(replicas: list[FakeRepl
         wait_until(lambda: "sql" not in [m["id"] for m in httpx.get(f"{gateway.base_url}/v1/models").json()["data"]])
     finally:
         gateway.stop()
+
+
+def test_a_load_retried_after_a_partial_failure_succeeds_once_every_replica_serves_the_adapter(
+        replicas: list[FakeReplica]) -> None:
+    a, b = replicas
+    gateway = gateway_over(replicas, policy="round_robin", health_interval_s=30.0)
+    try:
+        a.adapters.add("sql")  # loaded there before; b was down when it was
+        body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+        assert httpx.post(f"{gateway.base_url}/v1/load_lora_adapter", json=body).status_code == 200
+        assert a.adapters == b.adapters == {"sql"}
+        again = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter", json=body)  # both refuse: both serve it
+        assert again.status_code == 200 and "sql" in again.text
+    finally:
+        gateway.stop()
+
+
+def test_an_older_model_list_does_not_overwrite_a_newer_one() -> None:
+    """A health check's read of /v1/models that answers after the read a LoRA load made is older news."""
+    answers: list[asyncio.Future[httpx.Response]] = []
+
+    async def main() -> tuple[tuple[str, ...], tuple[str, ...]]:
+        loop = asyncio.get_running_loop()
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path != "/v1/models":
+                return httpx.Response(404)  # /kvserve/info: not a kvserve replica
+            answer: asyncio.Future[httpx.Response] = loop.create_future()
+            answers.append(answer)
+            return await answer
+
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        pool = ReplicaPool(("http://replica",), client, 1.0, {})
+        replica = pool.replicas[0]
+        replica.models = ("base",)
+        health_read = asyncio.create_task(pool.refresh_models(replica))
+        await asyncio.sleep(0.01)
+        load_read = asyncio.create_task(pool.refresh_models(replica))
+        await asyncio.sleep(0.01)
+        listing = {"object": "list", "data": [{"id": "base"}, {"id": "sql"}]}
+        answers[1].set_result(httpx.Response(200, json=listing))  # the later read answers first
+        await load_read
+        after_load = replica.models
+        answers[0].set_result(httpx.Response(200, json={"object": "list", "data": [{"id": "base"}]}))
+        await health_read
+        await client.aclose()
+        return after_load, replica.models
+
+    after_load, after_health_read = asyncio.run(main())
+    assert after_load == after_health_read == ("base", "sql")

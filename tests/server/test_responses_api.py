@@ -184,6 +184,7 @@ def test_stored_responses_list_their_input_items_and_are_deleted(client, model, 
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"temperature": "hot"}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}, "text.format.schema"),
 ])
 def test_what_is_not_done_here_is_a_400_naming_the_field(base_url, fields, param) -> None:
     resp = httpx.post(f"{base_url}/v1/responses", json={"input": "Hello", **fields}, timeout=60)

@@ -282,6 +282,11 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
     ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex"),  # beside tools, only a JSON object's format
+    ({"tools": TOOLS, "guided_regex": "a+", "tool_choice": "required"}, "guided_regex"),
+    # a schema the grammar engine cannot compile, beside tools: named for its own field
+    ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)a"}}}}}},
+     "response_format.json_schema.schema"),
     ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array"}}}}, "response_format.json_schema.schema"),
     ({"guided_choice": ["a", "b"], "ignore_eos": True}, "ignore_eos"),
