@@ -151,7 +151,9 @@ class AppState:
     def single_token_open_tag(self) -> int | None:
         """The id of the token that opens a tool call, where it is one token."""
         tag = (self._tool_format or HermesToolFormat).open_tag
-        return None if tag is None else self.tokenizer.token_to_id(tag)
+        if tag is None or tag.isidentifier():  # a word (Phi-4-mini's functools) may be meant as text
+            return None
+        return self.tokenizer.token_to_id(tag)
 
     def sampling_params(self, body: p.ChatCompletionRequest | p.CompletionRequest) -> SamplingParams:
         """A generation request's sampling parameters as the engine takes them, with the LoRA adapter its

@@ -173,7 +173,7 @@ class HermesToolFormat(Answering):
                           f'first: trig "\\n" fn "\\n" {close_tag}',
                           f"trig[lazy]: LEAD {open_tag}",
                           r"LEAD: /(.|\n)*/ & " + not_json,
-                          r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + _regex_literal(self.open_tag) + r"(.|\n)*/ & "
+                          r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + regex_literal(self.open_tag) + r"(.|\n)*/ & "
                           + not_json]
         for i, tool in enumerate(offered):
             lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool))}")
@@ -257,7 +257,7 @@ def function_json(tool: ToolSpec) -> dict[str, Any]:
     return out
 
 
-def _regex_literal(text: str) -> str:
+def regex_literal(text: str) -> str:
     """``text`` inside a Lark /regex/: its regex metacharacters (and the delimiter) escaped."""
     return "".join(f"\\{c}" if c in "\\.^$*+?()[]{}|/" else c for c in text)
 

@@ -4,7 +4,9 @@ chat template.
 - ``llama3_json``: Llama 3.1 and 3.2's ``{"name": ..., "parameters": {...}}``, several joined by ``;``,
   optionally after ``<|python_tag|>``;
 - ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``, one JSON list after the
-  ``[TOOL_CALLS]`` token, with ids of nine letters and digits (Mistral's templates refuse others);
+  ``[TOOL_CALLS]`` token, with ids of nine letters and digits (Mistral's templates refuse others); ``granite``
+  and ``phi4_mini_json`` the same list after Granite's ``<|tool_call|>`` (``<tool_call>`` from 3.1) and
+  Phi-4-mini's ``functools``;
 - ``pythonic``: ``[get_weather(city="Paris")]`` (``pythonic_tools.py``).
 
 Each is a ``ToolCallFormat`` (``tool_calls.py``): a call opens the reply or nothing, so text is never read as
@@ -30,12 +32,15 @@ from kvserve.structured.tool_calls import (
     ToolSpec,
     call_schema,
     function_json,
+    new_openai_call_id,
+    regex_literal,
 )
 
-# What a chat template says, in each format's own words, that picks it under ``auto``.
-_LLAMA3_JSON_MARKS = ("<|python_tag|>", '"parameters": dictionary of argument name')
-_PYTHONIC_MARKS = ("python list of the calls", "[func_name1(")
-_MISTRAL_MARKS = ("[TOOL_CALLS]",)
+# What a chat template says, in each format's own words, that picks it under ``auto`` (the first that matches).
+_TEMPLATE_MARKS = (("mistral", ("[TOOL_CALLS]",)), ("granite", ("<|tool_call|>",)), ("phi4_mini_json", ("functools[",)),
+                   ("pythonic", ("python list of the calls", "[func_name1(")),
+                   ("llama3_json", ("<|python_tag|>", '"parameters": dictionary of argument name')))
+GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's token; 3.1 and later write it as text
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -90,15 +95,14 @@ class Llama3JsonToolFormat(Answering):
         return call_id
 
 
-class MistralToolFormat(Answering):
-    """Mistral's calls, as the chat templates of Mistral 7B Instruct v0.3, Mixtral 8x22B, Nemo and Small write
-    them: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``, the reply nothing but the list (as
-    vLLM's mistral parser reads it). ``tag_id``: the ``[TOOL_CALLS]`` token's id where it is a special token
-    of the vocabulary (then it is not in the text, and a reply that opens with ``[{`` is the calls)."""
+class ListToolFormat(Answering):
+    """A tag, then one JSON list of calls, the reply nothing but them: ``TAG [{"name": ..., "arguments":
+    {...}}, ...]`` (Granite 3.0's ``<|tool_call|>``, Phi-4-mini's ``functools``; Mistral's below). ``tag_id``:
+    the tag's token id where it is a special token of the vocabulary (then it is not in the text, and a reply
+    that opens with ``[{`` is the calls)."""
 
-    open_tag = "[TOOL_CALLS]"
-
-    def __init__(self, tag_id: int | None = None) -> None:
+    def __init__(self, tag: str, tag_id: int | None = None) -> None:
+        self.open_tag = tag
         self.tag_id = tag_id
 
     def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str:
@@ -113,8 +117,8 @@ class MistralToolFormat(Answering):
         if choice.mode == "auto" and self.answer is not None:
             lines += ["start: answer | calls", *self.answer_rules()]
         elif choice.mode == "auto":
-            lines += ["start: TEXT | calls",
-                      r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\[\{(.|\n)*/ & ~/(.|\n)*\[TOOL_CALLS\](.|\n)*/"]
+            lines += ["start: TEXT | calls", r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\[\{(.|\n)*/ & ~/(.|\n)*"
+                      + regex_literal(self.open_tag) + r"(.|\n)*/"]
         else:
             lines.append("start: calls")
         for i, tool in enumerate(offered):
@@ -123,18 +127,46 @@ class MistralToolFormat(Answering):
 
     def parser(self) -> JsonToolCallParser:
         return JsonToolCallParser(None, "", openings=(self.open_tag, "[{"), separator=",", call_list=True,
-                                  new_call_id=new_mistral_call_id,
+                                  new_call_id=self.new_call_id,
                                   answer_opening="{" if self.answer is not None else None)
+
+    def new_call_id(self) -> str:
+        return new_openai_call_id()
 
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
         """How the tools are offered to a model whose chat template has no place for them."""
+        listed = json.dumps([{"type": "function", "function": function_json(t)} for t in tools])
+        return (f"You can call these tools: {listed}\n\nTo call one or more of them, reply with {self.open_tag} and "
+                f'a JSON list of the calls: {self.open_tag}[{{"name": tool name, "arguments": arguments object}}, '
+                "more calls].")
+
+    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
+        """Calls as the model writes them (an earlier assistant turn, for templates without tool support)."""
+        return self.open_tag + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
+
+    def template_call_id(self, call_id: str) -> str:
+        return call_id
+
+
+class MistralToolFormat(ListToolFormat):
+    """Mistral's calls, as the chat templates of Mistral 7B Instruct v0.3, Mixtral 8x22B, Nemo and Small write
+    them: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (as vLLM's mistral parser reads them), with
+    ids of nine letters and digits, the only ids its templates take."""
+
+    def __init__(self, tag_id: int | None = None) -> None:
+        super().__init__("[TOOL_CALLS]", tag_id)
+
+    def new_call_id(self) -> str:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+
+    def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
+        """How the tools are offered to a model whose chat template has no place for them, in Mistral's layout."""
         listed = json.dumps([{"type": "function", "function": function_json(t)} for t in tools])
         return (f"[AVAILABLE_TOOLS] {listed}[/AVAILABLE_TOOLS]\n\nTo call one or more of these tools, reply with "
                 f'{self.open_tag} and a JSON list of the calls: {self.open_tag} [{{"name": tool name, "arguments": '
                 "arguments object}, more calls].")
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
-        """Calls as the model writes them (an earlier assistant turn, for templates without tool support)."""
         return f"{self.open_tag} " + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
 
     def template_call_id(self, call_id: str) -> str:
@@ -147,10 +179,6 @@ class MistralToolFormat(Answering):
         return "".join(_ALPHANUMERIC[b % len(_ALPHANUMERIC)] for b in digest[:9])
 
 
-def new_mistral_call_id() -> str:
-    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
-
-
 def tool_format_for(parser: str, chat_template: str | None,
                     special_token_id: Callable[[str], int | None]) -> ToolCallFormat:
     """The tool-call format ``parser`` names (``--tool-call-parser``); ``auto``: the one whose words the chat
@@ -158,13 +186,16 @@ def tool_format_for(parser: str, chat_template: str | None,
     tag's id where it is one special token of the vocabulary, else None."""
     if parser == "auto":
         template = chat_template or ""
-        parser = next((name for name, marks in (("mistral", _MISTRAL_MARKS), ("pythonic", _PYTHONIC_MARKS),
-                                                ("llama3_json", _LLAMA3_JSON_MARKS))
-                       if any(mark in template for mark in marks)), "hermes")
+        parser = next((name for name, marks in _TEMPLATE_MARKS if any(mark in template for mark in marks)), "hermes")
     if parser == "llama3_json":
         return Llama3JsonToolFormat(special_tag=special_token_id(Llama3JsonToolFormat.open_tag) is not None)
     if parser == "mistral":
-        return MistralToolFormat(tag_id=special_token_id(MistralToolFormat.open_tag))
+        return MistralToolFormat(tag_id=special_token_id("[TOOL_CALLS]"))
+    if parser == "granite":
+        token_id = special_token_id(GRANITE_TAGS[0])
+        return ListToolFormat(GRANITE_TAGS[0], token_id) if token_id is not None else ListToolFormat(GRANITE_TAGS[1])
+    if parser == "phi4_mini_json":
+        return ListToolFormat("functools")
     if parser == "pythonic":
         return PythonicToolFormat()
     tags = (HermesToolFormat.open_tag, HermesToolFormat.close_tag)

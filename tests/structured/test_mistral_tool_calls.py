@@ -178,3 +178,26 @@ def test_llama3_calls_cannot_be_told_from_a_json_answer() -> None:
     from kvserve.structured.tool_formats import Llama3JsonToolFormat
 
     assert not Llama3JsonToolFormat().can_answer and MistralToolFormat().can_answer
+
+
+@pytest.mark.parametrize("parser, template, special, tag", [
+    ("granite", None, "<|tool_call|>", "<|tool_call|>"),  # Granite 3.0: a token
+    ("granite", None, None, "<tool_call>"),  # 3.1 and later: text
+    ("auto", "{% if tools %}<|tool_call|>{% endif %}", "<|tool_call|>", "<|tool_call|>"),
+    ("phi4_mini_json", None, None, "functools"),
+    ("auto", "Reply with functools[{...}]", None, "functools"),
+])
+def test_granite_and_phi4_mini_write_the_list_after_their_own_tag(parser: str, template: str | None,
+                                                                  special: str | None, tag: str,
+                                                                  llg_tokenizer) -> None:  # noqa: F811
+    from kvserve.structured.tool_formats import ListToolFormat
+
+    fmt = tool_format_for(parser, template, lambda t: 7 if t == special else None)
+    assert type(fmt) is ListToolFormat and fmt.open_tag == tag
+    text = f'{tag}[{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}]'
+    assert json_parse(text, None, fmt) == ("", [("add", '{"a": 1, "b": 2}')], False)
+    assert json_parse(text, [3, 9, 15], fmt) == json_parse(text, None, fmt)
+    if special is None:  # the tag is text: the grammar writes it so
+        grammar = fmt.grammar([WEATHER, ADD], ToolChoice("auto"), True)
+        assert accepts(grammar, text, llg_tokenizer) and accepts(grammar, "Plain text.", llg_tokenizer)
+        assert not accepts(grammar, f"Sure. {text}", llg_tokenizer)
