@@ -133,16 +133,23 @@ class ListToolFormat(Answering):
     def new_call_id(self) -> str:
         return new_openai_call_id()
 
+    after_tag = ""  # what the family writes between the tag and the list
+
+    def offered(self, listed: str) -> str:
+        """The tools (``listed`` as JSON) as the family's prompt lays them out."""
+        return f"You can call these tools: {listed}"
+
     def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
         """How the tools are offered to a model whose chat template has no place for them."""
         listed = json.dumps([{"type": "function", "function": function_json(t)} for t in tools])
-        return (f"You can call these tools: {listed}\n\nTo call one or more of them, reply with {self.open_tag} and "
-                f'a JSON list of the calls: {self.open_tag}[{{"name": tool name, "arguments": arguments object}}, '
-                "more calls].")
+        return (f"{self.offered(listed)}\n\nTo call one or more of them, reply with {self.open_tag} and a JSON list "
+                f'of the calls: {self.open_tag}{self.after_tag}[{{"name": tool name, "arguments": arguments '
+                "object}, more calls].")
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         """Calls as the model writes them (an earlier assistant turn, for templates without tool support)."""
-        return self.open_tag + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
+        listed = json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
+        return f"{self.open_tag}{self.after_tag}{listed}"
 
     def template_call_id(self, call_id: str) -> str:
         return call_id
@@ -156,18 +163,13 @@ class MistralToolFormat(ListToolFormat):
     def __init__(self, tag_id: int | None = None) -> None:
         super().__init__("[TOOL_CALLS]", tag_id)
 
+    after_tag = " "
+
     def new_call_id(self) -> str:
         return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
-    def system_prompt(self, tools: Sequence[ToolSpec]) -> str:
-        """How the tools are offered to a model whose chat template has no place for them, in Mistral's layout."""
-        listed = json.dumps([{"type": "function", "function": function_json(t)} for t in tools])
-        return (f"[AVAILABLE_TOOLS] {listed}[/AVAILABLE_TOOLS]\n\nTo call one or more of these tools, reply with "
-                f'{self.open_tag} and a JSON list of the calls: {self.open_tag} [{{"name": tool name, "arguments": '
-                "arguments object}, more calls].")
-
-    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
-        return f"{self.open_tag} " + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
+    def offered(self, listed: str) -> str:
+        return f"[AVAILABLE_TOOLS] {listed}[/AVAILABLE_TOOLS]"
 
     def template_call_id(self, call_id: str) -> str:
         """A call's id as Mistral's templates take it: nine letters and digits. An id of that form is kept; any
