@@ -14,7 +14,8 @@ from kvserve.config import check_finite, check_whole, setting
 from kvserve.errors import ConfigError
 
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
-ToolCallParser = Literal["auto", "hermes", "llama3_json", "mistral", "granite", "phi4_mini_json", "pythonic"]
+ToolCallParser = Literal["auto", "hermes", "llama3_json", "mistral", "granite", "phi4_mini_json", "pythonic",
+                         "qwen3_coder"]
 # What the server itself gives the chat template (from the request's own fields): no client's variable, nor a default.
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
                                      "documents", "bos_token", "eos_token"})
@@ -49,7 +50,8 @@ class ServerConfig:
         "auto", "the format tool calls are written, constrained and read in (vLLM's names): hermes (<tool_call> JSON "
                 "</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1 and 3.2's JSON with \"parameters\"), "
                 "mistral ([TOOL_CALLS] and a JSON list: Mistral 7B v0.3, Nemo, Small), granite and phi4_mini_json "
-                "(the same list after <|tool_call|> or <tool_call>, and after functools), pythonic ([f(a=1)]: Llama 3.2's "
+                "(the same list after <|tool_call|> or <tool_call>, and after functools), qwen3_coder (<function=...> and "
+                "<parameter=...> blocks: Qwen3-Coder), pythonic ([f(a=1)]: Llama 3.2's "
                 "and Llama 4's pythonic templates), or auto: the one whose words the chat template holds, else hermes")
     shutdown_grace_period_s: float = setting(5.0, "seconds in-flight requests get to finish after SIGTERM "
                                                   "before they are aborted", flag="--shutdown-grace-period")

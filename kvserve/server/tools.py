@@ -44,8 +44,9 @@ class ToolRequest:
         return bool(self.tools) and self.choice.mode != "none"
 
     def format_for(self, fmt: ToolCallFormat) -> ToolCallFormat:
-        """``fmt`` as this request's replies are written: answering in the response format where one is given;
-        InvalidRequest where the format's calls could not be told from such an answer."""
+        """``fmt`` as this request's replies are written: for its tools, answering in the response format where one
+        is given; InvalidRequest where the format's calls could not be told from such an answer."""
+        fmt = fmt.for_tools(self.tools)
         if self.answer is None:
             return fmt
         if not fmt.can_answer:

@@ -105,6 +105,8 @@ class ToolCallFormat(Protocol):
 
     def with_answer(self, schema: dict[str, Any]) -> ToolCallFormat: ...
 
+    def for_tools(self, tools: Sequence[ToolSpec]) -> ToolCallFormat: ...
+
     def grammar(self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str: ...
 
     def parser(self) -> ToolCallParser: ...
@@ -117,16 +119,23 @@ class ToolCallFormat(Protocol):
 
 
 class Answering:
-    """What every format shares for ``answer`` (see ``ToolCallFormat``)."""
+    """What every format shares for a request's own copy of it: ``answer`` (see ``ToolCallFormat``), and the
+    tools it offers (which a format whose calls are not JSON reads its values' types from)."""
 
     answer: dict[str, Any] | None = None
     can_answer = True
+    tools: tuple[ToolSpec, ...] = ()
 
     def with_answer(self, schema: dict[str, Any]) -> Self:
         assert self.can_answer
         answering = copy.copy(self)
         answering.answer = schema
         return answering
+
+    def for_tools(self, tools: Sequence[ToolSpec]) -> Self:
+        offering = copy.copy(self)
+        offering.tools = tuple(tools)
+        return offering
 
     def answer_rules(self) -> list[str]:
         """The grammar's ``answer``: a JSON object of the schema, written as a response format's JSON is."""
@@ -140,6 +149,7 @@ class HermesToolFormat(Answering):
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
+    bare_calls = True  # a reply that opens with a call's JSON, without the tags, is a call too
 
     def __init__(self, special_tags: bool) -> None:
         self.special_tags = special_tags
@@ -157,27 +167,38 @@ class HermesToolFormat(Answering):
         elif choice.mode == "required":
             lines.append(f'start: call{more} "\\n"?')
         elif self.answer is not None:  # the answer, or calls from the first token
-            bare = self._bare_beside_answer  # and bare calls, told from the answer by their first key
+            bare = self.bare_calls and self._bare_beside_answer  # and bare calls, told apart by their first key
             lines += [f'start: answer | call{more} "\\n"?' + (" | bare" if bare else ""), *self.answer_rules()]
             lines += ["bare: fn" + (' ("\\n" fn)*' if parallel else "")] if bare else []
+        elif not self.bare_calls:
+            lines += self._text_or_calls(more, "")
         else:
             # A reply that opens with a JSON object, bare or in a json code fence, is a call too: it is how
             # small models (Qwen2.5-Coder) often answer with tools. Text never opens that way.
             bare = ' ("\\n" fn)*' if parallel else ""
             lines += ['bare: FENCE? fn' + bare + ' FENCE_END?', 'FENCE: "```json\\n"', 'FENCE_END: "\\n```"']
-            not_json = r"~/[ \t\n]*(```json[ \t\n]*)?\{(.|\n)*/"
-            if self.special_tags:  # text cannot spell a special token: the tag alone decides
-                lines += [f'start: TEXT | TEXT call{more} "\\n"? | bare', r"TEXT: /(.|\n)*/ & " + not_json]
-            else:  # the first tag ends the text (a lazy lexeme), and text alone never holds one
-                lines += [f'start: TEXT | first{more} "\\n"? | bare',
-                          f'first: trig "\\n" fn "\\n" {close_tag}',
-                          f"trig[lazy]: LEAD {open_tag}",
-                          r"LEAD: /(.|\n)*/ & " + not_json,
-                          r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + regex_literal(self.open_tag) + r"(.|\n)*/ & "
-                          + not_json]
+            lines += self._text_or_calls(more, r" & ~/[ \t\n]*(```json[ \t\n]*)?\{(.|\n)*/")
         for i, tool in enumerate(offered):
-            lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool))}")
+            lines += self.function_rules(i, tool)
         return "\n".join(lines) + "\n"
+
+    def _text_or_calls(self, more: str, not_bare: str) -> list[str]:
+        """``start`` under auto: text, or text then calls (``| bare`` where ``not_bare`` keeps text from opening
+        like a bare call)."""
+        open_tag, close_tag = self._tag(self.open_tag), self._tag(self.close_tag)
+        bare = " | bare" if not_bare else ""
+        if self.special_tags:  # text cannot spell a special token: the tag alone decides
+            return [f'start: TEXT | TEXT call{more} "\\n"?{bare}', r"TEXT: /(.|\n)*/" + not_bare]
+        # the first tag ends the text (a lazy lexeme), and text alone never holds one
+        return [f'start: TEXT | first{more} "\\n"?{bare}',
+                f'first: trig "\\n" fn "\\n" {close_tag}',
+                f"trig[lazy]: LEAD {open_tag}",
+                r"LEAD: /(.|\n)*/" + not_bare,
+                r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + regex_literal(self.open_tag) + r"(.|\n)*/" + not_bare]
+
+    def function_rules(self, index: int, tool: ToolSpec) -> list[str]:
+        """``fn_<index>``: one call of ``tool`` between the tags."""
+        return [f"fn_{index}: %json {json.dumps(call_schema(tool))}"]
 
     def _tag(self, tag: str) -> str:
         return tag if self.special_tags else json.dumps(tag)

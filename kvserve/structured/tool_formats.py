@@ -7,7 +7,8 @@ chat template.
   ``[TOOL_CALLS]`` token, with ids of nine letters and digits (Mistral's templates refuse others); ``granite``
   and ``phi4_mini_json`` the same list after Granite's ``<|tool_call|>`` (``<tool_call>`` from 3.1) and
   Phi-4-mini's ``functools``;
-- ``pythonic``: ``[get_weather(city="Paris")]`` (``pythonic_tools.py``).
+- ``pythonic``: ``[get_weather(city="Paris")]`` (``pythonic_tools.py``);
+- ``qwen3_coder``: Qwen3-Coder's ``<function=name>`` and ``<parameter=name>`` blocks (``xml_tools.py``).
 
 Each is a ``ToolCallFormat`` (``tool_calls.py``): a call opens the reply or nothing, so text is never read as
 a call, and under ``tool_choice: auto`` text may not open the way a call does.
@@ -35,10 +36,11 @@ from kvserve.structured.tool_calls import (
     new_openai_call_id,
     regex_literal,
 )
+from kvserve.structured.xml_tools import XmlToolFormat
 
 # What a chat template says, in each format's own words, that picks it under ``auto`` (the first that matches).
 _TEMPLATE_MARKS = (("mistral", ("[TOOL_CALLS]",)), ("granite", ("<|tool_call|>",)), ("phi4_mini_json", ("functools[",)),
-                   ("pythonic", ("python list of the calls", "[func_name1(")),
+                   ("qwen3_coder", ("<function=",)), ("pythonic", ("python list of the calls", "[func_name1(")),
                    ("llama3_json", ("<|python_tag|>", '"parameters": dictionary of argument name')))
 GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's token; 3.1 and later write it as text
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -201,4 +203,5 @@ def tool_format_for(parser: str, chat_template: str | None,
     if parser == "pythonic":
         return PythonicToolFormat()
     tags = (HermesToolFormat.open_tag, HermesToolFormat.close_tag)
-    return HermesToolFormat(special_tags=all(special_token_id(tag) is not None for tag in tags))
+    special_tags = all(special_token_id(tag) is not None for tag in tags)
+    return XmlToolFormat(special_tags) if parser == "qwen3_coder" else HermesToolFormat(special_tags)

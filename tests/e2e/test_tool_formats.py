@@ -1,4 +1,4 @@
-"""Tool calls in Mistral's format and in the pythonic one, each found from a chat template of its layout, over
+"""Tool calls in Mistral's format, the pythonic one and Qwen3-Coder's XML, each found from a chat template of its layout, over
 HTTP through the official ``openai`` client, on tiny random models (not those families' weights): the grammar
 holds each call to an offered tool and its schema, replies come back as ``tool_calls``, streamed or not, and
 earlier calls go back to the template. Mistral's ``[TOOL_CALLS]`` is a special token of the vocabulary here, as
@@ -51,6 +51,28 @@ TOOLS = [
 ]
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+XML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "If you choose to call a function ONLY reply in the following format:\n<tool_call>\n<function=example_function_name>"
+    "\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}\n{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>\n<function={{ c.function.name }}>\n"
+    "{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>\n{{ v if v is string else v | tojson }}"
+    "\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}"
+    "{% elif m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>{% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def xml_server(tmp_path_factory: pytest.TempPathFactory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("xml-tools"), "qwen3")
+    server = BackgroundServer(EngineConfig(model=ModelConfig(str(model_dir), dtype="float32",
+                                                             chat_template=XML_TEMPLATE)))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +231,31 @@ def test_tools_with_a_response_format_reply_with_calls_or_the_answer(mistral_ser
     # a call is made whatever the response format says when one is required
     required = client.chat.completions.create(**asked, tool_choice="required")
     assert required.choices[0].message.tool_calls
+
+
+def test_qwen3_coder_calls_come_back_as_tool_calls(xml_server) -> None:
+    client, model = _client(xml_server)
+    reply = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                           max_tokens=160, temperature=0, logprobs=True)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content and choice.message.tool_calls
+    written = "".join(t.token for t in choice.logprobs.content)
+    for call in choice.message.tool_calls:  # as the model wrote it: one <parameter=...> block per argument
+        arguments = _check_arguments(call.function.name, call.function.arguments)
+        assert f"<function={call.function.name}>\n" in written
+        for key, value in arguments.items():
+            shown = value if isinstance(value, str) else json.dumps(value)
+            assert f"<parameter={key}>\n{shown}\n</parameter>\n" in written
+
+    names, ids, arguments, content = _streamed_calls(client.chat.completions.create(
+        model=model, messages=QUESTION, tools=TOOLS, tool_choice=NAMED, max_tokens=160, temperature=0, stream=True))
+    named = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
+                                           max_tokens=160, temperature=0)
+    assert names == ["add"] and not content
+    assert json.loads(arguments[0]) == json.loads(named.choices[0].message.tool_calls[0].function.arguments)
+    turn = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    rendered = httpx.post(xml_server.base_url + "/tokenize", json={"messages": turn, "tools": TOOLS}).json()
+    text = xml_server.engine.tokenizer.decode(rendered["tokens"])
+    assert "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>" in text
