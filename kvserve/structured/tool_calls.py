@@ -298,8 +298,8 @@ class JsonToolCallParser:
                  answer_opening: str | None = None, bare_call_key: str | None = None) -> None:
         """``open_tag``: what opens a call inside text (None: calls come only at the reply's start);
         ``openings``: what a reply that is a bare call opens with; ``separator``: what may stand between two
-        bare calls besides whitespace; ``call_list``: the calls after an opening are a JSON list of them (the
-        open tag and openings other than ``[{`` come before the list's bracket); ``new_call_id``: the ids
+        bare calls besides whitespace; ``call_list``: the calls after an opening are a JSON list of them (each
+        opening ends with the list's bracket, or with ``[{``); ``new_call_id``: the ids
         calls get (OpenAI's ``call_...`` by default); ``answer_opening``: a reply that opens with it is an answer
         (a response format's JSON), content to its end, unless its first key is ``bare_call_key`` (then it is a
         bare call)."""
@@ -370,8 +370,8 @@ class JsonToolCallParser:
                 return pending
             opening = next((f for f in self.openings if stripped.startswith(f)), None)
             if opening is not None:
-                if self.call_list:  # the list's bracket, and its calls, are read between calls
-                    return self._open_calls(stripped if opening == "[{" else stripped[len(opening):])
+                if self.call_list:  # from the list's bracket (each opening ends with it, or with "[{")
+                    return self._open_calls(stripped[len(opening) - (2 if opening.endswith("[{") else 1):])
                 return self._open_call(stripped[len(opening):] if opening != "{" else stripped, bare=True)
             if not stripped or any(f.startswith(stripped) for f in self.openings) or (
                     self.answer_opening is not None and self.answer_opening.startswith(stripped)):

@@ -40,7 +40,7 @@ from kvserve.structured.xml_tools import XmlToolFormat
 
 # What a chat template says, in each format's own words, that picks it under ``auto`` (the first that matches).
 _TEMPLATE_MARKS = (("mistral", ("[TOOL_CALLS]",)), ("granite", ("<|tool_call|>",)), ("phi4_mini_json", ("functools[",)),
-                   ("qwen3_coder", ("<function=",)), ("pythonic", ("python list of the calls", "[func_name1(")),
+                   ("qwen3_coder", ("<parameter=",)), ("pythonic", ("python list of the calls", "[func_name1(")),
                    ("llama3_json", ("<|python_tag|>", '"parameters": dictionary of argument name')))
 GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's token; 3.1 and later write it as text
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -113,14 +113,17 @@ class ListToolFormat(Answering):
         assert choice.mode != "none"
         offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
         items = 'fn (", " fn)*' if parallel and choice.mode != "function" else "fn"
-        tag = f"<[{self.tag_id}]>" if self.tag_id is not None else json.dumps(self.open_tag)
+        if self.tag_id is not None:
+            opening = f'<[{self.tag_id}]> " "? "["'
+        else:  # one lexeme with the list's bracket: text, which may write the tag but not before a list, ends there
+            opening = f"({json.dumps(self.open_tag + '[')} | {json.dumps(self.open_tag + ' [')})"
         lines = ["%llguidance {}", "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered))),
-                 f'calls: {tag} " "? "[" {items} "]"']
+                 f'calls: {opening} {items} "]"']
         if choice.mode == "auto" and self.answer is not None:
             lines += ["start: answer | calls", *self.answer_rules()]
-        elif choice.mode == "auto":
+        elif choice.mode == "auto":  # text neither opens like the list nor writes the tag before a list
             lines += ["start: TEXT | calls", r"TEXT: /(.|\n)*/ & ~/[ \t\n]*\[\{(.|\n)*/ & ~/(.|\n)*"
-                      + regex_literal(self.open_tag) + r"(.|\n)*/"]
+                      + regex_literal(self.open_tag) + r" ?\[(.|\n)*/"]
         else:
             lines.append("start: calls")
         for i, tool in enumerate(offered):
@@ -128,7 +131,8 @@ class ListToolFormat(Answering):
         return "\n".join(lines) + "\n"
 
     def parser(self) -> JsonToolCallParser:
-        return JsonToolCallParser(None, "", openings=(self.open_tag, "[{"), separator=",", call_list=True,
+        return JsonToolCallParser(None, "", openings=(f"{self.open_tag}[", f"{self.open_tag} [", "[{"), separator=",",
+                                  call_list=True,
                                   new_call_id=self.new_call_id,
                                   answer_opening="{" if self.answer is not None else None)
 

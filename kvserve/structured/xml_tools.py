@@ -11,7 +11,8 @@
 A string parameter's value is its text as written, over several lines if need be (code, as a coding model
 writes it, without JSON's escapes); any other value is JSON (numbers, ``true``, arrays, objects). The grammar
 holds each call to an offered function, its parameters by name in the schema's order (the required ones
-present), a string's value to its enum where it has one and any other value to its schema; the parser, which
+present), a string's value to its enum where it has one (not to a length, pattern or format: a string is
+written as it is) and any other value to its schema; the parser, which
 knows the offered tools, turns the values into the call's JSON arguments. Text may come before the calls, as
 in the hermes format, whose tags and grammar these calls share.
 """
@@ -23,6 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from kvserve.errors import InvalidRequest
 from kvserve.reasoning import partial_suffix
 from kvserve.structured.grammar import JSON_OPTIONS
 from kvserve.structured.tool_calls import (
@@ -58,6 +60,11 @@ class XmlToolFormat(HermesToolFormat):
         from the j-th on."""
         properties, required = _parameters(tool)
         names = list(properties)
+        for name in names:
+            if any(c in name for c in "<>\n"):
+                raise InvalidRequest(f"Qwen3-Coder's tool-call format writes parameter names inside a tag: {name!r} "
+                                     f"(in {tool.name!r}) holds '<', '>' or a line break", param="tools")
+        definitions = {key: tool.parameters[key] for key in ("$defs", "definitions") if key in tool.parameters}
         lines = [f'fn_{index}: {json.dumps(f"<function={tool.name}>" + chr(10))} a_{index}_0 "{_FUNCTION_END}"',
                  f'a_{index}_{len(names)}: ""']
         for j, name in enumerate(names):
@@ -69,10 +76,10 @@ class XmlToolFormat(HermesToolFormat):
                 value = ("(" + " | ".join(json.dumps(f"{v}{_PARAMETER_END}") for v in enum) + ")"
                          if isinstance(enum, list) and enum else "textval")
                 lines.append(f"{block}: {opening} {value}")
-            else:
+            else:  # JSON of the parameter's schema, with the tool's definitions beside it for its references
                 lines.append(f"{block}: {opening} {block}_value {json.dumps(_PARAMETER_END)}")
-                value_schema = schema if isinstance(schema, dict) and schema else {}
-                lines.append(f"{block}_value: %json {json.dumps({**value_schema, 'x-guidance': JSON_OPTIONS})}")
+                value_schema = {**(schema if isinstance(schema, dict) else {}), **definitions, "x-guidance": JSON_OPTIONS}
+                lines.append(f"{block}_value: %json {json.dumps(value_schema)}")
             after = f"a_{index}_{j + 1}"
             lines.append(f"a_{index}_{j}: {block} {after}" if name in required else
                          f"a_{index}_{j}: {block} {after} | {after}")
@@ -112,15 +119,23 @@ def _parameters(tool: ToolSpec) -> tuple[dict[str, Any], set[str]]:
     return properties, set(required)
 
 
+_TYPING_KEYWORDS = ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "items")
+
+
 def _kind(schema: Any) -> ValueKind:
-    """``text``: a value written as it is (a string, or a schema that says nothing: a string, as vLLM reads
-    it); ``json``: written as JSON."""
-    if not isinstance(schema, dict) or not schema:
+    """``text``: a value written as it is: a string, one that may be a string (``["string", "null"]``, an
+    ``anyOf`` with a string branch, as pydantic writes ``Optional[str]``), or a schema that says nothing of its
+    type (a string, as vLLM reads it); ``json``: written as JSON."""
+    if not isinstance(schema, dict) or not any(key in schema for key in _TYPING_KEYWORDS):
         return "text"
     enum = schema.get("enum")
     if isinstance(enum, list) and enum:
         return "text" if all(isinstance(v, str) and "\n</parameter>" not in v for v in enum) else "json"
-    return "text" if schema.get("type") == "string" else "json"
+    types = schema.get("type")
+    if types == "string" or (isinstance(types, list) and "string" in types):
+        return "text"
+    branches = [b for key in ("anyOf", "oneOf") for b in schema.get(key) or [] if isinstance(b, dict)]
+    return "text" if any(_kind(branch) == "text" and branch for branch in branches) else "json"
 
 
 class XmlToolCallParser:
@@ -245,17 +260,18 @@ class XmlToolCallParser:
 
     def _add(self, name: str, value: str, delta: ParsedDelta) -> bool:
         kind = self.kinds.get(self.calls[-1].name, {}).get(name, "text")
-        if kind == "json":
+        if kind == "json":  # the JSON as written (read back, numbers would change their spelling)
             try:
-                parsed = json.loads(value)
+                json.loads(value)
             except ValueError:
                 self._mode = "broken"
                 self.incomplete = True
                 return False
+            written = value.strip()
         else:
-            parsed = value
-        self._add_text(("{" if self._written == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": "
-                       + json.dumps(parsed, ensure_ascii=False), delta)
+            written = json.dumps(value, ensure_ascii=False)
+        self._add_text(("{" if self._written == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": " + written,
+                       delta)
         self._written += 1
         return True
 

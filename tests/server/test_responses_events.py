@@ -61,7 +61,10 @@ def test_chat_errors_name_the_responses_fields() -> None:
     assert (error.param, str(error)) == ("max_output_tokens", "max_output_tokens must be >= 1")
     prose = in_responses_terms(InvalidRequest("the chat template cannot render these messages", "messages"))
     assert (prose.param, str(prose)) == ("input", "the chat template cannot render these messages")
-    assert in_responses_terms(InvalidRequest("x", "response_format.json_schema")).param == "text.format.json_schema"
+    # the Responses API's format holds its name and schema itself
+    assert in_responses_terms(InvalidRequest("x", "response_format.json_schema")).param == "text.format"
+    assert in_responses_terms(InvalidRequest("x", "response_format.json_schema.schema")).param == "text.format.schema"
+    assert in_responses_terms(InvalidRequest("x", "response_format")).param == "text.format"
 
 
 def chunk(content: str | None = None, calls: list[dict[str, Any]] | None = None, finish: str | None = None,

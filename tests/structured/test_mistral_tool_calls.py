@@ -142,8 +142,9 @@ def test_a_reply_opening_with_another_space_character_is_text_and_a_list_cut_sho
     text = '\xa0[{"name": "rm", "arguments": {"path": "/"}}]'
     assert accepts(MistralToolFormat().grammar([WEATHER, ADD], ToolChoice("auto"), True), text, llg_tokenizer)
     assert parse(text) == (text, [], False)
-    for cut in ("[TOOL_CALLS]", "[TOOL_CALLS] [", '[TOOL_CALLS] [{"name": "add", "arguments": {}}, '):
+    for cut in ("[TOOL_CALLS] [", '[TOOL_CALLS] [{"name": "add", "arguments": {}}, '):
         assert parse(cut)[2], cut
+    assert parse("[TOOL_CALLS]") == ("[TOOL_CALLS]", [], False)  # no list opened: text, whole or streamed
 
 
 def test_ids_that_share_their_last_nine_characters_stay_apart() -> None:
@@ -201,3 +202,11 @@ def test_granite_and_phi4_mini_write_the_list_after_their_own_tag(parser: str, t
         grammar = fmt.grammar([WEATHER, ADD], ToolChoice("auto"), True)
         assert accepts(grammar, text, llg_tokenizer) and accepts(grammar, "Plain text.", llg_tokenizer)
         assert not accepts(grammar, f"Sure. {text}", llg_tokenizer)
+
+
+def test_phi4_minis_tag_is_a_word_text_may_use(llg_tokenizer) -> None:  # noqa: F811 - the fixture
+    fmt = tool_format_for("phi4_mini_json", None, lambda tag: None)
+    text = "functools is a module: use functools.lru_cache."
+    assert accepts(fmt.grammar([WEATHER, ADD], ToolChoice("auto"), True), text, llg_tokenizer)
+    assert json_parse(text, None, fmt) == (text, [], False)
+    assert json_parse(text, [3, 9, 10, 11], fmt) == (text, [], False)

@@ -99,3 +99,33 @@ def test_the_format_comes_from_the_template_and_calls_written_back_read_as_they_
     calls = [("write_file", {"path": "f.py", "content": CODE, "lines": [1, 2]}), ("add", {"a": 1, "b": 2})]
     written = FORMAT.render_calls(calls)
     assert parse(written) == ("", [(name, json.dumps(arguments)) for name, arguments in calls], False)
+
+
+LOCATE = ToolSpec("locate", {
+    "type": "object", "properties": {
+        "place": {"$ref": "#/$defs/Place"}, "note": {"description": "free text"},
+        "city": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "zip": {"type": ["string", "null"]},
+        "scale": {"type": "number"}},
+    "required": ["place"],
+    "$defs": {"Place": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"],
+                        "additionalProperties": False}}})
+
+
+def test_values_by_schema_references_untyped_and_optional_strings(llg_tokenizer) -> None:  # noqa: F811
+    fmt = XmlToolFormat(special_tags=False).for_tools([LOCATE])
+    grammar = fmt.grammar([LOCATE], ToolChoice("required"), True)
+    text = call("locate", place='{"lat": 1.5}', note="near the <b>port</b>", city="Oslo", zip="0150", scale="1E5")
+    assert accepts(grammar, text, llg_tokenizer)
+    assert not accepts(grammar, call("locate", place='{"lon": 1}'), llg_tokenizer)  # the referenced definition
+    # strings as written (also where the schema says nothing, or allows null), JSON as written (1E5 stays so)
+    assert parse(text, None, fmt)[1] == [("locate", '{"place": {"lat": 1.5}, "note": "near the <b>port</b>", '
+                                                   '"city": "Oslo", "zip": "0150", "scale": 1E5}')]
+
+
+def test_a_parameter_name_the_tags_cannot_hold_is_a_400() -> None:
+    from kvserve.errors import InvalidRequest
+
+    tool = ToolSpec("f", {"type": "object", "properties": {"a>b": {"type": "string"}}})
+    with pytest.raises(InvalidRequest) as raised:
+        XmlToolFormat(special_tags=False).grammar([tool], ToolChoice("required"), True)
+    assert raised.value.param == "tools"
