@@ -50,7 +50,7 @@ from kvserve.server.tools import ToolRequest, template_messages, template_tools,
 from kvserve.serving_config import ServerConfig
 from kvserve.structured.grammar import CompiledGrammar
 from kvserve.structured.tool_calls import HermesToolFormat, ToolCallFormat
-from kvserve.structured.tool_formats import tool_format_for
+from kvserve.structured.tool_format_choice import tool_format_for
 from kvserve.tokenizer import LONG_TEXT_CHARS, Tokenizer, chat_reply_phase
 
 logger = logging.getLogger(__name__)

@@ -1,17 +1,15 @@
-"""The tool-call formats besides hermes's, and the choice of one by name (``--tool-call-parser``) or from the
-chat template.
+"""Tool-call formats of JSON calls besides hermes's:
 
 - ``llama3_json``: Llama 3.1 and 3.2's ``{"name": ..., "parameters": {...}}``, several joined by ``;``,
   optionally after ``<|python_tag|>``;
 - ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``, one JSON list after the
   ``[TOOL_CALLS]`` token, with ids of nine letters and digits (Mistral's templates refuse others); ``granite``
   and ``phi4_mini_json`` the same list after Granite's ``<|tool_call|>`` (``<tool_call>`` from 3.1) and
-  Phi-4-mini's ``functools``;
-- ``pythonic``: ``[get_weather(city="Paris")]`` (``pythonic_tools.py``);
-- ``qwen3_coder``: Qwen3-Coder's ``<function=name>`` and ``<parameter=name>`` blocks (``xml_tools.py``).
+  Phi-4-mini's ``functools``.
 
 Each is a ``ToolCallFormat`` (``tool_calls.py``): a call opens the reply or nothing, so text is never read as
-a call, and under ``tool_choice: auto`` text may not open the way a call does.
+a call, and under ``tool_choice: auto`` text may not open the way a call does. ``tool_format_choice.py``
+chooses a format by name or from the chat template.
 """
 
 from __future__ import annotations
@@ -20,15 +18,12 @@ import hashlib
 import json
 import secrets
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from kvserve.structured.pythonic_tools import PythonicToolFormat
 from kvserve.structured.tool_calls import (
     Answering,
-    HermesToolFormat,
     JsonToolCallParser,
-    ToolCallFormat,
     ToolChoice,
     ToolSpec,
     call_schema,
@@ -36,13 +31,7 @@ from kvserve.structured.tool_calls import (
     new_openai_call_id,
     regex_literal,
 )
-from kvserve.structured.xml_tools import XmlToolFormat
 
-# What a chat template says, in each format's own words, that picks it under ``auto`` (the first that matches).
-_TEMPLATE_MARKS = (("mistral", ("[TOOL_CALLS]",)), ("granite", ("<|tool_call|>",)), ("phi4_mini_json", ("functools[",)),
-                   ("qwen3_coder", ("<parameter=",)), ("pythonic", ("python list of the calls", "[func_name1(")),
-                   ("llama3_json", ("<|python_tag|>", '"parameters": dictionary of argument name')))
-GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's token; 3.1 and later write it as text
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -185,27 +174,3 @@ class MistralToolFormat(ListToolFormat):
             return call_id
         digest = hashlib.sha256(call_id.encode()).digest()
         return "".join(_ALPHANUMERIC[b % len(_ALPHANUMERIC)] for b in digest[:9])
-
-
-def tool_format_for(parser: str, chat_template: str | None,
-                    special_token_id: Callable[[str], int | None]) -> ToolCallFormat:
-    """The tool-call format ``parser`` names (``--tool-call-parser``); ``auto``: the one whose words the chat
-    template holds (Mistral's tag, a pythonic list, Llama 3's JSON), else hermes. ``special_token_id``: a
-    tag's id where it is one special token of the vocabulary, else None."""
-    if parser == "auto":
-        template = chat_template or ""
-        parser = next((name for name, marks in _TEMPLATE_MARKS if any(mark in template for mark in marks)), "hermes")
-    if parser == "llama3_json":
-        return Llama3JsonToolFormat(special_tag=special_token_id(Llama3JsonToolFormat.open_tag) is not None)
-    if parser == "mistral":
-        return MistralToolFormat(tag_id=special_token_id("[TOOL_CALLS]"))
-    if parser == "granite":
-        token_id = special_token_id(GRANITE_TAGS[0])
-        return ListToolFormat(GRANITE_TAGS[0], token_id) if token_id is not None else ListToolFormat(GRANITE_TAGS[1])
-    if parser == "phi4_mini_json":
-        return ListToolFormat("functools")
-    if parser == "pythonic":
-        return PythonicToolFormat()
-    tags = (HermesToolFormat.open_tag, HermesToolFormat.close_tag)
-    special_tags = all(special_token_id(tag) is not None for tag in tags)
-    return XmlToolFormat(special_tags) if parser == "qwen3_coder" else HermesToolFormat(special_tags)

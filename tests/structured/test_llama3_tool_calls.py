@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.structured.tool_calls import HermesToolFormat, ToolChoice
-from kvserve.structured.tool_formats import Llama3JsonToolFormat, tool_format_for
+from kvserve.structured.tool_format_choice import tool_format_for
+from kvserve.structured.tool_formats import Llama3JsonToolFormat
 from tests.structured.test_tool_calls import ADD, WEATHER, accepts, llg_tokenizer  # noqa: F401 - a fixture
 from tests.structured.test_tool_calls import parse as hermes_parse
 

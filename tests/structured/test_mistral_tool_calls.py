@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken
 
 from kvserve.model.loader import default_model_path
+from kvserve.structured.pythonic_tools import PythonicToolFormat
 from kvserve.structured.tool_calls import ToolChoice
-from kvserve.structured.tool_formats import MistralToolFormat, PythonicToolFormat, tool_format_for
+from kvserve.structured.tool_format_choice import tool_format_for
+from kvserve.structured.tool_formats import MistralToolFormat
 from kvserve.tokenizer import Tokenizer
 from tests.structured.test_tool_calls import ADD, WEATHER, accepts, llg_tokenizer  # noqa: F401 - a fixture
 from tests.structured.test_tool_calls import parse as json_parse
@@ -210,3 +212,53 @@ def test_phi4_minis_tag_is_a_word_text_may_use(llg_tokenizer) -> None:  # noqa: 
     assert accepts(fmt.grammar([WEATHER, ADD], ToolChoice("auto"), True), text, llg_tokenizer)
     assert json_parse(text, None, fmt) == (text, [], False)
     assert json_parse(text, [3, 9, 10, 11], fmt) == (text, [], False)
+
+
+V11_TEMPLATE = "{%- for tool in message['tool_calls'] %}{{- '[TOOL_CALLS]' + name + '[ARGS]' + arguments }}"
+NAMED_TEXTS = {
+    "text only": ("Paris is sunny.", "Paris is sunny.", []),
+    "a call, tags skipped": ('add{"a": 1, "b": 2}', "", [("add", '{"a": 1, "b": 2}')]),
+    "two calls, tags in the text": ('[TOOL_CALLS]get_weather[ARGS]{"city": "a}{\\""}[TOOL_CALLS]add[ARGS]{"a": 1}',
+                                    "", [("get_weather", '{"city": "a}{\\""}'), ("add", '{"a": 1}')]),
+    "a name without its arguments": ("Hello there", "Hello there", []),
+    "a JSON answer": ('{"ok": true}', '{"ok": true}', []),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED_TEXTS))
+def test_the_named_layout_is_read_whole_and_streamed(name: str) -> None:
+    from kvserve.structured.mistral_named_tools import MistralNamedToolFormat
+
+    text, content, calls = NAMED_TEXTS[name]
+    fmt = MistralNamedToolFormat()
+    assert json_parse(text, None, fmt) == (content, calls, False)
+    for cuts in ([1], [1, 2, 3, 5, 8, 13, 21, 34], [12, 13, 14, 40]):
+        assert json_parse(text, cuts, fmt) == json_parse(text, None, fmt)
+
+
+def test_the_named_layout_comes_from_a_template_that_writes_args_and_is_held_by_its_grammar(
+        tag_token) -> None:
+    from kvserve.structured.mistral_named_tools import MistralNamedToolFormat
+
+    tokenizer, llg, tag_id = tag_token
+    fmt = tool_format_for("auto", V11_TEMPLATE, lambda tag: tag_id if tag == "[TOOL_CALLS]" else None)
+    assert type(fmt) is MistralNamedToolFormat and fmt.tag_id == tag_id and fmt.args_id is None
+    grammar = fmt.grammar([WEATHER, ADD], ToolChoice("required"), True)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    for tokens, expected in [([tag_id, *ids('add[ARGS]{"a": 1, "b": 2}')], True),
+                             ([tag_id, *ids('add[ARGS]{"a": 1, "b": 2}'), tag_id, *ids('get_weather[ARGS]{"city": "x"}')],
+                              True),
+                             ([tag_id, *ids('add[ARGS]{"a": 1}')], False),  # b is required
+                             ([tag_id, *ids('mul[ARGS]{"a": 1, "b": 2}')], False),
+                             (ids('add[ARGS]{"a": 1, "b": 2}'), False)]:  # the tag leads each call
+        matcher = llguidance.LLMatcher(llg, grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        assert (bool(matcher.consume_tokens(tokens)) and matcher.is_accepting()) is expected
+    auto = fmt.grammar([WEATHER, ADD], ToolChoice("auto"), True)
+    for text, expected in [("Plain text, no call.", True), ('add{"a": 1}', False)]:  # text never opens like calls
+        matcher = llguidance.LLMatcher(llg, auto, log_level=0)
+        assert (bool(matcher.consume_tokens(ids(text))) and matcher.is_accepting()) is expected
+    assert type(tool_format_for("mistral", "[TOOL_CALLS] [", lambda tag: None)) is MistralToolFormat

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.structured.tool_calls import ToolChoice, ToolSpec
-from kvserve.structured.tool_formats import tool_format_for
+from kvserve.structured.tool_format_choice import tool_format_for
 from kvserve.structured.xml_tools import XmlToolFormat
 from tests.structured.test_tool_calls import ADD, WEATHER, accepts, llg_tokenizer  # noqa: F401 - a fixture
 from tests.structured.test_tool_calls import parse as json_parse
