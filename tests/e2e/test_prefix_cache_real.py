@@ -46,6 +46,7 @@ def test_eight_requests_sharing_a_system_prompt_match_with_cache_off(system_prom
     on.engine.check_invariants()
 
 
+@pytest.mark.heavy  # CI: the reference match with the cache on, and the next turn over a partly filled block
 def test_multi_turn_conversation_matches_with_cache_off() -> None:
     questions = ["Name a planet.", "Why is it interesting?", "How far away is it?", "Thanks! One more fact?"]
     transcripts = {}

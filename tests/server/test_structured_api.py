@@ -311,7 +311,7 @@ def test_recursive_and_wide_schemas_compile_and_hold(client: openai.OpenAI) -> N
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
     for schema in (tree, wide):
         reply = client.chat.completions.create(
-            model=MODEL, messages=ask(Person), max_tokens=80, temperature=0,
+            model=MODEL, messages=ask(Person), max_tokens=40, temperature=0,
             response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
         choice = reply.choices[0]
         if choice.finish_reason == "stop":
