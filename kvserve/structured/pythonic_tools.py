@@ -29,6 +29,7 @@ from kvserve.structured.tool_calls import (
     ToolChoice,
     ToolSpec,
     function_json,
+    ordered_parameters,
 )
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -118,10 +119,7 @@ def python_literal(value: Any) -> str:
 def _function_rules(index: int, tool: ToolSpec) -> list[str]:
     """``fn_<index>``: one call of ``tool`` (``first_<index>``: the same opening the list). Its arguments in the schema's order: ``a_<i>_<j>`` is the arguments
     from the j-th parameter on, the first written without a comma, ``r_<i>_<j>`` the same each after ", "."""
-    properties = tool.parameters.get("properties")
-    properties = dict(properties) if isinstance(properties, dict) else {}
-    required = [name for name in tool.parameters.get("required") or [] if isinstance(name, str)]
-    properties.update({name: {} for name in required if name not in properties})  # any value, as JSON Schema has it
+    properties, required = ordered_parameters(tool)
     names = list(properties)
     for name in [tool.name, *names]:
         if not _IDENTIFIER.fullmatch(name) or keyword.iskeyword(name):

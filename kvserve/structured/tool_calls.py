@@ -270,6 +270,17 @@ def _refs_under(schema: Any, prefix: str) -> Any:
     return out
 
 
+def ordered_parameters(tool: ToolSpec) -> tuple[dict[str, Any], set[str]]:
+    """A tool's parameters in the schema's order, each with its schema (a required one the schema does not
+    describe takes any value, as JSON Schema has it), and the names of the required ones: what a format that
+    writes arguments one by one (not as a JSON object) lays out."""
+    properties = tool.parameters.get("properties")
+    properties = dict(properties) if isinstance(properties, dict) else {}
+    required = [name for name in tool.parameters.get("required") or [] if isinstance(name, str)]
+    properties.update({name: {} for name in required if name not in properties})
+    return properties, set(required)
+
+
 def function_json(tool: ToolSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"name": tool.name}
     if tool.description:

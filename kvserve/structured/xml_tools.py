@@ -35,6 +35,7 @@ from kvserve.structured.tool_calls import (
     ToolChoice,
     ToolSpec,
     function_json,
+    ordered_parameters,
 )
 
 ValueKind = Literal["text", "json"]
@@ -58,7 +59,7 @@ class XmlToolFormat(HermesToolFormat):
     def function_rules(self, index: int, tool: ToolSpec) -> list[str]:
         """``fn_<index>``: one call of ``tool``: its parameters in the schema's order, ``a_<i>_<j>`` the blocks
         from the j-th on."""
-        properties, required = _parameters(tool)
+        properties, required = ordered_parameters(tool)
         names = list(properties)
         for name in names:
             if any(c in name for c in "<>\n"):
@@ -86,7 +87,7 @@ class XmlToolFormat(HermesToolFormat):
         return lines
 
     def parser(self) -> XmlToolCallParser:
-        kinds = {tool.name: {name: _kind(schema) for name, schema in _parameters(tool)[0].items()}
+        kinds = {tool.name: {name: _kind(schema) for name, schema in ordered_parameters(tool)[0].items()}
                  for tool in self.tools}
         return XmlToolCallParser(self.open_tag, self.close_tag, kinds, answer_opening="{" if self.answer else None)
 
@@ -107,16 +108,6 @@ class XmlToolFormat(HermesToolFormat):
                                                                     if isinstance(arguments, dict) else ()))
             written.append(f"{self.open_tag}\n<function={name}>\n{blocks}{_FUNCTION_END}\n{self.close_tag}")
         return "\n".join(written)
-
-
-def _parameters(tool: ToolSpec) -> tuple[dict[str, Any], set[str]]:
-    """A tool's parameters in order (a required one the schema does not describe takes any value) and the
-    required ones."""
-    properties = tool.parameters.get("properties")
-    properties = dict(properties) if isinstance(properties, dict) else {}
-    required = [name for name in tool.parameters.get("required") or [] if isinstance(name, str)]
-    properties.update({name: {} for name in required if name not in properties})
-    return properties, set(required)
 
 
 _TYPING_KEYWORDS = ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "items")
