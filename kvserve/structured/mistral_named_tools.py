@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from kvserve.structured.grammar import JSON_OPTIONS
-from kvserve.structured.tool_calls import CALL_BLANKS, ParsedDelta, ParsedToolCall, ToolChoice, ToolSpec
+from kvserve.structured.tool_calls import CALL_BLANKS, ParsedDelta, StreamingParser, ToolChoice, ToolSpec
 from kvserve.structured.tool_formats import MistralToolFormat
 
 TOOL_CALLS_TAG = "[TOOL_CALLS]"
@@ -60,50 +60,32 @@ class MistralNamedToolFormat(MistralToolFormat):
         return "".join(f"{self.open_tag}{name}{ARGS_TAG}{json.dumps(arguments)}" for name, arguments in calls)
 
 
-class NamedCallParser:
+class NamedCallParser(StreamingParser):
     """Reads one reply as it streams: ``feed`` each new piece, then ``finish``. A reply that opens with a name and
     ``{`` (after the tags, where they are in the text) is calls: each call's name goes out when its ``{`` is read,
     its arguments' JSON as it comes; any other reply is content."""
 
     def __init__(self, new_call_id: Callable[[], str]) -> None:
+        super().__init__()
         self.new_call_id = new_call_id
-        self.calls: list[ParsedToolCall] = []
-        self.incomplete = False
         self._mode: Literal["between", "arguments", "text"] = "between"
-        self._held = ""
-        self._content_parts: list[str] = []
         self._depth = 0
         self._in_string = False
         self._escaped = False
 
-    @property
-    def content(self) -> str:
-        return "".join(self._content_parts)
+    def _read(self, pending: str, delta: ParsedDelta) -> str:
+        if self._mode == "text":
+            delta.content += pending
+            return ""
+        if self._mode == "between":
+            return self._between(pending, delta)
+        return self._arguments(pending, delta)
 
-    def feed(self, text: str) -> ParsedDelta:
-        delta = ParsedDelta()
-        pending = self._held + text
-        self._held = ""
-        while pending:
-            if self._mode == "text":
-                delta.content += pending
-                pending = ""
-            elif self._mode == "between":
-                pending = self._between(pending, delta)
-            else:
-                pending = self._arguments(pending, delta)
-        self._content_parts.append(delta.content)
-        return delta
-
-    def finish(self) -> ParsedDelta:
-        delta = ParsedDelta()
+    def _finish(self, delta: ParsedDelta) -> None:
         if self._mode == "arguments":
             self.incomplete = True
         elif not self.calls:
-            delta.content = self._held  # a beginning that never became a call
-        self._held = ""
-        self._content_parts.append(delta.content)
-        return delta
+            delta.content += self._held  # a beginning that never became a call
 
     def _between(self, pending: str, delta: ParsedDelta) -> str:
         """Before a call (the reply's start, or after a call): a call's opening, or text (after a call: ends)."""
@@ -112,9 +94,7 @@ class NamedCallParser:
         rest = stripped[name.end():] if name is not None else stripped
         rest = rest.removeprefix(ARGS_TAG)
         if name is not None and rest.startswith("{"):
-            call = ParsedToolCall(len(self.calls), name.group(), "", self.new_call_id())
-            self.calls.append(call)
-            delta.calls.append((call, True, ""))
+            self._new_call(name.group(), delta, self.new_call_id())
             self._mode = "arguments"
             return rest
         if not stripped or (name is not None and not rest) or _could_open(stripped):
@@ -140,20 +120,11 @@ class NamedCallParser:
             elif char in "}]":
                 self._depth -= 1
                 if self._depth == 0:
-                    self._add(pending[: position + 1], delta)
+                    self._add_arguments(pending[: position + 1], delta)
                     self._mode = "between"
                     return pending[position + 1:]
-        self._add(pending, delta)
+        self._add_arguments(pending, delta)
         return ""
-
-    def _add(self, text: str, delta: ParsedDelta) -> None:
-        call = self.calls[-1]
-        call.arguments += text
-        if delta.calls and delta.calls[-1][0] is call:
-            entry = delta.calls[-1]
-            delta.calls[-1] = (call, entry[1], entry[2] + text)
-        else:
-            delta.calls.append((call, False, text))
 
 
 def _could_open(text: str) -> bool:

@@ -25,7 +25,7 @@ from kvserve.structured.tool_calls import (
     CALL_BLANKS,
     Answering,
     ParsedDelta,
-    ParsedToolCall,
+    StreamingParser,
     ToolChoice,
     ToolSpec,
     function_json,
@@ -166,58 +166,41 @@ def _typed_value(type_name: Any, schema: dict[str, Any]) -> str:
     return _TYPE_RULES.get(type_name, "pyval") if isinstance(type_name, str) else "pyval"
 
 
-class PythonicToolParser:
+class PythonicToolParser(StreamingParser):
     """Reads one reply as it streams: ``feed`` each new piece of text, then ``finish``. A reply that opens with
     ``[name(`` is calls: each call's name goes out when its ``(`` is read, its arguments (as JSON) when its
     ``)`` is; text after the list is content. Any other reply is content, given out as it comes (only a
     beginning that may still open the calls waits)."""
 
     def __init__(self) -> None:
-        self.calls: list[ParsedToolCall] = []
-        self.incomplete = False  # the reply ended inside the calls, or a call is not valid Python
-        self._mode: Literal["start", "text", "calls", "after", "broken"] = "start"
-        self._held = ""
-        self._content_parts: list[str] = []
+        super().__init__()  # incomplete also where a call is not valid Python
+        self._mode: Literal["start", "text", "calls", "broken"] = "start"
         self._call_text = ""  # the current call as written, from its name
         self._depth = 0  # brackets open: 1 inside the list, 2 or more inside a call
         self._quote: str | None = None  # the quote of the string being read
         self._escaped = False
-        self._text_after = False  # content has come after the list
 
-    @property
-    def content(self) -> str:
-        return "".join(self._content_parts)
-
-    def feed(self, text: str) -> ParsedDelta:
-        delta = ParsedDelta()
-        pending = self._held + text
-        self._held = ""
+    def _read(self, pending: str, delta: ParsedDelta) -> str:
         if self._mode == "start":
             stripped = pending.lstrip(CALL_BLANKS)
             if _OPENING.match(stripped):
-                self._mode, pending = "calls", stripped
-            elif not stripped or _OPENING_PREFIX.fullmatch(stripped):
+                self._mode = "calls"
+                return stripped
+            if not stripped or _OPENING_PREFIX.fullmatch(stripped):
                 self._held = pending
-                return delta
-            else:
-                self._mode = "text"
+                return ""
+            self._mode = "text"
         if self._mode == "calls":
-            pending = self._scan(pending, delta)
-        if self._mode == "after" and not self._text_after:  # whitespace after the list is not content
-            pending = pending.lstrip(CALL_BLANKS)
-            self._text_after = bool(pending)
-        if self._mode in ("text", "after"):
-            delta.content += pending
-        self._content_parts.append(delta.content)
-        return delta
+            return self._scan(pending, delta)
+        if self._mode == "text":
+            self._emit(pending, delta)  # after the list, its blanks are not content
+        return ""
 
-    def finish(self) -> ParsedDelta:
-        delta = ParsedDelta(content=self._held if self._mode == "start" else "")
-        self._held = ""
-        if self._mode == "calls":
+    def _finish(self, delta: ParsedDelta) -> None:
+        if self._mode == "start":
+            delta.content += self._held
+        elif self._mode == "calls":
             self.incomplete = True
-        self._content_parts.append(delta.content)
-        return delta
 
     def _scan(self, text: str, delta: ParsedDelta) -> str:
         """Reads the calls in ``text``; returns what follows the list."""
@@ -236,14 +219,13 @@ class PythonicToolParser:
                 if self._depth > 1:
                     self._call_text += char
                 if char == "(" and self._depth == 2:
-                    call = ParsedToolCall(len(self.calls), self._call_text[:-1], "")
-                    self.calls.append(call)
-                    delta.calls.append((call, True, ""))
+                    self._new_call(self._call_text[:-1], delta)
                 continue
             if char in ")]}":
                 self._depth -= 1
                 if self._depth == 0:
-                    self._mode = "after"
+                    self._mode = "text"
+                    self._after_call = True
                     return text[position + 1:]
                 self._call_text += char
                 if self._depth == 1 and not self._end_call(delta):
@@ -276,6 +258,5 @@ class PythonicToolParser:
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             self.incomplete = True
             return False
-        call.arguments = arguments
-        delta.calls.append((call, False, arguments))
+        self._add_arguments(arguments, delta)
         return True

@@ -294,7 +294,71 @@ def regex_literal(text: str) -> str:
     return "".join(f"\\{c}" if c in "\\.^$*+?()[]{}|/" else c for c in text)
 
 
-class JsonToolCallParser:
+class StreamingParser:
+    """What the formats' parsers share: the calls read so far, the content given out, and the text held back
+    until the next piece tells what it is. A format's parser reads in ``_read`` (returning what it left for its
+    next step, or holding it in ``_held``) and ends the reply in ``_finish``."""
+
+    def __init__(self) -> None:
+        self.calls: list[ParsedToolCall] = []
+        self.incomplete = False  # the reply ended inside a call, or a call is not of the format
+        self._held = ""  # text not yet given out
+        self._content_parts: list[str] = []
+        self._after_call = False  # no content since the last call closed
+
+    @property
+    def content(self) -> str:
+        """All content given out so far."""
+        return "".join(self._content_parts)
+
+    def feed(self, text: str) -> ParsedDelta:
+        delta = ParsedDelta()
+        pending = self._held + text
+        self._held = ""
+        while pending:
+            pending = self._read(pending, delta)
+        self._content_parts.append(delta.content)
+        return delta
+
+    def finish(self) -> ParsedDelta:
+        """The end of the reply: held text is content where it can be no call; a call cut short is incomplete."""
+        delta = ParsedDelta()
+        self._finish(delta)
+        self._held = ""
+        self._content_parts.append(delta.content)
+        return delta
+
+    def _read(self, pending: str, delta: ParsedDelta) -> str:
+        raise NotImplementedError
+
+    def _finish(self, delta: ParsedDelta) -> None:
+        raise NotImplementedError
+
+    def _emit(self, text: str, delta: ParsedDelta) -> None:
+        if self._after_call:  # the whitespace between calls (or after the last) is not content
+            text = text.lstrip(CALL_BLANKS)
+            self._after_call = not text
+        delta.content += text
+
+    def _new_call(self, name: str, delta: ParsedDelta, call_id: str | None = None) -> ParsedToolCall:
+        """A call whose name is read: its header goes out."""
+        call = ParsedToolCall(len(self.calls), name, "", *(() if call_id is None else (call_id,)))
+        self.calls.append(call)
+        delta.calls.append((call, True, ""))
+        return call
+
+    def _add_arguments(self, text: str, delta: ParsedDelta) -> None:
+        """More of the last call's arguments' JSON text."""
+        call = self.calls[-1]
+        call.arguments += text
+        if delta.calls and delta.calls[-1][0] is call:
+            entry = delta.calls[-1]
+            delta.calls[-1] = (call, entry[1], entry[2] + text)
+        else:
+            delta.calls.append((call, False, text))
+
+
+class JsonToolCallParser(StreamingParser):
     """Reads one reply's JSON calls (hermes's, Llama 3's, Mistral's) as it streams: ``feed`` each new piece of
     text, then ``finish``.
 
@@ -323,48 +387,27 @@ class JsonToolCallParser:
         self.new_call_id = new_call_id or new_openai_call_id
         self.answer_opening = answer_opening
         self.bare_call_key = bare_call_key
-        self.calls: list[ParsedToolCall] = []
+        super().__init__()
         self._mode: Literal["text", "call", "close", "answer"] = "text"
-        self._held = ""  # text not yet given out
         self._scanner: _CallScanner | None = None
-        self._content_parts: list[str] = []
-        self._after_call = False  # no content since the last call closed
         self._at_start = True  # nothing but whitespace read yet
         self._bare = False  # the current call has no tags
-        self.incomplete = False  # the reply ended inside a call
         self._list_closed = False  # call_list: the list's closing bracket was read
 
-    @property
-    def content(self) -> str:
-        """All content given out so far."""
-        return "".join(self._content_parts)
+    def _read(self, pending: str, delta: ParsedDelta) -> str:
+        if self._mode == "answer":
+            return self._answer(pending, delta)
+        if self._mode == "text":
+            return self._text(pending, delta)
+        if self._mode == "call":
+            return self._call(pending, delta)
+        return self._close(pending, delta)
 
-    def feed(self, text: str) -> ParsedDelta:
-        delta = ParsedDelta()
-        pending = self._held + text
-        self._held = ""
-        while pending:
-            if self._mode == "answer":
-                pending = self._answer(pending, delta)
-            elif self._mode == "text":
-                pending = self._text(pending, delta)
-            elif self._mode == "call":
-                pending = self._call(pending, delta)
-            else:
-                pending = self._close(pending, delta)
-        self._content_parts.append(delta.content)
-        return delta
-
-    def finish(self) -> ParsedDelta:
-        """The end of the reply: held text is content; a call cut short stays incomplete."""
-        delta = ParsedDelta()
+    def _finish(self, delta: ParsedDelta) -> None:
         if self._mode in ("text", "answer"):
             self._emit(self._held.rstrip(CALL_BLANKS) if self.calls else self._held, delta)
         elif self._mode == "call" or (self._mode == "close" and self.call_list and not self._list_closed):
             self.incomplete = True  # inside a call, or a list of calls that never closed
-        self._held = ""
-        self._content_parts.append(delta.content)
-        return delta
 
     def _text(self, pending: str, delta: ParsedDelta) -> str:
         if self._at_start:  # a reply that opens with a JSON object (or a json fence) is a bare call
@@ -421,31 +464,15 @@ class JsonToolCallParser:
         self._scanner = _CallScanner(self.arguments_key)
         return rest.lstrip(CALL_BLANKS) if bare else rest
 
-    def _emit(self, text: str, delta: ParsedDelta) -> None:
-        if self._after_call:  # the whitespace between calls (or after the last) is not content
-            text = text.lstrip(CALL_BLANKS)
-            self._after_call = not text
-        delta.content += text
-
     def _call(self, pending: str, delta: ParsedDelta) -> str:
         scanner = self._scanner
         assert scanner is not None
         used = scanner.feed(pending)
         call = scanner.call
         if call is None and scanner.name is not None:
-            call = ParsedToolCall(len(self.calls), scanner.name, "", self.new_call_id())
-            scanner.call = call
-            self.calls.append(call)
-            delta.calls.append((call, True, ""))
-        if call is not None:
-            new_arguments = scanner.arguments_text()[len(call.arguments):]
-            if new_arguments:
-                call.arguments += new_arguments
-                if delta.calls and delta.calls[-1][0] is call:
-                    entry = delta.calls[-1]
-                    delta.calls[-1] = (call, entry[1], entry[2] + new_arguments)
-                else:
-                    delta.calls.append((call, False, new_arguments))
+            call = scanner.call = self._new_call(scanner.name, delta, self.new_call_id())
+        if call is not None and (new_arguments := scanner.arguments_text()[len(call.arguments):]):
+            self._add_arguments(new_arguments, delta)
         if scanner.done:
             self._mode = "close"
         return pending[used:]

@@ -31,7 +31,7 @@ from kvserve.structured.tool_calls import (
     CALL_BLANKS,
     HermesToolFormat,
     ParsedDelta,
-    ParsedToolCall,
+    StreamingParser,
     ToolChoice,
     ToolSpec,
     function_json,
@@ -129,67 +129,42 @@ def _kind(schema: Any) -> ValueKind:
     return "text" if any(_kind(branch) == "text" and branch for branch in branches) else "json"
 
 
-class XmlToolCallParser:
+class XmlToolCallParser(StreamingParser):
     """Reads one reply as it streams: ``feed`` each new piece of text, then ``finish``. Text outside the tags is
     content (what may be the start of a tag waits); inside, each call's name goes out when its ``<function=``
     line is read and its arguments a parameter at a time, as JSON, when each ``</parameter>`` is."""
 
     def __init__(self, open_tag: str, close_tag: str, kinds: dict[str, dict[str, ValueKind]],
                  answer_opening: str | None = None) -> None:
+        super().__init__()
         self.open_tag = open_tag
         self.close_tag = close_tag
         self.kinds = kinds
         self.answer_opening = answer_opening
-        self.calls: list[ParsedToolCall] = []
-        self.incomplete = False
         self._mode: Literal["start", "text", "call", "answer", "broken"] = "start"
-        self._held = ""
-        self._content_parts: list[str] = []
-        self._after_call = False
         self._call_name: str | None = None  # the current call's, once its function line is read
         self._written = 0  # parameters written into its arguments; -1 once its function has ended
 
-    @property
-    def content(self) -> str:
-        return "".join(self._content_parts)
+    def _read(self, pending: str, delta: ParsedDelta) -> str:
+        if self._mode == "start":  # a response format's answer opens the reply, or nothing does
+            stripped = pending.lstrip(CALL_BLANKS)
+            if not stripped:
+                self._held = pending
+                return ""
+            answers = self.answer_opening is not None and stripped.startswith(self.answer_opening)
+            self._mode = "answer" if answers else "text"
+        if self._mode == "answer":
+            self._emit(pending, delta)
+            return ""
+        if self._mode == "text":
+            return self._text(pending, delta)
+        return self._call(pending, delta) if self._mode == "call" else ""
 
-    def feed(self, text: str) -> ParsedDelta:
-        delta = ParsedDelta()
-        pending = self._held + text
-        self._held = ""
-        while pending and self._mode != "broken":
-            if self._mode == "start":  # a response format's answer opens the reply, or nothing does
-                stripped = pending.lstrip(CALL_BLANKS)
-                if not stripped:
-                    self._held = pending
-                    break
-                answers = self.answer_opening is not None and stripped.startswith(self.answer_opening)
-                self._mode = "answer" if answers else "text"
-            elif self._mode == "answer":
-                self._emit(pending, delta)
-                pending = ""
-            elif self._mode == "text":
-                pending = self._text(pending, delta)
-            else:
-                pending = self._call(pending, delta)
-        self._content_parts.append(delta.content)
-        return delta
-
-    def finish(self) -> ParsedDelta:
-        delta = ParsedDelta()
+    def _finish(self, delta: ParsedDelta) -> None:
         if self._mode in ("start", "text", "answer"):
             self._emit(self._held.rstrip(CALL_BLANKS) if self.calls else self._held, delta)
         elif self._mode == "call":
             self.incomplete = True
-        self._held = ""
-        self._content_parts.append(delta.content)
-        return delta
-
-    def _emit(self, text: str, delta: ParsedDelta) -> None:
-        if self._after_call:  # the whitespace between calls (or after the last) is not content
-            text = text.lstrip(CALL_BLANKS)
-            self._after_call = not text
-        delta.content += text
 
     def _text(self, pending: str, delta: ParsedDelta) -> str:
         at = pending.find(self.open_tag)
@@ -214,9 +189,7 @@ class XmlToolCallParser:
             if found is None:
                 return self._wait_or_break(pending, stripped, "<function=")
             self._call_name = found.group(1)
-            call = ParsedToolCall(len(self.calls), self._call_name, "")
-            self.calls.append(call)
-            delta.calls.append((call, True, ""))
+            self._new_call(self._call_name, delta)
             self._written = 0
             return stripped[found.end():]
         if stripped.startswith("<parameter="):
@@ -230,7 +203,7 @@ class XmlToolCallParser:
                 return ""
             return stripped[end + len(_PARAMETER_END):]
         if stripped.startswith(_FUNCTION_END):
-            self._add_text("{}" if self._written == 0 else "}", delta)
+            self._add_arguments("{}" if self._written == 0 else "}", delta)
             self._written = -1  # the function has ended: its call's tag is next
             return stripped[len(_FUNCTION_END):]
         if self._written == -1 and stripped.startswith(self.close_tag):
@@ -261,16 +234,7 @@ class XmlToolCallParser:
             written = value.strip()
         else:
             written = json.dumps(value, ensure_ascii=False)
-        self._add_text(("{" if self._written == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": " + written,
+        self._add_arguments(("{" if self._written == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": " + written,
                        delta)
         self._written += 1
         return True
-
-    def _add_text(self, text: str, delta: ParsedDelta) -> None:
-        call = self.calls[-1]
-        call.arguments += text
-        if delta.calls and delta.calls[-1][0] is call:
-            entry = delta.calls[-1]
-            delta.calls[-1] = (call, entry[1], entry[2] + text)
-        else:
-            delta.calls.append((call, False, text))
