@@ -340,6 +340,20 @@ class StreamingParser:
             self._after_call = not text
         delta.content += text
 
+    def _text_before(self, tag: str, pending: str, delta: ParsedDelta) -> str | None:
+        """Text up to ``tag``, as content: what follows the tag, or None where it is not in ``pending`` (then
+        what may be the start of it, and the blanks before that, wait for the next piece)."""
+        at = pending.find(tag)
+        if at >= 0:
+            self._emit(pending[:at].rstrip(CALL_BLANKS), delta)  # whitespace before a tag is not content
+            return pending[at + len(tag):]
+        keep = partial_suffix(pending, tag)
+        body = pending[: len(pending) - keep]
+        text = body.rstrip(CALL_BLANKS)  # trailing whitespace waits: a tag may follow it
+        self._emit(text, delta)
+        self._held = body[len(text):] + pending[len(pending) - keep:]
+        return None
+
     def _new_call(self, name: str, delta: ParsedDelta, call_id: str | None = None) -> ParsedToolCall:
         """A call whose name is read: its header goes out."""
         call = ParsedToolCall(len(self.calls), name, "", *(() if call_id is None else (call_id,)))
@@ -435,17 +449,10 @@ class JsonToolCallParser(StreamingParser):
         if self.open_tag is None:  # text to the end: calls open only the reply
             self._emit(pending, delta)
             return ""
-        at = pending.find(self.open_tag)
-        if at >= 0:
-            self._emit(pending[:at].rstrip(CALL_BLANKS), delta)  # whitespace before a tag is not content
-            rest = pending[at + len(self.open_tag):]
-            return self._open_calls(rest) if self.call_list else self._open_call(rest, bare=False)
-        keep = partial_suffix(pending, self.open_tag)
-        body = pending[: len(pending) - keep]
-        text = body.rstrip(CALL_BLANKS)  # trailing whitespace waits: a tag may follow it
-        self._emit(text, delta)
-        self._held = body[len(text):] + pending[len(pending) - keep:]
-        return ""
+        rest = self._text_before(self.open_tag, pending, delta)
+        if rest is None:
+            return ""
+        return self._open_calls(rest) if self.call_list else self._open_call(rest, bare=False)
 
     def _answer(self, pending: str, delta: ParsedDelta) -> str:
         self._emit(pending, delta)

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvserve.errors import InvalidRequest
-from kvserve.reasoning import partial_suffix
 from kvserve.structured.grammar import JSON_OPTIONS
 from kvserve.structured.tool_calls import (
     CALL_BLANKS,
@@ -167,18 +166,11 @@ class XmlToolCallParser(StreamingParser):
             self.incomplete = True
 
     def _text(self, pending: str, delta: ParsedDelta) -> str:
-        at = pending.find(self.open_tag)
-        if at >= 0:
-            self._emit(pending[:at].rstrip(CALL_BLANKS), delta)
+        rest = self._text_before(self.open_tag, pending, delta)
+        if rest is not None:
             self._mode = "call"
             self._call_name = None
-            return pending[at + len(self.open_tag):]
-        keep = partial_suffix(pending, self.open_tag)
-        body = pending[: len(pending) - keep]
-        text = body.rstrip(CALL_BLANKS)  # trailing whitespace waits: a tag may follow it
-        self._emit(text, delta)
-        self._held = body[len(text):] + pending[len(pending) - keep:]
-        return ""
+        return rest or ""
 
     def _call(self, pending: str, delta: ParsedDelta) -> str:
         """One step inside ``<tool_call>``: the function line, a parameter block, the function's end or the
