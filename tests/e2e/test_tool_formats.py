@@ -75,6 +75,28 @@ def xml_server(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+NAMED_TEMPLATE = (  # mistral-common's layout from tokenizer v11 on: [TOOL_CALLS]name[ARGS]{...} per call
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ '[TOOL_CALLS]' + c.function.name + '[ARGS]' + (c.function.arguments | tojson) }}{% endfor %}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def named_server(tmp_path_factory: pytest.TempPathFactory):
+    tiny = make_tiny_model(tmp_path_factory.mktemp("mistral-named-tools"), "mistral")
+    model_dir = with_renamed_tokens(tiny, tmp_path_factory.mktemp("named-tokens") / "model",
+                                    {"<gh_stars>": "[TOOL_CALLS]", "<issue_start>": "[ARGS]"}, special=True)
+    server = BackgroundServer(EngineConfig(model=ModelConfig(str(model_dir), dtype="float32",
+                                                             chat_template=NAMED_TEMPLATE)))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def mistral_server(tmp_path_factory: pytest.TempPathFactory):
     tiny = make_tiny_model(tmp_path_factory.mktemp("mistral-tools"), "mistral")
@@ -259,3 +281,24 @@ def test_qwen3_coder_calls_come_back_as_tool_calls(xml_server) -> None:
     rendered = httpx.post(xml_server.base_url + "/tokenize", json={"messages": turn, "tools": TOOLS}).json()
     text = xml_server.engine.tokenizer.decode(rendered["tokens"])
     assert "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>" in text
+
+
+def test_mistrals_named_layout_comes_back_as_tool_calls(named_server) -> None:
+    """Both tags special tokens, as in Mistral's vocabularies: out of the text, which holds name{...}."""
+    client, model = _client(named_server)
+    reply = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                           max_tokens=160, temperature=0, logprobs=True)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content and choice.message.tool_calls
+    written = [t.token for t in choice.logprobs.content]
+    expected = []
+    for call in choice.message.tool_calls:
+        assert len(call.id) == 9 and call.id.isalnum()
+        _check_arguments(call.function.name, call.function.arguments)
+        expected += ["[TOOL_CALLS]", call.function.name, "[ARGS]", call.function.arguments]
+    assert "".join(written).startswith("".join(expected)) and written[0] == "[TOOL_CALLS]"
+
+    names, _, arguments, content = _streamed_calls(client.chat.completions.create(
+        model=model, messages=QUESTION, tools=TOOLS, tool_choice=NAMED, max_tokens=160, temperature=0, stream=True))
+    assert names == ["add"] and not content
+    _check_arguments("add", arguments[0])
