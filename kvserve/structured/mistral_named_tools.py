@@ -15,8 +15,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from kvserve.structured.call_parsers import CALL_BLANKS, ParsedDelta, StreamingParser
 from kvserve.structured.grammar import JSON_OPTIONS
-from kvserve.structured.tool_calls import CALL_BLANKS, ParsedDelta, StreamingParser, ToolChoice, ToolSpec
+from kvserve.structured.tool_calls import ToolChoice, ToolSpec
 from kvserve.structured.tool_formats import MistralToolFormat
 
 TOOL_CALLS_TAG = "[TOOL_CALLS]"

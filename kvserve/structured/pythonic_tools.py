@@ -21,16 +21,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvserve.errors import InvalidRequest
-from kvserve.structured.tool_calls import (
-    CALL_BLANKS,
-    Answering,
-    ParsedDelta,
-    StreamingParser,
-    ToolChoice,
-    ToolSpec,
-    function_json,
-    ordered_parameters,
-)
+from kvserve.structured.call_parsers import CALL_BLANKS, ParsedDelta, StreamingParser
+from kvserve.structured.tool_calls import Answering, ToolChoice, ToolSpec, function_json, ordered_parameters
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _OPENING = re.compile(r"\[[A-Za-z_][A-Za-z0-9_]*\(")

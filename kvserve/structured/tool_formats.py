@@ -21,14 +21,13 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.structured.call_parsers import JsonToolCallParser, new_openai_call_id
 from kvserve.structured.tool_calls import (
     Answering,
-    JsonToolCallParser,
     ToolChoice,
     ToolSpec,
     call_schema,
     function_json,
-    new_openai_call_id,
     regex_literal,
 )
 

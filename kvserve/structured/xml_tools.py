@@ -25,12 +25,10 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvserve.errors import InvalidRequest
+from kvserve.structured.call_parsers import CALL_BLANKS, ParsedDelta, StreamingParser
 from kvserve.structured.grammar import JSON_OPTIONS
 from kvserve.structured.tool_calls import (
-    CALL_BLANKS,
     HermesToolFormat,
-    ParsedDelta,
-    StreamingParser,
     ToolChoice,
     ToolSpec,
     function_json,
