@@ -8,7 +8,13 @@ multi-head-latent-attention fields are read by the cost model only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+
+def yarn_magnitude(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's scale of the rotation's magnitude for a context stretched by ``factor``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,14 +23,42 @@ class RopeScaling:
     transformers computes them: ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1 and
     later) divides the low ones by ``factor``, keeps the high ones and blends those between, by wavelength
     against ``original_max_position_embeddings``; ``freq_factors`` divides each frequency by its own factor
-    (what llama.cpp's GGUF files carry as rope_freqs.weight in place of the llama3 parameters)."""
+    (what llama.cpp's GGUF files carry as rope_freqs.weight in place of the llama3 parameters); ``yarn``
+    (Qwen2.5's and Qwen3's long context) interpolates the low frequencies by ``factor``, keeps the high ones,
+    ramps between ``beta_slow`` and ``beta_fast`` rotations over the original context, and scales the
+    rotation's magnitude by ``attention_factor`` (0: derived from ``factor``, and ``mscale`` over
+    ``mscale_all_dim`` where both are set)."""
 
-    kind: str  # "linear", "llama3" or "freq_factors"
+    kind: str  # "linear", "llama3", "freq_factors" or "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] = ()
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    @property
+    def context_length(self) -> int:
+        """The context the stretch is made for: YaRN's original context times its factor (vLLM's reading of
+        a YaRN config, whose ``max_position_embeddings`` often stays the original's); 0 for the other kinds,
+        whose configs give their whole context."""
+        return int(self.original_max_position_embeddings * self.factor) if self.kind == "yarn" else 0
+
+    @property
+    def magnitude(self) -> float:
+        """What YaRN multiplies the rotation's cos and sin by (1 for the other kinds)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_magnitude(self.factor, self.mscale) / yarn_magnitude(self.factor, self.mscale_all_dim)
+        return yarn_magnitude(self.factor)
 
 
 @dataclass(frozen=True, slots=True)

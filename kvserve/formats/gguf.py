@@ -12,6 +12,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvserve.arch import ArchConfig, RopeScaling
+from kvserve.arch import ArchConfig, RopeScaling, yarn_magnitude
 from kvserve.errors import ModelLoadError, UnsupportedModel
 
 # --------------------------------------------------------------------------------------------------
@@ -265,9 +266,12 @@ def _tensor_num_bytes(path: Path, name: str, dims: tuple[int, ...], ggml_type: i
 # --------------------------------------------------------------------------------------------------
 
 
-def _rope_scaling(header: GGUFHeader, kind: str | None, factor: float) -> RopeScaling | None:
-    """The rotary stretch a GGUF file records: linear by its factor, or llama.cpp's per-frequency factors
+def _rope_scaling(header: GGUFHeader, key: Callable[..., Any]) -> RopeScaling | None:
+    """The rotary stretch a GGUF file records: linear by its factor, YaRN's (llama.cpp's keys; its converter
+    writes transformers' ``attention_factor`` as ``yarn_attn_factor``, read back as that, times
+    ``rope.scaling.attn_factor`` where a file has one), or llama.cpp's per-frequency factors
     (rope_freqs.weight, what a Llama 3.1+ conversion writes for its llama3 parameters)."""
+    kind, factor = key("rope.scaling.type"), key("rope.scaling.factor", 1.0)
     freqs = header.tensors.get("rope_freqs.weight")
     if freqs is not None:
         if freqs.ggml_type != GGMLQuantizationType.F32:
@@ -278,6 +282,19 @@ def _rope_scaling(header: GGUFHeader, kind: str | None, factor: float) -> RopeSc
         return RopeScaling("freq_factors", freq_factors=tuple(float(v) for v in values))
     if kind == "linear" and float(factor) != 1.0:
         return RopeScaling("linear", factor=float(factor))
+    if kind == "yarn":
+        if float(key("rope.scaling.yarn_log_multiplier", 0.0)) or float(key("rope.scaling.yarn_ext_factor", 1.0)) != 1.0:
+            raise UnsupportedModel(f"{header.path}: YaRN with a log multiplier or an extrapolation mix other than "
+                                   f"1 (DeepSeek's) is not supported")
+        factor = _shortest_float(factor)
+        attention = _shortest_float(key("rope.scaling.yarn_attn_factor", 0.0)) or yarn_magnitude(factor)
+        attention *= _shortest_float(key("rope.scaling.attn_factor", 1.0))
+        return RopeScaling("yarn", factor=factor,
+                           original_max_position_embeddings=int(key("rope.scaling.original_context_length")
+                                                                or key("context_length", 2048)),
+                           beta_fast=_shortest_float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=_shortest_float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                           attention_factor=attention)
     return None
 
 
@@ -317,6 +334,7 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
         num_dense_layers = int(key("leading_dense_block_count", 0))
         shared = "ffn_up_shexp.weight"
         window = int(key("attention.sliding_window", 0))
+        scaling = _rope_scaling(header, key)
         return ArchConfig(
             architecture=_architecture(arch, name, num_experts),
             name=name or path.stem,
@@ -328,9 +346,9 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             # Some architectures give a count per layer; the largest one bounds the KV cache.
             num_kv_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
             head_dim=int(key("attention.key_length", hidden_size // num_heads)),
-            max_position_embeddings=int(key("context_length", 2048)),
+            max_position_embeddings=max(int(key("context_length", 2048)), scaling.context_length if scaling else 0),
             rope_theta=_shortest_float(key("rope.freq_base", 10000.0)),
-            rope_scaling=_rope_scaling(header, key("rope.scaling.type"), key("rope.scaling.factor", 1.0)),
+            rope_scaling=scaling,
             rms_norm_eps=_shortest_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             tie_word_embeddings="output.weight" not in header.tensors,
             qkv_bias="blk.0.attn_q.bias" in header.tensors,

@@ -40,9 +40,11 @@ def rope_type(params: dict[str, Any]) -> str:
     return str(params.get("rope_type") or params.get("type") or "default")
 
 
-def rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
-    """The stretch of a rope block of a kind the engine computes (linear, llama3); None for any other, which
-    the loader refuses (the cost model reads such configs too)."""
+def rope_scaling(params: dict[str, Any], max_position_embeddings: int) -> RopeScaling | None:
+    """The stretch of a rope block of a kind the engine computes (linear, llama3, yarn); None for any other,
+    which the loader refuses (the cost model reads such configs too). Absent fields take transformers'
+    defaults (YaRN's original context: the config's ``max_position_embeddings``; its factor: the ratio of the
+    two)."""
     kind = rope_type(params)
     if kind == "linear":
         return RopeScaling("linear", factor=float(params["factor"]))
@@ -51,6 +53,16 @@ def rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
                            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
                            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
                            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    if kind == "yarn":
+        original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+        factor = params.get("factor")
+        return RopeScaling("yarn", factor=float(factor if factor is not None else max_position_embeddings / original),
+                           original_max_position_embeddings=original,
+                           beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                           attention_factor=float(params.get("attention_factor") or 0.0),
+                           mscale=float(params.get("mscale") or 0.0),
+                           mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                           truncate=bool(params.get("truncate", True)))
     return None
 
 
@@ -86,6 +98,8 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else [eos]
         shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        scaling = rope_scaling(rope_parameters(cfg), max_positions)
         fields: dict[str, Any] = dict(
             architecture=model_type,
             name=model_type or Path(source).parent.name,
@@ -96,9 +110,9 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max(max_positions, scaling.context_length if scaling else 0),
             rope_theta=float(cfg.get("rope_theta") or rope_parameters(cfg).get("rope_theta") or 10000.0),
-            rope_scaling=rope_scaling(rope_parameters(cfg)),
+            rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2-MoE's configs name their QKV bias qkv_bias (true when absent, as in the original checkpoints).

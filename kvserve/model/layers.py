@@ -31,15 +31,21 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device: torch.device,
                  scaling: RopeScaling | None = None):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
+        wavelengths = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        inv_freq = 1.0 / wavelengths
+        if scaling is not None and scaling.kind == "yarn":
+            inv_freq = yarn_inv_freq(wavelengths, theta, scaling)
+        elif scaling is not None:
             inv_freq = scaled_inv_freq(inv_freq, scaling)
+        magnitude = scaling.magnitude if scaling is not None else 1.0
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim]
+        cos, sin = emb.cos(), emb.sin()
+        if magnitude != 1.0:
+            cos, sin = cos * magnitude, sin * magnitude
+        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, head_dim]
         # sin with its first half negated: rotate_half(x) * sin == cat(x2, x1) * signed_sin, one op fewer.
-        sin = emb.sin()
         sin[:, : head_dim // 2] *= -1
         self.signed_sin = sin.to(dtype=dtype, device=device)
 
@@ -73,3 +79,25 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tenso
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn_inv_freq(wavelengths: torch.Tensor, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's rotary frequencies, as transformers' ``_compute_yarn_parameters`` computes them
+    (llama.cpp's ``rope_yarn`` is the same arithmetic): ``wavelengths`` are ``theta ** (2i / head_dim)``.
+    Frequencies that turn fewer than ``beta_slow`` times over the original context are divided by the
+    factor, those that turn more than ``beta_fast`` times kept, those between blended along a linear ramp."""
+    dim = 2 * wavelengths.numel()
+
+    def correction_dim(rotations: float) -> float:
+        context = scaling.original_max_position_embeddings
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the ramp's width, never zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # the share of each frequency left as it was trained
+    return 1.0 / (scaling.factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept

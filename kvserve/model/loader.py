@@ -151,9 +151,9 @@ def _gguf_arch(header: GGUFHeader) -> ArchConfig:
             f"(supported: llama (with Mistral and Mixtral), qwen2, qwen3, gemma3, qwen2moe, qwen3moe)"
         )
     scaling = header.metadata.get(f"{name}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):  # computed otherwise, every position's rotation would differ
-        raise UnsupportedModel(f"{header.path}: rope scaling {scaling!r} is not supported (linear and llama.cpp's "
-                               f"rope_freqs factors are)")
+    if scaling not in (None, "none", "linear", "yarn"):  # computed otherwise, every position's rotation would differ
+        raise UnsupportedModel(f"{header.path}: rope scaling {scaling!r} is not supported (linear, yarn and "
+                               f"llama.cpp's rope_freqs factors are)")
     arch = arch_from_gguf(header)
     factors = arch.rope_scaling.freq_factors if arch.rope_scaling is not None else ()
     if factors and len(factors) != arch.head_dim // 2:
@@ -190,8 +190,8 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
         raise UnsupportedModel(f"{config_path}: attention_bias=true is not supported for {model_type}")
     arch = arch_from_hf_config(cfg, config_path)
     kind = rope_type(rope_parameters(cfg))
-    if kind not in ("default", "linear", "llama3"):  # computed otherwise, every position's rotation would differ
-        raise UnsupportedModel(f"{config_path}: rope scaling {kind!r} is not supported (linear and llama3 are); "
+    if kind not in ("default", "linear", "llama3", "yarn"):  # computed otherwise, every rotation would differ
+        raise UnsupportedModel(f"{config_path}: rope scaling {kind!r} is not supported (linear, llama3 and yarn are); "
                                f"remove it from config.json to run within the original context length")
     window = cfg.get("sliding_window")
     uses_window = model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window", False)

@@ -8,7 +8,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from tests.e2e.conftest import hf_greedy
-from tests.support.tiny_models import make_tiny_model
+from tests.support.tiny_models import gguf_from_tiny_model, make_tiny_model
 
 PROMPTS = [[5, 17, 230, 4000, 12], list(range(100, 161)), [9] * 23, list(range(3000, 3200, 3))]
 MAX_TOKENS = 12
@@ -71,17 +71,35 @@ def test_decodes_sharing_a_cached_prefix_match_transformers(tmp_path, monkeypatc
     ("qwen2", {"rope_type": "linear", "factor": 64.0, "rope_theta": 10000.0}),
     ("gemma3", {"full_attention": {"rope_type": "linear", "factor": 64.0, "rope_theta": 10000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-], ids=["llama3", "linear", "gemma3-linear-full-attention"])
+    # YaRN (Qwen2.5's and Qwen3's long context): an original context short enough that the ramp between
+    # kept and interpolated frequencies falls inside the head; transformers' defaults, then every field set.
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+               "rope_theta": 1000000.0}),
+    ("qwen3", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16.0,
+               "beta_slow": 2.0, "attention_factor": 1.25, "rope_theta": 50000.0}),
+    ("llama", {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+               "mscale_all_dim": 0.5, "truncate": False, "rope_theta": 10000.0}),
+], ids=["llama3", "linear", "gemma3-linear-full-attention", "yarn", "yarn-attention-factor-betas",
+        "yarn-mscale-untruncated"])
 def test_stretched_rotary_frequencies_match_transformers(tmp_path, family: str, rope: dict) -> None:
-    """Llama 3.1's llama3 scaling and linear scaling (Gemma 3 4B+ on its full-attention layers only) change
-    every position's rotation: computed as transformers computes them, the tokens are its tokens (they were a
-    logged warning before, and other tokens)."""
+    """Llama 3.1's llama3 scaling, linear scaling (Gemma 3 4B+ on its full-attention layers only) and YaRN
+    change every position's rotation: computed as transformers computes them, the tokens are its tokens (they
+    were a logged warning before, and other tokens; YaRN was refused). A YaRN model's GGUF, with the keys
+    llama.cpp's converter writes, gives the same."""
     import transformers
 
     model_dir = make_tiny_model(tmp_path, family, rope_parameters=rope)
     reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     reference = [hf_greedy(reference_model, p, MAX_TOKENS) for p in PROMPTS]
-    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128)
+    sources = [model_dir]
+    if rope.get("rope_type") == "yarn" and "mscale" not in rope:  # llama.cpp has no key for mscale's pair
+        sources.append(gguf_from_tiny_model(model_dir, tmp_path / "yarn.gguf"))
+    for source in sources:
+        _check_stretched_rotary(LLM(str(source), dtype="float32", block_size=4, num_kv_blocks=128),
+                                reference_model, reference)
+
+
+def _check_stretched_rotary(llm: LLM, reference_model, reference: list[list[int]]) -> None:
     assert llm.engine.arch.rope_scaling is not None
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)

@@ -687,7 +687,8 @@ def test_safetensors_shaped_unlike_the_configuration_are_refused_and_padded_embe
 def test_a_gguf_rotary_stretch_is_read_or_refused(tmp_path: Path) -> None:
     """llama.cpp writes a Llama 3.1+ model's llama3 parameters as per-frequency factors (rope_freqs.weight):
     read into the arch (the rotary divides each frequency by its factor); a linear stretch by its factor; YaRN,
-    which is computed otherwise at every position, refused by name."""
+    read with llama.cpp's keys, its context the original one times its factor (DeepSeek's variant, with a log
+    multiplier, refused by name)."""
     factors = np.linspace(1.0, 8.0, 32, dtype=np.float32)  # head_dim 64: one per pair of dimensions
     path = tmp_path / "llama3.gguf"
     make_tiny_gguf(path, "llama", hidden=256, num_heads=4, extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
@@ -707,6 +708,37 @@ def test_a_gguf_rotary_stretch_is_read_or_refused(tmp_path: Path) -> None:
     assert read_arch_config(linear).rope_scaling == RopeScaling("linear", factor=4.0)
     yarn = tmp_path / "yarn.gguf"
     make_tiny_gguf(yarn, "llama", extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
-                                                   w.add_rope_scaling_factor(4.0)))
-    with pytest.raises(UnsupportedModel, match="rope scaling 'yarn'"):
-        read_arch_config(yarn)
+                                                   w.add_rope_scaling_factor(4.0),
+                                                   w.add_rope_scaling_orig_ctx_len(1024),
+                                                   w.add_rope_scaling_yarn_beta_fast(16.0)))
+    arch = read_arch_config(yarn)
+    assert arch.rope_scaling == RopeScaling("yarn", factor=4.0, original_max_position_embeddings=1024,
+                                            beta_fast=16.0, attention_factor=1.0 + 0.1 * math.log(4.0))
+    assert arch.max_position_embeddings == 4096  # the original context times the factor, as vLLM reads it
+    deepseek = tmp_path / "deepseek-yarn.gguf"
+    make_tiny_gguf(deepseek, "llama", extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                                                       w.add_rope_scaling_factor(40.0),
+                                                       w.add_rope_scaling_yarn_log_mul(0.1)))
+    with pytest.raises(UnsupportedModel, match="YaRN with a log multiplier"):
+        read_arch_config(deepseek)
+
+
+def test_a_yarn_config_is_read_as_transformers_reads_it_and_serves_its_stretched_context() -> None:
+    """Qwen's instructions add YaRN to a config whose max_position_embeddings stays the original context:
+    the context served is the original times the factor (vLLM's reading); absent fields take transformers'
+    defaults (the original context: max_position_embeddings; the factor: the ratio of the two)."""
+    from kvserve.formats.hf_config import arch_from_hf_config
+
+    base = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100,
+            "intermediate_size": 128, "num_hidden_layers": 1, "max_position_embeddings": 32768}
+    qwen = arch_from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32768}}, Path("c"))
+    assert qwen.rope_scaling == RopeScaling("yarn", factor=4.0, original_max_position_embeddings=32768)
+    assert qwen.max_position_embeddings == 131072
+    assert qwen.rope_scaling.magnitude == pytest.approx(1 + 0.1 * math.log(4.0))
+    implied = arch_from_hf_config({**base, "max_position_embeddings": 65536, "rope_parameters": {
+        "rope_type": "yarn", "factor": None, "original_max_position_embeddings": 16384}}, Path("c"))
+    assert implied.rope_scaling is not None and implied.rope_scaling.factor == 4.0
+    assert implied.max_position_embeddings == 65536
+    plain = arch_from_hf_config(base, Path("c"))
+    assert plain.rope_scaling is None and plain.max_position_embeddings == 32768

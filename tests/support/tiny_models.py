@@ -426,6 +426,7 @@ def gguf_from_tiny_model(model_dir: Path, path: Path, vector_shared_gate: bool =
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    _add_yarn(writer, config["rope_parameters"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     num_experts = config.get("num_local_experts") or config.get("num_experts")
@@ -446,6 +447,22 @@ def gguf_from_tiny_model(model_dir: Path, path: Path, vector_shared_gate: bool =
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_yarn(writer, rope: dict) -> None:
+    """A YaRN block's keys, as llama.cpp's converter writes them (``attention_factor`` as yarn_attn_factor)."""
+    import gguf
+
+    if rope.get("rope_type") != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for name, add in (("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                      ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                      ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+        if rope.get(name) is not None:
+            add(rope[name])
 
 
 def _add_smollm2_tokenizer(writer) -> None:
