@@ -34,8 +34,9 @@ class ToolRequest:
     tools: tuple[ToolSpec, ...]
     choice: ToolChoice
     parallel: bool
-    # Under tool_choice auto with a response format: the JSON Schema (an object) of a reply that makes no call,
-    # and that format as the request gave it (compiled on its own first, so that its errors name its field).
+    # Under tool_choice auto with a response format: the JSON Schema (an object) of a reply that makes no call.
+    # The format as the request gave it, under any tool_choice but none: compiled on its own first, so that its
+    # errors name its field (under required or a named function it constrains nothing: the reply is calls).
     answer: dict[str, Any] | None = None
     answer_format: StructuredOutputsParams | None = None
 
@@ -90,8 +91,8 @@ def tool_request(body: p.ChatCompletionRequest, response_format: StructuredOutpu
         raise InvalidRequest(f"{response_format.param}: with tools, a response format must be a JSON object (json_object, "
                              'or a json_schema whose root has "type": "object"); send tool_choice \'none\' to '
                              "constrain the reply otherwise", param=response_format.param)
-    if choice.mode != "auto":  # required, or a named function: the reply is calls
-        return ToolRequest(tuple(tools), choice, body.parallel_tool_calls)
+    if choice.mode != "auto":  # required, or a named function: the reply is calls; the format is only checked
+        return ToolRequest(tuple(tools), choice, body.parallel_tool_calls, answer_format=response_format)
     return ToolRequest(tuple(tools), choice, body.parallel_tool_calls, schema, response_format)
 
 

@@ -289,6 +289,10 @@ BAD = [
      "response_format.json_schema.schema"),
     ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array"}}}}, "response_format.json_schema.schema"),
+    # under required, where the reply is calls, a format that cannot compile is still refused
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)a"}}}}}},
+     "response_format.json_schema.schema"),
     ({"guided_choice": ["a", "b"], "ignore_eos": True}, "ignore_eos"),
 ]
 
