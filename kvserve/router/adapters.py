@@ -6,8 +6,9 @@ A load succeeds where every replica serves the adapter afterwards (one that alre
 again, counts as serving it); otherwise the first refusal of a replica that does not serve it comes back as the
 replica gave it (the replicas that did load it keep it and are routed to for it). An unload succeeds where no
 replica holds the adapter afterwards: a replica that did not hold it (404) is not a failure, unless none did.
-The request names no base model: in a fleet of several models, load an adapter on its model's replicas
-directly (the gateway routes it from its first request).
+A request naming its base model (``"model"``, a kvserve extension its replicas check too) goes to that model's
+replicas only: in a fleet of several models, the others would refuse an adapter of another shape. Without it,
+every replica is asked.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import httpx
 from fastapi.responses import PlainTextResponse, Response
 
-from kvserve.errors import BadUpstreamResponse, NoHealthyReplica
+from kvserve.errors import BadUpstreamResponse, ModelNotFound, NoHealthyReplica
 from kvserve.router.replicas import Replica, ReplicaPool
 from kvserve.router.stored_responses import passed_back
 from kvserve.server.protocol import error_body
@@ -30,12 +31,16 @@ async def to_every_replica(pool: ReplicaPool, client: httpx.AsyncClient, path: s
                            headers: dict[str, str]) -> Response:
     """``path`` (one of ``ADAPTER_ROUTES``) with ``body`` sent to every healthy replica at once; the fleet's
     answer, as the module says."""
-    replicas = pool.healthy()
+    name, model = _payload_field(body, "lora_name"), _payload_field(body, "model")
+    if model is not None and model not in pool.models():
+        error = ModelNotFound(f"no replica serves the base model '{model}'")
+        error.param = "model"  # type: ignore[attr-defined]
+        raise error
+    replicas = pool.healthy(model)
     if not replicas:
         raise NoHealthyReplica("no healthy replica to load or unload the adapter on; retry later")
     answers = await asyncio.gather(*(_send(client, r, path, body, headers) for r in replicas))
     await asyncio.gather(*(pool.refresh_models(r) for r in replicas))
-    name = _adapter_name(body)
     if path.endswith("/unload_lora_adapter"):
         failed = [a for a in answers if a.status_code >= 300]
         gone = [a for a in failed if a.status_code == 404]
@@ -53,13 +58,15 @@ async def to_every_replica(pool: ReplicaPool, client: httpx.AsyncClient, path: s
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-def _adapter_name(body: bytes) -> str | None:
+def _payload_field(body: bytes, field: str) -> str | None:
+    """A string field of the request's JSON body, stripped; None where there is none (the replicas judge the
+    body's form)."""
     try:
         payload = json.loads(body)
     except ValueError:
         return None
-    name = payload.get("lora_name") if isinstance(payload, dict) else None
-    return name.strip() if isinstance(name, str) else None
+    value = payload.get(field) if isinstance(payload, dict) else None
+    return value.strip() if isinstance(value, str) else None
 
 
 async def _send(client: httpx.AsyncClient, replica: Replica, path: str, body: bytes,

@@ -215,7 +215,11 @@ def test_adapters_served_by_name_and_loaded_at_run_time_over_http(adapters, prom
         assert vectors["full"] != vectors["smol"]
         assert client.embeddings.create(model="full", input="hello").data[0].embedding == vectors["full"]
 
-        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(qv_path)})
+        other_base = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(qv_path),
+                                                               "model": "another-model"})
+        assert other_base.status_code == 404 and other_base.json()["error"]["param"] == "model"
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(qv_path),
+                                                           "model": "smol"})  # the base model named: loaded
         assert loaded.status_code == 200 and "added" in loaded.text
         assert complete("qv")[1] == references["qv"][0]
         again = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(qv_path)})

@@ -52,6 +52,7 @@ class FakeReplica:
         self.reported_running = 0  # what its /metrics says is running
         self.api_key: str | None = None  # required on /v1/models when set
         self.models_status = 200  # what /v1/models answers with (another: an error body)
+        self.base_model = MODEL  # the model it serves
         self.adapters: set[str] = set()  # LoRA adapters loaded at run time: served as models of their own
         self.refuse_loads = False  # /v1/load_lora_adapter answers 400 (a path it cannot read)
         self.port = free_port()
@@ -89,7 +90,7 @@ class FakeReplica:
                 return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error",
                                                "param": None, "code": "invalid_api_key"}}, status_code=401)
             return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"}
-                                                            for m in (MODEL, *sorted(self.adapters))]})
+                                                            for m in (self.base_model, *sorted(self.adapters))]})
 
         @app.post("/v1/load_lora_adapter")
         async def load_adapter(http: Request) -> Response:

@@ -397,6 +397,31 @@ def test_adapters_loaded_through_the_gateway_are_loaded_on_every_replica_and_rou
         gateway.stop()
 
 
+def test_an_adapter_naming_its_base_model_is_loaded_on_that_models_replicas_only(
+        replicas: list[FakeReplica]) -> None:
+    """In a fleet of two models an adapter fits one of them: named, only its replicas are asked (the others
+    would refuse it, and a partial load come back as a failure); a model no replica serves is a 404."""
+    a, b = replicas
+    b.base_model = "other-model"
+    gateway = gateway_over(replicas, policy="round_robin", health_interval_s=30.0)
+    try:
+        loaded = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter",
+                            json={"lora_name": "sql", "lora_path": "/adapters/sql", "model": MODEL})
+        assert loaded.status_code == 200 and a.adapters == {"sql"} and not b.adapters
+        nobody = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter",
+                            json={"lora_name": "x", "lora_path": "/adapters/x", "model": "nobody-serves-this"})
+        assert nobody.status_code == 404 and nobody.json()["error"]["param"] == "model"
+        assert not b.adapters and a.adapters == {"sql"}
+        unloaded = httpx.post(f"{gateway.base_url}/v1/unload_lora_adapter",
+                              json={"lora_name": "sql", "model": MODEL})
+        assert unloaded.status_code == 200 and not a.adapters
+        everywhere = httpx.post(f"{gateway.base_url}/v1/load_lora_adapter",
+                                json={"lora_name": "docs", "lora_path": "/adapters/docs"})  # no model: all
+        assert everywhere.status_code == 200 and a.adapters == b.adapters == {"docs"}
+    finally:
+        gateway.stop()
+
+
 def test_an_adapter_one_replica_loaded_on_its_own_is_routed_to_that_replica(replicas: list[FakeReplica]) -> None:
     a, b = replicas
     gateway = gateway_over(replicas, policy="round_robin", health_interval_s=30.0)
