@@ -382,7 +382,8 @@ def wait_idle(url: str, timeout_s: float = 60) -> dict[str, Any]:
 
 
 def check_sample(outcomes: list[Outcome], args: argparse.Namespace, report: Report) -> None:
-    from kvserve.engine import LLM, SamplingParams
+    from kvserve.offline import LLM
+    from kvserve.sampling_params import SamplingParams
 
     greedy = [o for o in outcomes if o.text is not None and o.body.get("temperature") == 0 and o.body.get("n", 1) == 1]
     sample = random.Random(args.seed + 2).sample(greedy, min(args.sample, len(greedy)))

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_compare import cpu_description
-from kvserve.engine import LLM
-from kvserve.request import RequestOutput, SamplingParams, StructuredOutputsParams
+from kvserve.offline import LLM
+from kvserve.request import RequestOutput
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def long_schema(max_length: int | None) -> dict[str, Any]:

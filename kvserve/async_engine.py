@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from kvserve.engine import Engine, EngineAudit, EngineStats, PromptType
 from kvserve.errors import CapacityError, EngineDeadError, InvalidRequest, KVServeError
 from kvserve.heap import release_free_heap
-from kvserve.request import ProcessedPrompt, RequestOutput, SamplingParams, StructuredOutputsParams
+from kvserve.request import ProcessedPrompt, RequestOutput
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured.grammar import CompiledGrammar, GrammarCompiler, named_for
 
 logger = logging.getLogger(__name__)

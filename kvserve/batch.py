@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> 
 
 
 def _sampling_params(args: argparse.Namespace):
-    from kvserve.request import SamplingParams
+    from kvserve.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed)

@@ -10,7 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from kvserve.errors import ContextLengthExceeded, EmptyPrompt, InvalidRequest, InvalidSamplingParams
-from kvserve.request import ProcessedPrompt, SamplingParams
+from kvserve.request import ProcessedPrompt
+from kvserve.sampling_params import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 

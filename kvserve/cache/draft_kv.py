@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve.block_hash import salted_hash_extra
 from kvserve.cache.kv_manager import KVCacheManager
-from kvserve.request import Request, SamplingParams, salted_hash_extra
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 
 _SHADOW_PARAMS = SamplingParams(max_tokens=None)
 

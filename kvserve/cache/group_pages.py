@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvserve.block_hash import BlockHash
 from kvserve.cache.block_pool import BlockPool
 from kvserve.kv_layout import NULL_PAGE, KVLayout
-from kvserve.request import BlockHash, Request
+from kvserve.request import Request
 
 
 class GroupPages:

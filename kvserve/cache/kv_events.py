@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.request import BlockHash
+from kvserve.block_hash import BlockHash
 
 DEVICE_TIER = "device"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from kvserve.block_hash import BlockHash
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.group_pages import GroupPages
 from kvserve.cache.kv_events import KVEventLog
@@ -24,7 +25,7 @@ from kvserve.cache.radix_cache import TailBlock
 from kvserve.cache.tier_coordinator import CachedBlock, NoTiers, TierCoordinator, Tiers
 from kvserve.cache.tiers import BlockKV, TieredKVStore
 from kvserve.kv_layout import KVLayout
-from kvserve.request import BlockHash, Request
+from kvserve.request import Request
 
 PERSIST_CHUNK_BLOCKS = 64  # device blocks read at a time for a shutdown's persistence
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.block_hash import BlockHash
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.radix_cache import EvictHook, RadixCache, RadixNode, TailBlock
-from kvserve.request import BlockHash, Request
+from kvserve.request import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from kvserve.block_hash import BlockHash, block_identity
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_events import KVEventLog
-from kvserve.request import BlockHash, block_identity
 
 
 class RadixNode:

@@ -30,8 +30,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.block_hash import BlockHash
 from kvserve.cache.tiers import BlockKV, TieredKVStore
-from kvserve.request import BlockHash, Request
+from kvserve.request import Request
 from kvserve.storage.base import KVStore, TierStats
 
 logger = logging.getLogger(__name__)

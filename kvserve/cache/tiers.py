@@ -1,7 +1,7 @@
 """The KV tiers below device memory, seen as one store: host DRAM, then local disk and/or Redis. No torch.
 
 What goes where (keys are ``make_key(block_hash, namespace)``; a value is the block's identity, its parent's
-hash and its token ids (``kvserve.request.block_identity``), then its serialised KV)::
+hash and its token ids (``kvserve.block_hash.block_identity``), then its serialised KV)::
 
     write_back     put_blocks ──► host (LRU) ──host evicts──► disk, redis
                    (no host tier: put_blocks ──► disk, redis)
@@ -36,9 +36,9 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from kvserve.block_hash import BlockHash, block_identity
 from kvserve.config import DEFAULT_DISK_GB, StorageConfig
 from kvserve.errors import ConfigError
-from kvserve.request import BlockHash, block_identity
 from kvserve.storage.base import EntryMeta, KeyNamespace, KVStore, TierStats, encode_entry, make_key
 from kvserve.storage.disk import DiskKVStore, entry_bytes
 from kvserve.storage.host import HostKVStore

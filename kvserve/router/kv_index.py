@@ -1,7 +1,7 @@
 """The precise prefix index of the ``kv_events`` policy: the blocks each kvserve replica's device prefix cache
 holds, followed from its block events (``GET /kvserve/kv_events``).
 
-A prompt's blocks are keyed as the replica keys them (``kvserve.request.hash_block``: chained over the token ids
+A prompt's blocks are keyed as the replica keys them (``kvserve.block_hash.hash_block``: chained over the token ids
 of each full block and the replica's ``block_hash_extra``, which carries its model fingerprint), so a match
 here is a match there, up to the follow interval: events are read every ``interval_s``, so a block stored or
 evicted since is not yet known.
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.request import BlockHash, hash_block
+from kvserve.block_hash import BlockHash, hash_block
 from kvserve.router.replicas import Replica
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvserve.request import salted_hash_extra
+from kvserve.block_hash import salted_hash_extra
 from kvserve.router.kv_index import KVBlockIndex, block_hashes
 from kvserve.router.prefix_index import ApproximatePrefixIndex, page_keys
 from kvserve.router.replicas import DEFAULT_CAPACITY_TOKENS, Replica

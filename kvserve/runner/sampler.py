@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from kvserve.model.host_inputs import to_device
 from kvserve.reasoning import Phase, ReasoningGate
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.structured.grammar import CompiledGrammar, GrammarMatcher
 from kvserve.structured.masks import GrammarMasker
 

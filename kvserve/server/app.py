@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.async_engine import AsyncEngine
-from kvserve.engine import expand_n
 from kvserve.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -32,7 +31,7 @@ from kvserve.errors import (
 )
 from kvserve.infill import fim_tokens_or_error
 from kvserve.reasoning import Phase, constrained_phase
-from kvserve.request import MAX_LOGIT_BIAS, SamplingParams
+from kvserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, expand_n
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
 from kvserve.server.dashboard import add_dashboard_routes

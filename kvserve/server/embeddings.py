@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvserve.async_engine import AsyncEngine
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as p
 
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, return_hidden_state=True)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvserve.errors import InvalidRequest, InvalidSamplingParams
 from kvserve.reasoning import template_message
-from kvserve.request import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.serving_config import RESERVED_TEMPLATE_NAMES
 from kvserve.tokenizer import message_text
 

@@ -16,7 +16,8 @@ from typing import Any
 from kvserve.async_engine import AsyncEngine
 from kvserve.errors import KVServeError
 from kvserve.reasoning import Phase, ReasoningSplitter, count_reasoning_tokens
-from kvserve.request import RequestOutput, SamplingParams
+from kvserve.request import RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.server import response_models as rm
 from kvserve.server.metrics import ServerMetrics
 from kvserve.structured.grammar import CompiledGrammar

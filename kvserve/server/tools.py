@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import InvalidRequest
-from kvserve.request import StructuredOutputsParams
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server import protocol as p
 from kvserve.structured.grammar import MAX_NESTING, check_json_schema, json_schema_of, nesting_depth
 from kvserve.structured.tool_calls import ToolCallFormat, ToolChoice, ToolSpec

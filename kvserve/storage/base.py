@@ -34,7 +34,7 @@ from kvserve.errors import StorageError
 
 logger = logging.getLogger(__name__)
 
-BLOCK_HASH_SIZE = 16  # kvserve.request.hash_block digests
+BLOCK_HASH_SIZE = 16  # kvserve.block_hash.hash_block digests
 # What a block's entry holds, and how the engine computes a model's KV from its files; bump it when either
 # changes (2: the block's parent hash and token ids come first; 3: rotary scaling computed, and Gemma 3 27B's
 # query scale, so that KV an earlier version wrote for such a model is not read as its own).

@@ -36,7 +36,7 @@ import torch
 
 from kvserve.config import StructuredOutputConfig
 from kvserve.errors import ConfigError, InvalidRequest
-from kvserve.request import StructuredOutputsParams
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured.xgrammar_engine import (
     XGrammarEngine,
     XGrammarMatcher,

@@ -15,7 +15,8 @@ import pytest
 from kvserve.arch import ArchConfig
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.kv_layout import NULL_PAGE, KVLayout
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 
 BLOCK = 4
 WINDOW = 8

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvserve.cache.kv_manager import KVCacheManager
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 24

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import itertools
 
+from kvserve.block_hash import block_identity, hash_block
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.radix_cache import RadixCache
-from kvserve.request import block_identity, hash_block
 
 BLOCK = 2
 

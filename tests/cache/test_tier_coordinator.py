@@ -13,7 +13,8 @@ from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tier_coordinator import TierWriter
 from kvserve.cache.tiers import TieredKVStore
 from kvserve.config import SchedulerConfig, StorageConfig
-from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import KeyNamespace
 from tests.conftest import RedisServer

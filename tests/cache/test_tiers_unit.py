@@ -18,11 +18,13 @@ from hypothesis import strategies as st
 
 import kvserve.storage.redis as redis_store
 from kvserve.batch import SchedulerOutput
+from kvserve.block_hash import block_identity, hash_block
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.cache.tiers import GIB, TieredKVStore
 from kvserve.config import SchedulerConfig, StorageConfig
 from kvserve.errors import ConfigError
-from kvserve.request import Request, SamplingParams, block_identity, hash_block
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.storage.base import Backoff, KeyNamespace, make_key
 from kvserve.storage.redis import RedisKVStore

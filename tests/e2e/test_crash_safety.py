@@ -70,7 +70,8 @@ def test_a_server_killed_four_times_while_writing(tmp_path: Path) -> None:
 
 
 def kill_and_restart(tmp_path: Path, prompts: list[str], rng: random.Random) -> None:
-    from kvserve.engine import LLM, SamplingParams
+    from kvserve.offline import LLM
+    from kvserve.sampling_params import SamplingParams
 
     disk_dir = tmp_path / "kv"
     args = ENGINE_ARGS + ["--kv-disk-dir", str(disk_dir)]

@@ -16,7 +16,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.errors import ConfigError
 from kvserve.reasoning import Phase, ReasoningMarkers, count_reasoning_tokens, split_reasoning
-from kvserve.request import StructuredOutputsParams
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server.serving import BackgroundServer
 from kvserve.serving_config import ServerConfig
 from tests.e2e.conftest import hf_greedy

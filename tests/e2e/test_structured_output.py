@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvserve.config import StructuredOutputConfig
-from kvserve.engine import LLM
-from kvserve.request import SamplingParams, StructuredOutputsParams
+from kvserve.offline import LLM
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.structured.masks import GrammarMasker
 from kvserve.tokenizer import Tokenizer

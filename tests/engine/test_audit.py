@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvserve.engine import LLM, SamplingParams
+from kvserve.offline import LLM
+from kvserve.sampling_params import SamplingParams
 from tests.support.tiny_models import make_tiny_model
 
 

@@ -290,7 +290,7 @@ def test_unknown_keywords_name_the_valid_ones() -> None:
 
 
 def test_llm_refuses_an_unknown_keyword_before_loading_anything() -> None:
-    from kvserve.engine import LLM
+    from kvserve.offline import LLM
 
     with pytest.raises(ConfigError, match="unknown LLM keyword"):
         LLM(dtype="float32", polcy="fcfs")

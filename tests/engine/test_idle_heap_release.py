@@ -14,7 +14,8 @@ import pytest
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import EngineStats
 from kvserve.heap import release_free_heap
-from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
 
 
 def _resident_mib() -> float:

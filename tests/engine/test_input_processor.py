@@ -8,7 +8,7 @@ import pytest
 
 from kvserve.errors import ContextLengthExceeded, InvalidRequest, InvalidSamplingParams
 from kvserve.input_processor import InputProcessor
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler
 from tests.support.tiny_models import smollm2_tokenizer
 

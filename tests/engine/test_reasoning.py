@@ -201,8 +201,8 @@ class FakeGrammar:
 def test_sampling_state_starts_the_grammar_after_the_thoughts(replayed: bool) -> None:
     """OPEN with a one-token start marker: the grammar's matcher follows the reply until it opens a block, then
     nothing does until the block closes, then a fresh matcher takes the answer (live or replayed alike)."""
-    from kvserve.request import SamplingParams
     from kvserve.runner.sampler import SamplingState
+    from kvserve.sampling_params import SamplingParams
 
     single = ReasoningTokens(THINK, (1003,), (1004,), TOKENS.token_bytes, TOKENS.encode)
     grammar = FakeGrammar()

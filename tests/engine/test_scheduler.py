@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
-from kvserve.request import FinishReason, Request, SamplingParams
+from kvserve.request import FinishReason, Request
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from tests.support.fake_runner import FakeRunner, reference_continuation
 

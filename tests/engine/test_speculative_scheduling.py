@@ -7,7 +7,8 @@ import pytest
 
 from kvserve.cache.kv_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
-from kvserve.request import FinishReason, Request, SamplingParams
+from kvserve.request import FinishReason, Request
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from tests.support.fake_runner import FakeRunner, noisy_drafts, reference_continuation
 

@@ -17,7 +17,6 @@ load_cuda_backend()
 
 from kvserve import engine as engine_module  # noqa: E402
 from kvserve.config import BackendConfig  # noqa: E402
-from kvserve.engine import LLM  # noqa: E402
 from kvserve.model.backends.base import AttentionMetadata, DecoderLayout  # noqa: E402
 from kvserve.model.backends.cuda import CudaBackend  # noqa: E402
 from kvserve.model.backends.decode_graphs import (  # noqa: E402
@@ -27,7 +26,8 @@ from kvserve.model.backends.decode_graphs import (  # noqa: E402
     bucket_for,
     capture_sizes,
 )
-from kvserve.request import SamplingParams  # noqa: E402
+from kvserve.offline import LLM  # noqa: E402
+from kvserve.sampling_params import SamplingParams  # noqa: E402
 from tests.model.test_backends import arch  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kvserve.cache.kv_events import KVEventLog
-from kvserve.engine import LLM
-from kvserve.request import SamplingParams
+from kvserve.offline import LLM
 from kvserve.router.kv_index import KVBlockIndex, block_hashes
 from kvserve.router.policies import ReplicaBlocks, RouteRequest
 from kvserve.router.replicas import Replica
+from kvserve.sampling_params import SamplingParams
 from tests.support.lora_adapters import write_adapter
 from tests.support.tiny_models import make_tiny_model
 

@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.errors import InvalidSamplingParams
-from kvserve.request import SamplingParams
 from kvserve.runner.sampler import (
     Sampler,
     SamplingState,
@@ -21,6 +20,7 @@ from kvserve.runner.sampler import (
     row_seed,
     suppress_stop_tokens,
 )
+from kvserve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

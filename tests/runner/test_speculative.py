@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from kvserve.cli import parse_speculative_config
 from kvserve.config import SpeculativeConfig
-from kvserve.request import SamplingParams
 from kvserve.runner.sampler import Sampler, SamplingState
 from kvserve.runner.speculative import (
     NgramProposer,
@@ -20,6 +19,7 @@ from kvserve.runner.speculative import (
     drafts_within_grammar,
     sample_and_verify,
 )
+from kvserve.sampling_params import SamplingParams
 
 VOCAB = 16
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.serving import build_server
 from kvserve.serving_config import ServerConfig
 from tests.support.tiny_models import make_tiny_model
@@ -123,7 +123,7 @@ def offline_texts(server_process: ServerProcess) -> tuple[list[str], list[str]]:
 
     Computed while the server process loads its model (both are mostly single-threaded start-up work).
     """
-    from kvserve.engine import LLM
+    from kvserve.offline import LLM
 
     llm = LLM(**LLM_KWARGS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

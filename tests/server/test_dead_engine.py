@@ -16,7 +16,8 @@ import pytest
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import EngineStats
-from kvserve.request import CompletionOutput, ProcessedPrompt, RequestMetrics, RequestOutput, SamplingParams
+from kvserve.request import CompletionOutput, ProcessedPrompt, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.openai_api import build_app
 from kvserve.serving_config import ServerConfig
 

@@ -8,7 +8,7 @@ import asyncio
 
 from kvserve import LLM
 from kvserve.async_engine import AsyncEngine
-from kvserve.request import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_a_compiled_constraint_dropped_from_the_cache_is_not_compiled_again_by_the_engine() -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from kvserve.async_engine import _Stream
 from kvserve.errors import CapacityError
-from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.request_run import EngineRequest, RequestRun
 
 
@@ -104,7 +105,7 @@ def test_an_engine_stream_merges_what_its_reader_has_not_read() -> None:
 
 
 def test_only_the_first_sample_of_a_prompt_computes_its_prompt_logprobs() -> None:
-    from kvserve.engine import expand_n
+    from kvserve.sampling_params import expand_n
 
     samples = expand_n(SamplingParams(n=3, seed=7, prompt_logprobs=2))
     assert [s.prompt_logprobs for s in samples] == [2, None, None] and [s.seed for s in samples] == [7, 8, 9]

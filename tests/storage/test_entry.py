@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.block_hash import hash_block
 from kvserve.errors import StorageError
-from kvserve.request import hash_block
 from kvserve.storage.base import (
     ENTRY_FORMAT_VERSION,
     Backoff,

@@ -11,7 +11,7 @@ from kvserve.config import StructuredOutputConfig
 from kvserve.errors import InvalidRequest
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.loader import default_model_path
-from kvserve.request import StructuredOutputsParams
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured import grammar as grammar_module
 from kvserve.structured.grammar import GrammarCompiler, GrammarCompileTimeout
 from kvserve.structured.masks import GrammarMasker

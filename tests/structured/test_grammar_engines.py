@@ -12,7 +12,7 @@ import torch
 from kvserve.config import StructuredOutputConfig
 from kvserve.errors import ConfigError, InvalidRequest
 from kvserve.model.loader import default_model_path
-from kvserve.request import StructuredOutputsParams
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured import grammar as grammar_module
 from kvserve.structured.grammar import AUTO_XGRAMMAR_MAX_SCHEMAS, GrammarCompiler, LLGuidanceMatcher
 from kvserve.structured.masks import GrammarMasker
