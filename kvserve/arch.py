@@ -72,7 +72,8 @@ class ArchConfig:
     (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
     """
 
-    # The engine's: "llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"
+    # The engine's: "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "mixtral", "qwen2_moe",
+    # "qwen3_moe"
     # (Hugging Face model_type names); any model_type for the cost model.
     architecture: str
     vocab_size: int
@@ -94,7 +95,15 @@ class ArchConfig:
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float = 0.0  # rope base of the sliding layers (0: rope_theta)
     rope_scaling: RopeScaling | None = None  # of the full-attention layers (the sliding ones keep theirs)
+    no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary at all (SmolLM3's NoPE layers)
     query_pre_attn_scalar: float = 0.0  # attention scale is this ** -0.5 (0: head_dim, the usual)
+    # Granite's scalars: the embeddings times embedding_multiplier, each layer's attention and MLP outputs times
+    # residual_multiplier as they join the residual stream, the logits divided by logits_scaling, and the
+    # attention scale attention_multiplier (0: as above).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float = 0.0
     final_logit_softcapping: float = 0.0  # logits -> cap * tanh(logits / cap) (0: none)
     # Mixture of experts (0: a dense MLP in every layer).
     num_experts: int = 0
@@ -129,7 +138,7 @@ class ArchConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_window(self, layer_index: int) -> int | None:
         """The keys a layer's queries see back from their own position (None: all of them)."""

@@ -355,12 +355,19 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
             sliding_window=window,
             sliding_layers=_gguf_sliding_layers(arch, num_layers) if window else (),
+            # llama.cpp's rule for SmolLM3, whose files do not say: every fourth layer has no rotary.
+            no_rope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
             # llama.cpp's values for Gemma 3, which its GGUF files do not carry.
             rope_local_theta=10000.0 if arch == "gemma3" else 0.0,
             # llama.cpp's rule: Gemma 3 27B (62 layers) scales queries by hidden / heads, the others by the head size.
             query_pre_attn_scalar=(float(hidden_size // num_heads) if num_layers == 62 else
                                    float(key("attention.key_length", 0))) if arch == "gemma3" else 0.0,
             final_logit_softcapping=float(key("final_logit_softcapping", 0.0) or 0.0),
+            # Granite's scalars (llama.cpp's names; other architectures read logit_scale otherwise)
+            embedding_multiplier=_shortest_float(key("embedding_scale", 1.0)) if arch == "granite" else 1.0,
+            residual_multiplier=_shortest_float(key("residual_scale", 1.0)) if arch == "granite" else 1.0,
+            logits_scaling=_shortest_float(key("logit_scale", 1.0)) if arch == "granite" else 1.0,
+            attention_multiplier=_shortest_float(key("attention.scale", 0.0)),
             num_experts=num_experts,
             num_experts_per_token=int(key("expert_used_count", 0)),
             moe_intermediate_size=int(key("expert_feed_forward_length", 0)),

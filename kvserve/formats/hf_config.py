@@ -88,11 +88,36 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's layers without rotary (``no_rope_layers`` marks each layer 1 where it rotates, else every
+    ``no_rope_layer_interval``-th, 4, goes without), its sliding-window layers where ``use_sliding_window``
+    (``layer_types``, by default the layers without rotary) and its tied embeddings, as transformers'
+    SmolLM3Config reads them."""
+    num_layers = int(cfg["num_hidden_layers"])
+    marks = cfg.get("no_rope_layers")
+    if marks is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        marks = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(marks) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(marks)} entries for {num_layers} layers")
+    no_rope = tuple(i for i, rotates in enumerate(marks) if not rotates)
+    fields: dict[str, Any] = {"no_rope_layers": no_rope,
+                              "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))}
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") and window:
+        types = cfg.get("layer_types") or ["sliding_attention" if i in no_rope else "full_attention"
+                                           for i in range(num_layers)]
+        fields.update(sliding_window=int(window),
+                      sliding_layers=tuple(i for i, kind in enumerate(types) if kind == "sliding_attention"))
+    return fields
+
+
 def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
     """The ``ArchConfig`` of a parsed ``config.json`` read from ``source`` (named in errors)."""
     model_type = str(cfg.get("model_type") or "")
     try:
-        family = _gemma3_fields(cfg) if model_type in ("gemma3", "gemma3_text") else {}
+        family = (_gemma3_fields(cfg) if model_type in ("gemma3", "gemma3_text")
+                  else _smollm3_fields(cfg) if model_type == "smollm3" else {})
         hidden_size = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
@@ -119,6 +144,11 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
             or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            # Granite's scalars, absent ones as transformers' GraniteConfig defaults them (attention's: 1)
+            embedding_multiplier=float(cfg.get("embedding_multiplier") or 1.0),
+            residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),
+            logits_scaling=float(cfg.get("logits_scaling") or 1.0),
+            attention_multiplier=float(cfg.get("attention_multiplier", 1.0)) if model_type == "granite" else 0.0,
             num_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
             num_experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),

@@ -14,7 +14,14 @@ import torch
 from kvserve.config import ArchConfig
 from kvserve.errors import ModelLoadError
 from kvserve.kv_layout import KVLayout
-from kvserve.model.backends.base import AttentionMetadata, Backend, DecoderLayout, FusedDecode, PagedAttention
+from kvserve.model.backends.base import (
+    NO_ROTATION,
+    AttentionMetadata,
+    Backend,
+    DecoderLayout,
+    FusedDecode,
+    PagedAttention,
+)
 from kvserve.model.layers import RotaryEmbedding, rms_norm
 from kvserve.model.lora import LayerLoRA, StepLoRA
 from kvserve.model.mlp import FeedForward, GatedMLP, Take
@@ -41,25 +48,31 @@ class DecoderLayer:
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
         lora: LayerLoRA | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``lora``: the adapters of the step's rows at this layer (None: every row runs the base model)."""
+        """``lora``: the adapters of the step's rows at this layer (None: every row runs the base model);
+        ``cos``, ``sin`` None: a layer without rotary."""
         eps, ops = self.arch.rms_norm_eps, self.ops
         x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, eps)
         attn = self.attend(x, cos, sin, meta, kv_cache, lora)
         x, residual = ops.add_rms_norm(self.project_out(attn, lora), residual, self.post_attention_norm, eps)
-        return self.mlp.forward(x, lora), residual
+        return self.to_residual(self.mlp.forward(x, lora)), residual
 
     def project_out(self, attn: torch.Tensor, lora: LayerLoRA | None) -> torch.Tensor:
-        """The attention's output projection (O), with the rows' adapters."""
+        """The attention's output projection (O), with the rows' adapters, as it joins the residual stream."""
         out = self.ops.linear(attn, self.o_weight, None)
-        return out if lora is None else lora.add("o", attn, out)
+        return self.to_residual(out if lora is None else lora.add("o", attn, out))
 
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+    def to_residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream (times Granite's residual multiplier)."""
+        multiplier = self.arch.residual_multiplier
+        return out if multiplier == 1.0 else out * multiplier
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, meta: AttentionMetadata,
                kv_cache: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         """QKV projection, QK-norm, rotary and paged attention: [num_tokens, hidden] -> [num_tokens, q_size]."""
         arch, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
@@ -74,7 +87,8 @@ class DecoderLayer:
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((ops.add_rms_norm(qk[:, :num_heads], None, self.q_norm, eps)[0],
                             ops.add_rms_norm(qk[:, num_heads:], None, self.k_norm, eps)[0]), dim=1)
-        qk = ops.rotary(qk, cos, sin)
+        if cos is not None and sin is not None:
+            qk = ops.rotary(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         return self.attention.forward(q, k, v, kv_cache, meta)
 
@@ -129,21 +143,24 @@ class LlamaForCausalLM:
         metas = self.layer_metas(meta, group_metas)
         for i, (layer, kv_cache, layer_meta, r) in enumerate(zip(self.layers, kv_caches, metas, self.layer_rotations,
                                                                   strict=True)):
-            cos, sin = rotations[r]
+            cos, sin = rotations[r] if r != NO_ROTATION else (None, None)
             hidden, residual = layer.forward(hidden, residual, cos, sin, layer_meta, kv_cache,
                                              None if lora is None else lora.layer(i))
         assert residual is not None
         return hidden + residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.embedding(input_ids, self.embed_tokens)
+        embedded = self.ops.embedding(input_ids, self.embed_tokens)
+        multiplier = self.arch.embedding_multiplier
+        return embedded if multiplier == 1.0 else embedded * multiplier
 
     def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) at the positions for each rope base the layers use (``DecoderLayout.layer_rotations``)."""
         return [self.rotary.lookup(positions)]
 
     def decoder_layout(self) -> DecoderLayout:
-        return DecoderLayout(llama_layers=self.llama_layers, layer_rotations=(0,) * len(self.layers))
+        return DecoderLayout(llama_layers=self.llama_layers, layer_rotations=tuple(
+            NO_ROTATION if i in self.arch.no_rope_layers else 0 for i in range(len(self.layers))))
 
     def prepare_decode(self, kv_caches: list[torch.Tensor], layer_tables: Sequence[int]) -> None:
         """Called once the KV caches exist, before the first step, with each layer's KV group (all 0 when the
@@ -163,7 +180,8 @@ class LlamaForCausalLM:
         greedy argmax is exact in any dtype, and the sampler's general path converts to float32 itself. (The CPU
         argmax kernel takes bf16 and float32; float16 is refused on CPU at start-up.) ``head``: leading rows of
         the output projection to use instead of the whole (a draft's pruned vocabulary)."""
-        return self.ops.linear(self.final_hidden(hidden), self.lm_head if head is None else head, None)
+        logits = self.ops.linear(self.final_hidden(hidden), self.lm_head if head is None else head, None)
+        return logits if self.arch.logits_scaling == 1.0 else logits / self.arch.logits_scaling
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last layer's output after the final norm: what the output projection reads."""

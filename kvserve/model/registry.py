@@ -15,6 +15,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,  # Llama's layers, every fourth without rotary (ArchConfig.no_rope_layers)
+    "granite": LlamaForCausalLM,  # Llama's layers with Granite's scalars (ArchConfig.residual_multiplier, ...)
     "gemma3": Gemma3ForCausalLM,
     # The same decoder with a mixture-of-experts MLP (model/moe.py) in the layers that route.
     "mixtral": LlamaForCausalLM,

@@ -11,6 +11,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
+from tests.support.tiny_models import make_tiny_model
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512 kernels on this machine")
@@ -76,3 +77,28 @@ def test_fused_decode_gives_the_tokens_of_the_python_layers() -> None:
     finally:
         model.fused_decode = stack
     assert fused == python
+
+
+@pytest.mark.parametrize("family", ["smollm3", "granite"])
+def test_fused_decode_takes_the_layers_of_smollm3_and_granite(tmp_path, family: str) -> None:
+    """SmolLM3's NoPE layers (every fourth): the stack skips their rotary; Granite's residual multiplier: the
+    stack scales each block's output as the Python layers do. The same tokens and logprobs either way (tiny
+    random models with heads of 64, which the stack takes)."""
+    model_dir = make_tiny_model(tmp_path, family, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                intermediate_size=256)
+    llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    stack = model.fused_decode
+    assert stack is not None
+    assert model.arch.no_rope_layers == ((3,) if family == "smollm3" else ())
+    assert (model.arch.residual_multiplier != 1.0) == (family == "granite")
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 160 + 7 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    fused = llm.generate(prompts, params)
+    model.fused_decode = None
+    try:
+        python = llm.generate(prompts, params)
+    finally:
+        model.fused_decode = stack
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in python]
+    assert [o.outputs[0].logprobs for o in fused] == [o.outputs[0].logprobs for o in python]

@@ -15,22 +15,47 @@ MAX_TOKENS = 12
 
 
 @pytest.mark.parametrize(
-    ("family", "tie"), [("llama", True), ("mistral", False), ("qwen2", True), ("qwen2", False), ("qwen3", False)]
+    ("family", "tie"), [("llama", True), ("mistral", False), ("qwen2", True), ("qwen2", False), ("qwen3", False),
+                        ("smollm3", True), ("granite", True)]
 )
 def test_tiny_model_matches_transformers(tmp_path, family: str, tie: bool) -> None:
+    """SmolLM3's fourth layer has no rotary (NoPE); Granite scales its embeddings, the blocks' outputs as they
+    join the residual stream, its attention and its logits. Their GGUFs, as llama.cpp's converter writes them
+    (Q and K permuted; no key saying which of SmolLM3's layers go without), give the same tokens."""
     import transformers
 
     model_dir = make_tiny_model(tmp_path, family, tie=tie)
     reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     reference = [hf_greedy(reference_model, p, MAX_TOKENS) for p in PROMPTS]
+    also_as_gguf = ("smollm3", "granite")
+    sources = [model_dir] + ([gguf_from_tiny_model(model_dir, tmp_path / "m.gguf")] if family in also_as_gguf else [])
+    for source in sources:
+        # Small blocks and a small token budget exercise paging, chunked prefill and mixed batches.
+        llm = LLM(str(source), dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=24,
+                  enable_prefix_caching=True)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+        if family in also_as_gguf:  # the prompt's logprobs show what the tokens of a tiny random model may not
+            _check_prompt_logprobs(reference_model, llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                                 SamplingParams(max_tokens=1, prompt_logprobs=0)))
+        llm.engine.check_invariants()
 
-    # Small blocks and a small token budget exercise paging, chunked prefill and mixed batches.
-    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=24,
-              enable_prefix_caching=True)
+
+def test_smollm3_with_its_sliding_window_matches_transformers(tmp_path) -> None:
+    """SmolLM3's use_sliding_window: its layers without rotary see only the last keys of a window shorter than
+    the prompts (transformers' layer_types); the others everything."""
+    import transformers
+
+    model_dir = make_tiny_model(tmp_path, "smollm3", use_sliding_window=True, sliding_window=8)
+    reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=24)
+    assert llm.engine.arch.sliding_window == 8 and llm.engine.arch.sliding_layers == (3,)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == reference
-    llm.engine.check_invariants()
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference_model, p, MAX_TOKENS) for p in PROMPTS]
+    _check_prompt_logprobs(reference_model, llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                         SamplingParams(max_tokens=1, prompt_logprobs=0)))
 
 
 @pytest.mark.parametrize("cpu_kernels", [
@@ -104,7 +129,12 @@ def _check_stretched_rotary(llm: LLM, reference_model, reference: list[list[int]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    # The prompt's logprobs too (the tokens alone barely depend on position in a tiny random model).
+    _check_prompt_logprobs(reference_model, outputs)
+
+
+def _check_prompt_logprobs(reference_model, outputs) -> None:
+    """The prompt's logprobs against transformers' (the tokens alone barely depend on position in a tiny random
+    model)."""
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         with torch.no_grad():
             logits = reference_model(torch.tensor([prompt])).logits[0]

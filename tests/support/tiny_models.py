@@ -26,7 +26,7 @@ import torch
 from kvserve.model.loader import resolve_model_path
 from kvserve.tokenizer import Tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # make_tiny_model also builds "gemma3"
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # make_tiny_model also builds gemma3, smollm3 and granite
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 TINY_SHAPE = {
@@ -37,8 +37,9 @@ TINY_SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 512,
 }
-_ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0, "gemma3": 1000000.0,
-               "mixtral": 1000000.0, "qwen2_moe": 1000000.0, "qwen3_moe": 50000.0}
+_ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0, "smollm3": 2000000.0,
+               "granite": 10000000.0, "gemma3": 1000000.0, "mixtral": 1000000.0, "qwen2_moe": 1000000.0,
+               "qwen3_moe": 50000.0}
 # Mixture of experts: 8 experts, 2 per token, on three layers; the dense layers keep TINY_SHAPE's MLP.
 TINY_MOE_SHAPE = {"num_hidden_layers": 3, "num_experts_per_tok": 2}
 TINY_NUM_EXPERTS = 8
@@ -77,6 +78,11 @@ def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_
     if family == "qwen3":
         # An explicit head_dim unlike hidden_size // num_heads (16), as real Qwen3 checkpoints have.
         return transformers.Qwen3Config(**common, head_dim=32)
+    if family == "granite":  # its scalars far from 1, so that leaving one out changes every logit
+        return transformers.GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                             "attention_multiplier": 0.09, "logits_scaling": 8.0, **common})
+    if family == "smollm3":  # four layers: the fourth has no rotary (NoPE), as every fourth in SmolLM3
+        return transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4, "pad_token_id": None})
     if family == "mixtral":  # its intermediate_size is the experts'; every layer routes, top-k renormalised
         return transformers.MixtralConfig(**dict(common, intermediate_size=TINY_EXPERT_SIZE),
                                           num_local_experts=TINY_NUM_EXPERTS, sliding_window=None)
@@ -362,8 +368,8 @@ def make_tiny_gguf(
 # ---- GGUF from a tiny checkpoint -------------------------------------------------------------------
 
 # Hugging Face model_type -> llama.cpp's GGUF architecture (Mixtral is written as "llama").
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
+              "granite": "granite", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 _MOE_SUFFIXES = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
@@ -381,7 +387,7 @@ def _tiny_model_gguf_tensors(tensors: dict[str, np.ndarray], config: dict) -> di
     """Checkpoint tensors under llama.cpp's names, experts stacked [num_experts, ...] per layer and projection."""
     out: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
-    permuted = config["model_type"] in ("llama", "mistral", "mixtral")
+    permuted = config["model_type"] in ("llama", "mistral", "mixtral", "smollm3", "granite")
     for name, value in tensors.items():
         if permuted and name.endswith("q_proj.weight"):
             value = llama_cpp_permute(value, config["num_attention_heads"])
@@ -427,6 +433,11 @@ def gguf_from_tiny_model(model_dir: Path, path: Path, vector_shared_gate: bool =
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     _add_yarn(writer, config["rope_parameters"])
+    if config["model_type"] == "granite":  # its scalars, as llama.cpp's converter writes them
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     num_experts = config.get("num_local_experts") or config.get("num_experts")

@@ -178,8 +178,12 @@ class DecoderLayout:
     # Llama's layer (two norms, a SiLU-gated MLP), which a kernel stack may run itself; a family with more
     # (Gemma 3's four norms) only runs as its layers' own forwards.
     llama_layers: bool
-    # Per layer, which of the step's rotations it takes: 0 the model's, 1 the local one (Gemma 3's window layers).
+    # Per layer, which of the step's rotations it takes: 0 the model's, 1 the local one (Gemma 3's window layers),
+    # NO_ROTATION none (SmolLM3's NoPE layers).
     layer_rotations: tuple[int, ...]
+
+
+NO_ROTATION = -1
 
 
 class FusedDecode(Protocol):

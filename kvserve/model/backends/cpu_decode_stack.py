@@ -6,8 +6,8 @@ costing Python and dispatcher time on the engine thread while the kernels' other
 stack calls the same kernels in the same order (a single row on the GEMV, as the Python layer does), so
 its output is bit for bit the Python path's. It takes steps whose every token is a decode, on a model
 whose every projection weight the plan's family (AMX, AVX512-BF16 dot products, AVX-512 or AVX2) packed, at
-head sizes 64, 128 and 256, with or without a QKV bias (Qwen2) and QK-norm (Qwen3). Without a many-row
-attention kernel (AVX2) it takes only steps with no shared prefix.
+head sizes 64, 128 and 256, with or without a QKV bias (Qwen2) and QK-norm (Qwen3), some layers without rotary
+(SmolLM3), the blocks' outputs scaled as they join the residual stream (Granite). Without a many-row attention kernel (AVX2) it takes only steps with no shared prefix.
 """
 
 from __future__ import annotations
@@ -157,8 +157,9 @@ class FusedDecodeStack:
             self.packed["gate_up"], self.packed["down"], kv_caches, meta.slot_mapping, meta.decode_block_table,
             meta.decode_seq_lens, None if runs is None else runs.block_tables, None if runs is None else runs.kv_lens,
             None if runs is None else runs.q_starts, prefix_packed, self.single_row_weights, self.qkv_biases,
-            self.q_norms, self.k_norms, arch.num_heads, arch.num_kv_heads, arch.rms_norm_eps, self.attentions[0].scale,
-            self.attentions[0].split_size, *self._quantized_args(), self.projections, self.attention,
+            self.q_norms, self.k_norms, list(arch.no_rope_layers), arch.residual_multiplier, arch.num_heads,
+            arch.num_kv_heads, arch.rms_norm_eps, self.attentions[0].scale, self.attentions[0].split_size,
+            *self._quantized_args(), self.projections, self.attention,
         )
         if runs is not None and meta.decode_prefix_key is not None and self.attention == "amx":
             for i in missing:

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from kvserve.model.backends.base import AttentionMetadata
+from kvserve.model.backends.base import NO_ROTATION, AttentionMetadata
 from kvserve.model.backends.triton_attention import SharedPrefix, TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,9 @@ Step = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # -> (hidden, residual) 
 class DecoderStep(Protocol):
     """One decoder layer's forward, as the model's layers run it."""
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor | None,
+                sin: torch.Tensor | None, meta: AttentionMetadata, kv_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class GraphCapture(Protocol):
@@ -263,7 +264,7 @@ class DecodeGraphs:
                 metas: Sequence[AttentionMetadata], kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         residual: torch.Tensor | None = None
         for layer, kv_cache, t, r in zip(self.layers, kv_caches, self.layer_tables, self.layer_rotations, strict=True):
-            cos, sin = rotations[r]
+            cos, sin = rotations[r] if r != NO_ROTATION else (None, None)
             hidden, residual = layer.forward(hidden, residual, cos, sin, metas[t], kv_cache)
         assert residual is not None
         return hidden, residual

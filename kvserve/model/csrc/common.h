@@ -405,8 +405,9 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& prefix_block_tables,
     const c10::optional<at::Tensor>& prefix_kv_lens, const c10::optional<at::Tensor>& prefix_q_starts,
     at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
-    at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
-    double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
+    at::TensorList q_norms, at::TensorList k_norms, at::IntArrayRef unrotated_layers, double residual_multiplier,
+    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t split_size, at::TensorList quant_data,
+    at::IntArrayRef quant_types,
     at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
     int64_t quant_fused_max_rows, bool quant_int8_activations, c10::string_view projections,
     c10::string_view attention);

@@ -64,8 +64,10 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 // paged_attention_avx512, prefix_packed empty; "none": no shared prefix is given), merged by log-sum-exp. single_row_weights: empty,
 // or per layer the raw QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on
 // the GEMV, as the Python layer does. qkv_biases: empty, or per layer the QKV projection's bias (Qwen2).
-// q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). quant_segments: empty, or (GGUF-
-// quantised weights, through quant_linear; the packed lists are then empty) per layer the number of row
+// q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). unrotated_layers: the layers whose
+// queries and keys take no rotary (SmolLM3's NoPE layers). residual_multiplier: what each layer's attention
+// and MLP outputs are multiplied by as they join the residual stream (Granite's; 1: none). quant_segments:
+// empty, or (GGUF-quantised weights, through quant_linear; the packed lists are then empty) per layer the number of row
 // segments of the QKV, O, gate/up and down weights, with quant_cols their inner sizes and quant_data /
 // quant_types the segments in that order, quant_gemv_max_rows / quant_fused_max_rows quant_linear's limits of
 // its paths and quant_int8_activations its int8_activations. Returns (hidden, residual) after the last layer.
@@ -76,7 +78,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& prefix_block_tables,
     const c10::optional<at::Tensor>& prefix_kv_lens, const c10::optional<at::Tensor>& prefix_q_starts,
     at::TensorList prefix_packed, at::TensorList single_row_weights, at::TensorList qkv_biases,
-    at::TensorList q_norms, at::TensorList k_norms, int64_t num_heads, int64_t num_kv_heads, double eps,
+    at::TensorList q_norms, at::TensorList k_norms, at::IntArrayRef unrotated_layers, double residual_multiplier,
+    int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t split_size, at::TensorList quant_data, at::IntArrayRef quant_types,
     at::IntArrayRef quant_segments, at::IntArrayRef quant_cols, int64_t quant_gemv_max_rows,
     int64_t quant_fused_max_rows, bool quant_int8_activations, c10::string_view projections,
@@ -154,7 +157,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     if (!q_norms.empty())
       qk = at::cat({head_rms_norm(qk.narrow(1, 0, num_heads), q_norms[l], eps),
                     head_rms_norm(qk.narrow(1, num_heads, num_kv_heads), k_norms[l], eps)}, 1);
-    qk = rotary(qk, cos, signed_sin);
+    if (std::find(unrotated_layers.begin(), unrotated_layers.end(), l) == unrotated_layers.end())
+      qk = rotary(qk, cos, signed_sin);
     const at::Tensor q = qk.narrow(1, 0, num_heads);
     write_slots(qk.narrow(1, num_heads, num_kv_heads), k_cache, slots, T);
     write_slots(qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, kDim}), v_cache, slots, T);
@@ -177,7 +181,9 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     } else {
       attn = out.to(at::kBFloat16);
     }
-    const at::Tensor o = projection(attn.reshape({T, q_size}), 1, o_packed);
+    // As the Python layer rounds it: the bf16 output times the multiplier, rounded to bf16.
+    auto to_residual = [&](at::Tensor out) { return residual_multiplier == 1.0 ? out : out.mul(residual_multiplier); };
+    const at::Tensor o = to_residual(projection(attn.reshape({T, q_size}), 1, o_packed));
     auto [x2, res2] = add_rms_norm(o, res, post_norms[l], eps);
     at::Tensor h;
     if (quantized) {
@@ -188,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
       h = gemv ? silu_mul(family.project(x2, gate_up_packed[l], raw(2)))
                : family.linear_silu_mul(x2, gate_up_packed[l]);
     }
-    hidden = projection(h, 3, down_packed);
+    hidden = to_residual(projection(h, 3, down_packed));
     residual = res2;
   }
   return {hidden, *residual};

@@ -78,7 +78,8 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor[] qkv_packed, Tensor[] o_packed, Tensor[] gate_up_packed, Tensor[] down_packed, Tensor[] kv_caches, "
         "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor? prefix_block_tables, "
         "Tensor? prefix_kv_lens, Tensor? prefix_q_starts, Tensor[] prefix_packed, Tensor[] single_row_weights, "
-        "Tensor[] qkv_biases, Tensor[] q_norms, Tensor[] k_norms, int num_heads, int num_kv_heads, "
+        "Tensor[] qkv_biases, Tensor[] q_norms, Tensor[] k_norms, int[] unrotated_layers, float residual_multiplier, "
+        "int num_heads, int num_kv_heads, "
         "float eps, float scale, int split_size, Tensor[] quant_data, int[] quant_types, int[] quant_segments, "
         "int[] quant_cols, int quant_gemv_max_rows, int quant_fused_max_rows, bool quant_int8_activations, str projections, str attention) -> (Tensor, Tensor)",
         &kvserve::decode_stack);
