@@ -21,7 +21,7 @@ import enum
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AnyStr
+from typing import TYPE_CHECKING, Any, AnyStr, Generic, TypeVar
 
 from kvserve.errors import ConfigError
 
@@ -222,16 +222,48 @@ class ReasoningGate:
         return self.phase is Phase.OPEN and not self._seen
 
 
+T = TypeVar("T")
+
+
+class AnswerTokens(Generic[T]):
+    """Keeps what comes with each of a reply's answer tokens (a logprob entry) and drops its thoughts' (the
+    markers and any blanks before the block included), token by token as the engine's gate reads them;
+    ``phase``: where the prompt left the reply. A token read before the reply has chosen between a block and
+    an answer (blanks, a start marker begun) is held until it chooses, or until the reply ends."""
+
+    __slots__ = ("_gate", "_held")
+
+    def __init__(self, tokens: ReasoningTokens, phase: Phase) -> None:
+        self._gate = ReasoningGate(tokens, phase)
+        self._held: list[T] = []
+
+    def feed(self, token_id: int, item: T) -> list[T]:
+        """What to send now: ``item`` if its token is the answer's, with any held before it."""
+        gate = self._gate
+        if gate.phase is Phase.ANSWER:
+            return [item]
+        closed = gate.observe(token_id)
+        if gate.phase is Phase.OPEN:
+            self._held.append(item)
+            return []
+        if closed or gate.phase is Phase.THINKING:
+            self._held.clear()
+            return []
+        held, self._held = self._held, []  # answered without a block: what came before it is the answer's
+        return [*held, item]
+
+    def finish(self) -> list[T]:
+        """At the reply's end: what is still held, unless it ended in its thoughts."""
+        held, self._held = self._held, []
+        return held if self._gate.phase is not Phase.THINKING else []
+
+
 def count_reasoning_tokens(output_ids: Sequence[int], tokens: ReasoningTokens, phase: Phase) -> int:
     """How many of a reply's tokens are its thoughts (the markers included), as the engine's gate counts them;
     ``phase``: where the prompt left the reply."""
-    gate = ReasoningGate(tokens, phase)
-    for i, token_id in enumerate(output_ids):
-        if gate.phase is Phase.ANSWER:
-            return 0  # answered without a block
-        if gate.observe(token_id):
-            return i + 1
-    return len(output_ids) if gate.phase is Phase.THINKING else 0
+    answer: AnswerTokens[None] = AnswerTokens(tokens, phase)
+    kept = sum(len(answer.feed(token_id, None)) for token_id in output_ids) + len(answer.finish())
+    return len(output_ids) - kept
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:

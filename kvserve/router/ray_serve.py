@@ -28,7 +28,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from kvserve.errors import ConfigError, InvalidRequest, NoHealthyReplica
 from kvserve.router.policies import RouteRequest, RoutingPolicy, make_policy
-from kvserve.router.prompt_tokens import PromptTokens
+from kvserve.router.prompt_tokens import PromptTokens, template_defaults
 from kvserve.router.replicas import Replica
 from kvserve.server.protocol import error_body
 from kvserve.serving_config import RouterConfig
@@ -159,7 +159,7 @@ class KVServeIngress:
                 description = await self._replicas.describe.remote()
                 tokenizer = Tokenizer.from_description(description["tokenizer"])
                 for model in description["models"]:
-                    self._prompts.add(model, tokenizer)
+                    self._prompts.add(model, tokenizer, template_defaults(description["tokenizer"]))
                 self._models = description["models"]
 
     @ingress_app.post("/v1/chat/completions")

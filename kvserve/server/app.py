@@ -72,7 +72,8 @@ class AppState:
         self.max_model_len = max_model_len
         self.model_root = model_root
         self.metrics = ServerMetrics(engine.stats, lambda: engine.is_alive)
-        self.bodies = ResponseBuilder(tokenizer, self.metrics, engine.engine.reasoning_markers)
+        self.bodies = ResponseBuilder(tokenizer, self.metrics, engine.engine.reasoning_markers,
+                                      engine.engine.reasoning_tokens)
         self.response_store = ResponseStore(config.response_store_mib * 2**20)  # for previous_response_id
         self.runs: set[RequestRun] = set()
         self.recent = RecentRequests(compute=compute)  # what the dashboard lists and draws
@@ -437,9 +438,11 @@ def build_app(
 
     @app.get("/kvserve/tokenizer")
     async def tokenizer_description() -> Response:
-        """The tokenizer and chat template, so that a gateway renders and tokenizes prompts as this server does."""
+        """The tokenizer, chat template and the template variables this server defaults, so that a gateway
+        renders and tokenizes prompts as this server does."""
         if not tokenizer_json:
-            tokenizer_json.append(json.dumps(tokenizer.describe()).encode())
+            description = {**tokenizer.describe(), "default_chat_template_kwargs": state.default_template_variables}
+            tokenizer_json.append(json.dumps(description).encode())
         return Response(tokenizer_json[0], media_type="application/json")
 
     started_at = time.time()

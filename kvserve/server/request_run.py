@@ -15,7 +15,7 @@ from typing import Any
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.errors import KVServeError
-from kvserve.reasoning import Phase, ReasoningSplitter, count_reasoning_tokens
+from kvserve.reasoning import AnswerTokens, Phase, ReasoningSplitter, count_reasoning_tokens
 from kvserve.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import response_models as rm
@@ -43,6 +43,7 @@ class EngineRequest:
     reasoning_splitter: ReasoningSplitter | None = None  # a reasoning model's streamed chat reply
     reasoning: Phase | None = None  # a reasoning model's chat reply: where its prompt left it
     num_thought_tokens: int = 0  # of its tokens, its thoughts' (counted when it ends)
+    answer_logprobs: AnswerTokens[Any] | None = None  # streamed without its thoughts: their logprobs left out
     grammar: CompiledGrammar | None = None  # its constraint's, compiled before it was made
     first_sample: EngineRequest | None = None  # the sample of the same prompt that computed its prompt logprobs
 

@@ -12,7 +12,14 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from kvserve.errors import KVServeError
-from kvserve.reasoning import Phase, ReasoningMarkers, ReasoningSplitter, split_reasoning
+from kvserve.reasoning import (
+    AnswerTokens,
+    Phase,
+    ReasoningMarkers,
+    ReasoningSplitter,
+    ReasoningTokens,
+    split_reasoning,
+)
 from kvserve.request import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server import response_models as rm
@@ -31,10 +38,12 @@ class ResponseBuilder:
     """
 
     def __init__(self, tokenizer: Tokenizer, metrics: ServerMetrics,
-                 reasoning_markers: ReasoningMarkers | None = None) -> None:
+                 reasoning_markers: ReasoningMarkers | None = None,
+                 reasoning_tokens: ReasoningTokens | None = None) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.reasoning_markers = reasoning_markers  # a reasoning model's: chat replies part thoughts from answer
+        self.reasoning_tokens = reasoning_tokens  # the same markers' tokens: which tokens are thoughts
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
 
@@ -75,6 +84,8 @@ class ResponseBuilder:
                     message.content = message.content or None  # a reply that ended in its thoughts: no answer
                     if body.include_reasoning:
                         message.reasoning = message.reasoning_content = thoughts
+                    elif logprobs is not None:  # the thoughts left out: their tokens' logprobs too
+                        logprobs.content = logprobs.content[c.num_thought_tokens:]
                 message.role = body.reply_role
                 if echoed and (message.content is not None or thoughts is not None):
                     message.content = echoed + (message.content or "")
@@ -106,6 +117,9 @@ class ResponseBuilder:
                 child.tool_parser = tool_format.parser()
             if reasoning is not None and self.reasoning_markers is not None:
                 child.reasoning_splitter = ReasoningSplitter(self.reasoning_markers, reasoning)
+                if chat and not body.include_reasoning and child.params.logprobs is not None \
+                        and self.reasoning_tokens is not None:
+                    child.answer_logprobs = AnswerTokens(self.reasoning_tokens, reasoning)
         try:
             try:
                 if chat:  # OpenAI opens each choice with the role
@@ -147,6 +161,11 @@ class ResponseBuilder:
         if chat:
             logprobs = self._chat_logprobs(child, start, num_tokens, body.top_logprobs or 0,
                                            body.return_tokens_as_token_ids)
+            if logprobs is not None and (answer := child.answer_logprobs) is not None:
+                entries = [kept for token_id, entry in zip(completion.token_ids[start:], logprobs.content, strict=True)
+                           for kept in answer.feed(token_id, entry)]
+                entries += answer.finish() if finish is not None else []
+                logprobs = rm.ChatLogprobs(content=entries) if entries else None
             text, thoughts = output.delta_text, ""
             if (splitter := child.reasoning_splitter) is not None:
                 thoughts, text = splitter.feed(text)

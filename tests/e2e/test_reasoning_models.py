@@ -16,9 +16,11 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.errors import ConfigError
 from kvserve.reasoning import Phase, ReasoningMarkers, count_reasoning_tokens, split_reasoning
+from kvserve.router.prompt_tokens import PromptTokens, template_defaults
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server.serving import BackgroundServer
 from kvserve.serving_config import ServerConfig
+from kvserve.tokenizer import Tokenizer
 from tests.e2e.conftest import hf_greedy
 from tests.support.tiny_models import make_tiny_model, with_renamed_tokens
 
@@ -199,6 +201,18 @@ def test_openai_client_reads_thoughts_apart_from_the_answer(model_dir) -> None:
                                                 extra_body={**body, "include_reasoning": False})
         assert "reasoning_content" not in (hidden.choices[0].message.model_extra or {})
         assert hidden.choices[0].message.content == message.content
+        # nor are they in the logprobs, whole or streamed: the answer's tokens are
+        shown = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=80, temperature=0,
+                                               logprobs=True, extra_body=body).choices[0].logprobs.content
+        answer = [entry.token for entry in shown[5 + end_tokens:]]
+        hidden = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=80, temperature=0,
+                                                logprobs=True, extra_body={**body, "include_reasoning": False})
+        assert [entry.token for entry in hidden.choices[0].logprobs.content] == answer
+        streamed_tokens = [entry.token for chunk in client.chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=80, temperature=0, logprobs=True, stream=True,
+            extra_body={**body, "include_reasoning": False}) for choice in chunk.choices
+            for entry in (choice.logprobs.content if choice.logprobs else [])]
+        assert streamed_tokens == answer
 
         # The thoughts of an earlier reply go back to the template as reasoning_content, under either name.
         turn = [*QUESTION, {"role": "assistant", "content": message.content, "reasoning": thoughts},
@@ -276,6 +290,16 @@ def test_server_wide_template_defaults_turn_thoughts_off_unless_a_request_turns_
                                                               "chat_template_kwargs": {"enable_thinking": True}})
         assert thinking.choices[0].message.model_extra["reasoning_content"]
         assert thinking.usage.completion_tokens_details.reasoning_tokens == 6
+
+        # A gateway keys requests on the prompt as this server renders it, its defaults included.
+        description = httpx.get(server.base_url + "/kvserve/tokenizer").json()
+        assert description["default_chat_template_kwargs"] == {"enable_thinking": False}
+        keys = PromptTokens()
+        keys.add(model, Tokenizer.from_description(description), template_defaults(description))
+        for variables in ({}, {"chat_template_kwargs": {"enable_thinking": True}}):
+            rendered = httpx.post(server.base_url + "/tokenize", json={"messages": QUESTION, **variables}).json()
+            assert keys.of("/v1/chat/completions", {"model": model, "messages": QUESTION, **variables}) == tuple(
+                rendered["tokens"])
     finally:
         server.stop()
     with pytest.raises(ConfigError, match="messages"):  # refused before any model loads

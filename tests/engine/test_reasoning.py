@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.reasoning import (
+    AnswerTokens,
     Phase,
     ReasoningGate,
     ReasoningMarkers,
@@ -135,6 +136,24 @@ def test_gate_forces_the_end_marker_once_the_budget_is_spent() -> None:
     text, ended = run_gate(gate, ids("abcdef"), steps=len("abc</think>de"))
     assert text == "abc</think>de" and ended == [len("abc</think>")] and gate.phase is Phase.ANSWER
     assert count_reasoning_tokens(ids("abc</think>de"), TOKENS, Phase.THINKING) == len("abc</think>")
+
+
+@pytest.mark.parametrize(("phase", "reply", "answer"), [
+    (Phase.THINKING, "ab</think>cd", "cd"),
+    (Phase.THINKING, "abc", ""),  # ended in its thoughts
+    (Phase.ANSWER, "a<think>b", "a<think>b"),
+    (Phase.OPEN, "\n <think>x</think>y", "y"),  # the blanks before the block are the thoughts'
+    (Phase.OPEN, "\n <thy", "\n <thy"),  # a start marker begun, then the answer: held, then given
+    (Phase.OPEN, "\n <th", "\n <th"),  # ended before choosing: what was held is the answer's
+])
+def test_answer_tokens_keep_what_comes_with_the_answer_and_hold_the_undecided(
+        phase: Phase, reply: str, answer: str) -> None:
+    """What a reply's tokens carry (logprob entries), the thoughts' left out, token by token as they stream;
+    the same count as count_reasoning_tokens."""
+    kept = AnswerTokens(TOKENS, phase)
+    sent = [item for token_id in ids(reply) for item in kept.feed(token_id, chr(token_id))] + kept.finish()
+    assert "".join(sent) == answer
+    assert count_reasoning_tokens(ids(reply), TOKENS, phase) == len(reply) - len(answer)
 
 
 def test_gate_finishes_an_end_marker_the_model_had_begun() -> None:
