@@ -106,6 +106,15 @@ class NoHealthyReplica(KVServeError):
     code = "no_healthy_replica"
 
 
+class UpstreamTimeout(KVServeError):
+    """A replica took longer than the gateway's request timeout to answer: slow, not down (it is not taken out,
+    and the request is not sent again elsewhere, where it would run twice)."""
+
+    http_status = 504
+    error_type = "gateway_timeout"
+    code = "upstream_timeout"
+
+
 class BadUpstreamResponse(KVServeError):
     """A replica answered the gateway with something that is not an OpenAI answer."""
 

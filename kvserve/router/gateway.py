@@ -40,6 +40,7 @@ from kvserve.errors import (
     PreviousResponseNotFound,
     RequestTooLarge,
     ResponseNotFound,
+    UpstreamTimeout,
 )
 from kvserve.router.adapters import ADAPTER_ROUTES, to_every_replica
 from kvserve.router.answers import chat_usage, response_usage_event, stored_response_created, usage_event
@@ -84,8 +85,11 @@ class Gateway:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         timeout = httpx.Timeout(config.request_timeout_s, connect=min(10.0, config.request_timeout_s))
+        # Idle connections are dropped before uvicorn's keep-alive (5 s) closes them on the replica's side: a
+        # request written on a connection the replica has just closed would fail like a dead replica.
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                                                             max_keepalive_connections=256))
+                                                                             max_keepalive_connections=256,
+                                                                             keepalive_expiry=2.0))
         self.replica_headers = {"authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
         self.pool = ReplicaPool(config.replicas, self.client, config.health_interval_s, self.replica_headers)
         self.kv_events: KVEventFollower | None = None
@@ -176,16 +180,19 @@ class Gateway:
             raise InvalidRequest(f"'{self.config.auto_model}' picks a model per generation request; name one of "
                                  f"{', '.join(self.pool.models())}", param="model")
         await self._check_served(model)
-        candidates = self.pool.healthy(model)
-        if not candidates:
-            raise NoHealthyReplica(f"no healthy replica serves {model or 'this request'}; retry later")
-        replica = min(candidates, key=lambda r: r.load)
-        try:
-            upstream = await self.client.post(f"{replica.url}{path}", content=body,
-                                              headers=self._upstream_headers(http))
-        except httpx.HTTPError as exc:
-            raise BadUpstreamResponse(f"replica {replica.url} did not answer {path}: {exc!r}") from None
-        return passed_back(upstream)
+        for replica in sorted(self.pool.healthy(model), key=lambda r: r.load):  # the next where one is unreachable
+            try:
+                upstream = await self.client.post(f"{replica.url}{path}", content=body,
+                                                  headers=self._upstream_headers(http))
+            except httpx.TimeoutException as exc:
+                if not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+                    raise _timed_out(replica, path, exc) from None
+                self.pool.mark_down(replica, f"{path}: {exc!r}")
+            except httpx.TransportError as exc:
+                self.pool.mark_down(replica, f"{path}: {exc!r}")
+            else:
+                return passed_back(upstream)
+        raise NoHealthyReplica(f"no healthy replica serves {model or 'this request'}; retry later")
 
     async def to_every_replica(self, path: str, http: Request) -> Response:
         """Load or unload a LoRA adapter on every healthy replica (router/adapters.py)."""
@@ -240,6 +247,9 @@ class Gateway:
         return served + [self.config.auto_model] if self.model_policy is not None else served
 
     async def tokens(self, path: str, payload: dict[str, Any], body_bytes: int) -> tuple[int, ...]:
+        model = payload.get("model")
+        if isinstance(model, str) and not self.prompts.knows(model):  # a LoRA adapter loaded since start-up
+            await self.prompts.learn(self.pool.healthy(model))
         if body_bytes > LONG_BODY_BYTES:
             return await asyncio.to_thread(self.prompts.of, path, payload)
         return self.prompts.of(path, payload)
@@ -292,6 +302,12 @@ class Gateway:
         except ClientGone:
             in_flight.end()
             return Response(status_code=499)
+        except httpx.TimeoutException as exc:
+            in_flight.end()
+            if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):  # never reached it: another may answer
+                self.pool.mark_down(replica, f"{path}: {exc!r}")
+                return _Retry("unreachable")
+            raise _timed_out(replica, path, exc) from None
         except httpx.TransportError as exc:
             in_flight.end()
             self.pool.mark_down(replica, f"{path}: {exc!r}")
@@ -308,6 +324,8 @@ class Gateway:
             content = await until_disconnected(http, upstream.aread())
         except ClientGone:
             return Response(status_code=499)
+        except httpx.TimeoutException as exc:
+            raise _timed_out(replica, path, exc) from None
         except httpx.TransportError as exc:
             self.pool.mark_down(replica, f"{path}: {exc!r}")
             return _Retry("cut")
@@ -320,9 +338,17 @@ class Gateway:
             return _Retry(f"status_{upstream.status_code}",
                           Response(content, status_code=upstream.status_code, headers=passed,
                                    media_type=upstream.headers.get("content-type", "application/json")))
+        if upstream.status_code == 429:  # refused before it ran (a full queue): another replica may take it
+            self.metrics.requests.labels(replica=replica.url, status="429").inc()
+            return _Retry("status_429", Response(content, status_code=429, headers=passed,
+                                                 media_type=upstream.headers.get("content-type", "application/json")))
+        if upstream.status_code != 200:  # the replica's refusal, passed back as it gave it (JSON or not)
+            self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
+            return Response(content, status_code=upstream.status_code, headers=passed,
+                            media_type=upstream.headers.get("content-type", "application/json"))
         answer = _json_object(content)
         listed = "data" if path.endswith("/embeddings") else "output" if path.endswith("/responses") else "choices"
-        if answer is None or (upstream.status_code == 200 and not isinstance(answer.get(listed), list)):
+        if answer is None or not isinstance(answer.get(listed), list):
             raise BadUpstreamResponse(f"replica {replica.url} answered {path} with {upstream.status_code} and a "
                                       f"body that is not an OpenAI answer: {content[:200]!r}")
         self.metrics.requests.labels(replica=replica.url, status=str(upstream.status_code)).inc()
@@ -343,6 +369,8 @@ class Gateway:
             in_flight.end()
             if isinstance(exc, ClientGone):
                 return Response(status_code=499)
+            if isinstance(exc, httpx.TimeoutException):
+                raise _timed_out(replica, "a stream's first chunk", exc) from None
             self.pool.mark_down(replica, f"stream ended before its first chunk: {exc!r}")
             return _Retry("cut")
         if not first.lstrip().startswith((b"data:", b":", b"event:", b"id:", b"retry:")):
@@ -574,3 +602,10 @@ def _bound(handle: Callable[[str, Request], Awaitable[Response]], path: str) -> 
         return await handle(path, http)
 
     return route
+
+
+def _timed_out(replica: Replica, what: str, exc: Exception) -> UpstreamTimeout:
+    """A replica that answers too slowly: a 504 for this request; the replica stays in (slow is not down) and the
+    request is not sent elsewhere, where it would run a second time."""
+    return UpstreamTimeout(f"replica {replica.url} did not answer {what} within the gateway's request timeout "
+                           f"(--request-timeout-s): {exc!r}")

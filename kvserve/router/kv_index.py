@@ -28,13 +28,22 @@ class KVBlockIndex:
     def __init__(self) -> None:
         self._blocks: dict[str, set[BlockHash]] = {}
         self._cursor: dict[str, tuple[str | None, int]] = {}
+        self._generation: dict[str, int] = {}  # per replica, how many times it was forgotten
 
     def cursor(self, replica: str) -> tuple[str | None, int]:
         """(epoch, seq) of the last events applied for ``replica``; (None, 0) before any."""
         return self._cursor.get(replica, (None, 0))
 
-    def apply(self, replica: str, answer: dict[str, Any]) -> None:
-        """One answer of ``GET /kvserve/kv_events``: a snapshot replaces what was known, events update it."""
+    def generation(self, replica: str) -> int:
+        """Changes whenever ``replica`` is forgotten: a read begun before must not be applied after."""
+        return self._generation.get(replica, 0)
+
+    def apply(self, replica: str, answer: dict[str, Any], generation: int | None = None) -> None:
+        """One answer of ``GET /kvserve/kv_events``: a snapshot replaces what was known, events update it.
+        ``generation``: the replica's when the read began; an answer read before it was forgotten is dropped
+        (its events would continue a cursor the forgetting reset, over blocks it cleared)."""
+        if generation is not None and generation != self.generation(replica):
+            return
         if "snapshot" in answer:
             self._blocks[replica] = {bytes.fromhex(h) for h in answer["snapshot"].get("device", [])}
         else:
@@ -55,6 +64,7 @@ class KVBlockIndex:
     def forget(self, replica: str) -> None:
         self._blocks.pop(replica, None)
         self._cursor.pop(replica, None)
+        self._generation[replica] = self.generation(replica) + 1
 
     def match(self, block_hashes: Sequence[BlockHash], replicas: Sequence[str]) -> dict[str, int]:
         """For each replica: how many leading blocks of ``block_hashes`` it holds."""
@@ -108,13 +118,14 @@ class KVEventFollower:
 
     async def _follow(self, replica: Replica) -> None:
         epoch, seq = self.index.cursor(replica.url)
+        generation = self.index.generation(replica.url)
         params: dict[str, str | int] = {"after": seq, **({"epoch": epoch} if epoch else {})}
         try:
             response = await self._client.get(f"{replica.url}/kvserve/kv_events", params=params,
                                               headers=self._headers, timeout=self._interval + 5.0)
             answer = response.json() if response.status_code == 200 else None
             if isinstance(answer, dict):
-                self.index.apply(replica.url, answer)
+                self.index.apply(replica.url, answer, generation)
         except (httpx.TransportError, ValueError, KeyError, TypeError) as exc:
             logger.debug("kv events of %s: %r", replica.url, exc)
         except Exception:  # an answer of an unexpected shape must not end the loop: the index would freeze

@@ -34,15 +34,24 @@ class PromptTokens:
         self._template_defaults: dict[str, dict[str, Any]] = {}  # per model, what its replicas default
 
     async def learn(self, replicas: list[Replica]) -> None:
-        """Fetch the tokenizer of each model from one of its kvserve replicas."""
+        """Fetch the tokenizer of each model from one of its kvserve replicas (once: a model whose replica could
+        not tell it is routed on bytes). One tokenizer serves every name a replica serves its model under, a
+        LoRA adapter's loaded since included."""
         for replica in replicas:
             if not replica.is_kvserve:
                 continue
-            missing = [model for model in replica.models if self._tokenizers.get(model) is None]
-            if missing:  # one tokenizer for all the names a replica serves its model under
-                description = await self._fetch(replica)
-                for model in missing:
-                    self.add(model, *description)
+            missing = [model for model in replica.models if model not in self._tokenizers]
+            if not missing:
+                continue
+            known = next((m for m in replica.models if self._tokenizers.get(m) is not None), None)
+            description = ((self._tokenizers[known], self._template_defaults.get(known, {})) if known is not None
+                           else await self._fetch(replica))
+            for model in missing:
+                self.add(model, *description)
+
+    def knows(self, model: str) -> bool:
+        """Whether ``model``'s tokenizer was asked for (found or not)."""
+        return model in self._tokenizers
 
     def add(self, model: str, tokenizer: Tokenizer | None, template_defaults: dict[str, Any] | None = None) -> None:
         """The tokenizer of ``model`` and the template variables its replicas default, learnt some other way (a

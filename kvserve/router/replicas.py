@@ -153,8 +153,12 @@ class ReplicaPool:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _health_loop(self) -> None:
+        # One loop per replica: a replica whose checks hang does not hold back the others'.
+        await asyncio.gather(*(self._replica_loop(r) for r in self.replicas))
+
+    async def _replica_loop(self, replica: Replica) -> None:
         while True:
-            await asyncio.gather(*(self._check_logged(r) for r in self.replicas))
+            await self._check_logged(replica)
             await asyncio.sleep(self._interval)
 
     async def _check_logged(self, replica: Replica) -> None:
@@ -182,7 +186,7 @@ class ReplicaPool:
             # Back only on a check begun after the replica was last taken out: a request that failed on it while
             # this check was in flight knows more than this check's answer.
             if not replica.healthy and replica.times_taken_out == taken_out_before:
-                await self._comes_back(replica)
+                await self._comes_back(replica, taken_out_before)
         elif replica.healthy:
             self.mark_down(replica, reason)
 
@@ -216,28 +220,27 @@ class ReplicaPool:
             self._refreshed_at = time.monotonic()
             await asyncio.gather(*(self.refresh_models(r) for r in self.healthy()))
 
-    async def _comes_back(self, replica: Replica) -> None:
+    async def _comes_back(self, replica: Replica, taken_out_before: int) -> None:
         # Read again what it serves: a restarted replica may hold other LoRA adapters.
         failure = await self.refresh_models(replica, read_info=True)
         if failure is not None:
-            if not replica.models:
-                logger.warning("replica %s answers /health but not /v1/models: %s", replica.url, failure)
-                return
-            logger.warning("replica %s is back but /v1/models did not answer (%s): its last list is kept",
-                           replica.url, failure)
-            await self._read_kvserve_info(replica)
+            logger.warning("replica %s answers /health but not /v1/models (%s): it stays out", replica.url, failure)
+            return
+        if replica.times_taken_out != taken_out_before:  # a request failed on it meanwhile
+            return
         replica.healthy = True
         logger.warning("replica %s is healthy again", replica.url)
         for callback in self.on_change:
             callback(replica)
 
     def mark_down(self, replica: Replica, reason: str) -> None:
-        """Take ``replica`` out of routing until a health check passes."""
+        """Take ``replica`` out of routing until a health check passes. Counted also when it is already out: a
+        check in flight then does not put it back on what it read before this failure."""
         replica.last_error = reason
+        replica.times_taken_out += 1
         if not replica.healthy:
             return
         replica.healthy = False
-        replica.times_taken_out += 1
         logger.warning("replica %s taken out: %s", replica.url, reason)
         for callback in self.on_change:
             callback(replica)

@@ -37,8 +37,9 @@ def stream_chunks(replica_name: str, num_chunks: int) -> list[bytes]:
 
 
 class FakeReplica:
-    """modes: ok, error_500, error_503 (an engine that died), not_json, not_sse, cut_stream (one chunk, then the
-    connection drops), slow (each chunk after 0.5 s)."""
+    """modes: ok, error_500, error_503 (an engine that died), error_429 (a full queue), text_401 (a plain-text
+    refusal), not_json, not_sse, cut_stream (one chunk, then the connection drops), slow (each chunk after
+    0.5 s), hang (3 s before answering)."""
 
     def __init__(self, name: str, num_chunks: int = 5) -> None:
         self.name = name
@@ -112,6 +113,10 @@ class FakeReplica:
             self.adapters.discard(name)
             return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
+        @app.post("/tokenize")
+        async def tokenize(http: Request) -> Response:
+            return JSONResponse({"tokens": [1, 2], "count": 2, "max_model_len": 2048})
+
         @app.get("/health")
         async def health() -> Response:
             return JSONResponse({"status": "ok"}, status_code=200 if self.healthy else 503)
@@ -167,6 +172,14 @@ class FakeReplica:
                                                "code": "engine_dead"}}, status_code=503)
             if self.mode == "not_json":
                 return Response("<html>hello</html>", media_type="text/html")
+            if self.mode == "error_429":  # a full queue: refused before it ran
+                return JSONResponse({"error": {"message": "queue full", "type": "rate_limit_error",
+                                               "code": "too_many_requests"}}, status_code=429,
+                                    headers={"retry-after": "1"})
+            if self.mode == "text_401":  # a proxy in front of the replica refusing in plain text
+                return Response("unauthorized", status_code=401, media_type="text/plain")
+            if self.mode == "hang":  # slower than the gateway's request timeout
+                await asyncio.sleep(3.0)
             if body.get("model") not in (None, MODEL, *self.adapters):
                 return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
                                                "param": "model", "code": "model_not_found"}}, status_code=404)

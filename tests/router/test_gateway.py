@@ -120,6 +120,37 @@ def test_a_health_check_begun_before_a_failure_does_not_put_the_replica_back(rep
     asyncio.run(run())
 
 
+def test_a_replica_that_fails_while_coming_back_stays_out(replicas: list[FakeReplica]) -> None:
+    """Out already, a replica whose request fails while a health check reads its model list is not put back by
+    that check; nor is one that answers /health but not /v1/models."""
+    a, _ = replicas
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = ReplicaPool((a.url,), client, health_interval_s=1.0, headers={})
+            await pool.check_all(timeout_s=5)
+            replica = pool.replicas[0]
+            pool.mark_down(replica, "a 503")
+            refresh = pool.refresh_models
+
+            async def failing_meanwhile(r, read_info=False):  # a stream on it breaks during the read
+                pool.mark_down(r, "a stream was cut")
+                return await refresh(r, read_info)
+
+            pool.refresh_models = failing_meanwhile  # type: ignore[method-assign]
+            await pool.check(replica)
+            assert not replica.healthy
+            pool.refresh_models = refresh  # type: ignore[method-assign]
+            a.models_status = 500
+            await pool.check(replica)
+            assert not replica.healthy  # /health answers, /v1/models does not
+            a.models_status = 200
+            await pool.check(replica)
+            assert replica.healthy
+
+    asyncio.run(run())
+
+
 def test_a_dead_replica_is_routed_around_and_used_again_when_it_comes_back(replicas: list[FakeReplica]) -> None:
     a, b = replicas
     gateway = gateway_over(replicas, policy="round_robin")
@@ -501,3 +532,45 @@ def test_an_older_model_list_does_not_overwrite_a_newer_one() -> None:
 
     after_load, after_health_read = asyncio.run(main())
     assert after_load == after_health_read == ("base", "sql")
+
+
+def test_a_slow_replica_is_a_504_and_stays_in_and_refusals_pass_or_move_on(replicas: list[FakeReplica]) -> None:
+    """Past the request timeout a replica is slow, not down: a 504, the request not sent to the other replica
+    (where it would run twice), and the slow one still routed to. A 429 (a full queue: the request did not run)
+    moves on to the other replica; a plain-text 4xx comes back as the replica gave it."""
+    a, b = replicas
+    gateway = gateway_over(replicas, policy="round_robin", request_timeout_s=1.0, health_interval_s=30.0)
+    try:
+        a.mode = "hang"
+        answers = [httpx.post(f"{gateway.base_url}/v1/completions", json={"model": MODEL, "prompt": f"{i}"},
+                              timeout=10) for i in range(2)]
+        slow = next(r for r in answers if r.status_code != 200)
+        assert slow.status_code == 504 and slow.json()["error"]["code"] == "upstream_timeout"
+        assert [r.status_code for r in answers].count(200) == 1 and len(b.received) == 1  # never sent to b
+        assert gateway.gateway is not None and all(r.healthy for r in gateway.gateway.pool.replicas)
+        a.mode = "error_429"
+        texts = {httpx.post(f"{gateway.base_url}/v1/completions", json={"model": MODEL, "prompt": f"x{i}"},
+                            timeout=10).json()["choices"][0]["text"] for i in range(2)}
+        assert texts == {"b"}  # a's refusal moved on to b, which took it
+        b.mode = "error_429"
+        both_full = httpx.post(f"{gateway.base_url}/v1/completions", json={"model": MODEL, "prompt": "y"}, timeout=10)
+        assert both_full.status_code == 429 and both_full.headers["retry-after"] == "1"
+        a.mode = b.mode = "text_401"
+        refused = httpx.post(f"{gateway.base_url}/v1/completions", json={"model": MODEL, "prompt": "z"}, timeout=10)
+        assert refused.status_code == 401 and refused.text == "unauthorized"
+    finally:
+        gateway.stop()
+
+
+def test_tokenize_moves_on_from_a_replica_that_died_before_a_health_check_saw_it(
+        replicas: list[FakeReplica]) -> None:
+    a, _ = replicas
+    gateway = gateway_over(replicas, policy="round_robin", health_interval_s=30.0)
+    try:
+        a.stop()
+        for _ in range(2):
+            answer = httpx.post(f"{gateway.base_url}/tokenize", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+            assert answer.status_code == 200
+        assert gateway.gateway is not None and [r.healthy for r in gateway.gateway.pool.replicas] == [False, True]
+    finally:
+        gateway.stop()

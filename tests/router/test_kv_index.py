@@ -65,6 +65,20 @@ def test_a_reader_of_another_epoch_or_ahead_gets_a_snapshot() -> None:
                                                   "block_hashes": [(b"a" * 16).hex()]}]
 
 
+def test_an_answer_read_before_the_replica_was_forgotten_is_not_applied() -> None:
+    """A replica taken out and back is forgotten (its blocks and cursor); a read begun before that must not put
+    back the events after its old cursor over the emptied set, with that cursor (no snapshot would follow)."""
+    index = KVBlockIndex()
+    index.apply("r", {"epoch": "E", "seq": 3, "snapshot": {"device": ["00" * 16]}})
+    generation = index.generation("r")
+    index.forget("r")
+    late = {"epoch": "E", "seq": 5, "events": [{"tier": "device", "kind": "stored", "block_hashes": ["11" * 16]}]}
+    index.apply("r", late, generation)
+    assert index.cursor("r") == (None, 0) and not index.blocks("r")  # the next read asks for a snapshot
+    index.apply("r", late, index.generation("r"))
+    assert index.cursor("r") == ("E", 5)
+
+
 def test_the_gateways_block_keys_are_the_engines_and_find_its_cached_prefix(llm: LLM, tmp_path: Path) -> None:
     engine = llm.engine
     engine.kv_manager.prefix_cache.tree.events = log = KVEventLog()
