@@ -119,4 +119,5 @@ class ResponseStore:
 
 
 def _json_size(value: Any) -> int:
-    return len(json.dumps(value, separators=(",", ":")))
+    """Its bytes as UTF-8 JSON (escaped, non-ASCII text would count up to three times its size)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))

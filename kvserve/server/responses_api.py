@@ -112,13 +112,17 @@ class ResponsesRequest(p.StrictTextModel):
     def num_input_items(self) -> int:
         return len(self._items())
 
-    def truncated(self, context: Sequence[dict[str, Any]], first: int) -> ResponsesRequest:
-        """The request as if ``context`` and its input items from the ``first`` on were its whole input: the
-        conversation ``truncation: "auto"`` keeps (and never a call's output without the call before it)."""
+    def cut_points(self, context: Sequence[dict[str, Any]]) -> list[int]:
+        """Where the conversation ``truncation: "auto"`` keeps may begin (indices into ``context`` and the input
+        items, in order): at a user's message, so that no call's output is kept without its call, nor a reply
+        without what it answers (templates that insist on alternating roles refuse that); the last item where
+        no user's message comes."""
         items = [*context, *self._items()]
-        while first < len(items) - 1 and items[first].get("type") == "function_call_output":
-            first += 1
-        return self.model_copy(update={"input": items[first:]})
+        return [i for i, item in enumerate(items) if item.get("role") == "user"] or [len(items) - 1]
+
+    def truncated(self, context: Sequence[dict[str, Any]], first: int) -> ResponsesRequest:
+        """The request as if ``context`` and its input items from the ``first`` on were its whole input."""
+        return self.model_copy(update={"input": [*context, *self._items()][first:]})
 
     def input_items(self) -> tuple[dict[str, Any], ...]:
         """The input items as a stored response lists them (OpenAI's ``input_items``): each with an id of its own
@@ -278,12 +282,12 @@ def in_responses_terms(exc: InvalidRequest) -> InvalidRequest:
 class ResponseShape:
     """The response object of one request, filled from the chat route's answer."""
 
-    def __init__(self, body: ResponsesRequest, model: str, stored: bool) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, stored: bool, created_at: int | None = None) -> None:
         self.body = body
         self.id = f"resp_{uuid.uuid4().hex}"
         self.model = model
         self.stored = stored  # kept in the response store once finished
-        self.created_at = int(time.time())
+        self.created_at = int(time.time()) if created_at is None else created_at  # when the request came
 
     def object(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
                finish_reason: str | None = None) -> dict[str, Any]:

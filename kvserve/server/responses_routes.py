@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
@@ -33,26 +34,28 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, prompt_fits: Promp
 
     async def answered(body: ResponsesRequest, context: list[dict[str, Any]], http: Request) -> Response:
         """The chat route's answer to the conversation; where it is too long for the context and ``truncation``
-        is ``"auto"``, to its latest items that fit (the fewest dropped from its start, found by halving: each
-        try renders and tokenizes it)."""
+        is ``"auto"``, to its latest items that fit, from one of its user's messages (the fewest dropped from its
+        start, found by halving: each try renders and tokenizes it)."""
         try:
             return await chat_route(body.chat_request(context), http)
         except ContextLengthExceeded:
             if body.truncation != "auto":
                 raise
-        fits_from, too_long_from = len(context) + body.num_input_items - 1, 0
-        while too_long_from + 1 < fits_from:
-            middle = (too_long_from + fits_from) // 2
-            if await prompt_fits(body.truncated(context, middle).chat_request()):
-                fits_from = middle
+        starts = body.cut_points(context)
+        too_long, fits = -1, len(starts) - 1  # indices into starts; a start at 0 is the whole, too long
+        while too_long + 1 < fits:
+            middle = (too_long + fits) // 2
+            if starts[middle] > 0 and await prompt_fits(body.truncated(context, starts[middle]).chat_request()):
+                fits = middle
             else:
-                too_long_from = middle
-        # Where no shorter part fitted, fits_from is the last item alone: the chat route's error says why.
-        return await chat_route(body.truncated(context, fits_from).chat_request(), http)
+                too_long = middle
+        # Where no shorter part fitted, the last start's: the chat route's error says why.
+        return await chat_route(body.truncated(context, starts[fits]).chat_request(), http)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: Request) -> Response:
         """OpenAI's Responses API, answered by the chat route (server/responses_api.py)."""
+        created_at = int(time.time())
         previous = None
         if body.previous_response_id is not None:
             previous = store.get(body.previous_response_id)
@@ -63,7 +66,7 @@ def add_responses_routes(app: FastAPI, chat_route: ChatRoute, prompt_fits: Promp
         except InvalidRequest as exc:
             raise in_responses_terms(exc) from None
         keep = body.store is not False and store.enabled
-        shape = ResponseShape(body, body.model or model_name, stored=keep)
+        shape = ResponseShape(body, body.model or model_name, stored=keep, created_at=created_at)
         input_items = body.input_items() if keep else ()
 
         def stored(response: dict[str, Any]) -> None:

@@ -3,6 +3,8 @@ carried from response to response, each item counted once however many responses
 
 from __future__ import annotations
 
+import pytest
+
 from kvserve.server.response_store import ResponseStore
 from tests.support.app_calls import post
 
@@ -78,20 +80,34 @@ def test_a_response_larger_than_the_budget_is_answered_as_not_stored(tiny_app) -
     assert status == 200 and answer["store"] is True and store.get(answer["id"]) is not None
 
 
-def test_truncation_auto_keeps_the_latest_items_that_fit(tiny_app) -> None:
+@pytest.mark.parametrize("with_calls", [False, True])
+def test_truncation_auto_keeps_the_latest_items_that_fit(tiny_app, with_calls: bool) -> None:
     """A conversation longer than the context (256 tokens here): a 400 as it is; with ``truncation: "auto"``,
-    answered on its latest items that fit, the same prompt as sending just those items."""
-    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "many words " * 12}
-             for i in range(13)]
+    answered on its latest items that fit from one of its user's messages, the same prompt as sending just
+    those items. With parallel calls and their outputs between the turns, no output is kept without its call."""
+    items: list[dict] = []
+    for i in range(13):
+        items.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "many words " * 12})
+        if with_calls and i % 2 == 1:
+            calls = [f"call_{i}_{j}" for j in range(2)]
+            items += [{"type": "function_call", "call_id": c, "name": "f", "arguments": "{}"} for c in calls]
+            items += [{"type": "function_call_output", "call_id": c, "output": "ok " * 3} for c in calls]
     body = {"input": items, "max_output_tokens": 2, "store": False}
     status, answer = post(tiny_app, "/v1/responses", body)
     assert status == 400, answer
     status, answer = post(tiny_app, "/v1/responses", {**body, "truncation": "auto"})
     assert status == 200 and answer["truncation"] == "auto", answer
     fitting = []
-    for kept in range(1, len(items) + 1):
-        status, alone = post(tiny_app, "/v1/responses", {**body, "input": items[-kept:]})
+    for start in reversed([i for i, item in enumerate(items) if item.get("role") == "user"]):
+        status, alone = post(tiny_app, "/v1/responses", {**body, "input": items[start:]})
         if status != 200:
             break
         fitting.append(alone["usage"]["input_tokens"])
-    assert 1 < len(fitting) < len(items) and answer["usage"]["input_tokens"] == fitting[-1]
+    assert 1 < len(fitting) < 7 and answer["usage"]["input_tokens"] == fitting[-1]
+
+
+def test_the_budget_counts_text_as_its_utf8_bytes() -> None:
+    """Non-ASCII text counts its UTF-8 bytes, not the six of each character's JSON escape."""
+    from kvserve.server.response_store import _json_size
+
+    assert _json_size({"text": "中文 ok"}) == len('{"text":"中文 ok"}'.encode())
