@@ -7,6 +7,7 @@ text offsets); the engine's ``-inf`` becomes ``MIN_LOGPROB`` because JSON has no
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -27,6 +28,8 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_run import EngineRequest, RequestRun
 from kvserve.structured.tool_calls import ToolCallFormat, ToolCallParser
 from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -147,6 +150,11 @@ class ResponseBuilder:
             except KVServeError as exc:  # the engine died mid-stream: tell the client, then end the stream
                 self.metrics.observe_error(exc.http_status, exc.code)
                 yield _sse(_error_json(exc))
+            except Exception as exc:  # a fault of this server mid-stream: said as such, never a dropped connection
+                logger.exception("stream of %s failed", head.get("id"))
+                self.metrics.observe_error(500, "internal_error")
+                yield _sse(json.dumps(p.error_body(f"the server failed mid-stream: {exc!r}", "internal_error", None,
+                                                   "internal_error")))
             yield "data: [DONE]\n\n"
         finally:
             run.close()

@@ -153,3 +153,33 @@ def test_engine_dying_mid_request_ends_it_with_an_error(stream: bool) -> None:
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     assert json.loads(events[-2])["error"]["code"] == "engine_dead"
     assert events[-1] == "[DONE]"
+
+
+def test_a_fault_of_the_server_mid_stream_ends_it_with_an_error_event(monkeypatch) -> None:
+    """Not the engine's death but a bug in building a chunk: the stream still ends with an error event and
+    [DONE], not a dropped connection."""
+    from kvserve.server.responses import ResponseBuilder
+
+    async_engine, app = _app(fail_after=10)
+    built = ResponseBuilder._chunk_choice
+    calls = []
+
+    def failing_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a bug")
+        return built(self, *args, **kwargs)
+
+    monkeypatch.setattr(ResponseBuilder, "_chunk_choice", failing_second)
+
+    async def run() -> httpx.Response:
+        async with _client(app) as c:
+            return await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": True})
+
+    try:
+        resp = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        async_engine.shutdown(timeout=5)
+    events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[-2])["error"]["code"] == "internal_error" and events[-1] == "[DONE]"
