@@ -27,9 +27,11 @@ class RopeScaling:
     (Qwen2.5's and Qwen3's long context) interpolates the low frequencies by ``factor``, keeps the high ones,
     ramps between ``beta_slow`` and ``beta_fast`` rotations over the original context, and scales the
     rotation's magnitude by ``attention_factor`` (0: derived from ``factor``, and ``mscale`` over
-    ``mscale_all_dim`` where both are set)."""
+    ``mscale_all_dim`` where both are set); ``longrope`` (Phi-3.5, Phi-4-mini) divides each frequency by its
+    own factor (``freq_factors``: the short ones, those of the original context) and scales the magnitude by
+    ``attention_factor``."""
 
-    kind: str  # "linear", "llama3", "freq_factors" or "yarn"
+    kind: str  # "linear", "llama3", "freq_factors", "yarn" or "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -42,20 +44,24 @@ class RopeScaling:
     mscale_all_dim: float = 0.0
     truncate: bool = True
 
-    @property
-    def context_length(self) -> int:
-        """The context the stretch is made for: YaRN's original context times its factor (vLLM's reading of
-        a YaRN config, whose ``max_position_embeddings`` often stays the original's); 0 for the other kinds,
-        whose configs give their whole context."""
-        return int(self.original_max_position_embeddings * self.factor) if self.kind == "yarn" else 0
+    def served_context(self, max_position_embeddings: int) -> int:
+        """The context a model of this stretch is served: YaRN's original context times its factor (vLLM's
+        reading of a YaRN config, whose ``max_position_embeddings`` often stays the original's); LongRoPE's
+        original context, where its short factors hold (past it the long ones would, for every position, as
+        llama.cpp runs them: not served); the config's for the other kinds."""
+        if self.kind == "yarn":
+            return max(max_position_embeddings, int(self.original_max_position_embeddings * self.factor))
+        if self.kind == "longrope":
+            return min(max_position_embeddings, self.original_max_position_embeddings)
+        return max_position_embeddings
 
     @property
     def magnitude(self) -> float:
-        """What YaRN multiplies the rotation's cos and sin by (1 for the other kinds)."""
-        if self.kind != "yarn":
+        """What YaRN and LongRoPE multiply the rotation's cos and sin by (1 for the other kinds)."""
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
-        if self.attention_factor:
-            return self.attention_factor
+        if self.attention_factor or self.kind == "longrope":
+            return self.attention_factor or 1.0
         if self.mscale and self.mscale_all_dim:
             return yarn_magnitude(self.factor, self.mscale) / yarn_magnitude(self.factor, self.mscale_all_dim)
         return yarn_magnitude(self.factor)
@@ -72,8 +78,8 @@ class ArchConfig:
     (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
     """
 
-    # The engine's: "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "mixtral", "qwen2_moe",
-    # "qwen3_moe"
+    # The engine's: "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma3", "mixtral",
+    # "qwen2_moe", "qwen3_moe"
     # (Hugging Face model_type names); any model_type for the cost model.
     architecture: str
     vocab_size: int
@@ -96,6 +102,10 @@ class ArchConfig:
     rope_local_theta: float = 0.0  # rope base of the sliding layers (0: rope_theta)
     rope_scaling: RopeScaling | None = None  # of the full-attention layers (the sliding ones keep theirs)
     no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary at all (SmolLM3's NoPE layers)
+    # Dimensions of each head that rotate, the first ones (Phi-4-mini's 3/4; 0: all). The loader moves each Q/K
+    # head's rows so that the kernels' whole-head rotation (halves paired) turns these and leaves the rest.
+    rotary_dim: int = 0
+    fused_projections: bool = False  # the checkpoint holds QKV and gate/up fused (Phi-3's qkv_proj, gate_up_proj)
     query_pre_attn_scalar: float = 0.0  # attention scale is this ** -0.5 (0: head_dim, the usual)
     # Granite's scalars: the embeddings times embedding_multiplier, each layer's attention and MLP outputs times
     # residual_multiplier as they join the residual stream, the logits divided by logits_scaling, and the

@@ -269,17 +269,25 @@ def _tensor_num_bytes(path: Path, name: str, dims: tuple[int, ...], ggml_type: i
 def _rope_scaling(header: GGUFHeader, key: Callable[..., Any]) -> RopeScaling | None:
     """The rotary stretch a GGUF file records: linear by its factor, YaRN's (llama.cpp's keys; its converter
     writes transformers' ``attention_factor`` as ``yarn_attn_factor``, read back as that, times
-    ``rope.scaling.attn_factor`` where a file has one), or llama.cpp's per-frequency factors
-    (rope_freqs.weight, what a Llama 3.1+ conversion writes for its llama3 parameters)."""
+    ``rope.scaling.attn_factor`` where a file has one), Phi-3's LongRoPE (rope_factors_short.weight), or llama.cpp's
+    per-frequency factors (rope_freqs.weight, what a Llama 3.1+ conversion writes for its llama3 parameters)."""
     kind, factor = key("rope.scaling.type"), key("rope.scaling.factor", 1.0)
+    short = header.tensors.get("rope_factors_short.weight")
+    if short is not None:  # Phi-3's LongRoPE (its long factors serve past the original context: not served)
+        context, original = int(key("context_length", 2048)), int(key("rope.scaling.original_context_length") or 0)
+        if not original:
+            raise ModelLoadError(f"{header.path}: rope_factors_short.weight without "
+                                 f"rope.scaling.original_context_length")
+        stretch = context / original
+        attention = key("rope.scaling.attn_factor")
+        if attention is None:
+            attention = 1.0 if stretch <= 1.0 else math.sqrt(1 + math.log(stretch) / math.log(original))
+        return RopeScaling("longrope", factor=stretch, original_max_position_embeddings=original,
+                           freq_factors=tuple(float(v) for v in _f32_tensor(header, short)),
+                           attention_factor=_shortest_float(attention))
     freqs = header.tensors.get("rope_freqs.weight")
     if freqs is not None:
-        if freqs.ggml_type != GGMLQuantizationType.F32:
-            raise ModelLoadError(f"{header.path}: rope_freqs.weight is not F32")
-        with open(header.path, "rb") as f:
-            f.seek(freqs.offset)
-            values = np.frombuffer(f.read(freqs.num_bytes), dtype=np.float32)
-        return RopeScaling("freq_factors", freq_factors=tuple(float(v) for v in values))
+        return RopeScaling("freq_factors", freq_factors=tuple(float(v) for v in _f32_tensor(header, freqs)))
     if kind == "linear" and float(factor) != 1.0:
         return RopeScaling("linear", factor=float(factor))
     if kind == "yarn":
@@ -296,6 +304,20 @@ def _rope_scaling(header: GGUFHeader, key: Callable[..., Any]) -> RopeScaling | 
                            beta_slow=_shortest_float(key("rope.scaling.yarn_beta_slow", 1.0)),
                            attention_factor=attention)
     return None
+
+
+def _f32_tensor(header: GGUFHeader, info: GGUFTensorInfo) -> np.ndarray:
+    """A small F32 tensor's values, read from the file (rope factors)."""
+    if info.ggml_type != GGMLQuantizationType.F32:
+        raise ModelLoadError(f"{header.path}: {info.name} is not F32")
+    with open(header.path, "rb") as f:
+        f.seek(info.offset)
+        return np.frombuffer(f.read(info.num_bytes), dtype=np.float32)
+
+
+def _rotary_dim(dimension_count: int, head_dim: int) -> int:
+    """llama.cpp's rope.dimension_count as ArchConfig.rotary_dim (0: the whole head)."""
+    return dimension_count if 0 < dimension_count < head_dim else 0
 
 
 def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
@@ -346,7 +368,8 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             # Some architectures give a count per layer; the largest one bounds the KV cache.
             num_kv_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
             head_dim=int(key("attention.key_length", hidden_size // num_heads)),
-            max_position_embeddings=max(int(key("context_length", 2048)), scaling.context_length if scaling else 0),
+            max_position_embeddings=(scaling.served_context(int(key("context_length", 2048))) if scaling
+                                     else int(key("context_length", 2048))),
             rope_theta=_shortest_float(key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=_shortest_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -359,6 +382,9 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
             no_rope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
             # llama.cpp's values for Gemma 3, which its GGUF files do not carry.
             rope_local_theta=10000.0 if arch == "gemma3" else 0.0,
+            rotary_dim=_rotary_dim(int(key("rope.dimension_count", 0)), int(key("attention.key_length",
+                                                                                 hidden_size // num_heads))),
+            fused_projections=arch == "phi3",
             # llama.cpp's rule: Gemma 3 27B (62 layers) scales queries by hidden / heads, the others by the head size.
             query_pre_attn_scalar=(float(hidden_size // num_heads) if num_layers == 62 else
                                    float(key("attention.key_length", 0))) if arch == "gemma3" else 0.0,

@@ -8,6 +8,7 @@ loader.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,22 @@ def rope_type(params: dict[str, Any]) -> str:
     return str(params.get("rope_type") or params.get("type") or "default")
 
 
-def rope_scaling(params: dict[str, Any], max_position_embeddings: int) -> RopeScaling | None:
-    """The stretch of a rope block of a kind the engine computes (linear, llama3, yarn); None for any other,
-    which the loader refuses (the cost model reads such configs too). Absent fields take transformers'
-    defaults (YaRN's original context: the config's ``max_position_embeddings``; its factor: the ratio of the
-    two)."""
+def rope_scaling(params: dict[str, Any], max_position_embeddings: int,
+                 original: int | None = None) -> RopeScaling | None:
+    """The stretch of a rope block of a kind the engine computes (linear, llama3, yarn, longrope); None for any
+    other, which the loader refuses (the cost model reads such configs too). Absent fields take transformers'
+    defaults (the original context: the config's top-level ``original`` (Phi-3's), else
+    ``max_position_embeddings``; the factor: the ratio of the two)."""
     kind = rope_type(params)
+    if kind in ("longrope", "su"):
+        context = int(original or params.get("original_max_position_embeddings") or max_position_embeddings)
+        factor = float(params.get("factor") or max_position_embeddings / context)
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))
+        return RopeScaling("longrope", factor=factor, original_max_position_embeddings=context,
+                           freq_factors=tuple(float(f) for f in params["short_factor"]),
+                           attention_factor=float(attention))
     if kind == "linear":
         return RopeScaling("linear", factor=float(params["factor"]))
     if kind == "llama3":
@@ -88,6 +99,23 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _rotary_dim(cfg: dict[str, Any], default_head_dim: int) -> int:
+    """The dimensions of each head that rotate (``partial_rotary_factor``, top-level or in the rope block, as
+    transformers reads it); 0: all."""
+    factor = cfg.get("partial_rotary_factor") or rope_parameters(cfg).get("partial_rotary_factor") or 1.0
+    if float(factor) >= 1.0:
+        return 0
+    return int(int(cfg.get("head_dim") or default_head_dim) * float(factor))
+
+
+def _phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's sliding window, over every layer where it is shorter than the context."""
+    window, num_layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
+    if not window or int(window) >= int(cfg.get("max_position_embeddings", 2048)):
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": tuple(range(num_layers))}
+
+
 def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """SmolLM3's layers without rotary (``no_rope_layers`` marks each layer 1 where it rotates, else every
     ``no_rope_layer_interval``-th, 4, goes without), its sliding-window layers where ``use_sliding_window``
@@ -117,14 +145,15 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
     model_type = str(cfg.get("model_type") or "")
     try:
         family = (_gemma3_fields(cfg) if model_type in ("gemma3", "gemma3_text")
-                  else _smollm3_fields(cfg) if model_type == "smollm3" else {})
+                  else _smollm3_fields(cfg) if model_type == "smollm3"
+                  else _phi3_fields(cfg) if model_type == "phi3" else {})
         hidden_size = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else [eos]
         shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        scaling = rope_scaling(rope_parameters(cfg), max_positions)
+        scaling = rope_scaling(rope_parameters(cfg), max_positions, cfg.get("original_max_position_embeddings"))
         fields: dict[str, Any] = dict(
             architecture=model_type,
             name=model_type or Path(source).parent.name,
@@ -135,7 +164,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
-            max_position_embeddings=max(max_positions, scaling.context_length if scaling else 0),
+            max_position_embeddings=scaling.served_context(max_positions) if scaling else max_positions,
             rope_theta=float(cfg.get("rope_theta") or rope_parameters(cfg).get("rope_theta") or 10000.0),
             rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -144,6 +173,8 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
             or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rotary_dim=_rotary_dim(cfg, hidden_size // num_heads),
+            fused_projections=model_type == "phi3",
             # Granite's scalars, absent ones as transformers' GraniteConfig defaults them (attention's: 1)
             embedding_multiplier=float(cfg.get("embedding_multiplier") or 1.0),
             residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),

@@ -30,20 +30,29 @@ class RotaryEmbedding:
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device: torch.device,
-                 scaling: RopeScaling | None = None):
-        wavelengths = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+                 scaling: RopeScaling | None = None, rotary_dim: int = 0):
+        """``rotary_dim``: the head's dimensions that rotate (0: all), those the loader put at the head of each
+        half (``ArchConfig.rotary_dim``); the others get the identity (cos 1, sin 0)."""
+        rotated = rotary_dim or head_dim
+        wavelengths = theta ** (torch.arange(0, rotated, 2, dtype=torch.int64).float() / rotated)
         inv_freq = 1.0 / wavelengths
         if scaling is not None and scaling.kind == "yarn":
             inv_freq = yarn_inv_freq(wavelengths, theta, scaling)
+        elif scaling is not None and scaling.kind == "longrope":  # transformers' order: factor, then reciprocal
+            inv_freq = 1.0 / (torch.tensor(scaling.freq_factors, dtype=torch.float32) * wavelengths)
         elif scaling is not None:
             inv_freq = scaled_inv_freq(inv_freq, scaling)
         magnitude = scaling.magnitude if scaling is not None else 1.0
         positions = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, rotated / 2]
+        cos, sin = freqs.cos(), freqs.sin()
         if magnitude != 1.0:
             cos, sin = cos * magnitude, sin * magnitude
+        if rotated < head_dim:  # the dimensions that do not rotate: the identity, unscaled
+            still = head_dim // 2 - rotated // 2
+            cos = torch.cat((cos, torch.ones(max_positions, still)), dim=-1)
+            sin = torch.cat((sin, torch.zeros(max_positions, still)), dim=-1)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, head_dim]
         # sin with its first half negated: rotate_half(x) * sin == cat(x2, x1) * signed_sin, one op fewer.
         sin[:, : head_dim // 2] *= -1

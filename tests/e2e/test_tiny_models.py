@@ -16,18 +16,20 @@ MAX_TOKENS = 12
 
 @pytest.mark.parametrize(
     ("family", "tie"), [("llama", True), ("mistral", False), ("qwen2", True), ("qwen2", False), ("qwen3", False),
-                        ("smollm3", True), ("granite", True)]
+                        ("smollm3", True), ("granite", True), ("phi3", False)]
 )
 def test_tiny_model_matches_transformers(tmp_path, family: str, tie: bool) -> None:
     """SmolLM3's fourth layer has no rotary (NoPE); Granite scales its embeddings, the blocks' outputs as they
-    join the residual stream, its attention and its logits. Their GGUFs, as llama.cpp's converter writes them
-    (Q and K permuted; no key saying which of SmolLM3's layers go without), give the same tokens."""
+    join the residual stream, its attention and its logits; Phi-3 holds QKV and gate/up fused, rotates half of
+    each head (Phi-4-mini's shape) with LongRoPE's short factors and magnitude. Their GGUFs, as llama.cpp's
+    converter writes them (Q and K permuted but Phi-3's; no key saying which of SmolLM3's layers go without),
+    give the same tokens."""
     import transformers
 
     model_dir = make_tiny_model(tmp_path, family, tie=tie)
     reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     reference = [hf_greedy(reference_model, p, MAX_TOKENS) for p in PROMPTS]
-    also_as_gguf = ("smollm3", "granite")
+    also_as_gguf = ("smollm3", "granite", "phi3")
     sources = [model_dir] + ([gguf_from_tiny_model(model_dir, tmp_path / "m.gguf")] if family in also_as_gguf else [])
     for source in sources:
         # Small blocks and a small token budget exercise paging, chunked prefill and mixed batches.
@@ -40,6 +42,26 @@ def test_tiny_model_matches_transformers(tmp_path, family: str, tie: bool) -> No
             _check_prompt_logprobs(reference_model, llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                                                  SamplingParams(max_tokens=1, prompt_logprobs=0)))
         llm.engine.check_invariants()
+
+
+def test_phi3_with_a_sliding_window_and_three_quarters_of_each_head_rotating_matches_transformers(tmp_path) -> None:
+    """Phi-3-mini-4k's window over every layer (shorter than the prompts here), with Phi-4-mini's partial
+    rotary at 3/4 of each head: the loader's reordering of Q and K rows leaves the attention as it was."""
+    import transformers
+
+    model_dir = make_tiny_model(tmp_path, "phi3", tie=False, sliding_window=8, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    reference_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for source in (model_dir, gguf_from_tiny_model(model_dir, tmp_path / "phi3.gguf")):
+        llm = LLM(str(source), dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=24)
+        arch = llm.engine.arch
+        assert arch.sliding_window == 8 and arch.rotary_dim == 12 and arch.fused_projections
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference_model, p, MAX_TOKENS)
+                                                              for p in PROMPTS]
+        _check_prompt_logprobs(reference_model, llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                             SamplingParams(max_tokens=1, prompt_logprobs=0)))
 
 
 def test_smollm3_with_its_sliding_window_matches_transformers(tmp_path) -> None:

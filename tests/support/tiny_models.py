@@ -38,7 +38,7 @@ TINY_SHAPE = {
     "max_position_embeddings": 512,
 }
 _ROPE_THETA = {"llama": 10000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 50000.0, "smollm3": 2000000.0,
-               "granite": 10000000.0, "gemma3": 1000000.0, "mixtral": 1000000.0, "qwen2_moe": 1000000.0,
+               "granite": 10000000.0, "phi3": 10000.0, "gemma3": 1000000.0, "mixtral": 1000000.0, "qwen2_moe": 1000000.0,
                "qwen3_moe": 50000.0}
 # Mixture of experts: 8 experts, 2 per token, on three layers; the dense layers keep TINY_SHAPE's MLP.
 TINY_MOE_SHAPE = {"num_hidden_layers": 3, "num_experts_per_tok": 2}
@@ -78,6 +78,13 @@ def _hf_config(family: str, tie: bool, vocab_size: int, bos_id: int | None, eos_
     if family == "qwen3":
         # An explicit head_dim unlike hidden_size // num_heads (16), as real Qwen3 checkpoints have.
         return transformers.Qwen3Config(**common, head_dim=32)
+    if family == "phi3":  # Phi-4-mini's shape: half of each head rotating, LongRoPE past a short original context
+        head_dim = int(common["hidden_size"]) // int(common["num_attention_heads"])  # type: ignore[call-overload]
+        factors = [1.0 + 0.5 * i for i in range(head_dim // 4)]
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": factors, "long_factor": [2 * f for f in factors]}
+        return transformers.Phi3Config(**{"original_max_position_embeddings": 128, "rope_parameters": rope,
+                                          "pad_token_id": None, **common})
     if family == "granite":  # its scalars far from 1, so that leaving one out changes every logit
         return transformers.GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                              "attention_multiplier": 0.09, "logits_scaling": 8.0, **common})
@@ -129,6 +136,12 @@ def make_tiny_model(tmp_dir: Path, family: str, *, tie: bool = True, seed: int =
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(".bias"):
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("self_attn.qkv_proj.weight"):
+                # Phi-3: queries and keys large enough that the attention, and so how positions rotate, shows in
+                # the logprobs (with the usual tiny weights every score is near zero and attention near uniform).
+                heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+                head_dim = param.shape[0] // (heads + 2 * kv_heads)
+                param[: (heads + kv_heads) * head_dim].mul_(6.0)
             else:
                 _sharpen_experts(name, param, generator)
     model.save_pretrained(model_dir, safe_serialization=True)
@@ -200,6 +213,8 @@ def _gguf_name(hf_name: str) -> str:
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused ones
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
     }[rest]
     return f"blk.{layer}.{suffix}"
 
@@ -369,7 +384,7 @@ def make_tiny_gguf(
 
 # Hugging Face model_type -> llama.cpp's GGUF architecture (Mixtral is written as "llama").
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
-              "granite": "granite", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+              "granite": "granite", "phi3": "phi3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 _MOE_SUFFIXES = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
@@ -433,6 +448,8 @@ def gguf_from_tiny_model(model_dir: Path, path: Path, vector_shared_gate: bool =
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     _add_yarn(writer, config["rope_parameters"])
+    if config["model_type"] == "phi3":  # as llama.cpp's converter writes Phi-3: the rotating dimensions, LongRoPE
+        _add_phi3(writer, config)
     if config["model_type"] == "granite":  # its scalars, as llama.cpp's converter writes them
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])
@@ -458,6 +475,18 @@ def gguf_from_tiny_model(model_dir: Path, path: Path, vector_shared_gate: bool =
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_phi3(writer, config: dict) -> None:
+    rope = config["rope_parameters"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def _add_yarn(writer, rope: dict) -> None:
