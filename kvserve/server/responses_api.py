@@ -43,7 +43,7 @@ class ResponsesRequest(p.StrictTextModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
-    input: str | list[Any]  # items are checked one by one, each error naming its item
+    input: str | list[Any] | None = None  # items are checked one by one, each error naming its item
     instructions: str | None = None
     max_output_tokens: int | None = None
     stream: bool = False
@@ -66,6 +66,8 @@ class ResponsesRequest(p.StrictTextModel):
                 raise InvalidRequest(f"{name}: kvserve stores responses only (previous_response_id), no "
                                      "conversations, prompts or background responses; send the conversation in "
                                      "input", param=name)
+        if self.input is None:
+            raise InvalidRequest("input is required: the conversation's items, or a string", param="input")
         chat: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items() if k in PASSED_TO_CHAT}
         chat["messages"] = self.messages(context)
         if self.max_output_tokens is not None:
@@ -138,6 +140,8 @@ class ResponsesRequest(p.StrictTextModel):
         return tuple(listed)
 
     def _items(self) -> list[Any]:
+        if self.input is None:
+            return []
         return [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) \
             else self.input
 

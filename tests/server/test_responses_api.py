@@ -190,3 +190,10 @@ def test_what_is_not_done_here_is_a_400_naming_the_field(base_url, fields, param
     resp = httpx.post(f"{base_url}/v1/responses", json={"input": "Hello", **fields}, timeout=60)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("body", "param"), [({"prompt": {"id": "pmpt_1"}}, "prompt"), ({}, "input")])
+def test_a_request_without_input_is_a_400_naming_what_it_sent_or_input(base_url, body, param) -> None:
+    """A stored prompt in place of input is refused by its own name; nothing at all, as input missing."""
+    resp = httpx.post(f"{base_url}/v1/responses", json=body, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
