@@ -293,7 +293,10 @@ def test_allowed_tokens_bad_words_truncation_and_cache_salt(base_url) -> None:
     first = cached("tenant-a")
     again, other, unsalted, unsalted_again = cached("tenant-a"), cached("tenant-b"), cached(None), cached(None)
     assert first[0] == other[0] == unsalted[0] == 0
-    assert again[0] == unsalted_again[0] == first[1] - 1 > 100
+    # All but the last token, or the full blocks only where the first request's output filled the block its
+    # prompt ended in (the document's length varies with its random name).
+    full_blocks = (first[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert again[0] == unsalted_again[0] in (first[1] - 1, full_blocks) and again[0] > 100
     assert len({first[2], again[2], other[2], unsalted[2], unsalted_again[2]}) == 1
 
     # return_tokens_as_token_ids: logprob entries name their tokens by id; the offsets stay the text's.
