@@ -128,8 +128,11 @@ class Engine:
         self.model_path = resolve_model_path(mc.model, pull=mc.pull, show_progress=mc.show_progress)
         self.arch: ArchConfig = read_arch_config(self.model_path)
         if mc.max_model_len is not None and mc.max_model_len > self.arch.max_position_embeddings:
+            longrope = self.arch.rope_scaling is not None and self.arch.rope_scaling.kind == "longrope"
             raise InvalidRequest(f"max_model_len {mc.max_model_len} exceeds the model's context length "
-                                 f"{self.arch.max_position_embeddings}", "max_model_len")
+                                 f"{self.arch.max_position_embeddings}" + (
+                                     " (LongRoPE is served within its original context: its long factors, for "
+                                     "longer contexts, are not run)" if longrope else ""), "max_model_len")
         self.fingerprint = model_fingerprint(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
         if mc.chat_template is not None:

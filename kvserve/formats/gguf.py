@@ -356,6 +356,8 @@ def arch_from_gguf(header: GGUFHeader) -> ArchConfig:
         num_dense_layers = int(key("leading_dense_block_count", 0))
         shared = "ffn_up_shexp.weight"
         window = int(key("attention.sliding_window", 0))
+        if window >= int(key("context_length", 2048)):  # no window at all (Phi-3.5's and Phi-4-mini's 262,144)
+            window = 0
         scaling = _rope_scaling(header, key)
         return ArchConfig(
             architecture=_architecture(arch, name, num_experts),

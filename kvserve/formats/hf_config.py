@@ -153,7 +153,10 @@ def arch_from_hf_config(cfg: dict[str, Any], source: Path) -> ArchConfig:
         eos_ids = eos if isinstance(eos, list) else [eos]
         shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        scaling = rope_scaling(rope_parameters(cfg), max_positions, cfg.get("original_max_position_embeddings"))
+        rope = rope_parameters(cfg)
+        if model_type == "phi3" and rope_type(rope) == "yarn":  # Phi3Config reads su and yarn as longrope
+            rope = {**rope, "rope_type": "longrope"}
+        scaling = rope_scaling(rope, max_positions, cfg.get("original_max_position_embeddings"))
         fields: dict[str, Any] = dict(
             architecture=model_type,
             name=model_type or Path(source).parent.name,

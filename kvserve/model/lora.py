@@ -158,6 +158,9 @@ def _pair_tensors(name: str, tensors: dict[str, torch.Tensor],
                                 f"{', '.join(_MODULES)}")
         if layer >= arch.num_layers:
             raise LoRALoadError(f"LoRA adapter '{name}': it has layer {layer}; the model has {arch.num_layers}")
+        if arch.rotary_dim and module in ("q_proj", "k_proj"):  # the loader reorders those rows of the model
+            raise LoRALoadError(f"LoRA adapter '{name}': it targets {module!r} of a model that rotates part of each "
+                                f"head; adapters on q_proj and k_proj are not supported there")
         if _MODULES[module][0] in ("gate_up", "down") and arch.is_moe_layer(layer):
             raise LoRALoadError(f"LoRA adapter '{name}': layer {layer}'s MLP is a mixture of experts; adapters on "
                                 "experts are not supported (attention-only adapters are)")

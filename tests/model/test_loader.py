@@ -742,3 +742,47 @@ def test_a_yarn_config_is_read_as_transformers_reads_it_and_serves_its_stretched
     assert implied.max_position_embeddings == 65536
     plain = arch_from_hf_config(base, Path("c"))
     assert plain.rope_scaling is None and plain.max_position_embeddings == 32768
+
+
+def test_phi3_configs_are_read_as_transformers_reads_them() -> None:
+    """Phi-4-mini's shape (a top-level partial_rotary_factor, LongRoPE with the original context at the top
+    level, a window longer than any context): 96 of 128 dimensions rotating, served within the original context,
+    LongRoPE's magnitude, no window. The old "su" type and "yarn" (which Phi3Config reads as LongRoPE) are
+    LongRoPE too; an original context given only in the rope block is taken from there."""
+    from kvserve.formats.hf_config import arch_from_hf_config
+
+    factors = [1.0 + i / 10 for i in range(48)]
+    base = {"model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+            "vocab_size": 200064, "intermediate_size": 8192, "num_hidden_layers": 2, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75, "sliding_window": 262144,
+            "rope_scaling": {"type": "longrope", "short_factor": factors, "long_factor": factors}}
+    phi4_mini = arch_from_hf_config(base, Path("c"))
+    assert phi4_mini.rotary_dim == 96 and phi4_mini.fused_projections and phi4_mini.sliding_window == 0
+    assert phi4_mini.max_position_embeddings == 4096 and phi4_mini.rope_scaling is not None
+    assert phi4_mini.rope_scaling.kind == "longrope" and phi4_mini.rope_scaling.freq_factors == tuple(factors)
+    assert phi4_mini.rope_scaling.magnitude == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    for kind in ("su", "yarn"):
+        other = arch_from_hf_config({**base, "rope_scaling": {**base["rope_scaling"], "type": kind}}, Path("c"))
+        assert other.rope_scaling == phi4_mini.rope_scaling
+    in_block = {k: v for k, v in base.items() if k != "original_max_position_embeddings"}
+    in_block["rope_scaling"] = {**base["rope_scaling"], "original_max_position_embeddings": 4096}
+    assert arch_from_hf_config(in_block, Path("c")).rope_scaling == phi4_mini.rope_scaling
+    mini_4k = arch_from_hf_config({**base, "max_position_embeddings": 4096, "sliding_window": 2047,
+                                   "partial_rotary_factor": 1.0, "rope_scaling": None}, Path("c"))
+    assert mini_4k.sliding_window == 2047 and mini_4k.sliding_layers == (0, 1) and mini_4k.rotary_dim == 0
+
+
+def test_a_phi3_gguf_reads_its_rotating_dimensions_longrope_factors_and_attention_factor(tmp_path: Path) -> None:
+    """llama.cpp's keys: rope.dimension_count, rope_factors_short.weight, rope.scaling.attn_factor (the whole
+    multiplier, as its context sets it), a window at least the context long written but no window at all."""
+    factors = np.linspace(1.0, 3.0, 16, dtype=np.float32)  # head 64, 32 of it rotating: 16 pairs
+    path = tmp_path / "phi3.gguf"
+    make_tiny_gguf(path, "phi3", hidden=256, num_heads=4, extra=lambda w: (
+        w.add_rope_dimension_count(32), w.add_rope_scaling_orig_ctx_len(64), w.add_rope_scaling_attn_factors(1.3),
+        w.add_sliding_window(262144), w.add_tensor("rope_factors_short.weight", factors),
+        w.add_tensor("rope_factors_long.weight", 2 * factors)))
+    arch = read_arch_config(path)
+    assert arch.rotary_dim == 32 and arch.fused_projections and arch.sliding_window == 0
+    assert arch.rope_scaling is not None and arch.rope_scaling.kind == "longrope"
+    assert arch.rope_scaling.freq_factors == tuple(factors.tolist()) and arch.rope_scaling.magnitude == 1.3
+    assert arch.max_position_embeddings == 64  # served within the original context

@@ -130,3 +130,15 @@ def test_lora_modules_are_spelled_as_vllm_spells_them() -> None:
             lora_module(bad)
     with pytest.raises(ConfigError, match="names an adapter twice"):
         ModelConfig(lora_modules=("a=/x", "a=/y"))
+
+
+def test_query_and_key_adapters_are_refused_where_part_of_each_head_rotates(tmp_path, arch) -> None:
+    """The loader reorders such a model's Q and K rows (rotary_dim): an adapter's rows there would not follow."""
+    from dataclasses import replace
+
+    partial = replace(arch, rotary_dim=arch.head_dim // 2)
+    write_adapter(tmp_path / "qk", arch, {(0, "k_proj"): 4})
+    with pytest.raises(LoRALoadError, match="rotates part of each head"):
+        load_adapter("a", tmp_path / "qk", partial, torch.float32, CPU)
+    write_adapter(tmp_path / "v", arch, {(0, "v_proj"): 4})
+    assert load_adapter("a", tmp_path / "v", partial, torch.float32, CPU).layers[0]
