@@ -65,6 +65,7 @@ class FusedDecodeStack:
         self.qkv_biases = qkv_biases  # per layer, or empty: no QKV bias
         self.q_norms, self.k_norms = qk_norms  # per layer each, or both empty: no QK-norm
         self.quantized = quantized  # the projections on quantised weights (then `packed` lists are empty)
+        self.unrotated_layers = list(arch.no_rope_layers)  # built once: the stack is called every decode step
 
     @classmethod
     def build(cls, arch: ArchConfig, layers: Sequence[DecoderWeights], linear: PackedLinear,
@@ -157,7 +158,7 @@ class FusedDecodeStack:
             self.packed["gate_up"], self.packed["down"], kv_caches, meta.slot_mapping, meta.decode_block_table,
             meta.decode_seq_lens, None if runs is None else runs.block_tables, None if runs is None else runs.kv_lens,
             None if runs is None else runs.q_starts, prefix_packed, self.single_row_weights, self.qkv_biases,
-            self.q_norms, self.k_norms, list(arch.no_rope_layers), arch.residual_multiplier, arch.num_heads,
+            self.q_norms, self.k_norms, self.unrotated_layers, arch.residual_multiplier, arch.num_heads,
             arch.num_kv_heads, arch.rms_norm_eps, self.attentions[0].scale, self.attentions[0].split_size,
             *self._quantized_args(), self.projections, self.attention,
         )
