@@ -14,7 +14,8 @@
   head layout of ``ATTENTION_LAYOUTS`` (SmolLM2's 9 query heads over 3 KV heads at head_dim 64;
   Qwen2.5-Coder-1.5B's 12 over 2 at 128; Gemma 3 270M's 4 over 1 at 256). The torch path gathers each
   sequence's blocks and calls scaled_dot_product_attention; the kernel reads the blocks in place.
-- Many-row attention on AMX tiles (or, without AMX, the AVX-512 kernel of the same contract): all prefill chunks of a step in one call (the agentic shape: ten
+- Many-row attention on AMX tiles (or, without AMX, the AVX-512 kernel of the same contract; without AVX-512,
+  the AVX2 one): all prefill chunks of a step in one call (the agentic shape: ten
   100-token turns on ~1,570 cached tokens; one cold 1,024-token prompt), and the shared-prefix half of
   cascade decode (16 decodes against a 1,568-token prefix), also with the prefix's keys pre-packed as
   cascade decode keeps them across steps; in the same head layouts. The torch path is the one it replaces:
@@ -160,8 +161,8 @@ def bench_attention(cases: list[tuple[int, int]], heads: int, kv_heads: int, hea
 
 
 def bench_many_row_attention(kernel_name: str, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
-    """(label, [(queries, keys) per run], causal) through the kernel (paged_attention_amx or
-    paged_attention_avx512) and through the torch path, in one head layout."""
+    """(label, [(queries, keys) per run], causal) through the kernel (paged_attention_amx,
+    paged_attention_avx512 or paged_attention_avx2) and through the torch path, in one head layout."""
     many_rows = getattr(torch.ops.kvserve, kernel_name)
     bf16 = torch.bfloat16
     cases = [("prefill 10 x 100 on 1,568 cached", [(100, 1668)] * 10, True),
@@ -272,8 +273,9 @@ def main() -> None:
         for r in report[key]:
             print(f"  {r['batch']:5d}  {r['keys']:5d}  {r['torch_us']:9.0f}  {r['kernel_us']:9.0f}  "
                   f"{r['speedup']:4.2f}x  {r['kernel_kv_gbps']:8.1f}")
-        if kernels.amx or kernels.avx512:
-            name = "paged_attention_amx" if kernels.amx else "paged_attention_avx512"
+        if kernels.amx or kernels.avx512 or kernels.avx2:
+            name = ("paged_attention_amx" if kernels.amx else "paged_attention_avx512" if kernels.avx512
+                    else "paged_attention_avx2")
             key = "many_row_attention" if layout == "smollm2" else f"many_row_attention_{layout}"
             report[key] = bench_many_row_attention(name, heads, kv_heads, head_dim)
             print(f"\nMany-row attention ({name}), bf16, one layer ({layout}: {shape}), time per call:")

@@ -41,12 +41,12 @@ def arch(head_dim: int = 64, family: str = "llama", **extra: object) -> ArchConf
                       **extra)  # type: ignore[arg-type]
 
 
-def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=False, elementwise=True,
+def plan(projections, gemv_max_rows, attention, fused=False, vector_carries=False, elementwise=True,
          fallbacks=(), quantized: int | None = 4, by_default: bool | None = None) -> KernelPlan:
     # Mid widths on panels dequantised beside their products wherever the packed family is AVX-512's.
     fused_panels = QUANTIZED_FUSED_MAX_ROWS if quantized is not None and projections in ("avx512", "bf16dot") else 0
     return KernelPlan(projections=projections, gemv_max_rows=gemv_max_rows, elementwise=elementwise,
-                      attention=attention, fused_decode=fused, avx512_carries_step=avx512_carries,
+                      attention=attention, fused_decode=fused, vector_carries_step=vector_carries,
                       quantized_gemv_max_rows=quantized, quantized_fused_max_rows=fused_panels,
                       quantized_by_default=quantized is not None if by_default is None else by_default,
                       fallbacks=tuple(fallbacks))
@@ -55,9 +55,8 @@ def plan(projections, gemv_max_rows, attention, fused=False, avx512_carries=Fals
 HEAD_SIZES = (64, 128, 256)  # the many-row kernels and the fused stack take these; 80 stands for any other
 NO_PACKED_STACK = "no fused decode stack: no packed projection kernels"
 HEAD80_STACK = "no fused decode stack: head size 80 has no many-row kernel"
-NO_MANY_ROW_ATTENTION = "torch prefill attention: no AMX or AVX-512 on this CPU"
+NO_MANY_ROW_ATTENTION = "torch prefill attention: no AMX, AVX-512 or AVX2 on this CPU"
 NO_VECTOR_UNITS = ("torch projections: no AVX2 and FMA on this CPU", NO_MANY_ROW_ATTENTION)
-STACK_WITHOUT_PREFIX = "fused decode stack only on steps without a shared prefix: no many-row attention kernel on this CPU"
 FLOAT32 = ("torch projections and element-wise ops: float32 model (those kernels take bf16)",
            "torch prefill attention: float32 model (the many-row kernels take bf16)",
            "no fused decode stack: float32 model",
@@ -78,14 +77,14 @@ TORCH_OPS_ONLY = plan(None, 0, None, elementwise=False, fallbacks=FLOAT32, quant
 EXPECTED = [
     *[(AMX, torch.bfloat16, head, plan("amx", 1, "amx", fused=True)) for head in HEAD_SIZES],
     (AMX, torch.bfloat16, 80, plan("amx", 1, None, fallbacks=(*head80(), HEAD80_STACK))),
-    *[(BF16_ONLY, torch.bfloat16, head, plan("bf16dot", 0, "avx512", fused=True, avx512_carries=True))
+    *[(BF16_ONLY, torch.bfloat16, head, plan("bf16dot", 0, "avx512", fused=True, vector_carries=True))
       for head in HEAD_SIZES],
     (BF16_ONLY, torch.bfloat16, 80, plan("bf16dot", 0, None, fallbacks=(*head80(), HEAD80_STACK))),
-    *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", fused=True, avx512_carries=True,
+    *[(AVX512_ONLY, torch.bfloat16, head, plan("avx512", 0, "avx512", fused=True, vector_carries=True,
                                                 fallbacks=(NO_VNNI,), quantized=0)) for head in HEAD_SIZES],
     (AVX512_ONLY, torch.bfloat16, 80, plan("avx512", 0, None, fallbacks=(*head80(), HEAD80_STACK, NO_VNNI), quantized=0)),
-    *[(AVX2_ONLY, torch.bfloat16, head, plan("avx2", 0, None, fused=True, by_default=False,
-                                             fallbacks=(NO_MANY_ROW_ATTENTION, STACK_WITHOUT_PREFIX, QUANTIZED_ON_REQUEST)))
+    *[(AVX2_ONLY, torch.bfloat16, head, plan("avx2", 0, "avx2", fused=True, vector_carries=True, by_default=False,
+                                             fallbacks=(QUANTIZED_ON_REQUEST,)))
       for head in HEAD_SIZES],
     (AVX2_ONLY, torch.bfloat16, 80, plan("avx2", 0, None, fallbacks=(*head80(), HEAD80_STACK, QUANTIZED_ON_REQUEST),
                                          by_default=False)),
@@ -201,9 +200,9 @@ def test_select_backend_builds_what_its_plan_says(monkeypatch, caplog, kernels, 
     assert (ops.add_rms_norm is torch.ops.kvserve.add_rms_norm) == expected.elementwise
     attention = backend.make_attention(0)
     assert type(attention) is CpuKernelPagedAttention and attention.split_size == 64
-    assert (attention.amx, attention.avx512) == (expected.attention == "amx", expected.attention == "avx512")
-    # Before a fused stack is built, only the AVX-512 kernels carry a step's heavy ops.
-    assert isinstance(backend.step_scope(), KernelThreadScope) == expected.avx512_carries_step
+    assert attention.many_rows == expected.attention
+    # Before a fused stack is built, only the plain-vector kernels carry a step's heavy ops.
+    assert isinstance(backend.step_scope(), KernelThreadScope) == expected.vector_carries_step
     assert backend.description.startswith(f"cpu_kernels ({expected.projections or 'torch'} projections")
     assert (", fused decode stack" in backend.description) == expected.fused_decode
     assert all(reason in backend.description for reason in expected.fallbacks)

@@ -30,8 +30,8 @@ FAMILY_CPUS = {"amx": CpuKernels(gemv_bf16=True, amx=True, avx512=True, avx2=Tru
 packed_families = [pytest.param(name, marks=pytest.mark.skipif(
     kernels is None or not runs(kernels), reason=f"no {name} on this CPU (or the kernel refused it)"))
     for name, runs in FAMILY_RUNS.items()]
-# The many-row attention kernels: AMX, and AVX-512 (which the BF16 dot-product family's CPUs run).
-attention_families = [param for param in packed_families if param.values[0] in ("amx", "avx512")]
+# The many-row attention kernels: AMX, AVX-512 (which the BF16 dot-product family's CPUs run) and AVX2.
+attention_families = [param for param in packed_families if param.values[0] in ("amx", "avx512", "avx2")]
 
 
 def family(name: str) -> PackedKernels:
@@ -45,8 +45,8 @@ def arch(heads: int = 9, kv_heads: int = 3, dim: int = 64) -> ArchConfig:
 
 def kernel_backend(name: str | None, heads: int = 9, kv_heads: int = 3, dim: int = 64) -> CpuKernelsBackend:
     """The cpu_kernels backend as it plans for a bf16 model on a CPU whose many-row attention kernel is
-    ``name`` ("amx", "avx512"; None: this machine's)."""
-    offered = {"amx": FAMILY_CPUS["amx"], "avx512": FAMILY_CPUS["avx512"]}.get(name, kernels)
+    ``name`` ("amx", "avx512", "avx2"; None: this machine's)."""
+    offered = {"amx": FAMILY_CPUS["amx"], "avx512": FAMILY_CPUS["avx512"], "avx2": FAMILY_CPUS["avx2"]}.get(name, kernels)
     shape = arch(heads, kv_heads, dim)
     return CpuKernelsBackend(plan_kernels(offered, torch.bfloat16, shape), shape, torch.device("cpu"),
                              BackendConfig())
@@ -384,7 +384,9 @@ def reference_runs(q, k_cache, v_cache, tables, kv_lens, q_lens, scale, causal):
 
 
 many_row_kernels = [pytest.param("paged_attention_amx", marks=amx_only), pytest.param(
-    "paged_attention_avx512", marks=pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512"))]
+    "paged_attention_avx512", marks=pytest.mark.skipif(kernels is None or not kernels.avx512, reason="no AVX-512")),
+    pytest.param("paged_attention_avx2", marks=pytest.mark.skipif(kernels is None or not kernels.avx2,
+                                                                  reason="no AVX2 and FMA"))]
 
 
 # (query heads, KV heads, head size): SmolLM2's 3:1 at 64, Qwen2.5-Coder-1.5B's 6:1 at 128, Gemma 3 270M's
@@ -400,7 +402,8 @@ LAYOUT_IDS = [f"{h}q{kv}kv-head{d}" for h, kv, d in HEAD_LAYOUTS]
 def test_paged_attention_kernels_match_reference(kernel, heads, kv_heads, dim, causal, fp32_out) -> None:
     """Runs of every shape the row tiles and key steps meet: one token, partial tiles and key blocks, many
     tiles per work item, a query tensor with a token stride (Q and K heads side by side, as the model has).
-    The AVX-512 kernel is the AMX one's stand-in on CPUs without tiles: the same contract, fp32 weights.
+    The AVX-512 and AVX2 kernels are the AMX one's stand-ins on CPUs without tiles: the same contract, fp32
+    weights.
     At every head size the kernels take, with grouped-query ratios from 3:1 to 6:1."""
     torch.manual_seed(int(causal) * 2 + int(fp32_out) + dim + heads)
     block_size = 16
@@ -552,7 +555,7 @@ def test_kernel_backend_keeps_the_packed_prefix_only_while_its_key_holds() -> No
             decode_seq_lens=torch.tensor(suffix, dtype=torch.int32),
             decode_prefix_blocks=torch.arange(shared), decode_prefix_runs=runs, decode_prefix_key=key)
 
-    backend = CpuKernelPagedAttention(heads, kv_heads, dim, amx=True)
+    backend = CpuKernelPagedAttention(heads, kv_heads, dim, many_rows="amx")
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16)
     empty = torch.empty(0, kv_heads, dim, dtype=torch.bfloat16)
     unpacked = backend.forward(q, empty, empty, cache, meta(None))
@@ -564,7 +567,7 @@ def test_kernel_backend_keeps_the_packed_prefix_only_while_its_key_holds() -> No
     assert torch.equal(first, unpacked) and torch.equal(again, unpacked)
 
     cache[:, 7] = torch.randn_like(cache[:, 7])  # a prefix block rewritten: the runner gives a new key
-    fresh = CpuKernelPagedAttention(heads, kv_heads, dim, amx=True).forward(q, empty, empty, cache, meta(None))
+    fresh = CpuKernelPagedAttention(heads, kv_heads, dim, many_rows="amx").forward(q, empty, empty, cache, meta(None))
     assert not torch.equal(fresh, unpacked)
     assert torch.equal(backend.forward(q, empty, empty, cache, meta((2,))), fresh)
 
@@ -574,7 +577,7 @@ def test_kernel_backend_keeps_the_packed_prefix_only_while_its_key_holds() -> No
                          ids=["head64", "head128", "head256"])
 def test_kernel_backend_mixed_step_matches_torch_backend(name, heads, kv_heads, dim) -> None:
     """One bf16 step as the runner builds it: decodes sharing a cached prefix (cascade), a prefill chunk from
-    position 0 and one on cached history, through the AMX (or AVX-512) kernels and through the reference
+    position 0 and one on cached history, through the AMX (AVX-512, AVX2) kernels and through the reference
     backend, at each head size the many-row kernels take."""
     from kvserve.batch import ScheduledRequest, SchedulerOutput
     from kvserve.runner.input_batch import build_inputs
@@ -598,7 +601,7 @@ def test_kernel_backend_mixed_step_matches_torch_backend(name, heads, kv_heads, 
     v = torch.randn(num_tokens, kv_heads, dim, dtype=torch.bfloat16)
     expected = reference.make_attention(0).forward(q, k, v, cache.clone(), reference.build_metadata(inputs.rows))
     attention = backend.make_attention(0)
-    assert type(attention) is CpuKernelPagedAttention and getattr(attention, name)
+    assert type(attention) is CpuKernelPagedAttention and attention.many_rows == name
     got = attention.forward(q, k, v, cache.clone(), meta)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
@@ -679,7 +682,7 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(name, heads, kv_heads
     """The fused decode stack against the same model's Python layers, layer by layer, on the same caches, on
     each packed family's plan: one row (AMX: the GEMV, with the QKV bias where there is one), several rows,
     and decodes sharing a prefix (cascade; AMX: its packing made inside the stack's first step, kept for the
-    next; without a many-row attention kernel, AVX2, the stack declines those). Both paths run the same
+    next; AVX-512 and AVX2: their many-row kernels, nothing kept). Both paths run the same
     kernels in the same order, so hidden states and the KV written must match bit for bit."""
     from kvserve.batch import ScheduledRequest, SchedulerOutput
     from kvserve.model.llama import LlamaForCausalLM
@@ -713,9 +716,6 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(name, heads, kv_heads
         python_caches = [cache.clone() for cache in caches]
         accepted = stack.accepts(torch.empty(len(scheduled), shape.hidden_size, dtype=torch.bfloat16), (meta,))
         cascade_steps += meta.decode_prefix_blocks is not None
-        if plan.attention is None and meta.decode_prefix_blocks is not None:
-            assert not accepted, f"{label}: the stack took a shared prefix without a many-row kernel"
-            continue
         assert accepted, label
         with model.thread_scope:
             fused = model.forward(inputs.input_ids, inputs.positions, meta, caches)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -11,6 +13,10 @@ from kvserve.model.backends.base import AttentionMetadata
 
 # Head sizes the many-row attention kernels and the fused decode stack take (csrc/common.h, many_row_head_size).
 MANY_ROW_HEAD_SIZES = (64, 128, 256)
+
+# The many-row attention kernels: AMX tiles, or fp32 FMAs on AVX-512 or AVX2 (the op each of those calls).
+ManyRowFamily = Literal["amx", "avx512", "avx2"]
+VECTOR_MANY_ROW_KERNELS = {"avx512": "paged_attention_avx512", "avx2": "paged_attention_avx2"}
 
 # What a layer keeps of a run of blocks: the key naming the contents it was packed from, and the packing.
 Kept = tuple[tuple[int, ...], torch.Tensor]
@@ -48,26 +54,24 @@ class CpuAttentionMetadata(AttentionMetadata):
 class CpuKernelPagedAttention(TorchPagedAttention):
     """Attention through the C++ kernels, which read each request's KV blocks in place.
 
-    Decodes go through the split-KV decode kernel. With AMX (bf16, head size 64, 128 or 256), every prefill
-    chunk of the step is one tile-matmul call, and so is the shared-prefix half of cascade decode: every
-    decode's query heads against the prefix they share. Without AMX, the AVX-512 kernel of the same contract takes
-    those calls (fp32 FMAs, no packed keys kept across steps); without either, they stay on the reference
-    path (the prefix part is then one flash-attention call for the whole batch). The prefix and suffix
-    halves merge exactly through their log-sum-exps.
+    Decodes go through the split-KV decode kernel. With a many-row kernel (bf16, head size 64, 128 or 256),
+    every prefill chunk of the step is one call, and so is the shared-prefix half of cascade decode: every
+    decode's query heads against the prefix they share. ``many_rows`` names it: "amx" (tile matmuls, packed
+    keys kept across steps), "avx512" or "avx2" (the same contract on fp32 FMAs, nothing kept); None: those
+    calls stay on the reference path (the prefix part is then one flash-attention call for the whole batch).
+    The prefix and suffix halves merge exactly through their log-sum-exps.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int | None = None, amx: bool = False, avx512: bool = False,
+                 sliding_window: int | None = None, many_rows: ManyRowFamily | None = None,
                  split_size: int = 256) -> None:
         # A sliding-window layer takes the kernels in steps where the window hides no key, and the reference
         # path (explicit window mask) in the steps where it does.
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
-        assert not (amx and avx512), "one many-row kernel at a time"
-        assert head_dim in MANY_ROW_HEAD_SIZES or not (amx or avx512), f"many-row kernels take {MANY_ROW_HEAD_SIZES}"
-        self.amx = amx
-        # Without AMX: the AVX-512 kernel of the same contract, against torch's flash attention per chunk
+        assert many_rows is None or head_dim in MANY_ROW_HEAD_SIZES, f"many-row kernels take {MANY_ROW_HEAD_SIZES}"
+        # Without AMX: the plain-vector kernels of the same contract, against torch's flash attention per chunk
         # (gather copy, explicit mask) in benchmarks/cpu_kernels.py's many-row cases.
-        self.avx512 = avx512
+        self.many_rows = many_rows
         # Keys per decode-kernel work item (BackendConfig.decode_split_size).
         self.split_size = split_size
         # This layer's shared prefix in the AMX kernel's tile layouts, with the key of the contents it was
@@ -81,10 +85,13 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         self._packed_prefill_prefix: Kept | None = None
 
     def _uses_amx(self, q: torch.Tensor) -> bool:
-        return self.amx and q.dtype == torch.bfloat16
+        return self.many_rows == "amx" and q.dtype == torch.bfloat16
 
-    def _uses_avx512(self, q: torch.Tensor) -> bool:
-        return self.avx512 and q.dtype == torch.bfloat16
+    def _vector_kernel(self, q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+        """The plain-vector many-row kernel (a torch op) for this query, or None."""
+        if q.dtype != torch.bfloat16 or self.many_rows not in VECTOR_MANY_ROW_KERNELS:
+            return None
+        return getattr(torch.ops.kvserve, VECTOR_MANY_ROW_KERNELS[self.many_rows])
 
     def _prefill(
         self,
@@ -96,11 +103,10 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         meta: CpuAttentionMetadata,
     ) -> torch.Tensor:
         runs = meta.prefill_runs
-        if runs is not None and self._uses_avx512(q):
-            out, _ = torch.ops.kvserve.paged_attention_avx512(
-                q[meta.num_decode_tokens :], k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts,
-                self.scale, True, False,
-            )
+        vector_kernel = self._vector_kernel(q)
+        if runs is not None and vector_kernel is not None:
+            out, _ = vector_kernel(q[meta.num_decode_tokens :], k_cache, v_cache, runs.block_tables, runs.kv_lens,
+                                   runs.q_starts, self.scale, True, False)
             return out
         if runs is None or not self._uses_amx(q):
             return super()._prefill(q, k, v, k_cache, v_cache, meta)
@@ -128,13 +134,14 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         )
         if meta.decode_prefix_blocks is not None:
             runs = meta.decode_prefix_runs
-            if runs is not None and (self._uses_amx(q) or self._uses_avx512(q)):
+            vector_kernel = self._vector_kernel(q)
+            if runs is not None and (self._uses_amx(q) or vector_kernel is not None):
                 args = (q, k_cache, v_cache, runs.block_tables, runs.kv_lens, runs.q_starts, self.scale, False, True)
-                if self._uses_amx(q):
+                if vector_kernel is not None:
+                    out_p, lse_p = vector_kernel(*args)
+                else:
                     packed = self.packed_prefix_for(k_cache, v_cache, runs, meta.decode_prefix_key)
                     out_p, lse_p = torch.ops.kvserve.paged_attention_amx(*args, packed)
-                else:
-                    out_p, lse_p = torch.ops.kvserve.paged_attention_avx512(*args)
                 out_p = out_p.view(out.shape)
                 lse_p = lse_p.view(lse.shape)
             else:

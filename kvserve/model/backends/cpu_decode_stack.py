@@ -7,7 +7,8 @@ stack calls the same kernels in the same order (a single row on the GEMV, as the
 its output is bit for bit the Python path's. It takes steps whose every token is a decode, on a model
 whose every projection weight the plan's family (AMX, AVX512-BF16 dot products, AVX-512 or AVX2) packed, at
 head sizes 64, 128 and 256, with or without a QKV bias (Qwen2) and QK-norm (Qwen3), some layers without rotary
-(SmolLM3), the blocks' outputs scaled as they join the residual stream (Granite). Without a many-row attention kernel (AVX2) it takes only steps with no shared prefix.
+(SmolLM3), the blocks' outputs scaled as they join the residual stream (Granite); the shared prefix of cascade
+decode goes through the plan's many-row attention kernel (AMX, AVX-512 or AVX2).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class FusedDecodeStack:
         self.projections = projections  # the packed family's name (cpu_ops.PackedKernels.name)
         # The many-row attention family the shared-prefix half runs on ("none": steps with one are not taken);
         # only AMX keeps packed prefixes.
-        self.attention = "amx" if attentions[0].amx else "avx512" if attentions[0].avx512 else "none"
+        self.attention = attentions[0].many_rows or "none"
         self.attentions = attentions  # per layer: its packed shared prefix is kept there
         self.input_norms = input_norms
         self.post_norms = post_norms

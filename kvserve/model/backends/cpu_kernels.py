@@ -25,6 +25,7 @@ from kvserve.model.backends.cpu_attention import (
     MANY_ROW_HEAD_SIZES,
     CpuAttentionMetadata,
     CpuKernelPagedAttention,
+    ManyRowFamily,
     PagedRuns,
 )
 from kvserve.model.backends.cpu_decode_stack import FusedDecodeStack
@@ -73,13 +74,13 @@ class KernelPlan:
     projections: Family | None  # the packed projection kernels; None: torch's linear
     gemv_max_rows: int  # inputs of at most this many rows take the BF16 GEMV instead; 0: never
     elementwise: bool  # add+RMSNorm, SiLU-and-multiply and rotary through the kernels (bf16 models)
-    # The many-row kernel for prefill chunks and cascade prefixes, "amx" or "avx512" (which BF16 CPUs without
-    # AMX run too); None: torch's.
-    attention: Family | None
+    # The many-row kernel for prefill chunks and cascade prefixes, "amx", "avx512" (which BF16 CPUs without
+    # AMX run too) or "avx2"; None: torch's.
+    attention: ManyRowFamily | None
     fused_decode: bool  # decode steps' layers in one C++ call (when every weight packs)
-    # Projections (AVX-512 or BF16 dot products, no GEMV) and attention both on the AVX-512 kernels: they
-    # carry a step's heavy ops.
-    avx512_carries_step: bool
+    # Projections (AVX-512, BF16 dot products or AVX2; no GEMV) and attention both on the plain-vector
+    # kernels: they carry a step's heavy ops.
+    vector_carries_step: bool
     # GGUF-quantised weights run in their blocks, inputs of at most this many rows on the int8 dot products
     # (0: none, every width on the dequantised panels); None: quantised weights are dequantised at load.
     quantized_gemv_max_rows: int | None = None
@@ -154,28 +155,24 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig,
         fallbacks.append(f"torch projections and element-wise ops: {dtype_name} model (those kernels take bf16)")
     elif projections is None:
         fallbacks.append("torch projections: no AVX2 and FMA on this CPU")
-    # The many-row attention kernels take bf16 at the head sizes they are templated on.
-    attention: Family | None = None
+    # The many-row attention kernels take bf16 at the head sizes they are templated on: AMX tiles, else fp32
+    # FMAs on AVX-512, else on AVX2.
+    attention: ManyRowFamily | None = None
     if not bf16:
         fallbacks.append(f"torch prefill attention: {dtype_name} model (the many-row kernels take bf16)")
     elif head_dim not in MANY_ROW_HEAD_SIZES:
         fallbacks.append(f"torch prefill attention: head size {head_dim} has no many-row kernel "
                          f"({', '.join(map(str, MANY_ROW_HEAD_SIZES))})")
-    elif kernels.amx or kernels.avx512:
-        attention = "amx" if kernels.amx else "avx512"
+    elif kernels.amx or kernels.avx512 or kernels.avx2:
+        attention = "amx" if kernels.amx else "avx512" if kernels.avx512 else "avx2"
     else:
-        fallbacks.append("torch prefill attention: no AMX or AVX-512 on this CPU")
+        fallbacks.append("torch prefill attention: no AMX, AVX-512 or AVX2 on this CPU")
     if head_dim not in VECTOR_DECODE_HEAD_SIZES:
         fallbacks.append(f"portable decode attention loop: head size {head_dim} has no vectorised path")
     # The fused stack runs the Python layer's kernels in its order: a packed family for the projections and
     # a many-row kernel for the shared-prefix attention (QKV bias and QK-norm included), a dense MLP in
     # every layer (a mixture of experts routes on the host).
-    # Without a many-row kernel (AVX2) the stack still takes the steps that have no shared prefix.
-    stack_attention = attention is not None or (projections == "avx2" and head_dim in MANY_ROW_HEAD_SIZES)
-    fused_decode = projections is not None and stack_attention and gemv_max_rows <= 1 and not arch.is_moe
-    if fused_decode and attention is None:
-        fallbacks.append("fused decode stack only on steps without a shared prefix: no many-row attention kernel "
-                         "on this CPU")
+    fused_decode = projections is not None and attention is not None and gemv_max_rows <= 1 and not arch.is_moe
     if not fused_decode:
         why = (f"{dtype_name} model" if not bf16 else "no packed projection kernels" if projections is None
                else f"head size {head_dim} has no many-row kernel" if head_dim not in MANY_ROW_HEAD_SIZES
@@ -220,8 +217,8 @@ def plan_kernels(kernels: CpuKernels, dtype: torch.dtype, arch: ArchConfig,
                       quantized_fused_max_rows=quantized_fused_max_rows,
                       quantized_interleaved=quantized_interleaved, quantized_by_default=quantized_by_default,
                       quantized_int8_activations=quantized_int8_activations,
-                      avx512_carries_step=projections in ("avx512", "bf16dot") and attention == "avx512"
-                      and gemv_max_rows == 0,
+                      vector_carries_step=projections in ("avx512", "bf16dot", "avx2")
+                      and attention in ("avx512", "avx2") and gemv_max_rows == 0,
                       fallbacks=tuple(fallbacks))
 
 
@@ -249,13 +246,13 @@ class CpuKernelsBackend:
         self._versions = BlockVersions() if plan.attention == "amx" else None
         self._shared_prefill_min_tokens = (config.cascade_min_tokens if config.shared_prefill_min_tokens is None
                                            else config.shared_prefill_min_tokens)
-        self._carries_step = plan.avx512_carries_step
+        self._carries_step = plan.vector_carries_step
 
     def make_attention(self, layer_index: int) -> CpuKernelPagedAttention:
         arch, plan = self.arch, self.plan
         return CpuKernelPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
-                                       arch.layer_window(layer_index), amx=plan.attention == "amx",
-                                       avx512=plan.attention == "avx512", split_size=self.config.decode_split_size)
+                                       arch.layer_window(layer_index), many_rows=plan.attention,
+                                       split_size=self.config.decode_split_size)
 
     def build_fused_decode(self, layers: Sequence[DecoderWeights], layout: DecoderLayout) -> FusedDecode | None:
         if not self.plan.fused_decode or not layout.llama_layers:
@@ -280,8 +277,8 @@ class CpuKernelsBackend:
         return sum(t.numel() * t.element_size() for t in copies)
 
     def step_scope(self) -> AbstractContextManager[None]:
-        # The kernels carry every heavy op of a step (the fused decode stack, or the AVX-512 projections and
-        # attention): torch's ops then run on the calling thread alone (KernelThreadScope says why).
+        # The kernels carry every heavy op of a step (the fused decode stack, or the plain-vector projections
+        # and attention): torch's ops then run on the calling thread alone (KernelThreadScope says why).
         return KernelThreadScope() if self._carries_step else nullcontext()
 
     def build_metadata(self, rows: StepRows) -> CpuAttentionMetadata:

@@ -380,6 +380,30 @@ struct PagedRunsShape {
 PagedRunsShape check_paged_runs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& kv_lens,
                                 const at::Tensor& q_starts, bool causal);
+// One run of query tokens and its keys, and a work item of the plain-vector many-row kernels: rows
+// [first_row, first_row + num_rows) of one KV head's (token, group head) pairs in one run.
+struct RunSpan {
+  int64_t q_start, q_len, kv_len;
+  const int32_t* blocks;
+};
+struct RowItem {
+  int64_t span, head, first_row, num_rows;
+};
+struct RowItems {
+  std::vector<RunSpan> spans;
+  std::vector<RowItem> items;
+};
+// The runs (checked by check_paged_runs) cut into items of at most max_rows rows, a multiple of row_group:
+// fewer rows where that leaves too few items to keep every thread busy (cascade decode: 16 decodes x 3 heads
+// per KV head).
+RowItems split_row_items(const PagedRunsShape& shape, const at::Tensor& block_tables, const at::Tensor& kv_lens,
+                         const at::Tensor& q_starts, int64_t row_group, int64_t max_rows);
+
+// flash_attention_avx2.cpp: paged_attention_avx512's contract on AVX2 and FMA.
+std::tuple<at::Tensor, at::Tensor> paged_attention_avx2(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                        const at::Tensor& kv_lens, const at::Tensor& q_starts,
+                                                        double scale, bool causal, bool fp32_out);
 
 // flash_attention_avx512.cpp
 std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor& q, const at::Tensor& k_cache,

@@ -60,8 +60,9 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 // linear_silu_mul's layout), and the KV cache [2, blocks, block_size, H_kv, D] (D = 64, 128 or 256, the
 // same in every layer). Attention: decode over block_table/seq_lens (the keys after any shared prefix) and,
 // when prefix_block_tables is given, the shared prefix through the `attention` family's many-row kernel
-// ("amx": paged_attention_amx with prefix_packed[l], an empty tensor packing on the fly; "avx512":
-// paged_attention_avx512, prefix_packed empty; "none": no shared prefix is given), merged by log-sum-exp. single_row_weights: empty,
+// ("amx": paged_attention_amx with prefix_packed[l], an empty tensor packing on the fly; "avx512" or
+// "avx2": paged_attention_avx512 or paged_attention_avx2, prefix_packed empty; "none": no shared prefix is
+// given), merged by log-sum-exp. single_row_weights: empty,
 // or per layer the raw QKV, O, gate/up and down weights (4 per layer), which a one-row step multiplies on
 // the GEMV, as the Python layer does. qkv_biases: empty, or per layer the QKV projection's bias (Qwen2).
 // q_norms, k_norms: empty, or per layer the QK-norm weights [D] (Qwen3). unrotated_layers: the layers whose
@@ -85,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     int64_t quant_fused_max_rows, bool quant_int8_activations, c10::string_view projections,
     c10::string_view attention) {
   const ProjectionFamily family = ProjectionFamily::named(projections);
-  TORCH_CHECK(attention == "amx" || attention == "avx512" || attention == "none",
+  TORCH_CHECK(attention == "amx" || attention == "avx512" || attention == "avx2" || attention == "none",
               "decode_stack: unknown attention family ", attention);
   const bool amx_attention = attention == "amx";
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
@@ -174,8 +175,9 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
             q, k_cache, v_cache, *prefix_block_tables, *prefix_kv_lens, *prefix_q_starts, scale, false, true,
             packed.defined() && packed.numel() > 0 ? c10::optional<at::Tensor>(packed) : c10::nullopt);
       } else {
-        std::tie(out_p, lse_p) = paged_attention_avx512(q, k_cache, v_cache, *prefix_block_tables, *prefix_kv_lens,
-                                                        *prefix_q_starts, scale, false, true);
+        const auto many_rows = attention == "avx512" ? &paged_attention_avx512 : &paged_attention_avx2;
+        std::tie(out_p, lse_p) = many_rows(q, k_cache, v_cache, *prefix_block_tables, *prefix_kv_lens,
+                                           *prefix_q_starts, scale, false, true);
       }
       attn = merge_attention(out_p.view(out.sizes()), lse_p.view(lse.sizes()), out, lse, true);
     } else {

@@ -28,11 +28,6 @@ constexpr int64_t kItemRows = 48;  // most rows sharing one widening of the keys
 // Scores on VDPBF16PS where the build has it (q and K as bf16 pairs of dimensions).
 constexpr bool kDotScores = KVSERVE_HAS_AVX512_BF16;
 
-struct Span {
-  int64_t q_start, q_len, kv_len;
-  const int32_t* blocks;
-};
-
 struct Inputs {
   const at::BFloat16* q;
   int64_t q_stride;  // between tokens
@@ -60,7 +55,7 @@ struct alignas(64) Scratch {
 // Keys [start, start + n) of head h: K transposed into s.kt (widened) or s.kt_pairs (bf16 pairs), V widened
 // row-major into s.v; keys past n zero.
 template <int64_t D>
-inline void load_keys(const Inputs& in, const Span& span, int64_t h, int64_t start, int64_t n, Scratch<D>& s) {
+inline void load_keys(const Inputs& in, const RunSpan& span, int64_t h, int64_t start, int64_t n, Scratch<D>& s) {
   alignas(64) __m512i rows[16];
   const int64_t token_stride = in.kv_heads * D;
   int64_t at[kKeys];  // each key's offset in the caches (-1: past n)
@@ -189,7 +184,7 @@ inline void step_tail(Scratch<D>& s, int64_t r, int64_t rows, int64_t start, int
 }
 
 template <int64_t D, typename Out>
-void run_item(const Inputs& in, const Span& span, int64_t h, int64_t first_row, int64_t num_rows, Out* out,
+void run_item(const Inputs& in, const RunSpan& span, int64_t h, int64_t first_row, int64_t num_rows, Out* out,
               float* lse, Scratch<D>& s) {
   const float log2_scale = in.scale_log2;
   int64_t key_end = 0;
@@ -238,49 +233,25 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_avx512(const at::Tensor& q, c
                                                           double scale, bool causal, bool fp32_out) {
   const PagedRunsShape shape =
       check_paged_runs("paged_attention_avx512", q, k_cache, v_cache, block_tables, kv_lens, q_starts, causal);
-  const int64_t num_heads = shape.num_heads, kv_heads = shape.kv_heads, block_size = shape.block_size;
-  const int64_t group = shape.group, num_spans = shape.num_spans, max_blocks = shape.max_blocks;
-  const int32_t* lens = kv_lens.data_ptr<int32_t>();
-  const int32_t* starts = q_starts.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  std::vector<Span> spans;
-  int64_t total_rows = 0;
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t q_len = starts[s + 1] - starts[s];
-    spans.push_back({starts[s], q_len, lens[s], tables + s * max_blocks});
-    total_rows += q_len * group;
-  }
-  // Rows per item: at most kItemRows (they share one widening of each key step), fewer when that leaves
-  // too few items to keep every thread busy (cascade decode: 16 decodes x 3 heads per KV head).
-  const int64_t wanted_items = 4 * kernel_threads();
-  const int64_t item_rows = std::clamp<int64_t>(
-      (total_rows * kv_heads + wanted_items - 1) / wanted_items / kRowGroup * kRowGroup, kRowGroup, kItemRows);
-  struct Item {
-    int64_t span, head, first_row, num_rows;
-  };
-  std::vector<Item> items;
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t rows = spans[s].q_len * group;
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t r = 0; r < rows; r += item_rows) items.push_back({s, h, r, std::min(item_rows, rows - r)});
-  }
+  const int64_t num_heads = shape.num_heads;
+  const RowItems work = split_row_items(shape, block_tables, kv_lens, q_starts, kRowGroup, kItemRows);
   at::Tensor out = at::empty({q.size(0), num_heads, shape.head_dim}, q.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   at::Tensor lse = at::empty({q.size(0), num_heads}, q.options().dtype(at::kFloat));
   const Inputs in{q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(),
-                  v_cache.data_ptr<at::BFloat16>(), block_size, kv_heads, group, num_heads,
+                  v_cache.data_ptr<at::BFloat16>(), shape.block_size, shape.kv_heads, shape.group, num_heads,
                   static_cast<float>(scale) * 1.44269504088896341f, causal};
   float* lp = lse.data_ptr<float>();
   with_head_size(shape.head_dim, [&](auto head_size) {
     constexpr int64_t D = decltype(head_size)::value;
-    parallel_claim(static_cast<int64_t>(items.size()), [&](auto&& claim) {
+    parallel_claim(static_cast<int64_t>(work.items.size()), [&](auto&& claim) {
       auto scratch = std::make_unique<Scratch<D>>();
       for (int64_t i; (i = claim()) >= 0;) {
-        const Item& item = items[i];
+        const RowItem& item = work.items[i];
         if (fp32_out)
-          run_item<D>(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<float>(), lp,
+          run_item<D>(in, work.spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<float>(), lp,
                       *scratch);
         else
-          run_item<D>(in, spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<at::BFloat16>(),
+          run_item<D>(in, work.spans[item.span], item.head, item.first_row, item.num_rows, out.data_ptr<at::BFloat16>(),
                       lp, *scratch);
       }
     });

@@ -1,5 +1,5 @@
-// The argument checks every many-row attention kernel shares (paged_attention_amx, paged_attention_avx512):
-// one contract, one place that states it.
+// The argument checks every many-row attention kernel shares (paged_attention_amx, paged_attention_avx512,
+// paged_attention_avx2): one contract, one place that states it; and the plain-vector kernels' work items.
 
 #include "common.h"
 
@@ -43,6 +43,29 @@ PagedRunsShape check_paged_runs(const char* op, const at::Tensor& q, const at::T
       TORCH_CHECK(blocks[b] >= 0 && blocks[b] < k_cache.size(0), op, ": block id out of range");
   }
   return shape;
+}
+
+RowItems split_row_items(const PagedRunsShape& shape, const at::Tensor& block_tables, const at::Tensor& kv_lens,
+                         const at::Tensor& q_starts, int64_t row_group, int64_t max_rows) {
+  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  const int32_t* starts = q_starts.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  RowItems out;
+  int64_t total_rows = 0;
+  for (int64_t s = 0; s < shape.num_spans; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    out.spans.push_back({starts[s], q_len, lens[s], tables + s * shape.max_blocks});
+    total_rows += q_len * shape.group;
+  }
+  const int64_t wanted_items = 4 * kernel_threads();
+  const int64_t item_rows = std::clamp<int64_t>(
+      (total_rows * shape.kv_heads + wanted_items - 1) / wanted_items / row_group * row_group, row_group, max_rows);
+  for (int64_t s = 0; s < shape.num_spans; ++s) {
+    const int64_t rows = out.spans[s].q_len * shape.group;
+    for (int64_t h = 0; h < shape.kv_heads; ++h)
+      for (int64_t r = 0; r < rows; r += item_rows) out.items.push_back({s, h, r, std::min(item_rows, rows - r)});
+  }
+  return out;
 }
 
 }  // namespace kvserve

@@ -16,7 +16,9 @@
 //   flash_attention.cpp  paged_attention_amx: many query rows (prefill, shared-prefix decode) on AMX tiles;
 //                    pack_kv_amx: a run of blocks in its tile layouts, for reuse across steps
 //   flash_attention_avx512.cpp  paged_attention_avx512: the same many-row attention on plain AVX-512
-//   paged_runs.cpp   check_paged_runs: the argument checks both many-row kernels share
+//   flash_attention_avx2.cpp  paged_attention_avx2: the same on AVX2 and FMA
+//   paged_runs.cpp   check_paged_runs: the argument checks the many-row kernels share;
+//                    split_row_items: the plain-vector kernels' work items
 //   elementwise.cpp  add_rms_norm, silu_mul, gelu_tanh_mul, rotary: the glue between projections
 //   lora.cpp         lora_add: a LoRA adapter's low-rank update added to a projection's rows in place
 //   sampling.cpp     argmax_rows: greedy sampling's reduction; mask_logits: a grammar's token mask
@@ -67,6 +69,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
         "Tensor q_starts, float scale, bool causal, bool fp32_out) -> (Tensor, Tensor)",
         &kvserve::paged_attention_avx512);
+  m.def("paged_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
+        "Tensor q_starts, float scale, bool causal, bool fp32_out) -> (Tensor, Tensor)",
+        &kvserve::paged_attention_avx2);
   m.def("pack_kv_amx(Tensor k_cache, Tensor v_cache, Tensor block_table, int kv_len) -> Tensor",
         &kvserve::pack_kv_amx);
   m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool bf16_out) -> Tensor",
