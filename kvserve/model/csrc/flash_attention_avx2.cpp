@@ -40,6 +40,7 @@ struct alignas(32) Scratch {
   float acc[kItemRows * D];
   float kt[2][D * 8];  // kt[half][d * 8 + j] = K[key 8 * half + j][d]
   float v[kKeys * D];
+  float scores[kRowGroup][kKeys];
   float weights[kRowGroup][kKeys];
   float m[kItemRows], l[kItemRows];
   int64_t last_key[kItemRows];  // causal: the last key each row sees
@@ -93,19 +94,34 @@ inline void load_keys(const Inputs& in, const RunSpan& span, int64_t h, int64_t 
   }
 }
 
-// One online-softmax step for rows [r, r + R) of the item against the keys in scratch.
+// Rows [r, r + R)'s scores against the 16 keys in scratch, into s.scores (a function of its own so that its
+// accumulators are all it keeps in registers).
 template <int64_t D, int R>
-inline void step_rows(Scratch<D>& s, int64_t r, int64_t start, int64_t n) {
-  __m256 lo[R], hi[R];  // scores of keys 0-7 and 8-15
+inline void score_rows(Scratch<D>& s, int64_t r) {
+  __m256 lo[R], hi[R];  // keys 0-7 and 8-15
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  const float* q = s.q + r * D;
   for (int64_t d = 0; d < D; ++d) {
     const __m256 k0 = _mm256_load_ps(s.kt[0] + d * 8), k1 = _mm256_load_ps(s.kt[1] + d * 8);
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      const __m256 qd = _mm256_broadcast_ss(s.q + (r + i) * D + d);
+      const __m256 qd = _mm256_broadcast_ss(q + i * D + d);
       lo[i] = _mm256_fmadd_ps(qd, k0, lo[i]);
       hi[i] = _mm256_fmadd_ps(qd, k1, hi[i]);
     }
   }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    _mm256_store_ps(s.scores[i], lo[i]);
+    _mm256_store_ps(s.scores[i] + 8, hi[i]);
+  }
+}
+
+// One online-softmax step for rows [r, r + R) of the item against the keys in scratch.
+template <int64_t D, int R>
+inline void step_rows(Scratch<D>& s, int64_t r, int64_t start, int64_t n) {
+  score_rows<D, R>(s, r);
   const __m256i index_lo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(start)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256i index_hi = _mm256_add_epi32(index_lo, _mm256_set1_epi32(8));
@@ -119,16 +135,20 @@ inline void step_rows(Scratch<D>& s, int64_t r, int64_t start, int64_t n) {
       _mm256_store_ps(s.weights[i] + 8, _mm256_setzero_ps());
       continue;
     }
+    const __m256 lo = _mm256_load_ps(s.scores[i]), hi = _mm256_load_ps(s.scores[i] + 8);
     const __m256i last_v = _mm256_set1_epi32(static_cast<int>(last));
     const __m256 hide_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(index_lo, last_v));
     const __m256 hide_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(index_hi, last_v));
     const float old_max = s.m[r + i];
-    const float new_max = std::max(old_max, hmax8(_mm256_max_ps(_mm256_blendv_ps(lo[i], minus_inf, hide_lo),
-                                                                 _mm256_blendv_ps(hi[i], minus_inf, hide_hi))));
+    const float new_max = std::max(old_max, hmax8(_mm256_max_ps(_mm256_blendv_ps(lo, minus_inf, hide_lo),
+                                                                 _mm256_blendv_ps(hi, minus_inf, hide_hi))));
     const __m256 top = _mm256_set1_ps(new_max);
-    const __m256 p_lo = _mm256_andnot_ps(hide_lo, exp256(_mm256_sub_ps(lo[i], top)));
-    const __m256 p_hi = _mm256_andnot_ps(hide_hi, exp256(_mm256_sub_ps(hi[i], top)));
-    const float a = old_max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(old_max - new_max);
+    const __m256 p_lo = _mm256_andnot_ps(hide_lo, exp256(_mm256_sub_ps(lo, top)));
+    const __m256 p_hi = _mm256_andnot_ps(hide_hi, exp256(_mm256_sub_ps(hi, top)));
+    // exp256, not a call to expf: a call spills every vector register.
+    const float a = old_max == -std::numeric_limits<float>::infinity()
+                        ? 0.f
+                        : _mm256_cvtss_f32(exp256(_mm256_set1_ps(old_max - new_max)));
     s.l[r + i] = s.l[r + i] * a + reduce_add8(_mm256_add_ps(p_lo, p_hi));
     s.m[r + i] = new_max;
     alpha[i] = _mm256_set1_ps(a);
