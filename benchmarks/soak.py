@@ -304,7 +304,7 @@ async def traffic(url: str, args: argparse.Namespace, outcomes: list[Outcome],
         nonlocal stop_at
         local = random.Random(args.seed * 1000 + worker_id)
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            while time.monotonic() < stop_at:
+            while time.monotonic() < stop_at or uncovered:  # every kind is sent, however slow the machine
                 if not resume.is_set() and time.monotonic() >= pause_at:
                     parked.append(worker_id)
                     if len(parked) == args.concurrency:
@@ -322,6 +322,10 @@ async def traffic(url: str, args: argparse.Namespace, outcomes: list[Outcome],
                     sessions[session] = body["messages"] + [{"role": "assistant", "content": outcome.text}]
                     if len(sessions[session]) > 7:  # three turns: the conversation stays inside the context
                         sessions[session] = [{"role": "system", "content": SYSTEM}]
+        if not resume.is_set():  # a request outlasted the pause and the traffic's end: count as parked
+            parked.append(worker_id)
+            if len(parked) == args.concurrency:
+                all_parked.set()
 
     async def quarter() -> None:
         nonlocal stop_at
@@ -354,6 +358,8 @@ def break_things(redis: RedisProcess, disk_dir: Path, args: argparse.Namespace, 
             corrupted.add(path)
             try:
                 size = path.stat().st_size
+                if size == 0:  # truncated to nothing already (or still being written): nothing to break
+                    continue
                 if action == "truncate":
                     os.truncate(path, rng.randrange(size))
                     report.disk_files_truncated += 1
