@@ -72,6 +72,9 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         # Without AMX: the plain-vector kernels of the same contract, against torch's flash attention per chunk
         # (gather copy, explicit mask) in benchmarks/cpu_kernels.py's many-row cases.
         self.many_rows = many_rows
+        # Looked up once: the op is called per layer and step.
+        self._vector_op = (getattr(torch.ops.kvserve, VECTOR_MANY_ROW_KERNELS[many_rows])
+                           if many_rows in VECTOR_MANY_ROW_KERNELS else None)
         # Keys per decode-kernel work item (BackendConfig.decode_split_size).
         self.split_size = split_size
         # This layer's shared prefix in the AMX kernel's tile layouts, with the key of the contents it was
@@ -89,9 +92,7 @@ class CpuKernelPagedAttention(TorchPagedAttention):
 
     def _vector_kernel(self, q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
         """The plain-vector many-row kernel (a torch op) for this query, or None."""
-        if q.dtype != torch.bfloat16 or self.many_rows not in VECTOR_MANY_ROW_KERNELS:
-            return None
-        return getattr(torch.ops.kvserve, VECTOR_MANY_ROW_KERNELS[self.many_rows])
+        return self._vector_op if q.dtype == torch.bfloat16 else None
 
     def _prefill(
         self,
